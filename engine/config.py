@@ -1,0 +1,142 @@
+"""ModelConfig: the one-time translation of a Hugging Face Llama-family config.
+
+Model code reads only this frozen dataclass, never the HF config, so the quirks of
+``transformers`` versions (``rope_scaling`` vs ``rope_parameters``, missing ``head_dim``) are
+handled here, once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "dynamic"}
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> ModelConfig:
+        """Translate a ``transformers`` config object (or its dict) once."""
+        d: dict[str, Any] = hf if isinstance(hf, dict) else hf.to_dict()
+        model_type = d.get("model_type", "llama")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r}; pagedserve serves "
+                f"{sorted(SUPPORTED_ARCHITECTURES)} models"
+            )
+        num_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
+        # transformers >= 5 folds rope_theta into rope_parameters; older versions keep both
+        # rope_theta and an optional rope_scaling dict at the top level.
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope scaling {rope_type!r}")
+        scaling = RopeScaling(
+            rope_type=rope_type,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
+            ),
+        )
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return cls(
+            model_type=model_type,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, counting tied embeddings once."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """2 (K and V) * layers * kv heads * head dim * bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What to load and where to run it.
+
+    Args:
+        model: "default" (the embedded SmolLM2-135M-Instruct), an HF directory
+            (config.json + safetensors) or a .gguf file.
+        dtype: "float32", "bfloat16" or "float16"; None picks float32 on CPU, bfloat16 on CUDA.
+        device: "cpu", "cuda", "cuda:1"...; None picks CUDA when present.
+        attention_backend: "auto" (Triton on CUDA, torch reference on CPU), "triton" or "torch".
+        max_model_len: longest prompt + output; None uses the model's max positions.
+        seed: seed of the sampler's generator for requests that give no seed.
+    """
+
+    model: str = "default"
+    dtype: str | None = None
+    device: str | None = None
+    attention_backend: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(
+                f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}"
+            )

@@ -1,0 +1,67 @@
+"""What the engine hands upward: per-step runner results and per-request outputs.
+
+These are plain dataclasses so the server (and tests) can consume them without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The chosen token's log-probability and, if asked for, the top-N alternatives.
+
+    Log-probabilities are ``log_softmax`` of the model's raw logits (before temperature,
+    penalties or truncation), as OpenAI and vLLM report them.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One step's sampled tokens, aligned with the requests that sampled this step."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The delta one step produced for one request.
+
+    ``new_token_ids`` is usually one token, and empty for a prefill chunk that did not reach
+    the end of the prompt (no output is emitted for those) or for an abort.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" once finished
+    num_prompt_tokens: int
+    num_output_tokens: int  # generated so far, including new_token_ids
+    stop_token_id: int | None = None  # the EOS / stop token that ended it, if any
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Figures of one engine step, emitted as data for the metrics layer."""
+
+    step_time_s: float
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preemptions: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    # Bytes the step had to move: every weight once, plus the KV cache read and written.
+    weight_bytes: int = 0
+    kv_bytes_read: int = 0
+    kv_bytes_written: int = 0

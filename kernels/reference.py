@@ -1,0 +1,139 @@
+"""Plain-PyTorch twins of every kernel in ``kernels/``: the CPU path and the test oracle.
+
+Every function here has exactly the signature of its Triton launcher, so the engine can
+swap one for the other behind ``engine/attention.py``.
+
+Shapes used throughout (names follow vLLM):
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables:           [num_seqs, max_num_blocks_per_seq] int32, padded with any id
+    seq_lens:               [num_seqs] int32, tokens in the context *including* the ones
+                            whose queries are being computed this step
+    query_start_loc:        [num_seqs + 1] int32, prefix sums of the query lengths
+
+A slot is ``block_id * block_size + offset``; a slot of -1 is padding and is skipped.
+Softmax is computed in float32 whatever the input dtype, and the output has the query's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["store_kv", "paged_attention_decode", "paged_attention_prefill"]
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Write each token's K/V row into its slot of the paged cache, in place."""
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    # A [num_blocks, block_size, ...] tensor viewed as [num_slots, ...] is indexed by slot.
+    key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key[keep].to(
+        key_cache.dtype
+    )
+    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value[keep].to(
+        value_cache.dtype
+    )
+
+
+def _gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_num_blocks_per_seq]
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [nb, block_size, kvh, d]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """One query token per sequence attending to all ``seq_lens[i]`` cached tokens.
+
+    Vectorised over sequences: the context of every sequence is gathered into a padded
+    [num_seqs, max_len] tensor and the padding is masked, so a decode step costs a handful of
+    batched matmuls instead of a Python loop.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :max_blocks].long()
+    # [num_seqs, max_blocks * block_size, kvh, d] -> [num_seqs, kvh, ctx, d]
+    k = key_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    v = value_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    k = k.transpose(1, 2).float()
+    v = v.transpose(1, 2).float()
+    # Queries of one KV head share its K/V: [num_seqs, kvh, group, d].
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).float()
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [num_seqs, kvh, group, ctx]
+    pos = torch.arange(max_len, device=query.device)
+    pad = pos[None, :] >= seq_lens[:, None].to(pos.dtype)  # [num_seqs, ctx]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)  # [num_seqs, kvh, group, d]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """A chunk of query tokens per sequence, attending causally over its paged context.
+
+    Sequence ``i`` owns queries ``query_start_loc[i]:query_start_loc[i+1]`` (``q_len`` of them);
+    they are the *last* ``q_len`` tokens of its ``seq_lens[i]`` tokens of context, whose K/V
+    (cached prefix and this chunk alike) are already in the cache::
+
+        context:  |<------ cached prefix ------>|<--- this chunk (q_len) --->|
+                  0                   seq_len - q_len                     seq_len
+
+    Query ``j`` of the chunk sits at position ``seq_len - q_len + j`` and sees positions
+    ``0 ..= seq_len - q_len + j``. A decode step is the case ``q_len == 1``.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = _gather_context(key_cache, block_tables[i], seq_len).float()  # [ctx, kvh, d]
+        v = _gather_context(value_cache, block_tables[i], seq_len).float()
+        q = query[q_start:q_end].float()  # [q_len, h, d]
+        # [kvh, group, q_len, d] against [kvh, 1, ctx, d]
+        q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        k = k.permute(1, 0, 2).unsqueeze(1)
+        v = v.permute(1, 0, 2).unsqueeze(1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [kvh, group, q_len, ctx]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        future = k_pos[None, :] > q_pos[:, None]  # [q_len, ctx]
+        scores.masked_fill_(future, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [kvh, group, q_len, d]
+        out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(
+            query.dtype
+        )
+    return out

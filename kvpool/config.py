@@ -1,0 +1,30 @@
+"""KVPoolConfig: how the paged KV cache is sized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class KVPoolConfig:
+    """Args:
+    block_size: tokens per block (a power of two; 16 like vLLM).
+    memory_bytes: KV cache budget in bytes; ``None`` picks a default for the device
+        (1 GiB on CPU, 90% of free memory after weights on CUDA).
+    num_blocks: an exact block count; overrides ``memory_bytes`` (tests use it to force
+        memory pressure).
+    """
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    memory_bytes: int | None = None
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}")
