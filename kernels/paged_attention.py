@@ -1,0 +1,298 @@
+"""Triton decode paged attention: one query token per sequence, K/V read through block tables.
+
+Import the launcher explicitly (``kernels/__init__.py`` never imports triton)::
+
+    from kernels.paged_attention import paged_attention_decode
+
+Same positional signature and semantics as ``kernels.reference.paged_attention_decode``.
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``. A program owns one KV head of one sequence and
+*all* the query heads grouped on it (GQA): the group is the M dimension of ``tl.dot``, padded
+to a power of two >= 16 and masked, so each K/V tile is loaded from memory once per group,
+not once per query head. The context is walked in tiles of ``TILE_N`` tokens; each token's
+block id is looked up in the block table, so tiles and blocks need not line up (any block
+size works). Softmax is online (running max and sum) in float32, in base 2.
+
+Split-K (flash-decoding): with few sequences and long contexts, ``num_seqs * num_kv_heads``
+programs cannot fill the GPU, so the context is cut into ``num_splits`` ranges, each program
+writes a partial output and its log-sum-exp, and ``_reduce_splits_kernel`` merges them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_kv_cache, dot_precision, next_power_of_2, num_compute_units
+from kernels._triton_common import dot, is_interpreted
+
+__all__ = ["paged_attention_decode", "choose_num_splits"]
+
+# log2(e): scores are kept in base 2 so the kernel uses exp2 (one MUFU op) instead of exp.
+_LOG2E = 1.4426950408889634
+# A split shorter than this costs more in partial-output traffic than it wins in parallelism.
+MIN_TOKENS_PER_SPLIT = 512
+MAX_SPLITS = 64
+TILE_N = 64  # context tokens per loop iteration
+
+
+@triton.jit
+def _paged_attention_decode_kernel(
+    out_ptr,  # [num_seqs, num_heads, head_dim] (no split) or [num_seqs, num_heads, num_splits, head_dim] fp32
+    lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, base-2 log-sum-exp (split mode only)
+    query_ptr,  # [num_seqs, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    qk_scale,  # softmax scale * log2(e)
+    tokens_per_split,  # context tokens per split, a multiple of TILE_N
+    stride_query_seq: tl.int64,
+    stride_query_head: tl.int64,
+    stride_out_seq: tl.int64,
+    stride_out_head: tl.int64,
+    stride_out_split: tl.int64,
+    stride_lse_seq: tl.int64,
+    stride_lse_head: tl.int64,
+    stride_cache_block: tl.int64,
+    stride_cache_slot: tl.int64,
+    stride_cache_head: tl.int64,
+    stride_block_tables_seq: tl.int64,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # >= 16 (tl.dot minimum) and a power of two
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # interpreter + bf16 only, see kernels/_triton_common.dot
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_start = split * tokens_per_split
+    ctx_end = tl.minimum(seq_len, ctx_start + tokens_per_split)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_t = tl.arange(0, TILE_N)
+    heads = kv_head * NUM_QUERIES_PER_KV + offs_g  # query heads of this KV head
+    g_mask = offs_g < NUM_QUERIES_PER_KV
+    d_mask = offs_d < HEAD_DIM
+
+    q_offs = seq * stride_query_seq + heads[:, None] * stride_query_head + offs_d[None, :]
+    q = tl.load(query_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    # q: [GROUP_PAD, HEAD_DIM_PAD], rows past the group are zeros (finite scores, never stored)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (base 2)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+
+    block_table = block_tables_ptr + seq * stride_block_tables_seq
+    head_offset = kv_head.to(tl.int64) * stride_cache_head
+    for tile_start in range(ctx_start, ctx_end, TILE_N):
+        offs_n = tile_start + offs_t  # context positions of this tile
+        n_mask = offs_n < ctx_end
+        # NOTE: masked positions never dereference the cache: slots past seq_len may hold
+        # garbage (even NaN) and block-table padding may be any id.
+        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        # int64: block_id * stride_cache_block passes 2**31 in a large pool.
+        kv_offs = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (offs_n % BLOCK_SIZE) * stride_cache_slot
+            + head_offset
+        )  # [TILE_N]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [GROUP_PAD, TILE_N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # Every tile holds >= 1 valid position, so m_new is finite and exp2 never sees NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    # An empty split (context shorter than this split's start) or seq_len == 0 has l_i == 0:
+    # write zeros and lse = -inf, which the reduction weighs by exp2(-inf) = 0.
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    o_offs = seq * stride_out_seq + heads[:, None] * stride_out_head + offs_d[None, :]
+    if SPLIT:
+        tl.store(out_ptr + o_offs + split * stride_out_split, out, mask=o_mask)
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        lse_offs = seq * stride_lse_seq + heads * stride_lse_head + split
+        tl.store(lse_ptr + lse_offs, lse, mask=g_mask)
+    else:
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    partial_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32, normalised per split
+    lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, base 2
+    stride_out_seq: tl.int64,
+    stride_out_head: tl.int64,
+    stride_partial_seq: tl.int64,
+    stride_partial_head: tl.int64,
+    stride_partial_split: tl.int64,
+    stride_lse_seq: tl.int64,
+    stride_lse_head: tl.int64,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(
+        lse_ptr + seq * stride_lse_seq + head * stride_lse_head + offs_s,
+        mask=s_mask,
+        other=float("-inf"),
+    )  # [SPLITS_PAD]
+    # Split 0 is never empty when seq_len >= 1, so lse_max is finite; guard seq_len == 0.
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
+    total = tl.sum(weights, 0)
+    partial = tl.load(
+        partial_out_ptr
+        + seq * stride_partial_seq
+        + head * stride_partial_head
+        + offs_s[:, None] * stride_partial_split
+        + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )  # [SPLITS_PAD, HEAD_DIM_PAD]
+    out = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_out_seq + head * stride_out_head + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
+) -> int:
+    """Split-K heuristic: split only when the plain grid underfills the device.
+
+    The plain grid has ``num_seqs * num_kv_heads`` programs. When that is below two waves of
+    the device's SMs and the context is long, split each context so the grid reaches about
+    two waves, keeping every split at least ``MIN_TOKENS_PER_SPLIT`` tokens long (shorter
+    splits spend more on writing partial outputs than they save). On CPU this returns 1.
+    """
+    num_programs = num_seqs * num_kv_heads
+    target = 2 * num_compute_units(device)
+    if num_programs >= target or max_context_len < 2 * MIN_TOKENS_PER_SPLIT:
+        return 1
+    by_parallelism = triton.cdiv(target, num_programs)
+    by_length = max_context_len // MIN_TOKENS_PER_SPLIT
+    return max(1, min(by_parallelism, by_length, MAX_SPLITS))
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """One query token per sequence attending to all ``seq_lens[i]`` cached tokens.
+
+    ``num_splits`` forces the split-K factor (1 = no split); ``None`` lets
+    ``choose_num_splits`` decide. The context bound used to size splits is
+    ``block_tables.shape[1] * block_size``, so the launcher never reads ``seq_lens`` on the
+    host (no device sync, CUDA-graph friendly); pass block tables trimmed to the batch's
+    longest sequence for the best split sizes.
+    """
+    check_kv_cache(key_cache, value_cache)
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    assert cache_head_dim == head_dim, (query.shape, key_cache.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query.dtype == key_cache.dtype, (query.dtype, key_cache.dtype)
+    assert query.stride(2) == 1, "head_dim of query must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
+    assert block_tables.dtype == torch.int32, block_tables.dtype
+    assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32, seq_lens
+    assert query.device == key_cache.device == block_tables.device == seq_lens.device
+
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    max_context_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, query.device)
+    assert num_splits >= 1, num_splits
+    # Splits are whole tiles; recount so that no split starts past the context bound.
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), TILE_N) * TILE_N
+    num_splits = max(1, triton.cdiv(max_context_len, tokens_per_split))
+
+    group = num_heads // num_kv_heads
+    head_dim_pad = next_power_of_2(head_dim)
+    consts = dict(
+        NUM_QUERIES_PER_KV=group,
+        GROUP_PAD=max(16, next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, head_dim_pad),
+        BLOCK_SIZE=block_size,
+        TILE_N=TILE_N,
+        DOT_PRECISION=dot_precision(key_cache.dtype),
+        UPCAST_DOT=is_interpreted(_paged_attention_decode_kernel) and key_cache.dtype == torch.bfloat16,
+    )
+    common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E)
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if num_splits == 1:
+        _paged_attention_decode_kernel[grid](
+            out, out, *common, tokens_per_split,
+            query.stride(0), query.stride(1),
+            out.stride(0), out.stride(1), 0,
+            0, 0,
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            block_tables.stride(0),
+            SPLIT=False, **consts,
+        )  # fmt: skip
+        return out
+
+    # [num_seqs, num_heads, num_splits, head_dim]: fp32 so merging splits loses nothing.
+    partial = torch.empty(
+        (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+    )
+    lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    _paged_attention_decode_kernel[grid](
+        partial, lse, *common, tokens_per_split,
+        query.stride(0), query.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        SPLIT=True, **consts,
+    )  # fmt: skip
+    _reduce_splits_kernel[(num_seqs, num_heads)](
+        out, partial, lse,
+        out.stride(0), out.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1),
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+    )  # fmt: skip
+    return out
