@@ -1,0 +1,222 @@
+"""Triton prefill / extend paged attention: a chunk of queries per sequence, causal, paged K/V.
+
+Import the launcher explicitly (``kernels/__init__.py`` never imports triton)::
+
+    from kernels.prefill_attention import paged_attention_prefill
+
+Same signature and semantics as ``kernels.reference.paged_attention_prefill``: sequence ``i``'s
+``q_len`` queries are the last ``q_len`` of its ``seq_len`` context tokens, and their K/V are
+already in the cache (``store_kv`` ran first). This covers a whole prompt (no prefix), a
+chunk of a long prompt (chunked prefill), a prompt whose prefix blocks are shared (prefix
+caching), and a decode token (``q_len == 1``)::
+
+    context:  |<------ cached prefix ------>|<--- this chunk (q_len) --->|
+              0                         prefix_len                    seq_len
+
+Grid ``(num_tokens // BLOCK_Q + num_seqs, num_kv_heads)``: the first axis enumerates
+"query blocks" of ``BLOCK_Q`` queries; sequence ``i``'s blocks start at index
+``query_start_loc[i] // BLOCK_Q + i`` and a program finds its sequence by binary search, so
+the grid depends only on tensor shapes (no host sync to learn the longest chunk). Surplus
+programs return at once.
+
+GQA: a program owns ``BLOCK_Q`` queries times every query head of one KV head, flattened into
+the ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows of ``tl.dot`` (row = query * GROUP_PAD + head), so
+each K/V tile is loaded once for the whole group. ``GROUP_PAD`` is the group size rounded up
+to a power of two (SmolLM2's 3 query heads per KV head use 4 rows; the 4th is masked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_kv_cache, dot_precision, next_power_of_2
+from kernels._triton_common import dot, is_interpreted
+
+__all__ = ["paged_attention_prefill"]
+
+_LOG2E = 1.4426950408889634  # scores in base 2, so the kernel uses exp2
+BLOCK_M = 64  # rows (query x grouped head) per program
+TILE_N = 64  # context tokens per loop iteration
+
+
+@triton.jit
+def _find_seq(
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    q_block,
+    num_seqs,
+    BLOCK_Q: tl.constexpr,
+):
+    """The sequence owning global query block ``q_block``: the last ``i`` whose first block
+    ``query_start_loc[i] // BLOCK_Q + i`` is <= ``q_block`` (strictly increasing in ``i``)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_prefill_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    qk_scale,  # softmax scale * log2(e)
+    num_seqs,
+    stride_query_token: tl.int64,
+    stride_query_head: tl.int64,
+    stride_out_token: tl.int64,
+    stride_out_head: tl.int64,
+    stride_cache_block: tl.int64,
+    stride_cache_slot: tl.int64,
+    stride_cache_head: tl.int64,
+    stride_block_tables_seq: tl.int64,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # next power of two of NUM_QUERIES_PER_KV
+    BLOCK_Q: tl.constexpr,  # queries per program
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD, >= 16
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,  # interpreter + bf16 only, see kernels/_triton_common.dot
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block_local = q_block - (q_start // BLOCK_Q + seq)
+    if q_block_local * BLOCK_Q >= q_len:  # surplus program of this sequence
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_t = tl.arange(0, TILE_N)
+    q_idx = q_block_local * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] query within the chunk
+    group_idx = offs_m % GROUP_PAD
+    heads = kv_head * NUM_QUERIES_PER_KV + group_idx
+    row_mask = (q_idx < q_len) & (group_idx < NUM_QUERIES_PER_KV)
+    d_mask = offs_d < HEAD_DIM
+    q_pos = prefix_len + q_idx  # [BLOCK_M] position of each row's query in the context
+
+    tokens = (q_start + q_idx).to(tl.int64)
+    q_offs = tokens[:, None] * stride_query_token + heads[:, None] * stride_query_head
+    q = tl.load(
+        query_ptr + q_offs + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0
+    )  # [BLOCK_M, HEAD_DIM_PAD]; masked rows are zeros, computed but never stored
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_tables_seq
+    head_offset = kv_head.to(tl.int64) * stride_cache_head
+    # Keys past the last query of this block are invisible to all its rows: stop there.
+    kv_end = tl.minimum(seq_len, prefix_len + (q_block_local + 1) * BLOCK_Q)
+    for tile_start in range(0, kv_end, TILE_N):
+        offs_n = tile_start + offs_t
+        n_mask = offs_n < kv_end
+        # NOTE: masked positions never dereference the cache (may be garbage or NaN).
+        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        kv_offs = (
+            block_ids.to(tl.int64) * stride_cache_block  # int64: > 2**31 in a large pool
+            + (offs_n % BLOCK_SIZE) * stride_cache_slot
+            + head_offset
+        )  # [TILE_N]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [BLOCK_M, TILE_N]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        # Position 0 is visible to every row (even masked ones, whose q_pos >= seq_len), so
+        # after the first tile m_i is finite and exp2 never computes -inf - -inf.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_offs = tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head
+    tl.store(
+        out_ptr + o_offs + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """A chunk of query tokens per sequence, attending causally over its paged context.
+
+    Requires ``seq_lens[i] >= q_len_i``; sequences with ``q_len == 0`` are allowed and
+    produce nothing. Query rows not covered by ``query_start_loc`` are left unwritten.
+    """
+    check_kv_cache(key_cache, value_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    assert cache_head_dim == head_dim, (query.shape, key_cache.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query.dtype == key_cache.dtype, (query.dtype, key_cache.dtype)
+    assert query.stride(2) == 1, "head_dim of query must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
+    assert block_tables.dtype == torch.int32, block_tables.dtype
+    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, seq_lens
+    assert query_start_loc.shape == (num_seqs + 1,), (query_start_loc.shape, num_seqs)
+    assert query_start_loc.dtype == torch.int32, query_start_loc.dtype
+    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous()
+    assert query.device == key_cache.device == block_tables.device == seq_lens.device
+    assert query_start_loc.device == query.device
+
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = next_power_of_2(group)
+    block_q = max(1, BLOCK_M // group_pad)
+    # Each sequence wastes at most one partial query block, hence "+ num_seqs".
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_prefill_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        scale * _LOG2E, num_seqs,
+        query.stride(0), query.stride(1),
+        out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_QUERIES_PER_KV=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_q * group_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        TILE_N=TILE_N,
+        DOT_PRECISION=dot_precision(key_cache.dtype),
+        UPCAST_DOT=is_interpreted(_paged_attention_prefill_kernel)
+        and key_cache.dtype == torch.bfloat16,
+    )  # fmt: skip
+    return out
