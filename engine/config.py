@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "dynamic"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
 
 
 @dataclass(frozen=True, slots=True)

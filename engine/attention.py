@@ -1,0 +1,106 @@
+"""Paged attention for the model, over one of two explicitly chosen backends.
+
+- ``torch``: the plain-PyTorch reference in ``kernels/reference.py`` (the CPU path).
+- ``triton``: the Triton kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``).
+
+``auto`` picks Triton on CUDA and torch elsewhere. The choice is a constructor argument,
+never a global switch, and Triton is imported only when it is chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+import torch
+
+from engine.input_batch import AttentionMetadata
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+class PagedAttention:
+    """Writes a step's new K/V into the cache and attends over it through block tables."""
+
+    def __init__(self, backend: str, scale: float) -> None:
+        """Args:
+        backend: "torch" or "triton" (already resolved from "auto").
+        scale: softmax scale, usually head_dim ** -0.5.
+        """
+        self.backend = backend
+        self.scale = scale
+        self._store_kv: Callable[..., None]
+        self._decode: Callable[..., torch.Tensor]
+        self._prefill: Callable[..., torch.Tensor]
+        if backend == "triton":
+            from kernels.paged_attention import paged_attention_decode
+            from kernels.prefill_attention import paged_attention_prefill
+            from kernels.store_kv import store_kv
+        elif backend == "torch":
+            from kernels.reference import (
+                paged_attention_decode,
+                paged_attention_prefill,
+                store_kv,
+            )
+        else:
+            raise ValueError(f"unknown attention backend {backend!r}")
+        self._store_kv = store_kv
+        self._decode = paged_attention_decode
+        self._prefill = paged_attention_prefill
+
+    def store(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens]
+    ) -> None:
+        self._store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        nd = meta.num_decodes
+        num_seqs = meta.seq_lens.shape[0]
+        if nd == num_seqs:
+            return self._decode(
+                query, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale
+            )
+        if nd == 0:
+            return self._prefill(
+                query,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                self.scale,
+            )
+        # Mixed step: decodes are the first nd tokens (see engine/input_batch.py).
+        out = torch.empty_like(query)
+        out[:nd] = self._decode(
+            query[:nd],
+            key_cache,
+            value_cache,
+            meta.block_tables[:nd],
+            meta.seq_lens[:nd],
+            self.scale,
+        )
+        out[nd:] = self._prefill(
+            query[nd:],
+            key_cache,
+            value_cache,
+            meta.block_tables[nd:],
+            meta.query_start_loc[nd:] - nd,
+            meta.seq_lens[nd:],
+            self.scale,
+        )
+        return out
+

@@ -1,0 +1,148 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain PyTorch.
+
+It differs from ``transformers``' model in one way only: attention writes each step's K/V
+into the paged cache and reads the context back through block tables, for a flat batch that
+mixes prefill chunks and decode tokens of many requests. Q/K/V and gate/up projections are
+fused into single matmuls (one weight read each instead of three and two).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import PagedAttention
+from engine.config import ModelConfig
+from engine.input_batch import InputBatch
+from engine.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 whatever the model dtype, cast back before the weight (as transformers).
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = d
+        self.q_size = config.num_heads * d
+        self.kv_size = config.num_kv_heads * d
+        self.input_norm = RMSNorm(h, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.post_attention_norm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        batch: InputBatch,
+        rope: RotaryEmbedding,
+        attention: PagedAttention,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(self.input_norm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope(batch.positions, q, k)
+        # The chunk's own K/V must be in the cache before attention: its queries attend to
+        # them through the block table like to any cached token.
+        attention.store(k, v, key_cache, value_cache, batch.slot_mapping)
+        o = attention(q, key_cache, value_cache, batch.attn)  # [num_tokens, num_heads, head_dim]
+        x = x + self.o_proj(o.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_norm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attention: PagedAttention,
+        rope: RotaryEmbedding,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.attention = attention
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.rope = rope
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        batch: InputBatch,
+        key_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        value_caches: list[torch.Tensor],
+    ) -> torch.Tensor:  # [num_samples, vocab] float32
+        x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        for layer, key_cache, value_cache in zip(self.layers, key_caches, value_caches):
+            x = layer(x, batch, self.rope, self.attention, key_cache, value_cache)
+        # Only the last token of each sampling request needs logits: a prefill chunk of 512
+        # tokens would otherwise pay 512 vocab-sized matmul rows for nothing.
+        x = self.norm(x[batch.logits_indices])
+        return self.lm_head(x).float()
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy an HF Llama checkpoint's tensors in, fusing q/k/v and gate/up."""
+        self.tie_weights()  # materialising from the meta device unties them
+        own = self.state_dict()
+        mapped: dict[str, torch.Tensor] = {
+            "embed_tokens.weight": state["model.embed_tokens.weight"],
+            "norm.weight": state["model.norm.weight"],
+        }
+        if not self.config.tie_word_embeddings:
+            mapped["lm_head.weight"] = state["lm_head.weight"]
+        for i in range(self.config.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            attn, mlp = src + "self_attn.", src + "mlp."
+            mapped[dst + "input_norm.weight"] = state[src + "input_layernorm.weight"]
+            mapped[dst + "post_attention_norm.weight"] = state[src + "post_attention_layernorm.weight"]
+            mapped[dst + "qkv_proj.weight"] = torch.cat(
+                [state[attn + f"{p}_proj.weight"] for p in "qkv"]
+            )
+            if self.config.attention_bias:
+                mapped[dst + "qkv_proj.bias"] = torch.cat([state[attn + f"{p}_proj.bias"] for p in "qkv"])
+            mapped[dst + "o_proj.weight"] = state[attn + "o_proj.weight"]
+            mapped[dst + "gate_up_proj.weight"] = torch.cat(
+                [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]
+            )
+            mapped[dst + "down_proj.weight"] = state[mlp + "down_proj.weight"]
+            if self.config.mlp_bias:
+                mapped[dst + "gate_up_proj.bias"] = torch.cat(
+                    [state[mlp + "gate_proj.bias"], state[mlp + "up_proj.bias"]]
+                )
+                mapped[dst + "down_proj.bias"] = state[mlp + "down_proj.bias"]
+        expected = {k for k in own if not (k == "lm_head.weight" and self.config.tie_word_embeddings)}
+        missing = expected - mapped.keys()
+        if missing:
+            raise KeyError(f"checkpoint lacks tensors for {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for name, tensor in mapped.items():
+                own[name].copy_(tensor.to(own[name].dtype))

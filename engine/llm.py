@@ -1,0 +1,115 @@
+"""LLM: the offline API, in the style of vLLM's.
+
+    from engine import LLM, SamplingParams
+    llm = LLM(model="default")
+    for out in llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=32, temperature=0)):
+        print(out.finish_reason, out.text)
+
+All prompts are submitted at once and run through the same continuous-batching scheduler
+the server uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import TokenLogprob
+from kvpool.config import KVPoolConfig
+from scheduler.config import SchedulerConfig
+from scheduler.request import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "default",
+        *,
+        dtype: str | None = None,
+        device: str | None = None,
+        attention_backend: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        batching: str = "continuous",
+        admission: str = "optimistic",
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                attention_backend=attention_backend,
+                max_model_len=max_model_len,
+                seed=seed,
+            ),
+            KVPoolConfig(block_size=block_size, memory_bytes=kv_cache_memory, num_blocks=num_kv_blocks),
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                batching=batching,
+                admission=admission,
+            ),
+        )
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer, or None
+        return self.engine.tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token id lists")
+            return list(self.engine.tokenizer.encode(prompt, add_special_tokens=False))
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Generate for every prompt, together; return outputs in prompt order."""
+        if params is None:
+            params = SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        results: dict[str, CompletionOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, per_prompt):
+            request_id = f"offline-{next(self._ids)}"
+            ids = self.encode(prompt)
+            self.engine.add_request(request_id, ids, p)
+            results[request_id] = CompletionOutput(prompt_token_ids=ids)
+            order.append(request_id)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                result = results[out.request_id]
+                result.token_ids.extend(out.new_token_ids)
+                if out.new_logprobs:
+                    result.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    result.finish_reason = out.finish_reason
+        if self.engine.tokenizer is not None:
+            for result in results.values():
+                result.text = self.engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return [results[r] for r in order]

