@@ -1,0 +1,168 @@
+"""The ``cpu`` device: this machine's memory bandwidth and matmul FLOP/s, measured once.
+
+No datasheet says what a shared, virtualised CPU delivers, so it is measured: a STREAM-like
+pass over a tensor far larger than the caches (a read, ``x.sum()``, and a copy,
+``y.copy_(x)`` counted as read + write), and a square matmul. Each is timed a few times and
+the best run is kept: the aim is the attainable peak, and other processes only ever slow a
+run down. The result is cached as JSON in ``$PAGEDSERVE_CACHE/cpu_peaks.json`` (default
+``~/.cache/pagedserve``), keyed by CPU model, thread count and torch version, so later plans
+(and the server's MBU gauge) reuse it; ``--bandwidth-gbps`` / ``--tflops`` override it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from planner.devices import Device, physical_memory_bytes
+
+CACHE_FILE = "cpu_peaks.json"
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True, slots=True)
+class CpuPeaks:
+    """Measured peaks of this machine.
+
+    Attributes:
+        bandwidth: best of read and copy bandwidth, bytes/s.
+        flops: matmul FLOP/s per dtype that was measured.
+        read_bandwidth: ``x.sum()`` over the tensor, bytes/s.
+        copy_bandwidth: ``y.copy_(x)``, counting 2 x bytes, bytes/s.
+    """
+
+    bandwidth: float
+    flops: dict[str, float]
+    read_bandwidth: float
+    copy_bandwidth: float
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE", "~/.cache/pagedserve")).expanduser()
+
+
+def cpu_fingerprint() -> str:
+    """What the cached figures depend on: the CPU model, the torch threads, the torch build."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} | threads={torch.get_num_threads()} | torch={torch.__version__}"
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: page faults, thread-pool start, allocator
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> tuple[float, float]:
+    """STREAM-like read and copy bandwidth over a ``num_bytes`` float32 tensor.
+
+    Returns:
+        (read bytes/s, copy bytes/s); copy counts the bytes read plus the bytes written.
+    """
+    import torch
+
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    read = num_bytes / _best_seconds(lambda: x.sum(), repeats)
+    copy = 2 * num_bytes / _best_seconds(lambda: y.copy_(x), repeats)
+    return read, copy
+
+
+def measure_matmul_flops(dtype: str = "fp32", n: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of an ``n x n`` by ``n x n`` matmul in ``dtype`` (2 n^3 FLOPs)."""
+    import torch
+
+    torch_dtype = getattr(torch, _TORCH_DTYPES[dtype])
+    a = torch.randn(n, n).to(torch_dtype)
+    b = torch.randn(n, n).to(torch_dtype)
+    return 2 * n**3 / _best_seconds(lambda: a @ b, repeats)
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def measure_cpu_peaks(
+    dtypes: tuple[str, ...] = ("fp32",),
+    *,
+    refresh: bool = False,
+    measure_bw: Callable[[], tuple[float, float]] | None = None,
+    measure_flops: Callable[[str], float] | None = None,
+) -> CpuPeaks:
+    """This machine's peaks, from the cache when it has them, else measured and cached.
+
+    Args:
+        dtypes: matmul dtypes needed (``fp32``, ``bf16``, ``fp16``); only missing ones run.
+        refresh: measure again even if cached.
+        measure_bw / measure_flops: the measurements; None means the real ones, looked up
+            at call time so tests can monkeypatch this module.
+    """
+    measure_bw = measure_bw or measure_bandwidth
+    measure_flops = measure_flops or measure_matmul_flops
+    path = cache_dir() / CACHE_FILE
+    cache = _read_cache(path)
+    key = cpu_fingerprint()
+    entry: dict[str, Any] = {} if refresh else dict(cache.get(key) or {})
+    flops: dict[str, float] = dict(entry.get("flops") or {})
+    changed = False
+    if "read_bandwidth" not in entry or "copy_bandwidth" not in entry:
+        entry["read_bandwidth"], entry["copy_bandwidth"] = measure_bw()
+        changed = True
+    for dtype in dtypes:
+        if dtype not in _TORCH_DTYPES:
+            raise ValueError(f"cannot measure {dtype} matmuls on CPU; use {sorted(_TORCH_DTYPES)}")
+        if dtype not in flops:
+            flops[dtype] = measure_flops(dtype)
+            changed = True
+    if changed:
+        entry["flops"] = flops
+        entry["measured_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        cache[key] = entry
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=2, sort_keys=True), encoding="utf-8")
+            tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+        except OSError:
+            pass  # a read-only home still gets a plan, just re-measured next time
+    read, copy = float(entry["read_bandwidth"]), float(entry["copy_bandwidth"])
+    return CpuPeaks(bandwidth=max(read, copy), flops=flops, read_bandwidth=read, copy_bandwidth=copy)
+
+
+def cpu_device(dtypes: tuple[str, ...] = ("fp32",), *, refresh: bool = False) -> Device:
+    """The ``cpu`` device built from measured (or cached) peaks and this machine's RAM."""
+    peaks = measure_cpu_peaks(dtypes, refresh=refresh)
+    return Device(
+        name="cpu",
+        description=f"this machine's CPU (measured: {cpu_fingerprint()})",
+        memory_bandwidth=peaks.bandwidth,
+        memory_bytes=physical_memory_bytes(),
+        peak_flops=dict(peaks.flops),
+        price_per_hour=None,
+        measured=True,
+    )

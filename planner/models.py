@@ -1,0 +1,171 @@
+"""Model configs for the planner: presets, HF directories and GGUF files.
+
+Everything becomes an ``engine.config.ModelConfig`` through ``ModelConfig.from_hf`` (the one
+translation of an HF config), so the planner plans exactly the model the server would load.
+Only the config is read: a GGUF file's metadata, never its weights, and ``--model default``
+uses the SmolLM2 preset instead of the slow GGUF conversion the server does once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import ModelConfig
+
+
+def _llama(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    max_positions: int,
+    rope_theta: float = 10000.0,
+    model_type: str = "llama",
+    tied: bool = False,
+    head_dim: int | None = None,
+) -> dict[str, Any]:
+    """An HF ``config.json`` dict with the fields ``ModelConfig.from_hf`` reads."""
+    return {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim or hidden // heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": max_positions,
+        "rope_theta": rope_theta,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": tied,
+    }
+
+
+# The published config.json of each model (Hugging Face hub), reduced to what matters here.
+PRESETS: dict[str, dict[str, Any]] = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct: the server's embedded default model.
+    "smollm2-135m": _llama(576, 1536, 30, 9, 3, 49152, 8192, 100000.0, tied=True, head_dim=64),
+    "llama-2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 4096),
+    "llama-2-13b": _llama(5120, 13824, 40, 40, 40, 32000, 4096),
+    "llama-2-70b": _llama(8192, 28672, 80, 64, 8, 32000, 4096),
+    "llama-3-8b": _llama(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0),
+    "llama-3-70b": _llama(8192, 28672, 80, 64, 8, 128256, 8192, 500000.0),
+    # Mistral-7B-v0.2 (v0.1 differs by a 4,096-token sliding window, v0.3 by a 32,768 vocab).
+    "mistral-7b": _llama(4096, 14336, 32, 32, 8, 32000, 32768, 1e6, model_type="mistral"),
+}
+PRESETS["default"] = PRESETS["smollm2-135m"]
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedModel:
+    """A model config and where it came from (for the report)."""
+
+    name: str
+    source: str
+    config: ModelConfig
+
+
+def load_model(spec: str) -> PlannedModel:
+    """Resolve ``--model``: ``default``, a preset name, an HF directory, a config.json or a GGUF.
+
+    Raises:
+        ValueError: ``spec`` is none of these.
+    """
+    key = spec.strip().lower()
+    if key in PRESETS:
+        name = "smollm2-135m" if key == "default" else key
+        return PlannedModel(name, "preset", ModelConfig.from_hf(dict(PRESETS[key])))
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.is_file() and path.suffix == ".json":
+        hf = json.loads(path.read_text(encoding="utf-8"))
+        return PlannedModel(path.parent.name or str(path), str(path), ModelConfig.from_hf(hf))
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return PlannedModel(path.stem, str(path), ModelConfig.from_hf(gguf_to_hf_config(path)))
+    raise ValueError(
+        f"--model {spec!r} is not a preset ({', '.join(sorted(PRESETS))}), an HF directory "
+        "with a config.json, or a .gguf file"
+    )
+
+
+def _field_value(field: Any) -> Any:
+    """A GGUFReader field's Python value (scalar, string or list) across gguf versions."""
+    if hasattr(field, "contents"):
+        return field.contents()
+    # Older gguf: parts holds raw numpy arrays, data indexes the value parts, types the kind.
+    from gguf import GGUFValueType
+
+    is_string = bool(field.types) and field.types[-1] == GGUFValueType.STRING
+    values = [
+        bytes(field.parts[i]).decode("utf-8") if is_string else field.parts[i].tolist()[0]
+        for i in field.data
+    ]
+    if field.types and field.types[0] == GGUFValueType.ARRAY:
+        return values
+    return values[0]
+
+
+def gguf_to_hf_config(path: str | Path) -> dict[str, Any]:
+    """Translate a GGUF file's metadata into an HF config dict (no tensor data is read).
+
+    GGUF stores Llama-family hyperparameters as ``{arch}.block_count``,
+    ``{arch}.embedding_length`` and so on; Mistral files use ``llama`` as their arch.
+    Tied embeddings show as a missing ``output.weight`` tensor.
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    fields = reader.fields
+
+    def get(name: str, default: Any = None) -> Any:
+        return _field_value(fields[name]) if name in fields else default
+
+    arch = get("general.architecture", "llama")
+    heads = int(get(f"{arch}.attention.head_count"))
+    hidden = int(get(f"{arch}.embedding_length"))
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = get(f"{arch}.vocab_size")
+    if vocab is None:
+        # Older files: the vocabulary is the token list (or the embedding's row count).
+        tokens = fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            vocab = len(tokens.data)
+        else:
+            embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+            vocab = int(embed.shape[-1])
+    hf: dict[str, Any] = {
+        "model_type": arch,  # from_hf rejects architectures the server cannot serve
+        "hidden_size": hidden,
+        "intermediate_size": int(get(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(get(f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(
+            get(f"{arch}.attention.key_length") or get(f"{arch}.rope.dimension_count")
+            or hidden // heads
+        ),
+        "vocab_size": int(vocab),
+        "max_position_embeddings": int(get(f"{arch}.context_length", 2048)),
+        "rope_theta": float(get(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling_type = get(f"{arch}.rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        hf["rope_scaling"] = {
+            "rope_type": scaling_type,
+            "factor": float(get(f"{arch}.rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(
+                get(f"{arch}.rope.scaling.original_context_length",
+                    hf["max_position_embeddings"])
+            ),
+        }
+    return hf

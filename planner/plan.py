@@ -1,0 +1,251 @@
+"""Put the arithmetic together for one (model, device, dtypes, request shape).
+
+``make_plan`` is the only place that knows which formula feeds which: the CLI renders its
+result, the ``--measured`` comparison reads its lower bounds, tests check its numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from planner import arithmetic as ar
+from planner.devices import Device
+from planner.dtypes import canonical_dtype, compute_dtype, dtype_bytes
+from planner.models import PlannedModel
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """The request shape to plan for.
+
+    Attributes:
+        prompt_tokens: P, tokens prefilled per request.
+        output_tokens: O, tokens generated per request.
+        batch: b, sequences decoding together.
+        context: sequence length for the capacity and attention-intensity figures; None uses
+            the model's max positions.
+    """
+
+    prompt_tokens: int = 350
+    output_tokens: int = 150
+    batch: int = 1
+    context: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.batch < 1:
+            raise ValueError("prompt tokens, output tokens and batch must be at least 1")
+        if self.context is not None and self.context < 1:
+            raise ValueError("context must be at least 1")
+
+
+@dataclass(slots=True)
+class Plan:
+    """Every figure of a plan, SI units (bytes, seconds, FLOP/s). ``to_dict`` is the --json."""
+
+    model: dict[str, Any]
+    device: dict[str, Any]
+    dtypes: dict[str, str]
+    workload: dict[str, Any]
+    ops_per_byte: float
+    kv_bytes_per_token: float
+    capacity: dict[str, Any]
+    attention: dict[str, Any]
+    prefill: dict[str, Any]
+    decode: dict[str, Any]
+    generation: dict[str, Any]
+    cost: dict[str, Any] | None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        # inf (decode never compute-bound) is not JSON; None says "never" there.
+        return _finite(asdict(self))
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def default_dtype(device: Device) -> str:
+    """The server's default: float32 on CPU, bfloat16 on GPUs (fp16 where there is no bf16)."""
+    if device.name == "cpu":
+        return "fp32"
+    return "bf16" if "bf16" in device.peak_flops else "fp16"
+
+
+def make_plan(
+    model: PlannedModel,
+    device: Device,
+    workload: Workload,
+    dtype: str | None = None,
+    kv_dtype: str | None = None,
+) -> Plan:
+    """Compute the plan.
+
+    Args:
+        model: the model config.
+        device: the device (table entry with the user's overrides, or the measured CPU).
+        workload: prompt/output tokens, batch, context.
+        dtype: weight dtype; None is the server's default for the device.
+        kv_dtype: KV cache dtype; None follows the weights (16-bit for quantized weights).
+    """
+    cfg = model.config
+    w_dtype = canonical_dtype(dtype) if dtype else default_dtype(device)
+    if kv_dtype:
+        k_dtype = canonical_dtype(kv_dtype)
+    else:
+        k_dtype = w_dtype if w_dtype in ("fp32", "fp16", "bf16") else default_dtype(device)
+    c_dtype = compute_dtype(w_dtype, device.peak_flops)
+    flops_peak = device.peak_flops[c_dtype]
+    bw = device.memory_bandwidth
+    ratio = ar.ops_per_byte(flops_peak, bw)
+    warnings: list[str] = []
+
+    n_params = ar.param_count(cfg)
+    n_streamed = ar.streamed_param_count(cfg)
+    w_total = ar.weight_bytes(n_params, dtype_bytes(w_dtype))
+    w_streamed = ar.weight_bytes(n_streamed, dtype_bytes(w_dtype))
+    k = ar.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes(k_dtype))
+    L, H, d = cfg.num_layers, cfg.num_heads, cfg.head_dim
+    P, O, b = workload.prompt_tokens, workload.output_tokens, workload.batch
+    context = workload.context or cfg.max_position_embeddings
+    if P + O > cfg.max_position_embeddings:
+        warnings.append(
+            f"prompt + output = {P + O} tokens exceeds the model's "
+            f"{cfg.max_position_embeddings} positions"
+        )
+
+    # Capacity: the KV pool is what the weights leave of the device's memory.
+    kv_tokens = ar.kv_capacity_tokens(device.memory_bytes, w_total, k)
+    if w_total > device.memory_bytes:
+        warnings.append(
+            f"the weights ({w_total / 1e9:.2f} GB) do not fit in {device.memory_bytes / 1e9:.2f} GB"
+        )
+    requests_fit = ar.max_sequences(kv_tokens, P + O)
+    if 0 < requests_fit < b:
+        warnings.append(f"batch {b} needs more KV than fits: at most {requests_fit} requests of "
+                        f"{P + O} tokens")
+
+    # Prefill of one prompt: the TTFT lower bound.
+    pf_flops = ar.prefill_flops(n_streamed, P, L, H, d)
+    pf_bytes = ar.prefill_bytes(w_streamed, P, k)
+    pf_time = ar.roofline_time_s(pf_bytes, pf_flops, bw, flops_peak)
+    pf_intensity = ar.arithmetic_intensity(pf_flops, pf_bytes)
+
+    # Decode at the mean context of the generation: step i (1..O) attends over P + i tokens.
+    mean_ctx = P + (O + 1) / 2
+    attn = ar.attention_flops_per_token(L, H, d, mean_ctx)
+    dec_flops = ar.decode_step_flops(n_streamed, b, attn)
+    dec_bytes = ar.decode_step_bytes(w_streamed, b, mean_ctx, k)
+    dec_time = ar.roofline_time_s(dec_bytes, dec_flops, bw, flops_peak)
+    dec_intensity = ar.arithmetic_intensity(dec_flops, dec_bytes)
+
+    # The whole batch: b prompts prefilled together, then O steps at a growing context.
+    batch_pf = ar.roofline_time_s(ar.prefill_bytes(w_streamed, b * P, k), b * pf_flops, bw,
+                                  flops_peak)
+    decode_total = 0.0
+    for i in range(1, O + 1):
+        ctx = P + i
+        decode_total += ar.roofline_time_s(
+            ar.decode_step_bytes(w_streamed, b, ctx, k),
+            ar.decode_step_flops(n_streamed, b, ar.attention_flops_per_token(L, H, d, ctx)),
+            bw,
+            flops_peak,
+        )
+    total = batch_pf + decode_total
+    out_tps = b * O / total
+
+    cost: dict[str, Any] | None = None
+    if device.price_per_hour is not None:
+        cost = {
+            "price_per_hour": device.price_per_hour,
+            "per_request": ar.cost_per_request(device.price_per_hour, total, b),
+            "per_million_output_tokens": ar.cost_per_million_tokens(device.price_per_hour, out_tps),
+            "per_million_total_tokens": ar.cost_per_million_tokens(
+                device.price_per_hour, b * (P + O) / total
+            ),
+        }
+
+    return Plan(
+        model={
+            "name": model.name,
+            "source": model.source,
+            "params": n_params,
+            "streamed_params": n_streamed,
+            "weight_bytes": w_total,
+            "streamed_weight_bytes": w_streamed,
+            "num_layers": L,
+            "num_heads": H,
+            "num_kv_heads": cfg.num_kv_heads,
+            "head_dim": d,
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings,
+        },
+        device={
+            "name": device.name,
+            "description": device.description,
+            "memory_bandwidth": bw,
+            "memory_bytes": device.memory_bytes,
+            "peak_flops": flops_peak,
+            "measured": device.measured,
+        },
+        dtypes={"weights": w_dtype, "kv": k_dtype, "compute": c_dtype},
+        workload={"prompt_tokens": P, "output_tokens": O, "batch": b, "context": context},
+        ops_per_byte=ratio,
+        kv_bytes_per_token=k,
+        capacity={
+            "memory_bytes": device.memory_bytes,
+            "free_bytes": max(0.0, device.memory_bytes - w_total),
+            "kv_tokens": kv_tokens,
+            "sequences_at_context": ar.max_sequences(kv_tokens, context),
+            "requests_fit": requests_fit,
+        },
+        attention={
+            "seq_len": context,
+            "intensity": ar.attention_intensity(context, d, dtype_bytes(w_dtype)),
+            "bound": ar.bound_by(ar.attention_intensity(context, d, dtype_bytes(w_dtype)), ratio),
+        },
+        prefill={
+            "tokens": P,
+            "flops": pf_flops,
+            "bytes": pf_bytes,
+            "intensity": pf_intensity,
+            "memory_time_s": ar.memory_time_s(pf_bytes, bw),
+            "compute_time_s": ar.compute_time_s(pf_flops, flops_peak),
+            "time_s": pf_time,
+            "bound": ar.bound_by(pf_intensity, ratio),
+        },
+        decode={
+            "batch": b,
+            "mean_context": mean_ctx,
+            "step_bytes": dec_bytes,
+            "step_flops": dec_flops,
+            "intensity": dec_intensity,
+            "memory_time_s": ar.memory_time_s(dec_bytes, bw),
+            "compute_time_s": ar.compute_time_s(dec_flops, flops_peak),
+            "time_per_token_s": dec_time,
+            "weights_only_time_per_token_s": ar.memory_time_s(w_total, bw),
+            "output_tokens_per_s": b / dec_time,
+            "bound": ar.bound_by(dec_intensity, ratio),
+            "critical_batch": ar.critical_batch_size(
+                ratio, w_streamed, n_streamed, attn, mean_ctx, k
+            ),
+            "critical_batch_no_kv": ar.critical_batch_size(ratio, w_streamed, n_streamed),
+        },
+        generation={
+            "prefill_time_s": batch_pf,
+            "decode_time_s": decode_total,
+            "total_time_s": total,
+            "output_tokens_per_s": out_tps,
+        },
+        cost=cost,
+        warnings=warnings,
+    )

@@ -1,0 +1,147 @@
+"""Render a plan (and its comparisons with measurements) as a readable text table."""
+
+from __future__ import annotations
+
+import math
+
+from planner.compare import ComparisonRow
+from planner.measured import Measured
+from planner.plan import Plan
+
+_LABEL_WIDTH = 30
+_VALUE_WIDTH = 36
+
+
+def fmt_bytes(n: float) -> str:
+    """Decimal units, like the device table: 13.48 GB, 524.29 kB (and the exact count if small)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} us"
+
+
+def fmt_flops(f: float) -> str:
+    return f"{f / 1e12:.2f} TFLOP/s" if f >= 1e12 else f"{f / 1e9:.1f} GFLOP/s"
+
+
+def fmt_count(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 1e6:
+        return f"{n / 1e6:.1f} M"
+    return f"{n:,.0f}"
+
+
+def _row(label: str, value: str, formula: str = "") -> str:
+    line = f"  {label:<{_LABEL_WIDTH}}{value:<{_VALUE_WIDTH}}{formula}"
+    return line.rstrip()
+
+
+def render_plan(plan: Plan) -> str:
+    """The plan as sections of ``label  value  formula`` rows."""
+    m, dev, dt, w = plan.model, plan.device, plan.dtypes, plan.workload
+    cap, att, pf, dec, gen = plan.capacity, plan.attention, plan.prefill, plan.decode, plan.generation
+    P, O, b = w["prompt_tokens"], w["output_tokens"], w["batch"]
+    lines = [
+        f"pagedserve plan: {m['name']} ({m['source']}) on {dev['name']}: {dev['description']}",
+        f"weights {dt['weights']}, KV cache {dt['kv']}, matmuls {dt['compute']}; "
+        f"prompt {P} + output {O} tokens, batch {b}",
+        "",
+        "model",
+        _row("parameters", f"{fmt_count(m['params'])} ({fmt_count(m['streamed_params'])} "
+             "read per step)", "P; minus untied input embedding"),
+        _row("layers / heads / KV heads / d", f"{m['num_layers']} / {m['num_heads']} / "
+             f"{m['num_kv_heads']} / {m['head_dim']}"),
+        _row("weights", fmt_bytes(m["weight_bytes"]), "W = P x bytes/param"),
+        _row("KV cache per token", f"{plan.kv_bytes_per_token:,.0f} B",
+             "k = 2 x L x H_kv x d x bytes"),
+        "",
+        "device" + (" (measured)" if dev["measured"] else ""),
+        _row("memory bandwidth", f"{dev['memory_bandwidth'] / 1e9:,.1f} GB/s", "BW"),
+        _row(f"peak {dt['compute']} (dense)", fmt_flops(dev["peak_flops"]), "F"),
+        _row("ops:byte", f"{plan.ops_per_byte:.1f}", "R = F / BW"),
+        _row("memory", fmt_bytes(dev["memory_bytes"]), "M"),
+        "",
+        "capacity",
+        _row("free for KV cache", fmt_bytes(cap["free_bytes"]), "M - W"),
+        _row("KV tokens", f"{cap['kv_tokens']:,}", "floor((M - W) / k)"),
+        _row(f"sequences of {w['context']:,} tokens", f"{cap['sequences_at_context']:,}",
+             "floor(tokens / context)"),
+        _row(f"requests of {P + O:,} tokens", f"{cap['requests_fit']:,}",
+             "floor(tokens / (P + O))"),
+        "",
+        "arithmetic intensity (FLOP/byte) vs ops:byte",
+        _row(f"attention N={att['seq_len']} d={m['head_dim']}",
+             f"{att['intensity']:.1f} -> {att['bound']}-bound",
+             "(4N^2 d + 3N^2) / (bytes x (4N^2 + 4Nd))"),
+        _row(f"decode, batch {b}", f"{dec['intensity']:.2f} -> {dec['bound']}-bound",
+             "b(2P + A) / (W + b c k)"),
+        _row(f"prefill, {P} tokens", f"{pf['intensity']:.1f} -> {pf['bound']}-bound",
+             "(2Pn + A) / (W + n k)"),
+        _row("critical batch (decode)", _critical(dec), "b* = R W / (2P + A - R c k)"),
+        "",
+        "lower bounds",
+        _row(f"prefill {P} tokens (TTFT)", f"{fmt_time(pf['time_s'])} (compute "
+             f"{fmt_time(pf['compute_time_s'])}, memory {fmt_time(pf['memory_time_s'])})",
+             "max(bytes / BW, FLOPs / F)"),
+        _row(f"decode per token (TPOT), b={b}", f"{fmt_time(dec['time_per_token_s'])} "
+             f"(memory {fmt_time(dec['memory_time_s'])}, compute "
+             f"{fmt_time(dec['compute_time_s'])})", f"at context {dec['mean_context']:g}"),
+        _row("  weights only (guide's rule)", fmt_time(dec["weights_only_time_per_token_s"]),
+             "W / BW"),
+        _row(f"decode throughput, b={b}", f"{dec['output_tokens_per_s']:,.1f} tok/s",
+             "b / t_decode"),
+        _row(f"{P} + {O} tokens, batch {b}", f"{fmt_time(gen['total_time_s'])} "
+             f"({gen['output_tokens_per_s']:,.1f} output tok/s)",
+             "t_prefill + sum of O decode steps"),
+    ]
+    if plan.cost is not None:
+        c = plan.cost
+        lines += [
+            "",
+            f"cost at ${c['price_per_hour']:.2f}/h (example price; --price-per-hour)",
+            _row("per request", f"${c['per_request']:.6f}", "price/3600 x t / b"),
+            _row("per 1M output tokens", f"${c['per_million_output_tokens']:.2f}"),
+            _row("per 1M tokens (prompt + output)", f"${c['per_million_total_tokens']:.2f}"),
+        ]
+    if plan.warnings:
+        lines += ["", "warnings", *(f"  ! {warning}" for warning in plan.warnings)]
+    return "\n".join(lines)
+
+
+def _critical(dec: dict[str, float]) -> str:
+    with_kv, no_kv = dec["critical_batch"], dec["critical_batch_no_kv"]
+    kv = "never" if math.isinf(with_kv) else f"{with_kv:,.0f}"
+    return f"{kv} with KV reads; {no_kv:,.0f} without"
+
+
+def render_comparison(plan: Plan, measured: Measured, rows: list[ComparisonRow]) -> str:
+    """Predicted lower bounds beside the measurement."""
+    w = plan.workload
+    header = (f"predicted vs measured: {measured.source} [{measured.label}] "
+              f"(planned as prompt {w['prompt_tokens']} + output {w['output_tokens']}, "
+              f"batch {w['batch']})")
+    lines = [header, f"  {'':<20}{'lower bound':>14}{'measured':>14}   bound/measured"]
+    for row in rows:
+        if row.unit == "s":
+            predicted, got = fmt_time(row.predicted), fmt_time(row.measured)
+        else:
+            predicted = f"{row.predicted:,.1f} {row.unit}"
+            got = "-" if row.measured is None else f"{row.measured:,.1f} {row.unit}"
+        ratio = "-" if row.ratio is None else f"{row.ratio:.3f} ({row.ratio_name})"
+        lines.append(f"  {row.quantity:<20}{predicted:>14}{got:>14}   {ratio}")
+    stats = [f"{name}: {stat}" for name, stat in
+             (("TTFT", measured.ttft_stat), ("TPOT", measured.tpot_stat)) if stat]
+    if stats:
+        lines.append("  (" + "; ".join(stats) + ")")
+    return "\n".join(lines)
