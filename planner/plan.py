@@ -133,6 +133,11 @@ def make_plan(
         warnings.append(f"batch {b} needs more KV than fits: at most {requests_fit} requests of "
                         f"{P + O} tokens")
 
+    # Standard attention moves activations (Q, K, V, S, P, O), which are 16-bit even when the
+    # weights are int8/fp8/int4, and fp32 when the whole model runs in fp32.
+    act_dtype = c_dtype if c_dtype in ("fp32", "fp16", "bf16") else "fp16"
+    attn_intensity = ar.attention_intensity(context, d, dtype_bytes(act_dtype))
+
     # Prefill of one prompt: the TTFT lower bound.
     pf_flops = ar.prefill_flops(n_streamed, P, L, H, d)
     pf_bytes = ar.prefill_bytes(w_streamed, P, k)
@@ -210,8 +215,9 @@ def make_plan(
         },
         attention={
             "seq_len": context,
-            "intensity": ar.attention_intensity(context, d, dtype_bytes(w_dtype)),
-            "bound": ar.bound_by(ar.attention_intensity(context, d, dtype_bytes(w_dtype)), ratio),
+            "activation_dtype": act_dtype,
+            "intensity": attn_intensity,
+            "bound": ar.bound_by(attn_intensity, ratio),
         },
         prefill={
             "tokens": P,

@@ -8,8 +8,8 @@ from planner.compare import ComparisonRow
 from planner.measured import Measured
 from planner.plan import Plan
 
-_LABEL_WIDTH = 30
-_VALUE_WIDTH = 36
+_LABEL_WIDTH = 33
+_VALUE_WIDTH = 47
 
 
 def fmt_bytes(n: float) -> str:
@@ -112,7 +112,7 @@ def render_plan(plan: Plan) -> str:
             f"cost at ${c['price_per_hour']:.2f}/h (example price; --price-per-hour)",
             _row("per request", f"${c['per_request']:.6f}", "price/3600 x t / b"),
             _row("per 1M output tokens", f"${c['per_million_output_tokens']:.2f}"),
-            _row("per 1M tokens (prompt + output)", f"${c['per_million_total_tokens']:.2f}"),
+            _row("per 1M prompt + output tokens", f"${c['per_million_total_tokens']:.2f}"),
         ]
     if plan.warnings:
         lines += ["", "warnings", *(f"  ! {warning}" for warning in plan.warnings)]

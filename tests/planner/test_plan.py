@@ -1,0 +1,105 @@
+"""The worked example end to end: the llama-2-7b preset through ``make_plan``.
+
+The preset has the real parameter count (6.74e9, of which 6.61e9 are read per decode step)
+and the plan counts KV reads and attention FLOPs, so its figures sit a few percent below
+the guide's rounded ones: tolerances say how far.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from planner.devices import get_device, with_overrides
+from planner.models import load_model
+from planner.plan import Workload, make_plan
+
+LLAMA_2_7B = load_model("llama-2-7b")
+
+
+@pytest.mark.parametrize(
+    ("device", "decode_ms", "prefill_ms", "total_s"),
+    # The guide's figures before it rounds them: 46.7 / 23.3 / 6.87 ms, 75.4 / 39.2 / 15.7 ms.
+    [("t4", 46.7, 75.4, 6.98), ("a10", 23.3, 39.2, 3.49), ("a100-80gb", 6.87, 15.7, 0.92)],
+)
+def test_guide_figures_from_the_preset(device: str, decode_ms: float, prefill_ms: float,
+                                       total_s: float) -> None:
+    plan = make_plan(LLAMA_2_7B, get_device(device), Workload(350, 150, 1), dtype="fp16")
+    # 6.61e9 streamed parameters instead of 7e9: 5.6 % less, plus a little KV and attention.
+    assert plan.decode["time_per_token_s"] * 1e3 == pytest.approx(decode_ms, rel=0.06)
+    assert plan.prefill["time_s"] * 1e3 == pytest.approx(prefill_ms, rel=0.06)
+    # The guide's totals add its truncated per-token times (6 ms for 6.87 on the A100).
+    assert plan.generation["total_time_s"] == pytest.approx(total_s, rel=0.10)
+    assert plan.decode["bound"] == "memory"
+    assert plan.prefill["bound"] == "compute"
+    # The guide's own rule (all weights over bandwidth) with the real parameter count.
+    assert plan.decode["weights_only_time_per_token_s"] == pytest.approx(
+        2 * 6.738e9 / get_device(device).memory_bandwidth, rel=1e-3
+    )
+
+
+def test_a10_capacity_and_ratios_from_the_preset() -> None:
+    plan = make_plan(LLAMA_2_7B, get_device("a10"), Workload(context=4096), dtype="fp16")
+    assert plan.ops_per_byte == pytest.approx(208.3, abs=0.05)
+    assert plan.kv_bytes_per_token == 524_288
+    assert plan.attention["intensity"] == pytest.approx(62.4, abs=0.05)
+    assert plan.attention["bound"] == "memory"
+    # 24 GB - 13.48 GB = 10.52 GB: a little more room than the guide's 10 GB.
+    assert plan.capacity["kv_tokens"] == math.floor((24e9 - 2 * 6_738_415_616) / 524_288)
+    assert plan.capacity["kv_tokens"] == pytest.approx(19_230, rel=0.05)
+    assert plan.capacity["sequences_at_context"] == 4
+    assert plan.decode["critical_batch_no_kv"] == pytest.approx(208.3, abs=0.05)
+    # MHA at ~425 tokens of context: KV reads per sequence outgrow its FLOPs.
+    assert plan.decode["critical_batch"] == math.inf
+    assert plan.to_dict()["decode"]["critical_batch"] is None  # JSON has no infinity
+
+
+def test_gqa_and_int8_kv_in_a_plan() -> None:
+    llama3 = load_model("llama-3-8b")
+    fp16 = make_plan(llama3, get_device("a100-80gb"), Workload(), dtype="bf16", kv_dtype="fp16")
+    int8 = make_plan(llama3, get_device("a100-80gb"), Workload(), dtype="bf16", kv_dtype="int8")
+    assert fp16.kv_bytes_per_token == 131_072
+    assert int8.kv_bytes_per_token == 65_536
+    assert int8.capacity["kv_tokens"] == pytest.approx(2 * fp16.capacity["kv_tokens"], abs=1)
+    assert int8.dtypes == {"weights": "bf16", "kv": "int8", "compute": "bf16"}
+
+
+def test_batching_amortises_weights_until_the_critical_batch() -> None:
+    model, device = load_model("llama-3-8b"), get_device("h100-sxm")
+    times = {b: make_plan(model, device, Workload(128, 128, b)).decode for b in (1, 64, 4096)}
+    # Batch 64 costs barely more per step than batch 1: the weights dominate the bytes.
+    assert times[64]["time_per_token_s"] < 1.3 * times[1]["time_per_token_s"]
+    assert times[64]["output_tokens_per_s"] > 40 * times[1]["output_tokens_per_s"]
+    assert times[1]["bound"] == "memory"
+    assert times[4096]["bound"] == "compute"
+    assert 64 < times[1]["critical_batch"] < 4096
+
+
+def test_default_dtype_and_quantized_weights() -> None:
+    model = load_model("default")
+    assert make_plan(model, get_device("a10"), Workload()).dtypes["weights"] == "bf16"
+    assert make_plan(model, get_device("t4"), Workload()).dtypes["weights"] == "fp16"
+    # int4 weights on an A100: dequantized to bf16 for the matmuls, 16-bit KV by default.
+    q4 = make_plan(model, get_device("a100-40gb"), Workload(), dtype="int4")
+    assert q4.dtypes == {"weights": "int4", "kv": "bf16", "compute": "bf16"}
+    assert q4.model["weight_bytes"] == pytest.approx(q4.model["params"] * 0.5)
+    # fp8 on an H100 runs on fp8 tensor cores.
+    fp8 = make_plan(model, get_device("h100-sxm"), Workload(), dtype="fp8")
+    assert fp8.device["peak_flops"] == pytest.approx(1978.9e12)
+    with pytest.raises(ValueError, match="bf16"):
+        make_plan(model, get_device("t4"), Workload(), dtype="bf16")
+
+
+def test_warnings_and_cost() -> None:
+    plan = make_plan(load_model("llama-2-70b"), get_device("a10"), Workload(4000, 200),
+                     dtype="fp16")
+    joined = " ".join(plan.warnings)
+    assert "do not fit" in joined and "exceeds" in joined
+    assert plan.capacity["kv_tokens"] == 0
+    priced = make_plan(LLAMA_2_7B, with_overrides(get_device("a10"), price_per_hour=3.6),
+                       Workload(350, 150, 1), dtype="fp16")
+    assert priced.cost is not None
+    total = priced.generation["total_time_s"]
+    assert priced.cost["per_request"] == pytest.approx(0.001 * total)
+    assert priced.cost["per_million_output_tokens"] == pytest.approx(0.001 * total / 150 * 1e6)
