@@ -13,7 +13,15 @@ from kvpool.block_pool import BlockPool
 
 
 def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
-    """Slots of positions ``[start, end)`` in a block table: ``block * block_size + offset``."""
+    """Slots of positions ``[start, end)`` in a block table.
+
+    Args:
+        block_ids: the block table (position ``p`` lives in ``block_ids[p // block_size]``).
+        block_size: token slots per block.
+        start, end: the half-open position range.
+    Returns:
+        ``block * block_size + offset`` for every position, in order.
+    """
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
@@ -40,14 +48,17 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
+        """Blocks in the pool."""
         return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks on the free list."""
         return self.pool.num_free
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks owned by at least one request."""
         return self.pool.num_used
 
     @property
@@ -56,15 +67,28 @@ class KVCacheManager:
         return self.pool.num_used / self.pool.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens."""
+        """Args:
+            num_tokens: tokens to hold.
+        Returns:
+            Blocks needed to hold them: ``ceil(num_tokens / block_size)``.
+        """
         return -(-num_tokens // self.block_size)
 
     def fits_in_empty_pool(self, num_tokens: int) -> bool:
-        """Whether a request of ``num_tokens`` tokens could ever run (alone, pool empty)."""
+        """Args:
+            num_tokens: the most tokens a request may hold.
+        Returns:
+            Whether such a request could ever run (alone, with the pool empty).
+        """
         return self.num_blocks_for(num_tokens) <= self.pool.num_blocks
 
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """Blocks ``request_id`` still lacks to hold ``num_tokens`` tokens in total."""
+        """Args:
+            request_id: the request (unknown ids own no blocks).
+            num_tokens: tokens it should hold in total.
+        Returns:
+            Blocks it still lacks for that (0 if it already has enough).
+        """
         have = len(self._block_tables.get(request_id, ()))
         return max(0, self.num_blocks_for(num_tokens) - have)
 
@@ -89,7 +113,12 @@ class KVCacheManager:
         return new_ids
 
     def free(self, request_id: str) -> None:
-        """Return all of ``request_id``'s blocks (tail first); unknown ids are ignored."""
+        """Return all of ``request_id``'s blocks to the pool, tail first, and forget it.
+
+        Args:
+            request_id: the request; an unknown id is ignored, so freeing twice is safe at
+                this level (the pool itself raises on a double free of a block).
+        """
         block_ids = self._block_tables.pop(request_id, None)
         if block_ids:
             self.pool.free(block_ids[::-1])
@@ -97,14 +126,31 @@ class KVCacheManager:
     # ---- views ----------------------------------------------------------------------------
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:
-        """The request's block table (a copy: callers cannot change it)."""
+        """Args:
+            request_id: the request.
+        Returns:
+            Its block table as a tuple (callers cannot change it); empty if unknown.
+        """
         return tuple(self._block_tables.get(request_id, ()))
 
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Slots of the tokens at positions ``[start, end)`` of ``request_id``."""
-        return slots_for(self._block_tables[request_id], self.block_size, start, end)
+        """Args:
+            request_id: a request that owns blocks for positions ``[start, end)``.
+            start, end: the half-open position range.
+        Returns:
+            The slot of every position in the range, in order.
+        Raises:
+            ValueError: the request's blocks do not cover ``[start, end)``.
+        """
+        table = self._block_tables.get(request_id, [])
+        if not 0 <= start <= end <= len(table) * self.block_size:
+            raise ValueError(
+                f"{request_id!r} owns {len(table)} blocks, not positions [{start}, {end})"
+            )
+        return slots_for(table, self.block_size, start, end)
 
     def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a block table (possibly empty)."""
         return request_id in self._block_tables
 
     def check_integrity(self) -> None:

@@ -47,7 +47,9 @@ class KVCapacity:
         )
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """2 (K and V) * layers * kv heads * head dim * bytes per element."""
     return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
@@ -102,7 +104,9 @@ class KVCacheStorage:
         self.capacity = capacity
         # Zero-filled, not empty: padding rows of a partly filled block are masked by the
         # kernels, but NaN garbage times a zero weight is still NaN.
-        self.key_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.key_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
         self.value_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
         ]
