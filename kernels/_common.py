@@ -36,11 +36,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @functools.lru_cache(maxsize=8)
 def num_compute_units(device: torch.device) -> int:
-    """Streaming multiprocessors on a CUDA device; 1 elsewhere.
-
-    The split-K heuristic wants to fill the GPU with programs. Under the CPU interpreter
-    programs run one after another, so splitting only adds work: report a single unit.
-    """
+    """Streaming multiprocessors on a CUDA device (what the split-K heuristic fills); 1 elsewhere."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1

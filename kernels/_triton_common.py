@@ -1,33 +1,28 @@
-"""``@triton.jit`` helpers shared by the attention kernels (imports triton; launchers only)."""
+"""Launcher helpers that need triton (the attention kernel files import this)."""
 
 from __future__ import annotations
 
-import triton
+import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["dot", "is_interpreted"]
+from kernels._common import dot_precision
+
+__all__ = ["dot_args"]
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def is_interpreted(kernel: object) -> bool:
-    """True when ``kernel`` was built under ``TRITON_INTERPRET=1`` (runs as numpy on CPU).
+def dot_args(kernel: object, dtype: torch.dtype) -> dict[str, object]:
+    """The ``DOT_DTYPE`` and ``DOT_PRECISION`` constexprs of an attention kernel.
 
-    ``triton.jit`` takes that decision once, when the kernel's module is imported, so ask
-    the kernel object rather than re-reading the environment.
+    Kernels cast both ``tl.dot`` operands to ``DOT_DTYPE`` (a no-op when it is the cache
+    dtype). It differs only under the interpreter with bf16: Triton 3.x's interpreter
+    multiplies bf16 operands as their raw uint16 bits (numpy has no bf16) and returns
+    garbage. Upcasting to fp32 is exact (bf16 x bf16 products are exact in fp32, as in bf16
+    tensor cores), so the interpreter still checks what the GPU computes. ``triton.jit``
+    picks interpreter or compiler when the kernel is defined, so ask the kernel object.
     """
-    return isinstance(kernel, InterpretedFunction)
-
-
-@triton.jit
-def dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``tl.dot(a, b)`` with an fp32 accumulator.
-
-    ``UPCAST`` exists for the interpreter only: Triton 3.x's interpreter multiplies bf16
-    operands as their raw uint16 bits (numpy has no bf16), giving garbage. Upcasting to fp32
-    first is exact (a bf16 value is an fp32 value, and bf16 x bf16 products are exact in
-    fp32), so the result matches what bf16 tensor cores compute. On a GPU it stays False.
-    """
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a, b, input_precision=PRECISION)
+    if isinstance(kernel, InterpretedFunction) and dtype == torch.bfloat16:
+        return {"DOT_DTYPE": tl.float32, "DOT_PRECISION": "ieee"}
+    return {"DOT_DTYPE": _TL_DTYPES[dtype], "DOT_PRECISION": dot_precision(dtype)}

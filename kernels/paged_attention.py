@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, dot_precision, next_power_of_2, num_compute_units
-from kernels._triton_common import dot, is_interpreted
+from kernels._common import check_kv_cache, next_power_of_2, num_compute_units
+from kernels._triton_common import dot_args
 
 __all__ = ["paged_attention_decode", "choose_num_splits"]
 
@@ -66,8 +66,8 @@ def _paged_attention_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,  # interpreter + bf16 only, see kernels/_triton_common.dot
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -86,6 +86,7 @@ def _paged_attention_decode_kernel(
 
     q_offs = seq * stride_query_seq + heads[:, None] * stride_query_head + offs_d[None, :]
     q = tl.load(query_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(DOT_DTYPE)
     # q: [GROUP_PAD, HEAD_DIM_PAD], rows past the group are zeros (finite scores, never stored)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (base 2)
@@ -108,7 +109,8 @@ def _paged_attention_decode_kernel(
         )  # [TILE_N]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [GROUP_PAD, TILE_N]
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        s = s * qk_scale  # [GROUP_PAD, TILE_N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds >= 1 valid position, so m_new is finite and exp2 never sees NaN.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -116,7 +118,9 @@ def _paged_attention_decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        )
         m_i = m_new
 
     # An empty split (context shorter than this split's start) or seq_len == 0 has l_i == 0:
@@ -193,8 +197,11 @@ def choose_num_splits(
     The plain grid has ``num_seqs * num_kv_heads`` programs. When that is below two waves of
     the device's SMs and the context is long, split each context so the grid reaches about
     two waves, keeping every split at least ``MIN_TOKENS_PER_SPLIT`` tokens long (shorter
-    splits spend more on writing partial outputs than they save). On CPU this returns 1.
+    splits spend more on writing partial outputs than they save). Off CUDA (the interpreter
+    runs programs one after another) splitting only adds work, so this returns 1.
     """
+    if device.type != "cuda":
+        return 1
     num_programs = num_seqs * num_kv_heads
     target = 2 * num_compute_units(device)
     if num_programs >= target or max_context_len < 2 * MIN_TOKENS_PER_SPLIT:
@@ -231,7 +238,9 @@ def paged_attention_decode(
     assert query.stride(2) == 1, "head_dim of query must be contiguous"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
     assert block_tables.dtype == torch.int32, block_tables.dtype
+    assert block_tables.stride(1) == 1, "each block-table row must be contiguous"
     assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32, seq_lens
+    assert seq_lens.is_contiguous()
     assert query.device == key_cache.device == block_tables.device == seq_lens.device
 
     out = torch.empty_like(query)
@@ -254,8 +263,7 @@ def paged_attention_decode(
         HEAD_DIM_PAD=max(16, head_dim_pad),
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
-        DOT_PRECISION=dot_precision(key_cache.dtype),
-        UPCAST_DOT=is_interpreted(_paged_attention_decode_kernel) and key_cache.dtype == torch.bfloat16,
+        **dot_args(_paged_attention_decode_kernel, key_cache.dtype),
     )
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E)
     grid = (num_seqs, num_kv_heads, num_splits)

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, dot_precision, next_power_of_2
-from kernels._triton_common import dot, is_interpreted
+from kernels._common import check_kv_cache, next_power_of_2
+from kernels._triton_common import dot_args
 
 __all__ = ["paged_attention_prefill"]
 
@@ -89,8 +89,8 @@ def _paged_attention_prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,  # interpreter + bf16 only, see kernels/_triton_common.dot
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -118,6 +118,7 @@ def _paged_attention_prefill_kernel(
     q = tl.load(
         query_ptr + q_offs + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0
     )  # [BLOCK_M, HEAD_DIM_PAD]; masked rows are zeros, computed but never stored
+    q = q.to(DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -139,7 +140,8 @@ def _paged_attention_prefill_kernel(
         )  # [TILE_N]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * qk_scale  # [BLOCK_M, TILE_N]
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        s = s * qk_scale  # [BLOCK_M, TILE_N]
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         # Position 0 is visible to every row (even masked ones, whose q_pos >= seq_len), so
@@ -149,7 +151,9 @@ def _paged_attention_prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        )
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -185,6 +189,7 @@ def paged_attention_prefill(
     assert query.stride(2) == 1, "head_dim of query must be contiguous"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
     assert block_tables.dtype == torch.int32, block_tables.dtype
+    assert block_tables.stride(1) == 1, "each block-table row must be contiguous"
     assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, seq_lens
     assert query_start_loc.shape == (num_seqs + 1,), (query_start_loc.shape, num_seqs)
     assert query_start_loc.dtype == torch.int32, query_start_loc.dtype
@@ -215,8 +220,6 @@ def paged_attention_prefill(
         HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
-        DOT_PRECISION=dot_precision(key_cache.dtype),
-        UPCAST_DOT=is_interpreted(_paged_attention_prefill_kernel)
-        and key_cache.dtype == torch.bfloat16,
+        **dot_args(_paged_attention_prefill_kernel, key_cache.dtype),
     )  # fmt: skip
     return out

@@ -88,6 +88,7 @@ def store_kv(
     assert key.stride(2) == 1 and value.stride(2) == 1, "head_dim of key/value must be contiguous"
     assert slot_mapping.shape == (num_tokens,), (slot_mapping.shape, num_tokens)
     assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
+    assert slot_mapping.is_contiguous()
     assert key.device == value.device == key_cache.device == slot_mapping.device
     if num_tokens == 0:
         return

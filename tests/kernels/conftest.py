@@ -1,0 +1,167 @@
+"""Shared set-up for the kernel tests: interpreter switch, devices, tolerances, paged inputs.
+
+Without CUDA the Triton kernels run under Triton's interpreter (numpy on the CPU). Triton
+decides interpreter-or-compiler when a ``@triton.jit`` function is *defined*, i.e. when
+``kernels.<kernel>`` is first imported, so ``TRITON_INTERPRET=1`` is set here, before any
+test module of this folder imports a kernel.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
+
+# (atol, rtol) against the fp32 reference. fp16/bf16 outputs are rounded to the dtype (one
+# ulp is 1e-3 / 8e-3 near 1.0) and the kernels round the softmax weights to the dtype before
+# the P @ V product, as flash attention does.
+TOLERANCES = {
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+}
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(
+            "cpu",
+            marks=pytest.mark.skipif(
+                not INTERPRET, reason="compiled Triton kernels need CUDA tensors"
+            ),
+        ),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available() or INTERPRET,
+                    reason="needs CUDA and compiled (not interpreted) Triton",
+                ),
+            ],
+        ),
+    ]
+)
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """CPU under the interpreter, CUDA with compiled kernels; each skips where it cannot run."""
+    return torch.device(request.param)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Kernel output vs reference output, with the tolerance of the kernel's dtype."""
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert torch.isfinite(actual).all(), "kernel output has NaN/inf (read outside the context?)"
+    atol, rtol = TOLERANCES[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.fixture
+def close() -> Callable[[torch.Tensor, torch.Tensor], None]:
+    return assert_close
+
+
+@dataclass
+class PagedKV:
+    """One paged context per sequence, twice.
+
+    The kernel copy lives at shuffled, non-contiguous block ids of a pool whose every other
+    slot (unused blocks, the tail of each last block, block-table padding) holds NaN, so a
+    kernel reading outside a context produces NaN. The reference copy holds the same values
+    in a small NaN-free pool (the reference multiplies masked positions by zero weights, and
+    0 * NaN is NaN).
+    """
+
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks_per_seq] int32
+    ref_key_cache: torch.Tensor  # [num_used_blocks + 1, block_size, num_kv_heads, head_dim]
+    ref_value_cache: torch.Tensor  # [num_used_blocks + 1, block_size, num_kv_heads, head_dim]
+    ref_block_tables: torch.Tensor  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+
+
+def build_paged_kv(
+    seq_lens: Sequence[int],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int | None = None,
+) -> PagedKV:
+    """Random K/V contexts of ``seq_lens`` tokens, paged through shuffled block tables.
+
+    With ``num_blocks`` given (a pool too large to fill), the used blocks sit at shuffled ids
+    near the top of the pool and only those blocks are ever written, so a multi-GiB pool
+    costs only the memory of the blocks touched (untouched pages are never committed).
+    """
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_used = sum(blocks_per_seq)
+    # One padding column, so every table row ends with padding the kernels must not read.
+    max_blocks = max(blocks_per_seq) + 1
+    shape_tail = (block_size, num_kv_heads, head_dim)
+
+    # Compact, NaN-free pool for the reference: block 0 is the padding block, sequence i
+    # owns the consecutive blocks [first, first + blocks_per_seq[i]).
+    ref_k = torch.zeros((num_used + 1, *shape_tail), dtype=dtype, device=device)
+    ref_v = torch.zeros_like(ref_k)
+    ref_tables = torch.zeros((len(seq_lens), max_blocks), dtype=torch.int32, device=device)
+    # Which slots of each compact block hold context; the others are garbage in the kernel pool.
+    valid = torch.zeros((num_used + 1, block_size), dtype=torch.bool, device=device)
+    first = 1
+    for i, n in enumerate(seq_lens):
+        last = first + blocks_per_seq[i]
+        ref_tables[i, : last - first] = torch.arange(first, last, dtype=torch.int32)
+        ref_k[first:last].view(-1, num_kv_heads, head_dim)[:n] = torch.randn(
+            (n, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        ref_v[first:last].view(-1, num_kv_heads, head_dim)[:n] = torch.randn(
+            (n, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+        valid[first:last].view(-1)[:n] = True
+        first = last
+
+    # Kernel pool: compact block c (0 = padding) lives at pool block id_map[c], shuffled.
+    if num_blocks is None:
+        num_blocks = 2 * (num_used + 1) + 3
+        key_cache = torch.full((num_blocks, *shape_tail), float("nan"), dtype=dtype, device=device)
+        value_cache = torch.full_like(key_cache, float("nan"))
+        id_map = torch.randperm(num_blocks, device=device)[: num_used + 1]
+    else:
+        key_cache = torch.empty((num_blocks, *shape_tail), dtype=dtype, device=device)
+        value_cache = torch.empty_like(key_cache)
+        id_map = num_blocks - 1 - torch.randperm(4 * (num_used + 1), device=device)[: num_used + 1]
+    garbage = ~valid[:, :, None, None]  # [num_used + 1, block_size, 1, 1]
+    key_cache[id_map] = torch.where(garbage, float("nan"), ref_k)
+    value_cache[id_map] = torch.where(garbage, float("nan"), ref_v)
+    block_tables = id_map[ref_tables.long()].to(torch.int32)
+    return PagedKV(
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        ref_key_cache=ref_k,
+        ref_value_cache=ref_v,
+        ref_block_tables=ref_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+    )
+
+
+@pytest.fixture
+def paged_kv() -> Callable[..., PagedKV]:
+    """Factory fixture: ``paged_kv(seq_lens, block_size=..., ...)`` -> ``PagedKV``."""
+    return build_paged_kv

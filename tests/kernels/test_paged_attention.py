@@ -1,0 +1,148 @@
+"""Triton decode paged attention vs ``kernels.reference.paged_attention_decode``.
+
+CPU: under TRITON_INTERPRET=1 (set by conftest.py before this import). CUDA: compiled.
+Every kernel pool surrounds the context with NaN (see ``conftest.PagedKV``), so each case
+also checks that the kernel reads nothing outside ``seq_lens`` and the block tables.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.paged_attention as decode_module
+from kernels import reference
+from kernels.paged_attention import (
+    MAX_SPLITS,
+    MIN_TOKENS_PER_SPLIT,
+    choose_num_splits,
+    paged_attention_decode,
+)
+
+
+def ragged_lens(block_size: int) -> list[int]:
+    """1, block_size - 1, block_size, block_size + 1 and a long context (several tiles)."""
+    return [1, block_size - 1, block_size, block_size + 1, 150]
+
+
+def run_case(paged_kv, close, device, *, seq_lens, block_size, num_kv_heads, group, head_dim,
+             dtype, num_splits=None, num_blocks=None) -> None:  # fmt: skip
+    kv = paged_kv(
+        seq_lens,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+        num_blocks=num_blocks,
+    )
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, dtype=dtype, device=device)
+    scale = head_dim**-0.5
+    out = paged_attention_decode(
+        query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale,
+        num_splits=num_splits,
+    )  # fmt: skip
+    expected = reference.paged_attention_decode(
+        query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, kv.seq_lens, scale
+    )
+    close(out, expected)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_block_sizes_and_gqa_ratios(paged_kv, close, device, block_size, group):
+    run_case(paged_kv, close, device, seq_lens=ragged_lens(block_size), block_size=block_size,
+             num_kv_heads=2, group=group, head_dim=64, dtype=torch.float32)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dtypes_and_head_dims(paged_kv, close, device, dtype, head_dim):
+    # SmolLM2-135M: 9 query heads on 3 KV heads.
+    run_case(paged_kv, close, device, seq_lens=ragged_lens(16), block_size=16,
+             num_kv_heads=3, group=3, head_dim=head_dim, dtype=dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [32, 80])
+def test_other_head_dims(paged_kv, close, device, head_dim):
+    # 80 is not a power of two: padded to 128 inside the kernel and masked.
+    run_case(paged_kv, close, device, seq_lens=[5, 40], block_size=16,
+             num_kv_heads=1, group=4, head_dim=head_dim, dtype=torch.float16)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k(paged_kv, close, device, num_splits, dtype):
+    # Short sequences beside a long one: most of their splits are empty (lse = -inf).
+    run_case(paged_kv, close, device, seq_lens=[1, 17, 450], block_size=16,
+             num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
+             num_splits=num_splits)  # fmt: skip
+
+
+def test_huge_pool_block_offsets_need_int64(paged_kv, close, device):
+    """Blocks above 2**31 elements into the pool: int32 offsets would wrap.
+
+    The pool is 2**31 + 2**20 fp16 elements per cache (4 GiB each), but only the blocks the
+    test uses are written; the rest are never touched, so on CPU the pages stay virtual.
+    """
+    block_size, num_kv_heads, head_dim = 16, 1, 64
+    elems_per_block = block_size * num_kv_heads * head_dim
+    num_blocks = (2**31 + 2**20) // elems_per_block
+    kv_kwargs = dict(seq_lens=[1, 17, 100], block_size=block_size, num_kv_heads=num_kv_heads,
+                     group=4, head_dim=head_dim, dtype=torch.float16, num_blocks=num_blocks)  # fmt: skip
+    run_case(paged_kv, close, device, **kv_kwargs)
+    run_case(paged_kv, close, device, num_splits=2, **kv_kwargs)
+
+
+def test_strided_query(paged_kv, close, device):
+    """Query as a view into a fused QKV projection: only head_dim needs to be contiguous."""
+    kv = paged_kv([9, 33], block_size=8, num_kv_heads=2, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    qkv = torch.randn(2, 3 * 8, 64, device=device)  # [num_seqs, q + k + v heads, head_dim]
+    query = qkv[:, :8]  # [num_seqs, 8, 64], group 4
+    out = paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                 kv.seq_lens, 0.125)  # fmt: skip
+    expected = reference.paged_attention_decode(
+        query.contiguous(), kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables,
+        kv.seq_lens, 0.125,
+    )  # fmt: skip
+    close(out, expected)
+
+
+def test_rejects_mismatched_shapes(device):
+    key_cache = torch.zeros(4, 16, 2, 64, device=device)
+    block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(AssertionError):  # 5 query heads on 2 KV heads
+        paged_attention_decode(torch.zeros(1, 5, 64, device=device), key_cache, key_cache,
+                               block_tables, seq_lens, 1.0)  # fmt: skip
+    with pytest.raises(AssertionError):  # int64 block tables
+        paged_attention_decode(torch.zeros(1, 4, 64, device=device), key_cache, key_cache,
+                               block_tables.long(), seq_lens, 1.0)  # fmt: skip
+
+
+class TestChooseNumSplits:
+    """The split-K heuristic, on a pretend 132-SM GPU (an H100 SXM)."""
+
+    @pytest.fixture(autouse=True)
+    def _h100(self, monkeypatch):
+        monkeypatch.setattr(decode_module, "num_compute_units", lambda device: 132)
+
+    def test_full_grid_does_not_split(self):
+        assert choose_num_splits(64, 8, 4096, torch.device("cuda")) == 1
+
+    def test_short_context_does_not_split(self):
+        assert choose_num_splits(1, 8, 2 * MIN_TOKENS_PER_SPLIT - 1, torch.device("cuda")) == 1
+
+    def test_few_long_sequences_split_to_fill_the_device(self):
+        num_splits = choose_num_splits(2, 8, 32768, torch.device("cuda"))
+        assert num_splits == 17  # ceil(2 * 132 / 16) programs per (sequence, KV head)
+        assert 2 * 8 * num_splits >= 2 * 132
+
+    def test_splits_stay_long_and_bounded(self):
+        assert choose_num_splits(1, 1, 4 * MIN_TOKENS_PER_SPLIT, torch.device("cuda")) == 4
+        assert choose_num_splits(1, 1, 10**7, torch.device("cuda")) == MAX_SPLITS
+
+    def test_cpu_never_splits(self, monkeypatch):
+        monkeypatch.undo()
+        assert choose_num_splits(1, 1, 10**6, torch.device("cpu")) == 1
