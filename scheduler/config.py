@@ -43,4 +43,6 @@ class SchedulerConfig:
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
         if self.static_finished not in ("compute", "skip"):
-            raise ValueError(f"static_finished must be compute or skip, got {self.static_finished!r}")
+            raise ValueError(
+                f"static_finished must be compute or skip, got {self.static_finished!r}"
+            )

@@ -128,7 +128,9 @@ class Request:
 
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        if position < n:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - n]
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids in positions [start, end) across prompt and output."""
