@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -110,6 +110,24 @@ def http_client(base_url: str, timeout_s: float, api_key: str | None = None) -> 
     )
 
 
+async def _drain(chunks: AsyncIterator[bytes], timeout_s: float = 2.0) -> None:
+    """Read what follows ``[DONE]`` (normally just the end of the chunked body).
+
+    Reading the response to its end lets httpx return the connection to the pool instead of
+    closing it, so the server does not see every finished request as a client disconnect. A
+    server that keeps the response open after ``[DONE]`` only costs ``timeout_s``.
+    """
+
+    async def consume() -> None:
+        async for _ in chunks:
+            pass
+
+    try:
+        await asyncio.wait_for(consume(), timeout=timeout_s)
+    except (asyncio.TimeoutError, httpx.HTTPError):
+        pass
+
+
 class CompletionClient:
     """Sends streaming completions and fills :class:`RequestRecord` s."""
 
@@ -169,16 +187,17 @@ class CompletionClient:
         except asyncio.CancelledError:
             record.cancelled = True
             record.cancel_reason = record.cancel_reason or "time_limit"
-            record.e2e_s = time.perf_counter() - sent
             raise
         except httpx.HTTPError as exc:
             record.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-        if record.e2e_s is None:
-            record.e2e_s = time.perf_counter() - sent
-        if record.chunk_times_s:
-            record.ttft_s = record.chunk_times_s[0]
-        if record.output_tokens_source != "usage":
-            record.output_tokens = len(record.chunk_times_s)
+        finally:
+            # Runs on every path, cancellation included, so partial measurements survive.
+            if record.e2e_s is None:
+                record.e2e_s = time.perf_counter() - sent
+            if record.chunk_times_s:
+                record.ttft_s = record.chunk_times_s[0]
+            if record.output_tokens_source != "usage":
+                record.output_tokens = len(record.chunk_times_s)
 
     async def _stream(
         self, spec: RequestSpec, body: dict[str, Any], record: RequestRecord, sent: float
@@ -191,7 +210,8 @@ class CompletionClient:
                 text = (await response.aread()).decode("utf-8", errors="replace")
                 record.error = f"HTTP {response.status_code}: {text}"[:MAX_ERROR_CHARS]
                 return
-            async for chunk in response.aiter_bytes():
+            chunks = response.aiter_bytes()
+            async for chunk in chunks:
                 now = time.perf_counter() - sent
                 for event in parser.feed(chunk):
                     if event.data.strip() == DONE_SENTINEL:
@@ -211,12 +231,15 @@ class CompletionClient:
                     record.cancel_reason = "client"
                     record.e2e_s = time.perf_counter() - sent
                     return
-            if not done:
-                for event in parser.close():
-                    if event.data.strip() == DONE_SENTINEL:
-                        done = True
-                    elif not self._handle_event(event.data, time.perf_counter() - sent, record):
-                        return
+            if done:
+                record.e2e_s = time.perf_counter() - sent
+                await _drain(chunks)
+                return
+            for event in parser.close():
+                if event.data.strip() == DONE_SENTINEL:
+                    done = True
+                elif not self._handle_event(event.data, time.perf_counter() - sent, record):
+                    return
         record.e2e_s = time.perf_counter() - sent
         if not done and record.finish_reason is None:
             record.error = "stream ended without [DONE] or a finish_reason"

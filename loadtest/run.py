@@ -197,7 +197,6 @@ async def arun_sweep(
         measured = None
         if config.calibrate_tokens:
             measured = await tokens_per_word(http, model, config.seed)
-        metrics_before = await scrape_metrics(http) if config.scrape_metrics else None
     specs = build_workload(config, measured or 1.0)
     options = ClientOptions(
         base_url=config.base_url,
@@ -211,6 +210,8 @@ async def arun_sweep(
     points: list[PointResult] = []
     async with CompletionClient(options) as client:
         await _warmup(client, config.warmup_requests)
+        # Scraped after the warm-up, so "after point 1 - before" covers point 1 alone.
+        metrics_before = await scrape_metrics(client.http) if config.scrape_metrics else None
         for point in config.points():
             result = await run_point(client, point, specs, config)
             if config.scrape_metrics and metrics_before is not None:
