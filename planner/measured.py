@@ -60,8 +60,11 @@ _METRIC_PATTERNS = {
     "throughput": re.compile(r"output_throughput|output_tokens?_per_s|output_tok_s|"
                              r"generation_throughput|generation_tokens?_per_s"),
 }
-_SKIP_STATS = re.compile(r"p9\d|p99|max|min|std|p1\b|p10\b|p25|p75|p90|total")
-_CONCURRENCY_KEYS = ("concurrency", "max_concurrency", "batch", "batch_size")
+# Other statistics, SLO targets, and raw Prometheus samples copied into a result file.
+_SKIP_STATS = re.compile(r"p\d\d?(?<!p50)\b|p\d\d?_|max|min|std|total|slo|goodput|bucket|"
+                         r"_sum\b|_count\b|\{")
+# Set concurrency first; the observed peak in flight only if nothing set it.
+_CONCURRENCY_KEYS = (("concurrency", "batch", "batch_size"), ("max_concurrency",))
 
 
 def _unit_scale(key: str) -> float:
@@ -99,7 +102,9 @@ def _flat_numbers(obj: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _pick(numbers: dict[str, float], metric: str, timed: bool) -> tuple[float, str] | None:
+def _pick(numbers: dict[str, float], metric: str, timed: bool
+          ) -> tuple[int, float, str] | None:
+    """(statistic rank, value in seconds or tokens/s, key) of the best key for ``metric``."""
     best: tuple[int, float, str] | None = None
     for key, value in numbers.items():
         if not _METRIC_PATTERNS[metric].search(key):
@@ -110,7 +115,7 @@ def _pick(numbers: dict[str, float], metric: str, timed: bool) -> tuple[float, s
         scaled = value * (_unit_scale(key) if timed else 1.0)
         if best is None or rank < best[0]:
             best = (rank, scaled, key)
-    return None if best is None else (best[1], best[2])
+    return best
 
 
 def _length(numbers: dict[str, float], kind: str) -> float | None:
@@ -135,12 +140,13 @@ def _walk(obj: Any, ancestors: tuple[dict[str, Any], ...], path: str
 
 def _concurrency(obj: dict[str, Any], ancestors: tuple[dict[str, Any], ...]) -> int | None:
     # Nearest first: the object, a "point"/"config" inside it, then enclosing objects.
-    for scope in (obj, *ancestors):
-        for holder in (scope, *(v for v in scope.values() if isinstance(v, dict))):
-            for key in _CONCURRENCY_KEYS:
-                value = holder.get(key)
-                if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-                    return int(value)
+    for keys in _CONCURRENCY_KEYS:
+        for scope in (obj, *ancestors):
+            for holder in (scope, *(v for v in scope.values() if isinstance(v, dict))):
+                for key in keys:
+                    value = holder.get(key)
+                    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+                        return int(value)
     return None
 
 
@@ -154,8 +160,13 @@ def _label(obj: dict[str, Any], ancestors: tuple[dict[str, Any], ...]) -> str | 
 
 
 def measurements_from_json(data: Any, source: str) -> list[Measured]:
-    """Every measurement in a result JSON (one per sweep point), in document order."""
-    found: list[Measured] = []
+    """Every measurement in a result JSON (one per sweep point), in document order.
+
+    Objects with a statistic (median or mean) win over objects with bare values: a loadtest
+    result also holds per-request records (``"ttft_s": 0.04``) and SLO targets, which are
+    not summaries. A file holding only bare values is still read.
+    """
+    candidates: list[tuple[int, Measured]] = []
     for obj, ancestors, path in _walk(data, (), ""):
         numbers = _flat_numbers(obj)
         ttft = _pick(numbers, "ttft", timed=True)
@@ -163,20 +174,22 @@ def measurements_from_json(data: Any, source: str) -> list[Measured]:
         throughput = _pick(numbers, "throughput", timed=False)
         if ttft is None and tpot is None and throughput is None:
             continue
-        label = _label(obj, ancestors) or path or "result"
-        found.append(Measured(
+        best_rank = min(pick[0] for pick in (ttft, tpot) if pick) if (ttft or tpot) else 2
+        candidates.append((best_rank, Measured(
             source=source,
-            label=label,
-            ttft_s=ttft[0] if ttft else None,
-            ttft_stat=ttft[1] if ttft else "",
-            tpot_s=tpot[0] if tpot else None,
-            tpot_stat=tpot[1] if tpot else "",
-            output_tokens_per_s=throughput[0] if throughput else None,
+            label=_label(obj, ancestors) or path or "result",
+            ttft_s=ttft[1] if ttft else None,
+            ttft_stat=ttft[2] if ttft else "",
+            tpot_s=tpot[1] if tpot else None,
+            tpot_stat=tpot[2] if tpot else "",
+            output_tokens_per_s=throughput[1] if throughput else None,
             concurrency=_concurrency(obj, ancestors),
             prompt_tokens=_length(numbers, "prompt"),
             output_tokens=_length(numbers, "output"),
-        ))
-    return found
+        )))
+    if any(rank < 2 for rank, _ in candidates):
+        return [m for rank, m in candidates if rank < 2]
+    return [m for _, m in candidates]
 
 
 # ---------------------------------------------------------------------------- Prometheus

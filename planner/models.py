@@ -49,7 +49,11 @@ def _llama(
 # The published config.json of each model (Hugging Face hub), reduced to what matters here.
 PRESETS: dict[str, dict[str, Any]] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct: the server's embedded default model.
-    "smollm2-135m": _llama(576, 1536, 30, 9, 3, 49152, 8192, 100000.0, tied=True, head_dim=64),
+    "smollm2-135m": {
+        **_llama(576, 1536, 30, 9, 3, 49152, 8192, 100000.0, tied=True, head_dim=64),
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
     "llama-2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 4096),
     "llama-2-13b": _llama(5120, 13824, 40, 40, 40, 32000, 4096),
     "llama-2-70b": _llama(8192, 28672, 80, 64, 8, 32000, 4096),

@@ -1,0 +1,113 @@
+"""``pagedserve plan`` end to end: the table, --json, --measured, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from tests.planner.conftest import FAKE_FLOPS, FAKE_READ_BW, FakeCpu
+from tests.planner.test_measured import _loadtest_result, _prometheus_text
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_table_for_the_worked_example(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(capsys, "--model", "llama-2-7b", "--device", "a10", "--dtype", "fp16",
+               "--context", "4096")
+    assert "llama-2-7b (preset) on a10" in out
+    assert "208.3" in out  # ops:byte
+    assert "524,288 B" in out  # KV per token
+    assert "62.4 -> memory-bound" in out  # attention at N=4096
+    assert "sequences of 4,096 tokens" in out
+    assert "cost at $0.75/h" in out
+
+
+def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
+    out = json.loads(_run(capsys, "plan", "--model", "llama-3-8b", "--device", "h100-sxm",
+                          "--kv-dtype", "int8", "--batch", "8", "--price-per-hour", "4",
+                          "--json"))
+    assert out["kv_bytes_per_token"] == 65_536
+    assert out["dtypes"] == {"weights": "bf16", "kv": "int8", "compute": "bf16"}
+    assert out["workload"] == {"prompt_tokens": 350, "output_tokens": 150, "batch": 8,
+                               "context": 8192}
+    assert out["cost"]["price_per_hour"] == 4.0
+    assert out["decode"]["time_per_token_s"] > 0
+    assert "comparisons" not in out
+
+
+def test_default_model_on_cpu_uses_the_measured_peaks(capsys: pytest.CaptureFixture[str]) -> None:
+    out = json.loads(_run(capsys, "--model", "default", "--device", "cpu", "--json"))
+    assert out["model"]["name"] == "smollm2-135m"
+    assert out["device"]["measured"] is True
+    assert out["device"]["memory_bandwidth"] == FAKE_READ_BW
+    assert out["device"]["peak_flops"] == FAKE_FLOPS
+    assert out["dtypes"]["weights"] == "fp32"  # the server's CPU default
+    # 134.5 M fp32 params = 538 MB read per token at 20 GB/s: about 27 ms.
+    assert out["decode"]["time_per_token_s"] == pytest.approx(0.0272, rel=0.03)
+
+
+def test_cpu_flags_skip_the_measurement(
+    capsys: pytest.CaptureFixture[str], fake_cpu: FakeCpu
+) -> None:
+    out = json.loads(_run(capsys, "--device", "cpu", "--bandwidth-gbps", "50", "--tflops",
+                          "1", "--json"))
+    assert out["device"]["memory_bandwidth"] == 50e9
+    assert out["device"]["peak_flops"] == 1e12
+    assert fake_cpu.bandwidth_calls == 0 and fake_cpu.flops_calls == []
+
+
+def test_measured_results_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(_loadtest_result()))
+    out = _run(capsys, "--model", "default", "--device", "a10", "--measured", str(path))
+    assert "predicted vs measured" in out
+    assert "[concurrency=1]" in out and "[concurrency=4]" in out
+    assert "implied MBU" in out and "of bound" in out
+
+    data = json.loads(_run(capsys, "--model", "default", "--device", "a10", "--measured",
+                           str(path), "--point", "concurrency=4", "--json"))
+    (comparison,) = data["comparisons"]
+    # The point's concurrency and mean lengths become the planned workload.
+    assert comparison["workload"]["batch"] == 4
+    assert data["workload"] == {"prompt_tokens": 350, "output_tokens": 150, "batch": 4,
+                                "context": 8192}
+    rows = {row["quantity"]: row for row in comparison["rows"]}
+    assert rows["TPOT"]["measured"] == 0.04
+    # Implied MBU: the decode step's memory time over the measured TPOT.
+    assert rows["TPOT"]["ratio"] == pytest.approx(data["decode"]["memory_time_s"] / 0.04)
+    assert rows["output throughput"]["ratio"] == pytest.approx(
+        95.0 / data["generation"]["output_tokens_per_s"])
+    assert 0 < rows["TTFT"]["ratio"] < 1
+
+
+def test_measured_prometheus_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "metrics.txt"
+    path.write_text(_prometheus_text([0.08] * 4 + [0.15] * 4, [0.015] * 20, 1200))
+    data = json.loads(_run(capsys, "--model", "default", "--device", "cpu", "--measured",
+                           str(path), "--json"))
+    (comparison,) = data["comparisons"]
+    rows = {row["quantity"]: row for row in comparison["rows"]}
+    assert rows["TTFT"]["measured"] == pytest.approx(0.1)
+    assert rows["TPOT"]["ratio"] == pytest.approx(
+        data["decode"]["memory_time_s"] / rows["TPOT"]["measured"])
+    assert rows["output throughput"]["measured"] is None
+    # 1,200 generated tokens over 8 requests: the plan uses 150 output tokens.
+    assert data["workload"]["output_tokens"] == 150
+
+
+def test_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "nope"]) == 2
+    assert "error" in capsys.readouterr().err
+    assert main(["--device", "t4", "--dtype", "bf16"]) == 2
+    assert "bf16" in capsys.readouterr().err
+
+
+def test_list(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(capsys, "--list")
+    assert "h100-sxm" in out and "llama-3-70b" in out and "cpu" in out
