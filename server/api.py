@@ -1,0 +1,148 @@
+"""The FastAPI app: routes only. Handlers live in completions.py, chat.py and below.
+
+Routes::
+
+    POST /v1/completions        completions.create_completion
+    POST /v1/chat/completions   chat.create_chat_completion
+    GET  /v1/models             the one served model
+    GET  /health                200 while the engine loop is alive and iterating, else 503;
+                                the body carries the KV pool figures (blocks used/free/total)
+    GET  /version
+    POST /tokenize, /detokenize
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from server.chat import create_chat_completion
+from server.completions import create_completion
+from server.config import ServingConfig
+from server.context import ServingContext
+from server.engine_client import AsyncEngineClient
+from server.errors import install_error_handlers, invalid
+from server.limits import BodySizeLimitMiddleware
+from server.metrics import ServerMetrics
+from server.prompts import chat_prompt, check_token_ids, encode
+from server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.sampling import check_model, check_unknown_fields
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("pagedserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 404, 413, 422, 500, 503)
+}
+
+
+def create_app(
+    config: ServingConfig, client: AsyncEngineClient, metrics: ServerMetrics | None = None
+) -> FastAPI:
+    """Build the app around a (not yet started) engine client.
+
+    The app's lifespan starts the client's engine thread and stops it on shutdown; tests
+    that drive the app without a lifespan call ``client.start()`` themselves.
+    """
+    if metrics is None:
+        metrics = ServerMetrics(config.server.stats_log_interval_s)
+    ctx = ServingContext.build(config, client, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client.start()
+        yield
+        await client.shutdown()
+
+    app = FastAPI(title="pagedserve", version=_version(), lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await create_completion(body, request, ctx)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        return await create_chat_completion(body, request, ctx)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        card = ModelCard(
+            id=ctx.model_name,
+            created=ctx.started_at,
+            root=config.engine.model,
+            max_model_len=ctx.limits.max_model_len,
+        )
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> Response:
+        state = client.health()
+        snap = state.snapshot
+        body = {
+            "status": "ok" if state.healthy else "unhealthy",
+            "reason": state.reason,
+            "engine": {
+                "heartbeat_age_s": round(state.heartbeat_age_s, 3),
+                "num_steps": snap.num_steps,
+                "num_requests": snap.num_requests,
+                "kv_blocks_total": snap.num_total_blocks,
+                "kv_blocks_free": snap.num_free_blocks,
+                "kv_blocks_used": snap.num_used_blocks,
+            },
+        }
+        return JSONResponse(body, status_code=200 if state.healthy else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        check_model(body.model, ctx.limits)
+        check_unknown_fields(body, ctx.limits)
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("give exactly one of 'prompt' and 'messages'", "prompt")
+        if body.messages is not None:
+            ids = chat_prompt(body.messages, client.tokenizer, body.add_generation_prompt)
+            tokens = ids.token_ids
+        else:
+            assert body.prompt is not None
+            tokens = encode(client.tokenizer, body.prompt,
+                            add_special_tokens=body.add_special_tokens, param="prompt")  # fmt: skip
+        return TokenizeResponse(tokens=tokens, count=len(tokens),
+                                max_model_len=ctx.limits.max_model_len)  # fmt: skip
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        check_model(body.model, ctx.limits)
+        check_unknown_fields(body, ctx.limits)
+        check_token_ids(body.tokens, ctx.limits.vocab_size, "tokens")
+        text = client.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return DetokenizeResponse(prompt=text)
+
+    return app

@@ -1,0 +1,160 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, then the same run as completions.
+
+Streaming follows OpenAI's chunk sequence per choice: a first chunk with
+``delta: {"role": "assistant", "content": ""}``, content chunks, then a chunk with an empty
+``delta`` and the ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request, Response
+
+from server.completions import CLIENT_CLOSED_REQUEST
+from server.context import ServingContext, new_request_id
+from server.errors import APIError
+from server.generation import GenerationRun, LogprobEntry
+from server.prompts import chat_prompt
+from server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+from server.sampling import (
+    chat_logprobs,
+    chat_max_tokens,
+    check_chat_request,
+    choice_params,
+    resolve_max_tokens,
+    stop_strings,
+)
+from server.streaming import (
+    DONE_FRAME,
+    abort_on_disconnect,
+    sse_error_frame,
+    sse_frame,
+    sse_response,
+)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs_body(entries: list[LogprobEntry]) -> ChatLogprobs:
+    """OpenAI's chat format: one object per token with its top-N alternatives."""
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=e.token,
+                logprob=e.logprob,
+                bytes=_bytes(e.token),
+                top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=_bytes(t)) for t, lp in e.top],
+            )
+            for e in entries
+        ]
+    )
+
+
+def _usage(run: GenerationRun) -> UsageInfo:
+    prompt, completion = run.num_prompt_tokens, run.num_completion_tokens
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+async def create_chat_completion(
+    req: ChatCompletionRequest, raw_request: Request, ctx: ServingContext
+) -> Response | ChatCompletionResponse:
+    arrival_time = time.monotonic()
+    limits = ctx.limits
+    check_chat_request(req, limits)
+    prompt = chat_prompt(req.messages, ctx.client.tokenizer)
+    requested, param = chat_max_tokens(req)
+    max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), limits, param)
+    logprobs = chat_logprobs(req)
+    params = [
+        choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i)
+        for i in range(req.n)
+    ]
+    request_id = new_request_id("chatcmpl")
+    run = GenerationRun(
+        ctx.client, ctx.metrics, request_id, [prompt], params, stop_strings(req.stop), req.n,
+        arrival_time, ctx.token_texts,
+    )  # fmt: skip
+    await run.start()
+    created = int(time.time())
+    if req.stream:
+        return sse_response(_stream(req, raw_request, ctx, run, request_id, created))
+
+    async with abort_on_disconnect(raw_request, run.abort, run.close):
+        async for _ in run.deltas():
+            pass
+    if run.aborted:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=AssistantMessage(content=c.text),
+            logprobs=chat_logprobs_body(c.logprobs) if req.logprobs else None,
+            finish_reason=c.finish_reason,  # type: ignore[arg-type]  # stop | length
+            token_ids=c.token_ids if req.return_token_ids else None,
+            prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
+        )
+        for c in run.choices
+    ]
+    return ChatCompletionResponse(
+        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=_usage(run)
+    )
+
+
+async def _stream(
+    req: ChatCompletionRequest,
+    raw_request: Request,
+    ctx: ServingContext,
+    run: GenerationRun,
+    request_id: str,
+    created: int,
+) -> AsyncIterator[bytes]:
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def frame(choice: ChatChunkChoice) -> bytes:
+        chunk = ChatCompletionChunk(
+            id=request_id, created=created, model=ctx.model_name, choices=[choice]
+        )
+        return sse_frame(chunk, usage_field=include_usage)
+
+    async with abort_on_disconnect(raw_request, run.abort, run.close):
+        try:
+            for c in run.choices:
+                yield frame(ChatChunkChoice(index=c.index,
+                                            delta=ChatDelta(role="assistant", content="")))  # fmt: skip
+            async for batch in run.deltas():
+                for d in batch:
+                    if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
+                        yield frame(ChatChunkChoice(
+                            index=d.index,
+                            delta=ChatDelta(content=d.text),
+                            logprobs=chat_logprobs_body(d.logprobs) if req.logprobs else None,
+                            token_ids=d.token_ids if req.return_token_ids else None,
+                        ))  # fmt: skip
+                    if d.finish_reason is not None:
+                        yield frame(ChatChunkChoice(index=d.index, delta=ChatDelta(),
+                                                    finish_reason=d.finish_reason))  # type: ignore[arg-type]  # fmt: skip
+            if include_usage and not run.aborted:
+                yield sse_frame(ChatCompletionChunk(id=request_id, created=created,
+                                                    model=ctx.model_name, choices=[],
+                                                    usage=_usage(run)))  # fmt: skip
+        except APIError as error:
+            yield sse_error_frame(error)
+    yield DONE_FRAME

@@ -1,0 +1,460 @@
+"""AsyncEngineClient: the only place where asyncio meets the (synchronous) engine.
+
+Ownership and threads::
+
+    event loop (uvicorn)                          engine thread (owns the LLMEngine)
+    ────────────────────                          ─────────────────────────────────
+    add(requests) ──┐                              loop:
+    abort(ids) ─────┼─> _intake (deque) + Condition ─>  apply adds/aborts (engine.add_request …)
+                    │                                   outputs = engine.step()
+    RequestStream <─┴── loop.call_soon_threadsafe(_deliver, outputs) <─┘  heartbeat, snapshot
+
+* Only the engine thread calls the engine. The event loop only appends to the intake queue
+  and reads per-request ``RequestStream`` collectors, which only the event loop writes
+  (``_deliver`` runs there), so neither side needs a lock beyond the intake's condition.
+* The engine thread sleeps on the condition when there is no work (no busy spin) and wakes
+  every ``idle_wake_s`` to refresh its heartbeat, so ``/health`` can tell "alive and idle"
+  from "stuck inside a step" (a stale heartbeat) and from "dead" (thread gone).
+* If ``engine.step()`` raises, the requests in flight are aborted in the engine (their blocks
+  are returned) and finish with ``finish_reason="error"``; the loop keeps serving new requests.
+  If the engine cannot even abort them, or the loop itself crashes, the client is marked dead:
+  every open stream gets an error, ``/health`` answers 503 and new requests get 503.
+
+Why a thread and not a process. The model's forward pass runs inside torch ops that release
+the GIL, so the event loop keeps the GIL for most of a step; the Python-side work per step
+(scheduling, building the batch) is what competes with HTTP handling. A process would remove
+that contention but needs IPC for every token of every request (serialization + a socket or
+queue hop per step, as vLLM's ZMQ front end does) and duplicates the tokenizer and config
+between processes. Measured on the 2-core CPU box with the default model (see
+``tests/server/README`` numbers in the final report): event-loop lag while the engine thread
+steps a 32-request batch stays in the low milliseconds, well under one step time, so the
+thread is the simpler correct choice today. Per STYLE 4, moving the engine into a process
+changes only this file: the public surface (``add``/``abort``/``health``) would stay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.outputs import RequestOutput, StepStats
+from scheduler.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLike(Protocol):
+    """The slice of ``engine.LLMEngine`` the client uses (tests substitute a fake)."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def eos_token_id(self) -> int | None: ...
+    @property
+    def model_config(self) -> Any: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_total_blocks(self) -> int: ...
+    @property
+    def last_step_stats(self) -> StepStats | None: ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None: ...
+    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def check_integrity(self) -> None: ...
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine loop is dead or stalled; the request was not queued."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the engine thread last saw, published after every loop iteration."""
+
+    num_steps: int = 0
+    num_requests: int = 0  # requests added and not finished, as the engine thread tracks them
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    last_step_stats: StepStats | None = None
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    healthy: bool
+    reason: str | None  # why not healthy
+    heartbeat_age_s: float
+    snapshot: EngineSnapshot
+
+
+class RequestStream:
+    """Outputs of the engine requests of one HTTP request (its n choices × prompts).
+
+    Written only by the event loop (``_put``) and read by the route handler; ``get`` returns
+    every output that arrived since the last call, in engine order, so a slow consumer gets
+    several steps at once instead of falling behind one step per wake-up.
+    """
+
+    def __init__(self, request_ids: Sequence[str]) -> None:
+        self.request_ids: tuple[str, ...] = tuple(request_ids)
+        self._unfinished = set(request_ids)
+        self._pending: list[RequestOutput] = []
+        self._ready = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    @property
+    def unfinished_ids(self) -> list[str]:
+        return [r for r in self.request_ids if r in self._unfinished]
+
+    def _put(self, output: RequestOutput) -> None:
+        if output.request_id not in self._unfinished:
+            return  # a late output (e.g. an abort after an error) for a finished request
+        if output.finished:
+            self._unfinished.discard(output.request_id)
+        self._pending.append(output)
+        self._ready.set()
+
+    async def get(self) -> list[RequestOutput]:
+        """Wait for outputs; ``[]`` means every request of the stream has finished."""
+        while not self._pending:
+            if not self._unfinished:
+                return []
+            self._ready.clear()
+            await self._ready.wait()
+        batch, self._pending = self._pending, []
+        return batch
+
+
+@dataclass(slots=True)
+class _Add:
+    requests: Sequence[EngineRequest]
+    arrival_time: float | None
+    future: asyncio.Future[None]
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncEngineClient:
+    """Runs one engine on one thread and bridges it to asyncio.
+
+    Args:
+        engine: the engine; from ``start()`` on, only the engine thread touches it.
+        stall_timeout_s: a heartbeat older than this makes the engine unhealthy.
+        check_integrity: call ``engine.check_integrity()`` after every step (debug).
+        idle_wake_s: how often an idle engine thread wakes to refresh its heartbeat.
+        on_step: called on the event loop with each step's ``StepStats`` (metrics hook).
+    """
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        *,
+        stall_timeout_s: float = 60.0,
+        check_integrity: bool = False,
+        idle_wake_s: float = 0.5,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        # Read-only facts, copied before the engine thread exists, so handlers never touch
+        # the engine object.
+        self.tokenizer: Any = engine.tokenizer
+        self.model_id: str = engine.model_id
+        self.max_model_len: int = engine.max_model_len
+        self.eos_token_id: int | None = engine.eos_token_id
+        self.vocab_size: int = int(engine.model_config.vocab_size)
+        self._stall_timeout_s = stall_timeout_s
+        self._check_integrity = check_integrity
+        self._idle_wake_s = idle_wake_s
+        self._on_step = on_step
+
+        self._cond = threading.Condition()
+        self._intake: deque[_Add | _Abort] = deque()  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Written by the engine thread, read by the loop: single reference/float assignments.
+        self._heartbeat = time.monotonic()
+        self._in_step_since: float | None = None
+        self._dead_reason: str | None = None
+        self._snapshot = EngineSnapshot(
+            num_free_blocks=engine.num_free_blocks, num_total_blocks=engine.num_total_blocks
+        )
+        # Engine-thread only: ids added to the engine and not finished yet.
+        self._active: set[str] = set()
+        # Event-loop only: request id -> its stream.
+        self._streams: dict[str, RequestStream] = {}
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs.
+
+        Idempotent for the same loop (the app lifespan and tests may both call it).
+        """
+        loop = asyncio.get_running_loop()
+        if self._thread is not None:
+            if self._loop is not loop:
+                raise RuntimeError("AsyncEngineClient is already bound to another event loop")
+            return
+        self._loop = loop
+        self._heartbeat = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread after its current step; open streams end with an error."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout_s)
+        self._fail_streams("the server is shutting down")
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def health(self) -> EngineHealth:
+        now = time.monotonic()
+        age = now - self._heartbeat
+        reason: str | None = None
+        if self._dead_reason is not None:
+            reason = f"engine loop died: {self._dead_reason}"
+        elif self._thread is None:
+            reason = "engine loop not started"
+        elif not self._thread.is_alive():
+            reason = "engine loop thread exited"
+        elif age > self._stall_timeout_s:
+            stuck = self._in_step_since
+            where = f" inside a step for {now - stuck:.1f}s" if stuck is not None else ""
+            reason = f"engine loop stalled: no iteration for {age:.1f}s{where}"
+        return EngineHealth(reason is None, reason, age, self._snapshot)
+
+    async def add(
+        self, requests: Sequence[EngineRequest], arrival_time: float | None = None
+    ) -> RequestStream:
+        """Queue requests as one unit; return their stream once the engine accepted them.
+
+        Raises:
+            ValueError: the engine refused a request (it can never run); none of them stay.
+            EngineUnavailableError: the engine loop is dead or stalled.
+        """
+        health = self.health()
+        if not health.healthy:
+            raise EngineUnavailableError(health.reason or "unavailable")
+        assert self._loop is not None
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
+            raise ValueError(f"duplicate request id among {ids}")
+        stream = RequestStream(ids)
+        # Register before queueing: outputs may be delivered before the ack below resolves.
+        for request_id in ids:
+            self._streams[request_id] = stream
+        future: asyncio.Future[None] = self._loop.create_future()
+        self._enqueue(_Add(requests, arrival_time, future))
+        try:
+            await future
+        except BaseException:
+            for request_id in ids:
+                self._streams.pop(request_id, None)
+            if not future.done():  # cancelled while waiting: the add may still happen
+                self._enqueue(_Abort(ids))
+            raise
+        return stream
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Ask the engine to abort; idempotent, unknown or finished ids are ignored."""
+        ids = list(request_ids)
+        if ids:
+            self._enqueue(_Abort(ids))
+
+    def _enqueue(self, item: _Add | _Abort) -> None:
+        with self._cond:
+            self._intake.append(item)
+            self._cond.notify()
+
+    def _deliver(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+        """Event loop: route outputs to their streams (runs via call_soon_threadsafe)."""
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream._put(output)
+            if output.finished:
+                del self._streams[output.request_id]
+        if stats is not None and self._on_step is not None:
+            try:
+                self._on_step(stats)
+            except Exception:  # metrics must never break serving
+                logger.exception("on_step hook failed")
+
+    def _fail_streams(self, message: str) -> None:
+        """Event loop: end every open stream with an error output."""
+        for request_id, stream in list(self._streams.items()):
+            stream._put(_error_output(request_id, message))
+        self._streams.clear()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        try:
+            self._serve_forever()
+        except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
+            self._dead_reason = f"{type(exc).__name__}: {exc}"
+            logger.critical("engine loop crashed:\n%s", traceback.format_exc())
+            with self._cond:
+                pending, self._intake = list(self._intake), deque()
+            error = EngineUnavailableError(self._dead_reason)
+            for item in pending:
+                if isinstance(item, _Add):
+                    self._post(_set_future, item.future, error)
+            self._post(self._fail_streams, f"engine loop died: {self._dead_reason}")
+
+    def _serve_forever(self) -> None:
+        engine = self._engine
+        has_work = False
+        num_steps = 0
+        while True:
+            with self._cond:
+                while not self._intake and not self._stopping and not has_work:
+                    self._heartbeat = time.monotonic()
+                    self._cond.wait(self._idle_wake_s)
+                if self._stopping:
+                    return
+                intake, self._intake = self._intake, deque()
+
+            outputs: list[RequestOutput] = []
+            for item in intake:
+                outputs.extend(self._apply(item))
+
+            stats: StepStats | None = None
+            if engine.has_unfinished_requests():
+                self._in_step_since = time.monotonic()
+                try:
+                    outputs.extend(engine.step())
+                    stats = engine.last_step_stats
+                except Exception as exc:
+                    logger.error("engine step failed; failing %d request(s) in flight:\n%s",
+                                 len(self._active), traceback.format_exc())  # fmt: skip
+                    outputs.extend(self._fail_active(f"{type(exc).__name__}: {exc}"))
+                finally:
+                    self._in_step_since = None
+                num_steps += 1
+                if self._check_integrity:
+                    engine.check_integrity()  # AssertionError here is fatal on purpose
+
+            for output in outputs:
+                if output.finished:
+                    self._active.discard(output.request_id)
+            has_work = engine.has_unfinished_requests()
+            self._snapshot = EngineSnapshot(
+                num_steps=num_steps,
+                num_requests=len(self._active),
+                num_free_blocks=engine.num_free_blocks,
+                num_total_blocks=engine.num_total_blocks,
+                last_step_stats=stats if stats is not None else self._snapshot.last_step_stats,
+            )
+            self._heartbeat = time.monotonic()
+            if outputs or stats is not None:
+                self._post(self._deliver, outputs, stats)
+
+    def _apply(self, item: _Add | _Abort) -> list[RequestOutput]:
+        """Engine thread: apply one intake item; return outputs to deliver."""
+        engine = self._engine
+        if isinstance(item, _Abort):
+            ids = [r for r in item.request_ids if r in self._active]
+            return engine.abort_request(ids) if ids else []
+        added: list[str] = []
+        try:
+            for request in item.requests:
+                engine.add_request(request.request_id, list(request.prompt_token_ids),
+                                   request.params, item.arrival_time)  # fmt: skip
+                added.append(request.request_id)
+        except Exception as exc:  # ValueError: the request can never run -> the client's 400
+            if added:
+                engine.abort_request(added)  # all-or-nothing: n>1 choices go in together
+            self._post(_set_future, item.future, exc)
+            return []
+        self._active.update(added)
+        self._post(_set_future, item.future, None)
+        return []
+
+    def _fail_active(self, message: str) -> list[RequestOutput]:
+        """Engine thread: after a failed step, abort everything in flight as an error."""
+        ids = sorted(self._active)
+        aborted = {o.request_id: o for o in self._engine.abort_request(ids)}
+        failed = []
+        for request_id in ids:
+            output = aborted.get(request_id)
+            if output is None:
+                failed.append(_error_output(request_id, message))
+            else:
+                failed.append(dataclasses.replace(output, finished=True, finish_reason="error",
+                                                  error=message))  # fmt: skip
+        return failed
+
+
+def _set_future(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # the waiter was cancelled
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        new_token_ids=[],
+        new_logprobs=None,
+        finished=True,
+        finish_reason="error",
+        num_prompt_tokens=0,
+        num_output_tokens=0,
+        error=message,
+    )

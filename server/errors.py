@@ -1,0 +1,191 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` for every failure.
+
+Status policy (documented in the README's error table):
+
+=====  ==========================================================================
+400    a well-formed request with an invalid value, an unsupported parameter, an
+       unrecognised field (``--unknown-fields reject``), or prompt + max_tokens
+       beyond the context / the whole KV pool
+404    unknown model name or unknown route
+405    wrong HTTP method on a known route
+413    request body above ``--max-body-size``
+422    malformed JSON, bad UTF-8, or a field of the wrong type / a missing field
+500    the engine failed while running the request
+503    the engine loop is dead or stalled (also what issue 7's backpressure returns)
+=====  ==========================================================================
+
+Handlers are installed for ``APIError``, FastAPI's ``RequestValidationError`` and Starlette's
+``HTTPException`` (404/405 from routing), and a last-resort handler turns any other exception
+into a 500 in the same shape, so no response ever leaves in FastAPI's ``{"detail": ...}`` shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+UNAVAILABLE = "service_unavailable_error"
+
+
+class APIError(Exception):
+    """An error the API reports to the client; raise it anywhere below a route handler."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+
+
+def error_body(
+    message: str, *, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400: the request is well-formed but a value is not acceptable."""
+    return APIError(400, message, param=param, code=code)
+
+
+def unsupported(params: Sequence[str], why: str = "is not supported by pagedserve") -> APIError:
+    """A 400 naming the parameters pagedserve will not silently ignore."""
+    names = ", ".join(f"'{p}'" for p in params)
+    noun = "parameter" if len(params) == 1 else "parameters"
+    return APIError(
+        400, f"Unsupported {noun}: {names} {why}.", param=params[0], code="unsupported_parameter"
+    )
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{model}` does not exist.",
+        type=NOT_FOUND,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def engine_failed(detail: str) -> APIError:
+    return APIError(500, f"The engine failed while processing the request: {detail}",
+                    type=SERVER_ERROR, code="engine_error")  # fmt: skip
+
+
+def engine_unavailable(reason: str) -> APIError:
+    return APIError(503, f"The engine is not available: {reason}", type=UNAVAILABLE,
+                    code="engine_unavailable", headers={"Retry-After": "1"})  # fmt: skip
+
+
+def _loc_to_param(loc: Sequence[Any]) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
+    parts = [p for p in loc if p != "body"]
+    # Pydantic names union branches in the location ("prompt", "list[int]", 1); drop them.
+    parts = [p for p in parts if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
+    param = ""
+    for part in parts:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+    return param or None
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "function-after", "function-before"}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        ctx = detail.get("ctx") or {}
+        return f"The request body is not valid JSON: {ctx.get('error', detail['msg'])}", None, \
+            "invalid_json"  # fmt: skip
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _loc_to_param(first.get("loc", ()))
+    if first.get("type") == "missing":
+        return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
+    where = f" for '{param}'" if param else ""
+    more = f" ({len(errors) - 1} more errors)" if len(errors) > 1 else ""
+    # Unions report one error per branch; the first branch's message is the useful one.
+    return f"Invalid type{where}: {first.get('msg', 'invalid value')}{more}.", param, \
+        "invalid_type"  # fmt: skip
+
+
+_HTTP_CODES = {404: ("not_found", NOT_FOUND), 405: ("method_not_allowed", INVALID_REQUEST)}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error response of ``app`` OpenAI-shaped."""
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        if exc.status_code >= 500:
+            logger.error("%s %s -> %d: %s", request.method, request.url.path, exc.status_code,
+                         exc.message)  # fmt: skip
+        return exc.response()
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param, code = _validation_message(exc)
+        return JSONResponse(error_body(message, type=INVALID_REQUEST, param=param, code=code),
+                            status_code=422)  # fmt: skip
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            # FastAPI reports a body that is not UTF-8 as a generic 400 parse error; it is
+            # malformed JSON (RFC 8259 requires UTF-8), so it gets the same 422 as bad JSON.
+            cause = exc.__cause__
+            message = f"The request body is not valid UTF-8 JSON: {cause.reason} at byte " \
+                f"{cause.start}"  # fmt: skip
+            return JSONResponse(error_body(message, type=INVALID_REQUEST, code="invalid_json"),
+                                status_code=422)  # fmt: skip
+        code, type_ = _HTTP_CODES.get(exc.status_code, (None, INVALID_REQUEST))
+        if exc.status_code == 404:
+            message = f"Unknown route: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(message, type=type_, code=code),
+                            status_code=exc.status_code, headers=exc.headers)  # fmt: skip
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(
+            error_body(f"Internal server error: {type(exc).__name__}", type=SERVER_ERROR,
+                       code="internal_error"),
+            status_code=500,
+        )  # fmt: skip
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

@@ -1,0 +1,250 @@
+"""One HTTP request's generation: its engine requests, their text, stop strings and logprobs.
+
+``GenerationRun`` owns the choices of one completions/chat request (n samples × prompts, each
+one engine request ``f"{request_id}-{choice}"``) and turns the engine's ``RequestOutput``s into
+``ChoiceDelta``s that ``completions.py`` / ``chat.py`` format as JSON or SSE. It is the only
+writer of a choice's text (STYLE 15: the server owns streams and detokenizer state).
+
+Stop handling per generated token, in order::
+
+    token ──> (the EOS / stop token that ended the request? it adds no text)
+          ──> IncrementalDetokenizer.add ──> StopStringMatcher.feed ──> emitted text
+    a stop string found ──> the choice finishes "stop" here; the engine request is aborted
+                            and any token the engine produced meanwhile is dropped
+
+so a choice's ``token_ids``, ``logprobs`` and usage end at the token that completed the stop
+string, and its text ends right before the stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import RequestOutput, TokenLogprob
+from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from server.engine_client import AsyncEngineClient, EngineRequest, EngineUnavailableError
+from server.errors import engine_failed, engine_unavailable, invalid
+from server.metrics import RequestTimings, ServerMetrics
+from server.prompts import Prompt
+
+
+class EngineFailure(Exception):
+    """The engine finished a request with ``finish_reason="error"``."""
+
+
+class TokenTexts:
+    """``token id -> text`` of single tokens (for logprobs), cached: a vocabulary is finite."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False,
+                                          clean_up_tokenization_spaces=False)  # fmt: skip
+            self._cache[token_id] = text
+        return text
+
+
+@dataclass(slots=True)
+class LogprobEntry:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]  # (token text, logprob), best first
+    text_offset: int  # where this token's text starts in the choice's generated text
+
+
+@dataclass(slots=True)
+class ChoiceDelta:
+    """What one choice gained from one batch of engine outputs."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" once finished
+
+
+class ChoiceState:
+    """Text, tokens and logprobs of one choice (one engine request)."""
+
+    def __init__(
+        self,
+        index: int,
+        request_id: str,
+        prompt: Prompt,
+        tokenizer: Any,
+        token_texts: TokenTexts,
+        stop: Sequence[str],
+        arrival_time: float,
+    ) -> None:
+        self.index = index
+        self.request_id = request_id
+        self.prompt = prompt
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt.token_ids)
+        self._stop = StopStringMatcher(stop)
+        self._token_texts = token_texts
+        self._decoded_len = 0  # characters the detokenizer produced (emitted + held back)
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[LogprobEntry] = []
+        self.finish_reason: str | None = None  # stop | length | abort
+        self.timings = RequestTimings(arrival_time, num_prompt_tokens=len(prompt.token_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self._stop.stopped
+
+    def on_output(self, output: RequestOutput, now: float) -> ChoiceDelta | None:
+        """Apply one engine output; ``None`` if the choice had already finished.
+
+        Raises:
+            EngineFailure: the engine failed this request.
+        """
+        if self.finished:
+            return None  # e.g. tokens produced between our stop string and the abort
+        if output.finish_reason == "error":
+            raise EngineFailure(output.error or "unknown engine error")
+        delta = ChoiceDelta(self.index)
+        lps: Sequence[TokenLogprob | None] = output.new_logprobs or [None] * len(
+            output.new_token_ids
+        )
+        ending_token = output.stop_token_id if output.finished else None
+        for i, (token_id, lp) in enumerate(zip(output.new_token_ids, lps, strict=True)):
+            is_stop_token = i == len(output.new_token_ids) - 1 and token_id == ending_token
+            offset = self._decoded_len
+            # The EOS / stop token that ended the request adds no text (OpenAI and vLLM
+            # leave it out); it still counts as a generated token.
+            piece = "" if is_stop_token else self._detokenizer.add([token_id])
+            self._decoded_len += len(piece)
+            emitted, stopped = self._stop.feed(piece)
+            delta.text += emitted
+            delta.token_ids.append(token_id)
+            if lp is not None:
+                delta.logprobs.append(self._logprob_entry(lp, offset))
+            if stopped:
+                self.finish_reason = "stop"
+                break
+        self.timings.on_tokens(len(delta.token_ids), now)
+        if not self.finished and output.finished:
+            # Text held back for an incomplete character or a possible stop string is final.
+            emitted, stopped = self._stop.feed(self._detokenizer.flush())
+            delta.text += emitted + self._stop.flush()
+            self.finish_reason = "stop" if stopped else output.finish_reason or "stop"
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs)
+        if self.finished:
+            self.timings.on_finish(self.finish_reason or "stop", now)
+            delta.finish_reason = self.finish_reason
+        return delta
+
+    def _logprob_entry(self, lp: TokenLogprob, offset: int) -> LogprobEntry:
+        texts = self._token_texts
+        top = [(texts(token_id), value) for token_id, value in lp.top]
+        return LogprobEntry(lp.token_id, texts(lp.token_id), lp.logprob, top, offset)
+
+
+class GenerationRun:
+    """The engine requests of one HTTP request, and their choices' state.
+
+    Use: ``await run.start()`` (400/503 before any response is sent), then iterate
+    ``run.deltas()``; call ``run.abort()`` when the client goes away and ``run.close()``
+    in a ``finally``.
+    """
+
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        metrics: ServerMetrics,
+        request_id: str,
+        prompts: Sequence[Prompt],
+        params: Sequence[Any],
+        stop: Sequence[str],
+        n: int,
+        arrival_time: float,
+        token_texts: TokenTexts,
+    ) -> None:
+        """``params[p * n + i]`` are the SamplingParams of choice i of prompt p."""
+        self._client = client
+        self._metrics = metrics
+        self.prompts = list(prompts)
+        self.choices: list[ChoiceState] = []
+        self._requests: list[EngineRequest] = []
+        for p, prompt in enumerate(self.prompts):
+            for i in range(n):
+                index = p * n + i
+                rid = f"{request_id}-{index}"
+                self.choices.append(ChoiceState(index, rid, prompt, client.tokenizer,
+                                                token_texts, stop, arrival_time))  # fmt: skip
+                self._requests.append(EngineRequest(rid, prompt.token_ids, params[index]))
+        self._by_id = {c.request_id: c for c in self.choices}
+        self._arrival_time = arrival_time
+        self._stream: Any = None
+        self.aborted = False  # the engine aborted a choice we did not finish (client gone)
+
+    async def start(self) -> None:
+        try:
+            self._stream = await self._client.add(self._requests, self._arrival_time)
+        except ValueError as exc:  # the engine says the request can never run
+            raise invalid(str(exc), code="request_not_servable") from None
+        except EngineUnavailableError as exc:
+            raise engine_unavailable(str(exc)) from None
+
+    async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """Batches of deltas until every choice finished; raises an ``APIError`` 500 on an
+        engine failure."""
+        assert self._stream is not None, "start() first"
+        while not all(c.finished for c in self.choices):
+            outputs = await self._stream.get()
+            if not outputs:
+                break
+            now = time.monotonic()
+            batch: list[ChoiceDelta] = []
+            for output in outputs:
+                choice = self._by_id[output.request_id]
+                try:
+                    delta = choice.on_output(output, now)
+                except EngineFailure as exc:
+                    self.close()
+                    raise engine_failed(str(exc)) from None
+                if delta is None:
+                    continue
+                batch.append(delta)
+                if choice.finished:
+                    if choice.finish_reason == "abort":
+                        self.aborted = True
+                    elif choice.stopped_by_string:
+                        self._client.abort([choice.request_id])  # the engine would go on
+                    self._metrics.record_request(choice.timings)
+            if batch:
+                yield batch
+
+    def abort(self) -> None:
+        """Abort every unfinished choice in the engine (client disconnected)."""
+        self.aborted = True
+        self.close()
+
+    def close(self) -> None:
+        """Abort what is still running; safe to call more than once."""
+        if self._stream is not None:
+            self._client.abort(self._stream.unfinished_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens counted once per prompt, not once per choice (as OpenAI counts)."""
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)

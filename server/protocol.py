@@ -1,0 +1,254 @@
+"""Pydantic schemas of the HTTP API: the only pydantic in the repo (STYLE 14).
+
+Requests are parsed in *strict* mode: a field of the wrong JSON type (``"max_tokens": "16"``,
+``"temperature": true``) is a 422, as FastAPI reports schema errors. Types only live here;
+*values* (ranges, context length, unsupported-but-known parameters) are checked in
+``server/sampling.py`` and answered with a 400 that names the parameter.
+
+Unknown fields: requests keep them (``extra="allow"``) so the server can name them in a 400
+("Unrecognized request argument supplied: foo", as OpenAI answers), or drop them with a warning
+under ``--unknown-fields ignore`` (vLLM's behaviour). A few OpenAI fields that change nothing
+for a self-hosted server are accepted and ignored on purpose: ``user``, ``store``,
+``metadata``, ``service_tier``, ``parallel_tool_calls`` (without tools).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Field names OpenAI defines that pagedserve accepts and deliberately ignores (see docstring).
+IGNORED_OPENAI_FIELDS = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls"})
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# Optional extension fields are left out of the JSON when unset rather than sent as null.
+_OMIT_IF_NONE: Any = Field(default=None, exclude_if=lambda value: value is None)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields completions and chat share (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None  # None serves the one model; otherwise it must match its name
+    n: int = 1
+    temperature: float | None = None  # None -> 1.0, as OpenAI
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None  # only empty / null accepted
+    # vLLM extension: return prompt and completion token ids with each choice.
+    return_token_ids: bool = False
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # null: up to the context length
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None  # rejected unless null / empty
+    best_of: int | None = None  # rejected unless equal to n
+
+
+class ChatMessage(_Request):
+    role: str
+    # A list of parts is accepted for text parts; other part types are reported as unsupported.
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # chat: null = up to the context, as OpenAI
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Rejected when set to something that would need features pagedserve does not have.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only; chat templates carry their own specials
+    add_generation_prompt: bool = True  # messages only
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = _OMIT_IF_NONE  # with return_token_ids
+    prompt_token_ids: list[int] | None = _OMIT_IF_NONE  # with return_token_ids
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = _OMIT_IF_NONE
+    prompt_token_ids: list[int] | None = _OMIT_IF_NONE
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = _OMIT_IF_NONE
+    content: str | None = _OMIT_IF_NONE
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = _OMIT_IF_NONE
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = _OMIT_IF_NONE
+
+
+class CompletionChunk(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = _OMIT_IF_NONE
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo
