@@ -69,6 +69,7 @@ def create_app(
     if metrics is None:
         metrics = ServerMetrics(config.server.stats_log_interval_s)
     ctx = ServingContext.build(config, client, metrics)
+    client.on_step = metrics.record_step
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

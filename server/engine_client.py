@@ -179,7 +179,9 @@ class AsyncEngineClient:
         stall_timeout_s: a heartbeat older than this makes the engine unhealthy.
         check_integrity: call ``engine.check_integrity()`` after every step (debug).
         idle_wake_s: how often an idle engine thread wakes to refresh its heartbeat.
-        on_step: called on the event loop with each step's ``StepStats`` (metrics hook).
+
+    ``on_step`` (set before ``start()``, by ``create_app``) is called on the event loop with
+    every step's ``StepStats``: the metrics hook.
     """
 
     def __init__(
@@ -189,7 +191,6 @@ class AsyncEngineClient:
         stall_timeout_s: float = 60.0,
         check_integrity: bool = False,
         idle_wake_s: float = 0.5,
-        on_step: Callable[[StepStats], None] | None = None,
     ) -> None:
         self._engine = engine
         # Read-only facts, copied before the engine thread exists, so handlers never touch
@@ -202,7 +203,7 @@ class AsyncEngineClient:
         self._stall_timeout_s = stall_timeout_s
         self._check_integrity = check_integrity
         self._idle_wake_s = idle_wake_s
-        self._on_step = on_step
+        self.on_step: Callable[[StepStats], None] | None = None
 
         self._cond = threading.Condition()
         self._intake: deque[_Add | _Abort] = deque()  # guarded by _cond
@@ -319,9 +320,9 @@ class AsyncEngineClient:
             stream._put(output)
             if output.finished:
                 del self._streams[output.request_id]
-        if stats is not None and self._on_step is not None:
+        if stats is not None and self.on_step is not None:
             try:
-                self._on_step(stats)
+                self.on_step(stats)
             except Exception:  # metrics must never break serving
                 logger.exception("on_step hook failed")
 

@@ -1,0 +1,94 @@
+"""The ``pagedserve`` console script: ``serve``, ``plan`` and ``bench``.
+
+``plan`` and ``bench`` belong to ``planner/`` and ``loadtest/``; they are imported only when
+used, so ``pagedserve serve`` does not pay for (or depend on) them, and they do not import
+torch through the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from server.config import ServingConfig
+
+logger = logging.getLogger("pagedserve")
+
+USAGE = """usage: pagedserve <command> [options]
+
+commands:
+  serve   serve a model over an OpenAI-compatible HTTP API (pagedserve serve --help)
+  plan    capacity and speed arithmetic for a model on a device (pagedserve plan --help)
+  bench   load-test any OpenAI-compatible server (pagedserve bench --help)
+"""
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def serve(config: ServingConfig) -> int:
+    """Load the engine, start its thread inside the app's lifespan, run uvicorn until stopped."""
+    import uvicorn
+
+    from engine import LLMEngine
+    from server.api import create_app
+    from server.engine_client import AsyncEngineClient
+
+    configure_logging(config.server.log_level)
+    logger.info("loading model %r (%s)", config.engine.model, config.engine)
+    engine = LLMEngine(config.engine, config.kvpool, config.scheduler)
+    block_size = config.kvpool.block_size
+    num_tokens = engine.num_total_blocks * block_size
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, room for %.1f sequences of the full "
+        "context (max_model_len %d); batching %s, max_num_seqs %d, max_num_batched_tokens %d",
+        engine.num_total_blocks,
+        block_size,
+        num_tokens,
+        num_tokens / engine.max_model_len,
+        engine.max_model_len,
+        config.scheduler.batching,
+        config.scheduler.max_num_seqs,
+        config.scheduler.max_num_batched_tokens,
+    )
+    client = AsyncEngineClient(
+        engine,
+        stall_timeout_s=config.server.engine_stall_timeout_s,
+        check_integrity=config.server.check_integrity,
+    )
+    app = create_app(config, client)
+    name = config.server.served_model_name or engine.model_id
+    logger.info("serving %r on http://%s:%d/v1", name, config.server.host, config.server.port)
+    uvicorn.run(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level=config.server.log_level,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        return serve(ServingConfig.from_cli(rest))
+    if command == "plan":
+        from planner.cli import main as plan_main
+
+        return plan_main(rest)
+    if command == "bench":
+        from loadtest.cli import main as bench_main
+
+        return bench_main(rest)
+    print(f"pagedserve: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
+    return 2
