@@ -160,7 +160,9 @@ def critical_batch_size(
     Without KV traffic this is b* = R * B_w / 2 (A10, fp16: 208). When R*c*k >= 2*P_s + A(c)
     the KV reads grow as fast as the FLOPs and decode never turns compute-bound: returns inf.
     """
-    denominator = 2.0 * streamed_params + attention_flops - device_ops_per_byte * context * kv_bytes_token
+    denominator = (
+        2.0 * streamed_params + attention_flops - device_ops_per_byte * context * kv_bytes_token
+    )
     if denominator <= 0:
         return math.inf
     return device_ops_per_byte * streamed_weight_bytes / denominator
@@ -169,7 +171,9 @@ def critical_batch_size(
 # ------------------------------------------------------------------------------- capacity
 
 
-def kv_capacity_tokens(memory_bytes: float, weight_bytes_total: float, kv_bytes_token: float) -> int:
+def kv_capacity_tokens(
+    memory_bytes: float, weight_bytes_total: float, kv_bytes_token: float
+) -> int:
     """Tokens whose KV fits in the memory the weights leave: floor((M - W) / k), at least 0.
 
     A10 (24e9 bytes), Llama 2 7B fp16 (14e9): 10e9 / 524,288 = 19,073 tokens. The guide
@@ -180,7 +184,10 @@ def kv_capacity_tokens(memory_bytes: float, weight_bytes_total: float, kv_bytes_
 
 
 def max_sequences(kv_tokens: int, seq_len: int) -> int:
-    """Sequences of ``seq_len`` tokens that fit at once: floor(tokens / seq_len). 19,073 / 4,096 = 4."""
+    """Sequences of ``seq_len`` tokens that fit at once: floor(tokens / seq_len).
+
+    19,073 / 4,096 = 4 (the guide: "about 4 sequences of 4,096").
+    """
     return kv_tokens // seq_len
 
 
@@ -208,8 +215,13 @@ def roofline_time_s(num_bytes: float, flops: float, bandwidth: float, peak_flops
     return max(memory_time_s(num_bytes, bandwidth), compute_time_s(flops, peak_flops))
 
 
-def prefill_flops(streamed_params: float, num_tokens: int, num_layers: int = 0,
-                  num_heads: int = 0, head_dim: int = 0) -> float:
+def prefill_flops(
+    streamed_params: float,
+    num_tokens: int,
+    num_layers: int = 0,
+    num_heads: int = 0,
+    head_dim: int = 0,
+) -> float:
     """FLOPs of a prompt of n tokens: 2 * P_s * n + 4 * L * H * d * n * (n + 1) / 2.
 
     The second term is causal attention (token i attends over i tokens); it is under 1 % of
@@ -220,12 +232,16 @@ def prefill_flops(streamed_params: float, num_tokens: int, num_layers: int = 0,
     return 2.0 * streamed_params * num_tokens + attention
 
 
-def prefill_bytes(streamed_weight_bytes: float, num_tokens: int, kv_bytes_token: float = 0.0) -> float:
+def prefill_bytes(
+    streamed_weight_bytes: float, num_tokens: int, kv_bytes_token: float = 0.0
+) -> float:
     """Bytes a prefill moves at least: the weights once plus the prompt's KV written, W_s + n*k."""
     return streamed_weight_bytes + num_tokens * kv_bytes_token
 
 
-def generation_time_s(prefill_s: float, time_per_output_token_s: float, num_output_tokens: int) -> float:
+def generation_time_s(
+    prefill_s: float, time_per_output_token_s: float, num_output_tokens: int
+) -> float:
     """Total time of one request: t_prefill(n) + O * t_decode.
 
     The guide counts O decode steps (strictly the prefill samples the first token, so O - 1

@@ -12,7 +12,14 @@ import sys
 from typing import Any
 
 from planner.compare import compare, comparison_dict
-from planner.devices import DEVICE_NAMES, DEVICES, Device, get_device, with_overrides
+from planner.devices import (
+    DEVICE_NAMES,
+    DEVICES,
+    Device,
+    get_device,
+    physical_memory_bytes,
+    with_overrides,
+)
 from planner.dtypes import KV_DTYPES, WEIGHT_DTYPES, canonical_dtype, compute_dtype
 from planner.measured import Measured, load_measured
 from planner.models import PRESETS, PlannedModel, load_model
@@ -30,44 +37,109 @@ def build_parser() -> argparse.ArgumentParser:
         "arithmetic intensity, KV cache capacity and lower bounds for prefill and decode; "
         "optionally held against a loadtest result or a live server's /metrics.",
     )
-    p.add_argument("--model", default="default",
-                   help=f"'default' (SmolLM2-135M-Instruct), a preset ({', '.join(sorted(PRESETS))}), "
-                   "an HF directory with config.json, or a .gguf file")
-    p.add_argument("--device", default=None, choices=DEVICE_NAMES, metavar="DEVICE",
-                   help=f"one of {', '.join(DEVICE_NAMES)}; default: this machine's GPU if "
-                   "torch sees a known one, else cpu")
-    p.add_argument("--dtype", default=None, choices=WEIGHT_DTYPES + ("float32", "bfloat16", "float16"),
-                   help="weight dtype (default: fp32 on cpu, bf16 on GPUs, fp16 without bf16)")
-    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES + ("float32", "bfloat16", "float16"),
-                   help="KV cache dtype (default: the weight dtype; 16-bit for quantized weights)")
-    p.add_argument("--prompt-tokens", type=int, default=None,
-                   help=f"P, prompt tokens per request (default {_DEFAULT_PROMPT_TOKENS}, or "
-                   "the measured mean)")
-    p.add_argument("--output-tokens", type=int, default=None,
-                   help=f"O, output tokens per request (default {_DEFAULT_OUTPUT_TOKENS}, or "
-                   "the measured mean)")
-    p.add_argument("--batch", type=int, default=None,
-                   help="b, sequences decoding together (default 1, or the measured concurrency)")
-    p.add_argument("--context", type=int, default=None,
-                   help="sequence length for capacity and attention intensity "
-                   "(default: the model's max positions)")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB",
-                   help="usable device memory in GB (10^9 bytes), overriding the table")
-    p.add_argument("--price-per-hour", type=float, default=None, metavar="USD",
-                   help="device price per hour (the table's figures are examples)")
-    p.add_argument("--bandwidth-gbps", type=float, default=None,
-                   help="memory bandwidth in GB/s, overriding the table or the cpu measurement")
-    p.add_argument("--tflops", type=float, default=None,
-                   help="peak TFLOP/s of the matmul dtype, overriding the table or measurement")
-    p.add_argument("--remeasure", action="store_true",
-                   help="cpu: measure bandwidth and FLOP/s again instead of using the cache")
-    p.add_argument("--measured", default=None, metavar="RESULTS.json|URL",
-                   help="a loadtest result JSON, a Prometheus text file, or a server's "
-                   "http://host:port/metrics to compare against")
-    p.add_argument("--point", default=None,
-                   help="with a multi-point result: compare only this point (label or index)")
-    p.add_argument("--window", type=float, default=0.0, metavar="SECONDS",
-                   help="with a URL: scrape twice, SECONDS apart, to measure throughput")
+    p.add_argument(
+        "--model",
+        default="default",
+        help=f"'default' (SmolLM2-135M-Instruct), a preset ({', '.join(sorted(PRESETS))}), "
+        "an HF directory with config.json, or a .gguf file",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        choices=DEVICE_NAMES,
+        metavar="DEVICE",
+        help=f"one of {', '.join(DEVICE_NAMES)}; default: this machine's GPU if "
+        "torch sees a known one, else cpu",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=WEIGHT_DTYPES + ("float32", "bfloat16", "float16"),
+        help="weight dtype (default: fp32 on cpu, bf16 on GPUs, fp16 without bf16)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=KV_DTYPES + ("float32", "bfloat16", "float16"),
+        help="KV cache dtype (default: the weight dtype; 16-bit for quantized weights)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help=f"P, prompt tokens per request (default {_DEFAULT_PROMPT_TOKENS}, or "
+        "the measured mean)",
+    )
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=None,
+        help=f"O, output tokens per request (default {_DEFAULT_OUTPUT_TOKENS}, or "
+        "the measured mean)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="b, sequences decoding together (default 1, or the measured concurrency)",
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="sequence length for capacity and attention intensity "
+        "(default: the model's max positions)",
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="usable device memory in GB (10^9 bytes), overriding the table",
+    )
+    p.add_argument(
+        "--price-per-hour",
+        type=float,
+        default=None,
+        metavar="USD",
+        help="device price per hour (the table's figures are examples)",
+    )
+    p.add_argument(
+        "--bandwidth-gbps",
+        type=float,
+        default=None,
+        help="memory bandwidth in GB/s, overriding the table or the cpu measurement",
+    )
+    p.add_argument(
+        "--tflops",
+        type=float,
+        default=None,
+        help="peak TFLOP/s of the matmul dtype, overriding the table or measurement",
+    )
+    p.add_argument(
+        "--remeasure",
+        action="store_true",
+        help="cpu: measure bandwidth and FLOP/s again instead of using the cache",
+    )
+    p.add_argument(
+        "--measured",
+        default=None,
+        metavar="RESULTS.json|URL",
+        help="a loadtest result JSON, a Prometheus text file, or a server's "
+        "http://host:port/metrics to compare against",
+    )
+    p.add_argument(
+        "--point",
+        default=None,
+        help="with a multi-point result: compare only this point (label or index)",
+    )
+    p.add_argument(
+        "--window",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="with a URL: scrape twice, SECONDS apart, to measure throughput",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--list", action="store_true", help="list devices and model presets, then exit")
     return p
@@ -93,15 +165,16 @@ def resolve_device(args: argparse.Namespace, weight_dtype: str | None) -> Device
     """The device entry with flags applied; ``cpu`` is measured (or read from the cache)."""
     name = args.device or _detect_device()
     if name == "cpu":
-        from planner.cpu import cpu_device, physical_memory_bytes
+        from planner.cpu import cpu_device
 
         w = canonical_dtype(weight_dtype) if weight_dtype else "fp32"
         # CPU matmuls run in the weight dtype if torch has it, else dequantized to fp32.
         c_dtype = w if w in ("fp32", "bf16", "fp16") else "fp32"
         if args.bandwidth_gbps is not None and args.tflops is not None:
             # Both figures given: nothing to measure.
-            device = Device("cpu", "this machine's CPU (figures from flags)", 0.0,
-                            physical_memory_bytes(), {})
+            device = Device(
+                "cpu", "this machine's CPU (figures from flags)", 0.0, physical_memory_bytes(), {}
+            )
         else:
             device = cpu_device((c_dtype,), refresh=args.remeasure)
         tflops_dtype = c_dtype
@@ -126,6 +199,7 @@ def resolve_device(args: argparse.Namespace, weight_dtype: str | None) -> Device
 
 def _workload(args: argparse.Namespace, measured: Measured | None) -> Workload:
     """Flags win; a measurement fills what the flags left out, so like is compared with like."""
+
     def pick(flag: int | None, seen: float | None, default: int) -> int:
         if flag is not None:
             return flag
@@ -133,10 +207,12 @@ def _workload(args: argparse.Namespace, measured: Measured | None) -> Workload:
 
     m = measured
     return Workload(
-        prompt_tokens=pick(args.prompt_tokens, m.prompt_tokens if m else None,
-                           _DEFAULT_PROMPT_TOKENS),
-        output_tokens=pick(args.output_tokens, m.output_tokens if m else None,
-                           _DEFAULT_OUTPUT_TOKENS),
+        prompt_tokens=pick(
+            args.prompt_tokens, m.prompt_tokens if m else None, _DEFAULT_PROMPT_TOKENS
+        ),
+        output_tokens=pick(
+            args.output_tokens, m.output_tokens if m else None, _DEFAULT_OUTPUT_TOKENS
+        ),
         batch=pick(args.batch, m.concurrency if m else None, 1),
         context=args.context,
     )
@@ -159,8 +235,10 @@ def _list_text() -> str:
     for d in DEVICES.values():
         peaks = ", ".join(f"{k} {v / 1e12:g}" for k, v in d.peak_flops.items())
         price = f"${d.price_per_hour:.2f}/h" if d.price_per_hour is not None else "-"
-        lines.append(f"  {d.name:<16}{d.memory_bandwidth / 1e9:>6,.0f} GB/s {d.memory_bytes / 1e9:>5.0f} GB"
-                     f"  {price:>9}  TFLOP/s: {peaks}")
+        lines.append(
+            f"  {d.name:<16}{d.memory_bandwidth / 1e9:>6,.0f} GB/s {d.memory_bytes / 1e9:>5.0f} GB"
+            f"  {price:>9}  TFLOP/s: {peaks}"
+        )
     lines.append("  cpu             measured on this machine (cached; --bandwidth-gbps/--tflops)")
     lines.append("model presets: " + ", ".join(sorted(PRESETS)))
     return "\n".join(lines)
@@ -170,8 +248,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Plan (and compare); returns the JSON object and the text rendering."""
     model: PlannedModel = load_model(args.model)
     device = resolve_device(args, args.dtype)
-    points = _select(load_measured(args.measured, window_s=args.window), args.point) \
-        if args.measured else []
+    points = (
+        _select(load_measured(args.measured, window_s=args.window), args.point)
+        if args.measured
+        else []
+    )
 
     def plan_for(measured: Measured | None) -> Plan:
         return make_plan(model, device, _workload(args, measured), args.dtype, args.kv_dtype)

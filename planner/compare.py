@@ -42,25 +42,40 @@ def compare(plan: Plan, measured: Measured) -> list[ComparisonRow]:
     prefill = plan.prefill
     compute_bound = prefill["bound"] == "compute"
     ttft_work = prefill["compute_time_s"] if compute_bound else prefill["memory_time_s"]
-    rows.append(ComparisonRow(
-        "TTFT", "s", prefill["time_s"], measured.ttft_s,
-        ttft_work / measured.ttft_s if measured.ttft_s else None,
-        "implied MFU" if compute_bound else "implied MBU",
-    ))
+    rows.append(
+        ComparisonRow(
+            "TTFT",
+            "s",
+            prefill["time_s"],
+            measured.ttft_s,
+            ttft_work / measured.ttft_s if measured.ttft_s else None,
+            "implied MFU" if compute_bound else "implied MBU",
+        )
+    )
 
     decode = plan.decode
-    rows.append(ComparisonRow(
-        "TPOT", "s", decode["time_per_token_s"], measured.tpot_s,
-        decode["memory_time_s"] / measured.tpot_s if measured.tpot_s else None,
-        "implied MBU",
-    ))
+    rows.append(
+        ComparisonRow(
+            "TPOT",
+            "s",
+            decode["time_per_token_s"],
+            measured.tpot_s,
+            decode["memory_time_s"] / measured.tpot_s if measured.tpot_s else None,
+            "implied MBU",
+        )
+    )
 
     predicted_tps = plan.generation["output_tokens_per_s"]
-    rows.append(ComparisonRow(
-        "output throughput", "tok/s", predicted_tps, measured.output_tokens_per_s,
-        measured.output_tokens_per_s / predicted_tps if measured.output_tokens_per_s else None,
-        "of bound",
-    ))
+    rows.append(
+        ComparisonRow(
+            "output throughput",
+            "tok/s",
+            predicted_tps,
+            measured.output_tokens_per_s,
+            measured.output_tokens_per_s / predicted_tps if measured.output_tokens_per_s else None,
+            "of bound",
+        )
+    )
     return rows
 
 

@@ -164,7 +164,9 @@ def measure_cpu_peaks(
         except OSError:
             pass  # a read-only home still gets a plan, just re-measured next time
     read, copy = float(entry["read_bandwidth"]), float(entry["copy_bandwidth"])
-    return CpuPeaks(bandwidth=max(read, copy), flops=flops, read_bandwidth=read, copy_bandwidth=copy)
+    return CpuPeaks(
+        bandwidth=max(read, copy), flops=flops, read_bandwidth=read, copy_bandwidth=copy
+    )
 
 
 def cpu_device(dtypes: tuple[str, ...] = ("fp32",), *, refresh: bool = False) -> Device:

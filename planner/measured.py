@@ -57,12 +57,16 @@ _METRIC_PATTERNS = {
     "ttft": re.compile(r"ttft|time_to_first_token"),
     "tpot": re.compile(r"tpot|time_per_output_token"),
     "itl": re.compile(r"\bitl|_itl|inter_token"),
-    "throughput": re.compile(r"output_throughput|output_tokens?_per_s|output_tok_s|"
-                             r"generation_throughput|generation_tokens?_per_s"),
+    "throughput": re.compile(
+        r"output_throughput|output_tokens?_per_s|output_tok_s|"
+        r"generation_throughput|generation_tokens?_per_s"
+    ),
 }
 # Other statistics, SLO targets, and raw Prometheus samples copied into a result file.
-_SKIP_STATS = re.compile(r"p\d\d?(?<!p50)\b|p\d\d?_|max|min|std|total|slo|goodput|bucket|"
-                         r"_sum\b|_count\b|\{")
+_SKIP_STATS = re.compile(
+    r"p\d\d?(?<!p50)\b|p\d\d?_|max|min|std|total|slo|goodput|bucket|"
+    r"_sum\b|_count\b|\{"
+)
 # Set concurrency first; the observed peak in flight only if nothing set it.
 _CONCURRENCY_KEYS = (("concurrency", "batch", "batch_size"), ("max_concurrency",))
 
@@ -102,8 +106,7 @@ def _flat_numbers(obj: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _pick(numbers: dict[str, float], metric: str, timed: bool
-          ) -> tuple[int, float, str] | None:
+def _pick(numbers: dict[str, float], metric: str, timed: bool) -> tuple[int, float, str] | None:
     """(statistic rank, value in seconds or tokens/s, key) of the best key for ``metric``."""
     best: tuple[int, float, str] | None = None
     for key, value in numbers.items():
@@ -121,14 +124,19 @@ def _pick(numbers: dict[str, float], metric: str, timed: bool
 def _length(numbers: dict[str, float], kind: str) -> float | None:
     words = ("prompt", "input") if kind == "prompt" else ("output", "completion")
     for key, value in numbers.items():
-        if (any(w in key for w in words) and re.search(r"mean|avg", key)
-                and re.search(r"token|len", key) and "throughput" not in key):
+        if (
+            any(w in key for w in words)
+            and re.search(r"mean|avg", key)
+            and re.search(r"token|len", key)
+            and "throughput" not in key
+        ):
             return value
     return None
 
 
-def _walk(obj: Any, ancestors: tuple[dict[str, Any], ...], path: str
-          ) -> Iterator[tuple[dict[str, Any], tuple[dict[str, Any], ...], str]]:
+def _walk(
+    obj: Any, ancestors: tuple[dict[str, Any], ...], path: str
+) -> Iterator[tuple[dict[str, Any], tuple[dict[str, Any], ...], str]]:
     if isinstance(obj, dict):
         yield obj, ancestors, path
         for key, value in obj.items():
@@ -175,24 +183,30 @@ def measurements_from_json(data: Any, source: str) -> list[Measured]:
         if ttft is None and tpot is None and throughput is None:
             continue
         best_rank = min(pick[0] for pick in (ttft, tpot) if pick) if (ttft or tpot) else 2
-        candidates.append((best_rank, Measured(
-            source=source,
-            label=_label(obj, ancestors) or path or "result",
-            ttft_s=ttft[1] if ttft else None,
-            ttft_stat=ttft[2] if ttft else "",
-            tpot_s=tpot[1] if tpot else None,
-            tpot_stat=tpot[2] if tpot else "",
-            output_tokens_per_s=throughput[1] if throughput else None,
-            concurrency=_concurrency(obj, ancestors),
-            prompt_tokens=_length(numbers, "prompt"),
-            output_tokens=_length(numbers, "output"),
-        )))
+        candidates.append(
+            (
+                best_rank,
+                Measured(
+                    source=source,
+                    label=_label(obj, ancestors) or path or "result",
+                    ttft_s=ttft[1] if ttft else None,
+                    ttft_stat=ttft[2] if ttft else "",
+                    tpot_s=tpot[1] if tpot else None,
+                    tpot_stat=tpot[2] if tpot else "",
+                    output_tokens_per_s=throughput[1] if throughput else None,
+                    concurrency=_concurrency(obj, ancestors),
+                    prompt_tokens=_length(numbers, "prompt"),
+                    output_tokens=_length(numbers, "output"),
+                ),
+            )
+        )
     if any(rank < 2 for rank, _ in candidates):
         return [m for rank, m in candidates if rank < 2]
     return [m for _, m in candidates]
 
 
 # ---------------------------------------------------------------------------- Prometheus
+
 
 @dataclass(slots=True)
 class _Histogram:
@@ -262,8 +276,9 @@ def parse_prometheus(text: str) -> _Scrape:
 def _find(names: dict[str, Any], *patterns: str) -> str | None:
     """The first metric name containing a pattern, ``pagedserve_`` names preferred."""
     for pattern in patterns:
-        matches = sorted((n for n in names if pattern in n),
-                         key=lambda n: (not n.startswith("pagedserve_"), n))
+        matches = sorted(
+            (n for n in names if pattern in n), key=lambda n: (not n.startswith("pagedserve_"), n)
+        )
         if matches:
             return matches[0]
     return None

@@ -151,7 +151,8 @@ def gguf_to_hf_config(path: str | Path) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": int(get(f"{arch}.attention.head_count_kv", heads)),
         "head_dim": int(
-            get(f"{arch}.attention.key_length") or get(f"{arch}.rope.dimension_count")
+            get(f"{arch}.attention.key_length")
+            or get(f"{arch}.rope.dimension_count")
             or hidden // heads
         ),
         "vocab_size": int(vocab),
@@ -168,8 +169,7 @@ def gguf_to_hf_config(path: str | Path) -> dict[str, Any]:
             "rope_type": scaling_type,
             "factor": float(get(f"{arch}.rope.scaling.factor", 1.0)),
             "original_max_position_embeddings": int(
-                get(f"{arch}.rope.scaling.original_context_length",
-                    hf["max_position_embeddings"])
+                get(f"{arch}.rope.scaling.original_context_length", hf["max_position_embeddings"])
             ),
         }
     return hf

@@ -60,7 +60,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         # inf (decode never compute-bound) is not JSON; None says "never" there.
-        return _finite(asdict(self))
+        result: dict[str, Any] = _finite(asdict(self))
+        return result
 
 
 def _finite(value: Any) -> Any:
@@ -114,11 +115,11 @@ def make_plan(
     w_streamed = ar.weight_bytes(n_streamed, dtype_bytes(w_dtype))
     k = ar.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes(k_dtype))
     L, H, d = cfg.num_layers, cfg.num_heads, cfg.head_dim
-    P, O, b = workload.prompt_tokens, workload.output_tokens, workload.batch
+    n_in, n_out, b = workload.prompt_tokens, workload.output_tokens, workload.batch
     context = workload.context or cfg.max_position_embeddings
-    if P + O > cfg.max_position_embeddings:
+    if n_in + n_out > cfg.max_position_embeddings:
         warnings.append(
-            f"prompt + output = {P + O} tokens exceeds the model's "
+            f"prompt + output = {n_in + n_out} tokens exceeds the model's "
             f"{cfg.max_position_embeddings} positions"
         )
 
@@ -128,10 +129,12 @@ def make_plan(
         warnings.append(
             f"the weights ({w_total / 1e9:.2f} GB) do not fit in {device.memory_bytes / 1e9:.2f} GB"
         )
-    requests_fit = ar.max_sequences(kv_tokens, P + O)
+    requests_fit = ar.max_sequences(kv_tokens, n_in + n_out)
     if 0 < requests_fit < b:
-        warnings.append(f"batch {b} needs more KV than fits: at most {requests_fit} requests of "
-                        f"{P + O} tokens")
+        warnings.append(
+            f"batch {b} needs more KV than fits: at most {requests_fit} requests of "
+            f"{n_in + n_out} tokens"
+        )
 
     # Standard attention moves activations (Q, K, V, S, P, O), which are 16-bit even when the
     # weights are int8/fp8/int4, and fp32 when the whole model runs in fp32.
@@ -139,13 +142,13 @@ def make_plan(
     attn_intensity = ar.attention_intensity(context, d, dtype_bytes(act_dtype))
 
     # Prefill of one prompt: the TTFT lower bound.
-    pf_flops = ar.prefill_flops(n_streamed, P, L, H, d)
-    pf_bytes = ar.prefill_bytes(w_streamed, P, k)
+    pf_flops = ar.prefill_flops(n_streamed, n_in, L, H, d)
+    pf_bytes = ar.prefill_bytes(w_streamed, n_in, k)
     pf_time = ar.roofline_time_s(pf_bytes, pf_flops, bw, flops_peak)
     pf_intensity = ar.arithmetic_intensity(pf_flops, pf_bytes)
 
     # Decode at the mean context of the generation: step i (1..O) attends over P + i tokens.
-    mean_ctx = P + (O + 1) / 2
+    mean_ctx = n_in + (n_out + 1) / 2
     attn = ar.attention_flops_per_token(L, H, d, mean_ctx)
     dec_flops = ar.decode_step_flops(n_streamed, b, attn)
     dec_bytes = ar.decode_step_bytes(w_streamed, b, mean_ctx, k)
@@ -153,11 +156,12 @@ def make_plan(
     dec_intensity = ar.arithmetic_intensity(dec_flops, dec_bytes)
 
     # The whole batch: b prompts prefilled together, then O steps at a growing context.
-    batch_pf = ar.roofline_time_s(ar.prefill_bytes(w_streamed, b * P, k), b * pf_flops, bw,
-                                  flops_peak)
+    batch_pf = ar.roofline_time_s(
+        ar.prefill_bytes(w_streamed, b * n_in, k), b * pf_flops, bw, flops_peak
+    )
     decode_total = 0.0
-    for i in range(1, O + 1):
-        ctx = P + i
+    for i in range(1, n_out + 1):
+        ctx = n_in + i
         decode_total += ar.roofline_time_s(
             ar.decode_step_bytes(w_streamed, b, ctx, k),
             ar.decode_step_flops(n_streamed, b, ar.attention_flops_per_token(L, H, d, ctx)),
@@ -165,7 +169,7 @@ def make_plan(
             flops_peak,
         )
     total = batch_pf + decode_total
-    out_tps = b * O / total
+    out_tps = b * n_out / total
 
     cost: dict[str, Any] | None = None
     if device.price_per_hour is not None:
@@ -174,7 +178,7 @@ def make_plan(
             "per_request": ar.cost_per_request(device.price_per_hour, total, b),
             "per_million_output_tokens": ar.cost_per_million_tokens(device.price_per_hour, out_tps),
             "per_million_total_tokens": ar.cost_per_million_tokens(
-                device.price_per_hour, b * (P + O) / total
+                device.price_per_hour, b * (n_in + n_out) / total
             ),
         }
 
@@ -203,7 +207,7 @@ def make_plan(
             "measured": device.measured,
         },
         dtypes={"weights": w_dtype, "kv": k_dtype, "compute": c_dtype},
-        workload={"prompt_tokens": P, "output_tokens": O, "batch": b, "context": context},
+        workload={"prompt_tokens": n_in, "output_tokens": n_out, "batch": b, "context": context},
         ops_per_byte=ratio,
         kv_bytes_per_token=k,
         capacity={
@@ -220,7 +224,7 @@ def make_plan(
             "bound": ar.bound_by(attn_intensity, ratio),
         },
         prefill={
-            "tokens": P,
+            "tokens": n_in,
             "flops": pf_flops,
             "bytes": pf_bytes,
             "intensity": pf_intensity,

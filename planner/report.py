@@ -50,21 +50,35 @@ def _row(label: str, value: str, formula: str = "") -> str:
 def render_plan(plan: Plan) -> str:
     """The plan as sections of ``label  value  formula`` rows."""
     m, dev, dt, w = plan.model, plan.device, plan.dtypes, plan.workload
-    cap, att, pf, dec, gen = plan.capacity, plan.attention, plan.prefill, plan.decode, plan.generation
-    P, O, b = w["prompt_tokens"], w["output_tokens"], w["batch"]
+    cap, att, pf, dec, gen = (
+        plan.capacity,
+        plan.attention,
+        plan.prefill,
+        plan.decode,
+        plan.generation,
+    )
+    n_in, n_out, b = w["prompt_tokens"], w["output_tokens"], w["batch"]
     lines = [
         f"pagedserve plan: {m['name']} ({m['source']}) on {dev['name']}: {dev['description']}",
         f"weights {dt['weights']}, KV cache {dt['kv']}, matmuls {dt['compute']}; "
-        f"prompt {P} + output {O} tokens, batch {b}",
+        f"prompt {n_in} + output {n_out} tokens, batch {b}",
         "",
         "model",
-        _row("parameters", f"{fmt_count(m['params'])} ({fmt_count(m['streamed_params'])} "
-             "read per step)", "P; minus untied input embedding"),
-        _row("layers / heads / KV heads / d", f"{m['num_layers']} / {m['num_heads']} / "
-             f"{m['num_kv_heads']} / {m['head_dim']}"),
+        _row(
+            "parameters",
+            f"{fmt_count(m['params'])} ({fmt_count(m['streamed_params'])} read per step)",
+            "P; minus untied input embedding",
+        ),
+        _row(
+            "layers / heads / KV heads / d",
+            f"{m['num_layers']} / {m['num_heads']} / {m['num_kv_heads']} / {m['head_dim']}",
+        ),
         _row("weights", fmt_bytes(m["weight_bytes"]), "W = P x bytes/param"),
-        _row("KV cache per token", f"{plan.kv_bytes_per_token:,.0f} B",
-             "k = 2 x L x H_kv x d x bytes"),
+        _row(
+            "KV cache per token",
+            f"{plan.kv_bytes_per_token:,.0f} B",
+            "k = 2 x L x H_kv x d x bytes",
+        ),
         "",
         "device" + (" (measured)" if dev["measured"] else ""),
         _row("memory bandwidth", f"{dev['memory_bandwidth'] / 1e9:,.1f} GB/s", "BW"),
@@ -75,35 +89,62 @@ def render_plan(plan: Plan) -> str:
         "capacity",
         _row("free for KV cache", fmt_bytes(cap["free_bytes"]), "M - W"),
         _row("KV tokens", f"{cap['kv_tokens']:,}", "floor((M - W) / k)"),
-        _row(f"sequences of {w['context']:,} tokens", f"{cap['sequences_at_context']:,}",
-             "floor(tokens / context)"),
-        _row(f"requests of {P + O:,} tokens", f"{cap['requests_fit']:,}",
-             "floor(tokens / (P + O))"),
+        _row(
+            f"sequences of {w['context']:,} tokens",
+            f"{cap['sequences_at_context']:,}",
+            "floor(tokens / context)",
+        ),
+        _row(
+            f"requests of {n_in + n_out:,} tokens",
+            f"{cap['requests_fit']:,}",
+            "floor(tokens / (P + O))",
+        ),
         "",
         "arithmetic intensity (FLOP/byte) vs ops:byte",
-        _row(f"attention N={att['seq_len']} d={m['head_dim']}",
-             f"{att['intensity']:.1f} -> {att['bound']}-bound",
-             "(4N^2 d + 3N^2) / (bytes x (4N^2 + 4Nd))"),
-        _row(f"decode, batch {b}", f"{dec['intensity']:.2f} -> {dec['bound']}-bound",
-             "b(2P + A) / (W + b c k)"),
-        _row(f"prefill, {P} tokens", f"{pf['intensity']:.1f} -> {pf['bound']}-bound",
-             "(2Pn + A) / (W + n k)"),
+        _row(
+            f"attention N={att['seq_len']} d={m['head_dim']}",
+            f"{att['intensity']:.1f} -> {att['bound']}-bound",
+            "(4N^2 d + 3N^2) / (bytes x (4N^2 + 4Nd))",
+        ),
+        _row(
+            f"decode, batch {b}",
+            f"{dec['intensity']:.2f} -> {dec['bound']}-bound",
+            "b(2P + A) / (W + b c k)",
+        ),
+        _row(
+            f"prefill, {n_in} tokens",
+            f"{pf['intensity']:.1f} -> {pf['bound']}-bound",
+            "(2Pn + A) / (W + n k)",
+        ),
         _row("critical batch (decode)", _critical(dec), "b* = R W / (2P + A - R c k)"),
         "",
         "lower bounds",
-        _row(f"prefill {P} tokens (TTFT)", f"{fmt_time(pf['time_s'])} (compute "
-             f"{fmt_time(pf['compute_time_s'])}, memory {fmt_time(pf['memory_time_s'])})",
-             "max(bytes / BW, FLOPs / F)"),
-        _row(f"decode per token (TPOT), b={b}", f"{fmt_time(dec['time_per_token_s'])} "
-             f"(memory {fmt_time(dec['memory_time_s'])}, compute "
-             f"{fmt_time(dec['compute_time_s'])})", f"at context {dec['mean_context']:g}"),
-        _row("  weights only (guide's rule)", fmt_time(dec["weights_only_time_per_token_s"]),
-             "W / BW"),
-        _row(f"decode throughput, b={b}", f"{dec['output_tokens_per_s']:,.1f} tok/s",
-             "b / t_decode"),
-        _row(f"{P} + {O} tokens, batch {b}", f"{fmt_time(gen['total_time_s'])} "
-             f"({gen['output_tokens_per_s']:,.1f} output tok/s)",
-             "t_prefill + sum of O decode steps"),
+        _row(
+            f"prefill {n_in} tokens (TTFT)",
+            f"{fmt_time(pf['time_s'])} (compute "
+            f"{fmt_time(pf['compute_time_s'])}, memory {fmt_time(pf['memory_time_s'])})",
+            "max(bytes / BW, FLOPs / F)",
+        ),
+        _row(
+            f"decode per token (TPOT), b={b}",
+            f"{fmt_time(dec['time_per_token_s'])} "
+            f"(memory {fmt_time(dec['memory_time_s'])}, compute "
+            f"{fmt_time(dec['compute_time_s'])})",
+            f"at context {dec['mean_context']:g}",
+        ),
+        _row(
+            "  weights only (guide's rule)",
+            fmt_time(dec["weights_only_time_per_token_s"]),
+            "W / BW",
+        ),
+        _row(
+            f"decode throughput, b={b}", f"{dec['output_tokens_per_s']:,.1f} tok/s", "b / t_decode"
+        ),
+        _row(
+            f"{n_in} + {n_out} tokens, batch {b}",
+            f"{fmt_time(gen['total_time_s'])} ({gen['output_tokens_per_s']:,.1f} output tok/s)",
+            "t_prefill + sum of O decode steps",
+        ),
     ]
     if plan.cost is not None:
         c = plan.cost
@@ -128,9 +169,11 @@ def _critical(dec: dict[str, float]) -> str:
 def render_comparison(plan: Plan, measured: Measured, rows: list[ComparisonRow]) -> str:
     """Predicted lower bounds beside the measurement."""
     w = plan.workload
-    header = (f"predicted vs measured: {measured.source} [{measured.label}] "
-              f"(planned as prompt {w['prompt_tokens']} + output {w['output_tokens']}, "
-              f"batch {w['batch']})")
+    header = (
+        f"predicted vs measured: {measured.source} [{measured.label}] "
+        f"(planned as prompt {w['prompt_tokens']} + output {w['output_tokens']}, "
+        f"batch {w['batch']})"
+    )
     lines = [header, f"  {'':<20}{'lower bound':>14}{'measured':>14}   bound/measured"]
     for row in rows:
         if row.unit == "s":
@@ -140,8 +183,11 @@ def render_comparison(plan: Plan, measured: Measured, rows: list[ComparisonRow])
             got = "-" if row.measured is None else f"{row.measured:,.1f} {row.unit}"
         ratio = "-" if row.ratio is None else f"{row.ratio:.3f} ({row.ratio_name})"
         lines.append(f"  {row.quantity:<20}{predicted:>14}{got:>14}   {ratio}")
-    stats = [f"{name}: {stat}" for name, stat in
-             (("TTFT", measured.ttft_stat), ("TPOT", measured.tpot_stat)) if stat]
+    stats = [
+        f"{name}: {stat}"
+        for name, stat in (("TTFT", measured.ttft_stat), ("TPOT", measured.tpot_stat))
+        if stat
+    ]
     if stats:
         lines.append("  (" + "; ".join(stats) + ")")
     return "\n".join(lines)

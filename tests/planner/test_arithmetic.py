@@ -66,8 +66,9 @@ def test_kv_capacity_is_zero_when_weights_do_not_fit() -> None:
     ("device", "guide_ms", "exact_ms"),
     [(T4, 46, 46.67), (A10, 23, 23.33), (A100_80GB, 6, 6.87)],
 )
-def test_decode_lower_bound_per_token(device: tuple[float, float], guide_ms: int,
-                                      exact_ms: float) -> None:
+def test_decode_lower_bound_per_token(
+    device: tuple[float, float], guide_ms: int, exact_ms: float
+) -> None:
     bandwidth, flops = device
     step_flops = ar.decode_step_flops(GUIDE_PARAMS, batch=1)
     step_bytes = ar.decode_step_bytes(GUIDE_WEIGHT_BYTES, batch=1)
@@ -79,27 +80,28 @@ def test_decode_lower_bound_per_token(device: tuple[float, float], guide_ms: int
     assert ar.memory_time_s(step_bytes, bandwidth) > 50 * ar.compute_time_s(step_flops, flops)
 
 
-@pytest.mark.parametrize(
-    ("device", "guide_ms"), [(T4, 75), (A10, 39), (A100_80GB, 16)]
-)
+@pytest.mark.parametrize(("device", "guide_ms"), [(T4, 75), (A10, 39), (A100_80GB, 16)])
 def test_prefill_lower_bound_350_tokens(device: tuple[float, float], guide_ms: int) -> None:
     bandwidth, flops = device
     prefill_flops = ar.prefill_flops(GUIDE_PARAMS, 350)  # 2 * 7e9 * 350 = 4.9e12
     assert prefill_flops == pytest.approx(4.9e12)
-    seconds = ar.roofline_time_s(ar.prefill_bytes(GUIDE_WEIGHT_BYTES, 350), prefill_flops,
-                                 bandwidth, flops)
+    seconds = ar.roofline_time_s(
+        ar.prefill_bytes(GUIDE_WEIGHT_BYTES, 350), prefill_flops, bandwidth, flops
+    )
     assert round(seconds * 1e3) == guide_ms
     # 350 tokens are enough to make prefill compute-bound on all three.
-    assert ar.arithmetic_intensity(prefill_flops, GUIDE_WEIGHT_BYTES) > ar.ops_per_byte(flops,
-                                                                                        bandwidth)
+    assert ar.arithmetic_intensity(prefill_flops, GUIDE_WEIGHT_BYTES) > ar.ops_per_byte(
+        flops, bandwidth
+    )
 
 
 @pytest.mark.parametrize(
     ("device", "decode_ms", "guide_total_s"),
     [(T4, 46, 6.98), (A10, 23, 3.49), (A100_80GB, 6, 0.92)],
 )
-def test_total_generation_350_plus_150(device: tuple[float, float], decode_ms: int,
-                                       guide_total_s: float) -> None:
+def test_total_generation_350_plus_150(
+    device: tuple[float, float], decode_ms: int, guide_total_s: float
+) -> None:
     bandwidth, flops = device
     prefill_s = ar.compute_time_s(ar.prefill_flops(GUIDE_PARAMS, 350), flops)
     # The guide adds 150 of its (truncated) per-token figures to the prefill.
@@ -116,8 +118,9 @@ def test_critical_batch_without_kv_is_ops_per_byte_times_half_the_bytes_per_para
     b = ar.critical_batch_size(ratio, GUIDE_WEIGHT_BYTES, GUIDE_PARAMS)
     assert b == pytest.approx(ratio * 2 / 2)  # R * B_w / 2 with B_w = 2
     # At that batch the decode step's intensity equals the device's ops:byte.
-    intensity = ar.arithmetic_intensity(ar.decode_step_flops(GUIDE_PARAMS, b),
-                                        ar.decode_step_bytes(GUIDE_WEIGHT_BYTES, b))
+    intensity = ar.arithmetic_intensity(
+        ar.decode_step_flops(GUIDE_PARAMS, b), ar.decode_step_bytes(GUIDE_WEIGHT_BYTES, b)
+    )
     assert intensity == pytest.approx(ratio)
 
 
@@ -155,9 +158,15 @@ def test_param_count_matches_engine_config(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "billions"),
-    [("llama-2-7b", 6.738), ("llama-2-13b", 13.016), ("llama-2-70b", 68.977),
-     ("llama-3-8b", 8.030), ("llama-3-70b", 70.554), ("mistral-7b", 7.242),
-     ("default", 0.1345)],
+    [
+        ("llama-2-7b", 6.738),
+        ("llama-2-13b", 13.016),
+        ("llama-2-70b", 68.977),
+        ("llama-3-8b", 8.030),
+        ("llama-3-70b", 70.554),
+        ("mistral-7b", 7.242),
+        ("default", 0.1345),
+    ],
 )
 def test_param_count_of_presets_matches_published_sizes(name: str, billions: float) -> None:
     assert ar.param_count(ModelConfig.from_hf(PRESETS[name])) / 1e9 == pytest.approx(

@@ -18,8 +18,9 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 def test_table_for_the_worked_example(capsys: pytest.CaptureFixture[str]) -> None:
-    out = _run(capsys, "--model", "llama-2-7b", "--device", "a10", "--dtype", "fp16",
-               "--context", "4096")
+    out = _run(
+        capsys, "--model", "llama-2-7b", "--device", "a10", "--dtype", "fp16", "--context", "4096"
+    )
     assert "llama-2-7b (preset) on a10" in out
     assert "208.3" in out  # ops:byte
     assert "524,288 B" in out  # KV per token
@@ -29,13 +30,31 @@ def test_table_for_the_worked_example(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
-    out = json.loads(_run(capsys, "plan", "--model", "llama-3-8b", "--device", "h100-sxm",
-                          "--kv-dtype", "int8", "--batch", "8", "--price-per-hour", "4",
-                          "--json"))
+    out = json.loads(
+        _run(
+            capsys,
+            "plan",
+            "--model",
+            "llama-3-8b",
+            "--device",
+            "h100-sxm",
+            "--kv-dtype",
+            "int8",
+            "--batch",
+            "8",
+            "--price-per-hour",
+            "4",
+            "--json",
+        )
+    )
     assert out["kv_bytes_per_token"] == 65_536
     assert out["dtypes"] == {"weights": "bf16", "kv": "int8", "compute": "bf16"}
-    assert out["workload"] == {"prompt_tokens": 350, "output_tokens": 150, "batch": 8,
-                               "context": 8192}
+    assert out["workload"] == {
+        "prompt_tokens": 350,
+        "output_tokens": 150,
+        "batch": 8,
+        "context": 8192,
+    }
     assert out["cost"]["price_per_hour"] == 4.0
     assert out["decode"]["time_per_token_s"] > 0
     assert "comparisons" not in out
@@ -55,8 +74,9 @@ def test_default_model_on_cpu_uses_the_measured_peaks(capsys: pytest.CaptureFixt
 def test_cpu_flags_skip_the_measurement(
     capsys: pytest.CaptureFixture[str], fake_cpu: FakeCpu
 ) -> None:
-    out = json.loads(_run(capsys, "--device", "cpu", "--bandwidth-gbps", "50", "--tflops",
-                          "1", "--json"))
+    out = json.loads(
+        _run(capsys, "--device", "cpu", "--bandwidth-gbps", "50", "--tflops", "1", "--json")
+    )
     assert out["device"]["memory_bandwidth"] == 50e9
     assert out["device"]["peak_flops"] == 1e12
     assert fake_cpu.bandwidth_calls == 0 and fake_cpu.flops_calls == []
@@ -70,32 +90,51 @@ def test_measured_results_file(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "[concurrency=1]" in out and "[concurrency=4]" in out
     assert "implied MBU" in out and "of bound" in out
 
-    data = json.loads(_run(capsys, "--model", "default", "--device", "a10", "--measured",
-                           str(path), "--point", "concurrency=4", "--json"))
+    data = json.loads(
+        _run(
+            capsys,
+            "--model",
+            "default",
+            "--device",
+            "a10",
+            "--measured",
+            str(path),
+            "--point",
+            "concurrency=4",
+            "--json",
+        )
+    )
     (comparison,) = data["comparisons"]
     # The point's concurrency and mean lengths become the planned workload.
     assert comparison["workload"]["batch"] == 4
-    assert data["workload"] == {"prompt_tokens": 350, "output_tokens": 150, "batch": 4,
-                                "context": 8192}
+    assert data["workload"] == {
+        "prompt_tokens": 350,
+        "output_tokens": 150,
+        "batch": 4,
+        "context": 8192,
+    }
     rows = {row["quantity"]: row for row in comparison["rows"]}
     assert rows["TPOT"]["measured"] == 0.04
     # Implied MBU: the decode step's memory time over the measured TPOT.
     assert rows["TPOT"]["ratio"] == pytest.approx(data["decode"]["memory_time_s"] / 0.04)
     assert rows["output throughput"]["ratio"] == pytest.approx(
-        95.0 / data["generation"]["output_tokens_per_s"])
+        95.0 / data["generation"]["output_tokens_per_s"]
+    )
     assert 0 < rows["TTFT"]["ratio"] < 1
 
 
 def test_measured_prometheus_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "metrics.txt"
     path.write_text(_prometheus_text([0.08] * 4 + [0.15] * 4, [0.015] * 20, 1200))
-    data = json.loads(_run(capsys, "--model", "default", "--device", "cpu", "--measured",
-                           str(path), "--json"))
+    data = json.loads(
+        _run(capsys, "--model", "default", "--device", "cpu", "--measured", str(path), "--json")
+    )
     (comparison,) = data["comparisons"]
     rows = {row["quantity"]: row for row in comparison["rows"]}
     assert rows["TTFT"]["measured"] == pytest.approx(0.1)
     assert rows["TPOT"]["ratio"] == pytest.approx(
-        data["decode"]["memory_time_s"] / rows["TPOT"]["measured"])
+        data["decode"]["memory_time_s"] / rows["TPOT"]["measured"]
+    )
     assert rows["output throughput"]["measured"] is None
     # 1,200 generated tokens over 8 requests: the plan uses 150 output tokens.
     assert data["workload"]["output_tokens"] == 150

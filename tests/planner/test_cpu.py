@@ -34,8 +34,9 @@ def test_cpu_device_is_measured_once_then_cached(cache_dir: Path, fake_cpu: Fake
     assert fake_cpu.bandwidth_calls == 2
 
 
-def test_cache_is_per_machine_fingerprint(cache_dir: Path, fake_cpu: FakeCpu,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cache_is_per_machine_fingerprint(
+    cache_dir: Path, fake_cpu: FakeCpu, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cpu.cpu_device()
     monkeypatch.setattr(cpu, "cpu_fingerprint", lambda: "another machine")
     cpu.cpu_device()

@@ -57,8 +57,9 @@ def test_guide_devices() -> None:
 
 def test_overrides_copy_the_entry() -> None:
     a10 = get_device("A10")
-    changed = with_overrides(a10, bandwidth_gbps=500, tflops=100, tflops_dtype="fp16",
-                             memory_gb=20, price_per_hour=2.5)
+    changed = with_overrides(
+        a10, bandwidth_gbps=500, tflops=100, tflops_dtype="fp16", memory_gb=20, price_per_hour=2.5
+    )
     assert changed.memory_bandwidth == 500e9
     assert changed.peak_flops["fp16"] == 100e12
     assert changed.peak_flops["bf16"] == 125e12

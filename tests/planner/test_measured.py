@@ -17,34 +17,53 @@ BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 def _summary(ttft: float, tpot: float, tps: float, concurrency: int) -> dict[str, Any]:
     return {
-        "num_requests": 8, "num_completed": 8, "output_throughput_tok_s": tps,
-        "total_token_throughput_tok_s": 5 * tps, "mean_prompt_tokens": 350.0,
-        "mean_output_tokens": 150.0, "max_concurrency": concurrency, "slo_ttft_s": 2.0,
-        "slo_tpot_s": 0.2, "ttft_mean_s": ttft * 1.2, "ttft_p50_s": ttft, "ttft_p99_s": 9.0,
-        "ttft_max_s": 9.5, "tpot_mean_s": tpot * 1.1, "tpot_p50_s": tpot, "tpot_p90_s": 8.0,
+        "num_requests": 8,
+        "num_completed": 8,
+        "output_throughput_tok_s": tps,
+        "total_token_throughput_tok_s": 5 * tps,
+        "mean_prompt_tokens": 350.0,
+        "mean_output_tokens": 150.0,
+        "max_concurrency": concurrency,
+        "slo_ttft_s": 2.0,
+        "slo_tpot_s": 0.2,
+        "ttft_mean_s": ttft * 1.2,
+        "ttft_p50_s": ttft,
+        "ttft_p99_s": 9.0,
+        "ttft_max_s": 9.5,
+        "tpot_mean_s": tpot * 1.1,
+        "tpot_p50_s": tpot,
+        "tpot_p90_s": 8.0,
         "itl_p50_s": tpot * 0.9,
     }
 
 
 def _loadtest_result() -> dict[str, Any]:
     """The shape of ``loadtest.run.SweepResult.to_json``: points with summaries and records."""
+
     def point(concurrency: int, ttft: float, tpot: float, tps: float) -> dict[str, Any]:
         return {
-            "point": {"kind": "concurrency", "label": f"concurrency={concurrency}",
-                      "concurrency": concurrency},
+            "point": {
+                "kind": "concurrency",
+                "label": f"concurrency={concurrency}",
+                "concurrency": concurrency,
+            },
             "summary": _summary(ttft, tpot, tps, concurrency),
             "server_metrics_after": {
                 'pagedserve_time_to_first_token_seconds_bucket{le="0.1"}': 3.0,
                 "pagedserve_time_to_first_token_seconds_sum": 0.4,
             },
-            "requests": [{"index": i, "ttft_s": 7.0, "e2e_s": 8.0, "output_tokens": 150}
-                         for i in range(3)],
+            "requests": [
+                {"index": i, "ttft_s": 7.0, "e2e_s": 8.0, "output_tokens": 150} for i in range(3)
+            ],
         }
 
     return {
         "schema_version": 1,
-        "config": {"concurrencies": [1, 4], "max_concurrency": None,
-                   "slo": {"ttft_s": 2.0, "tpot_s": 0.2, "e2e_s": None}},
+        "config": {
+            "concurrencies": [1, 4],
+            "max_concurrency": None,
+            "slo": {"ttft_s": 2.0, "tpot_s": 0.2, "e2e_s": None},
+        },
         "points": [point(1, 0.15, 0.03, 30.0), point(4, 0.25, 0.04, 95.0)],
     }
 
@@ -63,18 +82,32 @@ def test_real_loadtest_summary_fields_are_understood() -> None:
     stats = pytest.importorskip("loadtest.stats")
     names = [f.name for f in fields(stats.Summary)]
     summary = {name: 1.0 for name in names}
-    summary.update(ttft_p50_s=0.11, tpot_p50_s=0.022, output_throughput_tok_s=44.0,
-                   mean_prompt_tokens=100.0, mean_output_tokens=50.0, max_concurrency=2)
-    (m,) = measurements_from_json({"points": [{"point": {"label": "c=2", "concurrency": 2},
-                                               "summary": summary}]}, "x")
+    summary.update(
+        ttft_p50_s=0.11,
+        tpot_p50_s=0.022,
+        output_throughput_tok_s=44.0,
+        mean_prompt_tokens=100.0,
+        mean_output_tokens=50.0,
+        max_concurrency=2,
+    )
+    (m,) = measurements_from_json(
+        {"points": [{"point": {"label": "c=2", "concurrency": 2}, "summary": summary}]}, "x"
+    )
     assert (m.ttft_s, m.tpot_s, m.output_tokens_per_s) == (0.11, 0.022, 44.0)
     assert (m.concurrency, m.prompt_tokens, m.output_tokens) == (2, 100.0, 50.0)
 
 
 def test_vllm_benchmark_serving_result_in_milliseconds() -> None:
-    data = {"max_concurrency": 8, "median_ttft_ms": 120.0, "mean_ttft_ms": 150.0,
-            "p99_ttft_ms": 900.0, "mean_tpot_ms": 25.0, "median_itl_ms": 20.0,
-            "output_throughput": 310.0, "total_token_throughput": 900.0}
+    data = {
+        "max_concurrency": 8,
+        "median_ttft_ms": 120.0,
+        "mean_ttft_ms": 150.0,
+        "p99_ttft_ms": 900.0,
+        "mean_tpot_ms": 25.0,
+        "median_itl_ms": 20.0,
+        "output_throughput": 310.0,
+        "total_token_throughput": 900.0,
+    }
     (m,) = measurements_from_json(data, "vllm.json")
     assert m.ttft_s == pytest.approx(0.12)
     assert m.tpot_s == pytest.approx(0.025)  # TPOT preferred over ITL
@@ -94,12 +127,21 @@ def test_minimal_and_nested_schemas() -> None:
 
 def _prometheus_text(ttfts: list[float], tpots: list[float], generated: int) -> str:
     registry = CollectorRegistry()
-    ttft = Histogram("pagedserve_time_to_first_token_seconds", "TTFT", ["model_name"],
-                     buckets=BUCKETS, registry=registry)
-    tpot = Histogram("pagedserve_time_per_output_token_seconds", "TPOT", ["model_name"],
-                     buckets=BUCKETS, registry=registry)
-    tokens = Counter("pagedserve_generation_tokens", "generated", ["model_name"],
-                     registry=registry)
+    ttft = Histogram(
+        "pagedserve_time_to_first_token_seconds",
+        "TTFT",
+        ["model_name"],
+        buckets=BUCKETS,
+        registry=registry,
+    )
+    tpot = Histogram(
+        "pagedserve_time_per_output_token_seconds",
+        "TPOT",
+        ["model_name"],
+        buckets=BUCKETS,
+        registry=registry,
+    )
+    tokens = Counter("pagedserve_generation_tokens", "generated", ["model_name"], registry=registry)
     prompt = Counter("pagedserve_prompt_tokens", "prompted", ["model_name"], registry=registry)
     for value in ttfts:
         ttft.labels("m").observe(value)

@@ -23,8 +23,15 @@ def test_default_is_smollm2_135m_without_any_file() -> None:
 
 def test_presets_are_case_insensitive_and_complete() -> None:
     assert load_model("Llama-3-8B").config.num_kv_heads == 8
-    assert {"llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b",
-            "mistral-7b", "default"} <= set(PRESETS)
+    assert {
+        "llama-2-7b",
+        "llama-2-13b",
+        "llama-2-70b",
+        "llama-3-8b",
+        "llama-3-70b",
+        "mistral-7b",
+        "default",
+    } <= set(PRESETS)
     assert load_model("mistral-7b").config.model_type == "mistral"
 
 

@@ -23,8 +23,9 @@ LLAMA_2_7B = load_model("llama-2-7b")
     # The guide's figures before it rounds them: 46.7 / 23.3 / 6.87 ms, 75.4 / 39.2 / 15.7 ms.
     [("t4", 46.7, 75.4, 6.98), ("a10", 23.3, 39.2, 3.49), ("a100-80gb", 6.87, 15.7, 0.92)],
 )
-def test_guide_figures_from_the_preset(device: str, decode_ms: float, prefill_ms: float,
-                                       total_s: float) -> None:
+def test_guide_figures_from_the_preset(
+    device: str, decode_ms: float, prefill_ms: float, total_s: float
+) -> None:
     plan = make_plan(LLAMA_2_7B, get_device(device), Workload(350, 150, 1), dtype="fp16")
     # 6.61e9 streamed parameters instead of 7e9: 5.6 % less, plus a little KV and attention.
     assert plan.decode["time_per_token_s"] * 1e3 == pytest.approx(decode_ms, rel=0.06)
@@ -92,13 +93,18 @@ def test_default_dtype_and_quantized_weights() -> None:
 
 
 def test_warnings_and_cost() -> None:
-    plan = make_plan(load_model("llama-2-70b"), get_device("a10"), Workload(4000, 200),
-                     dtype="fp16")
+    plan = make_plan(
+        load_model("llama-2-70b"), get_device("a10"), Workload(4000, 200), dtype="fp16"
+    )
     joined = " ".join(plan.warnings)
     assert "do not fit" in joined and "exceeds" in joined
     assert plan.capacity["kv_tokens"] == 0
-    priced = make_plan(LLAMA_2_7B, with_overrides(get_device("a10"), price_per_hour=3.6),
-                       Workload(350, 150, 1), dtype="fp16")
+    priced = make_plan(
+        LLAMA_2_7B,
+        with_overrides(get_device("a10"), price_per_hour=3.6),
+        Workload(350, 150, 1),
+        dtype="fp16",
+    )
     assert priced.cost is not None
     total = priced.generation["total_time_s"]
     assert priced.cost["per_request"] == pytest.approx(0.001 * total)
