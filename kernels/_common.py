@@ -36,7 +36,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @functools.lru_cache(maxsize=8)
 def num_compute_units(device: torch.device) -> int:
-    """Streaming multiprocessors on a CUDA device (what the split-K heuristic fills); 1 elsewhere."""
+    """Streaming multiprocessors of a CUDA device (what split-K fills); 1 elsewhere."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 1

@@ -39,7 +39,9 @@ TILE_N = 64  # context tokens per loop iteration
 
 @triton.jit
 def _paged_attention_decode_kernel(
-    out_ptr,  # [num_seqs, num_heads, head_dim] (no split) or [num_seqs, num_heads, num_splits, head_dim] fp32
+    # no split: [num_seqs, num_heads, head_dim]
+    # split:    [num_seqs, num_heads, num_splits, head_dim] fp32, normalised per split
+    out_ptr,
     lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, base-2 log-sum-exp (split mode only)
     query_ptr,  # [num_seqs, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

@@ -8,7 +8,10 @@ test module of this folder imports a kernel.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -159,6 +162,93 @@ def build_paged_kv(
         ref_block_tables=ref_tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )
+
+
+# The compiled (non-interpreted) kernels, built for an H100 (sm_90) in one child process: the
+# kernels in this process are interpreted, and triton.compile needs the real @triton.jit
+# functions. Compiling needs no GPU (Triton ships ptxas), so CPU-only CI still proves that the
+# GPU path builds. Arg types use Triton's names; stride_* default to i64; "tl.<dtype>"
+# constexprs become Triton dtypes.
+_BF16_ATTENTION_ARGS = dict(
+    query_ptr="*bf16",
+    key_cache_ptr="*bf16",
+    value_cache_ptr="*bf16",
+    block_tables_ptr="*i32",
+    seq_lens_ptr="*i32",
+    qk_scale="fp32",
+)
+SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
+    "store_kv": (
+        "kernels.store_kv", "_store_kv_kernel",
+        dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16",
+             slot_mapping_ptr="*i64"),
+        dict(NUM_KV_HEADS=3, HEAD_DIM=64, KV_HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16),
+    ),
+    **{
+        f"decode_split={split}": (
+            "kernels.paged_attention", "_paged_attention_decode_kernel",
+            dict(_BF16_ATTENTION_ARGS, out_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32",
+                 tokens_per_split="i32"),
+            dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
+                 TILE_N=64, SPLIT=split, DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32"),
+        )
+        for split in (False, True)
+    },
+    "reduce_splits": (
+        "kernels.paged_attention", "_reduce_splits_kernel",
+        dict(out_ptr="*bf16", partial_out_ptr="*fp32", lse_ptr="*fp32"),
+        dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128),
+    ),
+    "prefill": (
+        "kernels.prefill_attention", "_paged_attention_prefill_kernel",
+        dict(_BF16_ATTENTION_ARGS, out_ptr="*bf16", query_start_loc_ptr="*i32", num_seqs="i32"),
+        dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, HEAD_DIM=64,
+             HEAD_DIM_PAD=64, BLOCK_SIZE=16, TILE_N=64, DOT_DTYPE="tl.bfloat16",
+             DOT_PRECISION="tf32"),
+    ),
+}  # fmt: skip
+
+_COMPILE_SCRIPT = r"""
+import importlib, json, sys, traceback
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+results = {}
+for name, (module, kernel, signature, constexprs) in json.loads(sys.argv[1]).items():
+    try:
+        fn = getattr(importlib.import_module(module), kernel)
+        constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
+                      for k, v in constexprs.items()}
+        names = fn.arg_names
+        full = {n: "constexpr" if n in constexprs else
+                signature.get(n, "i64" if n.startswith("stride_") else None) for n in names}
+        missing = [n for n, t in full.items() if t is None]
+        assert not missing, f"no type for {missing}"
+        src = ASTSource(fn=fn, signature=full,
+                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
+        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        results[name] = None
+    except Exception:
+        results[name] = traceback.format_exc()[-3000:]
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="session")
+def sm90_build_errors() -> dict[str, str | None]:
+    """``SM90_BUILDS`` name -> None if it compiled for sm_90, else the error text."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its CUDA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(SM90_BUILDS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture

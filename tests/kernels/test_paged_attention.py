@@ -88,8 +88,15 @@ def test_huge_pool_block_offsets_need_int64(paged_kv, close, device):
     block_size, num_kv_heads, head_dim = 16, 1, 64
     elems_per_block = block_size * num_kv_heads * head_dim
     num_blocks = (2**31 + 2**20) // elems_per_block
-    kv_kwargs = dict(seq_lens=[1, 17, 100], block_size=block_size, num_kv_heads=num_kv_heads,
-                     group=4, head_dim=head_dim, dtype=torch.float16, num_blocks=num_blocks)  # fmt: skip
+    kv_kwargs = dict(
+        seq_lens=[1, 17, 100],
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        group=4,
+        head_dim=head_dim,
+        dtype=torch.float16,
+        num_blocks=num_blocks,
+    )
     run_case(paged_kv, close, device, **kv_kwargs)
     run_case(paged_kv, close, device, num_splits=2, **kv_kwargs)
 
@@ -146,3 +153,9 @@ class TestChooseNumSplits:
     def test_cpu_never_splits(self, monkeypatch):
         monkeypatch.undo()
         assert choose_num_splits(1, 1, 10**6, torch.device("cpu")) == 1
+
+
+@pytest.mark.parametrize("build", ["decode_split=False", "decode_split=True", "reduce_splits"])
+def test_compiles_for_sm90(sm90_build_errors, build):
+    """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
+    assert sm90_build_errors[build] is None, sm90_build_errors[build]

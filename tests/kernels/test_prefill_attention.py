@@ -107,3 +107,9 @@ def test_rejects_bad_query_start_loc(device):
         paged_attention_prefill(query, key_cache, key_cache, block_tables,
                                 torch.arange(2, dtype=torch.int32, device=device),
                                 seq_lens, 1.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("build", ["prefill"])
+def test_compiles_for_sm90(sm90_build_errors, build):
+    """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
+    assert sm90_build_errors[build] is None, sm90_build_errors[build]

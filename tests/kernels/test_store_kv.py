@@ -94,3 +94,9 @@ def test_rejects_wrong_head_count(device):
     with pytest.raises(AssertionError):
         store_kv(key, key, key_cache, key_cache.clone(), torch.zeros(3, dtype=torch.long,
                                                                       device=device))  # fmt: skip
+
+
+@pytest.mark.parametrize("build", ["store_kv"])
+def test_compiles_for_sm90(sm90_build_errors, build):
+    """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
+    assert sm90_build_errors[build] is None, sm90_build_errors[build]
