@@ -354,9 +354,7 @@ def _compare(args: argparse.Namespace) -> int:
     print(compare_table(result))
     print(f"wrote {result['markdown']}")
     for png in result["plots"]:
-        print(f"wrote {png}")
-    if not result["plots"]:
-        print("note: matplotlib is not installed, no plots (pip install matplotlib)")
+        print(f"wrote {png}")  # (without matplotlib, run_compare has said so on stderr)
     failed = [m["name"] for m in result["modes"] if m["error"]]
     if failed:
         print(f"error: server failed to start in mode(s) {failed}; see their logs", file=sys.stderr)

@@ -245,7 +245,10 @@ def _run_mode(
             return entry, capacity
         _log(f"{mode.name}: healthy after {entry['startup_s']:.1f}s on {server.base_url}")
         warmup = config.warmup_requests  # once per server start
-        for scenario in config.scenarios(capacity):
+        for index in range(len(config.scenarios(capacity))):
+            # Re-derived each time: the baseline's closed loop (scenario 0) sets the rates
+            # of the open-loop scenarios that follow it in the same server session.
+            scenario = config.scenarios(capacity)[index]
             if scenario.kind == "rate" and scenario.request_rate is None:
                 _log(f"{mode.name}: skipping {scenario.name}: no baseline capacity measured")
                 continue

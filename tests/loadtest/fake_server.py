@@ -236,7 +236,10 @@ class FakeServer:
     def __init__(self, config: FakeConfig | None = None) -> None:
         self.config = config or FakeConfig()
         self.state = FakeState()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # NOTE: proto must be IPPROTO_TCP: asyncio sets TCP_NODELAY only on sockets that say
+        # so, and accepted sockets inherit it. With proto 0, Nagle's algorithm meets delayed
+        # ACKs and small SSE chunks arrive ~40 ms late, in bursts.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self.port = int(self._sock.getsockname()[1])
         self.base_url = f"http://127.0.0.1:{self.port}"

@@ -15,17 +15,22 @@ def spec(max_tokens: int = 8, **kw: object) -> RequestSpec:
     return RequestSpec(index=0, prompt="a b c d", prompt_len=4, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
 
 
-async def send(server: FakeServer, s: RequestSpec, **options: object) -> RequestRecord:
-    record = RequestRecord.for_spec(s)
+async def send(
+    server: FakeServer, s: RequestSpec, repeat: int = 1, **options: object
+) -> RequestRecord:
+    """Send ``s`` ``repeat`` times over one connection pool; return the last record."""
     opts = ClientOptions(base_url=server.base_url, model=MODEL_ID, **options)  # type: ignore[arg-type]
     async with CompletionClient(opts) as client:
-        await client.stream_completion(s, record, time.perf_counter())
+        for _ in range(repeat):
+            record = RequestRecord.for_spec(s)
+            await client.stream_completion(s, record, time.perf_counter())
     return record
 
 
 async def test_streams_and_timestamps(fake_server: Callable[..., FakeServer]) -> None:
     server = fake_server(step_s=0.005)
-    r = await send(server, spec(8))
+    # The second request reuses the kept-alive connection (where Nagle delays used to show).
+    r = await send(server, spec(8), repeat=2)
     assert r.ok and r.status_code == 200 and r.finish_reason == "length"
     assert r.output_tokens == 8 and r.output_tokens_source == "usage" and r.prompt_tokens == 4
     # One timestamp per token chunk; the finish-only and usage-only chunks are not tokens.
@@ -33,8 +38,11 @@ async def test_streams_and_timestamps(fake_server: Callable[..., FakeServer]) ->
     assert r.chunk_times_s == sorted(r.chunk_times_s)
     assert r.ttft_s == r.chunk_times_s[0] and r.e2e_s is not None
     assert r.e2e_s >= r.chunk_times_s[-1]
-    # Tokens come one per 5 ms step.
+    # Tokens come one per 5 ms step and are timestamped as they arrive, not in bursts (a
+    # buffering client, or Nagle's algorithm on the socket, would give ~0 gaps here).
     assert r.chunk_times_s[-1] - r.chunk_times_s[0] >= 7 * 0.004
+    gaps = sorted(b - a for a, b in zip(r.chunk_times_s[:-1], r.chunk_times_s[1:], strict=True))
+    assert gaps[len(gaps) // 2] >= 0.002
     body = server.state.bodies[0]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["ignore_eos"] is True and body["max_tokens"] == 8 and body["model"] == MODEL_ID

@@ -35,7 +35,7 @@ async def test_closed_loop_sweep(fake_server: Callable[..., FakeServer]) -> None
     assert [p.point.label for p in result.points] == ["concurrency=1", "concurrency=4"]
     # Server-side: never more than 4 requests at once.
     assert server.state.max_in_flight == 4
-    for point, conc in zip(result.points, (1, 4)):
+    for point, conc in zip(result.points, (1, 4), strict=True):
         s = point.summary
         assert s.num_requests == 24 and s.num_completed == 24 and s.num_errors == 0
         assert s.max_concurrency == conc

@@ -1,0 +1,74 @@
+"""`python -m loadtest run/report` through main(argv), against the fake server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from loadtest.cli import main
+from loadtest.plots import matplotlib_available
+from tests.loadtest.fake_server import FakeServer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_run_writes_json_and_prints_table(
+    fake_server: Callable[..., FakeServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = fake_server(step_s=0.002)
+    out = tmp_path / "results" / "x.json"
+    argv = ["run", "--base-url", server.base_url, "--concurrency", "1,3", "--num-requests", "6",
+            "--prompt-len-dist", "uniform:4:8", "--output-len-dist", "exponential:6:20",
+            "--seed", "7", "--warmup-requests", "0", "--no-progress", "--slo-tpot", "none",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "concurrency=1" in printed and "concurrency=3" in printed and "out_tok/s" in printed
+    result = json.loads(out.read_text())
+    assert result["config"]["seed"] == 7 and result["config"]["slo"]["tpot_s"] is None
+    assert [p["point"]["concurrency"] for p in result["points"]] == [1, 3]
+    assert all(p["summary"]["num_completed"] == 6 for p in result["points"])
+    if matplotlib_available():
+        assert (tmp_path / "results" / "x-throughput_latency.png").exists()
+    else:
+        assert "matplotlib is not installed" in printed
+
+    assert main(["report", str(out)]) == 0
+    assert "concurrency=3" in capsys.readouterr().out
+
+
+def test_request_rate_inf_and_extra_body(
+    fake_server: Callable[..., FakeServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = fake_server()
+    argv = ["run", "--base-url", server.base_url, "--request-rate", "inf", "--num-requests", "5",
+            "--output-len-dist", "4", "--prompt-len-dist", "4", "--warmup-requests", "0",
+            "--no-progress", "--no-ignore-eos", "--extra-body", '{"seed": 1}',
+            "--model", "m"]  # fmt: skip
+    assert main(argv) == 0
+    assert "rate=inf" in capsys.readouterr().out
+    assert all(b["seed"] == 1 and b["model"] == "m" and "ignore_eos" not in b
+               for b in server.state.bodies)  # fmt: skip
+
+
+def test_bad_input_and_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["run", "--base-url", "http://127.0.0.1:9", "--concurrency", "1", "--no-progress"]
+    assert main([*base, "--output-len-dist", "zipf:2"]) == 2
+    assert "bad length distribution" in capsys.readouterr().err
+    assert main([*base, "--model", "m", "--no-tokenize", "--no-metrics"]) == 2
+    assert "warm-up request failed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["run", "--concurrency", "1", "--request-rate", "2"])  # mutually exclusive
+
+
+def test_module_entry_point() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest", "run", "--help"],
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "--request-rate" in proc.stdout
