@@ -9,7 +9,7 @@ from planner.measured import Measured
 from planner.plan import Plan
 
 _LABEL_WIDTH = 33
-_VALUE_WIDTH = 47
+_VALUE_WIDTH = 44
 
 
 def fmt_bytes(n: float) -> str:
