@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
 from server.api import create_app
 from server.config import ServerConfig, ServingConfig
@@ -23,6 +24,7 @@ class Served:
     http: httpx.AsyncClient
     client: AsyncEngineClient
     engine: FakeEngine
+    app: FastAPI
 
     async def wait_idle(self, timeout_s: float = 5.0) -> None:
         """Wait until the engine thread has no request left (aborts processed)."""
@@ -49,12 +51,13 @@ async def serve() -> AsyncIterator[ServeFactory]:
     async def factory(engine: FakeEngine | None = None, **server: Any) -> Served:
         engine = engine or FakeEngine()
         config = ServingConfig(server=ServerConfig(stats_log_interval_s=0, **server))
-        client = AsyncEngineClient(engine, check_integrity=True, idle_wake_s=0.05)
+        client = AsyncEngineClient(engine, check_integrity=True, idle_wake_s=0.05,
+                                   stall_timeout_s=config.server.engine_stall_timeout_s)
         app = create_app(config, client)
         client.start()  # httpx's ASGI transport does not run the lifespan
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://test", timeout=10)  # fmt: skip
-        served = Served(http, client, engine)
+        served = Served(http, client, engine, app)
         opened.append(served)
         return served
 

@@ -1,0 +1,71 @@
+"""POST /v1/chat/completions: template, message validation, max tokens, logprobs format."""
+
+from __future__ import annotations
+
+from tests.server.server_fakes import FakeEngine, tiny_tokenizer
+from tests.server.test_completions import greedy_text
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+async def test_chat_uses_the_template_without_double_specials(serve) -> None:
+    s = await serve()
+    r = await s.http.post("/v1/chat/completions", json={
+        "messages": [{"role": "developer", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "h"},
+                                                  {"type": "text", "text": "i"}]}],
+        "max_tokens": 3, "temperature": 0, "return_token_ids": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    tok = tiny_tokenizer()
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        add_generation_prompt=True, tokenize=False)  # fmt: skip
+    choice = r.json()["choices"][0]
+    assert choice["prompt_token_ids"] == tok.encode(expected, add_special_tokens=False)
+    assert choice["message"] == {"role": "assistant", "content": greedy_text(3)}
+    assert r.json()["object"] == "chat.completion" and r.json()["id"].startswith("chatcmpl-")
+
+
+async def test_chat_default_max_tokens_is_the_rest_of_the_context(serve) -> None:
+    s = await serve(FakeEngine(max_model_len=64))
+    r = (await s.http.post("/v1/chat/completions", json={"messages": MSG})).json()
+    assert r["usage"]["total_tokens"] == 64
+    assert r["choices"][0]["finish_reason"] == "length"
+
+
+async def test_max_completion_tokens_wins_over_max_tokens(serve) -> None:
+    s = await serve()
+    r = (await s.http.post("/v1/chat/completions", json={
+        "messages": MSG, "max_tokens": 9, "max_completion_tokens": 2})).json()  # fmt: skip
+    assert r["usage"]["completion_tokens"] == 2
+
+
+async def test_chat_logprobs_format(serve) -> None:
+    s = await serve()
+    r = (await s.http.post("/v1/chat/completions", json={
+        "messages": MSG, "max_tokens": 3, "temperature": 0, "logprobs": True,
+        "top_logprobs": 2})).json()  # fmt: skip
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+    # logprobs without top_logprobs: the chosen token only
+    r = (await s.http.post("/v1/chat/completions", json={
+        "messages": MSG, "max_tokens": 2, "logprobs": True})).json()  # fmt: skip
+    assert all(e["top_logprobs"] == [] for e in r["choices"][0]["logprobs"]["content"])
+
+
+async def test_chat_stop_string_streaming(serve) -> None:
+    s = await serve()
+    r = await s.http.post("/v1/chat/completions", json={
+        "messages": MSG, "max_tokens": 20, "temperature": 0, "stop": ["own f"],
+        "stream": True})  # fmt: skip
+    import json
+
+    chunks = [json.loads(f[6:]) for f in r.text.split("\n\n") if f.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == " the quick br"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
