@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -334,8 +335,13 @@ def measurement_from_prometheus(
 
 
 def _fetch(url: str, timeout_s: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (user's URL)
-        body: bytes = response.read()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (user's URL)
+            body: bytes = response.read()
+    except urllib.error.HTTPError as exc:
+        raise ValueError(
+            f"{url}: HTTP {exc.code}; does the server expose Prometheus metrics there?"
+        ) from exc
     return body.decode("utf-8")
 
 
