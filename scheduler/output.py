@@ -17,6 +17,12 @@ class ScheduledRequest:
 
     ``request`` is passed for reading only (sampling params, token ids for penalties); the
     runner must not change it.
+
+    A *padding* row (static/dynamic batching, ``static_finished="compute"``) belongs to a
+    request that already finished but stays in its batch until the batch ends. It is one
+    token, ``samples`` is False, and ``start`` is the request's last computed position:
+    the runner computes it like a decode over the ``seq_len`` cached tokens but must write
+    no K/V (slot -1: the cache already holds that position) and use no logits of it.
     """
 
     request: Request
@@ -25,6 +31,7 @@ class ScheduledRequest:
     token_ids: list[int]  # the tokens at positions [start, start + num_tokens)
     block_ids: tuple[int, ...]  # the request's whole block table after allocation
     samples: bool  # the chunk reaches the request's last token: sample the next one
+    padding: bool = False  # a finished request's dummy row (see above)
 
     @property
     def request_id(self) -> str:
@@ -45,7 +52,13 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> int:
+        """Tokens the step computes, padding rows included."""
         return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_padding_tokens(self) -> int:
+        """Padding rows: computed, but nobody's output."""
+        return sum(1 for s in self.scheduled if s.padding)
 
     @property
     def is_empty(self) -> bool:

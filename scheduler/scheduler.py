@@ -9,18 +9,27 @@ One step (called by the engine)::
     out = scheduler.schedule()                      # who runs, how many tokens each
     res = runner.execute(out)                       # forward + sample
     upd = scheduler.update_from_output(out, ...)    # append tokens, stop checks, free blocks
+
+Static and dynamic batches (``policy.runs_to_completion``) with ``static_finished="compute"``
+keep their members that finish early as *padding* until the batch ends (scheduler/padding.py).
+The batch ends when none of its members is running; the padding's blocks are then freed and
+the next batch is admitted in the same ``schedule()`` call.
+
+Dynamic batching holds waiting requests back until its window ends; the engine thread must
+not spin on empty steps meanwhile: see ``next_admission_time()``.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvpool.manager import KVCacheManager
 from scheduler.config import SchedulerConfig
 from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.padding import BatchPadding
 from scheduler.policy import BatchPolicy, make_policy
 from scheduler.request import Request, RequestStatus
 
@@ -43,24 +52,37 @@ class Scheduler:
     NOTE: invariants (``check_integrity``):
       - a request is in exactly one of ``waiting`` / ``running`` while unfinished;
       - running requests own blocks for at least ``num_computed_tokens`` tokens;
-      - waiting requests own no blocks, except none at all (preemption frees everything);
-      - finished requests own no blocks.
+      - waiting requests own no blocks (preemption frees everything);
+      - finished requests own no blocks, except ``padding`` members, which keep theirs;
+      - ``padding`` is empty unless the batch still has a running member (static/dynamic
+        with ``static_finished="compute"`` only), so padding never outlives its batch.
     """
 
     def __init__(
-        self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        max_model_len: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Args:
         config: budgets and batching policy.
         kv_manager: the block tables this scheduler allocates through.
         max_model_len: most tokens (prompt + output) a request may reach.
+        clock: the time source of admission windows and timestamps; requests'
+            ``arrival_time`` must be on the same clock (tests inject a fake one).
         """
         self.config = config
         self.kv = kv_manager
         self.max_model_len = max_model_len
+        self.clock = clock
         self.policy: BatchPolicy = make_policy(config)
+        self.keeps_padding = self.policy.runs_to_completion and config.static_finished == "compute"
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Finished members of the running static/dynamic batch, still computed.
+        self.padding = BatchPadding()
         self._requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.last_step_preemptions = 0
@@ -74,7 +96,8 @@ class Scheduler:
             RequestTooLargeError: prompt + max_tokens exceeds ``max_model_len`` or needs more
                 blocks than the whole pool holds, so it could never finish.
         """
-        if request.request_id in self._requests:
+        # A padding request is finished but still owns blocks under its id.
+        if request.request_id in self._requests or self.kv.has_request(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
         total = request.num_prompt_tokens + request.sampling_params.max_tokens
         if total > self.max_model_len:
@@ -110,23 +133,62 @@ class Scheduler:
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             aborted.append(request)
+        self._end_batch_if_done()
         return aborted
 
     # ---- the step -------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first (one decode token, or their next prefill
-        chunk), then admissions the policy allows, all under ``max_num_batched_tokens``.
+        chunk), then padding rows, then admissions the policy allows, all under
+        ``max_num_batched_tokens``.
 
         Returns:
-            The scheduled requests in batch order and the ids preempted this step.
+            The scheduled requests in batch order and the ids preempted this step. Empty
+            when nothing can run (e.g. dynamic batching waiting for its window).
         """
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.last_step_preemptions = 0
 
-        # 1. Running requests, oldest first. Decodes cost one token each, so they go before
-        #    any new prefill and a long prompt cannot stall them.
+        budget = self._schedule_running(out, budget)
+        # Preemption may have emptied the batch: then it has ended and its padding goes.
+        self._end_batch_if_done()
+        budget = self._schedule_padding(out, budget)
+        # No admission in a step that had to preempt: memory is short already.
+        if not out.preempted_ids:
+            budget = self._admit(out, budget)
+        return out
+
+    def next_admission_time(self) -> float | None:
+        """The engine thread's sleep hint while dynamic batching holds requests back.
+
+        ``schedule()`` returns an empty plan while waiting requests sit out dynamic
+        batching's window, so an engine loop that steps whenever requests are unfinished
+        would spin. The engine thread should instead, when this returns a time ``t``, wait
+        for new requests (which can fill a batch early) with a timeout of
+        ``t - clock()`` (clamped at 0), then step again.
+
+        Returns:
+            None when no timed wait is pending: a batch is running, nothing waits, or the
+            next ``schedule()`` admits (step now, or sleep until a request arrives if
+            nothing is unfinished). Otherwise the time, on this scheduler's clock
+            (``time.monotonic`` by default), at which the waiting requests form a batch.
+        """
+        if self.running or not self.waiting:
+            return None
+        if self.policy.may_admit(self.running, self.waiting, self.clock()):
+            return None
+        return self.policy.admission_time(self.waiting)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Schedule running requests, oldest first, preempting the newest when blocks run
+        out. Decodes cost one token each and admission order puts prefilling requests
+        last, so decodes go before any prefill chunk and a long prompt cannot stall them.
+
+        Returns:
+            The token budget left.
+        """
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -139,16 +201,21 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
+        return budget
 
-        # 2. Admissions, FCFS, while the policy, the budget, the seq cap and the pool allow.
-        #    No admission in a step that had to preempt: memory is short already.
-        if not out.preempted_ids:
-            budget = self._admit(out, budget)
-        return out
+    def _schedule_padding(self, out: SchedulerOutput, budget: int) -> int:
+        """A dummy row per padding member. Padding takes the budget live requests left; a
+        step whose budget a prefill chunk used up skips it (which happens only while a
+        member's prompt is still being chunked).
 
-    def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
-    ) -> SchedulerUpdate:
+        Returns:
+            The token budget left.
+        """
+        rows = self.padding.rows(self.kv, budget)
+        out.scheduled.extend(rows)
+        return budget - len(rows)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> SchedulerUpdate:
         """Advance every scheduled request, append sampled tokens, apply stop conditions.
 
         Args:
@@ -159,11 +226,11 @@ class Scheduler:
             Requests that got a token, and requests that finished (their blocks are free).
         """
         update = SchedulerUpdate()
-        now = time.monotonic()
+        now = self.clock()
         for item in out.scheduled:
             request = item.request
-            if request.status != RequestStatus.RUNNING:
-                continue  # aborted between schedule and update
+            if item.padding or request.status != RequestStatus.RUNNING:
+                continue  # padding, or aborted between schedule and update
             request.num_computed_tokens += item.num_tokens
             token_id = sampled.get(request.request_id)
             if token_id is None:
@@ -173,8 +240,13 @@ class Scheduler:
             status = self._stop_status(request, token_id)
             if status is not None:
                 self.running.remove(request)
-                self._finish(request, status, now)
+                if self.keeps_padding:
+                    self._finish(request, status, now, keep_blocks=True)
+                    self.padding.add(request)
+                else:
+                    self._finish(request, status, now)
                 update.finished.append(request)
+        self._end_batch_if_done()
         return update
 
     # ---- helpers --------------------------------------------------------------------------
@@ -187,7 +259,7 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
         return ScheduledRequest(
             request=request,
             start=start,
@@ -206,6 +278,11 @@ class Scheduler:
         """
         target = request.num_computed_tokens + num_new
         while self.kv.allocate_slots(request.request_id, target) is None:
+            if self.padding:
+                # A live request's progress is worth more than padding's wasted compute:
+                # stop computing the most recently finished member before preempting.
+                self.padding.release_newest(self.kv)
+                continue
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
@@ -225,7 +302,13 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        now = time.monotonic()
+        """Admit waiting requests FCFS while the policy, ``max_num_seqs``, the token budget
+        and the pool allow; schedule the first chunk of each.
+
+        Returns:
+            The token budget left.
+        """
+        now = self.clock()
         if not self.policy.may_admit(self.running, self.waiting, now):
             return budget
         admitted_now = 0
@@ -266,19 +349,41 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
-        self.kv.free(request.request_id)
+    def _finish(
+        self,
+        request: Request,
+        status: RequestStatus,
+        now: float | None = None,
+        *,
+        keep_blocks: bool = False,
+    ) -> None:
+        """Mark ``request`` finished and stop tracking it; free its blocks unless it stays
+        in the batch as padding (``keep_blocks``)."""
+        if not keep_blocks:
+            self.kv.free(request.request_id)
         request.status = status
-        request.finished_time = now if now is not None else time.monotonic()
+        request.finished_time = now if now is not None else self.clock()
         del self._requests[request.request_id]
+
+    def _end_batch_if_done(self) -> None:
+        """Free the padding once no member of its batch is running: the batch has ended."""
+        if not self.running:
+            self.padding.release_all(self.kv)
 
     # ---- views ----------------------------------------------------------------------------
 
     @property
     def num_unfinished(self) -> int:
+        """Requests waiting or running (padding is finished and not counted)."""
         return len(self.waiting) + len(self.running)
 
+    @property
+    def num_padding(self) -> int:
+        """Finished members of the running batch still being computed as padding."""
+        return len(self.padding)
+
     def has_unfinished(self) -> bool:
+        """Whether any request waits or runs; padding exists only while one runs."""
         return bool(self.waiting or self.running)
 
     def check_integrity(self) -> None:
@@ -299,3 +404,7 @@ class Scheduler:
             assert not self.kv.has_request(request.request_id), (
                 f"waiting {request.request_id} holds blocks"
             )
+        assert not self.padding or (self.keeps_padding and self.running), (
+            "padding outlived its batch"
+        )
+        self.padding.check_integrity(self.kv, running_ids | waiting_ids)
