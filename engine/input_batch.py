@@ -6,6 +6,12 @@ the batch and the prefill kernel on the tail::
 
     tokens:  | d0 | d1 | d2 | p0 p0 p0 p0 p0 | p1 p1 p1 |
               <- num_decodes ->|<---- prefill chunks ---->|
+
+Padding rows (a finished member of a static batch, ``ScheduledRequest.padding``) are decodes
+whose slot is -1: the token's K/V is already cached, so nothing is written. Their logits are
+computed, as a fixed batch computes them, but sit after the sampling rows and are discarded::
+
+    logits rows:  | sampling[0] ... sampling[n-1] | padding ... |
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ class InputBatch:
     positions: torch.Tensor  # [num_tokens] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_samples] int64, last token of each sampling request
-    sampling: list[ScheduledRequest]  # aligned with logits_indices
+    # [num_samples + num_padding] int64: the last token of each sampling request, then the
+    # padding rows (whose logits nobody uses)
+    logits_indices: torch.Tensor
+    sampling: list[ScheduledRequest]  # aligned with the head of logits_indices
 
     @property
     def num_tokens(self) -> int:
@@ -53,13 +61,18 @@ def build_input_batch(
     slots: list[int] = []
     query_start_loc = [0]
     logits_indices: list[int] = []
+    padding_indices: list[int] = []
     sampling: list[ScheduledRequest] = []
     for item in ordered:
         end = item.start + item.num_tokens
         input_ids.extend(item.token_ids)
         positions.extend(range(item.start, end))
-        slots.extend(slots_for(item.block_ids, block_size, item.start, end))
         query_start_loc.append(len(input_ids))
+        if item.padding:
+            slots.append(-1)
+            padding_indices.append(len(input_ids) - 1)
+            continue
+        slots.extend(slots_for(item.block_ids, block_size, item.start, end))
         if item.samples:
             logits_indices.append(len(input_ids) - 1)
             sampling.append(item)
@@ -82,6 +95,6 @@ def build_input_batch(
             query_start_loc=tensor(query_start_loc, torch.int32),
             max_seq_len=max(seq_lens),
         ),
-        logits_indices=tensor(logits_indices, torch.int64),
+        logits_indices=tensor(logits_indices + padding_indices, torch.int64),
         sampling=sampling,
     )

@@ -192,21 +192,25 @@ class LLMEngine:
         return outputs
 
     def _record_stats(self, plan: Any, step_time: float) -> None:
-        decode = sum(1 for s in plan.scheduled if s.num_tokens == 1)
+        # Static-batch padding rows are computed and read KV, but are nobody's output and
+        # write nothing: they count in the bytes read, not as decode tokens or writes.
+        padding = plan.num_padding_tokens
+        decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and not s.padding)
         kv_tokens_read = sum(s.seq_len for s in plan.scheduled)
         per_token = self.kv_capacity.bytes_per_token
         self.last_step_stats = StepStats(
             step_time_s=step_time,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            num_prefill_tokens=plan.num_scheduled_tokens - decode,
+            num_prefill_tokens=plan.num_scheduled_tokens - decode - padding,
             num_decode_tokens=decode,
             num_preemptions=self.scheduler.last_step_preemptions,
             num_kv_blocks_used=self.kv_manager.num_used_blocks,
             num_kv_blocks_total=self.kv_manager.num_blocks,
             weight_bytes=self.weight_bytes,
             kv_bytes_read=kv_tokens_read * per_token,
-            kv_bytes_written=plan.num_scheduled_tokens * per_token,
+            kv_bytes_written=(plan.num_scheduled_tokens - padding) * per_token,
+            num_padding_tokens=padding,
         )
 
 

@@ -35,5 +35,6 @@ class ModelRunner:
         logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
         if not batch.sampling:
             return ModelRunnerOutput([], [], [])
-        token_ids, logprobs = self.sampler(logits, batch.sampling)
+        # Rows past the sampling ones are static-batch padding: computed, then discarded.
+        token_ids, logprobs = self.sampler(logits[: len(batch.sampling)], batch.sampling)
         return ModelRunnerOutput([s.request_id for s in batch.sampling], token_ids, logprobs)

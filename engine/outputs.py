@@ -65,3 +65,5 @@ class StepStats:
     weight_bytes: int = 0
     kv_bytes_read: int = 0
     kv_bytes_written: int = 0
+    # Static/dynamic batching with static_finished="compute": dummy rows of finished members.
+    num_padding_tokens: int = 0
