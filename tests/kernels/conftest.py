@@ -60,6 +60,19 @@ def _seed() -> None:
 )
 def device(request: pytest.FixtureRequest) -> torch.device:
     """CPU under the interpreter, CUDA with compiled kernels; each skips where it cannot run."""
+    if request.param == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        import kernels.paged_attention
+
+        if not isinstance(
+            kernels.paged_attention._paged_attention_decode_kernel, InterpretedFunction
+        ):
+            pytest.fail(
+                "kernels.paged_attention was imported before TRITON_INTERPRET=1 was set, so its "
+                "kernels are compiled and cannot take CPU tensors; set the variable earlier "
+                "(tests/conftest.py) or in the environment"
+            )
     return torch.device(request.param)
 
 
@@ -146,8 +159,11 @@ def build_paged_kv(
         value_cache = torch.full_like(key_cache, float("nan"))
         id_map = torch.randperm(num_blocks, device=device)[: num_used + 1]
     else:
-        key_cache = torch.empty((num_blocks, *shape_tail), dtype=dtype, device=device)
-        value_cache = torch.empty_like(key_cache)
+        try:
+            key_cache = torch.empty((num_blocks, *shape_tail), dtype=dtype, device=device)
+            value_cache = torch.empty_like(key_cache)
+        except (RuntimeError, MemoryError) as e:  # e.g. vm.overcommit_memory=2
+            pytest.skip(f"cannot reserve a {num_blocks}-block pool here: {e}")
         id_map = num_blocks - 1 - torch.randperm(4 * (num_used + 1), device=device)[: num_used + 1]
     garbage = ~valid[:, :, None, None]  # [num_used + 1, block_size, 1, 1]
     key_cache[id_map] = torch.where(garbage, float("nan"), ref_k)
