@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -314,7 +315,7 @@ def _modes(args: argparse.Namespace) -> tuple[Mode, ...]:
     return tuple(known[n] for n in names)
 
 
-def _compare(args: argparse.Namespace) -> int:
+def _compare(args: argparse.Namespace, argv: list[str]) -> int:
     modes = _modes(args)
     baseline = args.baseline
     if baseline not in {m.name for m in modes}:
@@ -349,6 +350,7 @@ def _compare(args: argparse.Namespace) -> int:
         warmup_requests=args.warmup_requests,
         startup_timeout_s=args.startup_timeout,
         progress=not args.no_progress,
+        invocation=shlex.join(["python", "-m", "loadtest", *argv]),
     )
     result = run_compare(config)
     print(compare_table(result))
@@ -357,7 +359,10 @@ def _compare(args: argparse.Namespace) -> int:
         print(f"wrote {png}")  # (without matplotlib, run_compare has said so on stderr)
     failed = [m["name"] for m in result["modes"] if m["error"]]
     if failed:
-        print(f"error: server failed to start in mode(s) {failed}; see their logs", file=sys.stderr)
+        print(
+            f"error: mode(s) {failed} failed; see the result JSON and their server logs",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -374,12 +379,13 @@ def _report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     parser = _build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
             return _run(args)
         if args.command == "compare":
-            return _compare(args)
+            return _compare(args, argv)
         return _report(args)
     except (ValueError, RuntimeError, OSError, httpx.HTTPError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from loadtest.config import LoadTestConfig
 from loadtest.launcher import HOST, ServerProcess, build_command, free_port
 from loadtest.plots import matplotlib_available, plot_compare
@@ -117,6 +119,7 @@ class CompareConfig:
     warmup_requests: int = 2
     startup_timeout_s: float = 600.0
     progress: bool = True
+    invocation: str = ""  # the command line that asked for this comparison (for the report)
 
     def __post_init__(self) -> None:
         names = [m.name for m in self.modes]
@@ -201,6 +204,7 @@ class CompareConfig:
             "drain_timeout_s": self.drain_timeout_s,
             "warmup_requests": self.warmup_requests,
             "startup_timeout_s": self.startup_timeout_s,
+            "invocation": self.invocation,
         }
 
 
@@ -252,7 +256,14 @@ def _run_mode(
             if scenario.kind == "rate" and scenario.request_rate is None:
                 _log(f"{mode.name}: skipping {scenario.name}: no baseline capacity measured")
                 continue
-            result = run_sweep(config.sweep_config(server.base_url, scenario, warmup)).to_json()
+            try:
+                sweep = run_sweep(config.sweep_config(server.base_url, scenario, warmup))
+            except (RuntimeError, ValueError, httpx.HTTPError) as exc:
+                # e.g. the warm-up failed: keep the other modes' results, report this one.
+                entry["error"] = f"{scenario.name}: {type(exc).__name__}: {exc}"
+                _log(f"{mode.name}: {entry['error']}")
+                return entry, capacity
+            result = sweep.to_json()
             warmup = 0
             entry["runs"][scenario.name] = result
             summary = result["points"][0]["summary"]
@@ -354,6 +365,7 @@ def compare_markdown(result: dict[str, Any]) -> str:
         "# Batching-mode comparison",
         "",
         f"- created: {result['created_at']}",
+        *([f"- command: `{cfg['invocation']}`"] if cfg.get("invocation") else []),
         f"- workload: prompt `{cfg['prompt_len']}`, output `{cfg['output_len']}`, seed "
         f"{cfg['seed']}, ignore_eos={cfg['ignore_eos']}",
         f"- max_num_seqs {cfg['max_num_seqs']}; closed loop at concurrency {cfg['concurrency']}"
@@ -373,6 +385,8 @@ def compare_markdown(result: dict[str, Any]) -> str:
             lines.append(f"- **{mode['name']} failed**: {mode['error'].splitlines()[0]}")
     if result["plots"]:
         lines += ["", *(f"![{Path(p).name}]({Path(p).name})" for p in result["plots"])]
+    else:
+        lines += ["", "(no plots: matplotlib is not installed)"]
     return "\n".join(lines) + "\n"
 
 

@@ -87,10 +87,15 @@ def sweep_table(result: dict[str, Any]) -> str:
     headers, rows = sweep_rows(result)
     cfg = result["config"]
     slo = cfg["slo"]
+    limits = [
+        f"{name}<={slo[key]:g}s"
+        for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2e", "e2e_s"))
+        if slo[key] is not None
+    ]
     title = (
         f"model={result['server']['model']}  prompt={cfg['prompt_len']}  "
         f"output={cfg['output_len']}  seed={cfg['seed']}  "
-        f"SLO: ttft<={slo['ttft_s']}s tpot<={slo['tpot_s']}s e2e<={slo['e2e_s']}s"
+        f"SLO: {' '.join(limits) or 'none'}"
     )
     return title + "\n" + format_table(headers, rows)
 

@@ -276,12 +276,14 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--step-ms", type=float, default=2.0)
     parser.add_argument("--batch-wait-ms", type=float, default=50.0)
+    parser.add_argument("--fail-every", type=int, default=0)
     args = parser.parse_args()
     config = FakeConfig(
         batching=args.batching,
         max_num_seqs=args.max_num_seqs,
         step_s=args.step_ms / 1000.0,
         batch_wait_s=args.batch_wait_ms / 1000.0,
+        fail_every=args.fail_every,
     )
     uvicorn.run(
         create_app(config, FakeState()), host=args.host, port=args.port, log_level="warning"

@@ -51,6 +51,7 @@ def test_compare_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     markdown = Path(result["markdown"]).read_text()
     assert "| closed-c4 | continuous |" in markdown and "--batching static" in markdown
     assert "continuous" in printed and "x lower" in printed
+    assert result["config"]["invocation"].startswith("python -m loadtest compare")
     assert all(Path(m["log"]).exists() for m in result["modes"])
 
 
@@ -61,11 +62,24 @@ def test_baseline_must_be_a_mode() -> None:
         CompareConfig(modes=(Mode("a", ""), Mode("a", "x")), baseline="a")
 
 
-def test_server_that_fails_to_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["compare", "--server-cmd", f"{sys.executable} -c 'raise SystemExit(3)' {{port}}",
-            "--mode", "broken=", "--startup-timeout", "10", "--no-progress",
+def test_failing_modes_do_not_lose_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server_cmd = f"{sys.executable} {FAKE_SERVER} --port {{port}} {{mode_args}}"
+    argv = ["compare", "--server-cmd", server_cmd, "--baseline", "ok",
+            "--mode", "ok=--batching continuous", "--mode", "errors=--fail-every 1",
+            "--mode", "crash=--no-such-flag", "--num-requests", "4",
+            "--low-load-num-requests", "2", "--prompt-len-dist", "4", "--output-len-dist", "4",
+            "--startup-timeout", "30", "--no-progress",
             "--out", str(tmp_path / "c.json")]  # fmt: skip
     assert main(argv) == 1
+    assert "failed" in capsys.readouterr().err
     result = json.loads((tmp_path / "c.json").read_text())
-    assert "exited with code 3" in result["modes"][0]["error"]
-    assert "failed to start" in capsys.readouterr().err
+    modes = {m["name"]: m for m in result["modes"]}
+    assert modes["ok"]["error"] is None and len(modes["ok"]["runs"]) == 3
+    assert "warm-up request failed" in modes["errors"]["error"]  # healthy, but every 400
+    assert "exited with code 2" in modes["crash"]["error"]  # argparse rejected the flag
+    assert {r["mode"] for r in result["table"]} == {"ok"}
+    markdown = Path(result["markdown"]).read_text()
+    assert "- command: `python -m loadtest compare --server-cmd" in markdown
+    assert "**crash failed**" in markdown
