@@ -1,0 +1,107 @@
+"""The embedded SmolLM2-135M-Instruct through LLMEngine vs transformers' generate().
+
+Eight prompts from 1 to 530 tokens; greedy output must be token-identical to transformers
+(see tests/engine/parity.py for the one allowed near-tie slack) when generated together,
+when added at different steps, and under heavy preemption in a tiny pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.loader import resolve_model
+from tests.engine.parity import Reference, assert_parity, hf_greedy
+
+PROMPT_LENS = [1, 5, 23, 64, 130, 260, 400, 530]
+MAX_TOKENS = 16
+
+TEXT = """\
+The history of the printing press begins in the fifteenth century, when Johannes Gutenberg
+combined movable metal type, oil-based ink and a wooden press adapted from wine making.
+Before him, books were copied by hand, a slow and costly process that kept literacy rare.
+Within fifty years, presses had spread to more than two hundred cities across Europe, and
+millions of volumes were in circulation. Pamphlets, newspapers and scientific journals
+followed, changing how ideas moved between people.
+In the kitchen, bread is one of the oldest prepared foods. Flour, water, salt and yeast are
+mixed into a dough, kneaded to develop gluten, left to rise, shaped and baked. The crust
+browns through the Maillard reaction, while steam in the oven keeps it from setting too early.
+Mountains form where tectonic plates collide. The Himalayas are still rising by a few
+millimetres every year as the Indian plate pushes north into Asia. Erosion by rivers and
+glaciers works against this uplift, carving valleys and carrying sediment to the plains.
+A good programmer writes code for the next reader. Clear names, small functions and tests
+that describe behaviour make a program easier to change. Comments explain why a decision
+was made, not what the code obviously does. Version control keeps a history of every change.
+The ocean covers about seventy percent of the planet. Its currents carry heat from the
+equator toward the poles, and its surface absorbs a large share of the carbon dioxide that
+people release. Plankton at the base of the food web produce much of the oxygen we breathe.
+Music theory describes how notes relate. A major scale follows a pattern of whole and half
+steps; chords are built by stacking thirds; a cadence gives a phrase its sense of ending.
+"""
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("default")
+
+
+@pytest.fixture(scope="module")
+def prompts(llm: LLM) -> list[list[int]]:
+    ids = llm.tokenizer.encode(TEXT * 2, add_special_tokens=False)
+    assert len(ids) > max(PROMPT_LENS) + 40
+    # Different starting offsets, so prompts are not prefixes of one another.
+    return [ids[i * 5 : i * 5 + n] for i, n in enumerate(PROMPT_LENS)]
+
+
+@pytest.fixture(scope="module")
+def references(llm: LLM, prompts: list[list[int]]) -> list[Reference]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model("default").path, dtype=torch.float32)
+    return [hf_greedy(hf.eval(), p, MAX_TOKENS, llm.engine.eos_token_id) for p in prompts]
+
+
+def _check(outputs: dict[int, list[int]], references: list[Reference]) -> None:
+    for i, ref in enumerate(references):
+        assert_parity(outputs[i], ref, label=f"prompt {i} ({PROMPT_LENS[i]} tokens)")
+
+
+def test_together_matches_transformers(llm, prompts, references):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    _check({i: o.token_ids for i, o in enumerate(outs)}, references)
+    llm.engine.check_integrity()
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def _drive(engine, prompts, arrivals: dict[int, list[int]], params) -> dict[int, list[int]]:
+    """Add prompts at the given step numbers; check invariants after every step."""
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    step = 0
+    pending = dict(arrivals)
+    while pending or engine.has_unfinished_requests():
+        for i in pending.pop(step, []):
+            engine.add_request(f"r{i}", prompts[i], params)
+        for out in engine.step():
+            tokens[int(out.request_id[1:])].extend(out.new_token_ids)
+        engine.check_integrity()
+        step += 1
+    assert engine.num_free_blocks == engine.num_total_blocks
+    return tokens
+
+
+def test_staggered_arrivals_match_transformers(llm, prompts, references):
+    arrivals = {0: [7, 0], 2: [3], 3: [5, 1], 9: [6], 12: [2, 4]}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    _check(_drive(llm.engine, prompts, arrivals, params), references)
+
+
+def test_preemption_keeps_every_request_exact(prompts, references):
+    """A pool that holds barely more than the largest request: preemption must happen many
+    times, and every request still ends with exactly its own tokens."""
+    needed = -(-(max(PROMPT_LENS) + MAX_TOKENS) // 16)
+    small = LLM("default", num_kv_blocks=needed + 4, max_num_batched_tokens=256)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    tokens = _drive(small.engine, prompts, {0: list(range(len(prompts)))}, params)
+    assert small.engine.scheduler.num_preemptions_total >= 5
+    _check(tokens, references)
