@@ -152,8 +152,8 @@ class Scheduler:
         self.last_step_preemptions = 0
 
         budget = self._schedule_running(out, budget)
-        # Preemption may have emptied the batch: then it has ended and its padding goes.
-        self._end_batch_if_done()
+        # Padding needs no check for an ended batch here: preemption releases all padding
+        # before it takes a live request, so a batch emptied by preemption has none left.
         budget = self._schedule_padding(out, budget)
         # No admission in a step that had to preempt: memory is short already.
         if not out.preempted_ids:

@@ -44,9 +44,11 @@ class FakeRunner:
             end = item.start + item.num_tokens
             assert item.token_ids == request.token_ids(item.start, end)
             self.num_forward_tokens += item.num_tokens
-            if getattr(item, "padding", False):
-                # A padding row re-reads its cached context and writes nothing.
+            if item.padding:
+                # A padding row re-reads its whole cached context and writes nothing.
                 assert item.num_tokens == 1 and not item.samples
+                assert request.status.finished
+                assert item.seq_len == request.num_computed_tokens
                 self.num_padding_tokens += 1
                 self._read_context(item.block_ids, request, end)
                 continue
@@ -80,6 +82,16 @@ class FakeRunner:
         return context
 
 
+@dataclass
+class FakeClock:
+    """A settable clock for admission windows: ``clock()`` returns ``now``."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def make_scheduler(
     *,
     num_blocks: int = 64,
@@ -92,7 +104,7 @@ def make_scheduler(
     cfg = SchedulerConfig(**config)  # type: ignore[arg-type]
     if clock is None:
         return Scheduler(cfg, kv, max_model_len)
-    return Scheduler(cfg, kv, max_model_len, clock=clock)  # type: ignore[call-arg]
+    return Scheduler(cfg, kv, max_model_len, clock=clock)
 
 
 def req(
@@ -123,15 +135,11 @@ class Step:
     @property
     def plan(self) -> list[tuple[str, int]]:
         """(request id, tokens) of live requests in batch order."""
-        return [
-            (s.request_id, s.num_tokens)
-            for s in self.out.scheduled
-            if not getattr(s, "padding", False)
-        ]
+        return [(s.request_id, s.num_tokens) for s in self.out.scheduled if not s.padding]
 
     @property
     def padding_ids(self) -> list[str]:
-        return [s.request_id for s in self.out.scheduled if getattr(s, "padding", False)]
+        return [s.request_id for s in self.out.scheduled if s.padding]
 
     @property
     def finished_ids(self) -> list[str]:

@@ -6,12 +6,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from scheduler import RequestStatus, RequestTooLargeError
 from tests.scheduler.fake_runner import (
     EOS,
     FakeRunner,
+    Step,
     make_scheduler,
     req,
     run_all,
@@ -125,8 +128,8 @@ def test_preemption_takes_the_newest_requeues_it_first_and_recomputes() -> None:
         sched.add_request(r)
     streamed: dict[str, list[int]] = {}
 
-    def collect(s_: object) -> None:
-        for r, t in s_.update.new_tokens:  # type: ignore[attr-defined]
+    def collect(s_: Step) -> None:
+        for r, t in s_.update.new_tokens:
             streamed.setdefault(r.request_id, []).append(t)
 
     for _ in range(3):
@@ -182,7 +185,7 @@ def test_a_request_that_must_preempt_itself_stops_the_step() -> None:
     ],
 )
 def test_stop_conditions(
-    script: list[int], params: dict[str, object], expected_tokens: list[int], reason: str
+    script: list[int], params: dict[str, Any], expected_tokens: list[int], reason: str
 ) -> None:
     sched = make_scheduler()
     runner = FakeRunner(16, script={"a": script})
