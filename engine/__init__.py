@@ -2,22 +2,39 @@
 
 Ownership: the engine owns the model weights and the sampler's generators; it turns the
 scheduler's plan into tensors and never makes scheduling decisions.
+
+Re-exports are resolved lazily, so ``from engine.config import ModelConfig`` (the capacity
+planner, the server's flag parsing) does not pay for importing torch and transformers.
 """
 
-from engine.config import EngineConfig, ModelConfig
-from engine.llm import LLM, CompletionOutput
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, StepStats, TokenLogprob
-from scheduler.request import SamplingParams
+from __future__ import annotations
 
-__all__ = [
-    "LLM",
-    "CompletionOutput",
-    "EngineConfig",
-    "LLMEngine",
-    "ModelConfig",
-    "RequestOutput",
-    "SamplingParams",
-    "StepStats",
-    "TokenLogprob",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, ModelConfig
+    from engine.llm import LLM, CompletionOutput
+    from engine.llm_engine import LLMEngine
+    from engine.outputs import RequestOutput, StepStats, TokenLogprob
+    from scheduler.request import SamplingParams
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "CompletionOutput": "engine.llm",
+    "EngineConfig": "engine.config",
+    "LLMEngine": "engine.llm_engine",
+    "ModelConfig": "engine.config",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "scheduler.request",
+    "StepStats": "engine.outputs",
+    "TokenLogprob": "engine.outputs",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
