@@ -31,6 +31,8 @@ MAX_TOKENS = [12, 30, 5, 20, 1, 25, 16, 9, 28, 14, 22, 18]
 # 4 sequences, 64 tokens a step, 10 blocks of 16 tokens (160 tokens, the largest request
 # needs 112): optimistic admission must preempt, reserve admission must hold requests back.
 POOL = {"block_size": 16, "num_kv_blocks": 10, "max_num_seqs": 4, "max_num_batched_tokens": 64}
+# float32 on CPU: the parity reference is transformers in float32, even where a GPU is lent.
+DEVICE = {"device": "cpu", "dtype": "float32"}
 MODES = [(b, a) for b in ("continuous", "static", "dynamic") for a in ("optimistic", "reserve")]
 STOP_AT = {1: 10, 5: 7, 8: 15}  # request -> the output index whose token becomes its stop token
 
@@ -135,7 +137,7 @@ def test_modes_return_identical_greedy_tokens(
     batching: str,
     admission: str,
 ) -> None:
-    llm = LLM(str(model_path), batching=batching, admission=admission, **POOL)  # type: ignore[arg-type]
+    llm = LLM(str(model_path), batching=batching, admission=admission, **POOL, **DEVICE)  # type: ignore[arg-type]
     recorder = PlanRecorder(llm.engine)
     outs = llm.generate(prompts, params)
     tokens = [o.token_ids for o in outs]
@@ -173,7 +175,7 @@ def test_static_skip_and_a_dynamic_window_return_the_same_tokens(
                         max_num_batched_tokens=64),
     ):  # fmt: skip
         engine = LLMEngine(
-            EngineConfig(model=str(model_path)),
+            EngineConfig(model=str(model_path), **DEVICE),
             KVPoolConfig(num_blocks=POOL["num_kv_blocks"]),
             config,
         )
