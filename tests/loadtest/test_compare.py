@@ -22,8 +22,8 @@ def test_compare_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         "--max-num-seqs {max_num_seqs} --step-ms 3 {mode_args}"
     )
     out = tmp_path / "cmp.json"
-    argv = ["compare", "--server-cmd", server_cmd, "--modes", "static,dynamic,continuous",
-            "--max-num-seqs", "4", "--batch-wait-ms", "20", "--num-requests", "24",
+    argv = ["compare", "--server-cmd", server_cmd, "--modes", "static,continuous",
+            "--max-num-seqs", "4", "--num-requests", "24",
             "--low-load-num-requests", "6", "--prompt-len-dist", "4",
             "--output-len-dist", "exponential:10:60", "--seed", "1", "--warmup-requests", "1",
             "--startup-timeout", "30", "--duration-limit", "20", "--no-progress",
@@ -32,16 +32,15 @@ def test_compare_modes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     assert result["kind"] == "compare" and result["baseline"] == "static"
-    assert [m["name"] for m in result["modes"]] == ["static", "dynamic", "continuous"]
+    assert [m["name"] for m in result["modes"]] == ["static", "continuous"]
     assert all(m["error"] is None for m in result["modes"])
-    assert "--batch-wait-ms 20" in " ".join(result["modes"][1]["command"])
     capacity = result["capacity_req_s"]
     assert capacity and capacity > 0
     rates = {s["name"]: s["request_rate"] for s in result["scenarios"]}
     assert rates["poisson-capacity"] == pytest.approx(capacity)
     assert rates["poisson-low"] == pytest.approx(0.2 * capacity)
     rows = {(r["scenario"], r["mode"]): r for r in result["table"]}
-    assert len(rows) == 9 and all(r["num_errors"] == 0 for r in rows.values())
+    assert len(rows) == 6 and all(r["num_errors"] == 0 for r in rows.values())
     assert rows[("closed-c4", "static")]["throughput_vs_baseline"] == pytest.approx(1.0)
     # A fixed batch waits for its longest request; continuous refills every step.
     assert rows[("closed-c4", "continuous")]["throughput_vs_baseline"] > 1.2
@@ -66,9 +65,11 @@ def test_failing_modes_do_not_lose_the_others(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     server_cmd = f"{sys.executable} {FAKE_SERVER} --port {{port}} {{mode_args}}"
-    argv = ["compare", "--server-cmd", server_cmd, "--baseline", "ok",
-            "--mode", "ok=--batching continuous", "--mode", "errors=--fail-every 1",
-            "--mode", "crash=--no-such-flag", "--num-requests", "4",
+    # "dynamic" is the built-in mode (its arguments are a template themselves).
+    argv = ["compare", "--server-cmd", server_cmd, "--modes", "dynamic,errors,crash",
+            "--baseline", "dynamic", "--batch-wait-ms", "20",
+            "--mode", "errors=--fail-every 1", "--mode", "crash=--no-such-flag",
+            "--num-requests", "4",
             "--low-load-num-requests", "2", "--prompt-len-dist", "4", "--output-len-dist", "4",
             "--startup-timeout", "30", "--no-progress",
             "--out", str(tmp_path / "c.json")]  # fmt: skip
@@ -76,10 +77,11 @@ def test_failing_modes_do_not_lose_the_others(
     assert "failed" in capsys.readouterr().err
     result = json.loads((tmp_path / "c.json").read_text())
     modes = {m["name"]: m for m in result["modes"]}
-    assert modes["ok"]["error"] is None and len(modes["ok"]["runs"]) == 3
+    assert modes["dynamic"]["error"] is None and len(modes["dynamic"]["runs"]) == 3
+    assert "--batching dynamic --batch-wait-ms 20" in " ".join(modes["dynamic"]["command"])
     assert "warm-up request failed" in modes["errors"]["error"]  # healthy, but every 400
     assert "exited with code 2" in modes["crash"]["error"]  # argparse rejected the flag
-    assert {r["mode"] for r in result["table"]} == {"ok"}
+    assert {r["mode"] for r in result["table"]} == {"dynamic"}
     markdown = Path(result["markdown"]).read_text()
     assert "- command: `python -m loadtest compare --server-cmd" in markdown
     assert "**crash failed**" in markdown
