@@ -134,7 +134,7 @@ def _paged_attention_decode_kernel(
     if SPLIT:
         tl.store(out_ptr + o_offs + split * stride_out_split, out, mask=o_mask)
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        lse_offs = seq * stride_lse_seq + heads * stride_lse_head + split
+        lse_offs = seq * stride_lse_seq + heads * stride_lse_head + split  # splits contiguous
         tl.store(lse_ptr + lse_offs, lse, mask=g_mask)
     else:
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -225,7 +225,8 @@ def paged_attention_decode(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens.
 
-    ``num_splits`` forces the split-K factor (1 = no split); ``None`` lets
+    Requires ``seq_lens[i] <= block_tables.shape[1] * block_size`` (every context token has
+    a block). ``num_splits`` forces the split-K factor (1 = no split); ``None`` lets
     ``choose_num_splits`` decide. The context bound used to size splits is
     ``block_tables.shape[1] * block_size``, so the launcher never reads ``seq_lens`` on the
     host (no device sync, CUDA-graph friendly); pass block tables trimmed to the batch's
@@ -252,8 +253,11 @@ def paged_attention_decode(
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, query.device)
     assert num_splits >= 1, num_splits
-    # Splits are whole tiles; recount so that no split starts past the context bound.
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context_len, num_splits), TILE_N) * TILE_N
+    # Splits are whole tiles (at least one, even for an empty block table); recount so that
+    # no split starts past the context bound.
+    tokens_per_split = max(
+        TILE_N, triton.cdiv(triton.cdiv(max_context_len, num_splits), TILE_N) * TILE_N
+    )
     num_splits = max(1, triton.cdiv(max_context_len, tokens_per_split))
 
     group = num_heads // num_kv_heads

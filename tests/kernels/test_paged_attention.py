@@ -101,6 +101,23 @@ def test_huge_pool_block_offsets_need_int64(paged_kv, close, device):
     run_case(paged_kv, close, device, num_splits=2, **kv_kwargs)
 
 
+def test_zero_length_sequence_outputs_zeros(paged_kv, close, device):
+    """seq_len 0 (a padding row of a fixed-size, CUDA-graph-style batch) gives zeros, not NaN,
+    in both modes, and does not disturb its neighbours."""
+    kv = paged_kv([0, 70], block_size=16, num_kv_heads=1, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    query = torch.randn(2, 2, 64, device=device)
+    expected = reference.paged_attention_decode(
+        query[1:], kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables[1:],
+        kv.seq_lens[1:], 0.125,
+    )  # fmt: skip
+    for num_splits in (1, 2):
+        out = paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                     kv.seq_lens, 0.125, num_splits=num_splits)  # fmt: skip
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        close(out[1:], expected)
+
+
 def test_strided_query(paged_kv, close, device):
     """Query as a view into a fused QKV projection: only head_dim needs to be contiguous."""
     kv = paged_kv([9, 33], block_size=8, num_kv_heads=2, head_dim=64,
