@@ -21,12 +21,12 @@ from loadtest.compare import (
     DEFAULT_SERVER_CMD,
     CompareConfig,
     Mode,
-    compare_table,
     run_compare,
 )
+from loadtest.compare_report import compare_table
 from loadtest.config import LoadTestConfig
 from loadtest.plots import matplotlib_available, plot_sweep
-from loadtest.report import format_table, sweep_rows, sweep_table
+from loadtest.report import sweep_table
 from loadtest.run import PointResult, load_result, run_sweep, write_result
 from loadtest.stats import SLO
 
@@ -273,10 +273,15 @@ def _run(args: argparse.Namespace) -> int:
     )
 
     def on_point(point: PointResult) -> None:
-        # A one-row table as each point finishes, so a long sweep shows progress.
-        one = {"points": [point.to_json()]}
-        headers, rows = sweep_rows(one)
-        print(format_table(headers, rows).splitlines()[-1], file=sys.stderr, flush=True)
+        # One line per finished point on stderr, so a long sweep shows where it is.
+        s = point.summary
+        ttft = "-" if s.ttft_p50_s is None else f"{s.ttft_p50_s:.3f}s"
+        print(
+            f"[loadtest] {point.point.label}: {s.num_completed}/{s.num_requests} ok, "
+            f"{s.output_throughput_tok_s:.1f} tok/s, TTFT p50 {ttft}, errors {s.num_errors}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     result = run_sweep(config, on_point).to_json()
     print(sweep_table(result))
