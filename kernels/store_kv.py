@@ -78,7 +78,8 @@ def store_kv(
     """Write each token's K/V row into its slot of the paged cache, in place.
 
     ``key``/``value`` may be strided views (e.g. slices of a fused QKV projection) as long
-    as ``head_dim`` is contiguous; they are cast to the cache dtype on store.
+    as ``head_dim`` is contiguous; they are cast to the cache dtype on store, rounding to
+    nearest even like torch (NOTE: Triton 3.x's CPU interpreter truncates fp32 -> bf16).
     """
     check_kv_cache(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape

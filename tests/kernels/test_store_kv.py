@@ -39,6 +39,32 @@ def test_matches_reference(device, dtype, block_size, num_kv_heads, head_dim):
     assert torch.equal(value_cache, ref_value_cache)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_casts_to_the_cache_dtype(device, cache_dtype):
+    """fp32 K/V into a half-precision cache, rounded like torch's ``.to()`` (nearest even).
+
+    Exception: Triton 3.x's interpreter truncates fp32 -> bf16 (compiled code rounds), so on
+    CPU bf16 may differ from torch by one bf16 ulp, and only towards zero.
+    """
+    key = torch.randn(6, 2, 64, device=device)
+    value = torch.randn_like(key)
+    slots = torch.tensor([3, -1, 0, 17, 30, 9], device=device)
+    key_cache = torch.zeros(4, 8, 2, 64, dtype=cache_dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    ref_key_cache, ref_value_cache = key_cache.clone(), value_cache.clone()
+
+    store_kv(key, value, key_cache, value_cache, slots)
+    reference.store_kv(key, value, ref_key_cache, ref_value_cache, slots)
+    if cache_dtype == torch.bfloat16 and device.type == "cpu":
+        for got, want in ((key_cache, ref_key_cache), (value_cache, ref_value_cache)):
+            ulp = torch.finfo(torch.bfloat16).eps * want.float().abs()
+            assert ((got.float() - want.float()).abs() <= ulp).all()
+            assert (got.float().abs() <= want.float().abs()).all()  # truncation, towards zero
+    else:
+        assert torch.equal(key_cache, ref_key_cache)
+        assert torch.equal(value_cache, ref_value_cache)
+
+
 def test_padding_only_writes_nothing(device):
     key = torch.randn(4, 2, 64, device=device)
     key_cache = torch.zeros(2, 8, 2, 64, device=device)
