@@ -11,10 +11,10 @@ import torch
 from kernels.bench import Config, bench_config, main
 
 
-def test_every_benched_implementation_matches_the_reference():
+def test_every_benched_implementation_matches_the_reference(device):
     cfg = Config(batch=2, context_len=40, num_heads=9, num_kv_heads=3, block_size=16,
                  head_dim=64, dtype=torch.float32)  # fmt: skip
-    rows = bench_config(cfg, torch.device("cpu"))
+    rows = bench_config(cfg, device)
     names = [impl for impl, _, _, _ in rows]
     assert names == ["triton", "reference", "sdpa", "sdpa+gather"]
     for impl, _, seconds, err in rows:
@@ -31,9 +31,9 @@ def test_bytes_moved_counts_kv_q_o_and_tables():
     assert cfg.bytes_moved() == kv + q_and_o + tables
 
 
-def test_cli_prints_a_row_per_implementation(capsys):
-    main(["--batches", "1", "--contexts", "24", "--shapes", "4/2", "--block-sizes", "8",
-          "--peak-gbps", "100"])  # fmt: skip
+def test_cli_prints_a_row_per_implementation(device, capsys):
+    main(["--device", device.type, "--batches", "1", "--contexts", "24", "--shapes", "4/2",
+          "--block-sizes", "8", "--peak-gbps", "100"])  # fmt: skip
     out = capsys.readouterr().out
     assert "peak bandwidth: 100 GB/s (--peak-gbps)" in out
     for impl in ("triton", "reference", "sdpa", "sdpa+gather"):
