@@ -12,6 +12,7 @@ the server uses.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +52,8 @@ class LLM:
         max_num_batched_tokens: int = 512,
         batching: str = "continuous",
         admission: str = "optimistic",
+        batch_wait_ms: float = 50.0,
+        static_finished: str = "compute",
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -67,6 +70,8 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 batching=batching,
                 admission=admission,
+                batch_wait_ms=batch_wait_ms,
+                static_finished=static_finished,
             ),
         )
         self._ids = itertools.count()
@@ -101,7 +106,13 @@ class LLM:
             self.engine.add_request(request_id, ids, p)
             results[request_id] = CompletionOutput(prompt_token_ids=ids)
             order.append(request_id)
+        scheduler = self.engine.scheduler
         while self.engine.has_unfinished_requests():
+            # Dynamic batching may hold requests back for its window: sleep it out rather
+            # than spinning on empty steps (no new request can arrive offline).
+            admit_at = scheduler.next_admission_time()
+            if admit_at is not None:
+                time.sleep(max(0.0, admit_at - scheduler.clock()))
             for out in self.engine.step():
                 result = results[out.request_id]
                 result.token_ids.extend(out.new_token_ids)
