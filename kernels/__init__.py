@@ -10,6 +10,11 @@ Owns: no state. Every kernel exists twice with one signature:
       from kernels.prefill_attention import paged_attention_prefill
 
 This module must not import triton, so CPU code paths never need it at import time.
+
+NOTE: ``kernels.store_kv`` is both a re-exported function (the reference) and a submodule
+(the Triton launcher). Once the submodule is imported, Python binds it over the package
+attribute, so ``from kernels import store_kv`` would then return the module. Always import
+from the defining module: ``kernels.reference`` or ``kernels.store_kv``.
 """
 
 from kernels.reference import paged_attention_decode, paged_attention_prefill, store_kv
