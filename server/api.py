@@ -133,10 +133,15 @@ def create_app(
             tokens = ids.token_ids
         else:
             assert body.prompt is not None
-            tokens = encode(client.tokenizer, body.prompt,
-                            add_special_tokens=body.add_special_tokens, param="prompt")  # fmt: skip
-        return TokenizeResponse(tokens=tokens, count=len(tokens),
-                                max_model_len=ctx.limits.max_model_len)  # fmt: skip
+            tokens = encode(
+                client.tokenizer,
+                body.prompt,
+                add_special_tokens=body.add_special_tokens,
+                param="prompt",
+            )
+        return TokenizeResponse(
+            tokens=tokens, count=len(tokens), max_model_len=ctx.limits.max_model_len
+        )
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -29,6 +29,7 @@ from server.protocol import (
     ChatTokenLogprob,
     TopLogprob,
     UsageInfo,
+    finish_reason,
 )
 from server.sampling import (
     chat_logprobs,
@@ -84,14 +85,20 @@ async def create_chat_completion(
     max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), limits, param)
     logprobs = chat_logprobs(req)
     params = [
-        choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i)
-        for i in range(req.n)
+        choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i) for i in range(req.n)
     ]
     request_id = new_request_id("chatcmpl")
     run = GenerationRun(
-        ctx.client, ctx.metrics, request_id, [prompt], params, stop_strings(req.stop), req.n,
-        arrival_time, ctx.token_texts,
-    )  # fmt: skip
+        ctx.client,
+        ctx.metrics,
+        request_id,
+        [prompt],
+        params,
+        stop_strings(req.stop),
+        req.n,
+        arrival_time,
+        ctx.token_texts,
+    )
     await run.start()
     created = int(time.time())
     if req.stream:
@@ -107,7 +114,7 @@ async def create_chat_completion(
             index=c.index,
             message=AssistantMessage(content=c.text),
             logprobs=chat_logprobs_body(c.logprobs) if req.logprobs else None,
-            finish_reason=c.finish_reason,  # type: ignore[arg-type]  # stop | length
+            finish_reason=finish_reason(c.finish_reason),
             token_ids=c.token_ids if req.return_token_ids else None,
             prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
         )
@@ -137,24 +144,38 @@ async def _stream(
     async with abort_on_disconnect(raw_request, run.abort, run.close):
         try:
             for c in run.choices:
-                yield frame(ChatChunkChoice(index=c.index,
-                                            delta=ChatDelta(role="assistant", content="")))  # fmt: skip
+                yield frame(
+                    ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))
+                )
             async for batch in run.deltas():
                 for d in batch:
                     if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
-                        yield frame(ChatChunkChoice(
-                            index=d.index,
-                            delta=ChatDelta(content=d.text),
-                            logprobs=chat_logprobs_body(d.logprobs) if req.logprobs else None,
-                            token_ids=d.token_ids if req.return_token_ids else None,
-                        ))  # fmt: skip
-                    if d.finish_reason is not None:
-                        yield frame(ChatChunkChoice(index=d.index, delta=ChatDelta(),
-                                                    finish_reason=d.finish_reason))  # type: ignore[arg-type]  # fmt: skip
+                        yield frame(
+                            ChatChunkChoice(
+                                index=d.index,
+                                delta=ChatDelta(content=d.text),
+                                logprobs=chat_logprobs_body(d.logprobs) if req.logprobs else None,
+                                token_ids=d.token_ids if req.return_token_ids else None,
+                            )
+                        )
+                    if d.finish_reason is not None and d.finish_reason != "abort":
+                        yield frame(
+                            ChatChunkChoice(
+                                index=d.index,
+                                delta=ChatDelta(),
+                                finish_reason=finish_reason(d.finish_reason),
+                            )
+                        )
             if include_usage and not run.aborted:
-                yield sse_frame(ChatCompletionChunk(id=request_id, created=created,
-                                                    model=ctx.model_name, choices=[],
-                                                    usage=_usage(run)))  # fmt: skip
+                yield sse_frame(
+                    ChatCompletionChunk(
+                        id=request_id,
+                        created=created,
+                        model=ctx.model_name,
+                        choices=[],
+                        usage=_usage(run),
+                    )
+                )
         except APIError as error:
             yield sse_error_frame(error)
     yield DONE_FRAME

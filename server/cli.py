@@ -36,7 +36,7 @@ def serve(config: ServingConfig) -> int:
     """Load the engine, start its thread inside the app's lifespan, run uvicorn until stopped."""
     import uvicorn
 
-    from engine import LLMEngine
+    from engine.llm_engine import LLMEngine
     from server.api import create_app
     from server.engine_client import AsyncEngineClient
 

@@ -22,11 +22,21 @@ from server.protocol import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
+    finish_reason,
 )
-from server.sampling import check_completion_request, choice_params, resolve_max_tokens, \
-    stop_strings  # fmt: skip
-from server.streaming import DONE_FRAME, abort_on_disconnect, sse_error_frame, sse_frame, \
-    sse_response  # fmt: skip
+from server.sampling import (
+    check_completion_request,
+    choice_params,
+    resolve_max_tokens,
+    stop_strings,
+)
+from server.streaming import (
+    DONE_FRAME,
+    abort_on_disconnect,
+    sse_error_frame,
+    sse_frame,
+    sse_response,
+)
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 
@@ -62,14 +72,23 @@ async def create_completion(
     prompts = completion_prompts(req.prompt, ctx.client.tokenizer, limits.vocab_size)
     params = []
     for prompt in prompts:
-        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.token_ids), limits,
-                                        "max_tokens")  # fmt: skip
+        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.token_ids), limits, "max_tokens")
         for i in range(req.n):
-            params.append(choice_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                        choice=i))  # fmt: skip
+            params.append(
+                choice_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=i)
+            )
     request_id = new_request_id("cmpl")
-    run = GenerationRun(ctx.client, ctx.metrics, request_id, prompts, params,
-                        stop_strings(req.stop), req.n, arrival_time, ctx.token_texts)  # fmt: skip
+    run = GenerationRun(
+        ctx.client,
+        ctx.metrics,
+        request_id,
+        prompts,
+        params,
+        stop_strings(req.stop),
+        req.n,
+        arrival_time,
+        ctx.token_texts,
+    )
     await run.start()  # a 400 / 503 here is still a proper HTTP error
     created = int(time.time())
     if req.stream:
@@ -83,20 +102,26 @@ async def create_completion(
     choices = []
     for c in run.choices:
         echo = _echo_text(c.prompt, ctx) if req.echo else ""
-        choices.append(CompletionChoice(
-            index=c.index,
-            text=echo + c.text,
-            logprobs=completion_logprobs(c.logprobs, len(echo)) if req.logprobs is not None
-            else None,
-            finish_reason=c.finish_reason,  # type: ignore[arg-type]  # stop | length
-            token_ids=c.token_ids if req.return_token_ids else None,
-            prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
-        ))  # fmt: skip
-    usage = UsageInfo(prompt_tokens=run.num_prompt_tokens,
-                      completion_tokens=run.num_completion_tokens,
-                      total_tokens=run.num_prompt_tokens + run.num_completion_tokens)  # fmt: skip
-    return CompletionResponse(id=request_id, created=created, model=ctx.model_name,
-                              choices=choices, usage=usage)  # fmt: skip
+        choices.append(
+            CompletionChoice(
+                index=c.index,
+                text=echo + c.text,
+                logprobs=completion_logprobs(c.logprobs, len(echo))
+                if req.logprobs is not None
+                else None,
+                finish_reason=finish_reason(c.finish_reason),
+                token_ids=c.token_ids if req.return_token_ids else None,
+                prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
+            )
+        )
+    usage = UsageInfo(
+        prompt_tokens=run.num_prompt_tokens,
+        completion_tokens=run.num_completion_tokens,
+        total_tokens=run.num_prompt_tokens + run.num_completion_tokens,
+    )
+    return CompletionResponse(
+        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+    )
 
 
 async def _stream(
@@ -110,23 +135,36 @@ async def _stream(
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def frame(choice: CompletionChoice) -> bytes:
-        chunk = CompletionChunk(id=request_id, created=created, model=ctx.model_name,
-                                choices=[choice])  # fmt: skip
+        chunk = CompletionChunk(
+            id=request_id, created=created, model=ctx.model_name, choices=[choice]
+        )
         return sse_frame(chunk, usage_field=include_usage)
 
     def delta_frames(d: ChoiceDelta, echo_len: int) -> list[bytes]:
         frames = []
         if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
-            frames.append(frame(CompletionChoice(
-                index=d.index,
-                text=d.text,
-                logprobs=completion_logprobs(d.logprobs, echo_len) if req.logprobs is not None
-                else None,
-                token_ids=d.token_ids if req.return_token_ids else None,
-            )))  # fmt: skip
+            frames.append(
+                frame(
+                    CompletionChoice(
+                        index=d.index,
+                        text=d.text,
+                        logprobs=completion_logprobs(d.logprobs, echo_len)
+                        if req.logprobs is not None
+                        else None,
+                        token_ids=d.token_ids if req.return_token_ids else None,
+                    )
+                )
+            )
+        if d.finish_reason == "abort":
+            return frames  # the client is gone; nobody reads a finish chunk
         if d.finish_reason is not None:  # OpenAI sends the finish reason in its own chunk
-            frames.append(frame(CompletionChoice(index=d.index, text="",
-                                                 finish_reason=d.finish_reason)))  # type: ignore[arg-type]  # fmt: skip
+            frames.append(
+                frame(
+                    CompletionChoice(
+                        index=d.index, text="", finish_reason=finish_reason(d.finish_reason)
+                    )
+                )
+            )
         return frames
 
     async with abort_on_disconnect(raw_request, run.abort, run.close):
@@ -142,11 +180,20 @@ async def _stream(
                     for f in delta_frames(d, echo_lens[d.index]):
                         yield f
             if include_usage and not run.aborted:
-                usage = UsageInfo(prompt_tokens=run.num_prompt_tokens,
-                                  completion_tokens=run.num_completion_tokens,
-                                  total_tokens=run.num_prompt_tokens + run.num_completion_tokens)  # fmt: skip
-                yield sse_frame(CompletionChunk(id=request_id, created=created,
-                                                model=ctx.model_name, choices=[], usage=usage))  # fmt: skip
+                usage = UsageInfo(
+                    prompt_tokens=run.num_prompt_tokens,
+                    completion_tokens=run.num_completion_tokens,
+                    total_tokens=run.num_prompt_tokens + run.num_completion_tokens,
+                )
+                yield sse_frame(
+                    CompletionChunk(
+                        id=request_id,
+                        created=created,
+                        model=ctx.model_name,
+                        choices=[],
+                        usage=usage,
+                    )
+                )
         except APIError as error:  # headers are sent: report in-band, then end the stream
             yield sse_error_frame(error)
     yield DONE_FRAME

@@ -379,8 +379,11 @@ class AsyncEngineClient:
                     outputs.extend(engine.step())
                     stats = engine.last_step_stats
                 except Exception as exc:
-                    logger.error("engine step failed; failing %d request(s) in flight:\n%s",
-                                 len(self._active), traceback.format_exc())  # fmt: skip
+                    logger.error(
+                        "engine step failed; failing %d request(s) in flight:\n%s",
+                        len(self._active),
+                        traceback.format_exc(),
+                    )
                     outputs.extend(self._fail_active(f"{type(exc).__name__}: {exc}"))
                 finally:
                     self._in_step_since = None
@@ -412,8 +415,12 @@ class AsyncEngineClient:
         added: list[str] = []
         try:
             for request in item.requests:
-                engine.add_request(request.request_id, list(request.prompt_token_ids),
-                                   request.params, item.arrival_time)  # fmt: skip
+                engine.add_request(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    request.params,
+                    item.arrival_time,
+                )
                 added.append(request.request_id)
         except Exception as exc:  # ValueError: the request can never run -> the client's 400
             if added:
@@ -434,8 +441,9 @@ class AsyncEngineClient:
             if output is None:
                 failed.append(_error_output(request_id, message))
             else:
-                failed.append(dataclasses.replace(output, finished=True, finish_reason="error",
-                                                  error=message))  # fmt: skip
+                failed.append(
+                    dataclasses.replace(output, finished=True, finish_reason="error", error=message)
+                )
         return failed
 
 

@@ -97,13 +97,22 @@ def model_not_found(model: str) -> APIError:
 
 
 def engine_failed(detail: str) -> APIError:
-    return APIError(500, f"The engine failed while processing the request: {detail}",
-                    type=SERVER_ERROR, code="engine_error")  # fmt: skip
+    return APIError(
+        500,
+        f"The engine failed while processing the request: {detail}",
+        type=SERVER_ERROR,
+        code="engine_error",
+    )
 
 
 def engine_unavailable(reason: str) -> APIError:
-    return APIError(503, f"The engine is not available: {reason}", type=UNAVAILABLE,
-                    code="engine_unavailable", headers={"Retry-After": "1"})  # fmt: skip
+    return APIError(
+        503,
+        f"The engine is not available: {reason}",
+        type=UNAVAILABLE,
+        code="engine_unavailable",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _loc_to_param(loc: Sequence[Any]) -> str | None:
@@ -125,8 +134,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid")
         ctx = detail.get("ctx") or {}
-        return f"The request body is not valid JSON: {ctx.get('error', detail['msg'])}", None, \
-            "invalid_json"  # fmt: skip
+        return (
+            f"The request body is not valid JSON: {ctx.get('error', detail['msg'])}",
+            None,
+            "invalid_json",
+        )
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = _loc_to_param(first.get("loc", ()))
     if first.get("type") == "missing":
@@ -134,8 +146,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     where = f" for '{param}'" if param else ""
     more = f" ({len(errors) - 1} more errors)" if len(errors) > 1 else ""
     # Unions report one error per branch; the first branch's message is the useful one.
-    return f"Invalid type{where}: {first.get('msg', 'invalid value')}{more}.", param, \
-        "invalid_type"  # fmt: skip
+    return f"Invalid type{where}: {first.get('msg', 'invalid value')}{more}.", param, "invalid_type"
 
 
 _HTTP_CODES = {404: ("not_found", NOT_FOUND), 405: ("method_not_allowed", INVALID_REQUEST)}
@@ -147,15 +158,17 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
         if exc.status_code >= 500:
-            logger.error("%s %s -> %d: %s", request.method, request.url.path, exc.status_code,
-                         exc.message)  # fmt: skip
+            logger.error(
+                "%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message
+            )
         return exc.response()
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         message, param, code = _validation_message(exc)
-        return JSONResponse(error_body(message, type=INVALID_REQUEST, param=param, code=code),
-                            status_code=422)  # fmt: skip
+        return JSONResponse(
+            error_body(message, type=INVALID_REQUEST, param=param, code=code), status_code=422
+        )
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
@@ -163,10 +176,12 @@ def install_error_handlers(app: FastAPI) -> None:
             # FastAPI reports a body that is not UTF-8 as a generic 400 parse error; it is
             # malformed JSON (RFC 8259 requires UTF-8), so it gets the same 422 as bad JSON.
             cause = exc.__cause__
-            message = f"The request body is not valid UTF-8 JSON: {cause.reason} at byte " \
-                f"{cause.start}"  # fmt: skip
-            return JSONResponse(error_body(message, type=INVALID_REQUEST, code="invalid_json"),
-                                status_code=422)  # fmt: skip
+            message = (
+                f"The request body is not valid UTF-8 JSON: {cause.reason} at byte {cause.start}"
+            )
+            return JSONResponse(
+                error_body(message, type=INVALID_REQUEST, code="invalid_json"), status_code=422
+            )
         code, type_ = _HTTP_CODES.get(exc.status_code, (None, INVALID_REQUEST))
         if exc.status_code == 404:
             message = f"Unknown route: {request.method} {request.url.path}"
@@ -174,16 +189,22 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"Method {request.method} is not allowed on {request.url.path}"
         else:
             message = str(exc.detail)
-        return JSONResponse(error_body(message, type=type_, code=code),
-                            status_code=exc.status_code, headers=exc.headers)  # fmt: skip
+        return JSONResponse(
+            error_body(message, type=type_, code=code),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return JSONResponse(
-            error_body(f"Internal server error: {type(exc).__name__}", type=SERVER_ERROR,
-                       code="internal_error"),
+            error_body(
+                f"Internal server error: {type(exc).__name__}",
+                type=SERVER_ERROR,
+                code="internal_error",
+            ),
             status_code=500,
-        )  # fmt: skip
+        )
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

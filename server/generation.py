@@ -45,8 +45,9 @@ class TokenTexts:
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False,
-                                          clean_up_tokenization_spaces=False)  # fmt: skip
+            text = self._tokenizer.decode(
+                [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
             self._cache[token_id] = text
         return text
 
@@ -185,8 +186,11 @@ class GenerationRun:
             for i in range(n):
                 index = p * n + i
                 rid = f"{request_id}-{index}"
-                self.choices.append(ChoiceState(index, rid, prompt, client.tokenizer,
-                                                token_texts, stop, arrival_time))  # fmt: skip
+                self.choices.append(
+                    ChoiceState(
+                        index, rid, prompt, client.tokenizer, token_texts, stop, arrival_time
+                    )
+                )
                 self._requests.append(EngineRequest(rid, prompt.token_ids, params[index]))
         self._by_id = {c.request_id: c for c in self.choices}
         self._arrival_time = arrival_time

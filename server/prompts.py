@@ -29,8 +29,9 @@ def _check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise invalid(f"'{param}' is not valid Unicode: {exc.reason} at index {exc.start}",
-                      param) from None  # fmt: skip
+        raise invalid(
+            f"'{param}' is not valid Unicode: {exc.reason} at index {exc.start}", param
+        ) from None
 
 
 def encode(tokenizer: Any, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
@@ -41,8 +42,11 @@ def encode(tokenizer: Any, text: str, *, add_special_tokens: bool, param: str) -
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
     for i, token_id in enumerate(token_ids):
         if not 0 <= token_id < vocab_size:
-            raise invalid(f"'{param}' contains token id {token_id} at index {i}, outside the "
-                          f"vocabulary [0, {vocab_size})", param)  # fmt: skip
+            raise invalid(
+                f"'{param}' contains token id {token_id} at index {i}, outside the "
+                f"vocabulary [0, {vocab_size})",
+                param,
+            )
 
 
 def completion_prompts(
@@ -85,8 +89,10 @@ def message_text(message: ChatMessage, index: int) -> str:
     for j, part in enumerate(content):
         kind = part.get("type")
         if kind != "text":
-            raise unsupported([f"{param}[{j}].type={kind!r}"],
-                              "is not supported: pagedserve serves text-only models")  # fmt: skip
+            raise unsupported(
+                [f"{param}[{j}].type={kind!r}"],
+                "is not supported: pagedserve serves text-only models",
+            )
         text = part.get("text")
         if not isinstance(text, str):
             raise invalid(f"'{param}[{j}].text' must be a string", f"{param}[{j}].text")
@@ -103,10 +109,15 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
         role = "system" if message.role == "developer" else message.role  # OpenAI's new name
         if role not in CHAT_ROLES:
             if role in ("tool", "function"):
-                raise unsupported([f"messages[{i}].role={role!r}"],
-                                  "is not supported: pagedserve has no tool calling")  # fmt: skip
-            raise invalid(f"'messages[{i}].role' must be one of system, developer, user, "
-                          f"assistant; got {message.role!r}", f"messages[{i}].role")  # fmt: skip
+                raise unsupported(
+                    [f"messages[{i}].role={role!r}"],
+                    "is not supported: pagedserve has no tool calling",
+                )
+            raise invalid(
+                f"'messages[{i}].role' must be one of system, developer, user, "
+                f"assistant; got {message.role!r}",
+                f"messages[{i}].role",
+            )
         if message.tool_calls:
             raise unsupported([f"messages[{i}].tool_calls"], "is not supported: no tool calling")
         text = message_text(message, i)
@@ -120,8 +131,9 @@ def chat_prompt(
 ) -> Prompt:
     """Render messages with the tokenizer's chat template and tokenize them."""
     if not getattr(tokenizer, "chat_template", None):
-        raise invalid("this model has no chat template; use /v1/completions", "messages",
-                      "no_chat_template")  # fmt: skip
+        raise invalid(
+            "this model has no chat template; use /v1/completions", "messages", "no_chat_template"
+        )
     rendered = chat_messages(messages)
     try:
         text = tokenizer.apply_chat_template(

@@ -18,6 +18,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+FinishReason = Literal["stop", "length"]
+
+
+def finish_reason(reason: str | None) -> FinishReason | None:
+    """The engine's / server's finish reason as clients see it. ``abort`` and ``error`` are
+    never reported as a finish reason: an aborted request has no reader, and an error becomes
+    an error response (or an in-band error event when streaming)."""
+    if reason is None or reason == "stop":
+        return "stop" if reason else None
+    if reason == "length":
+        return "length"
+    raise ValueError(f"finish reason {reason!r} is not reported to clients")
+
+
 # Field names OpenAI defines that pagedserve accepts and deliberately ignores (see docstring).
 IGNORED_OPENAI_FIELDS = frozenset({"store", "metadata", "service_tier", "parallel_tool_calls"})
 
@@ -134,7 +148,7 @@ class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     token_ids: list[int] | None = _OMIT_IF_NONE  # with return_token_ids
     prompt_token_ids: list[int] | None = _OMIT_IF_NONE  # with return_token_ids
 
@@ -174,7 +188,7 @@ class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     token_ids: list[int] | None = _OMIT_IF_NONE
     prompt_token_ids: list[int] | None = _OMIT_IF_NONE
 
@@ -197,7 +211,7 @@ class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     token_ids: list[int] | None = _OMIT_IF_NONE
 
 

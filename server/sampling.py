@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -49,8 +48,12 @@ def check_unknown_fields(body: BaseModel, limits: RequestLimits) -> list[str]:
     """Reject (or, under ``--unknown-fields ignore``, return) unrecognised top-level fields."""
     extra = sorted(set(body.model_extra or {}) - IGNORED_OPENAI_FIELDS)
     if extra and limits.reject_unknown_fields:
-        raise APIError(400, f"Unrecognized request argument supplied: {', '.join(extra)}",
-                       param=extra[0], code="unrecognized_argument")  # fmt: skip
+        raise APIError(
+            400,
+            f"Unrecognized request argument supplied: {', '.join(extra)}",
+            param=extra[0],
+            code="unrecognized_argument",
+        )
     if extra:
         logger.warning("ignoring unrecognized request fields: %s", ", ".join(extra))
     return extra
@@ -70,8 +73,9 @@ def _in_range(value: float, low: float, high: float, param: str) -> None:
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     items = [stop] if isinstance(stop, str) else list(stop or [])
     if len(items) > MAX_STOP_STRINGS:
-        raise invalid(f"'stop' has {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed",
-                      "stop")  # fmt: skip
+        raise invalid(
+            f"'stop' has {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop"
+        )
     for s in items:
         if not s:
             raise invalid("'stop' strings must be non-empty", "stop")
@@ -102,14 +106,19 @@ def _common_checks(req: CompletionRequest | ChatCompletionRequest, limits: Reque
     if req.repetition_penalty is not None:
         _finite(req.repetition_penalty, "repetition_penalty")
         if req.repetition_penalty <= 0:
-            raise invalid(f"'repetition_penalty' must be > 0, got {req.repetition_penalty}",
-                          "repetition_penalty")  # fmt: skip
+            raise invalid(
+                f"'repetition_penalty' must be > 0, got {req.repetition_penalty}",
+                "repetition_penalty",
+            )
     if req.seed is not None and not 0 <= req.seed <= MAX_SEED - req.n:
         raise invalid(f"'seed' must be in [0, 2**63 - 1 - n], got {req.seed}", "seed")
     for token_id in req.stop_token_ids or []:
         if not 0 <= token_id < limits.vocab_size:
-            raise invalid(f"'stop_token_ids' contains {token_id}, outside the vocabulary "
-                          f"[0, {limits.vocab_size})", "stop_token_ids")  # fmt: skip
+            raise invalid(
+                f"'stop_token_ids' contains {token_id}, outside the vocabulary "
+                f"[0, {limits.vocab_size})",
+                "stop_token_ids",
+            )
     stop_strings(req.stop)
     if req.logit_bias:
         raise unsupported(["logit_bias"])
@@ -125,15 +134,19 @@ def check_completion_request(req: CompletionRequest, limits: RequestLimits) -> N
     if req.best_of is not None and req.best_of != req.n:
         if req.best_of < req.n:
             raise invalid(f"'best_of' ({req.best_of}) must be >= n ({req.n})", "best_of")
-        raise unsupported(["best_of"], "> n is not supported by pagedserve (it returns every "
-                                       "sampled sequence; use n)")  # fmt: skip
+        raise unsupported(
+            ["best_of"],
+            "> n is not supported by pagedserve (it returns every sampled sequence; use n)",
+        )
     if req.logprobs is not None and not 0 <= req.logprobs <= limits.max_logprobs:
-        raise invalid(f"'logprobs' must be in [0, {limits.max_logprobs}], got {req.logprobs}",
-                      "logprobs")  # fmt: skip
+        raise invalid(
+            f"'logprobs' must be in [0, {limits.max_logprobs}], got {req.logprobs}", "logprobs"
+        )
     if req.echo and req.logprobs is not None:
-        raise unsupported(["echo", "logprobs"],
-                          "together are not supported: pagedserve does not compute prompt "
-                          "logprobs")  # fmt: skip
+        raise unsupported(
+            ["echo", "logprobs"],
+            "together are not supported: pagedserve does not compute prompt logprobs",
+        )
 
 
 def check_chat_request(req: ChatCompletionRequest, limits: RequestLimits) -> None:
@@ -161,8 +174,10 @@ def check_chat_request(req: ChatCompletionRequest, limits: RequestLimits) -> Non
         if not req.logprobs:
             raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
         if not 0 <= req.top_logprobs <= limits.max_logprobs:
-            raise invalid(f"'top_logprobs' must be in [0, {limits.max_logprobs}], got "
-                          f"{req.top_logprobs}", "top_logprobs")  # fmt: skip
+            raise invalid(
+                f"'top_logprobs' must be in [0, {limits.max_logprobs}], got {req.top_logprobs}",
+                "top_logprobs",
+            )
 
 
 def resolve_max_tokens(
@@ -213,10 +228,6 @@ def choice_params(
         raise invalid(str(exc)) from None
 
 
-def completion_logprobs(req: CompletionRequest) -> int | None:
-    return req.logprobs
-
-
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     if not req.logprobs:
         return None
@@ -227,8 +238,3 @@ def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
     if req.max_completion_tokens is not None:
         return req.max_completion_tokens, "max_completion_tokens"
     return req.max_tokens, "max_tokens"
-
-
-def total_choices(num_prompts: int, n: int) -> Sequence[tuple[int, int, int]]:
-    """(choice index, prompt index, sample index) in OpenAI's order: prompt-major."""
-    return [(p * n + i, p, i) for p in range(num_prompts) for i in range(n)]

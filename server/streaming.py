@@ -42,8 +42,9 @@ def sse_frame(payload: BaseModel | dict[str, Any], *, usage_field: bool = False)
     data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
     if usage_field:
         data.setdefault("usage", None)
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + \
-        b"\n\n"  # fmt: skip
+    return (
+        b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    )
 
 
 def sse_error_frame(error: APIError) -> bytes:

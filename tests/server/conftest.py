@@ -51,12 +51,17 @@ async def serve() -> AsyncIterator[ServeFactory]:
     async def factory(engine: FakeEngine | None = None, **server: Any) -> Served:
         engine = engine or FakeEngine()
         config = ServingConfig(server=ServerConfig(stats_log_interval_s=0, **server))
-        client = AsyncEngineClient(engine, check_integrity=True, idle_wake_s=0.05,
-                                   stall_timeout_s=config.server.engine_stall_timeout_s)
+        client = AsyncEngineClient(
+            engine,
+            check_integrity=True,
+            idle_wake_s=0.05,
+            stall_timeout_s=config.server.engine_stall_timeout_s,
+        )
         app = create_app(config, client)
         client.start()  # httpx's ASGI transport does not run the lifespan
-        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://test", timeout=10)  # fmt: skip
+        http = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=10
+        )
         served = Served(http, client, engine, app)
         opened.append(served)
         return served

@@ -15,8 +15,9 @@ async def test_models_lists_the_served_name(serve) -> None:
     ModelList.model_validate(body)
     assert [m["id"] for m in body["data"]] == ["my-model"]
     assert body["data"][0]["max_model_len"] == 256
-    r = await s.http.post("/v1/completions", json={"model": "my-model", "prompt": "hi",
-                                                   "max_tokens": 1})
+    r = await s.http.post(
+        "/v1/completions", json={"model": "my-model", "prompt": "hi", "max_tokens": 1}
+    )
     assert r.status_code == 200 and r.json()["model"] == "my-model"
     r = await s.http.post("/v1/completions", json={"model": "fake-model", "prompt": "hi"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -28,8 +29,9 @@ async def test_health_reports_the_kv_pool(serve) -> None:
     assert r.status_code == 200
     engine = r.json()["engine"]
     assert engine["kv_blocks_total"] == 64 and engine["kv_blocks_used"] == 0
-    task = asyncio.create_task(s.http.post("/v1/completions",
-                                           json={"prompt": "hello world", "max_tokens": 30}))
+    task = asyncio.create_task(
+        s.http.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 30})
+    )
     await asyncio.sleep(0.1)
     busy = (await s.http.get("/health")).json()["engine"]
     assert busy["kv_blocks_used"] > 0 and busy["num_requests"] == 1
@@ -76,9 +78,12 @@ async def test_tokenize_messages_matches_the_chat_route(serve) -> None:
     s = await serve()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     tokens = (await s.http.post("/tokenize", json={"messages": messages})).json()["tokens"]
-    chat = (await s.http.post("/v1/chat/completions",
-                              json={"messages": messages, "max_tokens": 1,
-                                    "return_token_ids": True})).json()  # fmt: skip
+    chat = (
+        await s.http.post(
+            "/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 1, "return_token_ids": True},
+        )
+    ).json()
     assert chat["choices"][0]["prompt_token_ids"] == tokens
     assert chat["usage"]["prompt_tokens"] == len(tokens)
 
@@ -86,6 +91,13 @@ async def test_tokenize_messages_matches_the_chat_route(serve) -> None:
 async def test_openapi_schema_documents_the_routes(serve) -> None:
     s = await serve()
     paths = (await s.http.get("/openapi.json")).json()["paths"]
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                 "/tokenize", "/detokenize", "/version"):
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/health",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+    ):
         assert path in paths

@@ -10,16 +10,28 @@ MSG = [{"role": "user", "content": "hi"}]
 
 async def test_chat_uses_the_template_without_double_specials(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/chat/completions", json={
-        "messages": [{"role": "developer", "content": "be brief"},
-                     {"role": "user", "content": [{"type": "text", "text": "h"},
-                                                  {"type": "text", "text": "i"}]}],
-        "max_tokens": 3, "temperature": 0, "return_token_ids": True})  # fmt: skip
+    r = await s.http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}],
+                },
+            ],
+            "max_tokens": 3,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     tok = tiny_tokenizer()
     expected = tok.apply_chat_template(
         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
-        add_generation_prompt=True, tokenize=False)  # fmt: skip
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     choice = r.json()["choices"][0]
     assert choice["prompt_token_ids"] == tok.encode(expected, add_special_tokens=False)
     assert choice["message"] == {"role": "assistant", "content": greedy_text(3)}
@@ -35,16 +47,29 @@ async def test_chat_default_max_tokens_is_the_rest_of_the_context(serve) -> None
 
 async def test_max_completion_tokens_wins_over_max_tokens(serve) -> None:
     s = await serve()
-    r = (await s.http.post("/v1/chat/completions", json={
-        "messages": MSG, "max_tokens": 9, "max_completion_tokens": 2})).json()  # fmt: skip
+    r = (
+        await s.http.post(
+            "/v1/chat/completions",
+            json={"messages": MSG, "max_tokens": 9, "max_completion_tokens": 2},
+        )
+    ).json()
     assert r["usage"]["completion_tokens"] == 2
 
 
 async def test_chat_logprobs_format(serve) -> None:
     s = await serve()
-    r = (await s.http.post("/v1/chat/completions", json={
-        "messages": MSG, "max_tokens": 3, "temperature": 0, "logprobs": True,
-        "top_logprobs": 2})).json()  # fmt: skip
+    r = (
+        await s.http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": MSG,
+                "max_tokens": 3,
+                "temperature": 0,
+                "logprobs": True,
+                "top_logprobs": 2,
+            },
+        )
+    ).json()
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == 3
     for entry in content:
@@ -53,16 +78,26 @@ async def test_chat_logprobs_format(serve) -> None:
         assert len(entry["top_logprobs"]) == 2
         assert entry["top_logprobs"][0]["token"] == entry["token"]
     # logprobs without top_logprobs: the chosen token only
-    r = (await s.http.post("/v1/chat/completions", json={
-        "messages": MSG, "max_tokens": 2, "logprobs": True})).json()  # fmt: skip
+    r = (
+        await s.http.post(
+            "/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, "logprobs": True}
+        )
+    ).json()
     assert all(e["top_logprobs"] == [] for e in r["choices"][0]["logprobs"]["content"])
 
 
 async def test_chat_stop_string_streaming(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/chat/completions", json={
-        "messages": MSG, "max_tokens": 20, "temperature": 0, "stop": ["own f"],
-        "stream": True})  # fmt: skip
+    r = await s.http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": MSG,
+            "max_tokens": 20,
+            "temperature": 0,
+            "stop": ["own f"],
+            "stream": True,
+        },
+    )
     import json
 
     chunks = [json.loads(f[6:]) for f in r.text.split("\n\n") if f.startswith("data: {")]

@@ -10,8 +10,9 @@ import pytest
 from server import cli
 
 
-@pytest.mark.parametrize(("command", "module"), [("plan", "planner.cli"),
-                                                  ("bench", "loadtest.cli")])
+@pytest.mark.parametrize(
+    ("command", "module"), [("plan", "planner.cli"), ("bench", "loadtest.cli")]
+)
 def test_plan_and_bench_dispatch_lazily(command: str, module: str, monkeypatch) -> None:
     seen: list[list[str]] = []
     fake = types.ModuleType(module)

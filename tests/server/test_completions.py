@@ -27,18 +27,26 @@ def streamed_text(payloads: list[dict], index: int = 0) -> str:
 
 async def test_greedy_text_usage_and_length_finish(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/completions",
-                          json={"prompt": "hello world", "max_tokens": 6, "temperature": 0})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": "hello world", "max_tokens": 6, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == "fake-model"
     assert body["id"].startswith("cmpl-")
     (choice,) = body["choices"]
-    assert choice == {"index": 0, "text": greedy_text(6), "logprobs": None,
-                      "finish_reason": "length"}
+    assert choice == {
+        "index": 0,
+        "text": greedy_text(6),
+        "logprobs": None,
+        "finish_reason": "length",
+    }
     prompt_len = len(tiny_tokenizer().encode("hello world"))
-    assert body["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 6,
-                             "total_tokens": prompt_len + 6}
+    assert body["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": 6,
+        "total_tokens": prompt_len + 6,
+    }
     await s.wait_idle()
 
 
@@ -51,16 +59,18 @@ async def test_max_tokens_defaults_to_16(serve) -> None:
 async def test_max_tokens_null_runs_to_the_context_length(serve) -> None:
     s = await serve(FakeEngine(max_model_len=40))
     prompt_len = len(tiny_tokenizer().encode("hello world"))
-    r = await s.http.post("/v1/completions",
-                          json={"prompt": "hello world", "max_tokens": None, "temperature": 0})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": "hello world", "max_tokens": None, "temperature": 0}
+    )
     assert r.json()["usage"]["completion_tokens"] == 40 - prompt_len
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
 async def test_eos_finishes_with_stop_and_adds_no_text(serve) -> None:
     s = await serve(FakeEngine(eos_after=4))
-    r = await s.http.post("/v1/completions",
-                          json={"prompt": "hi", "max_tokens": 10, "temperature": 0})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 10, "temperature": 0}
+    )
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert choice["text"] == greedy_text(3)  # the EOS counts as a token but adds no text
@@ -69,8 +79,10 @@ async def test_eos_finishes_with_stop_and_adds_no_text(serve) -> None:
 
 async def test_ignore_eos_runs_to_max_tokens(serve) -> None:
     s = await serve(FakeEngine(eos_after=4))
-    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10,
-                                                   "temperature": 0, "ignore_eos": True})
+    r = await s.http.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 10, "temperature": 0, "ignore_eos": True},
+    )
     assert r.json()["choices"][0]["finish_reason"] == "length"
     assert r.json()["usage"]["completion_tokens"] == 10
 
@@ -79,8 +91,10 @@ async def test_stop_token_ids(serve) -> None:
     s = await serve()
     brown = tiny_tokenizer().encode(" brown")
     assert len(brown) == 1
-    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10,
-                                                   "temperature": 0, "stop_token_ids": brown})
+    r = await s.http.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 10, "temperature": 0, "stop_token_ids": brown},
+    )
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert choice["text"] == " the quick"  # the stop token's text is not returned
@@ -90,9 +104,16 @@ async def test_stop_token_ids(serve) -> None:
 async def test_stop_string_across_tokens_non_streaming(serve) -> None:
     s = await serve(FakeEngine(step_delay_s=0.01))  # slow enough for the abort to matter
     # " quick" and " brown" are separate tokens; the stop string straddles them.
-    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 200,
-                                                   "temperature": 0, "stop": ["ck bro", "zzz"],
-                                                   "return_token_ids": True})
+    r = await s.http.post(
+        "/v1/completions",
+        json={
+            "prompt": "hi",
+            "max_tokens": 200,
+            "temperature": 0,
+            "stop": ["ck bro", "zzz"],
+            "return_token_ids": True,
+        },
+    )
     choice = r.json()["choices"][0]
     assert choice["text"] == " the qui"
     assert choice["finish_reason"] == "stop"
@@ -106,9 +127,10 @@ async def test_stop_string_across_tokens_non_streaming(serve) -> None:
 
 async def test_stop_string_across_tokens_streaming(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 12,
-                                                   "temperature": 0, "stop": "ck bro",
-                                                   "stream": True})
+    r = await s.http.post(
+        "/v1/completions",
+        json={"prompt": "hi", "max_tokens": 12, "temperature": 0, "stop": "ck bro", "stream": True},
+    )
     payloads = sse_payloads(r.text)
     assert streamed_text(payloads) == " the qui"
     assert payloads[-1]["choices"][0]["finish_reason"] == "stop"
@@ -118,8 +140,9 @@ async def test_stop_string_across_tokens_streaming(serve) -> None:
 
 async def test_stop_string_at_the_very_start_gives_empty_text(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 12,
-                                                   "temperature": 0, "stop": " the"})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 12, "temperature": 0, "stop": " the"}
+    )
     assert r.json()["choices"][0]["text"] == ""
     assert r.json()["choices"][0]["finish_reason"] == "stop"
 
@@ -134,8 +157,11 @@ async def test_n_with_seed_is_distinct_and_reproducible(serve) -> None:
     assert len(set(texts)) == 3, texts
     assert texts == [c["text"] for c in second["choices"]]
     prompt_len = len(tiny_tokenizer().encode("hi"))
-    assert first["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 24,
-                              "total_tokens": prompt_len + 24}
+    assert first["usage"] == {
+        "prompt_tokens": prompt_len,
+        "completion_tokens": 24,
+        "total_tokens": prompt_len + 24,
+    }
     # the engine saw n requests, named after the HTTP request
     assert sorted(r.rsplit("-", 1)[1] for r in s.engine.added[:3]) == ["0", "1", "2"]
 
@@ -144,12 +170,21 @@ async def test_batch_of_prompts_is_prompt_major_and_counts_each_prompt_once(serv
     s = await serve()
     tok = tiny_tokenizer()
     prompts = ["hello", "one two three"]
-    r = await s.http.post("/v1/completions", json={"prompt": prompts, "n": 2, "max_tokens": 3,
-                                                   "temperature": 0, "return_token_ids": True})
+    r = await s.http.post(
+        "/v1/completions",
+        json={
+            "prompt": prompts,
+            "n": 2,
+            "max_tokens": 3,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
-    assert [c["prompt_token_ids"] for c in body["choices"]] == \
-        [tok.encode(p) for p in prompts for _ in range(2)]
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [
+        tok.encode(p) for p in prompts for _ in range(2)
+    ]
     prompt_tokens = sum(len(tok.encode(p)) for p in prompts)
     assert body["usage"]["prompt_tokens"] == prompt_tokens
     assert body["usage"]["completion_tokens"] == 4 * 3
@@ -159,38 +194,44 @@ async def test_token_id_prompts(serve) -> None:
     s = await serve()
     tok = tiny_tokenizer()
     single = tok.encode("hello world")
-    r = await s.http.post("/v1/completions",
-                          json={"prompt": single, "max_tokens": 2, "temperature": 0})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": single, "max_tokens": 2, "temperature": 0}
+    )
     assert r.json()["usage"]["prompt_tokens"] == len(single)
-    r = await s.http.post("/v1/completions",
-                          json={"prompt": [single, single[:1]], "max_tokens": 2,
-                                "temperature": 0})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": [single, single[:1]], "max_tokens": 2, "temperature": 0}
+    )
     assert len(r.json()["choices"]) == 2
     assert r.json()["usage"]["prompt_tokens"] == len(single) + 1
 
 
 async def test_echo_prepends_the_prompt(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3,
-                                                   "temperature": 0, "echo": True})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": "hello", "max_tokens": 3, "temperature": 0, "echo": True}
+    )
     assert r.json()["choices"][0]["text"] == "hello" + greedy_text(3)
-    r = await s.http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3,
-                                                   "temperature": 0, "echo": True,
-                                                   "stream": True})
+    r = await s.http.post(
+        "/v1/completions",
+        json={"prompt": "hello", "max_tokens": 3, "temperature": 0, "echo": True, "stream": True},
+    )
     assert streamed_text(sse_payloads(r.text)) == "hello" + greedy_text(3)
 
 
 async def test_logprobs_format(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4,
-                                                   "temperature": 0, "logprobs": 2})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0, "logprobs": 2}
+    )
     lp = r.json()["choices"][0]["logprobs"]
     tok = tiny_tokenizer()
     ids = tok.encode(CONTINUATION)[:4]
     assert lp["tokens"] == [tok.decode([i]) for i in ids]
     assert lp["token_logprobs"] == [-0.25] * 4
-    assert all(len(top) == 2 and top[t] == -0.25 for top, t in zip(lp["top_logprobs"],
-                                                                    lp["tokens"]))
+    assert all(
+        len(top) == 2 and top[t] == -0.25
+        for top, t in zip(lp["top_logprobs"], lp["tokens"], strict=True)
+    )
     offsets = [0]
     for t in lp["tokens"][:-1]:
         offsets.append(offsets[-1] + len(t))
@@ -201,8 +242,9 @@ async def test_multibyte_stream_has_no_replacement_chars(serve) -> None:
     continuation = " 日本語 🎉 café ∑"
     s = await serve(FakeEngine(continuation=continuation))
     n = len(tiny_tokenizer().encode(continuation))
-    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": n,
-                                                   "temperature": 0, "stream": True})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": n, "temperature": 0, "stream": True}
+    )
     payloads = sse_payloads(r.text)
     assert streamed_text(payloads) == continuation
     assert all("\ufffd" not in c["text"] for p in payloads for c in p["choices"])
@@ -213,11 +255,15 @@ async def test_concurrent_requests_are_isolated(serve) -> None:
 
     s = await serve(FakeEngine(max_num_seqs=4, num_blocks=256))
     lengths = [1, 3, 5, 7, 9, 11, 13, 15]
-    rs = await asyncio.gather(*[
-        s.http.post("/v1/completions", json={"prompt": f"one two {i}", "max_tokens": k,
-                                             "temperature": 0})
-        for i, k in enumerate(lengths)
-    ])
-    for r, k in zip(rs, lengths):
+    rs = await asyncio.gather(
+        *[
+            s.http.post(
+                "/v1/completions",
+                json={"prompt": f"one two {i}", "max_tokens": k, "temperature": 0},
+            )
+            for i, k in enumerate(lengths)
+        ]
+    )
+    for r, k in zip(rs, lengths, strict=True):
         assert r.json()["choices"][0]["text"] == greedy_text(k)
     await s.wait_idle()

@@ -15,8 +15,12 @@ def test_defaults() -> None:
 
 
 def test_env_overrides_default_and_flag_overrides_env() -> None:
-    env = {"PAGEDSERVE_PORT": "9001", "PAGEDSERVE_BATCHING": "static",
-           "PAGEDSERVE_KV_CACHE_MEMORY": "2GiB", "PAGEDSERVE_MAX_NUM_SEQS": "8"}
+    env = {
+        "PAGEDSERVE_PORT": "9001",
+        "PAGEDSERVE_BATCHING": "static",
+        "PAGEDSERVE_KV_CACHE_MEMORY": "2GiB",
+        "PAGEDSERVE_MAX_NUM_SEQS": "8",
+    }
     config = ServingConfig.from_cli(["--port", "9002", "--max-num-seqs", "4"], env)
     assert config.server.port == 9002  # flag wins
     assert config.scheduler.max_num_seqs == 4
@@ -26,46 +30,115 @@ def test_env_overrides_default_and_flag_overrides_env() -> None:
 
 def test_every_flag_reaches_its_config() -> None:
     argv = [
-        "--model", "/models/x", "--dtype", "bfloat16", "--device", "cpu",
-        "--attention-backend", "torch", "--max-model-len", "1024", "--seed", "7",
-        "--block-size", "32", "--kv-cache-memory", "512MB", "--num-kv-blocks", "100",
-        "--max-num-seqs", "3", "--max-num-batched-tokens", "256", "--batching", "dynamic",
-        "--admission", "reserve", "--batch-wait-ms", "20", "--static-finished", "skip",
-        "--host", "0.0.0.0", "--port", "1234", "--served-model-name", "m",
-        "--log-level", "DEBUG", "--max-body-size", "1MiB", "--max-n", "4",
-        "--max-logprobs", "5", "--unknown-fields", "ignore", "--engine-stall-timeout", "9",
-        "--stats-log-interval", "0", "--check-integrity", "true",
-    ]  # fmt: skip
+        "--model",
+        "/models/x",
+        "--dtype",
+        "bfloat16",
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch",
+        "--max-model-len",
+        "1024",
+        "--seed",
+        "7",
+        "--block-size",
+        "32",
+        "--kv-cache-memory",
+        "512MB",
+        "--num-kv-blocks",
+        "100",
+        "--max-num-seqs",
+        "3",
+        "--max-num-batched-tokens",
+        "256",
+        "--batching",
+        "dynamic",
+        "--admission",
+        "reserve",
+        "--batch-wait-ms",
+        "20",
+        "--static-finished",
+        "skip",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "1234",
+        "--served-model-name",
+        "m",
+        "--log-level",
+        "DEBUG",
+        "--max-body-size",
+        "1MiB",
+        "--max-n",
+        "4",
+        "--max-logprobs",
+        "5",
+        "--unknown-fields",
+        "ignore",
+        "--engine-stall-timeout",
+        "9",
+        "--stats-log-interval",
+        "0",
+        "--check-integrity",
+        "true",
+    ]
     c = ServingConfig.from_cli(argv, {})
-    assert (c.engine.model, c.engine.dtype, c.engine.device, c.engine.attention_backend,
-            c.engine.max_model_len, c.engine.seed) == \
-        ("/models/x", "bfloat16", "cpu", "torch", 1024, 7)  # fmt: skip
-    assert (c.kvpool.block_size, c.kvpool.memory_bytes, c.kvpool.num_blocks) == \
-        (32, 512_000_000, 100)  # fmt: skip
-    assert (c.scheduler.max_num_seqs, c.scheduler.max_num_batched_tokens, c.scheduler.batching,
-            c.scheduler.admission, c.scheduler.batch_wait_ms, c.scheduler.static_finished) == \
-        (3, 256, "dynamic", "reserve", 20.0, "skip")  # fmt: skip
+    assert (
+        c.engine.model,
+        c.engine.dtype,
+        c.engine.device,
+        c.engine.attention_backend,
+        c.engine.max_model_len,
+        c.engine.seed,
+    ) == ("/models/x", "bfloat16", "cpu", "torch", 1024, 7)
+    assert (c.kvpool.block_size, c.kvpool.memory_bytes, c.kvpool.num_blocks) == (
+        32,
+        512_000_000,
+        100,
+    )
+    assert (
+        c.scheduler.max_num_seqs,
+        c.scheduler.max_num_batched_tokens,
+        c.scheduler.batching,
+        c.scheduler.admission,
+        c.scheduler.batch_wait_ms,
+        c.scheduler.static_finished,
+    ) == (3, 256, "dynamic", "reserve", 20.0, "skip")
     assert c.server == ServerConfig(
-        host="0.0.0.0", port=1234, served_model_name="m", log_level="debug",
-        max_body_bytes=1024**2, max_n=4, max_logprobs=5, unknown_fields="ignore",
-        engine_stall_timeout_s=9.0, stats_log_interval_s=0.0, check_integrity=True)  # fmt: skip
+        host="0.0.0.0",
+        port=1234,
+        served_model_name="m",
+        log_level="debug",
+        max_body_bytes=1024**2,
+        max_n=4,
+        max_logprobs=5,
+        unknown_fields="ignore",
+        engine_stall_timeout_s=9.0,
+        stats_log_interval_s=0.0,
+        check_integrity=True,
+    )
 
 
 def test_auto_restores_none() -> None:
-    c = ServingConfig.from_cli(["--dtype", "auto", "--max-model-len", "auto"],
-                               {"PAGEDSERVE_DTYPE": "float16"})  # fmt: skip
+    c = ServingConfig.from_cli(
+        ["--dtype", "auto", "--max-model-len", "auto"], {"PAGEDSERVE_DTYPE": "float16"}
+    )
     assert c.engine.dtype is None and c.engine.max_model_len is None
 
 
-@pytest.mark.parametrize(("argv", "env"), [
-    (["--batching", "weird"], {}),
-    (["--block-size", "12"], {}),  # not a power of two (KVPoolConfig's check)
-    (["--port", "http"], {}),
-    ([], {"PAGEDSERVE_PORT": "http"}),
-    ([], {"PAGEDSERVE_BATCHING": "weird"}),
-    (["--kv-cache-memory", "lots"], {}),
-    (["--dtype", "float64"], {}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--batching", "weird"], {}),
+        (["--block-size", "12"], {}),  # not a power of two (KVPoolConfig's check)
+        (["--port", "http"], {}),
+        ([], {"PAGEDSERVE_PORT": "http"}),
+        ([], {"PAGEDSERVE_BATCHING": "weird"}),
+        (["--kv-cache-memory", "lots"], {}),
+        (["--dtype", "float64"], {}),
+    ],
+)
 def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         ServingConfig.from_cli(argv, env)
@@ -73,10 +146,18 @@ def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys
     assert "usage: pagedserve serve" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("text", "value"), [
-    ("1073741824", 1024**3), ("1GiB", 1024**3), ("1gib", 1024**3), ("512MB", 512 * 1000**2),
-    ("1.5G", 1_500_000_000), ("64KiB", 65536), ("100 b", 100),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1073741824", 1024**3),
+        ("1GiB", 1024**3),
+        ("1gib", 1024**3),
+        ("512MB", 512 * 1000**2),
+        ("1.5G", 1_500_000_000),
+        ("64KiB", 65536),
+        ("100 b", 100),
+    ],
+)
 def test_parse_size(text: str, value: int) -> None:
     assert parse_size(text) == value
 
@@ -90,7 +171,16 @@ def test_parse_size_rejects(text: str) -> None:
 def test_env_var_names() -> None:
     names = env_var_names()
     assert all(n.startswith("PAGEDSERVE_") for n in names)
-    assert {"PAGEDSERVE_MODEL", "PAGEDSERVE_HOST", "PAGEDSERVE_PORT", "PAGEDSERVE_DTYPE",
-            "PAGEDSERVE_KV_CACHE_MEMORY", "PAGEDSERVE_BLOCK_SIZE", "PAGEDSERVE_MAX_NUM_SEQS",
-            "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS", "PAGEDSERVE_BATCHING",
-            "PAGEDSERVE_SERVED_MODEL_NAME", "PAGEDSERVE_LOG_LEVEL"} <= set(names)  # fmt: skip
+    assert {
+        "PAGEDSERVE_MODEL",
+        "PAGEDSERVE_HOST",
+        "PAGEDSERVE_PORT",
+        "PAGEDSERVE_DTYPE",
+        "PAGEDSERVE_KV_CACHE_MEMORY",
+        "PAGEDSERVE_BLOCK_SIZE",
+        "PAGEDSERVE_MAX_NUM_SEQS",
+        "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS",
+        "PAGEDSERVE_BATCHING",
+        "PAGEDSERVE_SERVED_MODEL_NAME",
+        "PAGEDSERVE_LOG_LEVEL",
+    } <= set(names)

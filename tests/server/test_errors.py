@@ -15,8 +15,9 @@ MSG = [{"role": "user", "content": "hi"}]
 MAX_BODY = 64 * 1024
 
 
-def case(name: str, path: str, body: Any, status: int, param: str | None = None,
-         method: str = "POST") -> Any:  # fmt: skip
+def case(
+    name: str, path: str, body: Any, status: int, param: str | None = None, method: str = "POST"
+) -> Any:
     return pytest.param(method, path, body, status, param, id=name)
 
 
@@ -45,46 +46,93 @@ BAD_REQUESTS = [
     case("top-p-zero", C, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
     case("top-k-negative", C, {"prompt": "hi", "top_k": -5}, 400, "top_k"),
     case("min-p-above-one", C, {"prompt": "hi", "min_p": 2}, 400, "min_p"),
-    case("presence-penalty-range", C, {"prompt": "hi", "presence_penalty": 3}, 400,
-         "presence_penalty"),
-    case("repetition-penalty-zero", C, {"prompt": "hi", "repetition_penalty": 0}, 400,
-         "repetition_penalty"),
+    case(
+        "presence-penalty-range",
+        C,
+        {"prompt": "hi", "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
+    case(
+        "repetition-penalty-zero",
+        C,
+        {"prompt": "hi", "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
     case("logprobs-too-many", C, {"prompt": "hi", "logprobs": 100}, 400, "logprobs"),
     case("logprobs-bool", C, {"prompt": "hi", "logprobs": True}, 422, "logprobs"),
     case("stop-empty-string", C, {"prompt": "hi", "stop": [""]}, 400, "stop"),
     case("stop-wrong-type", C, {"prompt": "hi", "stop": 5}, 422, "stop"),
-    case("stop-token-out-of-vocab", C, {"prompt": "hi", "stop_token_ids": [-1]}, 400,
-         "stop_token_ids"),
+    case(
+        "stop-token-out-of-vocab",
+        C,
+        {"prompt": "hi", "stop_token_ids": [-1]},
+        400,
+        "stop_token_ids",
+    ),
     case("seed-negative", C, {"prompt": "hi", "seed": -1}, 400, "seed"),
     case("seed-string", C, {"prompt": "hi", "seed": "abc"}, 422, "seed"),
     case("suffix-unsupported", C, {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     case("best-of-above-n", C, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    case("logit-bias-unsupported", C, {"prompt": "hi", "logit_bias": {"1": 5}}, 400,
-         "logit_bias"),
+    case("logit-bias-unsupported", C, {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
     case("echo-with-logprobs", C, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
-    case("stream-options-without-stream", C,
-         {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    case(
+        "stream-options-without-stream",
+        C,
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     case("unknown-field", C, {"prompt": "hi", "max_token": 5}, 400, "max_token"),
     case("unknown-model", C, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     case("malformed-json", C, b'{"prompt": "hi",', 422),
     case("bad-utf8", C, b'{"prompt": "\xff\xfe"}', 422),
-    case("json-array-body", C, b'[1, 2]', 422),
+    case("json-array-body", C, b"[1, 2]", 422),
     case("chat-missing-messages", CHAT, {"max_tokens": 4}, 422, "messages"),
     case("chat-empty-messages", CHAT, {"messages": []}, 400, "messages"),
-    case("chat-unknown-role", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400,
-         "messages[0].role"),
-    case("chat-content-int", CHAT, {"messages": [{"role": "user", "content": 5}]}, 422,
-         "messages[0].content"),
-    case("chat-image-part", CHAT,
-         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-         400),
+    case(
+        "chat-unknown-role",
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages[0].role",
+    ),
+    case(
+        "chat-content-int",
+        CHAT,
+        {"messages": [{"role": "user", "content": 5}]},
+        422,
+        "messages[0].content",
+    ),
+    case(
+        "chat-image-part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+    ),
     case("chat-tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
-    case("chat-json-mode", CHAT,
-         {"messages": MSG, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    case("chat-top-logprobs-without-logprobs", CHAT, {"messages": MSG, "top_logprobs": 2}, 400,
-         "top_logprobs"),
-    case("chat-max-completion-tokens-zero", CHAT, {"messages": MSG, "max_completion_tokens": 0},
-         400, "max_completion_tokens"),
+    case(
+        "chat-json-mode",
+        CHAT,
+        {"messages": MSG, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+    ),
+    case(
+        "chat-top-logprobs-without-logprobs",
+        CHAT,
+        {"messages": MSG, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    case(
+        "chat-max-completion-tokens-zero",
+        CHAT,
+        {"messages": MSG, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
     case("tokenize-nothing", "/tokenize", {}, 400, "prompt"),
     case("detokenize-out-of-vocab", "/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     case("unknown-route", "/v1/nope", {}, 404),
@@ -110,8 +158,9 @@ async def send(http: Any, method: str, path: str, body: Any) -> Any:
     if body is None:
         return await http.request(method, path)
     if isinstance(body, bytes):
-        return await http.request(method, path, content=body,
-                                  headers={"content-type": "application/json"})  # fmt: skip
+        return await http.request(
+            method, path, content=body, headers={"content-type": "application/json"}
+        )
     return await http.request(method, path, json=body)
 
 
@@ -141,9 +190,17 @@ async def test_unknown_fields_can_be_ignored(serve) -> None:
 
 async def test_known_harmless_openai_fields_are_accepted(serve) -> None:
     s = await serve()
-    r = await s.http.post(CHAT, json={"messages": MSG, "max_tokens": 2, "store": False,
-                                      "metadata": {"k": "v"}, "user": "u1",
-                                      "parallel_tool_calls": True})  # fmt: skip
+    r = await s.http.post(
+        CHAT,
+        json={
+            "messages": MSG,
+            "max_tokens": 2,
+            "store": False,
+            "metadata": {"k": "v"},
+            "user": "u1",
+            "parallel_tool_calls": True,
+        },
+    )
     assert r.status_code == 200, r.text
 
 

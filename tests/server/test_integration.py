@@ -33,8 +33,10 @@ MAX_MODEL_LEN = 256
 NUM_KV_BLOCKS = 128  # 2048 token slots: room for the 32 concurrent requests below
 STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF (tens of seconds); later ones load
 REPO = Path(__file__).resolve().parents[2]
-WORDS = ("the history of science shows that careful measurement and honest reporting "
-         "matter more than any single clever idea because").split()  # fmt: skip
+WORDS = (
+    "the history of science shows that careful measurement and honest reporting "
+    "matter more than any single clever idea because"
+).split()
 
 
 def free_port() -> int:
@@ -67,17 +69,33 @@ class RealServer:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    argv = [sys.executable, "-m", "server", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(NUM_KV_BLOCKS),
-            "--max-num-seqs", "32", "--max-body-size", str(MAX_BODY),
-            "--stats-log-interval", "0", "--log-level", "info"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--num-kv-blocks",
+        str(NUM_KV_BLOCKS),
+        "--max-num-seqs",
+        "32",
+        "--max-body-size",
+        str(MAX_BODY),
+        "--stats-log-interval",
+        "0",
+        "--log-level",
+        "info",
+    ]
     # One torch thread: on a small shared CPU box, torch's default (one thread per core)
     # oversubscribes the cores with this test process and others, and OpenMP spin-waiting then
     # makes every step ~10x slower. The server's behaviour under test does not depend on it.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with log.open("wb") as out:
-        process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                   env=env)  # fmt: skip
+        process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
@@ -151,26 +169,35 @@ def test_openai_sync_completion_and_chat(server: RealServer, reference: LLM) -> 
     client = sync_client(server)
     prompt = "The capital of France is"
     expected = alone(reference, prompt, SamplingParams(max_tokens=8, temperature=0))
-    resp = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
-                                     max_tokens=8, temperature=0)  # fmt: skip
+    resp = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0
+    )
     assert resp.choices[0].text == expected.text
     assert resp.choices[0].finish_reason == expected.finish_reason
     assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert resp.usage.completion_tokens == len(expected.token_ids)
 
-    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
-                                         max_tokens=8, temperature=0, stream=True)  # fmt: skip
+    streamed = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=8, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == expected.text
 
     chat = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", max_tokens=12, temperature=0,
-        messages=[{"role": "user", "content": "Say hello in French."}])  # fmt: skip
+        model="SmolLM2-135M-Instruct",
+        max_tokens=12,
+        temperature=0,
+        messages=[{"role": "user", "content": "Say hello in French."}],
+    )
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content
     stream = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", max_tokens=12, temperature=0, stream=True,
+        model="SmolLM2-135M-Instruct",
+        max_tokens=12,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-        messages=[{"role": "user", "content": "Say hello in French."}])  # fmt: skip
+        messages=[{"role": "user", "content": "Say hello in French."}],
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == chat.choices[0].message.content
@@ -179,18 +206,29 @@ def test_openai_sync_completion_and_chat(server: RealServer, reference: LLM) -> 
 
 def test_sse_framing_on_the_wire(server: RealServer) -> None:
     with httpx.Client(timeout=60) as http:
-        r = http.post(f"{server.url}/v1/completions", json={
-            "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}})  # fmt: skip
+        r = http.post(
+            f"{server.url}/v1/completions",
+            json={
+                "prompt": "Once upon a time",
+                "max_tokens": 5,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
     assert r.headers["content-type"].startswith("text/event-stream")
     frames = split_frames(r.content)
     assert frames[-1] == b"data: [DONE]\n\n"
     chunks = [json.loads(f[6:]) for f in frames[:-1]]
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
-    for raw, chunk in zip(frames, chunks):
-        assert raw == b"data: " + json.dumps(chunk, separators=(",", ":"),
-                                             ensure_ascii=False).encode() + b"\n\n"
+    for raw, chunk in zip(frames[:-1], chunks, strict=True):
+        assert (
+            raw
+            == b"data: "
+            + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+            + b"\n\n"
+        )
 
 
 def test_32_concurrent_greedy_requests_match_the_offline_engine(
@@ -201,18 +239,24 @@ def test_32_concurrent_greedy_requests_match_the_offline_engine(
 
     async def run_all() -> list[Any]:
         client = async_client(server)
-        return await asyncio.gather(*[
-            client.completions.create(model="SmolLM2-135M-Instruct", prompt=p, max_tokens=k,
-                                      temperature=0, logprobs=2,
-                                      extra_body={"return_token_ids": True})
-            for p, k in zip(prompts, max_tokens)
-        ])  # fmt: skip
+        return await asyncio.gather(
+            *[
+                client.completions.create(
+                    model="SmolLM2-135M-Instruct",
+                    prompt=p,
+                    max_tokens=k,
+                    temperature=0,
+                    logprobs=2,
+                    extra_body={"return_token_ids": True},
+                )
+                for p, k in zip(prompts, max_tokens, strict=True)
+            ]
+        )
 
     responses = asyncio.run(run_all())
     tolerated = []
-    for prompt, k, resp in zip(prompts, max_tokens, responses):
-        expected = alone(reference, prompt, SamplingParams(max_tokens=k, temperature=0,
-                                                           logprobs=2))  # fmt: skip
+    for prompt, k, resp in zip(prompts, max_tokens, responses, strict=True):
+        expected = alone(reference, prompt, SamplingParams(max_tokens=k, temperature=0, logprobs=2))
         choice = resp.choices[0]
         got = choice.model_extra["token_ids"]
         assert choice.model_extra["prompt_token_ids"] == expected.prompt_token_ids
@@ -221,7 +265,9 @@ def test_32_concurrent_greedy_requests_match_the_offline_engine(
             continue
         # DESIGN.md: a divergence is accepted only where the reference's top-2 logits are
         # within rounding (margin < 1e-3); everything before it must match exactly.
-        j = next(i for i, (a, b) in enumerate(zip(got, expected.token_ids)) if a != b)
+        pairs = enumerate(zip(got, expected.token_ids, strict=False))
+        j = next((i for i, (a, b) in pairs if a != b), None)
+        assert j is not None, f"{prompt!r}: same tokens, different lengths: {got}"
         top = expected.logprobs[j].top
         margin = top[0][1] - top[1][1]
         assert margin < 1e-3, f"{prompt!r}: token {j} differs ({got} vs {expected.token_ids})"
@@ -235,7 +281,7 @@ def spanning_stop(reference: LLM, text: str, token_ids: list[int]) -> str:
     """A stop string made of the end of one token and the start of the next."""
     tok = reference.tokenizer
     pieces = [tok.decode([t]) for t in token_ids]
-    for a, b in zip(pieces, pieces[1:]):
+    for a, b in zip(pieces, pieces[1:], strict=False):
         if len(a) >= 3 and len(b) >= 3 and a.isascii() and b.isascii():
             return a[-2:] + b[:2]
     raise AssertionError(f"no two long adjacent tokens in {pieces}")
@@ -247,14 +293,22 @@ def test_stop_string_spanning_tokens(server: RealServer, reference: LLM) -> None
     stop = spanning_stop(reference, full.text, full.token_ids)
     expected = full.text[: full.text.index(stop)]
     client = sync_client(server)
-    resp = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
-                                     max_tokens=24, temperature=0, stop=[stop])  # fmt: skip
+    resp = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=24, temperature=0, stop=[stop]
+    )
     assert resp.choices[0].text == expected
     assert resp.choices[0].finish_reason == "stop"
     assert resp.usage.completion_tokens < 24
-    chunks = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
-                                            max_tokens=24, temperature=0, stop=stop,
-                                            stream=True))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            stop=stop,
+            stream=True,
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
     server.wait_pool_free()
@@ -262,9 +316,15 @@ def test_stop_string_spanning_tokens(server: RealServer, reference: LLM) -> None
 
 def test_n3_with_seed_is_distinct_and_reproducible(server: RealServer) -> None:
     client = sync_client(server)
-    kwargs: dict[str, Any] = dict(model="SmolLM2-135M-Instruct", prompt="My favourite food is",
-                                  max_tokens=10, temperature=1.0, n=3, seed=1234,
-                                  extra_body={"return_token_ids": True})  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        model="SmolLM2-135M-Instruct",
+        prompt="My favourite food is",
+        max_tokens=10,
+        temperature=1.0,
+        n=3,
+        seed=1234,
+        extra_body={"return_token_ids": True},
+    )
     first = client.completions.create(**kwargs)
     second = client.completions.create(**kwargs)
     texts = [c.text for c in first.choices]
@@ -283,14 +343,20 @@ def test_logprobs_match_transformers_log_softmax(server: RealServer, reference: 
 
     prompt = "The quick brown fox"
     resp = sync_client(server).completions.create(
-        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6, temperature=0, logprobs=5,
-        extra_body={"return_token_ids": True})  # fmt: skip
+        model="SmolLM2-135M-Instruct",
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        logprobs=5,
+        extra_body={"return_token_ids": True},
+    )
     choice = resp.choices[0]
     prompt_ids, out_ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
     lp = choice.logprobs
     assert len(lp.tokens) == len(out_ids) == 6
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model("default").path,
-                                              dtype=torch.float32).eval()  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(
+        resolve_model("default").path, dtype=torch.float32
+    ).eval()
     with torch.no_grad(), torch_threads(1):
         logits = hf(torch.tensor([prompt_ids + out_ids])).logits[0]
     log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -301,7 +367,7 @@ def test_logprobs_match_transformers_log_softmax(server: RealServer, reference: 
         top = lp.top_logprobs[j]
         assert len(top) == 5, top  # greedy: the chosen token is one of the top 5
         values, ids = row.topk(5)
-        for value, tid in zip(values.tolist(), ids.tolist()):
+        for value, tid in zip(values.tolist(), ids.tolist(), strict=True):
             assert abs(top[tok.decode([tid])] - value) < 1e-3
 
 
@@ -309,12 +375,18 @@ def test_aborting_10_streams_frees_the_pool_while_others_complete(
     server: RealServer, reference: LLM
 ) -> None:
     prompts = ["Write a long story about a dragon", "List every prime number"]
-    expected = [alone(reference, p, SamplingParams(max_tokens=12, temperature=0)).text
-                for p in prompts]  # fmt: skip
+    expected = [
+        alone(reference, p, SamplingParams(max_tokens=12, temperature=0)).text for p in prompts
+    ]
 
     async def abandoned(http: httpx.AsyncClient, i: int) -> int:
-        body = {"prompt": f"Tell me everything about topic {i}", "max_tokens": 200,
-                "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+        body = {
+            "prompt": f"Tell me everything about topic {i}",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         received = 0
         async with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
             async for line in r.aiter_lines():
@@ -324,15 +396,17 @@ def test_aborting_10_streams_frees_the_pool_while_others_complete(
         return received
 
     async def completed(client: openai.AsyncOpenAI, prompt: str) -> str:
-        resp = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt,
-                                               max_tokens=12, temperature=0)  # fmt: skip
+        resp = await client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0
+        )
         return resp.choices[0].text
 
     async def run() -> tuple[list[int], list[str]]:
         async with httpx.AsyncClient(timeout=120) as http:
             client = async_client(server)
-            results = await asyncio.gather(*[abandoned(http, i) for i in range(10)],
-                                           *[completed(client, p) for p in prompts])  # fmt: skip
+            results = await asyncio.gather(
+                *[abandoned(http, i) for i in range(10)], *[completed(client, p) for p in prompts]
+            )
         return list(results[:10]), list(results[10:])
 
     received, texts = asyncio.run(run())
@@ -357,8 +431,9 @@ def test_error_table_against_the_real_server(server: RealServer) -> None:
             if body is None:
                 r = http.request(method, path)
             elif isinstance(body, bytes):
-                r = http.request(method, path, content=body,
-                                 headers={"content-type": "application/json"})  # fmt: skip
+                r = http.request(
+                    method, path, content=body, headers={"content-type": "application/json"}
+                )
             else:
                 r = http.request(method, path, json=body)
             assert_openai_error(r, status, param)

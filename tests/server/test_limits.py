@@ -21,8 +21,9 @@ async def test_chunked_body_above_limit_is_413(serve) -> None:
             yield b"x" * 100
         yield b'"}'
 
-    r = await s.http.post("/v1/completions", content=chunks(),
-                          headers={"content-type": "application/json"})  # fmt: skip
+    r = await s.http.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413
 
 
@@ -33,7 +34,8 @@ async def test_chunked_body_under_limit_is_replayed_intact(serve) -> None:
         yield b'{"prompt": "hel'
         yield b'lo", "max_tokens": 2}'
 
-    r = await s.http.post("/v1/completions", content=chunks(),
-                          headers={"content-type": "application/json"})  # fmt: skip
+    r = await s.http.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2

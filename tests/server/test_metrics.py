@@ -29,8 +29,9 @@ def test_single_token_request_has_no_tpot() -> None:
 
 async def test_totals_count_requests_and_tokens(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/completions",
-                          json={"prompt": ["a b", "one"], "n": 2, "max_tokens": 3})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": ["a b", "one"], "n": 2, "max_tokens": 3}
+    )
     usage = r.json()["usage"]
     await s.wait_idle()
     totals = s.app.state.ctx.metrics.totals
@@ -42,9 +43,16 @@ async def test_totals_count_requests_and_tokens(serve) -> None:
 
 def test_summary_log_line(caplog) -> None:
     metrics = ServerMetrics(log_interval_s=1e-9)
-    stats = StepStats(step_time_s=0.01, num_running=2, num_waiting=1, num_prefill_tokens=10,
-                      num_decode_tokens=2, num_preemptions=0, num_kv_blocks_used=3,
-                      num_kv_blocks_total=12)  # fmt: skip
+    stats = StepStats(
+        step_time_s=0.01,
+        num_running=2,
+        num_waiting=1,
+        num_prefill_tokens=10,
+        num_decode_tokens=2,
+        num_preemptions=0,
+        num_kv_blocks_used=3,
+        num_kv_blocks_total=12,
+    )
     with caplog.at_level(logging.INFO, logger="server.metrics"):
         metrics.record_step(stats)
     assert "running: 2, waiting: 1, KV usage: 25.0% (3/12 blocks)" in caplog.text

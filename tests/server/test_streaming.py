@@ -26,17 +26,22 @@ def split_frames(raw: bytes) -> list[bytes]:
 
 async def test_completion_stream_framing_is_byte_exact(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3,
-                                                   "temperature": 0, "stream": True})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0, "stream": True}
+    )
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/event-stream")
     frames = split_frames(r.content)
     assert frames[-1] == DONE_FRAME == b"data: [DONE]\n\n"
     chunks = [json.loads(f[6:]) for f in frames[:-1]]
-    for raw, chunk in zip(frames, chunks):
+    for raw, chunk in zip(frames[:-1], chunks, strict=True):
         # compact JSON, the same bytes json.dumps would write, no "usage" unless asked for
-        assert raw == b"data: " + json.dumps(chunk, separators=(",", ":"),
-                                             ensure_ascii=False).encode() + b"\n\n"
+        assert (
+            raw
+            == b"data: "
+            + json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
+            + b"\n\n"
+        )
         assert "usage" not in chunk
         assert chunk["object"] == "text_completion"
         assert set(chunk) == {"id", "object", "created", "model", "choices"}
@@ -47,9 +52,17 @@ async def test_completion_stream_framing_is_byte_exact(serve) -> None:
 
 async def test_include_usage_adds_null_usage_and_a_final_usage_chunk(serve) -> None:
     s = await serve()
-    r = await s.http.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
-        "n": 2, "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    r = await s.http.post(
+        "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "n": 2,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = [json.loads(f[6:]) for f in split_frames(r.content)[:-1]]
     *body, last = chunks
     assert all("usage" in c and c["usage"] is None for c in body)
@@ -74,8 +87,9 @@ async def test_engine_failure_mid_stream_is_reported_in_band(serve) -> None:
             e.before_step = None
 
     engine.before_step = fail_on_third
-    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 50,
-                                                   "stream": True})
+    r = await s.http.post(
+        "/v1/completions", json={"prompt": "hi", "max_tokens": 50, "stream": True}
+    )
     frames = split_frames(r.content)
     assert frames[-1] == DONE_FRAME
     error = json.loads(frames[-2][6:])
@@ -120,13 +134,23 @@ async def call_asgi(app: Any, path: str, body: dict, disconnect_after_s: float) 
         sent.append(message)
 
     scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-        "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-        "raw_path": path.encode(), "query_string": b"", "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"host", b"test"),
-                    (b"content-length", str(len(payload)).encode())],
-        "client": ("127.0.0.1", 50000), "server": ("test", 80),
-    }  # fmt: skip
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"host", b"test"),
+            (b"content-length", str(len(payload)).encode()),
+        ],
+        "client": ("127.0.0.1", 50000),
+        "server": ("test", 80),
+    }
     loop = asyncio.get_running_loop()
     loop.call_later(disconnect_after_s, gone.set)
     await asyncio.wait_for(app(scope, receive, send), timeout=5)
@@ -137,8 +161,9 @@ async def test_non_streaming_disconnect_aborts_the_engine_request(serve) -> None
     engine = FakeEngine(step_delay_s=0.01, max_model_len=100_000, num_blocks=100_000)
     s = await serve(engine)
     started = asyncio.get_running_loop().time()
-    sent = await call_asgi(s.app, "/v1/completions",
-                           {"prompt": "hi", "max_tokens": 50_000}, disconnect_after_s=0.2)
+    sent = await call_asgi(
+        s.app, "/v1/completions", {"prompt": "hi", "max_tokens": 50_000}, disconnect_after_s=0.2
+    )
     assert asyncio.get_running_loop().time() - started < 3, "must not run to max_tokens"
     assert sent[0]["status"] == 499
     await s.wait_idle()
@@ -148,9 +173,12 @@ async def test_non_streaming_disconnect_aborts_the_engine_request(serve) -> None
 async def test_streaming_disconnect_aborts_the_engine_request(serve) -> None:
     engine = FakeEngine(step_delay_s=0.01, max_model_len=100_000, num_blocks=100_000)
     s = await serve(engine)
-    sent = await call_asgi(s.app, "/v1/chat/completions",
-                           {"messages": [{"role": "user", "content": "hi"}], "n": 3,
-                            "stream": True}, disconnect_after_s=0.2)  # fmt: skip
+    sent = await call_asgi(
+        s.app,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "n": 3, "stream": True},
+        disconnect_after_s=0.2,
+    )
     assert sent[0]["status"] == 200
     assert any(m.get("body", b"").startswith(b"data: ") for m in sent[1:])
     await s.wait_idle()
@@ -159,14 +187,17 @@ async def test_streaming_disconnect_aborts_the_engine_request(serve) -> None:
 
 async def test_disconnect_while_queued_aborts_before_any_token(serve) -> None:
     # One slot, taken by a long request: the second waits in the engine's queue.
-    engine = FakeEngine(step_delay_s=0.01, max_num_seqs=1, max_model_len=100_000,
-                        num_blocks=100_000)  # fmt: skip
+    engine = FakeEngine(
+        step_delay_s=0.01, max_num_seqs=1, max_model_len=100_000, num_blocks=100_000
+    )
     s = await serve(engine)
-    hog = asyncio.create_task(s.http.post("/v1/completions",
-                                          json={"prompt": "a", "max_tokens": 60}))
+    hog = asyncio.create_task(
+        s.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 60})
+    )
     await asyncio.sleep(0.05)
-    sent = await call_asgi(s.app, "/v1/completions", {"prompt": "b", "max_tokens": 10},
-                           disconnect_after_s=0.1)
+    sent = await call_asgi(
+        s.app, "/v1/completions", {"prompt": "b", "max_tokens": 10}, disconnect_after_s=0.1
+    )
     assert sent[0]["status"] == 499
     assert (await hog).status_code == 200
     await s.wait_idle()
