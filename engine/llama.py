@@ -15,7 +15,7 @@ from torch import nn
 from engine.attention import PagedAttention
 from engine.config import ModelConfig
 from engine.input_batch import InputBatch
-from engine.rope import RotaryEmbedding
+from engine.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +52,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         batch: InputBatch,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, 1, head_dim]
         attention: PagedAttention,
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
@@ -63,7 +63,8 @@ class DecoderLayer(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rope(batch.positions, q, k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # The chunk's own K/V must be in the cache before attention: its queries attend to
         # them through the block table like to any cached token.
         attention.store(k, v, key_cache, value_cache, batch.slot_mapping)
@@ -102,8 +103,9 @@ class LlamaForCausalLM(nn.Module):
         value_caches: list[torch.Tensor],
     ) -> torch.Tensor:  # [num_samples, vocab] float32
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        rope = self.rope.lookup(batch.positions, x.dtype)
         for layer, key_cache, value_cache in zip(self.layers, key_caches, value_caches):
-            x = layer(x, batch, self.rope, self.attention, key_cache, value_cache)
+            x = layer(x, batch, rope, self.attention, key_cache, value_cache)
         # Only the last token of each sampling request needs logits: a prefill chunk of 512
         # tokens would otherwise pay 512 vocab-sized matmul rows for nothing.
         x = self.norm(x[batch.logits_indices])

@@ -17,6 +17,7 @@ Softmax is computed in float32 whatever the input dtype, and the output has the 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["store_kv", "paged_attention_decode", "paged_attention_prefill"]
 
@@ -30,15 +31,16 @@ def store_kv(
 ) -> None:
     """Write each token's K/V row into its slot of the paged cache, in place."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    slots = slot_mapping.long()
+    if slots.numel() == 0:
+        return
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    if int(slots.min()) < 0:  # padding rows present: drop them (rare; static-batch padding)
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
     # A [num_blocks, block_size, ...] tensor viewed as [num_slots, ...] is indexed by slot.
-    key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = key[keep].to(
-        key_cache.dtype
-    )
-    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slots] = value[keep].to(
-        value_cache.dtype
-    )
+    key_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    value_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
 def _gather_context(
@@ -62,30 +64,32 @@ def paged_attention_decode(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens.
 
-    Vectorised over sequences: the context of every sequence is gathered into a padded
-    [num_seqs, max_len] tensor and the padding is masked, so a decode step costs a handful of
-    batched matmuls instead of a Python loop.
+    Vectorised over sequences: the slots of every sequence's context are computed from its
+    block table, gathered with one ``index_select`` into a padded [num_seqs, max_len] tensor,
+    and the padding is masked, so a decode step costs a handful of batched ops instead of a
+    Python loop over sequences.
     """
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
     max_len = int(seq_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :max_blocks].long()
-    # [num_seqs, max_blocks * block_size, kvh, d] -> [num_seqs, kvh, ctx, d]
-    k = key_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-    v = value_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
-    k = k.transpose(1, 2).float()
-    v = v.transpose(1, 2).float()
-    # Queries of one KV head share its K/V: [num_seqs, kvh, group, d].
-    q = query.view(num_seqs, num_kv_heads, group, head_dim).float()
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [num_seqs, kvh, group, ctx]
-    pos = torch.arange(max_len, device=query.device)
-    pad = pos[None, :] >= seq_lens[:, None].to(pos.dtype)  # [num_seqs, ctx]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)  # [num_seqs, kvh, group, d]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    offsets = torch.arange(block_size, device=query.device)
+    # slot of context position p of sequence i: block_tables[i, p // bs] * bs + p % bs
+    slots = block_tables[:, :max_blocks, None].long() * block_size + offsets  # [n, nb, bs]
+    slots = slots.view(num_seqs, -1)[:, :max_len].reshape(-1)  # [n * max_len]
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs, kvh, max_len, d]
+        rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
+        return rows.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
+
+    k, v = gather(key_cache), gather(value_cache)
+    q = query.float().view(num_seqs, num_heads, 1, head_dim)
+    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+    # enable_gqa: query head j reads KV head j // (num_heads // num_kv_heads).
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )  # [num_seqs, num_heads, 1, d]
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def paged_attention_prefill(
