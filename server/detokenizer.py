@@ -68,7 +68,6 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._num_prompt_context = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(
@@ -105,10 +104,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         return delta
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self._ids[self._num_prompt_context :]
 
 
 class StopStringMatcher:

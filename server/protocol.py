@@ -9,7 +9,9 @@ Unknown fields: requests keep them (``extra="allow"``) so the server can name th
 ("Unrecognized request argument supplied: foo", as OpenAI answers), or drop them with a warning
 under ``--unknown-fields ignore`` (vLLM's behaviour). A few OpenAI fields that change nothing
 for a self-hosted server are accepted and ignored on purpose: ``user``, ``store``,
-``metadata``, ``service_tier``, ``parallel_tool_calls`` (without tools).
+``metadata``, ``service_tier``, ``parallel_tool_calls`` (without tools). The policy covers
+top-level fields and ``stream_options``; extra fields inside ``messages`` are ignored, because
+the openai SDK echoes assistant messages back with fields such as ``refusal``/``annotations``.
 """
 
 from __future__ import annotations

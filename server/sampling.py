@@ -47,6 +47,9 @@ def check_model(requested: str | None, limits: RequestLimits) -> None:
 def check_unknown_fields(body: BaseModel, limits: RequestLimits) -> list[str]:
     """Reject (or, under ``--unknown-fields ignore``, return) unrecognised top-level fields."""
     extra = sorted(set(body.model_extra or {}) - IGNORED_OPENAI_FIELDS)
+    options = getattr(body, "stream_options", None)
+    if isinstance(options, BaseModel):  # e.g. vLLM's continuous_usage_stats: not supported
+        extra += [f"stream_options.{name}" for name in sorted(options.model_extra or {})]
     if extra and limits.reject_unknown_fields:
         raise APIError(
             400,

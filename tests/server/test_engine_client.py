@@ -133,7 +133,7 @@ async def test_stalled_step_makes_health_fail_then_recover() -> None:
         stream = await c.add(requests("s"))
         await asyncio.sleep(0.4)
         health = c.health()
-        assert not health.healthy and "inside a step" in (health.reason or "")
+        assert not health.healthy and "stalled" in (health.reason or "")
         engine.before_step = None
         release.set()
         await drain(stream)

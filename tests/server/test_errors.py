@@ -85,6 +85,13 @@ BAD_REQUESTS = [
         "stream_options",
     ),
     case("unknown-field", C, {"prompt": "hi", "max_token": 5}, 400, "max_token"),
+    case(
+        "unknown-stream-option",
+        C,
+        {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        400,
+        "stream_options.continuous_usage_stats",
+    ),
     case("unknown-model", C, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     case("malformed-json", C, b'{"prompt": "hi",', 422),
     case("bad-utf8", C, b'{"prompt": "\xff\xfe"}', 422),
