@@ -39,7 +39,8 @@ def run_alone(engine: Any, prompts: list[list[int]], params: SamplingParams) -> 
     for i, ids in enumerate(prompts):
         engine.add_request(f"alone-{i}", ids, params)
         detoks[f"alone-{i}"] = IncrementalDetokenizer(engine.tokenizer, ids)
-    start, tokens, steps, sample = time.perf_counter(), 0, 0, []
+    start, tokens, steps = time.perf_counter(), 0, 0
+    sample: list[RequestOutput] = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
         steps += 1

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import RequestOutput, TokenLogprob
+from scheduler.request import SamplingParams
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.engine_client import AsyncEngineClient, EngineRequest, EngineUnavailableError
 from server.errors import engine_failed, engine_unavailable, invalid
@@ -170,7 +171,7 @@ class GenerationRun:
         metrics: ServerMetrics,
         request_id: str,
         prompts: Sequence[Prompt],
-        params: Sequence[Any],
+        params: Sequence[SamplingParams],
         stop: Sequence[str],
         n: int,
         arrival_time: float,
