@@ -54,6 +54,7 @@ class LLM:
         admission: str = "optimistic",
         batch_wait_ms: float = 50.0,
         static_finished: str = "compute",
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -64,7 +65,12 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
             ),
-            KVPoolConfig(block_size=block_size, memory_bytes=kv_cache_memory, num_blocks=num_kv_blocks),
+            KVPoolConfig(
+                block_size=block_size,
+                memory_bytes=kv_cache_memory,
+                num_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -102,7 +102,20 @@ class LLMEngine:
             dtype=self.dtype,
             device=self.device,
         )
-        self.kv_manager = KVCacheManager(capacity.num_blocks, capacity.block_size)
+        self.enable_prefix_caching = kv_config.enable_prefix_caching
+        self.kv_manager = KVCacheManager(
+            capacity.num_blocks,
+            capacity.block_size,
+            enable_prefix_caching=kv_config.enable_prefix_caching,
+        )
+        logger.info(
+            "prefix caching: %s",
+            "on (full blocks, sha256 hash chain, LRU eviction)"
+            if kv_config.enable_prefix_caching
+            else "off",
+        )
+        # Cumulative prefix-cache counters at the last step, to report per-step deltas.
+        self._prefix_totals = (0, 0)
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
         self.sampler = Sampler(config.seed, self.device)
         self.runner = ModelRunner(self.model, self.storage, self.sampler, self.device)
@@ -198,6 +211,9 @@ class LLMEngine:
         decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and not s.padding)
         kv_tokens_read = sum(s.seq_len for s in plan.scheduled)
         per_token = self.kv_capacity.bytes_per_token
+        kv = self.kv_manager.stats()
+        last_queries, last_hits = self._prefix_totals
+        self._prefix_totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
         self.last_step_stats = StepStats(
             step_time_s=step_time,
             num_running=len(self.scheduler.running),
@@ -211,6 +227,12 @@ class LLMEngine:
             kv_bytes_read=kv_tokens_read * per_token,
             kv_bytes_written=(plan.num_scheduled_tokens - padding) * per_token,
             num_padding_tokens=padding,
+            prefix_cache_queries=kv.prefix_cache_queries - last_queries,
+            prefix_cache_hits=kv.prefix_cache_hits - last_hits,
+            num_kv_blocks_cached=kv.num_cached_blocks,
+            num_kv_blocks_evictable=kv.num_evictable_blocks,
+            num_kv_slots_allocated=kv.num_allocated_slots,
+            num_kv_slots_live=kv.num_live_slots,
         )
 
 

@@ -31,6 +31,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the scheduled tokens and sample for requests whose chunk ends their
         known tokens."""
+        if out.blocks_to_copy:
+            # Copy-on-write blocks of fully cached prompts: filled before anyone reads them.
+            src_ids, dst_ids = zip(*out.blocks_to_copy, strict=True)
+            self.storage.copy_blocks(src_ids, dst_ids)
         batch = self.prepare(out)
         logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
         if not batch.sampling:

@@ -67,3 +67,16 @@ class StepStats:
     kv_bytes_written: int = 0
     # Static/dynamic batching with static_finished="compute": dummy rows of finished members.
     num_padding_tokens: int = 0
+    # Prefix caching and KV occupancy, from kvpool.KVCacheStats (kvpool/stats.py).
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission, this step
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not prefilled), this step
+    num_kv_blocks_cached: int = 0  # blocks holding a prefix hash, in use or evictable
+    num_kv_blocks_evictable: int = 0  # cached blocks no request owns (reused or evicted later)
+    num_kv_slots_allocated: int = 0  # token slots of used blocks
+    num_kv_slots_live: int = 0  # of those, slots holding a computed token (shared ones once)
+
+    @property
+    def kv_waste_fraction(self) -> float:
+        """KV waste: (allocated - live) / allocated slots; 0.0 when nothing is allocated."""
+        allocated = self.num_kv_slots_allocated
+        return (allocated - self.num_kv_slots_live) / allocated if allocated else 0.0

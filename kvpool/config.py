@@ -15,11 +15,15 @@ class KVPoolConfig:
         (1 GiB on CPU, 90% of free memory after weights on CUDA).
     num_blocks: an exact block count; overrides ``memory_bytes`` (tests use it to force
         memory pressure).
+    enable_prefix_caching: share the K/V of full blocks whose token prefix is already
+        cached (hash-chained, LRU-evicted; ``kvpool/prefix_cache.py``). On by default, as in
+        vLLM; the server's ``--no-prefix-caching`` turns it off.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
     memory_bytes: int | None = None
     num_blocks: int | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

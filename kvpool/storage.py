@@ -1,7 +1,8 @@
 """KVCacheStorage: the K/V tensors of every layer, and the capacity arithmetic.
 
-Owns: the cache tensors. Only the ``store_kv`` kernel (``kernels/``) writes into them; the
-attention kernels read them through block tables.
+Owns: the cache tensors. Only the ``store_kv`` kernel (``kernels/``) writes tokens into them,
+and ``copy_blocks`` copies whole blocks for copy-on-write; the attention kernels read them
+through block tables.
 
 Layout, one pair per layer (the layout both the reference and the Triton kernels read)::
 
@@ -11,6 +12,7 @@ Layout, one pair per layer (the layout both the reference and the Triton kernels
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,3 +121,30 @@ class KVCacheStorage:
     @property
     def block_size(self) -> int:
         return self.capacity.block_size
+
+    def copy_blocks(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Copy whole blocks, every layer, K and V: block ``src_ids[i]`` into ``dst_ids[i]``.
+
+        The copy-on-write half of prefix caching (``KVCacheManager.take_blocks_to_copy``):
+        the runner calls it before the forward pass of the step that queued the copies.
+
+        NOTE: all sources are gathered before any destination is written, so a block that
+        is a destination of one pair and the source of another is read intact.
+
+        Args:
+            src_ids: blocks to read.
+            dst_ids: blocks to overwrite, as many as ``src_ids``, all distinct.
+        """
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} sources for {len(dst_ids)} destinations")
+        if len(set(dst_ids)) != len(dst_ids):
+            raise ValueError(f"destination blocks repeat: {list(dst_ids)}")
+        if not src_ids:
+            return
+        device = self.key_caches[0].device
+        src = torch.tensor(list(src_ids), dtype=torch.int64, device=device)
+        dst = torch.tensor(list(dst_ids), dtype=torch.int64, device=device)
+        for cache in (*self.key_caches, *self.value_caches):
+            # [num_copies, block_size, num_kv_heads, head_dim]: index_select materialises
+            # every source before index_copy_ writes.
+            cache.index_copy_(0, dst, cache.index_select(0, src))

@@ -45,10 +45,16 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """Who runs this step, in batch order, and what changed in the queues."""
+    """Who runs this step, in batch order, and what changed in the queues.
+
+    ``blocks_to_copy`` are copy-on-write copies (``(src_block_id, dst_block_id)``) that
+    kvpool queued while admitting requests whose tokens were all cached: the runner must copy
+    those K/V blocks (``KVCacheStorage.copy_blocks``) before this step's forward pass.
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -17,6 +17,11 @@ the next batch is admitted in the same ``schedule()`` call.
 
 Dynamic batching holds waiting requests back until its window ends; the engine thread must
 not spin on empty steps meanwhile: see ``next_admission_time()``.
+
+With prefix caching (``KVCacheManager.enable_prefix_caching``) a request's leading full blocks
+already in the cache count as computed on admission, and every step's newly full blocks are
+registered in ``update_from_output`` (``KVCacheManager.commit_computed``), after the step
+that computed them: a hash is never visible before its K/V exists.
 """
 
 from __future__ import annotations
@@ -79,6 +84,11 @@ class Scheduler:
         self.clock = clock
         self.policy: BatchPolicy = make_policy(config)
         self.keeps_padding = self.policy.runs_to_completion and config.static_finished == "compute"
+        # Continuous batching lets a request wait for a prefix another one is computing now;
+        # static/dynamic batches admit once per batch, so a wait would last the whole batch.
+        self.defers_to_cache = (
+            kv_manager.enable_prefix_caching and not self.policy.runs_to_completion
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Finished members of the running static/dynamic batch, still computed.
@@ -158,6 +168,7 @@ class Scheduler:
         # No admission in a step that had to preempt: memory is short already.
         if not out.preempted_ids:
             budget = self._admit(out, budget)
+        out.blocks_to_copy = self.kv.take_blocks_to_copy()
         return out
 
     def next_admission_time(self) -> float | None:
@@ -232,6 +243,10 @@ class Scheduler:
             if item.padding or request.status != RequestStatus.RUNNING:
                 continue  # padding, or aborted between schedule and update
             request.num_computed_tokens += item.num_tokens
+            # Before any stop check frees the blocks: freed blocks keep their new hashes.
+            self.kv.commit_computed(
+                request.request_id, request.num_computed_tokens, request.token_ids
+            )
             token_id = sampled.get(request.request_id)
             if token_id is None:
                 continue
@@ -292,8 +307,9 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Free every block and send the request to the front of the queue; its output so
-        far is kept and recomputed together with the prompt when it is re-admitted."""
-        self.kv.free(request.request_id)
+        far is kept and recomputed together with the prompt when it is re-admitted (minus
+        the blocks the prefix cache still holds then)."""
+        self.kv.free(request.request_id, forget=False)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -303,7 +319,16 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests FCFS while the policy, ``max_num_seqs``, the token budget
-        and the pool allow; schedule the first chunk of each.
+        and the pool allow; schedule the first chunk of each. A request's leading blocks
+        found in the prefix cache are shared and count as computed::
+
+            tokens  |<-- cached (num_computed_tokens) -->|<-- first chunk: num_new -->| ...
+
+        With ``defers_to_cache``, a request whose first missing block is being filled in
+        this very step by another request waits one step (skipped, not blocking the queue
+        behind it): next step that block is a hit. ``n > 1`` choices of one prompt, or a
+        burst of requests with one system prompt, then compute the prefix once, not once
+        each.
 
         Returns:
             The token budget left.
@@ -313,12 +338,20 @@ class Scheduler:
             return budget
         admitted_now = 0
         limit = self.policy.admission_limit(self.config.max_num_seqs, len(self.running))
-        while self.waiting and admitted_now < limit:
-            request = self.waiting[0]
-            num_new = self._num_tokens_to_schedule(request, budget)
+        filling = self._hashes_filled_by(out.scheduled) if self.defers_to_cache else None
+        index = 0
+        while index < len(self.waiting) and admitted_now < limit:
+            request = self.waiting[index]
+            cached = self.kv.get_cached_prefix(
+                request.request_id, request.num_tokens, request.token_ids
+            )
+            if filling is not None and cached.next_block_hash in filling:
+                index += 1
+                continue
+            num_new = min(request.num_tokens - cached.num_computed_tokens, budget)
             if num_new == 0 and not self.policy.admits_without_budget:
                 break
-            reserve_to = request.num_computed_tokens + num_new
+            reserve_to = cached.num_computed_tokens + num_new
             if self.config.admission == "reserve":
                 # Room for the whole prompt and every token it may generate, so it never
                 # needs a block later and is never preempted.
@@ -326,16 +359,31 @@ class Scheduler:
                     request.num_prompt_tokens + request.sampling_params.max_tokens,
                     self.max_model_len,
                 )
-            if self.kv.allocate_slots(request.request_id, reserve_to) is None:
+            if self.kv.allocate_slots(request.request_id, reserve_to, cached) is None:
                 break  # FCFS: nobody behind it jumps the queue
-            self.waiting.popleft()
+            del self.waiting[index]
+            request.num_computed_tokens = cached.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             admitted_now += 1
             if num_new > 0:
-                out.scheduled.append(self._scheduled(request, num_new))
+                item = self._scheduled(request, num_new)
+                out.scheduled.append(item)
                 budget -= num_new
+                if filling is not None:
+                    filling.update(self._hashes_filled_by([item]))
         return budget
+
+    def _hashes_filled_by(self, items: Iterable[ScheduledRequest]) -> set[bytes]:
+        """Hashes of the blocks that the given (live) rows make full in this step."""
+        return {
+            block_hash
+            for item in items
+            if not item.padding
+            for block_hash in self.kv.new_block_hashes(
+                item.request_id, item.start, item.seq_len, item.request.token_ids
+            )
+        }
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -408,3 +456,9 @@ class Scheduler:
             "padding outlived its batch"
         )
         self.padding.check_integrity(self.kv, running_ids | waiting_ids)
+        for request in [*self.running, *self.padding.requests]:
+            live = self.kv.num_live_tokens(request.request_id)
+            assert live == request.num_computed_tokens, (
+                f"{request.request_id}: kvpool counts {live} live tokens, "
+                f"{request.num_computed_tokens} computed"
+            )

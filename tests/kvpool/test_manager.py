@@ -164,8 +164,12 @@ def test_check_integrity_counts_shared_blocks() -> None:
     kv.pool.share([0])
     with pytest.raises(AssertionError, match="1 owners, ref count 2"):
         kv.check_integrity()  # a ref without an owning table is a leak
-    kv._block_tables["b"] = [0]  # a second table owning it makes the counts agree
-    kv.check_integrity()
+    # A second table owning it makes the counts agree...
+    kv._block_tables["b"] = [0]
+    kv._num_live["b"], kv._num_hashed["b"] = 16, 0
+    # ...but only cached (full, computed, immutable) blocks may be shared.
+    with pytest.raises(AssertionError, match="shared block 0"):
+        kv.check_integrity()
     kv.free("a")
     assert kv.pool.ref_count(0) == 1
     assert kv.num_used_blocks == 1
