@@ -161,7 +161,11 @@ class ServingConfig:
         values = vars(args)
 
         def pick(group: str) -> dict[str, Any]:
-            return {o.dest: values[o.dest] for o in _OPTIONS if o.group == group}
+            return {
+                o.dest: (not values[o.dest]) if o.negate else values[o.dest]
+                for o in _OPTIONS
+                if o.group == group
+            }
 
         return cls(
             engine=EngineConfig(**pick("engine")),
@@ -180,6 +184,8 @@ class _Option:
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
+    # A "--no-x" switch: given alone it means true, and the config field gets the negation.
+    negate: bool = False
 
     @property
     def env(self) -> str:
@@ -187,192 +193,80 @@ class _Option:
 
 
 _S, _E, _K, _P = ServerConfig(), EngineConfig(), KVPoolConfig(), SchedulerConfig()
+# fmt: off
 _OPTIONS: tuple[_Option, ...] = (
     # engine
-    _Option(
-        "--model",
-        "engine",
-        "model",
-        str,
-        _E.model,
-        "'default' (embedded SmolLM2-135M-Instruct), an HF directory or a .gguf file",
-    ),
-    _Option(
-        "--dtype",
-        "engine",
-        "dtype",
-        _optional(str),
-        _E.dtype,
-        "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16",
-    ),
-    _Option(
-        "--device",
-        "engine",
-        "device",
-        _optional(str),
-        _E.device,
-        "cpu, cuda, cuda:1, ...; auto picks CUDA when present",
-    ),
-    _Option(
-        "--attention-backend",
-        "engine",
-        "attention_backend",
-        str,
-        _E.attention_backend,
-        "auto (Triton on CUDA, torch on CPU), triton or torch",
-        ("auto", "triton", "torch"),
-    ),
-    _Option(
-        "--max-model-len",
-        "engine",
-        "max_model_len",
-        _optional(int),
-        _E.max_model_len,
-        "longest prompt + output in tokens; auto = the model's max positions",
-    ),
-    _Option(
-        "--seed", "engine", "seed", int, _E.seed, "seed of the sampler for requests that give none"
-    ),
+    _Option("--model", "engine", "model", str, _E.model,
+            "'default' (embedded SmolLM2-135M-Instruct), an HF directory or a .gguf file"),
+    _Option("--dtype", "engine", "dtype", _optional(str), _E.dtype,
+            "auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16 or float16"),
+    _Option("--device", "engine", "device", _optional(str), _E.device,
+            "cpu, cuda, cuda:1, ...; auto picks CUDA when present"),
+    _Option("--attention-backend", "engine", "attention_backend", str, _E.attention_backend,
+            "auto (Triton on CUDA, torch on CPU), triton or torch",
+            ("auto", "triton", "torch")),
+    _Option("--max-model-len", "engine", "max_model_len", _optional(int), _E.max_model_len,
+            "longest prompt + output in tokens; auto = the model's max positions"),
+    _Option("--seed", "engine", "seed", int, _E.seed,
+            "seed of the sampler for requests that give none"),
     # kvpool
-    _Option(
-        "--block-size",
-        "kvpool",
-        "block_size",
-        int,
-        DEFAULT_BLOCK_SIZE,
-        "tokens per KV block (a power of two)",
-    ),
-    _Option(
-        "--kv-cache-memory",
-        "kvpool",
-        "memory_bytes",
-        _optional(parse_size),
-        _K.memory_bytes,
-        "KV cache budget, e.g. 1GiB or 512MB; auto = 1 GiB on CPU, 90%% of free GPU memory",
-    ),
-    _Option(
-        "--num-kv-blocks",
-        "kvpool",
-        "num_blocks",
-        _optional(int),
-        _K.num_blocks,
-        "exact number of KV blocks; overrides --kv-cache-memory",
-    ),
+    _Option("--block-size", "kvpool", "block_size", int, DEFAULT_BLOCK_SIZE,
+            "tokens per KV block (a power of two)"),
+    _Option("--kv-cache-memory", "kvpool", "memory_bytes", _optional(parse_size), _K.memory_bytes,
+            "KV cache budget, e.g. 1GiB or 512MB; auto = 1 GiB on CPU, 90%% of free GPU memory"),
+    _Option("--num-kv-blocks", "kvpool", "num_blocks", _optional(int), _K.num_blocks,
+            "exact number of KV blocks; overrides --kv-cache-memory"),
+    _Option("--no-prefix-caching", "kvpool", "enable_prefix_caching", _parse_bool,
+            not _K.enable_prefix_caching,
+            "turn off sharing of cached full blocks between requests with a common prefix",
+            negate=True),
     # scheduler
-    _Option(
-        "--max-num-seqs",
-        "scheduler",
-        "max_num_seqs",
-        int,
-        _P.max_num_seqs,
-        "most requests running at once (the batch size of static/dynamic batching)",
-    ),
-    _Option(
-        "--max-num-batched-tokens",
-        "scheduler",
-        "max_num_batched_tokens",
-        int,
-        _P.max_num_batched_tokens,
-        "most tokens computed in one step (prefill chunk size)",
-    ),
-    _Option(
-        "--batching",
-        "scheduler",
-        "batching",
-        str,
-        _P.batching,
-        "continuous (iteration-level), static or dynamic",
-        BATCHING_MODES,
-    ),
-    _Option(
-        "--admission",
-        "scheduler",
-        "admission",
-        str,
-        _P.admission,
-        "optimistic (preempt by recompute later) or reserve (prompt + max_tokens up front)",
-        ADMISSION_MODES,
-    ),
-    _Option(
-        "--batch-wait-ms",
-        "scheduler",
-        "batch_wait_ms",
-        float,
-        _P.batch_wait_ms,
-        "dynamic batching: longest wait for a full batch",
-    ),
-    _Option(
-        "--static-finished",
-        "scheduler",
-        "static_finished",
-        str,
-        _P.static_finished,
-        "static/dynamic: keep computing finished sequences as padding (compute) or not (skip)",
-        ("compute", "skip"),
-    ),
+    _Option("--max-num-seqs", "scheduler", "max_num_seqs", int, _P.max_num_seqs,
+            "most requests running at once (the batch size of static/dynamic batching)"),
+    _Option("--max-num-batched-tokens", "scheduler", "max_num_batched_tokens", int,
+            _P.max_num_batched_tokens,
+            "most tokens computed in one step (prefill chunk size)"),
+    _Option("--batching", "scheduler", "batching", str, _P.batching,
+            "continuous (iteration-level), static or dynamic",
+            BATCHING_MODES),
+    _Option("--admission", "scheduler", "admission", str, _P.admission,
+            "optimistic (preempt by recompute later) or reserve (prompt + max_tokens up front)",
+            ADMISSION_MODES),
+    _Option("--batch-wait-ms", "scheduler", "batch_wait_ms", float, _P.batch_wait_ms,
+            "dynamic batching: longest wait for a full batch"),
+    _Option("--static-finished", "scheduler", "static_finished", str, _P.static_finished,
+            "static/dynamic: keep computing finished sequences as padding (compute) or not (skip)",
+            ("compute", "skip")),
     # server
-    _Option("--host", "server", "host", str, _S.host, "address to bind"),
-    _Option("--port", "server", "port", int, _S.port, "TCP port"),
-    _Option(
-        "--served-model-name",
-        "server",
-        "served_model_name",
-        _optional(str),
-        _S.served_model_name,
-        "model name clients send and /v1/models lists",
-    ),
-    _Option("--log-level", "server", "log_level", str.lower, _S.log_level, "log level", LOG_LEVELS),
-    _Option(
-        "--max-body-size",
-        "server",
-        "max_body_bytes",
-        parse_size,
-        _S.max_body_bytes,
-        "largest request body (413 above), e.g. 4MiB",
-    ),
-    _Option("--max-n", "server", "max_n", int, _S.max_n, "largest n per request"),
-    _Option(
-        "--max-logprobs",
-        "server",
-        "max_logprobs",
-        int,
-        _S.max_logprobs,
-        "largest logprobs / top_logprobs",
-    ),
-    _Option(
-        "--unknown-fields",
-        "server",
-        "unknown_fields",
-        str,
-        _S.unknown_fields,
-        "unrecognised request fields: reject (400, like OpenAI) or ignore (warn, like vLLM)",
-        UNKNOWN_FIELD_POLICIES,
-    ),
-    _Option(
-        "--engine-stall-timeout",
-        "server",
-        "engine_stall_timeout_s",
-        float,
-        _S.engine_stall_timeout_s,
-        "seconds without a finished engine-loop iteration before /health reports 503",
-    ),
-    _Option(
-        "--stats-log-interval",
-        "server",
-        "stats_log_interval_s",
-        float,
-        _S.stats_log_interval_s,
-        "seconds between throughput log lines; 0 disables",
-    ),
-    _Option(
-        "--check-integrity",
-        "server",
-        "check_integrity",
-        _parse_bool,
-        _S.check_integrity,
-        "debug: check kvpool/scheduler invariants after every step (true/false)",
-    ),
+    _Option("--host", "server", "host", str, _S.host,
+            "address to bind"),
+    _Option("--port", "server", "port", int, _S.port,
+            "TCP port"),
+    _Option("--served-model-name", "server", "served_model_name", _optional(str),
+            _S.served_model_name,
+            "model name clients send and /v1/models lists"),
+    _Option("--log-level", "server", "log_level", str.lower, _S.log_level,
+            "log level",
+            LOG_LEVELS),
+    _Option("--max-body-size", "server", "max_body_bytes", parse_size, _S.max_body_bytes,
+            "largest request body (413 above), e.g. 4MiB"),
+    _Option("--max-n", "server", "max_n", int, _S.max_n,
+            "largest n per request"),
+    _Option("--max-logprobs", "server", "max_logprobs", int, _S.max_logprobs,
+            "largest logprobs / top_logprobs"),
+    _Option("--unknown-fields", "server", "unknown_fields", str, _S.unknown_fields,
+            "unrecognised request fields: reject (400, like OpenAI) or ignore (warn, like vLLM)",
+            UNKNOWN_FIELD_POLICIES),
+    _Option("--engine-stall-timeout", "server", "engine_stall_timeout_s", float,
+            _S.engine_stall_timeout_s,
+            "seconds without a finished engine-loop iteration before /health reports 503"),
+    _Option("--stats-log-interval", "server", "stats_log_interval_s", float,
+            _S.stats_log_interval_s,
+            "seconds between throughput log lines; 0 disables"),
+    _Option("--check-integrity", "server", "check_integrity", _parse_bool, _S.check_integrity,
+            "debug: check kvpool/scheduler invariants after every step (true/false)"),
 )
+# fmt: on
 
 
 def env_var_names() -> list[str]:
@@ -406,5 +300,6 @@ def build_arg_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
             choices=option.choices,
             metavar=None if option.choices else option.dest.split("_")[-1].upper(),
             help=f"{option.help} [env {option.env}; default {option.default!r}]",
+            **({"nargs": "?", "const": True} if option.negate else {}),
         )
     return parser

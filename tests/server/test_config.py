@@ -82,6 +82,7 @@ def test_every_flag_reaches_its_config() -> None:
         "0",
         "--check-integrity",
         "true",
+        "--no-prefix-caching",
     ]
     c = ServingConfig.from_cli(argv, {})
     assert (
@@ -92,6 +93,7 @@ def test_every_flag_reaches_its_config() -> None:
         c.engine.max_model_len,
         c.engine.seed,
     ) == ("/models/x", "bfloat16", "cpu", "torch", 1024, 7)
+    assert not c.kvpool.enable_prefix_caching
     assert (c.kvpool.block_size, c.kvpool.memory_bytes, c.kvpool.num_blocks) == (
         32,
         512_000_000,
@@ -184,3 +186,12 @@ def test_env_var_names() -> None:
         "PAGEDSERVE_SERVED_MODEL_NAME",
         "PAGEDSERVE_LOG_LEVEL",
     } <= set(names)
+
+
+def test_prefix_caching_switch() -> None:
+    assert ServingConfig.from_cli([], {}).kvpool.enable_prefix_caching
+    assert not ServingConfig.from_cli(["--no-prefix-caching"], {}).kvpool.enable_prefix_caching
+    env = {"PAGEDSERVE_NO_PREFIX_CACHING": "1"}
+    assert not ServingConfig.from_cli([], env).kvpool.enable_prefix_caching
+    flag_wins = ServingConfig.from_cli(["--no-prefix-caching", "false"], env)
+    assert flag_wins.kvpool.enable_prefix_caching
