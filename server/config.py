@@ -300,6 +300,7 @@ def build_arg_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
             choices=option.choices,
             metavar=None if option.choices else option.dest.split("_")[-1].upper(),
             help=f"{option.help} [env {option.env}; default {option.default!r}]",
-            **({"nargs": "?", "const": True} if option.negate else {}),
+            nargs="?" if option.negate else None,
+            const=True if option.negate else None,
         )
     return parser
