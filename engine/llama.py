@@ -25,6 +25,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused op; bitwise equal to the formula below in float32.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # In float32 whatever the model dtype, cast back before the weight (as transformers).
         dtype = x.dtype
         x32 = x.float()
@@ -59,12 +62,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(self.input_norm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Q and K heads rotate together: one set of elementwise ops instead of two.
         cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         # The chunk's own K/V must be in the cache before attention: its queries attend to
         # them through the block table like to any cached token.
         attention.store(k, v, key_cache, value_cache, batch.slot_mapping)
