@@ -102,9 +102,13 @@ def test_preemption_keeps_every_request_exact(prompts, references):
     cross block boundaries often, so running requests keep needing new blocks."""
     block_size = 4
     needed = -(-(max(PROMPT_LENS) + MAX_TOKENS) // block_size)
+    # Prefix caching off: re-admitted requests would find most of their blocks still
+    # cached and preempt far less; this test is about recompute. Preemption with caching
+    # on is covered in tests/engine/test_prefix_caching.py.
     small = LLM(
-        "default", block_size=block_size, num_kv_blocks=needed + 3, max_num_batched_tokens=128
-    )
+        "default", block_size=block_size, num_kv_blocks=needed + 3, max_num_batched_tokens=128,
+        enable_prefix_caching=False,
+    )  # fmt: skip
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     tokens = _drive(small.engine, prompts, {0: list(range(len(prompts)))}, params)
     assert small.engine.scheduler.num_preemptions_total >= 8
