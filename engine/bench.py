@@ -26,7 +26,10 @@ from scheduler.request import SamplingParams
 
 
 def make_workload(
-    num_requests: int, vocab_ids: list[int], seed: int, prompt_range: tuple[int, int],
+    num_requests: int,
+    vocab_ids: list[int],
+    seed: int,
+    prompt_range: tuple[int, int],
     output_range: tuple[int, int],
 ) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) pairs; prompts are slices of real text."""
@@ -45,7 +48,8 @@ def corpus_ids(tokenizer) -> list[int]:  # noqa: ANN001 - an HF tokenizer
     import textwrap
 
     text = " ".join(
-        textwrap.dedent(mod.__doc__ or "") for mod in (argparse, json, random, time, __import__("os"))
+        textwrap.dedent(mod.__doc__ or "")
+        for mod in (argparse, json, random, time, __import__("os"))
     )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
@@ -64,10 +68,14 @@ def run_transformers(model, work: list[tuple[list[int], int]]) -> tuple[float, l
     for prompt, n in work:
         ids = torch.tensor([prompt])
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
         )
-        tokens.append(out[0, len(prompt):].tolist())
+        tokens.append(out[0, len(prompt) :].tolist())
     return time.perf_counter() - start, tokens
 
 
@@ -75,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--hf-requests", type=int, default=None, help="run transformers on only the first N")
+    ap.add_argument(
+        "--hf-requests", type=int, default=None, help="run transformers on only the first N"
+    )
     ap.add_argument("--prompt-len", default="16,256", help="min,max prompt tokens")
     ap.add_argument("--output-len", default="16,128", help="min,max output tokens")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -86,8 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     prompt_range = tuple(int(x) for x in args.prompt_len.split(","))
     output_range = tuple(int(x) for x in args.output_len.split(","))
 
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    work = make_workload(args.num_requests, corpus_ids(llm.tokenizer), args.seed, prompt_range, output_range)  # type: ignore[arg-type]
+    llm = LLM(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    work = make_workload(
+        args.num_requests, corpus_ids(llm.tokenizer), args.seed, prompt_range, output_range
+    )  # type: ignore[arg-type]
     # Warm-up: first calls pay for allocator growth and lazy initialisation.
     llm.generate([work[0][0]], SamplingParams(max_tokens=4, temperature=0))
     ps_time, ps_tokens = run_pagedserve(llm, work)
@@ -95,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(args.model).path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        resolve_model(args.model).path, dtype=torch.float32
+    ).eval()
     hf_work = work[: args.hf_requests] if args.hf_requests else work
     hf_time, hf_tokens = run_transformers(hf, hf_work)
     hf_out = sum(len(t) for t in hf_tokens)
@@ -104,9 +122,15 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "threads": torch.get_num_threads(),
         "num_requests": len(work),
-        "pagedserve": {"seconds": ps_time, "output_tokens": ps_out, "tokens_per_s": ps_out / ps_time},
+        "pagedserve": {
+            "seconds": ps_time,
+            "output_tokens": ps_out,
+            "tokens_per_s": ps_out / ps_time,
+        },
         "transformers_one_at_a_time": {
-            "requests": len(hf_work), "seconds": hf_time, "output_tokens": hf_out,
+            "requests": len(hf_work),
+            "seconds": hf_time,
+            "output_tokens": hf_out,
             "tokens_per_s": hf_out / hf_time,
         },
         "ratio": (ps_out / ps_time) / (hf_out / hf_time),
@@ -115,11 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{len(work)} requests, prompts {args.prompt_len} tokens, outputs {args.output_len} tokens, "
-          f"{result['threads']} threads")
+    print(
+        f"{len(work)} requests, prompts {args.prompt_len} tokens, outputs {args.output_len} tokens, "
+        f"{result['threads']} threads"
+    )
     print(f"{'':32}{'requests':>10}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
-    print(f"{'pagedserve (continuous)':32}{len(work):>10}{ps_out:>12}{ps_time:>10.1f}{ps_out / ps_time:>10.1f}")
-    print(f"{'transformers (one at a time)':32}{len(hf_work):>10}{hf_out:>12}{hf_time:>10.1f}{hf_out / hf_time:>10.1f}")
+    print(
+        f"{'pagedserve (continuous)':32}{len(work):>10}{ps_out:>12}{ps_time:>10.1f}{ps_out / ps_time:>10.1f}"
+    )
+    print(
+        f"{'transformers (one at a time)':32}{len(hf_work):>10}{hf_out:>12}{hf_time:>10.1f}{hf_out / hf_time:>10.1f}"
+    )
     print(f"ratio: {result['ratio']:.2f}x   greedy tokens identical: {result['greedy_identical']}")
     return 0
 

@@ -1,0 +1,1 @@
+"""Benchmarks that span packages: serving speed against the machine floors and other servers."""
