@@ -15,11 +15,12 @@ import torch
 
 from engine.attention import PagedAttention, resolve_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.faults import FaultInjectingRunner, describe, execute_isolating
 from engine.llama import LlamaForCausalLM
 from engine.loader import load_state_dict, load_tokenizer, read_hf_config, resolve_model
 from engine.model_runner import ModelRunner
-from engine.rope import RotaryEmbedding
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
+from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
 from kvpool.config import KVPoolConfig
 from kvpool.manager import KVCacheManager
@@ -118,7 +119,15 @@ class LLMEngine:
         self._prefix_totals = (0, 0)
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
         self.sampler = Sampler(config.seed, self.device)
-        self.runner = ModelRunner(self.model, self.storage, self.sampler, self.device)
+        self.runner: ModelRunner | FaultInjectingRunner = ModelRunner(
+            self.model, self.storage, self.sampler, self.device
+        )
+        if config.fault_token_id is not None:
+            logger.warning(
+                "TEST-ONLY fault injection is on: requests whose prompt contains token %d fail",
+                config.fault_token_id,
+            )
+            self.runner = FaultInjectingRunner(self.runner, config.fault_token_id)
         self.last_step_stats: StepStats | None = None
 
     # ---- requests -------------------------------------------------------------------------
@@ -179,17 +188,49 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output per request that got a token or finished."""
+        """Run one iteration; return an output per request that got a token or finished.
+
+        If the forward pass or the sampler raises, only the requests whose rows raise on
+        their own fail (``finish_reason="error"``, blocks freed); the others get their token
+        (engine/faults.py). An exception from the scheduler itself propagates.
+        """
         start = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        result = self.runner.execute(plan)
+        try:
+            result = self.runner.execute(plan)
+            failed: dict[str, str] = {}
+        except Exception as exc:
+            logger.error(
+                "a step of %d requests failed (%s); re-running it in parts to isolate the "
+                "failing requests",
+                len(plan.scheduled),
+                describe(exc),
+                exc_info=True,
+            )
+            result, failed = execute_isolating(self.runner, plan, exc)
+        # Failed requests leave the scheduler before the update, which then skips them.
+        error_outputs = self._fail_requests(failed)
         update = self.scheduler.update_from_output(
-            plan, dict(zip(result.request_ids, result.token_ids))
+            plan, dict(zip(result.request_ids, result.token_ids, strict=True))
         )
-        outputs = self._make_outputs(update, result)
+        outputs = error_outputs + self._make_outputs(update, result)
         self._record_stats(plan, time.perf_counter() - start)
+        return outputs
+
+    def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """Finish requests whose rows raised: abort them (blocks freed) as ``"error"``."""
+        if not errors:
+            return []
+        outputs = []
+        for request in self.scheduler.abort_requests(errors):
+            self.sampler.forget(request.request_id)
+            output = _output(request, [], None)
+            output.finish_reason = "error"
+            output.error = errors[request.request_id]
+            outputs.append(output)
+        logger.error("failed %d request(s) whose computation raised: %s", len(outputs), errors)
         return outputs
 
     def _make_outputs(

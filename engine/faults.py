@@ -1,0 +1,121 @@
+"""Fault isolation inside one engine step, and the test-only fault injector.
+
+A step computes every scheduled request in one forward pass, so an exception from
+``ModelRunner.execute`` does not say *which* request caused it. ``execute_isolating`` finds out
+by bisection: it re-runs the step's live rows in halves, and a row that still raises when it
+runs alone is the one that fails; every other row gets its token as if nothing happened::
+
+    failed step     | a b c P d e |                  P raises whenever it is computed
+    halves          | a b c |  | P d e |  -> ok, raises
+    quarters                   | P |  | d e |        -> raises (alone: P fails), ok
+
+Why re-running is sound. The failed attempt changed no scheduler state (``num_computed_tokens``
+advances only in ``update_from_output``) and no prefix-cache hash (committed there too); the
+K/V rows it may have written belong to positions the re-run writes again. Rows of different
+requests never read each other's new K/V within a step (the scheduler defers a request to a
+block that another one is filling), so computing the rows in several smaller batches gives
+each request the same token up to float rounding. Static-batch padding rows are left out:
+they are nobody's output. Copy-on-write copies (``blocks_to_copy``) must happen once, before
+the first write into their destination: every sub-run carries them until one succeeds.
+
+What it costs and what it cannot do. A poisoned row costs about 2·log2(rows) extra forward
+passes in the step where it fails. A failure that is not about one row (a broken device, an
+allocation that the whole batch is too big for) either goes away in the smaller batches (then
+nobody fails) or reaches every row alone (then every row fails): the outcome is honest either
+way. A seeded sampled request in the failed batch may draw differently from its run alone,
+because the failed attempt may already have advanced its generator.
+
+``FaultInjectingRunner`` is for tests only (``EngineConfig.fault_token_id``, off by default):
+it makes the step raise whenever it computes a request whose prompt holds a marker token, so
+chaos tests can engineer per-request failures in a real engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from engine.outputs import ModelRunnerOutput
+from scheduler.output import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``FaultInjectingRunner``: a test asked for this failure."""
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def execute_isolating(
+    runner: ModelRunner | FaultInjectingRunner, plan: SchedulerOutput, error: BaseException
+) -> tuple[ModelRunnerOutput, dict[str, str]]:
+    """Re-run a step whose ``runner.execute(plan)`` raised, in halves, to find the failing rows.
+
+    Args:
+        runner: the runner that raised.
+        plan: the step's plan, as ``schedule()`` returned it.
+        error: what ``runner.execute(plan)`` raised (the error of a step of one row).
+    Returns:
+        The merged output of every sub-run that succeeded, and request id -> error message
+        for the requests whose row raised when computed alone.
+    """
+    rows = [item for item in plan.scheduled if not item.padding]
+    merged = ModelRunnerOutput([], [], [])
+    failed: dict[str, str] = {}
+    copies = list(plan.blocks_to_copy)
+
+    def run(group: Sequence[ScheduledRequest], known_error: BaseException | None) -> None:
+        nonlocal copies
+        error = known_error
+        if error is None:
+            try:
+                sub_plan = SchedulerOutput(scheduled=list(group), blocks_to_copy=copies)
+                result = runner.execute(sub_plan)
+            except Exception as exc:  # noqa: BLE001 - any failure of the rows is the request's
+                error = exc
+            else:
+                copies = []  # done once: later sub-runs must not overwrite what this one wrote
+                merged.request_ids.extend(result.request_ids)
+                merged.token_ids.extend(result.token_ids)
+                merged.logprobs.extend(result.logprobs)
+                return
+        if len(group) == 1:
+            failed[group[0].request_id] = describe(error)
+            return
+        middle = len(group) // 2
+        run(group[:middle], None)
+        run(group[middle:], None)
+
+    if rows:
+        # Without padding, these rows are exactly what failed: split them (or, if there is
+        # one, it is the culprit) without running them again. With padding, the padding may
+        # have been the cause, so the live rows are tried once more on their own first.
+        run(rows, error if len(rows) == len(plan.scheduled) else None)
+    return merged, failed
+
+
+class FaultInjectingRunner:
+    """TEST ONLY. A ``ModelRunner`` that raises ``InjectedFault`` from ``execute`` when the
+    plan computes any request whose prompt contains ``token_id``.
+
+    Installed by ``LLMEngine`` only when ``EngineConfig.fault_token_id`` is set (the
+    ``--test-fault-token-id`` flag); never set it in production.
+    """
+
+    def __init__(self, runner: ModelRunner, token_id: int) -> None:
+        self.runner = runner
+        self.token_id = token_id
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for item in out.scheduled:
+            if not item.padding and self.token_id in item.request.prompt_token_ids:
+                # The message names the marker, never the prompt.
+                raise InjectedFault(f"injected fault for test marker token {self.token_id}")
+        return self.runner.execute(out)
