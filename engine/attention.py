@@ -10,15 +10,30 @@ never a global switch, and Triton is imported only when it is chosen.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from engine.input_batch import AttentionMetadata
+from kernels.reference import DecodeContext, decode_context, decode_over_context
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return name
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """What every layer of one step needs for attention, computed once per step.
+
+    ``decode_context`` (torch backend only) holds the decode rows' gathered slot indices
+    and padding mask, which are the same for all layers.
+    """
+
+    meta: AttentionMetadata
+    decode_context: DecodeContext | None = None
 
 
 class PagedAttention:
@@ -60,19 +75,44 @@ class PagedAttention:
     ) -> None:
         self._store_kv(key, value, key_cache, value_cache, slot_mapping)
 
+    def plan(self, meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+        """Per-step work shared by all layers (called once per forward)."""
+        nd = meta.num_decodes
+        if self.backend != "torch" or nd == 0:
+            return AttentionPlan(meta)
+        return AttentionPlan(
+            meta, decode_context(meta.block_tables[:nd], meta.seq_lens[:nd], block_size)
+        )
+
+    def _attend_decode(
+        self,
+        query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        plan: AttentionPlan,
+    ) -> torch.Tensor:
+        if plan.decode_context is not None:
+            return decode_over_context(
+                query, key_cache, value_cache, plan.decode_context, self.scale
+            )
+        nd = plan.meta.num_decodes
+        meta = plan.meta
+        return self._decode(
+            query, key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale
+        )
+
     def __call__(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        plan: AttentionPlan,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        meta = plan.meta
         nd = meta.num_decodes
         num_seqs = meta.seq_lens.shape[0]
         if nd == num_seqs:
-            return self._decode(
-                query, key_cache, value_cache, meta.block_tables, meta.seq_lens, self.scale
-            )
+            return self._attend_decode(query, key_cache, value_cache, plan)
         if nd == 0:
             return self._prefill(
                 query,
@@ -85,14 +125,7 @@ class PagedAttention:
             )
         # Mixed step: decodes are the first nd tokens (see engine/input_batch.py).
         out = torch.empty_like(query)
-        out[:nd] = self._decode(
-            query[:nd],
-            key_cache,
-            value_cache,
-            meta.block_tables[:nd],
-            meta.seq_lens[:nd],
-            self.scale,
-        )
+        out[:nd] = self._attend_decode(query[:nd], key_cache, value_cache, plan)
         out[nd:] = self._prefill(
             query[nd:],
             key_cache,
@@ -103,4 +136,3 @@ class PagedAttention:
             self.scale,
         )
         return out
-

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import PagedAttention
+from engine.attention import AttentionPlan, PagedAttention
 from engine.config import ModelConfig
 from engine.input_batch import InputBatch
 from engine.rope import RotaryEmbedding, apply_rope
@@ -57,6 +57,7 @@ class DecoderLayer(nn.Module):
         batch: InputBatch,
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, 1, head_dim]
         attention: PagedAttention,
+        plan: AttentionPlan,
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -71,7 +72,7 @@ class DecoderLayer(nn.Module):
         # The chunk's own K/V must be in the cache before attention: its queries attend to
         # them through the block table like to any cached token.
         attention.store(k, v, key_cache, value_cache, batch.slot_mapping)
-        o = attention(q, key_cache, value_cache, batch.attn)  # [num_tokens, num_heads, head_dim]
+        o = attention(q, key_cache, value_cache, plan)  # [num_tokens, num_heads, head_dim]
         x = x + self.o_proj(o.reshape(t, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_norm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
@@ -102,13 +103,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self,
         batch: InputBatch,
-        key_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
+        key_caches: list[
+            torch.Tensor
+        ],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
         value_caches: list[torch.Tensor],
     ) -> torch.Tensor:  # [num_samples, vocab] float32
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         rope = self.rope.lookup(batch.positions, x.dtype)
-        for layer, key_cache, value_cache in zip(self.layers, key_caches, value_caches):
-            x = layer(x, batch, rope, self.attention, key_cache, value_cache)
+        plan = self.attention.plan(batch.attn, key_caches[0].shape[1])
+        for layer, key_cache, value_cache in zip(
+            self.layers, key_caches, value_caches, strict=True
+        ):
+            x = layer(x, batch, rope, self.attention, plan, key_cache, value_cache)
         # Only the last token of each sampling request needs logits: a prefill chunk of 512
         # tokens would otherwise pay 512 vocab-sized matmul rows for nothing.
         x = self.norm(x[batch.logits_indices])
@@ -128,12 +134,16 @@ class LlamaForCausalLM(nn.Module):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn, mlp = src + "self_attn.", src + "mlp."
             mapped[dst + "input_norm.weight"] = state[src + "input_layernorm.weight"]
-            mapped[dst + "post_attention_norm.weight"] = state[src + "post_attention_layernorm.weight"]
+            mapped[dst + "post_attention_norm.weight"] = state[
+                src + "post_attention_layernorm.weight"
+            ]
             mapped[dst + "qkv_proj.weight"] = torch.cat(
                 [state[attn + f"{p}_proj.weight"] for p in "qkv"]
             )
             if self.config.attention_bias:
-                mapped[dst + "qkv_proj.bias"] = torch.cat([state[attn + f"{p}_proj.bias"] for p in "qkv"])
+                mapped[dst + "qkv_proj.bias"] = torch.cat(
+                    [state[attn + f"{p}_proj.bias"] for p in "qkv"]
+                )
             mapped[dst + "o_proj.weight"] = state[attn + "o_proj.weight"]
             mapped[dst + "gate_up_proj.weight"] = torch.cat(
                 [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]
@@ -144,7 +154,9 @@ class LlamaForCausalLM(nn.Module):
                     [state[mlp + "gate_proj.bias"], state[mlp + "up_proj.bias"]]
                 )
                 mapped[dst + "down_proj.bias"] = state[mlp + "down_proj.bias"]
-        expected = {k for k in own if not (k == "lm_head.weight" and self.config.tie_word_embeddings)}
+        expected = {
+            k for k in own if not (k == "lm_head.weight" and self.config.tie_word_embeddings)
+        }
         missing = expected - mapped.keys()
         if missing:
             raise KeyError(f"checkpoint lacks tensors for {sorted(missing)[:5]}")

@@ -16,6 +16,8 @@ Softmax is computed in float32 whatever the input dtype, and the output has the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +36,8 @@ def store_kv(
     slots = slot_mapping.long()
     if slots.numel() == 0:
         return
-    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    if key.dtype != key_cache.dtype:
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if int(slots.min()) < 0:  # padding rows present: drop them (rare; static-batch padding)
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
@@ -69,27 +72,65 @@ def paged_attention_decode(
     and the padding is masked, so a decode step costs a handful of batched ops instead of a
     Python loop over sequences.
     """
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    context = decode_context(block_tables, seq_lens, key_cache.shape[1])
+    return decode_over_context(query, key_cache, value_cache, context, scale)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeContext:
+    """Where each decoding sequence's context lives: the same for every layer of a step, so
+    the engine computes it once per step and reuses it (``decode_over_context``)."""
+
+    slots: torch.Tensor  # [num_seqs * max_len] int64, padded positions point at slot 0
+    valid: torch.Tensor  # [num_seqs, max_len] bool, False on padding
+    max_len: int
+
+
+def decode_context(
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
+    block_size: int,
+) -> DecodeContext:
+    num_seqs = block_tables.shape[0]
     max_len = int(seq_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    offsets = torch.arange(block_size, device=query.device)
+    offsets = torch.arange(block_size, device=block_tables.device)
     # slot of context position p of sequence i: block_tables[i, p // bs] * bs + p % bs
     slots = block_tables[:, :max_blocks, None].long() * block_size + offsets  # [n, nb, bs]
     slots = slots.view(num_seqs, -1)[:, :max_len].reshape(-1)  # [n * max_len]
+    valid = torch.arange(max_len, device=block_tables.device)[None, :] < seq_lens[:, None]
+    return DecodeContext(slots, valid, max_len)
+
+
+def decode_over_context(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    context: DecodeContext,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    max_len = context.max_len
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs, kvh, max_len, d]
-        rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots)
-        return rows.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2).float()
+        rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, context.slots)
+        rows = rows.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+        return rows if rows.dtype == torch.float32 else rows.float()
 
     k, v = gather(key_cache), gather(value_cache)
-    q = query.float().view(num_seqs, num_heads, 1, head_dim)
-    valid = torch.arange(max_len, device=query.device)[None, :] < seq_lens[:, None]
+    q = query if query.dtype == torch.float32 else query.float()
     # enable_gqa: query head j reads KV head j // (num_heads // num_kv_heads).
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+        q.view(num_seqs, num_heads, 1, head_dim),
+        k,
+        v,
+        attn_mask=context.valid[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
     )  # [num_seqs, num_heads, 1, d]
-    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
+    out = out.view(num_seqs, num_heads, head_dim)
+    return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 def paged_attention_prefill(
@@ -137,7 +178,7 @@ def paged_attention_prefill(
         future = k_pos[None, :] > q_pos[:, None]  # [q_len, ctx]
         scores.masked_fill_(future, float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [kvh, group, q_len, d]
-        out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(
-            query.dtype
+        out[q_start:q_end] = (
+            o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
         )
     return out
