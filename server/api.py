@@ -5,10 +5,16 @@ Routes::
     POST /v1/completions        completions.create_completion
     POST /v1/chat/completions   chat.create_chat_completion
     GET  /v1/models             the one served model
-    GET  /health                200 while the engine loop is alive and iterating, else 503;
-                                the body carries the KV pool figures (blocks used/free/total)
+    GET  /health                200 while the engine loop is alive and iterating and the
+                                server is not draining, else 503; the body carries the KV
+                                pool figures (blocks used/free/total), the step of the last
+                                idle integrity check, and requests in flight vs capacity
     GET  /version
     POST /tokenize, /detokenize
+
+Middleware, outermost first: CORS (only with --cors-origins), drain (SIGTERM: 503 for new
+requests; server/shutdown.py), API keys (only with --api-key; server/auth.py), body size
+(413; server/limits.py). Each answers before the body is parsed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from server.auth import APIKeyMiddleware, add_cors
 from server.chat import create_chat_completion
 from server.completions import create_completion
 from server.config import ServingConfig
@@ -44,6 +51,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.sampling import check_model, check_unknown_fields
+from server.shutdown import DrainMiddleware, DrainState
 
 
 def _version() -> str:
@@ -54,7 +62,7 @@ def _version() -> str:
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 404, 413, 422, 500, 503)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 500, 503, 504)
 }
 
 
@@ -79,8 +87,19 @@ def create_app(
 
     app = FastAPI(title="pagedserve", version=_version(), lifespan=lifespan)
     app.state.ctx = ctx
+    drain = DrainState()
+    app.state.drain = drain  # the SIGTERM handler of server/shutdown.py sets it
     install_error_handlers(app)
+    # add_middleware wraps what was added before: the last one added runs first.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
+    if config.server.api_keys:
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_keys=config.server.api_keys,
+            public_paths=config.server.public_paths,
+        )
+    app.add_middleware(DrainMiddleware, state=drain)
+    add_cors(app, config.server.cors_origins)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -104,9 +123,13 @@ def create_app(
     async def health() -> Response:
         state = client.health()
         snap = state.snapshot
+        status = "ok" if state.healthy else "unhealthy"
+        reason = state.reason
+        if state.healthy and drain.draining:
+            status, reason = "draining", "the server is shutting down"
         body = {
-            "status": "ok" if state.healthy else "unhealthy",
-            "reason": state.reason,
+            "status": status,
+            "reason": reason,
             "engine": {
                 "heartbeat_age_s": round(state.heartbeat_age_s, 3),
                 "num_steps": snap.num_steps,
@@ -114,9 +137,15 @@ def create_app(
                 "kv_blocks_total": snap.num_total_blocks,
                 "kv_blocks_free": snap.num_free_blocks,
                 "kv_blocks_used": snap.num_used_blocks,
+                # check_integrity() passed when the engine was last idle, after this step.
+                "integrity_checked_at_step": snap.integrity_checked_at_step,
+            },
+            "requests": {
+                "in_flight": ctx.admission.num_in_flight,
+                "capacity": ctx.admission.capacity,
             },
         }
-        return JSONResponse(body, status_code=200 if state.healthy else 503)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:

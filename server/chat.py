@@ -46,6 +46,7 @@ from server.streaming import (
     sse_frame,
     sse_response,
 )
+from server.timeouts import request_deadline
 
 
 def _bytes(text: str) -> list[int]:
@@ -80,26 +81,35 @@ async def create_chat_completion(
     arrival_time = time.monotonic()
     limits = ctx.limits
     check_chat_request(req, limits)
-    prompt = chat_prompt(req.messages, ctx.client.tokenizer)
-    requested, param = chat_max_tokens(req)
-    max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), limits, param)
-    logprobs = chat_logprobs(req)
-    params = [
-        choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i) for i in range(req.n)
-    ]
-    request_id = new_request_id("chatcmpl")
-    run = GenerationRun(
-        ctx.client,
-        ctx.metrics,
-        request_id,
-        [prompt],
-        params,
-        stop_strings(req.stop),
-        req.n,
-        arrival_time,
-        ctx.token_texts,
-    )
-    await run.start()
+    server = ctx.config.server
+    deadline = request_deadline(raw_request.headers, server.request_timeout_s, arrival_time)
+    # Room is held before the chat template runs: a burst past the queue costs nothing.
+    with ctx.admission.admit(req.n):
+        prompt = chat_prompt(req.messages, ctx.client.tokenizer)
+        requested, param = chat_max_tokens(req)
+        max_tokens = resolve_max_tokens(
+            requested, len(prompt.token_ids), limits, param, prompt_param="messages"
+        )
+        logprobs = chat_logprobs(req)
+        params = [
+            choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i)
+            for i in range(req.n)
+        ]
+        request_id = new_request_id("chatcmpl")
+        run = GenerationRun(
+            ctx.client,
+            ctx.metrics,
+            request_id,
+            [prompt],
+            params,
+            stop_strings(req.stop),
+            req.n,
+            arrival_time,
+            ctx.token_texts,
+            deadline,
+        )
+        await run.start()
+    run.log_accepted(request_id, stream=req.stream, log_prompts=server.log_prompts)
     created = int(time.time())
     if req.stream:
         return sse_response(_stream(req, raw_request, ctx, run, request_id, created))

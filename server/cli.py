@@ -33,12 +33,12 @@ def configure_logging(level: str) -> None:
 
 
 def serve(config: ServingConfig) -> int:
-    """Load the engine, start its thread inside the app's lifespan, run uvicorn until stopped."""
-    import uvicorn
-
+    """Load the engine, start its thread inside the app's lifespan, run uvicorn until a
+    signal drains it."""
     from engine.llm_engine import LLMEngine
     from server.api import create_app
     from server.engine_client import AsyncEngineClient
+    from server.shutdown import serve_until_drained
 
     configure_logging(config.server.log_level)
     logger.info("loading model %r (%s)", config.engine.model, config.engine)
@@ -65,11 +65,19 @@ def serve(config: ServingConfig) -> int:
     app = create_app(config, client)
     name = config.server.served_model_name or engine.model_id
     logger.info("serving %r on http://%s:%d/v1", name, config.server.host, config.server.port)
-    uvicorn.run(
+    if config.server.api_keys:
+        logger.info("API keys: %d configured; open paths: %s", len(config.server.api_keys),
+                    ", ".join(config.server.public_paths) or "none")  # fmt: skip
+    elif config.server.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without --api-key: anyone who reaches it can use it",
+                       config.server.host)  # fmt: skip
+    # SIGTERM drains in-flight requests (up to --drain-timeout), then the process exits 0.
+    serve_until_drained(
         app,
         host=config.server.host,
         port=config.server.port,
         log_level=config.server.log_level,
+        drain_timeout_s=config.server.drain_timeout_s,
     )
     return 0
 

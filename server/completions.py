@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
 
+from server.admission import count_prompts
 from server.context import ServingContext, new_request_id
 from server.errors import APIError
 from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
@@ -37,6 +38,7 @@ from server.streaming import (
     sse_frame,
     sse_response,
 )
+from server.timeouts import request_deadline
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
 
@@ -69,27 +71,35 @@ async def create_completion(
     arrival_time = time.monotonic()
     limits = ctx.limits
     check_completion_request(req, limits)
-    prompts = completion_prompts(req.prompt, ctx.client.tokenizer, limits.vocab_size)
-    params = []
-    for prompt in prompts:
-        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.token_ids), limits, "max_tokens")
-        for i in range(req.n):
-            params.append(
-                choice_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=i)
+    server = ctx.config.server
+    deadline = request_deadline(raw_request.headers, server.request_timeout_s, arrival_time)
+    # Room is held before the prompts are tokenized: a burst past the queue costs nothing.
+    with ctx.admission.admit(count_prompts(req.prompt) * req.n):
+        prompts = completion_prompts(req.prompt, ctx.client.tokenizer, limits.vocab_size)
+        params = []
+        for prompt in prompts:
+            max_tokens = resolve_max_tokens(
+                req.max_tokens, len(prompt.token_ids), limits, "max_tokens"
             )
-    request_id = new_request_id("cmpl")
-    run = GenerationRun(
-        ctx.client,
-        ctx.metrics,
-        request_id,
-        prompts,
-        params,
-        stop_strings(req.stop),
-        req.n,
-        arrival_time,
-        ctx.token_texts,
-    )
-    await run.start()  # a 400 / 503 here is still a proper HTTP error
+            for i in range(req.n):
+                params.append(
+                    choice_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=i)
+                )
+        request_id = new_request_id("cmpl")
+        run = GenerationRun(
+            ctx.client,
+            ctx.metrics,
+            request_id,
+            prompts,
+            params,
+            stop_strings(req.stop),
+            req.n,
+            arrival_time,
+            ctx.token_texts,
+            deadline,
+        )
+        await run.start()  # a 400 / 503 / 504 here is still a proper HTTP error
+    run.log_accepted(request_id, stream=req.stream, log_prompts=server.log_prompts)
     created = int(time.time())
     if req.stream:
         return sse_response(_stream(req, raw_request, ctx, run, request_id, created))

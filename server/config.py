@@ -58,6 +58,11 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def parse_list(text: str) -> tuple[str, ...]:
+    """Split a comma-separated value (``a,b, c``) into its non-empty, stripped items."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -82,7 +87,8 @@ class ServerConfig:
     """Settings of the HTTP layer (everything that is not the engine's, pool's or scheduler's).
 
     Args:
-        host: address uvicorn binds; 127.0.0.1 by default because there is no auth yet.
+        host: address uvicorn binds; 127.0.0.1 by default: set ``api_keys`` before binding a
+            public address.
         port: TCP port.
         served_model_name: the name clients must send as ``model`` and that ``/v1/models``
             lists; ``None`` uses the engine's display name (e.g. ``SmolLM2-135M-Instruct``).
@@ -97,6 +103,21 @@ class ServerConfig:
         stats_log_interval_s: period of the throughput / KV-usage log line; 0 disables it.
         check_integrity: run the engine's ``check_integrity()`` after every step (slow;
             for tests and debugging). A violation fails the engine loop loudly.
+        max_waiting_requests: engine requests (prompts x n) that may wait behind the
+            ``max_num_seqs`` running ones; past it new requests get 503 + Retry-After before
+            they are tokenized (server/admission.py).
+        max_prompt_tokens: longest prompt accepted (400 above); None = the context length.
+        max_output_tokens: largest ``max_tokens`` accepted (400 above); a request without
+            ``max_tokens`` gets at most this many. None = up to the context length.
+        request_timeout_s: deadline of every generation request from its arrival; an expired
+            request is aborted and answered 504. A request's ``X-Request-Timeout`` header
+            may shorten it, never lengthen it. None = no server-side deadline.
+        drain_timeout_s: on SIGTERM, how long in-flight requests may run before they are
+            cut off; new requests get 503 meanwhile (server/shutdown.py).
+        api_keys: accepted bearer tokens; empty = no authentication. Never printed.
+        public_paths: paths served without a key when ``api_keys`` is set.
+        cors_origins: origins allowed by CORS; empty = no CORS headers at all.
+        log_prompts: log each request's prompt (off: logs carry ids and sizes only).
     """
 
     host: str = "127.0.0.1"
@@ -110,6 +131,15 @@ class ServerConfig:
     engine_stall_timeout_s: float = 60.0
     stats_log_interval_s: float = 10.0
     check_integrity: bool = False
+    max_waiting_requests: int = 256
+    max_prompt_tokens: int | None = None
+    max_output_tokens: int | None = None
+    request_timeout_s: float | None = None
+    drain_timeout_s: float = 30.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    public_paths: tuple[str, ...] = ("/health", "/metrics")
+    cors_origins: tuple[str, ...] = ()
+    log_prompts: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -128,6 +158,26 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.engine_stall_timeout_s <= 0:
             raise ValueError("engine_stall_timeout_s must be positive")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        for name in ("max_prompt_tokens", "max_output_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("request_timeout_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        for i, key in enumerate(self.api_keys):
+            # Keys travel in an HTTP header: printable ASCII without spaces. The message names
+            # the position, never the key.
+            if not key or not all("!" <= ch <= "~" for ch in key):
+                raise ValueError(
+                    f"API key #{i + 1} must be non-empty printable ASCII without spaces"
+                )
+        for path in self.public_paths:
+            if not path.startswith("/"):
+                raise ValueError(f"public paths must start with '/', got {path!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +236,8 @@ class _Option:
     choices: tuple[str, ...] | None = None
     # A "--no-x" switch: given alone it means true, and the config field gets the negation.
     negate: bool = False
+    # A list: comma-separated, and a repeated flag adds to it (it replaces the env value).
+    multiple: bool = False
 
     @property
     def env(self) -> str:
@@ -265,6 +317,32 @@ _OPTIONS: tuple[_Option, ...] = (
             "seconds between throughput log lines; 0 disables"),
     _Option("--check-integrity", "server", "check_integrity", _parse_bool, _S.check_integrity,
             "debug: check kvpool/scheduler invariants after every step (true/false)"),
+    _Option("--max-waiting-requests", "server", "max_waiting_requests", int,
+            _S.max_waiting_requests,
+            "requests (prompts x n) allowed to wait behind max_num_seqs; more get 503"),
+    _Option("--max-prompt-tokens", "server", "max_prompt_tokens", _optional(int),
+            _S.max_prompt_tokens,
+            "longest prompt in tokens (400 above); auto = the context length"),
+    _Option("--max-output-tokens", "server", "max_output_tokens", _optional(int),
+            _S.max_output_tokens,
+            "largest max_tokens (400 above; also the cap when a request gives none)"),
+    _Option("--request-timeout", "server", "request_timeout_s", _optional(float),
+            _S.request_timeout_s,
+            "seconds a generation request may take from arrival (504 after); "
+            "X-Request-Timeout may shorten it per request"),
+    _Option("--drain-timeout", "server", "drain_timeout_s", float, _S.drain_timeout_s,
+            "on SIGTERM: seconds in-flight requests may finish while new ones get 503"),
+    _Option("--api-key", "server", "api_keys", parse_list, _S.api_keys,
+            "accepted API key(s): comma-separated or a repeated flag; none = no auth",
+            multiple=True),
+    _Option("--public-paths", "server", "public_paths", parse_list, _S.public_paths,
+            "paths served without an API key (comma-separated; '' = none)",
+            multiple=True),
+    _Option("--cors-origins", "server", "cors_origins", parse_list, _S.cors_origins,
+            "origins allowed by CORS, comma-separated ('*' for any); none = CORS off",
+            multiple=True),
+    _Option("--log-prompts", "server", "log_prompts", _parse_bool, _S.log_prompts,
+            "log request prompts (true/false); off, logs carry only ids and sizes"),
 )
 # fmt: on
 
@@ -272,6 +350,23 @@ _OPTIONS: tuple[_Option, ...] = (
 def env_var_names() -> list[str]:
     """Every ``PAGEDSERVE_*`` variable `serve` reads (for docs and tests)."""
     return [o.env for o in _OPTIONS]
+
+
+class _ExtendList(argparse.Action):
+    """A list flag: each use adds its comma-separated items. The first use replaces the
+    default (which may come from the environment), so flags still win over env vars."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest)
+        if current is self.default:
+            current = ()
+        setattr(namespace, self.dest, (*current, *values))
 
 
 def build_arg_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -292,6 +387,17 @@ def build_arg_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                 parser.error(f"{option.env}={raw!r}: {exc}")
             if option.choices is not None and default not in (*option.choices, None):
                 parser.error(f"{option.env}={raw!r}: choose from {', '.join(option.choices)}")
+        if option.multiple:
+            parser.add_argument(
+                option.flag,
+                dest=option.dest,
+                type=option.parse,
+                default=default,
+                action=_ExtendList,
+                metavar=option.dest.split("_")[-1].upper(),
+                help=f"{option.help} [env {option.env}; default {','.join(option.default)!r}]",
+            )
+            continue
         parser.add_argument(
             option.flag,
             dest=option.dest,

@@ -6,6 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from server.admission import Admission
 from server.config import ServingConfig
 from server.engine_client import AsyncEngineClient
 from server.generation import TokenTexts
@@ -21,6 +22,7 @@ class ServingContext:
     limits: RequestLimits
     token_texts: TokenTexts
     started_at: int  # unix time, reported as the model's `created`
+    admission: Admission
 
     @property
     def model_name(self) -> str:
@@ -38,8 +40,23 @@ class ServingContext:
             max_n=server.max_n,
             max_logprobs=server.max_logprobs,
             reject_unknown_fields=server.unknown_fields == "reject",
+            max_prompt_tokens=server.max_prompt_tokens,
+            max_output_tokens=server.max_output_tokens,
         )
-        return cls(config, client, metrics, limits, TokenTexts(client.tokenizer), int(time.time()))
+        admission = Admission(
+            client,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_waiting_requests=server.max_waiting_requests,
+        )
+        return cls(
+            config,
+            client,
+            metrics,
+            limits,
+            TokenTexts(client.tokenizer),
+            int(time.time()),
+            admission,
+        )
 
 
 def new_request_id(prefix: str) -> str:

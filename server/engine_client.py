@@ -15,10 +15,18 @@ Ownership and threads::
 * The engine thread sleeps on the condition when there is no work (no busy spin) and wakes
   every ``idle_wake_s`` to refresh its heartbeat, so ``/health`` can tell "alive and idle"
   from "stuck inside a step" (a stale heartbeat) and from "dead" (thread gone).
-* If ``engine.step()`` raises, the requests in flight are aborted in the engine (their blocks
-  are returned) and finish with ``finish_reason="error"``; the loop keeps serving new requests.
-  If the engine cannot even abort them, or the loop itself crashes, the client is marked dead:
-  every open stream gets an error, ``/health`` answers 503 and new requests get 503.
+* A request whose computation raises is failed by the engine itself, alone
+  (``finish_reason="error"``; engine/faults.py). If ``engine.step()`` raises anyway (the
+  scheduler failed, so no single request can be blamed), every request in flight is aborted
+  in the engine (blocks returned) and finishes with ``"error"``, then the engine's
+  ``check_integrity()`` must hold for the loop to go on serving.
+* If that check fails, the engine cannot abort, or the loop itself crashes, the client is
+  marked dead at once: every open stream gets an error, ``/health`` answers 503 from then on,
+  and every later ``add`` raises ``EngineUnavailableError`` (a 503) instead of waiting on a
+  loop that will never answer.
+* Each time the engine goes idle (no request left), the thread runs ``check_integrity()``
+  once and publishes the step it checked at (``/health`` shows it); a violation is fatal,
+  because a corrupt pool would serve wrong tokens or leak blocks from then on.
 
 Why a thread and not a process. The model's forward pass runs inside torch ops that release
 the GIL, so the event loop gets the GIL for most of a step; only the engine's Python-side work
@@ -107,6 +115,8 @@ class EngineSnapshot:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     last_step_stats: StepStats | None = None
+    # num_steps at the last idle check_integrity() that passed; None before the first one.
+    integrity_checked_at_step: int | None = None
 
     @property
     def num_used_blocks(self) -> int:
@@ -211,6 +221,7 @@ class AsyncEngineClient:
         self._cond = threading.Condition()
         self._intake: deque[_Add | _Abort] = deque()  # guarded by _cond
         self._stopping = False  # guarded by _cond
+        self._closed = False  # guarded by _cond: the loop is gone, nothing will take intake
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Written by the engine thread, read by the loop: single reference/float assignments.
@@ -255,6 +266,18 @@ class AsyncEngineClient:
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
 
+    @property
+    def num_unfinished(self) -> int:
+        """Engine requests handed to ``add`` whose final output has not been delivered yet
+        (queued, waiting, running, or aborted and not yet confirmed): what occupies the
+        engine, as the event loop sees it."""
+        return len(self._streams)
+
+    @property
+    def is_stopping(self) -> bool:
+        """``shutdown()`` was called: open streams end because the server is going away."""
+        return self._stopping
+
     def health(self) -> EngineHealth:
         now = time.monotonic()
         age = now - self._heartbeat
@@ -292,8 +315,8 @@ class AsyncEngineClient:
         for request_id in ids:
             self._streams[request_id] = stream
         future: asyncio.Future[None] = self._loop.create_future()
-        self._enqueue(_Add(requests, arrival_time, future))
         try:
+            self._enqueue(_Add(requests, arrival_time, future))
             await future
         except BaseException:
             for request_id in ids:
@@ -310,7 +333,16 @@ class AsyncEngineClient:
             self._enqueue(_Abort(ids))
 
     def _enqueue(self, item: _Add | _Abort) -> None:
+        """Raises:
+        EngineUnavailableError: for an add, when the loop has died (an abort is dropped:
+            the dead loop already failed every request).
+        """
         with self._cond:
+            if self._closed:
+                # The loop died after the health check in add(): queueing would wait forever.
+                if isinstance(item, _Add):
+                    raise EngineUnavailableError(self._dead_reason or "engine loop exited")
+                return
             self._intake.append(item)
             self._cond.notify()
 
@@ -351,6 +383,7 @@ class AsyncEngineClient:
             self._dead_reason = f"{type(exc).__name__}: {exc}"
             logger.critical("engine loop crashed:\n%s", traceback.format_exc())
             with self._cond:
+                self._closed = True
                 pending, self._intake = list(self._intake), deque()
             error = EngineUnavailableError(self._dead_reason)
             for item in pending:
@@ -362,6 +395,7 @@ class AsyncEngineClient:
         engine = self._engine
         has_work = False
         num_steps = 0
+        checked_at: int | None = None
         while True:
             with self._cond:
                 while not self._intake and not self._stopping and not has_work:
@@ -388,6 +422,8 @@ class AsyncEngineClient:
                         traceback.format_exc(),
                     )
                     outputs.extend(self._fail_active(f"{type(exc).__name__}: {exc}"))
+                    # Serving on is only safe if the failure left the pool consistent.
+                    engine.check_integrity()  # AssertionError here is fatal on purpose
                 finally:
                     self._in_step_since = None
                 num_steps += 1
@@ -398,12 +434,18 @@ class AsyncEngineClient:
                 if output.finished:
                     self._active.discard(output.request_id)
             has_work = engine.has_unfinished_requests()
+            if not has_work and checked_at != num_steps:
+                # Idle: every request is finished, so the whole pool must be consistent (and
+                # free); cheap now, and what /health reports to tests and operators.
+                engine.check_integrity()  # AssertionError here is fatal on purpose
+                checked_at = num_steps
             self._snapshot = EngineSnapshot(
                 num_steps=num_steps,
                 num_requests=len(self._active),
                 num_free_blocks=engine.num_free_blocks,
                 num_total_blocks=engine.num_total_blocks,
                 last_step_stats=stats if stats is not None else self._snapshot.last_step_stats,
+                integrity_checked_at_step=checked_at,
             )
             self._heartbeat = time.monotonic()
             if outputs or stats is not None:

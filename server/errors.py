@@ -4,14 +4,19 @@ Status policy (documented in the README's error table):
 
 =====  ==========================================================================
 400    a well-formed request with an invalid value, an unsupported parameter, an
-       unrecognised field (``--unknown-fields reject``), or prompt + max_tokens
-       beyond the context / the whole KV pool
+       unrecognised field (``--unknown-fields reject``), prompt + max_tokens
+       beyond the context / the whole KV pool, a prompt above ``--max-prompt-tokens``,
+       max_tokens above ``--max-output-tokens``, a bad ``X-Request-Timeout``
+401    a missing or wrong API key (``--api-key``)
 404    unknown model name or unknown route
 405    wrong HTTP method on a known route
 413    request body above ``--max-body-size``
 422    malformed JSON, bad UTF-8, or a field of the wrong type / a missing field
-500    the engine failed while running the request
-503    the engine loop is dead or stalled (also what issue 7's backpressure returns)
+500    the engine failed while computing the request, or the server failed while
+       turning its tokens into text
+503    + ``Retry-After``: the waiting queue is full (``--max-waiting-requests``), the
+       server is draining for shutdown, or the engine loop is dead or stalled
+504    the request's deadline passed (``--request-timeout`` / ``X-Request-Timeout``)
 =====  ==========================================================================
 
 Handlers are installed for ``APIError``, FastAPI's ``RequestValidationError`` and Starlette's
@@ -36,6 +41,9 @@ INVALID_REQUEST = "invalid_request_error"
 NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
+AUTHENTICATION = "authentication_error"
+TIMEOUT = "timeout_error"
+RETRY_AFTER_S = 1  # what 503s advise: a waiting slot frees up within a few steps
 
 
 class APIError(Exception):
@@ -111,7 +119,49 @@ def engine_unavailable(reason: str) -> APIError:
         f"The engine is not available: {reason}",
         type=UNAVAILABLE,
         code="engine_unavailable",
-        headers={"Retry-After": "1"},
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def server_overloaded(num_in_flight: int, capacity: int) -> APIError:
+    return APIError(
+        503,
+        f"The server is overloaded: {num_in_flight} requests are running or waiting, and it "
+        f"holds at most {capacity} (max_num_seqs + --max-waiting-requests). Retry after "
+        f"{RETRY_AFTER_S} s.",
+        type=UNAVAILABLE,
+        code="server_overloaded",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def server_shutting_down() -> APIError:
+    return APIError(
+        503,
+        "The server is shutting down and takes no new requests.",
+        type=UNAVAILABLE,
+        code="server_shutting_down",
+        headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+    )
+
+
+def request_timed_out(timeout_s: float, num_tokens: int) -> APIError:
+    return APIError(
+        504,
+        f"The request did not finish within its deadline of {timeout_s:g} s "
+        f"(--request-timeout / X-Request-Timeout) and was aborted after {num_tokens} "
+        "generated tokens.",
+        type=TIMEOUT,
+        code="request_timeout",
+    )
+
+
+def output_failed(detail: str) -> APIError:
+    return APIError(
+        500,
+        f"The server failed while turning the generated tokens into text: {detail}",
+        type=SERVER_ERROR,
+        code="output_processing_error",
     )
 
 

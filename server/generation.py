@@ -14,12 +14,19 @@ Stop handling per generated token, in order::
 
 so a choice's ``token_ids``, ``logprobs`` and usage end at the token that completed the stop
 string, and its text ends right before the stop string.
+
+Failures end only this run, never the server: an engine error output becomes a 500 (or a
+503 when the server is shutting down), an exception while turning tokens into text a 500
+``output_processing_error``, and a passed deadline (server/timeouts.py) a 504. Each aborts
+whatever of the run is still in the engine, so its blocks come back.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,9 +34,19 @@ from engine.outputs import RequestOutput, TokenLogprob
 from scheduler.request import SamplingParams
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.engine_client import AsyncEngineClient, EngineRequest, EngineUnavailableError
-from server.errors import engine_failed, engine_unavailable, invalid
+from server.errors import (
+    engine_failed,
+    engine_unavailable,
+    invalid,
+    output_failed,
+    request_timed_out,
+    server_shutting_down,
+)
 from server.metrics import RequestTimings, ServerMetrics
 from server.prompts import Prompt
+from server.timeouts import Deadline
+
+logger = logging.getLogger(__name__)
 
 
 class EngineFailure(Exception):
@@ -176,6 +193,7 @@ class GenerationRun:
         n: int,
         arrival_time: float,
         token_texts: TokenTexts,
+        deadline: Deadline | None = None,
     ) -> None:
         """``params[p * n + i]`` are the SamplingParams of choice i of prompt p."""
         self._client = client
@@ -195,12 +213,25 @@ class GenerationRun:
                 self._requests.append(EngineRequest(rid, prompt.token_ids, params[index]))
         self._by_id = {c.request_id: c for c in self.choices}
         self._arrival_time = arrival_time
+        self._deadline = deadline
         self._stream: Any = None
         self.aborted = False  # the engine aborted a choice we did not finish (client gone)
 
+    async def _before_deadline(self, awaitable: Awaitable[Any]) -> Any:
+        """Await within the request's deadline; past it, abort the run and raise a 504."""
+        if self._deadline is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, self._deadline.at - time.monotonic())
+        except asyncio.TimeoutError:
+            self.close()
+            raise request_timed_out(self._deadline.timeout_s, self.num_completion_tokens) from None
+
     async def start(self) -> None:
         try:
-            self._stream = await self._client.add(self._requests, self._arrival_time)
+            self._stream = await self._before_deadline(
+                self._client.add(self._requests, self._arrival_time)
+            )
         except ValueError as exc:  # the engine says the request can never run
             raise invalid(str(exc), code="request_not_servable") from None
         except EngineUnavailableError as exc:
@@ -211,7 +242,7 @@ class GenerationRun:
         engine failure."""
         assert self._stream is not None, "start() first"
         while not all(c.finished for c in self.choices):
-            outputs = await self._stream.get()
+            outputs = await self._before_deadline(self._stream.get())
             if not outputs:
                 break
             now = time.monotonic()
@@ -222,7 +253,15 @@ class GenerationRun:
                     delta = choice.on_output(output, now)
                 except EngineFailure as exc:
                     self.close()
+                    if self._client.is_stopping:
+                        raise server_shutting_down() from None
                     raise engine_failed(str(exc)) from None
+                except Exception as exc:
+                    # Detokenizing or stop-string handling broke on this run's tokens: this
+                    # run fails, the server and every other request go on.
+                    logger.exception("output processing failed for %s", choice.request_id)
+                    self.close()
+                    raise output_failed(type(exc).__name__) from None
                 if delta is None:
                     continue
                 batch.append(delta)
@@ -244,6 +283,29 @@ class GenerationRun:
         """Abort what is still running; safe to call more than once."""
         if self._stream is not None:
             self._client.abort(self._stream.unfinished_ids)
+
+    def log_accepted(self, request_id: str, *, stream: bool, log_prompts: bool) -> None:
+        """One line per accepted request: sizes and limits, the prompt only if asked to."""
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        params = self._requests[0].params
+        prompts = ""
+        if log_prompts:
+            texts = [p.text if p.text is not None else p.token_ids for p in self.prompts]
+            prompts = f", prompts={texts!r}"
+        logger.info(
+            "%s: %d prompt(s), %d prompt tokens, %d choice(s), max_tokens=%d, "
+            "temperature=%g, stream=%s, timeout=%s%s",
+            request_id,
+            len(self.prompts),
+            self.num_prompt_tokens,
+            len(self.choices),
+            params.max_tokens,
+            params.temperature,
+            stream,
+            f"{self._deadline.timeout_s:g}s" if self._deadline else "none",
+            prompts,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,6 +37,8 @@ class RequestLimits:
     max_n: int = 16
     max_logprobs: int = 20
     reject_unknown_fields: bool = True
+    max_prompt_tokens: int | None = None  # None: only the context length bounds a prompt
+    max_output_tokens: int | None = None  # None: only the context length bounds max_tokens
 
 
 def check_model(requested: str | None, limits: RequestLimits) -> None:
@@ -184,12 +186,33 @@ def check_chat_request(req: ChatCompletionRequest, limits: RequestLimits) -> Non
 
 
 def resolve_max_tokens(
-    requested: int | None, num_prompt_tokens: int, limits: RequestLimits, param: str
+    requested: int | None,
+    num_prompt_tokens: int,
+    limits: RequestLimits,
+    param: str,
+    prompt_param: str = "prompt",
 ) -> int:
-    """The output budget of one prompt; ``None`` means "up to the context length"."""
+    """The output budget of one prompt; ``None`` means "up to the context length", capped
+    by ``--max-output-tokens``. A prompt above ``--max-prompt-tokens`` or an explicit
+    ``max_tokens`` above ``--max-output-tokens`` is a 400, never silently shortened."""
+    if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
+        raise invalid(
+            f"The prompt has {num_prompt_tokens} tokens; this server accepts at most "
+            f"{limits.max_prompt_tokens} (--max-prompt-tokens).",
+            prompt_param,
+            "prompt_too_long",
+        )
     room = limits.max_model_len - num_prompt_tokens
     if requested is not None and requested < 1:
         raise invalid(f"'{param}' must be at least 1, got {requested}", param)
+    cap = limits.max_output_tokens
+    if requested is not None and cap is not None and requested > cap:
+        raise invalid(
+            f"'{param}' is {requested}; this server generates at most {cap} tokens per "
+            "request (--max-output-tokens).",
+            param,
+            "max_tokens_exceeded",
+        )
     if room < 1 or (requested is not None and requested > room):
         wanted = num_prompt_tokens + (requested if requested is not None else 1)
         raise invalid(
@@ -197,10 +220,12 @@ def resolve_max_tokens(
             f"you requested {wanted} tokens ({num_prompt_tokens} in the prompt, "
             f"{requested if requested is not None else 1} for the completion). Please reduce "
             "the length of the prompt or completion.",
-            param if requested is not None and room >= 1 else "prompt",
+            param if requested is not None and room >= 1 else prompt_param,
             "context_length_exceeded",
         )
-    return requested if requested is not None else room
+    if requested is not None:
+        return requested
+    return room if cap is None else min(room, cap)
 
 
 def choice_params(
