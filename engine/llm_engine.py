@@ -15,6 +15,7 @@ import torch
 
 from engine.attention import PagedAttention, resolve_backend
 from engine.config import EngineConfig, ModelConfig
+from engine.cost import StepCostModel
 from engine.faults import FaultInjectingRunner, describe, execute_isolating
 from engine.llama import LlamaForCausalLM
 from engine.loader import load_state_dict, load_tokenizer, read_hf_config, resolve_model
@@ -75,6 +76,8 @@ class LLMEngine:
         model.load_hf_state_dict(load_state_dict(resolved.path))
         self.model = model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # What a step reads of those and computes, from its plan (MBU/MFU; engine/cost.py).
+        self.cost_model = StepCostModel.from_config(mc, self.dtype.itemsize)
         logger.info(
             "loaded %s from %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
             self.model_id,
@@ -252,6 +255,12 @@ class LLMEngine:
         decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and not s.padding)
         kv_tokens_read = sum(s.seq_len for s in plan.scheduled)
         per_token = self.kv_capacity.bytes_per_token
+        # Copy-on-write block copies read and write a whole block each.
+        copied = len(plan.blocks_to_copy) * self.kv_capacity.block_size * per_token
+        num_logit_rows = sum(1 for s in plan.scheduled if s.samples or s.padding)
+        cost = self.cost_model.step(
+            ((s.start, s.num_tokens) for s in plan.scheduled), num_logit_rows
+        )
         kv = self.kv_manager.stats()
         last_queries, last_hits = self._prefix_totals
         self._prefix_totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
@@ -264,9 +273,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.last_step_preemptions,
             num_kv_blocks_used=self.kv_manager.num_used_blocks,
             num_kv_blocks_total=self.kv_manager.num_blocks,
-            weight_bytes=self.weight_bytes,
-            kv_bytes_read=kv_tokens_read * per_token,
-            kv_bytes_written=(plan.num_scheduled_tokens - padding) * per_token,
+            weight_bytes=cost.weight_bytes,
+            kv_bytes_read=kv_tokens_read * per_token + copied,
+            kv_bytes_written=(plan.num_scheduled_tokens - padding) * per_token + copied,
+            flops=cost.flops,
             num_padding_tokens=padding,
             prefix_cache_queries=kv.prefix_cache_queries - last_queries,
             prefix_cache_hits=kv.prefix_cache_hits - last_hits,
@@ -291,4 +301,5 @@ def _output(request: Request, new_token_ids: list[int], logprobs: Any) -> Reques
         num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=request.num_output_tokens,
         stop_token_id=stop_token,
+        first_scheduled_time=request.first_scheduled_time,
     )

@@ -47,6 +47,8 @@ class RequestOutput:
     num_output_tokens: int  # generated so far, including new_token_ids
     stop_token_id: int | None = None  # the EOS / stop token that ended it, if any
     error: str | None = None
+    # time.monotonic() of the request's first step (its queue time ends there), for metrics.
+    first_scheduled_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -61,10 +63,13 @@ class StepStats:
     num_preemptions: int
     num_kv_blocks_used: int
     num_kv_blocks_total: int
-    # Bytes the step had to move: every weight once, plus the KV cache read and written.
+    # Bytes the step had to move and the work it did, analytic (engine/cost.py): the weights
+    # it read (all layers; the LM head only if a row needed logits; embedding rows looked up),
+    # the KV cache read and written, and the FLOPs of its matmuls and attention.
     weight_bytes: int = 0
     kv_bytes_read: int = 0
     kv_bytes_written: int = 0
+    flops: int = 0
     # Static/dynamic batching with static_finished="compute": dummy rows of finished members.
     num_padding_tokens: int = 0
     # Prefix caching and KV occupancy, from kvpool.KVCacheStats (kvpool/stats.py).
