@@ -9,6 +9,7 @@ Routes::
                                 server is not draining, else 503; the body carries the KV
                                 pool figures (blocks used/free/total), the step of the last
                                 idle integrity check, and requests in flight vs capacity
+    GET  /metrics               Prometheus exposition (server/metrics.py; deploy/README.md)
     GET  /version
     POST /tokenize, /detokenize
 
@@ -35,7 +36,7 @@ from server.context import ServingContext
 from server.engine_client import AsyncEngineClient
 from server.errors import install_error_handlers, invalid
 from server.limits import BodySizeLimitMiddleware
-from server.metrics import ServerMetrics
+from server.metrics import HTTPMetricsMiddleware, ServerMetrics, config_info
 from server.prompts import chat_prompt, check_token_ids, encode
 from server.protocol import (
     ChatCompletionRequest,
@@ -74,8 +75,14 @@ def create_app(
     The app's lifespan starts the client's engine thread and stops it on shutdown; tests
     that drive the app without a lifespan call ``client.start()`` themselves.
     """
-    if metrics is None:
-        metrics = ServerMetrics(config.server.stats_log_interval_s)
+    if metrics is None:  # no engine facts here (tests, fakes): no peaks, no MBU
+        metrics = ServerMetrics(
+            config.server.served_model_name or client.model_id,
+            info=config_info(config),
+            max_model_len=client.max_model_len,
+            num_kv_blocks=client.snapshot.num_total_blocks,
+            log_interval_s=config.server.stats_log_interval_s,
+        )
     ctx = ServingContext.build(config, client, metrics)
     client.on_step = metrics.record_step
 
@@ -147,6 +154,11 @@ def create_app(
         }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics(request: Request) -> Response:
+        body, content_type = metrics.exposition(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": _version()}
@@ -180,4 +192,6 @@ def create_app(
         text = client.tokenizer.decode(body.tokens, skip_special_tokens=False)
         return DetokenizeResponse(prompt=text)
 
+    # Outermost (added last): counts the other middleware's answers (413, 401, 503) too.
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     return app

@@ -38,6 +38,7 @@ def serve(config: ServingConfig) -> int:
     from engine.llm_engine import LLMEngine
     from server.api import create_app
     from server.engine_client import AsyncEngineClient
+    from server.metrics import ServerMetrics
     from server.shutdown import serve_until_drained
 
     configure_logging(config.server.log_level)
@@ -62,7 +63,9 @@ def serve(config: ServingConfig) -> int:
         stall_timeout_s=config.server.engine_stall_timeout_s,
         check_integrity=config.server.check_integrity,
     )
-    app = create_app(config, client)
+    # Resolves the MBU/MFU peaks: a device-table lookup, or on CPU a ~3 s measurement the
+    # first time on a machine (cached under $PAGEDSERVE_CACHE).
+    app = create_app(config, client, ServerMetrics.for_engine(config, engine))
     name = config.server.served_model_name or engine.model_id
     logger.info("serving %r on http://%s:%d/v1", name, config.server.host, config.server.port)
     if config.server.api_keys:

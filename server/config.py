@@ -103,6 +103,9 @@ class ServerConfig:
         stats_log_interval_s: period of the throughput / KV-usage log line; 0 disables it.
         check_integrity: run the engine's ``check_integrity()`` after every step (slow;
             for tests and debugging). A violation fails the engine loop loudly.
+        peak_bandwidth_gbps: peak memory bandwidth (GB/s) that MBU divides by; None = the
+            device table on CUDA, a cached measurement on CPU (server/peaks.py).
+        peak_tflops: peak TFLOP/s in the serving dtype that MFU divides by; None as above.
         max_waiting_requests: engine requests (prompts x n) that may wait behind the
             ``max_num_seqs`` running ones; past it new requests get 503 + Retry-After before
             they are tokenized (server/admission.py).
@@ -131,6 +134,8 @@ class ServerConfig:
     engine_stall_timeout_s: float = 60.0
     stats_log_interval_s: float = 10.0
     check_integrity: bool = False
+    peak_bandwidth_gbps: float | None = None
+    peak_tflops: float | None = None
     max_waiting_requests: int = 256
     max_prompt_tokens: int | None = None
     max_output_tokens: int | None = None
@@ -158,6 +163,10 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.engine_stall_timeout_s <= 0:
             raise ValueError("engine_stall_timeout_s must be positive")
+        for name in ("peak_bandwidth_gbps", "peak_tflops"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number, got {value}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         for name in ("max_prompt_tokens", "max_output_tokens"):
@@ -317,6 +326,11 @@ _OPTIONS: tuple[_Option, ...] = (
             "seconds between throughput log lines; 0 disables"),
     _Option("--check-integrity", "server", "check_integrity", _parse_bool, _S.check_integrity,
             "debug: check kvpool/scheduler invariants after every step (true/false)"),
+    _Option("--peak-bandwidth-gbps", "server", "peak_bandwidth_gbps", _optional(float),
+            _S.peak_bandwidth_gbps,
+            "peak memory bandwidth for MBU, GB/s; auto = device table (GPU) or measured (CPU)"),
+    _Option("--peak-tflops", "server", "peak_tflops", _optional(float), _S.peak_tflops,
+            "peak TFLOP/s in the serving dtype for MFU; auto = device table or measured"),
     _Option("--max-waiting-requests", "server", "max_waiting_requests", int,
             _S.max_waiting_requests,
             "requests (prompts x n) allowed to wait behind max_num_seqs; more get 503"),

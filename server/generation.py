@@ -134,6 +134,8 @@ class ChoiceState:
             return None  # e.g. tokens produced between our stop string and the abort
         if output.finish_reason == "error":
             raise EngineFailure(output.error or "unknown engine error")
+        if self.timings.scheduled_time is None:
+            self.timings.scheduled_time = output.first_scheduled_time
         delta = ChoiceDelta(self.index)
         lps: Sequence[TokenLogprob | None] = output.new_logprobs or [None] * len(
             output.new_token_ids
@@ -216,6 +218,8 @@ class GenerationRun:
         self._deadline = deadline
         self._stream: Any = None
         self.aborted = False  # the engine aborted a choice we did not finish (client gone)
+        self._failed = False  # the engine failed a choice: unfinished ones end as "error"
+        self._recorded: set[int] = set()  # choices handed to metrics.record_request
 
     async def _before_deadline(self, awaitable: Awaitable[Any]) -> Any:
         """Await within the request's deadline; past it, abort the run and raise a 504."""
@@ -252,6 +256,7 @@ class GenerationRun:
                 try:
                     delta = choice.on_output(output, now)
                 except EngineFailure as exc:
+                    self._failed = True
                     self.close()
                     if self._client.is_stopping:
                         raise server_shutting_down() from None
@@ -264,13 +269,14 @@ class GenerationRun:
                     raise output_failed(type(exc).__name__) from None
                 if delta is None:
                     continue
+                self._metrics.record_tokens(choice.timings, len(delta.token_ids))
                 batch.append(delta)
                 if choice.finished:
                     if choice.finish_reason == "abort":
                         self.aborted = True
                     elif choice.stopped_by_string:
                         self._client.abort([choice.request_id])  # the engine would go on
-                    self._metrics.record_request(choice.timings)
+                    self._record(choice)
             if batch:
                 yield batch
 
@@ -283,6 +289,20 @@ class GenerationRun:
         """Abort what is still running; safe to call more than once."""
         if self._stream is not None:
             self._client.abort(self._stream.unfinished_ids)
+            # Choices that never finished still end here, for the metrics: as errors after
+            # an engine failure, else as aborts (the client left, or the handler gave up).
+            for choice in self.choices:
+                if not choice.finished:
+                    self._record(choice, "error" if self._failed else "abort")
+
+    def _record(self, choice: ChoiceState, reason: str | None = None) -> None:
+        """Hand a choice to the metrics once; ``reason`` ends one the engine did not end."""
+        if choice.index in self._recorded:
+            return
+        self._recorded.add(choice.index)
+        if reason is not None:
+            choice.timings.on_finish(reason, time.monotonic())
+        self._metrics.record_request(choice.timings)
 
     def log_accepted(self, request_id: str, *, stream: bool, log_prompts: bool) -> None:
         """One line per accepted request: sizes and limits, the prompt only if asked to."""

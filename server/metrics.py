@@ -1,23 +1,93 @@
-"""Request and step figures: the seam the Prometheus issue fills in.
+"""Prometheus metrics (``GET /metrics``): the only module that imports ``prometheus_client``.
 
-Data flows in as plain values (STYLE 6): the engine client hands every ``StepStats`` to
-``ServerMetrics.record_step`` and the route handlers hand a ``RequestTimings`` per finished
-choice to ``record_request``, both on the event loop thread (so no locking is needed). Today
-the figures feed running totals and a periodic vLLM-style log line (throughput, running and
-waiting requests, KV usage); the metrics issue adds ``prometheus_client`` objects here — this
-is the only module allowed to import it — without touching callers.
+Data flows in as plain values (STYLE 6), always on the event loop thread:
+
+* ``record_step(StepStats)`` after every engine step (the engine client's ``on_step`` hook):
+  queue gauges, KV pool gauges, tokens per step, preemptions, prefix-cache counters, the
+  bytes/FLOPs counters, and MBU / MFU;
+* ``record_tokens(timings, n)`` whenever a request's choice receives tokens: TTFT (on the
+  first), inter-token latency (on the others), prompt and generation token counters, so the
+  throughput counters move while long requests run;
+* ``record_request(timings)`` once per choice when it ends, however it ends (``stop``,
+  ``length``, ``abort``, ``error``): the finished counter and the per-request histograms;
+* ``HTTPMetricsMiddleware`` counts every HTTP response by route and status.
+
+A *request* here is one engine request, i.e. one choice: an HTTP request with ``n=2`` or two
+prompts counts 2, each with its prompt's tokens (HTTP requests have their own counter).
+Latency histograms are observed for choices that finished on their own (not ``abort`` /
+``error``, whose durations measure the client's patience or a failure).
+
+MBU and MFU, per step (figures from ``engine/cost.py`` and the KV pool):
+
+    MBU = (weight bytes read + KV bytes read + KV bytes written) / step time / peak bandwidth
+    MFU = (2 x matmul params x tokens + 2 x vocab x hidden x logit rows + attention) FLOPs
+          / step time / peak FLOP/s
+
+Step time is the engine's whole iteration (schedule, batch building, forward, sampling,
+update), so the figures describe the serving loop, not a kernel in isolation. Smoothed values
+are ratios of exponentially decayed sums over about ``SMOOTHING_S`` seconds of *busy* time:
+idle time between steps does not lower them. The byte, FLOP and step-time counters let
+PromQL recompute both over any window (``deploy/README.md``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.exposition import choose_encoder
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.outputs import StepStats
+from server.config import ServingConfig
+from server.peaks import Peaks, resolve_peaks
 
 logger = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+SMOOTHING_S = 10.0
+# Latencies resolve small models: a 135M model decodes a token in ~1 ms on an H100, so the
+# inter-token buckets start at 1 ms (vLLM's start at 10 ms) and the request-phase ones at 1 ms
+# (vLLM's at 300 ms). The tails reach hours, as vLLM's do since vllm#15202.
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0,
+                 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+                 1920.0, 7680.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# fmt: on
+STEP_TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+
+
+def token_buckets(max_len: int) -> tuple[float, ...]:
+    """1-2-5 buckets up to ``max_len`` (vLLM's request-length buckets)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_len:
+                return tuple(buckets)
+            buckets.append(float(m * scale))
+        scale *= 10
 
 
 @dataclass(slots=True)
@@ -25,17 +95,19 @@ class RequestTimings:
     """Timestamps of one engine request (one choice), all ``time.monotonic()``.
 
     ``arrival_time`` is when the HTTP request arrived, so TTFT includes tokenization and
-    queueing, as clients measure it.
+    queueing, as clients measure it; ``scheduled_time`` is the engine's first step for it.
+    Token times are when the server's front end received the tokens.
     """
 
     arrival_time: float
     num_prompt_tokens: int = 0
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
     num_output_tokens: int = 0
     finish_reason: str | None = None
-    inter_token_latencies: list[float] = field(default_factory=list)
+    last_inter_token_latency_s: float | None = None
 
     def on_tokens(self, num_tokens: int, now: float) -> None:
         """Record ``num_tokens`` tokens that arrived together at ``now``."""
@@ -44,7 +116,7 @@ class RequestTimings:
         if self.first_token_time is None:
             self.first_token_time = now
         elif self.last_token_time is not None:
-            self.inter_token_latencies.append(now - self.last_token_time)
+            self.last_inter_token_latency_s = now - self.last_token_time
         self.last_token_time = now
         self.num_output_tokens += num_tokens
 
@@ -61,6 +133,24 @@ class RequestTimings:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
     @property
+    def queue_s(self) -> float | None:
+        """Arrival to the first engine step (includes tokenization, as vLLM's does not)."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
+    def prefill_s(self) -> float | None:
+        """First engine step to the first token: every prefill chunk, and any preemption."""
+        if self.scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.scheduled_time
+
+    @property
+    def decode_s(self) -> float | None:
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (vLLM bench's TPOT definition)."""
         if self.first_token_time is None or self.finish_time is None:
@@ -70,57 +160,270 @@ class RequestTimings:
         return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
 
 
-@dataclass(slots=True)
-class MetricsTotals:
-    """Cumulative figures since start (what Prometheus counters will expose)."""
+class _RatioEMA:
+    """``sum(x) / sum(t)`` over exponentially decayed steps: a time-weighted average rate."""
 
-    num_requests_by_reason: Counter[str] = field(default_factory=Counter)
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    num_steps: int = 0
-    num_preemptions: int = 0
-    ttft_sum_s: float = 0.0
-    ttft_count: int = 0
-    e2e_sum_s: float = 0.0
-    e2e_count: int = 0
+    def __init__(self, time_constant_s: float) -> None:
+        self._tau = time_constant_s
+        self._num = 0.0
+        self._den = 0.0
+
+    def add(self, amount: float, duration_s: float) -> float:
+        decay = math.exp(-duration_s / self._tau)
+        self._num = self._num * decay + amount
+        self._den = self._den * decay + duration_s
+        return self._num / self._den if self._den > 0 else 0.0
 
 
 class ServerMetrics:
-    """Collects request and step figures; logs a summary every ``log_interval_s``.
+    """The server's Prometheus registry and the objects that fill it.
 
     Args:
+        model_name: the ``model_name`` label of every metric (the served model name).
+        peaks: peak bandwidth / FLOP/s for MBU / MFU; None or unknown figures export none.
+        info: labels of ``pagedserve_config_info`` (batching mode, dtype, device, ...).
+        max_model_len: top of the per-request token-count buckets.
+        num_kv_blocks: the pool size, exported before the first step.
         log_interval_s: period of the summary log line; 0 disables it.
     """
 
-    def __init__(self, log_interval_s: float = 10.0) -> None:
-        self.totals = MetricsTotals()
-        self.last_step: StepStats | None = None
+    def __init__(
+        self,
+        model_name: str = "unknown",
+        *,
+        peaks: Peaks | None = None,
+        info: Mapping[str, str] | None = None,
+        max_model_len: int = 8192,
+        num_kv_blocks: int | None = None,
+        log_interval_s: float = 10.0,
+    ) -> None:
+        self.model_name = model_name
+        self.peaks = peaks
+        self.registry = registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+        label = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"pagedserve_{name}", doc, [*label, *extra], registry=registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagedserve_{name}", doc, label, registry=registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pagedserve_{name}", doc, label, buckets=buckets, registry=registry)
+
+        # fmt: off
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "HTTP arrival to the first token, per request", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds",
+                             "Time between consecutive token arrivals of a request", ITL_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Per request: (finish - first token) / (output tokens - 1)",
+                              ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "HTTP arrival to the last token, per request", PHASE_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               "HTTP arrival to the request's first engine step", PHASE_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds",
+                                 "First engine step to the first token (all prefill chunks)",
+                                 PHASE_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds",
+                                "First token to last token", PHASE_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per "
+                                               "request", token_buckets(max_model_len))
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Generated tokens per request",
+                                                   token_buckets(max_model_len))
+        self.step_tokens = histogram("step_tokens", "Tokens computed per engine step "
+                                     "(prefill + decode + padding)", STEP_TOKEN_BUCKETS)
+        self.step_duration = histogram("step_duration_seconds", "Engine step wall time; _sum is "
+                                       "the engine's busy time", STEP_BUCKETS)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a "
+                                     "first token")
+        self.generation_tokens = counter("generation_tokens", "Tokens delivered to requests")
+        self.finished = counter("requests_finished", "Requests finished, by reason",
+                                ("finished_reason",))
+        self.preemptions = counter("preemptions", "Requests preempted (blocks freed, requeued)")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache at admission")
+        self.prefix_hits = counter("prefix_cache_hits", "Of those, tokens found cached")
+        self.http_requests = counter("http_requests", "HTTP responses by route and status",
+                                     ("handler", "status"))
+        self.weight_bytes = counter("weight_bytes_read", "Weight bytes read by engine steps")
+        self.kv_bytes_read = counter("kv_bytes_read", "KV cache bytes read by engine steps")
+        self.kv_bytes_written = counter("kv_bytes_written", "KV cache bytes written by steps")
+        self.flops = counter("flops", "Estimated FLOPs of engine steps (engine/cost.py)")
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_used = gauge("kv_blocks_used", "KV blocks owned by requests")
+        self.kv_total = gauge("kv_blocks_total", "KV blocks in the pool")
+        self.kv_usage = gauge("kv_cache_usage_ratio", "KV blocks used / total (0-1)")
+        self.kv_cached = gauge("kv_blocks_cached", "Blocks holding a prefix hash, used or not")
+        self.kv_evictable = gauge("kv_blocks_evictable", "Cached blocks no request owns")
+        self.kv_waste = gauge("kv_waste_ratio", "Allocated KV slots holding no token (0-1)")
+        self.mbu = gauge("mbu", "Model bandwidth utilization of the last step (0-1)")
+        self.mbu_smoothed = gauge("mbu_smoothed", f"MBU over ~{SMOOTHING_S:g}s of busy time")
+        self.mfu = gauge("mfu", "Model FLOP/s utilization of the last step (0-1)")
+        self.mfu_smoothed = gauge("mfu_smoothed", f"MFU over ~{SMOOTHING_S:g}s of busy time")
+        self.bandwidth = gauge("achieved_bandwidth_bytes_per_second",
+                               "Bytes moved by the last step / its time")
+        self.flops_rate = gauge("achieved_flops_per_second", "FLOPs of the last step / its time")
+        self.peak_bandwidth = gauge("peak_bandwidth_bytes_per_second",
+                                    "Peak memory bandwidth MBU divides by")
+        self.peak_flops = gauge("peak_flops_per_second", "Peak FLOP/s MFU divides by")
+        config = Info("pagedserve_config", "Serving configuration (batching mode, device, ...)",
+                      label, registry=registry)
+        # fmt: on
+        config_labels = dict(info or {})
+        if peaks is not None:
+            config_labels.update(
+                peak_device=peaks.device,
+                peak_bandwidth_source=peaks.bandwidth_source,
+                peak_flops_source=peaks.flops_source,
+            )
+        config.labels(model_name).info(config_labels)
+
+        # Every series exists from the start (zeros), so dashboards and alerts see the
+        # metrics before the first request, and a reason that never happened reads 0.
+        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
+                       self.decode, self.request_prompt_tokens, self.request_generation_tokens,
+                       self.step_tokens, self.step_duration, self.prompt_tokens,
+                       self.generation_tokens, self.preemptions, self.prefix_queries,
+                       self.prefix_hits, self.weight_bytes, self.kv_bytes_read,
+                       self.kv_bytes_written, self.flops, self.running, self.waiting,
+                       self.kv_used, self.kv_total, self.kv_usage, self.kv_cached,
+                       self.kv_evictable, self.kv_waste):  # fmt: skip
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.finished.labels(model_name, reason)
+        if num_kv_blocks is not None:
+            self.kv_total.labels(model_name).set(num_kv_blocks)
+        if peaks is not None and peaks.bandwidth is not None:
+            self.peak_bandwidth.labels(model_name).set(peaks.bandwidth)
+        if peaks is not None and peaks.flops is not None:
+            self.peak_flops.labels(model_name).set(peaks.flops)
+        self._bandwidth_ema = _RatioEMA(SMOOTHING_S)
+        self._flops_ema = _RatioEMA(SMOOTHING_S)
+        self.last_mbu: float | None = None
+
         self._log_interval_s = log_interval_s
         self._window_start = time.monotonic()
         self._window_prompt_tokens = 0
         self._window_generation_tokens = 0
+        self._num_preemptions = 0
+        self._last_step: StepStats | None = None
+
+    @classmethod
+    def for_engine(cls, config: ServingConfig, engine: Any) -> ServerMetrics:
+        """Metrics for a loaded ``LLMEngine``: peaks resolved for its device and dtype."""
+        dtype = str(engine.dtype).removeprefix("torch.")
+        device = str(engine.device)
+        peaks = resolve_peaks(
+            device,
+            dtype,
+            bandwidth_gbps=config.server.peak_bandwidth_gbps,
+            tflops=config.server.peak_tflops,
+        )
+        info = config_info(config, device=device, dtype=dtype, attention=engine.attention_backend)
+        return cls(
+            config.server.served_model_name or engine.model_id,
+            peaks=peaks,
+            info=info,
+            max_model_len=engine.max_model_len,
+            num_kv_blocks=engine.num_total_blocks,
+            log_interval_s=config.server.stats_log_interval_s,
+        )
+
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """The scrape body and its content type (OpenMetrics if the scraper asks for it)."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+    # ------------------------------------------------------------------ recording
 
     def record_step(self, stats: StepStats) -> None:
-        self.last_step = stats
-        self.totals.num_steps += 1
-        self.totals.num_preemptions += stats.num_preemptions
-        # Prefill tokens are counted per step (chunks included); generation per finished
-        # request below would lag, so throughput comes from the steps.
+        m = self.model_name
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.kv_used.labels(m).set(stats.num_kv_blocks_used)
+        self.kv_total.labels(m).set(stats.num_kv_blocks_total)
+        self.kv_usage.labels(m).set(stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1))
+        self.kv_cached.labels(m).set(stats.num_kv_blocks_cached)
+        self.kv_evictable.labels(m).set(stats.num_kv_blocks_evictable)
+        self.kv_waste.labels(m).set(stats.kv_waste_fraction)
+        num_tokens = stats.num_prefill_tokens + stats.num_decode_tokens + stats.num_padding_tokens
+        self.step_tokens.labels(m).observe(num_tokens)
+        self.step_duration.labels(m).observe(stats.step_time_s)
+        self.preemptions.labels(m).inc(stats.num_preemptions)
+        self.prefix_queries.labels(m).inc(stats.prefix_cache_queries)
+        self.prefix_hits.labels(m).inc(stats.prefix_cache_hits)
+        self.weight_bytes.labels(m).inc(stats.weight_bytes)
+        self.kv_bytes_read.labels(m).inc(stats.kv_bytes_read)
+        self.kv_bytes_written.labels(m).inc(stats.kv_bytes_written)
+        self.flops.labels(m).inc(stats.flops)
+        self._record_utilization(stats)
+        self._num_preemptions += stats.num_preemptions
         self._window_prompt_tokens += stats.num_prefill_tokens
         self._window_generation_tokens += stats.num_decode_tokens
+        self._last_step = stats
         self._maybe_log()
 
+    def _record_utilization(self, stats: StepStats) -> None:
+        if stats.step_time_s <= 0:
+            return
+        m = self.model_name
+        moved = stats.weight_bytes + stats.kv_bytes_read + stats.kv_bytes_written
+        bandwidth = moved / stats.step_time_s
+        flops_rate = stats.flops / stats.step_time_s
+        self.bandwidth.labels(m).set(bandwidth)
+        self.flops_rate.labels(m).set(flops_rate)
+        smoothed_bandwidth = self._bandwidth_ema.add(moved, stats.step_time_s)
+        smoothed_flops = self._flops_ema.add(stats.flops, stats.step_time_s)
+        peaks = self.peaks
+        if peaks is not None and peaks.bandwidth:
+            self.last_mbu = bandwidth / peaks.bandwidth
+            self.mbu.labels(m).set(self.last_mbu)
+            self.mbu_smoothed.labels(m).set(smoothed_bandwidth / peaks.bandwidth)
+        if peaks is not None and peaks.flops:
+            self.mfu.labels(m).set(flops_rate / peaks.flops)
+            self.mfu_smoothed.labels(m).set(smoothed_flops / peaks.flops)
+
+    def record_tokens(self, timings: RequestTimings, num_new_tokens: int) -> None:
+        """A choice received ``num_new_tokens`` (``timings.on_tokens`` already ran)."""
+        if num_new_tokens <= 0:
+            return
+        m = self.model_name
+        self.generation_tokens.labels(m).inc(num_new_tokens)
+        if timings.num_output_tokens == num_new_tokens:  # its first tokens
+            self.prompt_tokens.labels(m).inc(timings.num_prompt_tokens)
+            if timings.ttft_s is not None:
+                self.ttft.labels(m).observe(timings.ttft_s)
+        elif timings.last_inter_token_latency_s is not None:
+            self.itl.labels(m).observe(timings.last_inter_token_latency_s)
+
     def record_request(self, timings: RequestTimings) -> None:
-        totals = self.totals
-        totals.num_requests_by_reason[timings.finish_reason or "unknown"] += 1
-        totals.num_prompt_tokens += timings.num_prompt_tokens
-        totals.num_generation_tokens += timings.num_output_tokens
-        if timings.ttft_s is not None:
-            totals.ttft_sum_s += timings.ttft_s
-            totals.ttft_count += 1
-        if timings.e2e_s is not None:
-            totals.e2e_sum_s += timings.e2e_s
-            totals.e2e_count += 1
+        """A choice ended; call exactly once per choice."""
+        m = self.model_name
+        reason = timings.finish_reason or "stop"
+        self.finished.labels(m, reason).inc()
+        if reason in ("abort", "error"):
+            return
+        for histogram, value in (
+            (self.e2e, timings.e2e_s),
+            (self.tpot, timings.tpot_s),
+            (self.queue, timings.queue_s),
+            (self.prefill, timings.prefill_s),
+            (self.decode, timings.decode_s),
+        ):
+            if value is not None:
+                histogram.labels(m).observe(max(value, 0.0))
+        self.request_prompt_tokens.labels(m).observe(timings.num_prompt_tokens)
+        self.request_generation_tokens.labels(m).observe(timings.num_output_tokens)
+
+    def record_http(self, handler: str, status: int) -> None:
+        self.http_requests.labels(self.model_name, handler, str(status)).inc()
 
     def _maybe_log(self) -> None:
         if self._log_interval_s <= 0:
@@ -129,12 +432,14 @@ class ServerMetrics:
         elapsed = now - self._window_start
         if elapsed < self._log_interval_s:
             return
-        stats = self.last_step
+        stats = self._last_step
         assert stats is not None
         kv_usage = stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1)
+        mbu = f"{100 * self.last_mbu:.1f}%" if self.last_mbu is not None else "n/a"
         logger.info(
             "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
-            "running: %d, waiting: %d, KV usage: %.1f%% (%d/%d blocks), preemptions: %d",
+            "running: %d, waiting: %d, KV usage: %.1f%% (%d/%d blocks), preemptions: %d, "
+            "MBU (last step): %s",
             self._window_prompt_tokens / elapsed,
             self._window_generation_tokens / elapsed,
             stats.num_running,
@@ -142,8 +447,73 @@ class ServerMetrics:
             100 * kv_usage,
             stats.num_kv_blocks_used,
             stats.num_kv_blocks_total,
-            self.totals.num_preemptions,
+            self._num_preemptions,
+            mbu,
         )
         self._window_start = now
         self._window_prompt_tokens = 0
         self._window_generation_tokens = 0
+
+
+def config_info(config: ServingConfig, **resolved: str) -> dict[str, str]:
+    """Labels of ``pagedserve_config_info``: the batching mode and what shapes a step."""
+    scheduler, kvpool = config.scheduler, config.kvpool
+    return {
+        "batching": scheduler.batching,
+        "admission": scheduler.admission,
+        "max_num_seqs": str(scheduler.max_num_seqs),
+        "max_num_batched_tokens": str(scheduler.max_num_batched_tokens),
+        "block_size": str(kvpool.block_size),
+        "prefix_caching": str(kvpool.enable_prefix_caching).lower(),
+        **resolved,
+    }
+
+
+class HTTPMetricsMiddleware:
+    """Counts every HTTP response by route template and status code (plain ASGI).
+
+    Install it outermost (added last) so it also sees the answers of the other middleware
+    (413 body limit, 401, 429/503 admission). A request that fails before a response starts
+    counts as 500 (what Starlette's error middleware answers), or 499 if it was cancelled
+    because the client went away. Paths that match no route count as ``other``, so random
+    URLs cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def send_counting(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        except asyncio.CancelledError:
+            status = status if status is not None else 499
+            raise
+        except Exception:
+            status = status if status is not None else 500
+            raise
+        finally:
+            self.metrics.record_http(_handler(scope), status if status is not None else 500)
+
+
+def _handler(scope: Scope) -> str:
+    route_path = getattr(scope.get("route"), "path", None)
+    if isinstance(route_path, str):
+        return route_path
+    # Answered before routing (e.g. a 413 from the body-size limit): the raw path if it is
+    # one of the app's routes.
+    app = scope.get("app")
+    paths = {getattr(r, "path", None) for r in getattr(app, "routes", ())}
+    path = scope.get("path", "")
+    return path if path in paths else "other"

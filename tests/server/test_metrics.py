@@ -1,58 +1,243 @@
-"""RequestTimings arithmetic and ServerMetrics totals, fed by real requests."""
+"""Prometheus metrics through the app (FakeEngine): counts agree with the traffic sent, every
+way a request can end is counted once, HTTP statuses, MBU/MFU arithmetic, peak resolution.
+The real server + real Prometheus test lives in tests/deploy/test_prometheus.py."""
 
 from __future__ import annotations
 
 import logging
+import math
 
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import planner.cpu
 from engine.outputs import StepStats
-from server.metrics import RequestTimings, ServerMetrics
+from server.config import ServingConfig
+from server.metrics import RequestTimings, ServerMetrics, config_info, token_buckets
+from server.peaks import Peaks, resolve_peaks
+from tests.server.server_fakes import FakeEngine
+from tests.server.test_streaming import call_asgi
+
+M = {"model_name": "fake-model"}
 
 
-def test_request_timings() -> None:
-    t = RequestTimings(arrival_time=10.0, num_prompt_tokens=5)
-    t.on_tokens(1, 10.5)
-    t.on_tokens(2, 10.7)
-    t.on_tokens(1, 11.0)
-    t.on_finish("length", 11.0)
-    assert t.ttft_s == 0.5 and t.e2e_s == 1.0
-    assert t.num_output_tokens == 4
-    assert [round(x, 6) for x in t.inter_token_latencies] == [0.2, 0.3]
-    assert abs(t.tpot_s - 0.5 / 3) < 1e-9
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
 
 
-def test_single_token_request_has_no_tpot() -> None:
-    t = RequestTimings(arrival_time=0.0)
-    t.on_tokens(1, 1.0)
-    t.on_finish("stop", 1.0)
-    assert t.tpot_s is None and t.inter_token_latencies == []
+def value(text: str, name: str, **labels: str) -> float:
+    return samples(text)[(name, frozenset({**M, **labels}.items()))]
 
 
-async def test_totals_count_requests_and_tokens(serve) -> None:
+async def scrape(s) -> str:
+    r = await s.http.get("/metrics")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return r.text
+
+
+async def test_counters_and_histograms_match_the_requests_sent(serve) -> None:
     s = await serve()
     r = await s.http.post(
         "/v1/completions", json={"prompt": ["a b", "one"], "n": 2, "max_tokens": 3}
     )
     usage = r.json()["usage"]
     await s.wait_idle()
-    totals = s.app.state.ctx.metrics.totals
-    assert totals.num_requests_by_reason == {"length": 4}
-    assert totals.num_generation_tokens == usage["completion_tokens"] == 12
-    assert totals.ttft_count == 4 and totals.ttft_sum_s > 0
-    assert totals.num_steps >= 3  # the step hook is wired by create_app
+    text = await scrape(s)
+    assert value(text, "pagedserve_requests_finished_total", finished_reason="length") == 4
+    assert value(text, "pagedserve_requests_finished_total", finished_reason="stop") == 0
+    assert value(text, "pagedserve_generation_tokens_total") == usage["completion_tokens"] == 12
+    # Prompt tokens count once per choice (engine request); usage counts once per prompt.
+    assert value(text, "pagedserve_prompt_tokens_total") == 2 * usage["prompt_tokens"]
+    assert value(text, "pagedserve_time_to_first_token_seconds_count") == 4
+    assert value(text, "pagedserve_inter_token_latency_seconds_count") == 4 * 2
+    assert value(text, "pagedserve_time_per_output_token_seconds_count") == 4
+    assert value(text, "pagedserve_e2e_request_latency_seconds_count") == 4
+    assert value(text, "pagedserve_request_generation_tokens_sum") == 12
+    assert value(text, "pagedserve_request_generation_tokens_bucket", le="2.0") == 0
+    assert value(text, "pagedserve_request_generation_tokens_bucket", le="5.0") == 4
+    assert value(text, "pagedserve_step_tokens_count") >= 3  # the step hook is wired
+    assert value(text, "pagedserve_kv_blocks_total") == 64
+    assert (
+        value(text, "pagedserve_http_requests_total", handler="/v1/completions", status="200") == 1
+    )
+    # The batching mode and what shapes a step, as an info metric (default config here).
+    assert value(text, "pagedserve_config_info", **config_info(ServingConfig())) == 1
+    assert config_info(ServingConfig())["batching"] == "continuous"
+
+
+async def test_stop_and_client_errors_are_counted(serve) -> None:
+    s = await serve(FakeEngine(eos_after=2))
+    ok = await s.http.post("/v1/completions", json={"prompt": "a", "max_tokens": 10})
+    assert ok.json()["choices"][0]["finish_reason"] == "stop"
+    bad = await s.http.post("/v1/completions", json={"prompt": "a", "max_tokens": -1})
+    assert bad.status_code == 400
+    assert (await s.http.get("/no/such/path")).status_code == 404
+    await s.wait_idle()
+    text = await scrape(s)
+    assert value(text, "pagedserve_requests_finished_total", finished_reason="stop") == 1
+    assert (
+        value(text, "pagedserve_http_requests_total", handler="/v1/completions", status="400") == 1
+    )
+    assert value(text, "pagedserve_http_requests_total", handler="other", status="404") == 1
+
+
+async def test_engine_failure_counts_as_error(serve) -> None:
+    engine = FakeEngine(step_delay_s=0.01)
+    s = await serve(engine)
+
+    def fail_on_second(e: FakeEngine) -> None:
+        if e.num_steps == 2:
+            e.fail_next_step = RuntimeError("kaboom")
+            e.before_step = None
+
+    engine.before_step = fail_on_second
+    r = await s.http.post("/v1/completions", json={"prompt": "hi", "n": 2, "max_tokens": 50})
+    assert r.status_code == 500
+    await s.wait_idle()
+    text = await scrape(s)
+    assert value(text, "pagedserve_requests_finished_total", finished_reason="error") == 2
+    assert (
+        value(text, "pagedserve_http_requests_total", handler="/v1/completions", status="500") == 1
+    )
+    # Failed requests stay out of the latency histograms.
+    assert value(text, "pagedserve_e2e_request_latency_seconds_count") == 0
+
+
+async def test_client_disconnect_counts_as_abort(serve) -> None:
+    engine = FakeEngine(step_delay_s=0.01, max_model_len=100_000, num_blocks=100_000)
+    s = await serve(engine)
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 3, "stream": True}
+    await call_asgi(s.app, "/v1/chat/completions", body, disconnect_after_s=0.2)
+    await s.wait_idle()
+    text = await scrape(s)
+    assert value(text, "pagedserve_requests_finished_total", finished_reason="abort") == 3
+    # The tokens delivered before the disconnect were counted as they arrived.
+    assert value(text, "pagedserve_generation_tokens_total") >= 3
+
+
+async def test_openmetrics_is_negotiated(serve) -> None:
+    s = await serve()
+    r = await s.http.get("/metrics", headers={"accept": "application/openmetrics-text"})
+    assert r.headers["content-type"].startswith("application/openmetrics-text")
+    assert r.text.rstrip().endswith("# EOF")
+
+
+def test_request_timings() -> None:
+    t = RequestTimings(arrival_time=10.0, num_prompt_tokens=5, scheduled_time=10.1)
+    t.on_tokens(1, 10.5)
+    t.on_tokens(2, 10.7)
+    t.on_tokens(1, 11.0)
+    t.on_finish("length", 11.0)
+    assert t.ttft_s == 0.5 and t.e2e_s == 1.0 and t.num_output_tokens == 4
+    assert t.queue_s == pytest.approx(0.1) and t.prefill_s == pytest.approx(0.4)
+    assert t.decode_s == pytest.approx(0.5)
+    assert t.last_inter_token_latency_s == pytest.approx(0.3)
+    assert t.tpot_s == pytest.approx(0.5 / 3)
+    single = RequestTimings(arrival_time=0.0)
+    single.on_tokens(1, 1.0)
+    single.on_finish("stop", 1.0)
+    assert single.tpot_s is None and single.last_inter_token_latency_s is None
+
+
+def _step(**overrides: float) -> StepStats:
+    fields = dict(step_time_s=0.1, num_running=1, num_waiting=0, num_prefill_tokens=0,
+                  num_decode_tokens=1, num_preemptions=0, num_kv_blocks_used=2,
+                  num_kv_blocks_total=8, weight_bytes=10**9, kv_bytes_read=0,
+                  kv_bytes_written=0, flops=10**11)  # fmt: skip
+    fields.update(overrides)
+    return StepStats(**fields)  # type: ignore[arg-type]
+
+
+def test_mbu_and_mfu_per_step_and_smoothed() -> None:
+    peaks = Peaks("test", 20e9, 1e13, "flag", "flag")
+    metrics = ServerMetrics("m", peaks=peaks, log_interval_s=0)
+
+    def get(name: str) -> float:
+        v = metrics.registry.get_sample_value(f"pagedserve_{name}", {"model_name": "m"})
+        assert v is not None
+        return v
+
+    # 1 GB in 0.1 s = 10 GB/s of 20 GB/s; 1e11 FLOPs in 0.1 s = 1e12 of 1e13 FLOP/s.
+    metrics.record_step(_step())
+    assert get("mbu") == pytest.approx(0.5)
+    assert get("mfu") == pytest.approx(0.1)
+    assert get("achieved_bandwidth_bytes_per_second") == pytest.approx(10e9)
+    assert get("peak_bandwidth_bytes_per_second") == 20e9
+    # A step that moves 3x the bytes in the same time: last-step MBU jumps, the smoothed one
+    # is the ratio of decayed sums, between the two.
+    metrics.record_step(_step(weight_bytes=2 * 10**9, kv_bytes_read=10**9))
+    assert get("mbu") == pytest.approx(1.5)
+    decay = math.exp(-0.1 / 10.0)
+    expected = (1e9 * decay + 3e9) / (0.1 * decay + 0.1) / 20e9
+    assert get("mbu_smoothed") == pytest.approx(expected)
+    assert get("kv_bytes_read_total") == 1e9
+    assert get("step_duration_seconds_sum") == pytest.approx(0.2)
+
+
+def test_no_peaks_no_utilization_gauges() -> None:
+    metrics = ServerMetrics("m", log_interval_s=0)
+    metrics.record_step(_step())
+    assert metrics.registry.get_sample_value("pagedserve_mbu", {"model_name": "m"}) is None
+    assert metrics.registry.get_sample_value(
+        "pagedserve_achieved_bandwidth_bytes_per_second", {"model_name": "m"}
+    ) == pytest.approx(10e9)
 
 
 def test_summary_log_line(caplog) -> None:
-    metrics = ServerMetrics(log_interval_s=1e-9)
-    stats = StepStats(
-        step_time_s=0.01,
-        num_running=2,
-        num_waiting=1,
-        num_prefill_tokens=10,
-        num_decode_tokens=2,
-        num_preemptions=0,
-        num_kv_blocks_used=3,
-        num_kv_blocks_total=12,
-    )
+    metrics = ServerMetrics("m", peaks=Peaks("t", 20e9, None, "flag", "unknown"),
+                            log_interval_s=1e-9)  # fmt: skip
     with caplog.at_level(logging.INFO, logger="server.metrics"):
-        metrics.record_step(stats)
+        metrics.record_step(_step(num_running=2, num_waiting=1, num_kv_blocks_used=3,
+                                  num_kv_blocks_total=12))  # fmt: skip
     assert "running: 2, waiting: 1, KV usage: 25.0% (3/12 blocks)" in caplog.text
+    assert "MBU (last step): 50.0%" in caplog.text
+
+
+def test_token_buckets() -> None:
+    assert token_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
+
+
+def test_peak_flags_win_and_need_no_measurement(monkeypatch) -> None:
+    def boom(*args: object, **kwargs: object) -> None:
+        raise AssertionError("must not measure when both flags are given")
+
+    monkeypatch.setattr(planner.cpu, "measure_cpu_peaks", boom)
+    config = ServingConfig.from_cli(["--peak-bandwidth-gbps", "12.5", "--peak-tflops", "0.2"])
+    peaks = resolve_peaks(
+        "cpu",
+        "float32",
+        bandwidth_gbps=config.server.peak_bandwidth_gbps,
+        tflops=config.server.peak_tflops,
+    )
+    assert (peaks.bandwidth, peaks.flops) == (12.5e9, 0.2e12)
+    assert peaks.bandwidth_source == peaks.flops_source == "flag"
+
+
+def test_cpu_peaks_come_from_the_cached_measurement(monkeypatch) -> None:
+    measured = planner.cpu.CpuPeaks(8e9, {"fp32": 1e11}, 8e9, 6e9)
+    monkeypatch.setattr(planner.cpu, "measure_cpu_peaks", lambda dtypes: measured)
+    peaks = resolve_peaks("cpu", "float32", tflops=3.0)
+    assert (peaks.bandwidth, peaks.bandwidth_source) == (8e9, "measured")
+    assert (peaks.flops, peaks.flops_source) == (3e12, "flag")
+
+
+def test_gpu_peaks_come_from_the_device_table(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    peaks = resolve_peaks("cuda:0", "bfloat16")
+    assert peaks.device == "h100-sxm" and peaks.bandwidth_source == "table"
+    assert (peaks.bandwidth, peaks.flops) == (3350e9, 989.4e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Some Future GPU")
+    unknown = resolve_peaks("cuda:0", "bfloat16")
+    assert unknown.bandwidth is None and unknown.device == "Some Future GPU"
+
+
+def test_peak_flags_are_validated() -> None:
+    with pytest.raises(SystemExit):
+        ServingConfig.from_cli(["--peak-bandwidth-gbps", "-1"])
