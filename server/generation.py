@@ -265,6 +265,7 @@ class GenerationRun:
                     # Detokenizing or stop-string handling broke on this run's tokens: this
                     # run fails, the server and every other request go on.
                     logger.exception("output processing failed for %s", choice.request_id)
+                    self._failed = True
                     self.close()
                     raise output_failed(type(exc).__name__) from None
                 if delta is None:
@@ -290,7 +291,8 @@ class GenerationRun:
         if self._stream is not None:
             self._client.abort(self._stream.unfinished_ids)
             # Choices that never finished still end here, for the metrics: as errors after
-            # an engine failure, else as aborts (the client left, or the handler gave up).
+            # an engine or output-processing failure, else as aborts (the client left, or the
+            # deadline passed: the server gave up on them).
             for choice in self.choices:
                 if not choice.finished:
                     self._record(choice, "error" if self._failed else "abort")

@@ -241,3 +241,16 @@ def test_gpu_peaks_come_from_the_device_table(monkeypatch) -> None:
 def test_peak_flags_are_validated() -> None:
     with pytest.raises(SystemExit):
         ServingConfig.from_cli(["--peak-bandwidth-gbps", "-1"])
+
+
+async def test_deadline_counts_as_abort(serve) -> None:
+    engine = FakeEngine(step_delay_s=0.01, max_model_len=100_000, num_blocks=100_000)
+    s = await serve(engine, request_timeout_s=0.2)
+    r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 50_000})
+    assert r.status_code == 504
+    await s.wait_idle()
+    text = await scrape(s)
+    assert value(text, "pagedserve_requests_finished_total", finished_reason="abort") == 1
+    assert (
+        value(text, "pagedserve_http_requests_total", handler="/v1/completions", status="504") == 1
+    )
