@@ -1,0 +1,262 @@
+"""Generate the pagedserve Grafana dashboard (deploy/grafana/dashboards/pagedserve.json).
+
+    python deploy/grafana/dashboard.py           # write the JSON
+    python deploy/grafana/dashboard.py --check   # exit 1 if the committed JSON is stale
+
+The panels are declared below as plain data (title, unit, PromQL per series) and built with
+Grafana's own SDK, ``grafana-foundation-sdk`` (pinned: its output is what is committed, and
+tests/deploy/test_dashboard.py fails if the two drift apart). Every PromQL expression here is
+evaluated against a real Prometheus scraping a real server by tests/deploy/test_prometheus.py.
+
+Queries use two Grafana variables: ``$model_name`` (a regex over the ``model_name`` label;
+"All" is ``.*``) and Grafana's built-in ``$__rate_interval``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import common as common_builders
+from grafana_foundation_sdk.builders.dashboard import Dashboard, QueryVariable, Row
+from grafana_foundation_sdk.builders.prometheus import Dataquery as PrometheusQuery
+from grafana_foundation_sdk.builders.stat import Panel as StatPanel
+from grafana_foundation_sdk.builders.timeseries import Panel as TimeseriesPanel
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models.dashboard import (
+    DataSourceRef,
+    GridPos,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
+
+OUTPUT = Path(__file__).resolve().parent / "dashboards" / "pagedserve.json"
+# The provisioned datasource (deploy/grafana/provisioning/datasources/prometheus.yml).
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="prometheus")
+SEL = 'model_name=~"$model_name"'
+RATE = "$__rate_interval"
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    title: str
+    unit: str
+    queries: tuple[tuple[str, str], ...]  # (legend, PromQL)
+    description: str = ""
+    kind: str = "timeseries"  # or "stat"
+    width: int = 8
+    max: float | None = None
+
+
+def quantiles(metric: str, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (
+            f"p{round(q * 100)}",
+            f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{SEL}}}[{RATE}])))",
+        )
+        for q in qs
+    )
+
+
+def rate_sum(metric: str, extra: str = "", by: str = "") -> str:
+    selector = SEL + (f", {extra}" if extra else "")
+    return f"sum{f' by ({by})' if by else ''} (rate({metric}{{{selector}}}[{RATE}]))"
+
+
+def _per_busy_second(counters: tuple[str, ...], peak: str) -> str:
+    """Windowed utilization: counter rates / engine busy time / peak, per instance."""
+    moved = " + ".join(f"sum by (instance) (rate({c}{{{SEL}}}[{RATE}]))" for c in counters)
+    busy = f"sum by (instance) (rate(pagedserve_step_duration_seconds_sum{{{SEL}}}[{RATE}]))"
+    return f"({moved}) / {busy} / max by (instance) ({peak}{{{SEL}}})"
+
+
+FINISHED = "pagedserve_requests_finished_total"
+HTTP = "pagedserve_http_requests_total"
+ERROR, ABORT = 'finished_reason="error"', 'finished_reason="abort"'
+HTTP_5XX, HTTP_4XX = 'status=~"5.."', 'status=~"4.."'
+BYTES = (
+    "pagedserve_weight_bytes_read_total",
+    "pagedserve_kv_bytes_read_total",
+    "pagedserve_kv_bytes_written_total",
+)
+
+ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
+    ("Latency", (
+        PanelSpec("Time to first token", "s", quantiles("pagedserve_time_to_first_token_seconds"),
+                  "HTTP arrival to the first token (tokenization and queueing included)."),
+        PanelSpec("Time per output token", "s",
+                  quantiles("pagedserve_time_per_output_token_seconds"),
+                  "Per request: (finish - first token) / (output tokens - 1)."),
+        PanelSpec("Inter-token latency", "s", quantiles("pagedserve_inter_token_latency_seconds"),
+                  "Gap between consecutive token arrivals of a request."),
+        PanelSpec("End-to-end latency and queue time", "s", (
+            *(("e2e " + legend, expr) for legend, expr in
+              quantiles("pagedserve_e2e_request_latency_seconds", (0.5, 0.99))),
+            *(("queue " + legend, expr) for legend, expr in
+              quantiles("pagedserve_request_queue_time_seconds", (0.5, 0.99))),
+        ), "Queue: HTTP arrival to the request's first engine step."),
+        PanelSpec("Prefill and decode time", "s", (
+            *(("prefill " + legend, expr) for legend, expr in
+              quantiles("pagedserve_request_prefill_time_seconds", (0.5, 0.99))),
+            *(("decode " + legend, expr) for legend, expr in
+              quantiles("pagedserve_request_decode_time_seconds", (0.5, 0.99))),
+        )),
+    )),
+    ("Throughput and errors", (
+        PanelSpec("Requests finished", "reqps", (
+            ("{{finished_reason}}", rate_sum(FINISHED, by="finished_reason")),
+        ), "Engine requests (one per choice) per second, by finish reason."),
+        PanelSpec("Token throughput", "short", (
+            ("prompt tokens/s", rate_sum("pagedserve_prompt_tokens_total")),
+            ("generation tokens/s", rate_sum("pagedserve_generation_tokens_total")),
+        )),
+        PanelSpec("Error rate", "percentunit", (
+            ("engine errors", f"{rate_sum(FINISHED, ERROR)} / {rate_sum(FINISHED)}"),
+            ("aborts", f"{rate_sum(FINISHED, ABORT)} / {rate_sum(FINISHED)}"),
+            # A status that never happened has no series: "or vector(0)" reads it as 0.
+            ("HTTP 5xx", f"({rate_sum(HTTP, HTTP_5XX)} or vector(0)) / {rate_sum(HTTP)}"),
+            ("HTTP 4xx", f"({rate_sum(HTTP, HTTP_4XX)} or vector(0)) / {rate_sum(HTTP)}"),
+        ), "Share of finished requests (engine) and of HTTP responses (server) per cause."),
+    )),
+    ("Efficiency", (
+        PanelSpec("MBU (model bandwidth utilization)", "percentunit", (
+            ("smoothed", f"pagedserve_mbu_smoothed{{{SEL}}}"),
+            ("last step", f"pagedserve_mbu{{{SEL}}}"),
+            ("window", _per_busy_second(BYTES, "pagedserve_peak_bandwidth_bytes_per_second")),
+        ), "(weight + KV bytes moved) / step time / peak bandwidth; idle time excluded.",
+            max=1),
+        PanelSpec("MFU (model FLOP/s utilization)", "percentunit", (
+            ("smoothed", f"pagedserve_mfu_smoothed{{{SEL}}}"),
+            ("last step", f"pagedserve_mfu{{{SEL}}}"),
+            ("window", _per_busy_second(("pagedserve_flops_total",),
+                                        "pagedserve_peak_flops_per_second")),
+        ), "Estimated step FLOPs / step time / peak FLOP/s in the serving dtype.", max=1),
+        PanelSpec("Achieved vs peak bandwidth", "Bps", (
+            ("achieved (last step)", f"pagedserve_achieved_bandwidth_bytes_per_second{{{SEL}}}"),
+            ("peak", f"pagedserve_peak_bandwidth_bytes_per_second{{{SEL}}}"),
+        )),
+    )),
+    ("Scheduler and KV cache", (
+        PanelSpec("Running and waiting requests", "short", (
+            ("running", f"pagedserve_num_requests_running{{{SEL}}}"),
+            ("waiting", f"pagedserve_num_requests_waiting{{{SEL}}}"),
+        )),
+        PanelSpec("KV cache usage", "percentunit", (
+            ("blocks used", f"pagedserve_kv_cache_usage_ratio{{{SEL}}}"),
+            ("slots wasted (of allocated)", f"pagedserve_kv_waste_ratio{{{SEL}}}"),
+            ("prefix-cache hit rate", f"{rate_sum('pagedserve_prefix_cache_hits_total')} "
+                                      f"/ {rate_sum('pagedserve_prefix_cache_queries_total')}"),
+        ), max=1),
+        PanelSpec("KV blocks", "short", (
+            ("used", f"pagedserve_kv_blocks_used{{{SEL}}}"),
+            ("cached", f"pagedserve_kv_blocks_cached{{{SEL}}}"),
+            ("evictable", f"pagedserve_kv_blocks_evictable{{{SEL}}}"),
+            ("total", f"pagedserve_kv_blocks_total{{{SEL}}}"),
+        )),
+        PanelSpec("Preemptions", "short", (
+            ("preemptions/s", rate_sum("pagedserve_preemptions_total")),
+        ), "Requests preempted (blocks freed, recomputed later) per second."),
+        PanelSpec("Tokens per step", "short", quantiles("pagedserve_step_tokens"),
+                  "Tokens computed per engine step: prefill chunks + decodes + padding."),
+        PanelSpec("Engine step time", "s", quantiles("pagedserve_step_duration_seconds"),
+                  "One iteration: schedule, build the batch, forward, sample, update."),
+        PanelSpec("Serving configuration", "none", (
+            ("{{batching}} batching, {{dtype}} on {{device}}", f"pagedserve_config_info{{{SEL}}}"),
+        ), "Batching mode, dtype and device (pagedserve_config_info).", kind="stat"),
+    )),
+)  # fmt: skip
+
+
+def _target(ref_id: str, legend: str, expr: str) -> PrometheusQuery:
+    return PrometheusQuery().expr(expr).legend_format(legend).ref_id(ref_id)
+
+
+def _panel(spec: PanelSpec) -> TimeseriesPanel | StatPanel:
+    panel: TimeseriesPanel | StatPanel
+    if spec.kind == "stat":
+        panel = (
+            StatPanel()
+            .text_mode(common.BigValueTextMode.NAME)
+            .color_mode(common.BigValueColorMode.NONE)
+            .graph_mode(common.BigValueGraphMode.NONE)
+        )
+    else:
+        panel = (
+            TimeseriesPanel()
+            .legend(
+                common_builders.VizLegendOptions()
+                .display_mode(common.LegendDisplayMode.LIST)
+                .placement(common.LegendPlacement.BOTTOM)
+                .show_legend(True)
+            )
+            .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI))
+            .min(0)
+        )
+        if spec.max is not None:
+            panel = panel.max(spec.max)
+    panel = panel.title(spec.title).unit(spec.unit).datasource(DATASOURCE)
+    panel = panel.grid_pos(GridPos(h=8, w=spec.width))
+    if spec.description:
+        panel = panel.description(spec.description)
+    for i, (legend, expr) in enumerate(spec.queries):
+        panel = panel.with_target(_target(chr(ord("A") + i), legend, expr))
+    return panel
+
+
+def build() -> Dashboard:
+    model = (
+        QueryVariable("model_name")
+        .label("Model")
+        .datasource(DATASOURCE)
+        .query("label_values(pagedserve_config_info, model_name)")
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .sort(VariableSort.ALPHABETICAL_ASC)
+        .include_all(True)
+        .all_value(".*")
+        .multi(True)
+        .current(VariableOption(selected=True, text="All", value="$__all"))
+    )
+    dashboard = (
+        Dashboard("pagedserve")
+        .uid("pagedserve")
+        .description("Latency, throughput, errors, MBU/MFU and KV cache; see deploy/README.md")
+        .tags(["pagedserve", "llm"])
+        .refresh("10s")
+        .time("now-30m", "now")
+        .timezone("browser")
+        .with_variable(model)
+    )
+    for title, specs in ROWS:
+        dashboard = dashboard.with_row(Row(title))
+        for spec in specs:
+            dashboard = dashboard.with_panel(_panel(spec))
+    return dashboard
+
+
+def render() -> str:
+    body = json.loads(json.dumps(build().build(), cls=JSONEncoder))
+    # Grafana needs unique panel ids (rows included); the SDK leaves them unset.
+    for i, panel in enumerate(body["panels"], start=1):
+        panel["id"] = i
+    return json.dumps(body, indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    text = render()
+    if "--check" in argv:
+        if not OUTPUT.exists() or OUTPUT.read_text(encoding="utf-8") != text:
+            print(f"{OUTPUT} is stale: run python deploy/grafana/dashboard.py", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(text, encoding="utf-8")
+    print(f"wrote {OUTPUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
