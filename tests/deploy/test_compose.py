@@ -65,3 +65,15 @@ def test_hadolint_passes_on_the_dockerfile() -> None:
         check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerignore_keeps_what_the_image_builds_from() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    ignored = {
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    needed = [*pyproject["tool"]["setuptools"]["packages"], "pyproject.toml", "README.md"]
+    assert not ignored & set(needed), "the wheel build stage needs these"

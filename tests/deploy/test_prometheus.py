@@ -292,6 +292,20 @@ def test_mbu_at_batch_one_decode_is_plausible(sent: Sent) -> None:
     assert sent.mbu == pytest.approx(sent.bandwidth / sent.peak_bandwidth)
 
 
+def test_the_images_healthcheck_command(stack: Stack) -> None:
+    # The Dockerfile's HEALTHCHECK, run as the container would (PAGEDSERVE_PORT set).
+    dockerfile = (REPO / "Dockerfile").read_text(encoding="utf-8")
+    command = json.loads(dockerfile.split("HEALTHCHECK", 1)[1].split("CMD", 1)[1].split("\n")[0])
+    assert command[0] == "python"
+    port = stack.server_url.rsplit(":", 1)[1]
+    env = {**os.environ, "PAGEDSERVE_PORT": port}
+    ok = subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True, check=False)
+    assert ok.returncode == 0, ok.stderr
+    env["PAGEDSERVE_PORT"] = str(free_port())  # nothing listens there
+    down = subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True, check=False)
+    assert down.returncode != 0
+
+
 def test_client_abort_is_counted(stack: Stack, sent: Sent) -> None:
     async def abort_after_first_chunk() -> None:
         async with httpx.AsyncClient(base_url=stack.server_url, timeout=60) as http:
