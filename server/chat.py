@@ -108,7 +108,8 @@ async def create_chat_completion(
             ctx.token_texts,
             deadline,
         )
-        await run.start()
+        run.submit()
+    await run.start()
     run.log_accepted(request_id, stream=req.stream, log_prompts=server.log_prompts)
     created = int(time.time())
     if req.stream:

@@ -98,7 +98,8 @@ async def create_completion(
             ctx.token_texts,
             deadline,
         )
-        await run.start()  # a 400 / 503 / 504 here is still a proper HTTP error
+        run.submit()  # counted by the engine client from here: the room is no longer held
+    await run.start()  # a 400 / 503 / 504 here is still a proper HTTP error
     run.log_accepted(request_id, stream=req.stream, log_prompts=server.log_prompts)
     created = int(time.time())
     if req.stream:

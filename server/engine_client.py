@@ -172,6 +172,14 @@ class RequestStream:
         return batch
 
 
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """Requests handed to the engine thread, not yet acknowledged (``confirm`` waits)."""
+
+    stream: RequestStream
+    future: asyncio.Future[None]
+
+
 @dataclass(slots=True)
 class _Add:
     requests: Sequence[EngineRequest]
@@ -294,13 +302,14 @@ class AsyncEngineClient:
             reason = f"engine loop stalled: no iteration for {age:.1f}s{where}"
         return EngineHealth(reason is None, reason, age, self._snapshot)
 
-    async def add(
+    def submit(
         self, requests: Sequence[EngineRequest], arrival_time: float | None = None
-    ) -> RequestStream:
-        """Queue requests as one unit; return their stream once the engine accepted them.
+    ) -> Submission:
+        """Queue requests as one unit, synchronously: from here on ``num_unfinished`` counts
+        them (admission control relies on that). ``confirm`` waits for the engine's answer.
 
         Raises:
-            ValueError: the engine refused a request (it can never run); none of them stay.
+            ValueError: duplicate request ids.
             EngineUnavailableError: the engine loop is dead or stalled.
         """
         health = self.health()
@@ -317,14 +326,37 @@ class AsyncEngineClient:
         future: asyncio.Future[None] = self._loop.create_future()
         try:
             self._enqueue(_Add(requests, arrival_time, future))
-            await future
-        except BaseException:
-            for request_id in ids:
-                self._streams.pop(request_id, None)
-            if not future.done():  # cancelled while waiting: the add may still happen
-                self._enqueue(_Abort(ids))
+        except EngineUnavailableError:
+            self._forget(ids)
             raise
-        return stream
+        return Submission(stream, future)
+
+    async def confirm(self, submission: Submission) -> RequestStream:
+        """Wait until the engine took the submitted requests; return their stream.
+
+        Raises:
+            ValueError: the engine refused a request (it can never run); none of them stay.
+            EngineUnavailableError: the engine loop died before taking them.
+        """
+        try:
+            await submission.future
+        except BaseException:
+            self._forget(submission.stream.request_ids)
+            # Cancelled (client gone, deadline) or refused: whatever the engine took or will
+            # take must go. An abort of ids it never added is a no-op.
+            self.abort(submission.stream.request_ids)
+            raise
+        return submission.stream
+
+    async def add(
+        self, requests: Sequence[EngineRequest], arrival_time: float | None = None
+    ) -> RequestStream:
+        """``submit`` then ``confirm``: the stream, once the engine accepted the requests."""
+        return await self.confirm(self.submit(requests, arrival_time))
+
+    def _forget(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
 
     def abort(self, request_ids: Iterable[str]) -> None:
         """Ask the engine to abort; idempotent, unknown or finished ids are ignored."""

@@ -208,8 +208,16 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
         if exc.status_code >= 500:
-            logger.error(
-                "%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.message
+            # A 500 is a failure to look into; 503 (overloaded, draining, engine down) and 504
+            # (deadline) are the server working as configured, and come in bursts.
+            level = logging.ERROR if exc.status_code == 500 else logging.INFO
+            logger.log(
+                level,
+                "%s %s -> %d: %s",
+                request.method,
+                request.url.path,
+                exc.status_code,
+                exc.message,
             )
         return exc.response()
 

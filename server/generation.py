@@ -33,7 +33,12 @@ from typing import Any
 from engine.outputs import RequestOutput, TokenLogprob
 from scheduler.request import SamplingParams
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from server.engine_client import AsyncEngineClient, EngineRequest, EngineUnavailableError
+from server.engine_client import (
+    AsyncEngineClient,
+    EngineRequest,
+    EngineUnavailableError,
+    Submission,
+)
 from server.errors import (
     engine_failed,
     engine_unavailable,
@@ -216,6 +221,7 @@ class GenerationRun:
         self._by_id = {c.request_id: c for c in self.choices}
         self._arrival_time = arrival_time
         self._deadline = deadline
+        self._submission: Submission | None = None
         self._stream: Any = None
         self.aborted = False  # the engine aborted a choice we did not finish (client gone)
         self._failed = False  # the engine failed a choice: unfinished ones end as "error"
@@ -231,11 +237,21 @@ class GenerationRun:
             self.close()
             raise request_timed_out(self._deadline.timeout_s, self.num_completion_tokens) from None
 
-    async def start(self) -> None:
+    def submit(self) -> None:
+        """Hand the engine requests to the engine client, synchronously: from here on the
+        client counts them against the server's capacity (server/admission.py)."""
         try:
-            self._stream = await self._before_deadline(
-                self._client.add(self._requests, self._arrival_time)
-            )
+            self._submission = self._client.submit(self._requests, self._arrival_time)
+        except EngineUnavailableError as exc:
+            raise engine_unavailable(str(exc)) from None
+
+    async def start(self) -> None:
+        """Wait for the engine to take the requests (``submit`` first if not done yet)."""
+        if self._submission is None:
+            self.submit()
+        assert self._submission is not None
+        try:
+            self._stream = await self._before_deadline(self._client.confirm(self._submission))
         except ValueError as exc:  # the engine says the request can never run
             raise invalid(str(exc), code="request_not_servable") from None
         except EngineUnavailableError as exc:

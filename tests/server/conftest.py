@@ -11,6 +11,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from scheduler.config import SchedulerConfig
 from server.api import create_app
 from server.config import ServerConfig, ServingConfig
 from server.engine_client import AsyncEngineClient
@@ -45,12 +46,20 @@ ServeFactory = Callable[..., Any]
 
 @pytest.fixture
 async def serve() -> AsyncIterator[ServeFactory]:
-    """``await serve(engine=None, **server_config_overrides)`` -> ``Served``."""
+    """``await serve(engine=None, scheduler=None, **server_config_overrides)`` -> ``Served``.
+
+    ``scheduler`` matters to the server only through ``max_num_seqs`` (admission capacity).
+    """
     opened: list[Served] = []
 
-    async def factory(engine: FakeEngine | None = None, **server: Any) -> Served:
+    async def factory(
+        engine: FakeEngine | None = None, scheduler: SchedulerConfig | None = None, **server: Any
+    ) -> Served:
         engine = engine or FakeEngine()
-        config = ServingConfig(server=ServerConfig(stats_log_interval_s=0, **server))
+        config = ServingConfig(
+            scheduler=scheduler or SchedulerConfig(),
+            server=ServerConfig(stats_log_interval_s=0, **server),
+        )
         client = AsyncEngineClient(
             engine,
             check_integrity=True,
