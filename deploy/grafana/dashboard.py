@@ -49,7 +49,9 @@ class PanelSpec:
     description: str = ""
     kind: str = "timeseries"  # or "stat"
     width: int = 8
-    max: float | None = None
+    # A soft maximum: the axis shows at least up to it, and a value above it (MBU > 1 means
+    # the peak is set too low) still shows.
+    soft_max: float | None = None
 
 
 def quantiles(metric: str, qs: tuple[float, ...] = (0.5, 0.9, 0.99)) -> tuple[tuple[str, str], ...]:
@@ -128,13 +130,13 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ("last step", f"pagedserve_mbu{{{SEL}}}"),
             ("window", _per_busy_second(BYTES, "pagedserve_peak_bandwidth_bytes_per_second")),
         ), "(weight + KV bytes moved) / step time / peak bandwidth; idle time excluded.",
-            max=1),
+            soft_max=1),
         PanelSpec("MFU (model FLOP/s utilization)", "percentunit", (
             ("smoothed", f"pagedserve_mfu_smoothed{{{SEL}}}"),
             ("last step", f"pagedserve_mfu{{{SEL}}}"),
             ("window", _per_busy_second(("pagedserve_flops_total",),
                                         "pagedserve_peak_flops_per_second")),
-        ), "Estimated step FLOPs / step time / peak FLOP/s in the serving dtype.", max=1),
+        ), "Estimated step FLOPs / step time / peak FLOP/s in the serving dtype.", soft_max=1),
         PanelSpec("Achieved vs peak bandwidth", "Bps", (
             ("achieved (last step)", f"pagedserve_achieved_bandwidth_bytes_per_second{{{SEL}}}"),
             ("peak", f"pagedserve_peak_bandwidth_bytes_per_second{{{SEL}}}"),
@@ -150,7 +152,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ("slots wasted (of allocated)", f"pagedserve_kv_waste_ratio{{{SEL}}}"),
             ("prefix-cache hit rate", f"{rate_sum('pagedserve_prefix_cache_hits_total')} "
                                       f"/ {rate_sum('pagedserve_prefix_cache_queries_total')}"),
-        ), max=1),
+        ), soft_max=1),
         PanelSpec("KV blocks", "short", (
             ("used", f"pagedserve_kv_blocks_used{{{SEL}}}"),
             ("cached", f"pagedserve_kv_blocks_cached{{{SEL}}}"),
@@ -183,6 +185,7 @@ def _panel(spec: PanelSpec) -> TimeseriesPanel | StatPanel:
             .text_mode(common.BigValueTextMode.NAME)
             .color_mode(common.BigValueColorMode.NONE)
             .graph_mode(common.BigValueGraphMode.NONE)
+            .reduce_options(common_builders.ReduceDataOptions().calcs(["lastNotNull"]))
         )
     else:
         panel = (
@@ -196,8 +199,8 @@ def _panel(spec: PanelSpec) -> TimeseriesPanel | StatPanel:
             .tooltip(common_builders.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI))
             .min(0)
         )
-        if spec.max is not None:
-            panel = panel.max(spec.max)
+        if spec.soft_max is not None:
+            panel = panel.axis_soft_max(spec.soft_max)
     panel = panel.title(spec.title).unit(spec.unit).datasource(DATASOURCE)
     panel = panel.grid_pos(GridPos(h=8, w=spec.width))
     if spec.description:
