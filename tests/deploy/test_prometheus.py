@@ -292,6 +292,20 @@ def test_mbu_at_batch_one_decode_is_plausible(sent: Sent) -> None:
     assert sent.mbu == pytest.approx(sent.bandwidth / sent.peak_bandwidth)
 
 
+def test_the_planner_reads_the_servers_metrics(stack: Stack, sent: Sent) -> None:
+    # `pagedserve plan --measured URL` reads these names (planner/measured.py).
+    from planner.measured import measurement_from_prometheus
+
+    text = httpx.get(f"{stack.server_url}/metrics", timeout=10).text
+    measured = measurement_from_prometheus(text, stack.server_url)
+    generated = [u["completion_tokens"] for u in sent.usages]
+    assert measured.output_tokens == pytest.approx(sum(generated) / len(generated))
+    assert measured.prompt_tokens == pytest.approx(
+        sum(u["prompt_tokens"] for u in sent.usages) / len(generated)
+    )
+    assert measured.ttft_s is not None and measured.tpot_s is not None
+
+
 def test_the_images_healthcheck_command(stack: Stack) -> None:
     # The Dockerfile's HEALTHCHECK, run as the container would (PAGEDSERVE_PORT set).
     dockerfile = (REPO / "Dockerfile").read_text(encoding="utf-8")
