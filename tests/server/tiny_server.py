@@ -1,0 +1,127 @@
+"""A real `python -m server` subprocess serving a tiny random Llama, for fault and load tests.
+
+The model is the 2-layer random Llama of tests/engine/conftest.py with the byte-level BPE
+tokenizer of server_fakes.py saved beside it, so the server loads it like any HF directory
+(config.json, safetensors, tokenizer files) and serves text and token-id prompts, with
+steps of a few milliseconds on one CPU thread. Everything between HTTP and the model is the
+real thing: uvicorn, the engine thread, scheduler, KV pool, detokenizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 120
+
+
+def make_tiny_model_dir(path: Path, seed: int = 0) -> Path:
+    """The tiny random Llama plus the test tokenizer, as an HF directory."""
+    from tests.engine.conftest import make_tiny_llama
+    from tests.server.server_fakes import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    make_tiny_llama(
+        path,
+        num_kv_heads=2,
+        seed=seed,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class TinyServer:
+    def __init__(self, url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+        self.url = url
+        self.process = process
+        self.log = log
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        r = httpx.get(f"{self.url}/health", timeout=10)
+        return r.status_code, r.json()
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server process (Linux)."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def wait_idle(self, timeout_s: float = 20.0) -> dict[str, Any]:
+        """Wait until no request is left, every KV block is free, and the engine's
+        check_integrity() passed after its last step; return the health body."""
+        deadline = time.monotonic() + timeout_s
+        body: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            _, body = self.health()
+            engine = body["engine"]
+            if (
+                engine["num_requests"] == 0
+                and engine["kv_blocks_used"] == 0
+                and body["requests"]["in_flight"] == 0
+                and engine["integrity_checked_at_step"] == engine["num_steps"]
+            ):
+                return body
+            time.sleep(0.05)
+        raise AssertionError(f"server not idle after {timeout_s}s: {body}")
+
+
+@contextlib.contextmanager
+def tiny_server(model_dir: Path, log: Path, *args: str) -> Iterator[TinyServer]:
+    """Start the server on a free port with ``args`` added; stop it (SIGKILL if needed)."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "server",
+        "--model", str(model_dir),
+        "--device", "cpu",
+        "--dtype", "float32",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--stats-log-interval", "0",
+        *args,
+    ]  # fmt: skip
+    # One torch thread: see test_integration.py (oversubscribed cores make steps ~10x slower).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited ({process.returncode}):\n{log.read_text()}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not healthy in time:\n{log.read_text()[-3000:]}")
+            time.sleep(0.1)
+        yield TinyServer(url, process, log)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
