@@ -65,6 +65,11 @@ def _version() -> str:
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 500, 503, 504)
 }
+# With "stream": true the 200 is an SSE stream of chunks (server/streaming.py), not JSON.
+_GENERATION: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+}
 
 
 def create_app(
@@ -108,11 +113,13 @@ def create_app(
     app.add_middleware(DrainMiddleware, state=drain)
     add_cors(app, config.server.cors_origins)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_GENERATION)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await create_completion(body, request, ctx)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATION
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(body, request, ctx)
 
