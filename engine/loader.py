@@ -2,7 +2,9 @@
 
 Nothing is ever downloaded. A GGUF file is converted once (transformers de-quantizes it,
 which takes tens of seconds) into an HF checkpoint under the cache directory, and loaded from
-there afterwards. ``trust_remote_code`` is never enabled.
+there afterwards. ``trust_remote_code`` is never enabled, and every ``from_pretrained`` call
+passes ``local_files_only=True``: a path that is not a local checkpoint is an error, never a
+hub lookup (tests/server/test_security.py checks both).
 """
 
 from __future__ import annotations
@@ -100,9 +102,11 @@ def convert_gguf(gguf: Path) -> Path:
     try:
         # transformers shows a progress bar while it de-quantizes the tensors.
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
         )
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, local_files_only=True
+        )
         # The de-quantized weights are plain float32 now; drop the GGUF quantizer so the
         # checkpoint saves and reloads as an ordinary one.
         model.hf_quantizer = None
@@ -146,4 +150,4 @@ def load_tokenizer(path: Path) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
