@@ -346,3 +346,21 @@ async def test_health_reports_the_idle_integrity_check(serve) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"no idle integrity check after the last step: {engine}")
+
+
+async def test_a_broken_pool_invariant_is_fatal(serve) -> None:
+    """check_integrity() failing (after each step under --check-integrity, as here; always
+    when the engine goes idle) means the pool is corrupt, a leak or a double owner: serving
+    on would hand out wrong blocks, so the loop stops and /health turns 503 for the
+    orchestrator to restart the process."""
+    engine = FakeEngine()
+    s = await serve(engine)
+
+    def leaked() -> None:
+        raise AssertionError("3 blocks owned by nobody")
+
+    engine.check_integrity = leaked  # type: ignore[method-assign]
+    await s.http.post(C, json={"prompt": "hi", "max_tokens": 2})
+    await wait_until(lambda: not s.client.health().healthy)
+    health = await s.http.get("/health")
+    assert health.status_code == 503 and "3 blocks owned by nobody" in health.json()["reason"]
