@@ -1,4 +1,7 @@
-"""Request-size limits enforced before any parsing (issue 7's backpressure will join them here).
+"""The request-body size limit, enforced before any parsing (413).
+
+Other limits: the waiting queue is server/admission.py, per-request token and ``n`` limits
+are server/sampling.py, deadlines server/timeouts.py.
 
 ``BodySizeLimitMiddleware`` is plain ASGI so it sees the body before FastAPI reads it: a
 ``Content-Length`` above the limit is answered 413 at once, and a chunked body is counted as

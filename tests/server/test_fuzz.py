@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import requests
 import uvicorn
 
 from server.api import create_app
@@ -34,6 +33,7 @@ from tests.server.tiny_server import free_port
 
 schemathesis = pytest.importorskip("schemathesis")
 
+import requests  # noqa: E402  (a schemathesis dependency)
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
