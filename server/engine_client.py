@@ -40,7 +40,8 @@ p99 5.9 ms, max 15 ms; a process split would add 0.26-0.58 ms of pipe round trip
 (0.1% of a CPU step). Both costs are noise on CPU, so the simpler thread wins. On a GPU a step
 is ~100x shorter and the GIL share grows; re-run the bench there before deciding otherwise.
 Per STYLE 4, moving the engine into a process changes only this file: the public surface
-(``add`` / ``abort`` / ``health`` / ``snapshot``) stays.
+(``submit`` + ``confirm`` or ``add`` / ``abort`` / ``health`` / ``snapshot``; types in
+server/engine_types.py) stays.
 """
 
 from __future__ import annotations
@@ -54,130 +55,32 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from engine.outputs import RequestOutput, StepStats
-from scheduler.request import SamplingParams
+from server.engine_types import (
+    EngineHealth,
+    EngineLike,
+    EngineRequest,
+    EngineSnapshot,
+    EngineUnavailableError,
+    RequestStream,
+    Submission,
+)
+
+# Re-exported: the server and its tests import these from here.
+__all__ = [
+    "AsyncEngineClient",
+    "EngineHealth",
+    "EngineLike",
+    "EngineRequest",
+    "EngineSnapshot",
+    "EngineUnavailableError",
+    "RequestStream",
+    "Submission",
+]
 
 logger = logging.getLogger(__name__)
-
-
-class EngineLike(Protocol):
-    """The slice of ``engine.LLMEngine`` the client uses (tests substitute a fake)."""
-
-    @property
-    def tokenizer(self) -> Any: ...
-    @property
-    def model_id(self) -> str: ...
-    @property
-    def max_model_len(self) -> int: ...
-    @property
-    def eos_token_id(self) -> int | None: ...
-    @property
-    def model_config(self) -> Any: ...
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def num_total_blocks(self) -> int: ...
-    @property
-    def last_step_stats(self) -> StepStats | None: ...
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-    ) -> None: ...
-    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]: ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished_requests(self) -> bool: ...
-    def check_integrity(self) -> None: ...
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine loop is dead or stalled; the request was not queued."""
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """What the engine thread last saw, published after every loop iteration."""
-
-    num_steps: int = 0
-    num_requests: int = 0  # requests added and not finished, as the engine thread tracks them
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-    last_step_stats: StepStats | None = None
-    # num_steps at the last idle check_integrity() that passed; None before the first one.
-    integrity_checked_at_step: int | None = None
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_total_blocks - self.num_free_blocks
-
-
-@dataclass(frozen=True, slots=True)
-class EngineHealth:
-    healthy: bool
-    reason: str | None  # why not healthy
-    heartbeat_age_s: float
-    snapshot: EngineSnapshot
-
-
-class RequestStream:
-    """Outputs of the engine requests of one HTTP request (its n choices × prompts).
-
-    Written only by the event loop (``_put``) and read by the route handler; ``get`` returns
-    every output that arrived since the last call, in engine order, so a slow consumer gets
-    several steps at once instead of falling behind one step per wake-up.
-    """
-
-    def __init__(self, request_ids: Sequence[str]) -> None:
-        self.request_ids: tuple[str, ...] = tuple(request_ids)
-        self._unfinished = set(request_ids)
-        self._pending: list[RequestOutput] = []
-        self._ready = asyncio.Event()
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    @property
-    def unfinished_ids(self) -> list[str]:
-        return [r for r in self.request_ids if r in self._unfinished]
-
-    def _put(self, output: RequestOutput) -> None:
-        if output.request_id not in self._unfinished:
-            return  # a late output (e.g. an abort after an error) for a finished request
-        if output.finished:
-            self._unfinished.discard(output.request_id)
-        self._pending.append(output)
-        self._ready.set()
-
-    async def get(self) -> list[RequestOutput]:
-        """Wait for outputs; ``[]`` means every request of the stream has finished."""
-        while not self._pending:
-            if not self._unfinished:
-                return []
-            self._ready.clear()
-            await self._ready.wait()
-        batch, self._pending = self._pending, []
-        return batch
-
-
-@dataclass(frozen=True, slots=True)
-class Submission:
-    """Requests handed to the engine thread, not yet acknowledged (``confirm`` waits)."""
-
-    stream: RequestStream
-    future: asyncio.Future[None]
 
 
 @dataclass(slots=True)
