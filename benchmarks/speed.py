@@ -157,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     prefill_floor = 2 * params * args.prompt_tokens / peaks.flops["fp32"]
     print(
         f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
-        f"bandwidth {peaks.bandwidth / 1e9:.1f} GB/s, matmul {peaks.flops['fp32'] / 1e9:.0f} GFLOP/s"
+        f"bandwidth {peaks.bandwidth / 1e9:.1f} GB/s, "
+        f"matmul {peaks.flops['fp32'] / 1e9:.0f} GFLOP/s"
     )
     print(
-        f"floors: decode {decode_floor * 1e3:.1f} ms/token at batch 1 ({wbytes / 1e6:.0f} MB of weights), "
+        f"floors: decode {decode_floor * 1e3:.1f} ms/token at batch 1 "
+        f"({wbytes / 1e6:.0f} MB of weights), "
         f"prefill of {args.prompt_tokens} tokens {prefill_floor * 1e3:.0f} ms"
     )
     log_dir = Path(args.out).parent
@@ -191,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     print(
-        f"\n{'':26}{'conc':>5}{'TTFT ms':>9}{'xfloor':>8}{'TPOT ms':>9}{'xfloor':>8}{'MBU':>6}{'tok/s':>8}"
+        f"\n{'':26}{'conc':>5}{'TTFT ms':>9}{'xfloor':>8}"
+        f"{'TPOT ms':>9}{'xfloor':>8}{'MBU':>6}{'tok/s':>8}"
     )
     for name in servers:
         for c, row in result[name].items():
@@ -199,19 +202,22 @@ def main(argv: list[str] | None = None) -> int:
             mbu = decode_floor / tpot if tpot else float("nan")
             print(
                 f"{name:26}{c:>5}{ttft * 1e3:>9.0f}{ttft / prefill_floor:>8.2f}"
-                f"{tpot * 1e3:>9.1f}{tpot / decode_floor:>8.2f}{mbu:>6.2f}{row['output_tok_s']:>8.1f}"
+                f"{tpot * 1e3:>9.1f}{tpot / decode_floor:>8.2f}{mbu:>6.2f}"
+                f"{row['output_tok_s']:>8.1f}"
             )
     if "transformers" in result:
         hf = result["transformers"]
         print(
-            f"{'transformers.generate()':26}{1:>5}{hf['ttft_s'] * 1e3:>9.0f}{hf['ttft_s'] / prefill_floor:>8.2f}"
+            f"{'transformers.generate()':26}{1:>5}{hf['ttft_s'] * 1e3:>9.0f}"
+            f"{hf['ttft_s'] / prefill_floor:>8.2f}"
             f"{hf['tpot_s'] * 1e3:>9.1f}{hf['tpot_s'] / decode_floor:>8.2f}"
             f"{decode_floor / hf['tpot_s']:>6.2f}{hf['tok_s_c1']:>8.1f}"
         )
         print(f"{'transformers static b=16':26}{16:>5}{'':>34}{hf['tok_s_static16']:>8.1f}")
         ps = result["pagedserve"]
         ratios = ", ".join(
-            f"c={c}: {row['output_tok_s'] / (hf['tok_s_c1'] if c == '1' else hf['tok_s_static16']):.2f}x"
+            f"c={c}: "
+            f"{row['output_tok_s'] / (hf['tok_s_c1'] if c == '1' else hf['tok_s_static16']):.2f}x"
             for c, row in ps.items()
         )
         print(f"pagedserve / transformers (c=1 vs batch 1, else vs static 16): {ratios}")

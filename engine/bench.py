@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_work = work[: args.hf_requests] if args.hf_requests else work
     hf_time, hf_tokens = run_transformers(hf, hf_work)
     hf_out = sum(len(t) for t in hf_tokens)
-    identical = sum(a == b for a, b in zip(ps_tokens, hf_tokens))
+    identical = sum(a == b for a, b in zip(ps_tokens, hf_tokens, strict=False))
 
     result = {
         "threads": torch.get_num_threads(),
@@ -140,15 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     print(
-        f"{len(work)} requests, prompts {args.prompt_len} tokens, outputs {args.output_len} tokens, "
+        f"{len(work)} requests, prompts {args.prompt_len} tokens, "
+        f"outputs {args.output_len} tokens, "
         f"{result['threads']} threads"
     )
     print(f"{'':32}{'requests':>10}{'out tokens':>12}{'seconds':>10}{'tok/s':>10}")
     print(
-        f"{'pagedserve (continuous)':32}{len(work):>10}{ps_out:>12}{ps_time:>10.1f}{ps_out / ps_time:>10.1f}"
+        f"{'pagedserve (continuous)':32}{len(work):>10}{ps_out:>12}{ps_time:>10.1f}"
+        f"{ps_out / ps_time:>10.1f}"
     )
     print(
-        f"{'transformers (one at a time)':32}{len(hf_work):>10}{hf_out:>12}{hf_time:>10.1f}{hf_out / hf_time:>10.1f}"
+        f"{'transformers (one at a time)':32}{len(hf_work):>10}{hf_out:>12}{hf_time:>10.1f}"
+        f"{hf_out / hf_time:>10.1f}"
     )
     print(f"ratio: {result['ratio']:.2f}x   greedy tokens identical: {result['greedy_identical']}")
     return 0

@@ -49,9 +49,7 @@ class InputBatch:
         return int(self.input_ids.shape[0])
 
 
-def build_input_batch(
-    out: SchedulerOutput, block_size: int, device: torch.device
-) -> InputBatch:
+def build_input_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
     decodes = [s for s in out.scheduled if s.num_tokens == 1]
     prefills = [s for s in out.scheduled if s.num_tokens != 1]
     ordered = decodes + prefills

@@ -106,7 +106,7 @@ class LLM:
             raise ValueError("give one SamplingParams, or one per prompt")
         results: dict[str, CompletionOutput] = {}
         order = []
-        for prompt, p in zip(prompts, per_prompt):
+        for prompt, p in zip(prompts, per_prompt, strict=False):
             request_id = f"offline-{next(self._ids)}"
             ids = self.encode(prompt)
             self.engine.add_request(request_id, ids, p)
@@ -128,5 +128,7 @@ class LLM:
                     result.finish_reason = out.finish_reason
         if self.engine.tokenizer is not None:
             for result in results.values():
-                result.text = self.engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+                result.text = self.engine.tokenizer.decode(
+                    result.token_ids, skip_special_tokens=True
+                )
         return [results[r] for r in order]

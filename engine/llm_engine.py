@@ -239,7 +239,7 @@ class LLMEngine:
     def _make_outputs(
         self, update: SchedulerUpdate, result: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        logprobs = dict(zip(result.request_ids, result.logprobs))
+        logprobs = dict(zip(result.request_ids, result.logprobs, strict=False))
         outputs = []
         for request, token_id in update.new_tokens:
             lp = logprobs.get(request.request_id)

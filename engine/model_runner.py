@@ -18,7 +18,11 @@ from scheduler.output import SchedulerOutput
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, storage: KVCacheStorage, sampler: Sampler, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        storage: KVCacheStorage,
+        sampler: Sampler,
+        device: torch.device,
     ) -> None:
         self.model = model
         self.storage = storage

@@ -52,7 +52,9 @@ class RotaryEmbedding:
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin rows of a step's positions, [num_tokens, 1, head_dim] each; looked up
         once per step and shared by every layer."""
         cos = self.cos[positions].unsqueeze(1).to(dtype)

@@ -57,7 +57,7 @@ class Sampler:
 
         if any(p.needs_penalties for p in params):
             logits = logits.clone()
-            for row, (item, p) in enumerate(zip(requests, params)):
+            for row, (item, p) in enumerate(zip(requests, params, strict=False)):
                 if p.needs_penalties:
                     _apply_penalties(logits[row], item, p)
 
@@ -79,7 +79,7 @@ class Sampler:
             top: list[tuple[int, float]] = []
             if p.logprobs > 0:
                 values, ids = lp.topk(p.logprobs)
-                top = list(zip(ids.tolist(), values.tolist()))
+                top = list(zip(ids.tolist(), values.tolist(), strict=False))
             logprobs.append(TokenLogprob(token_ids[row], float(lp[token_ids[row]]), top))
         return token_ids, logprobs
 

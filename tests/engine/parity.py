@@ -22,7 +22,9 @@ class Reference:
 
 
 @torch.inference_mode()
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> Reference:
+def hf_greedy(
+    model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None
+) -> Reference:
     """transformers' own generate(), alone, greedy, with the logits of every step."""
     ids = torch.tensor([prompt_ids])
     out = model.generate(
@@ -35,7 +37,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
         output_logits=True,
         return_dict_in_generate=True,
     )
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     margins = []
     for logits in out.logits:
         top2 = logits[0].float().topk(2).values
@@ -49,7 +51,7 @@ def assert_parity(ours: list[int], ref: Reference, label: str = "") -> str | Non
     Returns:
         None if identical, else a note describing the accepted near-tie divergence.
     """
-    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+    for i, (a, b) in enumerate(zip(ours, ref.token_ids, strict=False)):
         if a != b:
             margin = ref.margins[i]
             assert margin < MARGIN, (

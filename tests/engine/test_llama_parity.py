@@ -22,7 +22,7 @@ def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
 def _check_against_hf(path, llm: LLM, prompts: list[list[int]]) -> None:
     hf = LlamaForCausalLM.from_pretrained(path).eval()
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=False):
         ref = hf_greedy(hf, prompt, MAX_TOKENS, eos_token_id=2)
         assert_parity(out.token_ids, ref, label=f"prompt of {len(prompt)} tokens")
         expected = "stop" if out.token_ids[-1] == 2 else "length"

@@ -13,7 +13,9 @@ def test_triton_backend_matches_torch_backend(tiny_llama_gqa):
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 9, 17, 40)]
     params = SamplingParams(max_tokens=6, temperature=0)
     kwargs = dict(block_size=8, max_num_batched_tokens=24)
-    torch_out = LLM(str(tiny_llama_gqa), attention_backend="torch", **kwargs).generate(prompts, params)
+    torch_out = LLM(str(tiny_llama_gqa), attention_backend="torch", **kwargs).generate(
+        prompts, params
+    )
     triton_llm = LLM(str(tiny_llama_gqa), attention_backend="triton", **kwargs)
     assert triton_llm.engine.attention_backend == "triton"
     triton_out = triton_llm.generate(prompts, params)
