@@ -117,9 +117,7 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await create_completion(body, request, ctx)
 
-    @app.post(
-        "/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATION
-    )
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATION)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(body, request, ctx)
 
