@@ -7,8 +7,18 @@ handled here, once.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+
+def cache_dir() -> Path:
+    """Where converted models and measured machine peaks are cached:
+    ``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``."""
+    root = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
+    return Path(root).expanduser()
+
 
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}

@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,6 @@ class ResolvedModel:
 
     model_id: str  # display name, e.g. "SmolLM2-135M-Instruct"
     path: Path  # directory with config.json + *.safetensors (+ tokenizer files)
-
-
-def cache_dir() -> Path:
-    """``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``."""
-    root = os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve"
-    return Path(root)
 
 
 def default_model_gguf() -> Path:

@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from engine.config import cache_dir
 from planner.devices import Device, physical_memory_bytes
 
 CACHE_FILE = "cpu_peaks.json"
@@ -42,10 +43,6 @@ class CpuPeaks:
     flops: dict[str, float]
     read_bandwidth: float
     copy_bandwidth: float
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE", "~/.cache/pagedserve")).expanduser()
 
 
 def cpu_fingerprint() -> str:
