@@ -3,7 +3,8 @@
 It differs from ``transformers``' model in one way only: attention writes each step's K/V
 into the paged cache and reads the context back through block tables, for a flat batch that
 mixes prefill chunks and decode tokens of many requests. Q/K/V and gate/up projections are
-fused into single matmuls (one weight read each instead of three and two).
+fused into single matmuls (one weight read each instead of three and two), and every
+matmul weight is stored input-major (``Linear`` below).
 """
 
 from __future__ import annotations
@@ -16,6 +17,28 @@ from engine.attention import AttentionPlan, PagedAttention
 from engine.config import ModelConfig
 from engine.input_batch import InputBatch
 from engine.rope import RotaryEmbedding, apply_rope
+
+
+class Linear(nn.Module):
+    """``y = x @ weight + bias`` with ``weight`` stored ``[in_features, out_features]``.
+
+    ``nn.Linear`` keeps ``[out, in]`` and multiplies by its transpose. On CPUs (MKL/oneDNN
+    float32 sgemm, AVX2), the transposed-B case is 2-3x slower for 4 to 48 rows, exactly the
+    decode batch sizes a server runs (16 rows: 138 ms vs 44 ms for this model's matmuls
+    on 2 cores), while 1 row and large prefill chunks are the same speed either way
+    (``kernels/bench.py``-style sweep in the issue-9 note). The checkpoint's ``[out, in]``
+    tensors are transposed once at load.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        if self.bias is None:
+            return x @ self.weight
+        return torch.addmm(self.bias, x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -45,11 +68,11 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * d
         self.kv_size = config.num_kv_heads * d
         self.input_norm = RMSNorm(h, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, h)
         self.post_attention_norm = RMSNorm(h, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, h, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, h, bias=config.mlp_bias)
 
     def forward(
         self,
@@ -91,13 +114,11 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tie_weights()
+        # Never shares storage with the embedding, even for tied checkpoints: the embedding
+        # is looked up by rows of [vocab, hidden], the head multiplies by [hidden, vocab]
+        # (see Linear). A tied model pays one extra copy (vocab x hidden) of memory.
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = rope
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
     def forward(
@@ -121,15 +142,15 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy an HF Llama checkpoint's tensors in, fusing q/k/v and gate/up."""
-        self.tie_weights()  # materialising from the meta device unties them
+        """Copy an HF Llama checkpoint's tensors in, fusing q/k/v and gate/up and
+        transposing every matmul weight to ``Linear``'s ``[in, out]``."""
         own = self.state_dict()
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         mapped: dict[str, torch.Tensor] = {
             "embed_tokens.weight": state["model.embed_tokens.weight"],
             "norm.weight": state["model.norm.weight"],
+            "lm_head.weight": state[head],
         }
-        if not self.config.tie_word_embeddings:
-            mapped["lm_head.weight"] = state["lm_head.weight"]
         for i in range(self.config.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn, mlp = src + "self_attn.", src + "mlp."
@@ -154,12 +175,14 @@ class LlamaForCausalLM(nn.Module):
                     [state[mlp + "gate_proj.bias"], state[mlp + "up_proj.bias"]]
                 )
                 mapped[dst + "down_proj.bias"] = state[mlp + "down_proj.bias"]
-        expected = {
-            k for k in own if not (k == "lm_head.weight" and self.config.tie_word_embeddings)
-        }
-        missing = expected - mapped.keys()
+        missing = own.keys() - mapped.keys()
         if missing:
             raise KeyError(f"checkpoint lacks tensors for {sorted(missing)[:5]}")
+        linear_weights = {
+            f"{name}.weight" for name, module in self.named_modules() if isinstance(module, Linear)
+        }
         with torch.no_grad():
             for name, tensor in mapped.items():
+                if name in linear_weights:
+                    tensor = tensor.t()  # [out, in] -> [in, out]
                 own[name].copy_(tensor.to(own[name].dtype))
