@@ -201,6 +201,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        scheduled = time.perf_counter()
         try:
             result = self.runner.execute(plan)
             failed: dict[str, str] = {}
@@ -219,7 +220,12 @@ class LLMEngine:
             plan, dict(zip(result.request_ids, result.token_ids, strict=True))
         )
         outputs = error_outputs + self._make_outputs(update, result)
-        self._record_stats(plan, time.perf_counter() - start)
+        end = time.perf_counter()
+        phase_s = dict(result.phase_s)
+        phase_s["schedule"] = scheduled - start
+        # What the runner did not time (a failed step's re-runs, the update) is "update".
+        phase_s["update"] = max(0.0, (end - scheduled) - sum(result.phase_s.values()))
+        self._record_stats(plan, end - start, phase_s)
         return outputs
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -248,7 +254,7 @@ class LLMEngine:
             self.sampler.forget(request.request_id)
         return outputs
 
-    def _record_stats(self, plan: Any, step_time: float) -> None:
+    def _record_stats(self, plan: Any, step_time: float, phase_s: dict[str, float]) -> None:
         # Static-batch padding rows are computed and read KV, but are nobody's output and
         # write nothing: they count in the bytes read, not as decode tokens or writes.
         padding = plan.num_padding_tokens
@@ -284,6 +290,7 @@ class LLMEngine:
             num_kv_blocks_evictable=kv.num_evictable_blocks,
             num_kv_slots_allocated=kv.num_allocated_slots,
             num_kv_slots_live=kv.num_live_slots,
+            phase_s=phase_s,
         )
 
 

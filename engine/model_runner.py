@@ -6,6 +6,8 @@ Owns: the model weights on their device, the sampler, and a reference to the KV 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.input_batch import InputBatch, build_input_batch
@@ -39,10 +41,20 @@ class ModelRunner:
             # Copy-on-write blocks of fully cached prompts: filled before anyone reads them.
             src_ids, dst_ids = zip(*out.blocks_to_copy, strict=True)
             self.storage.copy_blocks(src_ids, dst_ids)
+        t0 = time.perf_counter()
         batch = self.prepare(out)
+        t1 = time.perf_counter()
         logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
+        if self.device.type == "cuda":
+            # Kernels run asynchronously: without this the sampler's first read would be
+            # billed the forward's time. The sampler syncs right after anyway.
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
         if not batch.sampling:
-            return ModelRunnerOutput([], [], [])
+            return ModelRunnerOutput([], [], [], {"prepare": t1 - t0, "forward": t2 - t1})
         # Rows past the sampling ones are static-batch padding: computed, then discarded.
         token_ids, logprobs = self.sampler(logits[: len(batch.sampling)], batch.sampling)
-        return ModelRunnerOutput([s.request_id for s in batch.sampling], token_ids, logprobs)
+        phase_s = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
+        return ModelRunnerOutput(
+            [s.request_id for s in batch.sampling], token_ids, logprobs, phase_s
+        )

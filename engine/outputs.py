@@ -28,6 +28,8 @@ class ModelRunnerOutput:
     request_ids: list[str]
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+    # Wall seconds of the runner's phases ("prepare", "forward", "sample"): StepStats.phase_s.
+    phase_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -49,6 +51,15 @@ class RequestOutput:
     error: str | None = None
     # time.monotonic() of the request's first step (its queue time ends there), for metrics.
     first_scheduled_time: float | None = None
+
+
+# Where a step's wall time goes, in order. "forward" is the model; everything else is the
+# serving system's overhead around it: picking the batch ("schedule"), building its input
+# tensors ("prepare"), choosing tokens ("sample"), advancing requests and emitting outputs
+# ("update"), and the engine thread's work between two steps (taking new requests and aborts,
+# handing outputs to the event loop, waiting for the GIL: "between_steps", filled in by the
+# server's engine loop, absent offline).
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update", "between_steps")
 
 
 @dataclass(slots=True)
@@ -79,6 +90,8 @@ class StepStats:
     num_kv_blocks_evictable: int = 0  # cached blocks no request owns (reused or evicted later)
     num_kv_slots_allocated: int = 0  # token slots of used blocks
     num_kv_slots_live: int = 0  # of those, slots holding a computed token (shared ones once)
+    # Seconds per phase of STEP_PHASES; the phases of engine.step() add up to step_time_s.
+    phase_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def kv_waste_fraction(self) -> float:

@@ -331,6 +331,9 @@ class AsyncEngineClient:
         has_work = False
         num_steps = 0
         checked_at: int | None = None
+        # perf_counter() when the last step returned, while there has been work ever since:
+        # the time until the next step starts is the "between_steps" phase of that step.
+        last_step_end: float | None = None
         while True:
             with self._cond:
                 while not self._intake and not self._stopping and not has_work:
@@ -347,9 +350,12 @@ class AsyncEngineClient:
             stats: StepStats | None = None
             if engine.has_unfinished_requests():
                 self._in_step_since = time.monotonic()
+                step_start = time.perf_counter()
                 try:
                     outputs.extend(engine.step())
                     stats = engine.last_step_stats
+                    if stats is not None and last_step_end is not None:
+                        stats.phase_s["between_steps"] = step_start - last_step_end
                 except Exception as exc:
                     logger.error(
                         "engine step failed; failing %d request(s) in flight:\n%s",
@@ -361,6 +367,7 @@ class AsyncEngineClient:
                     engine.check_integrity()  # AssertionError here is fatal on purpose
                 finally:
                     self._in_step_since = None
+                    last_step_end = time.perf_counter()
                 num_steps += 1
                 if self._check_integrity:
                     engine.check_integrity()  # AssertionError here is fatal on purpose
@@ -369,6 +376,8 @@ class AsyncEngineClient:
                 if output.finished:
                     self._active.discard(output.request_id)
             has_work = engine.has_unfinished_requests()
+            if not has_work:
+                last_step_end = None  # idle time is nobody's overhead
             if not has_work and checked_at != num_steps:
                 # Idle: every request is finished, so the whole pool must be consistent (and
                 # free); cheap now, and what /health reports to tests and operators.

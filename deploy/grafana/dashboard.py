@@ -166,6 +166,13 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   "Tokens computed per engine step: prefill chunks + decodes + padding."),
         PanelSpec("Engine step time", "s", quantiles("pagedserve_step_duration_seconds"),
                   "One iteration: schedule, build the batch, forward, sample, update."),
+        PanelSpec("Step time by phase", "percentunit", (
+            ("{{phase}}", "sum by (phase) (rate(pagedserve_step_phase_seconds_total"
+             f"{{{SEL}}}[{RATE}])) / ignoring(phase) group_left "
+             "sum(rate(pagedserve_step_phase_seconds_total"
+             f"{{{SEL}}}[{RATE}]))"),
+        ), "Share of engine step time per phase; all but 'forward' is overhead around the "
+           "model (scheduling, input building, sampling, updates, the engine loop)."),
         PanelSpec("Serving configuration", "none", (
             ("{{batching}} batching, {{dtype}} on {{device}}", f"pagedserve_config_info{{{SEL}}}"),
         ), "Batching mode, dtype and device (pagedserve_config_info).", kind="stat"),

@@ -113,3 +113,22 @@ def test_preemption_keeps_every_request_exact(prompts, references):
     tokens = _drive(small.engine, prompts, {0: list(range(len(prompts)))}, params)
     assert small.engine.scheduler.num_preemptions_total >= 8
     _check(tokens, references)
+
+
+def test_step_phases_add_up_to_the_step(llm, prompts):
+    """Every step reports where its time went; the phases of engine.step() cover it."""
+    engine = llm.engine
+    engine.add_request("phases", prompts[3], SamplingParams(max_tokens=3, temperature=0.0))
+    seen = 0
+    while engine.has_unfinished_requests():
+        engine.last_step_stats = None
+        engine.step()
+        stats = engine.last_step_stats
+        if stats is None:
+            continue
+        seen += 1
+        assert set(stats.phase_s) == {"schedule", "prepare", "forward", "sample", "update"}
+        assert all(v >= 0 for v in stats.phase_s.values())
+        assert sum(stats.phase_s.values()) == pytest.approx(stats.step_time_s, rel=1e-6)
+        assert stats.phase_s["forward"] > 0
+    assert seen == 3

@@ -11,9 +11,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import planner.cpu
-from engine.outputs import StepStats
+from engine.outputs import STEP_PHASES, StepStats
 from server.config import ServingConfig
-from server.metrics import RequestTimings, ServerMetrics, config_info, token_buckets
+from server.metrics import (
+    RequestTimings,
+    ServerMetrics,
+    config_info,
+    overhead_summary,
+    token_buckets,
+)
 from server.peaks import Peaks, resolve_peaks
 from tests.server.server_fakes import FakeEngine
 from tests.server.test_streaming import call_asgi
@@ -196,6 +202,35 @@ def test_summary_log_line(caplog) -> None:
                                   num_kv_blocks_total=12))  # fmt: skip
     assert "running: 2, waiting: 1, KV usage: 25.0% (3/12 blocks)" in caplog.text
     assert "MBU (last step): 50.0%" in caplog.text
+
+
+def test_step_phases_counted_and_logged(caplog) -> None:
+    metrics = ServerMetrics("m", log_interval_s=1e-9)
+    phases = {"schedule": 0.001, "prepare": 0.002, "forward": 0.09, "sample": 0.003,
+              "update": 0.002, "between_steps": 0.002}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="server.metrics"):
+        metrics.record_step(_step(phase_s=phases))
+        metrics.record_step(_step(phase_s=phases))
+
+    def phase(name: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "pagedserve_step_phase_seconds_total", {"model_name": "m", "phase": name}
+        )
+
+    assert phase("forward") == pytest.approx(0.18)
+    assert phase("between_steps") == pytest.approx(0.004)
+    # 10 ms of every 100 ms is outside the model.
+    assert "step time outside the model: 10.0% (schedule 1.0%, prepare 2.0%, sample 3.0%, " \
+        "update 2.0%, between steps 2.0%)" in caplog.text
+
+
+def test_step_phases_exist_before_the_first_step() -> None:
+    metrics = ServerMetrics("m", log_interval_s=0)
+    for name in STEP_PHASES:
+        assert metrics.registry.get_sample_value(
+            "pagedserve_step_phase_seconds_total", {"model_name": "m", "phase": name}
+        ) == 0.0
+    assert overhead_summary({}) == "n/a"
 
 
 def test_token_buckets() -> None:
