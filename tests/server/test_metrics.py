@@ -220,16 +220,21 @@ def test_step_phases_counted_and_logged(caplog) -> None:
     assert phase("forward") == pytest.approx(0.18)
     assert phase("between_steps") == pytest.approx(0.004)
     # 10 ms of every 100 ms is outside the model.
-    assert "step time outside the model: 10.0% (schedule 1.0%, prepare 2.0%, sample 3.0%, " \
+    assert (
+        "step time outside the model: 10.0% (schedule 1.0%, prepare 2.0%, sample 3.0%, "
         "update 2.0%, between steps 2.0%)" in caplog.text
+    )
 
 
 def test_step_phases_exist_before_the_first_step() -> None:
     metrics = ServerMetrics("m", log_interval_s=0)
     for name in STEP_PHASES:
-        assert metrics.registry.get_sample_value(
-            "pagedserve_step_phase_seconds_total", {"model_name": "m", "phase": name}
-        ) == 0.0
+        assert (
+            metrics.registry.get_sample_value(
+                "pagedserve_step_phase_seconds_total", {"model_name": "m", "phase": name}
+            )
+            == 0.0
+        )
     assert overhead_summary({}) == "n/a"
 
 
