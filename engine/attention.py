@@ -75,13 +75,14 @@ class PagedAttention:
     ) -> None:
         self._store_kv(key, value, key_cache, value_cache, slot_mapping)
 
-    def plan(self, meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+    def plan(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int) -> AttentionPlan:
         """Per-step work shared by all layers (called once per forward)."""
         nd = meta.num_decodes
         if self.backend != "torch" or nd == 0:
             return AttentionPlan(meta)
         return AttentionPlan(
-            meta, decode_context(meta.block_tables[:nd], meta.seq_lens[:nd], block_size)
+            meta,
+            decode_context(meta.block_tables[:nd], meta.seq_lens[:nd], block_size, num_kv_heads),
         )
 
     def _attend_decode(

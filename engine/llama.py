@@ -131,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [num_samples, vocab] float32
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         rope = self.rope.lookup(batch.positions, x.dtype)
-        plan = self.attention.plan(batch.attn, key_caches[0].shape[1])
+        _, block_size, num_kv_heads, _ = key_caches[0].shape
+        plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
         for layer, key_cache, value_cache in zip(
             self.layers, key_caches, value_caches, strict=True
         ):

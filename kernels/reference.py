@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["store_kv", "paged_attention_decode", "paged_attention_prefill"]
 
@@ -67,12 +66,11 @@ def paged_attention_decode(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens.
 
-    Vectorised over sequences: the slots of every sequence's context are computed from its
-    block table, gathered with one ``index_select`` into a padded [num_seqs, max_len] tensor,
-    and the padding is masked, so a decode step costs a handful of batched ops instead of a
-    Python loop over sequences.
+    Vectorised over sequences: every sequence's context is gathered with one
+    ``index_select`` into a padded [num_seqs, max_len] tensor and the padding is masked, so a
+    decode step costs a handful of batched ops instead of a Python loop over sequences.
     """
-    context = decode_context(block_tables, seq_lens, key_cache.shape[1])
+    context = decode_context(block_tables, seq_lens, key_cache.shape[1], key_cache.shape[2])
     return decode_over_context(query, key_cache, value_cache, context, scale)
 
 
@@ -81,25 +79,37 @@ class DecodeContext:
     """Where each decoding sequence's context lives: the same for every layer of a step, so
     the engine computes it once per step and reuses it (``decode_over_context``)."""
 
-    slots: torch.Tensor  # [num_seqs * max_len] int64, padded positions point at slot 0
-    valid: torch.Tensor  # [num_seqs, max_len] bool, False on padding
+    rows: torch.Tensor  # [num_seqs * num_kv_heads * max_len] int64, see decode_context
+    bias: torch.Tensor  # [num_seqs, 1, max_len] float32: 0, or -inf on padding
     max_len: int
+    num_kv_heads: int
 
 
 def decode_context(
     block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     block_size: int,
+    num_kv_heads: int,
 ) -> DecodeContext:
+    """Row indices into a cache viewed as ``[num_slots * num_kv_heads, head_dim]``, ordered
+    (sequence, KV head, position), so that one gather yields each KV head's context as a
+    contiguous [max_len, head_dim] matrix: the batched matmuls then read it in place, with no
+    transposed copy and no GQA expansion of K/V to every query head."""
     num_seqs = block_tables.shape[0]
+    device = block_tables.device
     max_len = int(seq_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    offsets = torch.arange(block_size, device=block_tables.device)
-    # slot of context position p of sequence i: block_tables[i, p // bs] * bs + p % bs
+    offsets = torch.arange(block_size, device=device)
+    # slot of context position p of sequence i: block_tables[i, p // bs] * bs + p % bs;
+    # padded positions read whatever the padding block ids point at, and are masked.
     slots = block_tables[:, :max_blocks, None].long() * block_size + offsets  # [n, nb, bs]
-    slots = slots.view(num_seqs, -1)[:, :max_len].reshape(-1)  # [n * max_len]
-    valid = torch.arange(max_len, device=block_tables.device)[None, :] < seq_lens[:, None]
-    return DecodeContext(slots, valid, max_len)
+    slots = slots.view(num_seqs, -1)[:, :max_len]  # [n, max_len]
+    heads = torch.arange(num_kv_heads, device=device)
+    rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [n, kvh, max_len]
+    padding = torch.arange(max_len, device=device)[None, :] >= seq_lens[:, None]
+    bias = torch.zeros(num_seqs, 1, max_len, device=device)
+    bias.masked_fill_(padding[:, None, :], float("-inf"))
+    return DecodeContext(rows.reshape(-1), bias, max_len, num_kv_heads)
 
 
 def decode_over_context(
@@ -110,26 +120,21 @@ def decode_over_context(
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    max_len = context.max_len
+    kvh, max_len = context.num_kv_heads, context.max_len
+    group = num_heads // kvh  # query head j reads KV head j // group
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs, kvh, max_len, d]
-        rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, context.slots)
-        rows = rows.view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs * kvh, max_len, d]
+        rows = cache.view(-1, head_dim).index_select(0, context.rows)
+        rows = rows.view(num_seqs * kvh, max_len, head_dim)
         return rows if rows.dtype == torch.float32 else rows.float()
 
     k, v = gather(key_cache), gather(value_cache)
     q = query if query.dtype == torch.float32 else query.float()
-    # enable_gqa: query head j reads KV head j // (num_heads // num_kv_heads).
-    out = F.scaled_dot_product_attention(
-        q.view(num_seqs, num_heads, 1, head_dim),
-        k,
-        v,
-        attn_mask=context.valid[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )  # [num_seqs, num_heads, 1, d]
-    out = out.view(num_seqs, num_heads, head_dim)
+    # The group of query heads sharing a KV head is a [group, d] matrix against its [L, d].
+    scores = torch.bmm(q.reshape(num_seqs * kvh, group, head_dim), k.transpose(1, 2))
+    scores = scores.view(num_seqs, num_heads, max_len).mul_(scale).add_(context.bias)
+    probs = torch.softmax(scores, dim=-1).view(num_seqs * kvh, group, max_len)
+    out = torch.bmm(probs, v).view(num_seqs, num_heads, head_dim)
     return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
