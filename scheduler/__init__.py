@@ -5,10 +5,11 @@ Ownership: the scheduler owns ``waiting``/``running`` and each request's ``statu
 through ``kvpool.KVCacheManager`` and never allocates tensors.
 """
 
+from scheduler.admission import RequestTooLargeError
 from scheduler.config import SchedulerConfig
-from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerUpdate
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import RequestTooLargeError, Scheduler, SchedulerUpdate
+from scheduler.scheduler import Scheduler
 
 __all__ = [
     "Request",

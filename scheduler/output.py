@@ -1,4 +1,5 @@
-"""SchedulerOutput: the plan of one step, handed from the scheduler to the model runner."""
+"""The scheduler's contracts: ``SchedulerOutput``, the plan of one step handed to the model
+runner, and ``SchedulerUpdate``, what ``update_from_output`` changed, handed to the engine."""
 
 from __future__ import annotations
 
@@ -69,3 +70,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerUpdate:
+    """What ``update_from_output`` changed: requests with a new token, and finished ones."""
+
+    new_tokens: list[tuple[Request, int]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)

@@ -15,6 +15,11 @@ keep their members that finish early as *padding* until the batch ends (schedule
 The batch ends when none of its members is running; the padding's blocks are then freed and
 the next batch is admitted in the same ``schedule()`` call.
 
+Helpers, each in its own module: admission decisions and intake size checks
+(scheduler/admission.py), stop conditions (scheduler/stopping.py), the integrity check
+(scheduler/integrity.py). They change no scheduler state; every queue and status change
+happens here.
+
 Dynamic batching holds waiting requests back until its window ends; the engine thread must
 not spin on empty steps meanwhile: see ``next_admission_time()``.
 
@@ -29,26 +34,24 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from kvpool.manager import KVCacheManager
+from scheduler.admission import (
+    Refusal,
+    RequestTooLargeError,
+    StepAdmission,
+    check_request_fits,
+    hashes_filled_by,
+)
 from scheduler.config import SchedulerConfig
-from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.integrity import check_queues
+from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerUpdate
 from scheduler.padding import BatchPadding
 from scheduler.policy import BatchPolicy, make_policy
 from scheduler.request import Request, RequestStatus
+from scheduler.stopping import stop_status
 
-
-class RequestTooLargeError(ValueError):
-    """The request can never run: it does not fit the model or the whole KV pool alone."""
-
-
-@dataclass(slots=True)
-class SchedulerUpdate:
-    """What ``update_from_output`` changed: requests with a new token, and finished ones."""
-
-    new_tokens: list[tuple[Request, int]] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
+__all__ = ["RequestTooLargeError", "Scheduler", "SchedulerUpdate"]
 
 
 class Scheduler:
@@ -109,19 +112,7 @@ class Scheduler:
         # A padding request is finished but still owns blocks under its id.
         if request.request_id in self._requests or self.kv.has_request(request.request_id):
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        total = request.num_prompt_tokens + request.sampling_params.max_tokens
-        if total > self.max_model_len:
-            raise RequestTooLargeError(
-                f"this request needs {request.num_prompt_tokens} prompt tokens + "
-                f"{request.sampling_params.max_tokens} max_tokens = {total} tokens, more than "
-                f"the model's context length of {self.max_model_len}"
-            )
-        if not self.kv.fits_in_empty_pool(total):
-            raise RequestTooLargeError(
-                f"this request needs {total} tokens of KV cache, more than the whole pool "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens); lower max_tokens or "
-                "start the server with a larger KV cache"
-            )
+        check_request_fits(request, self.max_model_len, self.kv)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         self.waiting.append(request)
@@ -252,7 +243,7 @@ class Scheduler:
                 continue
             request.output_token_ids.append(token_id)
             update.new_tokens.append((request, token_id))
-            status = self._stop_status(request, token_id)
+            status = stop_status(request, token_id, self.max_model_len)
             if status is not None:
                 self.running.remove(request)
                 if self.keeps_padding:
@@ -319,83 +310,42 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests FCFS while the policy, ``max_num_seqs``, the token budget
-        and the pool allow; schedule the first chunk of each. A request's leading blocks
-        found in the prefix cache are shared and count as computed::
-
-            tokens  |<-- cached (num_computed_tokens) -->|<-- first chunk: num_new -->| ...
-
-        With ``defers_to_cache``, a request whose first missing block is being filled in
-        this very step by another request waits one step (skipped, not blocking the queue
-        behind it): next step that block is a hit. ``n > 1`` choices of one prompt, or a
-        burst of requests with one system prompt, then compute the prefix once, not once
-        each.
+        and the pool allow (scheduler/admission.py decides and allocates); schedule the
+        first chunk of each. A request deferred to a prefix another row computes this step
+        is skipped without blocking the queue behind it.
 
         Returns:
             The token budget left.
         """
-        now = self.clock()
-        if not self.policy.may_admit(self.running, self.waiting, now):
+        if not self.policy.may_admit(self.running, self.waiting, self.clock()):
             return budget
-        admitted_now = 0
-        limit = self.policy.admission_limit(self.config.max_num_seqs, len(self.running))
-        filling = self._hashes_filled_by(out.scheduled) if self.defers_to_cache else None
+        admission = StepAdmission(
+            self.config,
+            self.kv,
+            self.max_model_len,
+            budget=budget,
+            limit=self.policy.admission_limit(self.config.max_num_seqs, len(self.running)),
+            admits_without_budget=self.policy.admits_without_budget,
+            filling=hashes_filled_by(self.kv, out.scheduled) if self.defers_to_cache else None,
+        )
         index = 0
-        while index < len(self.waiting) and admitted_now < limit:
+        while index < len(self.waiting) and admission.has_room:
             request = self.waiting[index]
-            cached = self.kv.get_cached_prefix(
-                request.request_id, request.num_tokens, request.token_ids
-            )
-            if filling is not None and cached.next_block_hash in filling:
+            admitted = admission.try_admit(request)
+            if admitted is Refusal.DEFER:
                 index += 1
                 continue
-            num_new = min(request.num_tokens - cached.num_computed_tokens, budget)
-            if num_new == 0 and not self.policy.admits_without_budget:
+            if admitted is Refusal.STOP:
                 break
-            reserve_to = cached.num_computed_tokens + num_new
-            if self.config.admission == "reserve":
-                # Room for the whole prompt and every token it may generate, so it never
-                # needs a block later and is never preempted.
-                reserve_to = min(
-                    request.num_prompt_tokens + request.sampling_params.max_tokens,
-                    self.max_model_len,
-                )
-            if self.kv.allocate_slots(request.request_id, reserve_to, cached) is None:
-                break  # FCFS: nobody behind it jumps the queue
             del self.waiting[index]
-            request.num_computed_tokens = cached.num_computed_tokens
+            request.num_computed_tokens = admitted.num_computed_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            admitted_now += 1
-            if num_new > 0:
-                item = self._scheduled(request, num_new)
+            if admitted.num_new > 0:
+                item = self._scheduled(request, admitted.num_new)
                 out.scheduled.append(item)
-                budget -= num_new
-                if filling is not None:
-                    filling.update(self._hashes_filled_by([item]))
-        return budget
-
-    def _hashes_filled_by(self, items: Iterable[ScheduledRequest]) -> set[bytes]:
-        """Hashes of the blocks that the given (live) rows make full in this step."""
-        return {
-            block_hash
-            for item in items
-            if not item.padding
-            for block_hash in self.kv.new_block_hashes(
-                item.request_id, item.start, item.seq_len, item.request.token_ids
-            )
-        }
-
-    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if not params.ignore_eos and token_id == request.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+                admission.add_scheduled(item)
+        return admission.budget
 
     def _finish(
         self,
@@ -435,30 +385,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if the queues, statuses or block ownership disagree."""
-        self.kv.check_integrity()
-        running_ids = {r.request_id for r in self.running}
-        waiting_ids = {r.request_id for r in self.waiting}
-        assert len(running_ids) == len(self.running), "a request is running twice"
-        assert len(waiting_ids) == len(self.waiting), "a request is waiting twice"
-        assert not running_ids & waiting_ids, "a request is both running and waiting"
-        assert running_ids | waiting_ids == set(self._requests), "untracked request"
-        for request in self.running:
-            assert request.status == RequestStatus.RUNNING
-            held = len(self.kv.block_ids(request.request_id)) * self.kv.block_size
-            assert held >= request.num_computed_tokens, f"{request.request_id} lost blocks"
-        for request in self.waiting:
-            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert not self.kv.has_request(request.request_id), (
-                f"waiting {request.request_id} holds blocks"
-            )
-        assert not self.padding or (self.keeps_padding and self.running), (
-            "padding outlived its batch"
+        """Raise AssertionError if the queues, statuses or block ownership disagree (the
+        invariants listed on this class; scheduler/integrity.py)."""
+        check_queues(
+            self.kv,
+            self.running,
+            self.waiting,
+            self._requests.keys(),
+            self.padding,
+            keeps_padding=self.keeps_padding,
         )
-        self.padding.check_integrity(self.kv, running_ids | waiting_ids)
-        for request in [*self.running, *self.padding.requests]:
-            live = self.kv.num_live_tokens(request.request_id)
-            assert live == request.num_computed_tokens, (
-                f"{request.request_id}: kvpool counts {live} live tokens, "
-                f"{request.num_computed_tokens} computed"
-            )
