@@ -12,8 +12,8 @@ Ownership:
 
 from kvpool.block_pool import BlockPool, NoFreeBlocksError
 from kvpool.config import KVPoolConfig
-from kvpool.manager import CachedPrefix, KVCacheManager
-from kvpool.prefix_cache import PrefixCache
+from kvpool.manager import KVCacheManager
+from kvpool.prefix_cache import CachedPrefix, PrefixCache
 from kvpool.stats import KVCacheStats
 
 __all__ = [

@@ -13,16 +13,20 @@ Prefix caching (``enable_prefix_caching``), one request's life::
     ... the step computes [num_computed, num_computed + num_new) ...
     commit_computed()     register the hashes of blocks that became full and computed
     free()                ref - 1; ownerless hashed blocks stay cached, evictable (LRU)
+
+Beside it: ``CachedPrefix`` (kvpool/prefix_cache.py), the integrity check (kvpool/integrity.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvpool.block_pool import BlockPool
-from kvpool.prefix_cache import BlockHash, TokenSource, extend_chain
+from kvpool.integrity import check_block_tables
+from kvpool.prefix_cache import BlockHash, CachedPrefix, TokenSource, extend_chain
 from kvpool.stats import KVCacheStats
+
+__all__ = ["CachedPrefix", "KVCacheManager", "slots_for"]
 
 
 def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
@@ -36,42 +40,6 @@ def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -
         ``block * block_size + offset`` for every position, in order.
     """
     return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
-@dataclass(frozen=True, slots=True)
-class CachedPrefix:
-    """What the prefix cache holds of a request's known tokens (``get_cached_prefix``)::
-
-        tokens   |<------------------- num_tokens (queried) ------------------->|
-        blocks   | hit | hit | hit | miss: next_block_hash | ... | partial      |
-                 |<- num_cached_tokens ->|
-                 |<- num_computed_tokens ->|  = num_cached_tokens, except when every
-                                              token is cached: then num_tokens - 1
-
-    The last token is always computed, because the step must produce its logits. When the
-    whole of a block-aligned sequence is cached, that token sits in the last cached block,
-    which other requests may share: the request gets a private copy of that block instead
-    (copy-on-write, ``copies_last_block``) and recomputes only the one token.
-
-    Args:
-        block_ids: the cached leading blocks, block 0 first.
-        num_tokens: the request's known tokens at lookup (prompt + output so far).
-        num_cached_tokens: tokens in ``block_ids`` (``len(block_ids) * block_size``).
-        num_computed_tokens: tokens the request may skip.
-        next_block_hash: the hash of the first full block that missed, if any (the scheduler
-            checks whether a request in the same step is computing it).
-    """
-
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    num_cached_tokens: int
-    num_computed_tokens: int
-    next_block_hash: BlockHash | None = None
-
-    @property
-    def copies_last_block(self) -> bool:
-        """Whether the last cached block will be written (every token was cached)."""
-        return self.num_computed_tokens < self.num_cached_tokens
 
 
 class KVCacheManager:
@@ -419,34 +387,13 @@ class KVCacheManager:
         total, every hashed block mapped once); no request owns a block twice; every used
         block's ref count equals its owners; shared blocks are cached; every block a request
         may still write is private and unhashed; and live slots add up."""
-        pool = self.pool
-        pool.check_integrity()
-        assert not pool.num_cached or self.enable_prefix_caching, "hashes with caching off"
-        bs = self.block_size
-        owners = [0] * pool.num_blocks
-        live_per_block = [0] * pool.num_blocks
-        for request_id, table in self._block_tables.items():
-            assert len(set(table)) == len(table), f"{request_id} owns a block twice"
-            assert request_id in self._num_live, f"{request_id} has no live-token count"
-            live = self._num_live[request_id]
-            assert 0 <= live <= len(table) * bs, f"{request_id}: {live} live tokens"
-            assert self._num_hashed[request_id] <= len(table)
-            for i, block_id in enumerate(table):
-                owners[block_id] += 1
-                filled = min(bs, max(0, live - i * bs))
-                live_per_block[block_id] = max(live_per_block[block_id], filled)
-        for block_id, count in enumerate(owners):
-            assert count == pool.ref_count(block_id), (
-                f"block {block_id}: {count} owners, ref count {pool.ref_count(block_id)}"
-            )
-            if count > 1:
-                assert pool.cache.hash_of(block_id) is not None, f"shared block {block_id}"
-        for request_id, table in self._block_tables.items():
-            for block_id in table[self._num_live[request_id] // bs :]:
-                assert pool.ref_count(block_id) == 1, (
-                    f"{request_id} may write block {block_id}, which is shared"
-                )
-                assert pool.cache.hash_of(block_id) is None, (
-                    f"{request_id} may write block {block_id}, which is cached"
-                )
-        assert self.stats().num_live_slots == sum(live_per_block), "live slots do not add up"
+        self.pool.check_integrity()
+        assert not self.pool.num_cached or self.enable_prefix_caching, "hashes with caching off"
+        check_block_tables(
+            self.pool,
+            self.block_size,
+            self._block_tables,
+            self._num_live,
+            self._num_hashed,
+            num_live_slots=self.stats().num_live_slots,
+        )

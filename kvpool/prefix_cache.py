@@ -15,8 +15,11 @@ H is SHA-256 over the parent digest and the token ids as 64-bit integers. A 64-b
 hash would be faster, but a collision silently serves one request another's K/V (vLLM moved
 to SHA-256 for that reason); hashing 16 ids costs about a microsecond, once per block.
 
+``CachedPrefix`` is the result of one lookup (``KVCacheManager.get_cached_prefix``): the
+leading blocks of a request already cached, and how many of its tokens they let it skip.
+
 Ownership: ``PrefixCache`` (held by ``BlockPool``) owns the hash <-> block map; the manager
-owns each request's memoized chain of hashes.
+owns each request's memoized chain of hashes. ``CachedPrefix`` is an immutable value.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 BlockHash = bytes
 # Token ids at positions [start, end) of a request (``Request.token_ids`` has this shape).
@@ -62,6 +66,42 @@ def extend_chain(
         tokens = token_ids(i * block_size, (i + 1) * block_size)
         assert len(tokens) == block_size, f"block {i} is not full ({len(tokens)} tokens)"
         chain.append(hash_block(parent, tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """What the prefix cache holds of a request's known tokens (``get_cached_prefix``)::
+
+        tokens   |<------------------- num_tokens (queried) ------------------->|
+        blocks   | hit | hit | hit | miss: next_block_hash | ... | partial      |
+                 |<- num_cached_tokens ->|
+                 |<- num_computed_tokens ->|  = num_cached_tokens, except when every
+                                              token is cached: then num_tokens - 1
+
+    The last token is always computed, because the step must produce its logits. When the
+    whole of a block-aligned sequence is cached, that token sits in the last cached block,
+    which other requests may share: the request gets a private copy of that block instead
+    (copy-on-write, ``copies_last_block``) and recomputes only the one token.
+
+    Args:
+        block_ids: the cached leading blocks, block 0 first.
+        num_tokens: the request's known tokens at lookup (prompt + output so far).
+        num_cached_tokens: tokens in ``block_ids`` (``len(block_ids) * block_size``).
+        num_computed_tokens: tokens the request may skip.
+        next_block_hash: the hash of the first full block that missed, if any (the scheduler
+            checks whether a request in the same step is computing it).
+    """
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    num_cached_tokens: int
+    num_computed_tokens: int
+    next_block_hash: BlockHash | None = None
+
+    @property
+    def copies_last_block(self) -> bool:
+        """Whether the last cached block will be written (every token was cached)."""
+        return self.num_computed_tokens < self.num_cached_tokens
 
 
 class PrefixCache:
