@@ -11,6 +11,7 @@ import torch
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "check_attention_inputs",
     "check_kv_cache",
     "dot_precision",
     "next_power_of_2",
@@ -59,3 +60,33 @@ def check_kv_cache(
     assert key_cache.device == value_cache.device
     assert key_cache.stride() == value_cache.stride(), (key_cache.stride(), value_cache.stride())
     assert key_cache.stride(3) == 1, "head_dim of the cache must be contiguous"
+
+
+def check_attention_inputs(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim] (decode: one token a sequence)
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+) -> None:
+    """Assert what every paged-attention launcher needs of its common inputs.
+
+    The cache pair as in ``check_kv_cache``; query heads a multiple of KV heads (GQA), of the
+    cache's head size and dtype, with ``head_dim`` contiguous; one contiguous int32 row of
+    block table and one int32 length per sequence; everything on one device. Each launcher
+    then checks its own inputs (decode: one query per sequence; prefill: query_start_loc).
+    """
+    check_kv_cache(key_cache, value_cache)
+    _, num_heads, head_dim = query.shape
+    _, _, num_kv_heads, cache_head_dim = key_cache.shape
+    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, seq_lens
+    num_seqs = seq_lens.shape[0]
+    assert cache_head_dim == head_dim, (query.shape, key_cache.shape)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert query.dtype == key_cache.dtype, (query.dtype, key_cache.dtype)
+    assert query.stride(2) == 1, "head_dim of query must be contiguous"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
+    assert block_tables.dtype == torch.int32, block_tables.dtype
+    assert block_tables.stride(1) == 1, "each block-table row must be contiguous"
+    assert seq_lens.is_contiguous()
+    assert query.device == key_cache.device == block_tables.device == seq_lens.device

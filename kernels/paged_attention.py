@@ -11,7 +11,8 @@ Grid ``(num_seqs, num_kv_heads, num_splits)``. A program owns one KV head of one
 to a power of two >= 16 and masked, so each K/V tile is loaded from memory once per group,
 not once per query head. The context is walked in tiles of ``TILE_N`` tokens; each token's
 block id is looked up in the block table, so tiles and blocks need not line up (any block
-size works). Softmax is online (running max and sum) in float32, in base 2.
+size works). Softmax is online (running max and sum) in float32, in base 2: that loop is
+``kernels/_online_softmax.attend_context``, shared with the prefill kernel.
 
 Split-K (flash-decoding): with few sequences and long contexts, ``num_seqs * num_kv_heads``
 programs cannot fill the GPU, so the context is cut into ``num_splits`` ranges, each program
@@ -24,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, next_power_of_2, num_compute_units
+from kernels._common import check_attention_inputs, next_power_of_2, num_compute_units
+from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
 
 __all__ = ["paged_attention_decode", "choose_num_splits"]
@@ -81,7 +83,6 @@ def _paged_attention_decode_kernel(
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_t = tl.arange(0, TILE_N)
     heads = kv_head * NUM_QUERIES_PER_KV + offs_g  # query heads of this KV head
     g_mask = offs_g < NUM_QUERIES_PER_KV
     d_mask = offs_d < HEAD_DIM
@@ -91,39 +92,16 @@ def _paged_attention_decode_kernel(
     q = q.to(DOT_DTYPE)
     # q: [GROUP_PAD, HEAD_DIM_PAD], rows past the group are zeros (finite scores, never stored)
 
-    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max (base 2)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-
     block_table = block_tables_ptr + seq * stride_block_tables_seq
     head_offset = kv_head.to(tl.int64) * stride_cache_head
-    for tile_start in range(ctx_start, ctx_end, TILE_N):
-        offs_n = tile_start + offs_t  # context positions of this tile
-        n_mask = offs_n < ctx_end
-        # NOTE: masked positions never dereference the cache: slots past seq_len may hold
-        # garbage (even NaN) and block-table padding may be any id.
-        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        # int64: block_id * stride_cache_block passes 2**31 in a large pool.
-        kv_offs = (
-            block_ids.to(tl.int64) * stride_cache_block
-            + (offs_n % BLOCK_SIZE) * stride_cache_slot
-            + head_offset
-        )  # [TILE_N]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        s = s * qk_scale  # [GROUP_PAD, TILE_N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every tile holds >= 1 valid position, so m_new is finite and exp2 never sees NaN.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
-        )
-        m_i = m_new
+    # Every tile holds >= 1 valid position, so m_i is finite and exp2 never sees NaN.
+    # (offs_g stands in for q_pos, which only a causal walk reads.)
+    m_i, l_i, acc = attend_context(
+        q, offs_g, key_cache_ptr, value_cache_ptr, block_table, head_offset,
+        ctx_start, ctx_end, qk_scale, stride_cache_block, stride_cache_slot,
+        M=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE,
+        TILE_N=TILE_N, CAUSAL=False, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
 
     # An empty split (context shorter than this split's start) or seq_len == 0 has l_i == 0:
     # write zeros and lse = -inf, which the reduction weighs by exp2(-inf) = 0.
@@ -232,19 +210,10 @@ def paged_attention_decode(
     host (no device sync, CUDA-graph friendly); pass block tables trimmed to the batch's
     longest sequence for the best split sizes.
     """
-    check_kv_cache(key_cache, value_cache)
+    check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    assert cache_head_dim == head_dim, (query.shape, key_cache.shape)
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query.dtype == key_cache.dtype, (query.dtype, key_cache.dtype)
-    assert query.stride(2) == 1, "head_dim of query must be contiguous"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
-    assert block_tables.dtype == torch.int32, block_tables.dtype
-    assert block_tables.stride(1) == 1, "each block-table row must be contiguous"
-    assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32, seq_lens
-    assert seq_lens.is_contiguous()
-    assert query.device == key_cache.device == block_tables.device == seq_lens.device
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    assert seq_lens.shape == (num_seqs,), "one query token per sequence"
 
     out = torch.empty_like(query)
     if num_seqs == 0:

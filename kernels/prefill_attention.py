@@ -23,6 +23,9 @@ GQA: a program owns ``BLOCK_Q`` queries times every query head of one KV head, f
 the ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows of ``tl.dot`` (row = query * GROUP_PAD + head), so
 each K/V tile is loaded once for the whole group. ``GROUP_PAD`` is the group size rounded up
 to a power of two (SmolLM2's 3 query heads per KV head use 4 rows; the 4th is masked).
+
+The loop over the context (paged K/V tiles, causal mask, online softmax) is
+``kernels/_online_softmax.attend_context``, shared with the decode kernel.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, next_power_of_2
+from kernels._common import check_attention_inputs, next_power_of_2
+from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
 
 __all__ = ["paged_attention_prefill"]
@@ -105,7 +109,6 @@ def _paged_attention_prefill_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_t = tl.arange(0, TILE_N)
     q_idx = q_block_local * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] query within the chunk
     group_idx = offs_m % GROUP_PAD
     heads = kv_head * NUM_QUERIES_PER_KV + group_idx
@@ -120,41 +123,17 @@ def _paged_attention_prefill_kernel(
     )  # [BLOCK_M, HEAD_DIM_PAD]; masked rows are zeros, computed but never stored
     q = q.to(DOT_DTYPE)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_tables_seq
     head_offset = kv_head.to(tl.int64) * stride_cache_head
     # Keys past the last query of this block are invisible to all its rows: stop there.
     kv_end = tl.minimum(seq_len, prefix_len + (q_block_local + 1) * BLOCK_Q)
-    for tile_start in range(0, kv_end, TILE_N):
-        offs_n = tile_start + offs_t
-        n_mask = offs_n < kv_end
-        # NOTE: masked positions never dereference the cache (may be garbage or NaN).
-        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        kv_offs = (
-            block_ids.to(tl.int64) * stride_cache_block  # int64: > 2**31 in a large pool
-            + (offs_n % BLOCK_SIZE) * stride_cache_slot
-            + head_offset
-        )  # [TILE_N]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        s = s * qk_scale  # [BLOCK_M, TILE_N]
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        # Position 0 is visible to every row (even masked ones, whose q_pos >= seq_len), so
-        # after the first tile m_i is finite and exp2 never computes -inf - -inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
-        )
-        m_i = m_new
+    # Position 0 is visible to every row (masked ones too), so no row ends with l_i == 0.
+    m_i, l_i, acc = attend_context(
+        q, q_pos, key_cache_ptr, value_cache_ptr, block_table, head_offset,
+        0, kv_end, qk_scale, stride_cache_block, stride_cache_slot,
+        M=BLOCK_M, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE,
+        TILE_N=TILE_N, CAUSAL=True, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+    )  # fmt: skip
 
     out = acc / l_i[:, None]
     o_offs = tokens[:, None] * stride_out_token + heads[:, None] * stride_out_head
@@ -179,22 +158,13 @@ def paged_attention_prefill(
     Requires ``seq_lens[i] >= q_len_i``; sequences with ``q_len == 0`` are allowed and
     produce nothing. Query rows not covered by ``query_start_loc`` are left unwritten.
     """
-    check_kv_cache(key_cache, value_cache)
+    check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
-    assert cache_head_dim == head_dim, (query.shape, key_cache.shape)
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query.dtype == key_cache.dtype, (query.dtype, key_cache.dtype)
-    assert query.stride(2) == 1, "head_dim of query must be contiguous"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
-    assert block_tables.dtype == torch.int32, block_tables.dtype
-    assert block_tables.stride(1) == 1, "each block-table row must be contiguous"
-    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1, seq_lens
     assert query_start_loc.shape == (num_seqs + 1,), (query_start_loc.shape, num_seqs)
     assert query_start_loc.dtype == torch.int32, query_start_loc.dtype
-    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous()
-    assert query.device == key_cache.device == block_tables.device == seq_lens.device
+    assert query_start_loc.is_contiguous()
     assert query_start_loc.device == query.device
 
     out = torch.empty_like(query)

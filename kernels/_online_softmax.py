@@ -1,0 +1,91 @@
+"""The online-softmax loop over a paged context, shared by the decode and prefill kernels.
+
+``attend_context`` is a ``@triton.jit`` device function: Triton inlines it into each kernel
+that calls it, so both kernels compile to what they did with the loop written out. It walks
+context positions ``[start, end)`` in tiles of ``TILE_N`` tokens, looks each token's block up
+in the block table (tiles and blocks need not line up), and keeps the softmax online (running
+max and sum) in float32, in base 2 (``qk_scale`` includes log2(e), so it uses exp2)::
+
+    context  | tile 0 | tile 1 | ... | tile k (partial, masked) |
+             start                                            end
+
+The caller normalises ``acc`` by ``l_i`` (and handles rows that saw nothing).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["attend_context"]
+
+
+@triton.jit
+def attend_context(
+    q,  # [M, HEAD_DIM_PAD] DOT_DTYPE; masked rows are zeros (finite scores, never stored)
+    q_pos,  # [M] each row's query position; read only when CAUSAL
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table,  # pointer to this sequence's row of block_tables, [max_num_blocks_per_seq]
+    head_offset,  # kv_head * stride_cache_head, int64
+    start,  # first context position to attend to
+    end,  # one past the last
+    qk_scale,  # softmax scale * log2(e)
+    stride_cache_block: tl.int64,
+    stride_cache_slot: tl.int64,
+    M: tl.constexpr,  # rows of q
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,  # row r sees position n only if n <= q_pos[r]
+    DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
+    DOT_PRECISION: tl.constexpr,
+):
+    """Returns ``(m_i, l_i, acc)``: per row the running max (base 2), the sum of exp2 and
+    the unnormalised output ``[M, HEAD_DIM_PAD]``, all float32. A row that saw no position
+    (an empty range) has ``l_i == 0`` and ``m_i == -inf``.
+
+    NOTE: the caller guarantees that every row sees at least one position of the first tile
+    (decode: every tile holds a valid position; prefill: position 0 is visible to every
+    row, even masked ones, whose ``q_pos`` lies past the context), so after the first tile
+    ``m_i`` is finite and exp2 never computes ``-inf - -inf``.
+    """
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_t = tl.arange(0, TILE_N)
+    d_mask = offs_d < HEAD_DIM
+
+    m_i = tl.full([M], float("-inf"), tl.float32)  # running max (base 2)
+    l_i = tl.zeros([M], tl.float32)  # running sum of exp2
+    acc = tl.zeros([M, HEAD_DIM_PAD], tl.float32)
+    for tile_start in range(start, end, TILE_N):
+        offs_n = tile_start + offs_t  # context positions of this tile
+        n_mask = offs_n < end
+        # NOTE: masked positions never dereference the cache: slots past seq_len may hold
+        # garbage (even NaN) and block-table padding may be any id.
+        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        # int64: block_id * stride_cache_block passes 2**31 in a large pool.
+        kv_offs = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (offs_n % BLOCK_SIZE) * stride_cache_slot
+            + head_offset
+        )  # [TILE_N]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        s = s * qk_scale  # [M, TILE_N]
+        if CAUSAL:
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        else:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        )
+        m_i = m_new
+    return m_i, l_i, acc
