@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import statistics
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -88,10 +87,18 @@ async def run_threaded(
     return {
         "tokens_per_s": tokens / wall,
         "step_ms": 1000 * wall / max(steps, 1),
-        "lag_p50_ms": 1000 * statistics.median(lags),
-        "lag_p99_ms": 1000 * lags[int(0.99 * (len(lags) - 1))],
+        "lag_p50_ms": 1000 * _quantile(lags, 0.50),
+        "lag_p99_ms": 1000 * _quantile(lags, 0.99),
         "lag_max_ms": 1000 * lags[-1],
     }
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Linear-interpolated quantile of a sorted list, so p50 <= p99 <= max for any length."""
+    pos = q * (len(ordered) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _echo(conn: Connection) -> None:
