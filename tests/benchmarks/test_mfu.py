@@ -1,0 +1,76 @@
+"""Model FLOPs arithmetic of benchmarks.mfu, checked against hand counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.mfu import ModelShapes, achieved_flops_s, add_mfu, request_flops
+
+# SmolLM2-135M's config.json (the embedded default model).
+SMOLLM2 = {
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+}
+# 1 layer, hidden 4, 2 heads of 2, 1 KV head, MLP 3, vocabulary 5: small enough to count.
+TINY = ModelShapes(
+    num_layers=1,
+    hidden_size=4,
+    intermediate_size=3,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=2,
+    vocab_size=5,
+)
+
+
+def test_smollm2_matmul_shapes_match_pagedserve_fused_weights() -> None:
+    shapes = ModelShapes.from_config(SMOLLM2)
+    assert shapes.layer_matmuls() == [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+    assert shapes.lm_head_params == 576 * 49152
+    assert shapes.layer_params == 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
+
+
+def test_head_dim_defaults_to_hidden_over_heads() -> None:
+    config = {k: v for k, v in SMOLLM2.items() if k not in ("head_dim", "num_key_value_heads")}
+    shapes = ModelShapes.from_config(config)
+    assert shapes.head_dim == 64
+    assert shapes.num_kv_heads == 9
+
+
+def test_request_flops_by_hand() -> None:
+    # Layer matmuls: qkv 4x(2+2)*2=4x8, o 4x4, gate_up 4x6, down 3x4 -> 32+16+24+12 = 84.
+    assert TINY.layer_params == 84
+    # P=2, O=3: 4 tokens through the layer, 3 through the lm_head (4x5 = 20 weights),
+    # attention at t = 1..4 positions: 4 * 1 layer * 2 heads * 2 dims * (1+2+3+4) = 160.
+    expected = 2 * 4 * 84 + 2 * 3 * 20 + 160
+    assert request_flops(TINY, 2, 3) == expected
+
+
+def test_achieved_flops_s_and_mfu() -> None:
+    per_request = request_flops(TINY, 2, 3)
+    assert achieved_flops_s(TINY, 10, 2, 3, duration_s=4.0) == pytest.approx(10 * per_request / 4)
+    assert achieved_flops_s(TINY, 0, 2, 3, duration_s=4.0) == 0.0
+    points = {
+        "1": {
+            "num_completed": 10,
+            "mean_prompt_tokens": 2,
+            "mean_output_tokens": 3,
+            "duration_s": 4.0,
+        },
+        "16": {
+            "num_completed": 10,
+            "mean_prompt_tokens": 2,
+            "mean_output_tokens": 3,
+            "duration_s": 4.0,
+        },
+        "64": {"num_completed": 0},
+    }
+    add_mfu(points, TINY, {"16": per_request, "64": 1.0})
+    assert "mfu" not in points["1"]  # no ceiling measured at 1 row
+    assert points["16"]["mfu"] == pytest.approx(10 / 4)
+    assert "mfu" not in points["64"]  # nothing completed

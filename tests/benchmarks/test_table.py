@@ -1,0 +1,133 @@
+"""Ratios, targets and the printed table of benchmarks.table, on synthetic results."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from benchmarks.table import Check, checks, format_checks, format_table, ratio
+
+
+def point(tok_s: float, ttft: float, tpot: float, itl_p99: float, **kw: Any) -> dict[str, Any]:
+    return {
+        "output_tok_s": tok_s,
+        "ttft_p50_s": ttft,
+        "tpot_p50_s": tpot,
+        "itl_p99_s": itl_p99,
+        **kw,
+    }
+
+
+def result(with_vllm: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "floors": {"decode_s": 0.010, "prefill_s": 0.100},
+        "pagedserve": {
+            "points": {
+                "1": point(30.0, 0.150, 0.020, 0.030),
+                "16": point(240.0, 0.400, 0.060, 0.200, mfu=0.25, overhead_fraction=0.125),
+                "64": point(330.0, 1.500, 0.180, 0.900, mfu=0.40),
+            }
+        },
+        "transformers": {
+            "ttft_s": 0.200,
+            "tpot_s": 0.040,
+            "tok_s_c1": 20.0,
+            "static_tok_s": {"16": 120.0, "64": 300.0},
+        },
+    }
+    if with_vllm:
+        out["vllm"] = {
+            "points": {
+                "1": point(20.0, 0.100, 0.040, 0.050),
+                "16": point(160.0, 0.500, 0.080, 0.150),
+                "64": point(320.0, 2.000, 0.200, 1.000),
+            }
+        }
+    return out
+
+
+def by_label(items: list[Check]) -> dict[str, Check]:
+    return {item.label: item for item in items}
+
+
+def test_ratio_guards_missing_and_zero() -> None:
+    assert ratio(3.0, 2.0) == 1.5
+    assert ratio(None, 2.0) is None
+    assert ratio(3.0, None) is None
+    assert ratio(3.0, 0.0) is None
+    assert ratio(math.inf, 1.0) is None
+
+
+def test_checks_against_speed_targets() -> None:
+    items = by_label(checks(result(), [1, 16, 64]))
+    static16 = items["c=16 tok/s pagedserve / transformers static b=16"]
+    assert static16.value == pytest.approx(2.0) and static16.target == 1.5 and static16.passed
+    static64 = items["c=64 tok/s pagedserve / transformers static b=64"]
+    assert static64.value == pytest.approx(1.1) and static64.passed is False
+    b1 = items["c=1 tok/s pagedserve / transformers b=1"]
+    assert b1.value == pytest.approx(1.5) and b1.target is None and b1.passed is None
+
+    assert items["c=16 tok/s pagedserve / vLLM"].value == pytest.approx(1.5)
+    assert items["c=16 tok/s pagedserve / vLLM"].passed is True  # >= 1.2
+    assert items["c=64 tok/s pagedserve / vLLM"].value == pytest.approx(330 / 320)
+    assert items["c=64 tok/s pagedserve / vLLM"].passed is False  # < 1.1
+    assert items["c=1 tok/s pagedserve / vLLM"].target is None
+    assert items["c=1 TPOT p50 vLLM / pagedserve"].value == pytest.approx(2.0)
+    assert items["c=1 TPOT p50 vLLM / pagedserve"].passed is True  # >= 1.6
+
+    # TTFT and ITL p99: pagedserve must be no worse (ratio <= 1).
+    assert items["c=1 TTFT p50 pagedserve / vLLM"].passed is False  # 150 vs 100 ms
+    assert items["c=16 TTFT p50 pagedserve / vLLM"].passed is True
+    assert items["c=16 ITL p99 pagedserve / vLLM"].value == pytest.approx(200 / 150)
+    assert items["c=16 ITL p99 pagedserve / vLLM"].passed is False
+
+    assert items["c=16 MFU pagedserve"].value == 0.25
+    assert items["c=64 MFU pagedserve"].value == 0.40
+    assert items["c=16 step time outside the model forward"].value == 0.125
+
+
+def test_checks_without_vllm_or_phase_metrics() -> None:
+    data = result(with_vllm=False)
+    del data["pagedserve"]["points"]["16"]["overhead_fraction"]
+    items = by_label(checks(data, [1, 16]))
+    assert not any("vLLM" in label for label in items)
+    overhead = items["c=16 step time outside the model forward"]
+    assert overhead.value is None and overhead.passed is None
+    assert "n/a" in format_checks([overhead])
+
+
+def test_format_checks_shows_value_target_and_verdict() -> None:
+    text = format_checks(
+        [
+            Check("c=16 tok/s pagedserve / vLLM", 1.5, 1.2),
+            Check("c=1 TTFT p50 pagedserve / vLLM", 1.25, 1.0, op="<="),
+            Check("c=16 MFU pagedserve", 0.25, unit="%"),
+        ]
+    )
+    lines = text.splitlines()
+    assert "1.50x" in lines[1] and ">= 1.2x" in lines[1] and lines[1].endswith("ok")
+    assert "1.25x" in lines[2] and "<= 1x" in lines[2] and lines[2].endswith("MISSED")
+    assert lines[3].endswith("25.0%")
+
+
+def test_format_table_rows_per_concurrency() -> None:
+    text = format_table(result(), [1, 16, 64])
+    names = [line[:28].strip() for line in text.splitlines()[1:]]
+    assert names == [
+        "pagedserve",
+        "vLLM (CPU)",
+        "transformers.generate() b=1",
+        "pagedserve",
+        "vLLM (CPU)",
+        "transformers static b=16",
+        "pagedserve",
+        "vLLM (CPU)",
+        "transformers static b=64",
+    ]
+    first = text.splitlines()[1].split()
+    # conc, TTFT 150 ms (1.50x the 100 ms floor), TPOT 20.0 ms (2.00x), ITL p99 30.0,
+    # 30.0 tok/s, MBU 10/20 = 0.50, no server MBU, no MFU at c=1.
+    assert first[1:] == ["1", "150", "1.50", "20.0", "2.00", "30.0", "30.0", "0.50", "n/a", "n/a"]
+    assert "25.0%" in text.splitlines()[4]
