@@ -14,8 +14,7 @@ from fastapi import Request, Response
 
 from server.completions import CLIENT_CLOSED_REQUEST
 from server.context import ServingContext, new_request_id
-from server.errors import APIError
-from server.generation import GenerationRun, LogprobEntry
+from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
 from server.prompts import chat_prompt
 from server.protocol import (
     AssistantMessage,
@@ -39,13 +38,7 @@ from server.sampling import (
     resolve_max_tokens,
     stop_strings,
 )
-from server.streaming import (
-    DONE_FRAME,
-    abort_on_disconnect,
-    sse_error_frame,
-    sse_frame,
-    sse_response,
-)
+from server.streaming import run_to_end, sse_frame, sse_response, stream_run
 from server.timeouts import request_deadline
 
 
@@ -65,13 +58,6 @@ def chat_logprobs_body(entries: list[LogprobEntry]) -> ChatLogprobs:
             )
             for e in entries
         ]
-    )
-
-
-def _usage(run: GenerationRun) -> UsageInfo:
-    prompt, completion = run.num_prompt_tokens, run.num_completion_tokens
-    return UsageInfo(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
     )
 
 
@@ -115,10 +101,7 @@ async def create_chat_completion(
     if req.stream:
         return sse_response(_stream(req, raw_request, ctx, run, request_id, created))
 
-    async with abort_on_disconnect(raw_request, run.abort, run.close):
-        async for _ in run.deltas():
-            pass
-    if run.aborted:
+    if not await run_to_end(raw_request, run):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     choices = [
         ChatChoice(
@@ -132,11 +115,11 @@ async def create_chat_completion(
         for c in run.choices
     ]
     return ChatCompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=_usage(run)
+        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=run.usage()
     )
 
 
-async def _stream(
+def _stream(
     req: ChatCompletionRequest,
     raw_request: Request,
     ctx: ServingContext,
@@ -146,47 +129,32 @@ async def _stream(
 ) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    def frame(choice: ChatChunkChoice) -> bytes:
-        chunk = ChatCompletionChunk(
-            id=request_id, created=created, model=ctx.model_name, choices=[choice]
+    def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        body = ChatCompletionChunk(
+            id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )
-        return sse_frame(chunk, usage_field=include_usage)
+        return sse_frame(body, usage_field=include_usage)
 
-    async with abort_on_disconnect(raw_request, run.abort, run.close):
-        try:
-            for c in run.choices:
-                yield frame(
-                    ChatChunkChoice(index=c.index, delta=ChatDelta(role="assistant", content=""))
-                )
-            async for batch in run.deltas():
-                for d in batch:
-                    if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
-                        yield frame(
-                            ChatChunkChoice(
-                                index=d.index,
-                                delta=ChatDelta(content=d.text),
-                                logprobs=chat_logprobs_body(d.logprobs) if req.logprobs else None,
-                                token_ids=d.token_ids if req.return_token_ids else None,
-                            )
-                        )
-                    if d.finish_reason is not None and d.finish_reason != "abort":
-                        yield frame(
-                            ChatChunkChoice(
-                                index=d.index,
-                                delta=ChatDelta(),
-                                finish_reason=finish_reason(d.finish_reason),
-                            )
-                        )
-            if include_usage and not run.aborted:
-                yield sse_frame(
-                    ChatCompletionChunk(
-                        id=request_id,
-                        created=created,
-                        model=ctx.model_name,
-                        choices=[],
-                        usage=_usage(run),
-                    )
-                )
-        except APIError as error:
-            yield sse_error_frame(error)
-    yield DONE_FRAME
+    def opening() -> list[bytes]:
+        role = ChatDelta(role="assistant", content="")
+        return [chunk([ChatChunkChoice(index=c.index, delta=role)]) for c in run.choices]
+
+    def delta_frames(d: ChoiceDelta) -> list[bytes]:
+        frames = []
+        if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
+            content = ChatChunkChoice(
+                index=d.index,
+                delta=ChatDelta(content=d.text),
+                logprobs=chat_logprobs_body(d.logprobs) if req.logprobs else None,
+                token_ids=d.token_ids if req.return_token_ids else None,
+            )
+            frames.append(chunk([content]))
+        if d.finish_reason is not None and d.finish_reason != "abort":
+            reason = finish_reason(d.finish_reason)
+            frames.append(
+                chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(), finish_reason=reason)])
+            )
+        return frames
+
+    usage_frame = (lambda: chunk([], run.usage())) if include_usage else None
+    return stream_run(raw_request, run, opening, delta_frames, usage_frame)

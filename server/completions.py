@@ -13,7 +13,6 @@ from fastapi import Request, Response
 
 from server.admission import count_prompts
 from server.context import ServingContext, new_request_id
-from server.errors import APIError
 from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
 from server.prompts import Prompt, completion_prompts
 from server.protocol import (
@@ -31,13 +30,7 @@ from server.sampling import (
     resolve_max_tokens,
     stop_strings,
 )
-from server.streaming import (
-    DONE_FRAME,
-    abort_on_disconnect,
-    sse_error_frame,
-    sse_frame,
-    sse_response,
-)
+from server.streaming import run_to_end, sse_frame, sse_response, stream_run
 from server.timeouts import request_deadline
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
@@ -105,10 +98,7 @@ async def create_completion(
     if req.stream:
         return sse_response(_stream(req, raw_request, ctx, run, request_id, created))
 
-    async with abort_on_disconnect(raw_request, run.abort, run.close):
-        async for _ in run.deltas():
-            pass
-    if run.aborted:
+    if not await run_to_end(raw_request, run):
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     choices = []
     for c in run.choices:
@@ -125,17 +115,12 @@ async def create_completion(
                 prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
             )
         )
-    usage = UsageInfo(
-        prompt_tokens=run.num_prompt_tokens,
-        completion_tokens=run.num_completion_tokens,
-        total_tokens=run.num_prompt_tokens + run.num_completion_tokens,
-    )
     return CompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=run.usage()
     )
 
 
-async def _stream(
+def _stream(
     req: CompletionRequest,
     raw_request: Request,
     ctx: ServingContext,
@@ -144,67 +129,42 @@ async def _stream(
     created: int,
 ) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    echo_lens: dict[int, int] = {}  # choice index -> characters of echoed prompt before it
 
-    def frame(choice: CompletionChoice) -> bytes:
-        chunk = CompletionChunk(
-            id=request_id, created=created, model=ctx.model_name, choices=[choice]
+    def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        body = CompletionChunk(
+            id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )
-        return sse_frame(chunk, usage_field=include_usage)
+        return sse_frame(body, usage_field=include_usage)
 
-    def delta_frames(d: ChoiceDelta, echo_len: int) -> list[bytes]:
+    def opening() -> list[bytes]:
         frames = []
-        if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
-            frames.append(
-                frame(
-                    CompletionChoice(
-                        index=d.index,
-                        text=d.text,
-                        logprobs=completion_logprobs(d.logprobs, echo_len)
-                        if req.logprobs is not None
-                        else None,
-                        token_ids=d.token_ids if req.return_token_ids else None,
-                    )
-                )
-            )
-        if d.finish_reason == "abort":
-            return frames  # the client is gone; nobody reads a finish chunk
-        if d.finish_reason is not None:  # OpenAI sends the finish reason in its own chunk
-            frames.append(
-                frame(
-                    CompletionChoice(
-                        index=d.index, text="", finish_reason=finish_reason(d.finish_reason)
-                    )
-                )
-            )
+        for c in run.choices:
+            echo = _echo_text(c.prompt, ctx) if req.echo else ""
+            echo_lens[c.index] = len(echo)
+            if echo:
+                frames.append(chunk([CompletionChoice(index=c.index, text=echo)]))
         return frames
 
-    async with abort_on_disconnect(raw_request, run.abort, run.close):
-        try:
-            echo_lens = {}
-            for c in run.choices:
-                echo = _echo_text(c.prompt, ctx) if req.echo else ""
-                echo_lens[c.index] = len(echo)
-                if echo:
-                    yield frame(CompletionChoice(index=c.index, text=echo))
-            async for batch in run.deltas():
-                for d in batch:
-                    for f in delta_frames(d, echo_lens[d.index]):
-                        yield f
-            if include_usage and not run.aborted:
-                usage = UsageInfo(
-                    prompt_tokens=run.num_prompt_tokens,
-                    completion_tokens=run.num_completion_tokens,
-                    total_tokens=run.num_prompt_tokens + run.num_completion_tokens,
-                )
-                yield sse_frame(
-                    CompletionChunk(
-                        id=request_id,
-                        created=created,
-                        model=ctx.model_name,
-                        choices=[],
-                        usage=usage,
-                    )
-                )
-        except APIError as error:  # headers are sent: report in-band, then end the stream
-            yield sse_error_frame(error)
-    yield DONE_FRAME
+    def delta_frames(d: ChoiceDelta) -> list[bytes]:
+        frames = []
+        if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(d.logprobs, echo_lens[d.index])
+            content = CompletionChoice(
+                index=d.index,
+                text=d.text,
+                logprobs=logprobs,
+                token_ids=d.token_ids if req.return_token_ids else None,
+            )
+            frames.append(chunk([content]))
+        # OpenAI sends the finish reason in a chunk of its own; after an abort the client is
+        # gone and nobody reads one.
+        if d.finish_reason is not None and d.finish_reason != "abort":
+            reason = finish_reason(d.finish_reason)
+            frames.append(chunk([CompletionChoice(index=d.index, text="", finish_reason=reason)]))
+        return frames
+
+    usage_frame = (lambda: chunk([], run.usage())) if include_usage else None
+    return stream_run(raw_request, run, opening, delta_frames, usage_frame)

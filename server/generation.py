@@ -47,9 +47,11 @@ from server.errors import (
     request_timed_out,
     server_shutting_down,
 )
-from server.metrics import RequestTimings, ServerMetrics
+from server.metrics import ServerMetrics
 from server.prompts import Prompt
+from server.protocol import UsageInfo
 from server.timeouts import Deadline
+from server.timings import RequestTimings
 
 logger = logging.getLogger(__name__)
 
@@ -343,6 +345,12 @@ class GenerationRun:
             stream,
             f"{self._deadline.timeout_s:g}s" if self._deadline else "none",
             prompts,
+        )
+
+    def usage(self) -> UsageInfo:
+        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        return UsageInfo(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
     @property

@@ -10,7 +10,8 @@ Data flows in as plain values (STYLE 6), always on the event loop thread:
   throughput counters move while long requests run;
 * ``record_request(timings)`` once per choice when it ends, however it ends (``stop``,
   ``length``, ``abort``, ``error``): the finished counter and the per-request histograms;
-* ``HTTPMetricsMiddleware`` counts every HTTP response by route and status.
+* ``record_http(handler, status)`` for every HTTP response, from
+  ``server.http_metrics.HTTPMetricsMiddleware``.
 
 A *request* here is one engine request, i.e. one choice: an HTTP request with ``n=2`` or two
 prompts counts 2, each with its prompt's tokens (HTTP requests have their own counter).
@@ -32,12 +33,10 @@ PromQL recompute both over any window (``deploy/README.md``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import (
@@ -51,11 +50,11 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.exposition import choose_encoder
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.outputs import STEP_PHASES, StepStats
 from server.config import ServingConfig
 from server.peaks import Peaks, resolve_peaks
+from server.timings import RequestTimings
 
 logger = logging.getLogger(__name__)
 
@@ -88,76 +87,6 @@ def token_buckets(max_len: int) -> tuple[float, ...]:
                 return tuple(buckets)
             buckets.append(float(m * scale))
         scale *= 10
-
-
-@dataclass(slots=True)
-class RequestTimings:
-    """Timestamps of one engine request (one choice), all ``time.monotonic()``.
-
-    ``arrival_time`` is when the HTTP request arrived, so TTFT includes tokenization and
-    queueing, as clients measure it; ``scheduled_time`` is the engine's first step for it.
-    Token times are when the server's front end received the tokens.
-    """
-
-    arrival_time: float
-    num_prompt_tokens: int = 0
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    finish_time: float | None = None
-    num_output_tokens: int = 0
-    finish_reason: str | None = None
-    last_inter_token_latency_s: float | None = None
-
-    def on_tokens(self, num_tokens: int, now: float) -> None:
-        """Record ``num_tokens`` tokens that arrived together at ``now``."""
-        if num_tokens <= 0:
-            return
-        if self.first_token_time is None:
-            self.first_token_time = now
-        elif self.last_token_time is not None:
-            self.last_inter_token_latency_s = now - self.last_token_time
-        self.last_token_time = now
-        self.num_output_tokens += num_tokens
-
-    def on_finish(self, reason: str, now: float) -> None:
-        self.finish_reason = reason
-        self.finish_time = now
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def e2e_s(self) -> float | None:
-        return None if self.finish_time is None else self.finish_time - self.arrival_time
-
-    @property
-    def queue_s(self) -> float | None:
-        """Arrival to the first engine step (includes tokenization, as vLLM's does not)."""
-        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
-
-    @property
-    def prefill_s(self) -> float | None:
-        """First engine step to the first token: every prefill chunk, and any preemption."""
-        if self.scheduled_time is None or self.first_token_time is None:
-            return None
-        return self.first_token_time - self.scheduled_time
-
-    @property
-    def decode_s(self) -> float | None:
-        if self.first_token_time is None or self.last_token_time is None:
-            return None
-        return self.last_token_time - self.first_token_time
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first (vLLM bench's TPOT definition)."""
-        if self.first_token_time is None or self.finish_time is None:
-            return None
-        if self.num_output_tokens < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (self.num_output_tokens - 1)
 
 
 class _RatioEMA:
@@ -492,53 +421,3 @@ def config_info(config: ServingConfig, **resolved: str) -> dict[str, str]:
         "prefix_caching": str(kvpool.enable_prefix_caching).lower(),
         **resolved,
     }
-
-
-class HTTPMetricsMiddleware:
-    """Counts every HTTP response by route template and status code (plain ASGI).
-
-    Install it outermost (added last) so it also sees the answers of the other middleware
-    (413 body limit, 401, 429/503 admission). A request that fails before a response starts
-    counts as 500 (what Starlette's error middleware answers), or 499 if it was cancelled
-    because the client went away. Paths that match no route count as ``other``, so random
-    URLs cannot grow the label set.
-    """
-
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status: int | None = None
-
-        async def send_counting(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = int(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_counting)
-        except asyncio.CancelledError:
-            status = status if status is not None else 499
-            raise
-        except Exception:
-            status = status if status is not None else 500
-            raise
-        finally:
-            self.metrics.record_http(_handler(scope), status if status is not None else 500)
-
-
-def _handler(scope: Scope) -> str:
-    route_path = getattr(scope.get("route"), "path", None)
-    if isinstance(route_path, str):
-        return route_path
-    # Answered before routing (e.g. a 413 from the body-size limit): the raw path if it is
-    # one of the app's routes.
-    app = scope.get("app")
-    paths = {getattr(r, "path", None) for r in getattr(app, "routes", ())}
-    path = scope.get("path", "")
-    return path if path in paths else "other"

@@ -19,14 +19,17 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from server.errors import APIError
+
+if TYPE_CHECKING:
+    from server.generation import ChoiceDelta, GenerationRun
 
 logger = logging.getLogger(__name__)
 
@@ -84,3 +87,38 @@ async def abort_on_disconnect(
     finally:
         watcher.cancel()
         on_exit()
+
+
+async def run_to_end(request: Request, run: GenerationRun) -> bool:
+    """Drive a non-streaming run to its end. Returns False if the client went away."""
+    async with abort_on_disconnect(request, run.abort, run.close):
+        async for _ in run.deltas():
+            pass
+    return not run.aborted
+
+
+async def stream_run(
+    request: Request,
+    run: GenerationRun,
+    opening: Callable[[], Iterable[bytes]],
+    delta_frames: Callable[[ChoiceDelta], Iterable[bytes]],
+    usage_frame: Callable[[], bytes] | None,
+) -> AsyncIterator[bytes]:
+    """The SSE body of a run: ``opening()`` frames, each delta's frames, the usage frame
+    (unless the client went away), then ``[DONE]``. The endpoint decides the chunk shapes.
+
+    An engine failure after the headers went out is reported in-band (``sse_error_frame``).
+    """
+    async with abort_on_disconnect(request, run.abort, run.close):
+        try:
+            for frame in opening():
+                yield frame
+            async for batch in run.deltas():
+                for delta in batch:
+                    for frame in delta_frames(delta):
+                        yield frame
+            if usage_frame is not None and not run.aborted:
+                yield usage_frame()
+        except APIError as error:
+            yield sse_error_frame(error)
+    yield DONE_FRAME

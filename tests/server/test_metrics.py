@@ -14,13 +14,13 @@ import planner.cpu
 from engine.outputs import STEP_PHASES, StepStats
 from server.config import ServingConfig
 from server.metrics import (
-    RequestTimings,
     ServerMetrics,
     config_info,
     overhead_summary,
     token_buckets,
 )
 from server.peaks import Peaks, resolve_peaks
+from server.timings import RequestTimings
 from tests.server.server_fakes import FakeEngine
 from tests.server.test_streaming import call_asgi
 
