@@ -3,7 +3,7 @@
     python -m engine.bench_prefix                    # the embedded default model
     python -m engine.bench_prefix --max-tokens 64 --json
 
-The workload of issue 10: ``--num-requests`` requests (16) share a ``--system-len``-token
+The shared-prefix workload: ``--num-requests`` requests (16) share a ``--system-len``-token
 system prompt (400) and differ afterwards (a short distinct question each); all of them are
 submitted at once, so the concurrency is the request count. Each mode runs in a fresh
 engine, so the cache starts cold; the same requests are then run a second time with new

@@ -26,8 +26,8 @@ class Linear(nn.Module):
     float32 sgemm, AVX2), the transposed-B case is 2-3x slower for 4 to 48 rows, exactly the
     decode batch sizes a server runs (16 rows: 138 ms vs 44 ms for this model's matmuls
     on 2 cores), while 1 row and large prefill chunks are the same speed either way
-    (``kernels/bench.py``-style sweep in the issue-9 note). The checkpoint's ``[out, in]``
-    tensors are transposed once at load.
+    (a matmul sweep over the model's weight shapes, ``benchmarks/mfu.py``). The
+    checkpoint's ``[out, in]`` tensors are transposed once at load.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

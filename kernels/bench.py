@@ -19,7 +19,7 @@ bandwidth measured with a large tensor copy unless ``--peak-gbps`` is given; wit
 ``TRITON_INTERPRET=1`` set it adds the interpreted Triton rows, for their ``max_err`` only.
 Every row checks its output against the reference (``max_err``), so a fast wrong kernel shows.
 
-The figure the issue asks for (>= 70% of peak on an H100/H200, bf16, GQA)::
+The target figure (>= 70% of peak on an H100/H200, bf16, GQA)::
 
     python -m kernels.bench --batches 64 --contexts 4096 --shapes 32/8 --block-sizes 16
 """

@@ -1,6 +1,6 @@
 """Prefix caching end to end: greedy tokens with caching on equal the tokens with it off.
 
-The workload of issue 10: 16 requests share a 400-token system prompt and differ afterwards
+The shared-prefix workload: 16 requests share a 400-token system prompt and differ afterwards
 (suffixes of 1 to 37 tokens), submitted all together, in waves, and under preemption in a
 tiny pool. The reference is the same engine with ``enable_prefix_caching=False``; cached K/V
 was computed in other batch shapes than recomputed K/V, so a divergence is accepted only at
