@@ -13,71 +13,38 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-@dataclass(frozen=True, slots=True)
-class ModelShapes:
-    """The matmul shapes of a Llama-family decoder, from its HF ``config.json``."""
-
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-
-    @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> ModelShapes:
-        hidden = int(config["hidden_size"])
-        num_heads = int(config["num_attention_heads"])
-        head_dim = config.get("head_dim") or hidden // num_heads
-        return cls(
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_heads=num_heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            vocab_size=int(config["vocab_size"]),
-        )
-
-    @classmethod
-    def from_model_dir(cls, model_dir: Path) -> ModelShapes:
-        return cls.from_config(json.loads((model_dir / "config.json").read_text()))
-
-    def layer_matmuls(self) -> list[tuple[int, int]]:
-        """(in, out) of one decoder layer's fused matmuls: qkv, o, gate_up, down."""
-        h, d = self.hidden_size, self.head_dim
-        return [
-            (h, (self.num_heads + 2 * self.num_kv_heads) * d),
-            (self.num_heads * d, h),
-            (h, 2 * self.intermediate_size),
-            (self.intermediate_size, h),
-        ]
-
-    @property
-    def layer_params(self) -> int:
-        """Matmul weights of all decoder layers (norms are negligible and not matmuls)."""
-        return self.num_layers * sum(i * o for i, o in self.layer_matmuls())
-
-    @property
-    def lm_head_params(self) -> int:
-        return self.hidden_size * self.vocab_size
+from engine.config import ModelConfig
+from engine.cost import StepCostModel
 
 
-def request_flops(shapes: ModelShapes, prompt_tokens: float, output_tokens: float) -> float:
-    """Model FLOPs one request needs: matmuls (2 per weight per token) plus attention.
+def model_config(model_dir: Path) -> ModelConfig:
+    """The engine's view of a checkpoint's HF ``config.json``."""
+    return ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+
+
+def layer_matmuls(config: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's matmuls as ``engine/llama.py`` fuses them:
+    qkv, o, gate_up, down."""
+    h, d = config.hidden_size, config.head_dim
+    return [
+        (h, (config.num_heads + 2 * config.num_kv_heads) * d),
+        (config.num_heads * d, h),
+        (h, 2 * config.intermediate_size),
+        (config.intermediate_size, h),
+    ]
+
+
+def request_flops(cost: StepCostModel, prompt_tokens: float, output_tokens: float) -> float:
+    """Model FLOPs one request needs, with the engine's own per-token coefficients
+    (``StepCostModel``: what the MBU/MFU gauges count), summed over the whole request.
 
     NOTE: every token but the last output goes through the decoder layers (P + O - 1), and
     only the O positions that sample a token need the lm_head; a prefill that computed
-    logits for every prompt position would do more work, not more useful work.
-    Attention at a token that sees ``t`` positions costs 4 * t * num_heads * head_dim per
-    layer (QK^T and PV, 2 FLOPs per multiply-add).
+    logits for every prompt position would do more work, not more useful work. Lengths may
+    be means over a load-test point, hence floats.
 
          prompt P                 output O
       |-----------------|x x x x x x x x x x x|
@@ -85,15 +52,17 @@ def request_flops(shapes: ModelShapes, prompt_tokens: float, output_tokens: floa
        lm_head:                 O positions (last prompt position + O - 1 outputs)
     """
     forwarded = prompt_tokens + output_tokens - 1
-    matmul = 2 * forwarded * shapes.layer_params + 2 * output_tokens * shapes.lm_head_params
     # Token t (1-based) attends to t positions: sum over t = 1..forwarded.
-    attended = forwarded * (forwarded + 1) / 2
-    attention = 4 * shapes.num_layers * shapes.num_heads * shapes.head_dim * attended
-    return matmul + attention
+    attended_pairs = forwarded * (forwarded + 1) / 2
+    return (
+        2 * forwarded * cost.body_matmul_params
+        + 2 * output_tokens * cost.lm_head_params
+        + cost.attention_flops_per_pair * attended_pairs
+    )
 
 
 def achieved_flops_s(
-    shapes: ModelShapes,
+    cost: StepCostModel,
     num_completed: int,
     mean_prompt_tokens: float,
     mean_output_tokens: float,
@@ -102,12 +71,12 @@ def achieved_flops_s(
     """Model FLOP/s of a load-test point (requests of equal lengths, as in this benchmark)."""
     if duration_s <= 0 or num_completed == 0:
         return 0.0
-    per_request = request_flops(shapes, mean_prompt_tokens, mean_output_tokens)
+    per_request = request_flops(cost, mean_prompt_tokens, mean_output_tokens)
     return num_completed * per_request / duration_s
 
 
 def measure_matmul_ceiling(
-    shapes: ModelShapes, num_rows: int, min_repeats: int = 3, budget_s: float = 2.0
+    config: ModelConfig, num_rows: int, min_repeats: int = 3, budget_s: float = 2.0
 ) -> dict[str, float]:
     """FLOP/s of one pass over every layer's matmuls plus the lm_head at ``num_rows`` rows.
 
@@ -117,8 +86,8 @@ def measure_matmul_ceiling(
     import torch
     import torch.nn.functional as F
 
-    shapes_list = shapes.layer_matmuls() * shapes.num_layers + [
-        (shapes.hidden_size, shapes.vocab_size)
+    shapes_list = layer_matmuls(config) * config.num_layers + [
+        (config.hidden_size, config.vocab_size)
     ]
     flops = sum(2 * num_rows * i * o for i, o in shapes_list)
     g = torch.Generator().manual_seed(0)
@@ -152,7 +121,7 @@ def measure_matmul_ceiling(
 
 
 def add_mfu(
-    points: dict[str, dict[str, Any]], shapes: ModelShapes, ceilings: dict[str, float]
+    points: dict[str, dict[str, Any]], cost: StepCostModel, ceilings: dict[str, float]
 ) -> None:
     """Set ``model_flops_s`` and ``mfu`` on each point whose concurrency has a ceiling.
 
@@ -164,7 +133,7 @@ def add_mfu(
         if c not in ceilings or not row.get("num_completed"):
             continue
         row["model_flops_s"] = achieved_flops_s(
-            shapes,
+            cost,
             row["num_completed"],
             row["mean_prompt_tokens"],
             row["mean_output_tokens"],

