@@ -56,21 +56,6 @@ def vllm_command(python: str) -> str:
     return f"env {VLLM_ENV} {python} {VLLM_ARGS}"
 
 
-def weight_bytes(model_dir: Path) -> int:
-    """Bytes of float32 weights in the checkpoint (a tied lm_head is stored once)."""
-    from safetensors import safe_open
-
-    total = 0
-    for path in model_dir.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                n = 1
-                for d in f.get_slice(name).get_shape():
-                    n *= d
-                total += n * 4
-    return total
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.speed", description=__doc__.split("\n")[0]
@@ -108,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = resolve_model("default").path
     config = model_config(model_dir)
     peaks = measure_cpu_peaks(("fp32",), refresh=args.remeasure)
-    wbytes = weight_bytes(model_dir)
+    cost = StepCostModel.from_config(config, dtype_bytes=4)  # float32 weights
+    # What a batch-1 decode step streams, as the server's MBU gauge counts it (a tied
+    # lm_head is the embedding table, read once).
+    wbytes = cost.body_weight_bytes + cost.lm_head_bytes
     decode_floor = wbytes / peaks.bandwidth
     prefill_floor = 2 * (wbytes // 4) * args.prompt_tokens / peaks.flops["fp32"]
     print(
@@ -151,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     vllm_cmd = vllm_command(args.vllm_python) if args.vllm_python else args.vllm_cmd
     if vllm_cmd:
         servers["vllm"] = vllm_cmd
-    cost = StepCostModel.from_config(config, dtype_bytes=4)  # float32 weights
     for name, cmd in servers.items():
         result[name] = measure_server(
             name,
