@@ -66,9 +66,9 @@ def paged_attention_decode(
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens.
 
-    Vectorised over sequences: every sequence's context is gathered with one
-    ``index_select`` into a padded [num_seqs, max_len] tensor and the padding is masked, so a
-    decode step costs a handful of batched ops instead of a Python loop over sequences.
+    Vectorised over sequences: each cache is gathered with one ``index_select`` into a
+    padded [num_seqs * num_kv_heads, max_len, head_dim] tensor and the padding is masked, so
+    a decode step costs a handful of batched ops instead of a Python loop over sequences.
     """
     context = decode_context(block_tables, seq_lens, key_cache.shape[1], key_cache.shape[2])
     return decode_over_context(query, key_cache, value_cache, context, scale)

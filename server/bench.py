@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.outputs import RequestOutput
+from loadtest.stats import percentile  # the load generator's definition, one for both
 from scheduler.request import SamplingParams
 from server.detokenizer import IncrementalDetokenizer
 from server.engine_client import AsyncEngineClient, EngineRequest
@@ -83,22 +84,13 @@ async def run_threaded(
     await probe_task
     steps = client.snapshot.num_steps
     await client.shutdown()
-    lags.sort()
     return {
         "tokens_per_s": tokens / wall,
         "step_ms": 1000 * wall / max(steps, 1),
-        "lag_p50_ms": 1000 * _quantile(lags, 0.50),
-        "lag_p99_ms": 1000 * _quantile(lags, 0.99),
-        "lag_max_ms": 1000 * lags[-1],
+        "lag_p50_ms": 1000 * percentile(lags, 50),
+        "lag_p99_ms": 1000 * percentile(lags, 99),
+        "lag_max_ms": 1000 * max(lags),
     }
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    """Linear-interpolated quantile of a sorted list, so p50 <= p99 <= max for any length."""
-    pos = q * (len(ordered) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def _echo(conn: Connection) -> None:
