@@ -36,6 +36,12 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels /src
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG UID=10001
+# g++: the C++ CPU kernels (kernels/cpu) are compiled on the first start for the CPU the
+# container runs on (-march=native), into the cache volume; without a compiler the server
+# falls back to the slower PyTorch reference.
+RUN apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 # The cache (converted model, measured CPU peaks, HF files) lives on a volume owned by the
 # unprivileged user; results/ is where the compose loadtest service writes.
 RUN groupadd --system --gid "${UID}" pagedserve \
@@ -52,7 +58,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     PAGEDSERVE_HOST=0.0.0.0 \
     PAGEDSERVE_PORT=8000 \
     PAGEDSERVE_CACHE=/var/cache/pagedserve \
-    HF_HOME=/var/cache/pagedserve/hf
+    HF_HOME=/var/cache/pagedserve/hf \
+    TORCH_EXTENSIONS_DIR=/var/cache/pagedserve/torch_extensions
 USER ${UID}:${UID}
 WORKDIR /home/pagedserve
 VOLUME ["/var/cache/pagedserve"]

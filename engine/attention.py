@@ -1,10 +1,14 @@
-"""Paged attention for the model, over one of two explicitly chosen backends.
+"""Paged attention for the model, over one of three explicitly chosen backends.
 
-- ``torch``: the plain-PyTorch reference in ``kernels/reference.py`` (the CPU path).
+- ``torch``: the plain-PyTorch reference in ``kernels/reference.py`` (any device and dtype).
+- ``cpu``: the C++ kernels of ``kernels.cpu`` (float32 on CPU): decode reads K/V in place
+  through the block tables; prefill chunks and the cache write use the reference (the
+  engine's fused layer ops write the cache themselves, ``engine/layer_ops.py``).
 - ``triton``: the Triton kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``).
 
-``auto`` picks Triton on CUDA and torch elsewhere. The choice is a constructor argument,
-never a global switch, and Triton is imported only when it is chosen.
+``auto`` picks Triton on CUDA, ``cpu`` for float32 on CPU when the C++ kernels build, and
+the reference otherwise. The choice is a constructor argument, never a global switch, and
+Triton is imported only when it is chosen.
 """
 
 from __future__ import annotations
@@ -14,13 +18,34 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import ModelConfig
 from engine.input_batch import AttentionMetadata
+from kernels import cpu as cpu_kernels
 from kernels.reference import DecodeContext, decode_context, decode_over_context
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, model: ModelConfig) -> str:
+    fits_cpu = (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and cpu_kernels.supports(
+            head_dim=model.head_dim,
+            hidden_size=model.hidden_size,
+            intermediate_size=model.intermediate_size,
+        )
+    )
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if fits_cpu and cpu_kernels.load() is not None else "torch"
+    if name == "cpu":
+        if not fits_cpu:
+            raise ValueError(
+                "the cpu attention backend needs float32 on the CPU, head_dim 32/64/96/128/256 "
+                "and hidden and intermediate sizes that are multiples of 16"
+            )
+        if cpu_kernels.load() is None:
+            raise RuntimeError("the C++ CPU kernels could not be built (see the log)")
     return name
 
 
@@ -41,7 +66,7 @@ class PagedAttention:
 
     def __init__(self, backend: str, scale: float) -> None:
         """Args:
-        backend: "torch" or "triton" (already resolved from "auto").
+        backend: "torch", "cpu" or "triton" (already resolved from "auto").
         scale: softmax scale, usually head_dim ** -0.5.
         """
         self.backend = backend
@@ -59,6 +84,10 @@ class PagedAttention:
                 paged_attention_prefill,
                 store_kv,
             )
+        elif backend == "cpu":
+            from kernels.reference import paged_attention_prefill, store_kv
+
+            paged_attention_decode = cpu_kernels.load().paged_attention_decode
         else:
             raise ValueError(f"unknown attention backend {backend!r}")
         self._store_kv = store_kv

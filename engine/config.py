@@ -131,7 +131,8 @@ class EngineConfig:
             (config.json + safetensors) or a .gguf file.
         dtype: "float32", "bfloat16" or "float16"; None picks float32 on CPU, bfloat16 on CUDA.
         device: "cpu", "cuda", "cuda:1"...; None picks CUDA when present.
-        attention_backend: "auto" (Triton on CUDA, torch reference on CPU), "triton" or "torch".
+        attention_backend: "auto" (Triton on CUDA; on CPU the C++ kernels for float32 when
+            they build, else the torch reference), "triton", "cpu" or "torch".
         max_model_len: longest prompt + output; None uses the model's max positions.
         seed: seed of the sampler's generator for requests that give no seed.
         fault_token_id: TEST ONLY (fault injection, engine/faults.py): the step raises
@@ -150,7 +151,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "triton", "torch"):
+        if self.attention_backend not in ("auto", "triton", "cpu", "torch"):
             raise ValueError(
-                f"attention_backend must be auto, triton or torch, got {self.attention_backend!r}"
+                "attention_backend must be auto, triton, cpu or torch, "
+                f"got {self.attention_backend!r}"
             )

@@ -16,7 +16,8 @@ from torch import nn
 from engine.attention import AttentionPlan, PagedAttention
 from engine.config import ModelConfig
 from engine.input_batch import InputBatch
-from engine.rope import RotaryEmbedding, apply_rope
+from engine.layer_ops import TorchLayerOps
+from engine.rope import RotaryEmbedding
 
 
 class Linear(nn.Module):
@@ -76,29 +77,39 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [num_tokens, hidden]
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's output (or embeddings)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before x is added
         batch: InputBatch,
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, 1, head_dim]
         attention: PagedAttention,
         plan: AttentionPlan,
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
-    ) -> torch.Tensor:
+        ops: TorchLayerOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, residual stream)
+        # The residual add of each sublayer is deferred into the next norm (one fused op):
+        # the stream is residual + x until add_rms_norm_ folds x in.
         t = x.shape[0]
-        qkv = self.qkv_proj(self.input_norm(x))
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # Q and K heads rotate together: one set of elementwise ops instead of two.
-        cos, sin = rope
-        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        # The chunk's own K/V must be in the cache before attention: its queries attend to
-        # them through the block table like to any cached token.
-        attention.store(k, v, key_cache, value_cache, batch.slot_mapping)
+        if residual is None:
+            residual = x
+            h = ops.rms_norm(x, self.input_norm)
+        else:
+            h = ops.add_rms_norm_(x, residual, self.input_norm)
+        q = ops.rope_and_store(
+            self.qkv_proj(h),
+            rope,
+            attention,
+            key_cache,
+            value_cache,
+            batch.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+        )
         o = attention(q, key_cache, value_cache, plan)  # [num_tokens, num_heads, head_dim]
-        x = x + self.o_proj(o.reshape(t, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        h = ops.add_rms_norm_(
+            self.o_proj(o.reshape(t, self.q_size)), residual, self.post_attention_norm
+        )
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -107,10 +118,12 @@ class LlamaForCausalLM(nn.Module):
         config: ModelConfig,
         attention: PagedAttention,
         rope: RotaryEmbedding,
+        ops: TorchLayerOps | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.attention = attention
+        self.ops = ops or TorchLayerOps()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -133,13 +146,17 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope.lookup(batch.positions, x.dtype)
         _, block_size, num_kv_heads, _ = key_caches[0].shape
         plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
+        residual = None
         for layer, key_cache, value_cache in zip(
             self.layers, key_caches, value_caches, strict=True
         ):
-            x = layer(x, batch, rope, self.attention, plan, key_cache, value_cache)
+            x, residual = layer(
+                x, residual, batch, rope, self.attention, plan, key_cache, value_cache, self.ops
+            )
         # Only the last token of each sampling request needs logits: a prefill chunk of 512
         # tokens would otherwise pay 512 vocab-sized matmul rows for nothing.
-        x = self.norm(x[batch.logits_indices])
+        last = batch.logits_indices
+        x = self.norm(residual[last] + x[last])
         return self.lm_head(x).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

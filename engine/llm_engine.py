@@ -17,12 +17,14 @@ from engine.attention import PagedAttention, resolve_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cost import StepCostModel
 from engine.faults import FaultInjectingRunner, describe, execute_isolating
+from engine.layer_ops import CpuLayerOps, TorchLayerOps
 from engine.llama import LlamaForCausalLM
 from engine.loader import load_state_dict, load_tokenizer, read_hf_config, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
+from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
 from kvpool.manager import KVCacheManager
 from kvpool.storage import KVCacheStorage, plan_capacity
@@ -66,12 +68,18 @@ class LLMEngine:
             self.eos_token_id = self.tokenizer.eos_token_id
 
         t0 = time.perf_counter()
-        self.attention_backend = resolve_backend(config.attention_backend, self.device)
+        self.attention_backend = resolve_backend(
+            config.attention_backend, self.device, self.dtype, mc
+        )
         attention = PagedAttention(self.attention_backend, scale=mc.head_dim**-0.5)
         rope = RotaryEmbedding(mc, self.max_model_len, self.device)
+        # The cpu backend brings the fused C++ layer ops along; every other one uses torch's.
+        ops = (
+            CpuLayerOps(cpu_kernels.load()) if self.attention_backend == "cpu" else TorchLayerOps()
+        )
         # Built on the meta device, then materialised once: no time spent on random init.
         with torch.device("meta"):
-            model = LlamaForCausalLM(mc, attention, rope)
+            model = LlamaForCausalLM(mc, attention, rope, ops)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_hf_state_dict(load_state_dict(resolved.path))
         self.model = model.eval()

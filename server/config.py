@@ -264,8 +264,9 @@ _OPTIONS: tuple[_Option, ...] = (
     _Option("--device", "engine", "device", _optional(str), _E.device,
             "cpu, cuda, cuda:1, ...; auto picks CUDA when present"),
     _Option("--attention-backend", "engine", "attention_backend", str, _E.attention_backend,
-            "auto (Triton on CUDA, torch on CPU), triton or torch",
-            ("auto", "triton", "torch")),
+            "auto (Triton on CUDA; C++ kernels for float32 on CPU, else torch), triton, cpu "
+            "or torch",
+            ("auto", "triton", "cpu", "torch")),
     _Option("--max-model-len", "engine", "max_model_len", _optional(int), _E.max_model_len,
             "longest prompt + output in tokens; auto = the model's max positions"),
     _Option("--seed", "engine", "seed", int, _E.seed,

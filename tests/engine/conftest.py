@@ -42,3 +42,16 @@ def tiny_llama_mha(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_gqa(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-gqa"), num_kv_heads=2, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_cpu_shapes(tmp_path_factory) -> Path:
+    """GQA with head_dim 32: the smallest shapes the C++ CPU kernels take (``auto`` picks
+    them on CPU), where the other tiny models (head_dim 16) run the torch reference."""
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-cpu"),
+        num_kv_heads=2,
+        seed=2,
+        hidden_size=128,
+        intermediate_size=256,
+    )

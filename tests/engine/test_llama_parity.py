@@ -29,7 +29,7 @@ def _check_against_hf(path, llm: LLM, prompts: list[list[int]]) -> None:
         assert out.finish_reason == expected
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_mha", "tiny_llama_gqa"])
+@pytest.mark.parametrize("fixture", ["tiny_llama_mha", "tiny_llama_gqa", "tiny_llama_cpu_shapes"])
 @pytest.mark.parametrize("block_size,budget", [(16, 512), (8, 16)])
 def test_greedy_matches_transformers(request, fixture, block_size, budget):
     """All prompts in one generate() call; budget 16 forces chunked prefill."""
@@ -59,6 +59,40 @@ def test_greedy_matches_transformers(request, fixture, block_size, budget):
 def test_config_variants_match_transformers(tmp_path, overrides):
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=3, **overrides)
     _check_against_hf(path, LLM(str(path)), _prompts(256, seed=1)[:5])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_cpu_kernels_match_transformers(tiny_llama_cpu_shapes, tmp_path, backend):
+    """The C++ CPU kernels (chosen by ``auto`` for these shapes) and the reference, through
+    chunked prefill and mixed steps, and with biased QKV and tied embeddings."""
+    llm = LLM(
+        str(tiny_llama_cpu_shapes),
+        attention_backend=backend,
+        block_size=8,
+        max_num_batched_tokens=24,
+    )
+    assert llm.engine.attention_backend == backend
+    _check_against_hf(tiny_llama_cpu_shapes, llm, _prompts(256, seed=2))
+    path = make_tiny_llama(
+        tmp_path,
+        num_kv_heads=2,
+        seed=4,
+        hidden_size=128,
+        intermediate_size=256,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    _check_against_hf(path, LLM(str(path), attention_backend=backend), _prompts(256, seed=3)[:5])
+
+
+def test_auto_backend_picks_cpu_kernels_only_for_shapes_they_cover(
+    tiny_llama_cpu_shapes, tiny_llama_gqa
+):
+    assert LLM(str(tiny_llama_cpu_shapes)).engine.attention_backend == "cpu"
+    assert LLM(str(tiny_llama_gqa)).engine.attention_backend == "torch"  # head_dim 16
+    with pytest.raises(ValueError, match="cpu attention backend"):
+        LLM(str(tiny_llama_gqa), attention_backend="cpu")
 
 
 def test_logprobs_match_transformers_log_softmax(tiny_llama_gqa):

@@ -1,0 +1,71 @@
+"""C++ CPU kernels: paged decode attention read in place, fused layer elementwise ops.
+
+Owns: the build of the extension (compiled on first use with the machine's compiler and
+``-march=native``, cached by ``torch.utils.cpp_extension`` under ``$TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``) and nothing else.
+
+Why C++ rather than the PyTorch reference: on a CPU, the reference gathers every decoding
+sequence's context into a padded copy before two batched matmuls (read, write, read again),
+and a decoder layer is ~30 small ops whose dispatch and thread wake-ups cost as much as the
+arithmetic at decode batch sizes. These kernels read K/V through the block table and fuse
+the elementwise work; ``kernels.reference`` stays the oracle they are tested against.
+
+``load()`` returns ``None`` (and logs why once) when the extension cannot be built, for
+example without a C++ compiler: callers then use the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "register.cpp")
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def load() -> Any | None:
+    """``torch.ops.pagedserve_cpu`` once built and loaded, or None if it cannot be."""
+    with _lock:
+        if "ops" in _state:
+            return _state["ops"]
+        _state["ops"] = _build()
+        return _state["ops"]
+
+
+def _build() -> Any | None:
+    if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1") == "0":
+        log.info("C++ CPU kernels disabled by PAGEDSERVE_CPU_KERNELS=0")
+        return None
+    import torch
+
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        csrc = Path(__file__).parent / "csrc"
+        load_extension(
+            name="pagedserve_cpu",
+            sources=[str(csrc / s) for s in _SOURCES],
+            extra_include_paths=[str(csrc)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++17"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        return torch.ops.pagedserve_cpu
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
+        log.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference", exc)
+        return None
+
+
+def supports(*, head_dim: int, hidden_size: int, intermediate_size: int) -> bool:
+    """The shapes the kernels are written for: whole 16-float vectors everywhere (RoPE
+    rotates half-rows, hence head_dim % 32), and the head sizes the attention instantiates."""
+    return (
+        head_dim in (32, 64, 96, 128, 256) and hidden_size % 16 == 0 and intermediate_size % 16 == 0
+    )

@@ -1,0 +1,32 @@
+// The operator schemas of the CPU kernels: torch.ops.pagedserve_cpu.<name>.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace pagedserve_cpu {
+at::Tensor paged_attention_decode(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, const at::Tensor&, double);
+at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
+at::Tensor add_rms_norm_(const at::Tensor&, at::Tensor&, const at::Tensor&, double);
+at::Tensor silu_mul(const at::Tensor&);
+void rope_and_store_(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
+                     const at::Tensor&, int64_t, int64_t);
+}  // namespace pagedserve_cpu
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_and_store_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key_cache, "
+        "Tensor(c!) value_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_attention_decode", pagedserve_cpu::paged_attention_decode);
+  m.impl("rms_norm", pagedserve_cpu::rms_norm);
+  m.impl("add_rms_norm_", pagedserve_cpu::add_rms_norm_);
+  m.impl("silu_mul", pagedserve_cpu::silu_mul);
+  m.impl("rope_and_store_", pagedserve_cpu::rope_and_store_);
+}

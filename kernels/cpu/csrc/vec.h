@@ -1,0 +1,75 @@
+// 16-float vectors for the CPU kernels, written with GCC vector extensions so one source
+// compiles to AVX-512 (one register), AVX2 (two) or plain SSE, whatever -march=native finds.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace pagedserve_cpu {
+
+constexpr int kVec = 16;
+// may_alias + aligned(4): loads and stores from any float pointer, no alignment promise.
+typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
+
+static inline vf vload(const float* p) { return *reinterpret_cast<const vf*>(p); }
+static inline void vstore(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
+static inline vf vzero() { return vf{}; }
+
+// Broadcast from memory: on AVX-512 this is one load-port uop (vbroadcastss m32), not a
+// shuffle competing with the FMA unit on port 5.
+static inline vf vbcast(const float* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_set1_ps(*p));
+#else
+  const float s = *p;
+  return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+#endif
+}
+static inline vf vsplat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+static inline float vsum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#else
+  float s = 0.f;
+  for (int i = 0; i < kVec; ++i) s += v[i];
+  return s;
+#endif
+}
+
+}  // namespace pagedserve_cpu
+
+namespace pagedserve_cpu {
+
+// exp for 16 floats: x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial
+// (Cephes expf coefficients, ~1 ulp), times 2^n built in the exponent bits. Inputs below
+// -87.3 flush to 0 (as softmax's exp(-inf) must), above 88.7 saturate.
+static inline vf vexp(vf x) {
+  typedef int32_t vi __attribute__((vector_size(64)));
+  const vf hi = vsplat(88.3762626647949f), lo = vsplat(-87.3365447504f);
+  vf xc = x < lo ? lo : (x > hi ? hi : x);
+  const vf log2e = vsplat(1.44269504088896341f);
+  vf fx = xc * log2e + vsplat(0.5f);
+  // floor
+  vi n = __builtin_convertvector(fx, vi);
+  vf nf = __builtin_convertvector(n, vf);
+  n = nf > fx ? n - 1 : n;
+  nf = __builtin_convertvector(n, vf);
+  vf r = xc - nf * vsplat(0.693359375f) - nf * vsplat(-2.12194440e-4f);
+  vf y = vsplat(1.9875691500e-4f);
+  y = y * r + vsplat(1.3981999507e-3f);
+  y = y * r + vsplat(8.3334519073e-3f);
+  y = y * r + vsplat(4.1665795894e-2f);
+  y = y * r + vsplat(1.6666665459e-1f);
+  y = y * r + vsplat(5.0000001201e-1f);
+  y = y * r * r + r + vsplat(1.0f);
+  vi bits = (n + 127) << 23;
+  vf scale = reinterpret_cast<vf>(bits);
+  vf res = y * scale;
+  return x < lo ? vzero() : res;
+}
+
+}  // namespace pagedserve_cpu

@@ -1,0 +1,132 @@
+"""The C++ CPU kernels (``kernels.cpu``) against their PyTorch twins.
+
+The extension is compiled on first use; these tests fail (rather than skip) when it cannot
+be built, so a machine without a compiler is noticed here and not as a silent slowdown.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layer_ops import CpuLayerOps, TorchLayerOps
+from engine.llama import RMSNorm
+from kernels import cpu
+from kernels.reference import paged_attention_decode
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if os.environ.get("PAGEDSERVE_CPU_KERNELS") == "0":
+        pytest.skip("C++ CPU kernels disabled by PAGEDSERVE_CPU_KERNELS=0")
+    built = cpu.load()
+    assert built is not None, "the C++ CPU kernels did not build (see the warning logged)"
+    return built
+
+
+def _paged_case(num_seqs, num_heads, num_kv_heads, head_dim, seq_lens, block_size=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max((n + block_size - 1) // block_size for n in seq_lens) + 1
+    num_blocks = num_seqs * max_blocks + 3
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    # Shuffled, non-contiguous blocks; the unused tail of each table is padding (block 0).
+    tables = torch.randperm(num_blocks, generator=g)[: num_seqs * max_blocks]
+    tables = tables.view(num_seqs, max_blocks).int()
+    for i, n in enumerate(seq_lens):
+        tables[i, (n + block_size - 1) // block_size :] = 0
+    q = torch.randn(num_seqs, num_heads, head_dim, generator=g)
+    return q, kc, vc, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,seq_lens",
+    [
+        (9, 3, 64, [1, 15, 16, 17, 180]),  # SmolLM2's GQA shape, block boundaries
+        (4, 4, 128, [33, 2]),  # MHA, head_dim 128
+        (8, 1, 32, [300]),  # MQA, one long context
+        (32, 8, 64, [5, 64, 129]),  # group 4
+        (16, 1, 64, [40]),  # group 16: more query heads than one register pass holds
+    ],
+)
+def test_decode_attention_matches_reference(ops, num_heads, num_kv_heads, head_dim, seq_lens):
+    q, kc, vc, tables, lens = _paged_case(
+        len(seq_lens), num_heads, num_kv_heads, head_dim, seq_lens
+    )
+    want = paged_attention_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    got = ops.paged_attention_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_reads_strided_queries(ops):
+    # The engine passes Q as a view of the fused QKV projection (rows longer than Q).
+    q, kc, vc, tables, lens = _paged_case(3, 9, 3, 64, [7, 20, 33])
+    wide = torch.randn(3, 15, 64)
+    wide[:, :9] = q
+    got = ops.paged_attention_decode(wide[:, :9], kc, vc, tables, lens, 0.125)
+    torch.testing.assert_close(got, paged_attention_decode(q, kc, vc, tables, lens, 0.125))
+
+
+def test_decode_attention_rejects_what_it_does_not_cover(ops):
+    q, kc, vc, tables, lens = _paged_case(1, 4, 4, 48, [5])
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.paged_attention_decode(q, kc, vc, tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.paged_attention_decode(q.double(), kc, vc, tables, lens, 0.1)
+
+
+def _norm(hidden: int) -> RMSNorm:
+    norm = RMSNorm(hidden, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden) + 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("rows", [1, 16, 70])
+def test_norms_match_torch(ops, rows):
+    norm = _norm(576)
+    x, res = torch.randn(rows, 576), torch.randn(rows, 576)
+    cpu_ops, torch_ops = CpuLayerOps(ops), TorchLayerOps()
+    torch.testing.assert_close(cpu_ops.rms_norm(x, norm), torch_ops.rms_norm(x, norm))
+    res_cpu, res_torch = res.clone(), res.clone()
+    got = cpu_ops.add_rms_norm_(x, res_cpu, norm)
+    want = torch_ops.add_rms_norm_(x, res_torch, norm)
+    assert torch.equal(res_cpu, res_torch)  # the residual stream itself is bit-exact
+    torch.testing.assert_close(got, want)
+
+
+def test_silu_mul_matches_torch_including_extremes(ops):
+    gate_up = torch.randn(5, 2 * 1536) * 6
+    gate_up[0, :8] = torch.tensor([-1e4, -100.0, -88.0, -87.0, 0.0, 50.0, 89.0, 1e4])
+    got = ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+
+
+def test_rope_and_store_matches_torch(ops):
+    from engine.attention import PagedAttention
+
+    num_heads, num_kv_heads, head_dim, tokens = 9, 3, 64, 6
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=g) * 6
+    emb = torch.cat([angles, angles], dim=-1)
+    rope = (emb.cos(), emb.sin())
+    slots = torch.tensor([5, 17, -1, 0, 31, 8])  # -1: padding, not stored
+    caches = [torch.zeros(2, 16, num_kv_heads, head_dim) for _ in range(4)]
+    attention = PagedAttention("torch", scale=head_dim**-0.5)
+    q_torch = TorchLayerOps().rope_and_store(
+        qkv.clone(), rope, attention, caches[0], caches[1], slots, num_heads, num_kv_heads
+    )
+    q_cpu = CpuLayerOps(ops).rope_and_store(
+        qkv.clone(), rope, attention, caches[2], caches[3], slots, num_heads, num_kv_heads
+    )
+    torch.testing.assert_close(q_cpu, q_torch)
+    torch.testing.assert_close(caches[2], caches[0])
+    torch.testing.assert_close(caches[3], caches[1])
+    assert caches[2].view(-1, num_kv_heads, head_dim)[[1, 2, 3, 4]].abs().sum() == 0
