@@ -9,6 +9,8 @@ matmul weight is stored input-major (``Linear`` below).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,12 +33,28 @@ class Linear(nn.Module):
     checkpoint's ``[out, in]`` tensors are transposed once at load.
     """
 
+    # Batches of 2 to 64 rows use the packed copy (see pack_for_cpu); one row is a
+    # bandwidth-bound vector product where oneDNN's is as fast.
+    PACKED_ROWS = range(2, 65)
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._packed: torch.Tensor | None = None
+        self._cpu_ops: Any = None
+
+    def pack_for_cpu(self, ops: Any) -> None:
+        """Keep a second copy of the weight in the C++ matmul's panel layout
+        (``kernels/cpu/csrc/gemm.cpp``) for decode-sized batches, where it is 1.1-1.4x
+        faster than oneDNN on 2 cores; one row and prefill chunks keep using ``weight``.
+        Costs one more copy of the weights in memory; no step reads both."""
+        self._packed = ops.pack_weight(self.weight.detach())
+        self._cpu_ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        if self._packed is not None and x.shape[0] in self.PACKED_ROWS:
+            return self._cpu_ops.packed_linear(x, self._packed, self.weight.shape[1], self.bias)
         if self.bias is None:
             return x @ self.weight
         return torch.addmm(self.bias, x, self.weight)

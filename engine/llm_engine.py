@@ -18,7 +18,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cost import StepCostModel
 from engine.faults import FaultInjectingRunner, describe, execute_isolating
 from engine.layer_ops import CpuLayerOps, TorchLayerOps
-from engine.llama import LlamaForCausalLM
+from engine.llama import Linear, LlamaForCausalLM
 from engine.loader import load_state_dict, load_tokenizer, read_hf_config, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
@@ -82,6 +82,10 @@ class LLMEngine:
             model = LlamaForCausalLM(mc, attention, rope, ops)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_hf_state_dict(load_state_dict(resolved.path))
+        if self.attention_backend == "cpu":
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.pack_for_cpu(cpu_kernels.load())
         self.model = model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # What a step reads of those and computes, from its plan (MBU/MFU; engine/cost.py).

@@ -1,4 +1,5 @@
-"""C++ CPU kernels: paged decode attention read in place, fused layer elementwise ops.
+"""C++ CPU kernels: paged decode attention read in place, fused layer elementwise ops, and
+a float32 matmul for decode-sized batches against weights packed into column panels.
 
 Owns: the build of the extension (compiled on first use with the machine's compiler and
 ``-march=native``, cached by ``torch.utils.cpp_extension`` under ``$TORCH_EXTENSIONS_DIR``,
@@ -24,7 +25,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "register.cpp")
+_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "register.cpp")
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 

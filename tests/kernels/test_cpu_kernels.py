@@ -130,3 +130,15 @@ def test_rope_and_store_matches_torch(ops):
     torch.testing.assert_close(caches[2], caches[0])
     torch.testing.assert_close(caches[3], caches[1])
     assert caches[2].view(-1, num_kv_heads, head_dim)[[1, 2, 3, 4]].abs().sum() == 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 16, 64, 70])
+@pytest.mark.parametrize("k,n,bias", [(576, 960, False), (130, 100, True), (1536, 64, False)])
+def test_packed_linear_matches_matmul(ops, rows, k, n, bias):
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(k, n, generator=g), torch.randn(rows, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = ops.packed_linear(x, ops.pack_weight(w), n, b)
+    want = x @ w if b is None else torch.addmm(b, x, w)
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

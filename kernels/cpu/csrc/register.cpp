@@ -11,6 +11,8 @@ at::Tensor add_rms_norm_(const at::Tensor&, at::Tensor&, const at::Tensor&, doub
 at::Tensor silu_mul(const at::Tensor&);
 void rope_and_store_(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                      const at::Tensor&, int64_t, int64_t);
+at::Tensor pack_weight(const at::Tensor&);
+at::Tensor packed_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&);
 }  // namespace pagedserve_cpu
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
@@ -21,6 +23,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_and_store_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+  m.def("pack_weight(Tensor weight) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -29,4 +33,6 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("add_rms_norm_", pagedserve_cpu::add_rms_norm_);
   m.impl("silu_mul", pagedserve_cpu::silu_mul);
   m.impl("rope_and_store_", pagedserve_cpu::rope_and_store_);
+  m.impl("pack_weight", pagedserve_cpu::pack_weight);
+  m.impl("packed_linear", pagedserve_cpu::packed_linear);
 }
