@@ -38,7 +38,9 @@ FROM ${PYTHON_IMAGE} AS runtime
 ARG UID=10001
 # g++: the C++ CPU kernels (kernels/cpu) are compiled on the first start for the CPU the
 # container runs on (-march=native), into the cache volume; without a compiler the server
-# falls back to the slower PyTorch reference.
+# falls back to the slower PyTorch reference. Not pinned: bookworm's g++ is the one the base
+# image's libstdc++ matches, and security updates should come through.
+# hadolint ignore=DL3008
 RUN apt-get update -qq \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
