@@ -73,19 +73,19 @@ class LLMEngine:
         )
         attention = PagedAttention(self.attention_backend, scale=mc.head_dim**-0.5)
         rope = RotaryEmbedding(mc, self.max_model_len, self.device)
-        # The cpu backend brings the fused C++ layer ops along; every other one uses torch's.
-        ops = (
-            CpuLayerOps(cpu_kernels.load()) if self.attention_backend == "cpu" else TorchLayerOps()
-        )
+        # The cpu backend brings the fused C++ layer ops and packed matmuls along; every
+        # other one uses torch's.
+        cpu_ops = cpu_kernels.load() if self.attention_backend == "cpu" else None
+        ops = CpuLayerOps(cpu_ops) if cpu_ops is not None else TorchLayerOps()
         # Built on the meta device, then materialised once: no time spent on random init.
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, attention, rope, ops)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_hf_state_dict(load_state_dict(resolved.path))
-        if self.attention_backend == "cpu":
+        if cpu_ops is not None:
             for module in model.modules():
                 if isinstance(module, Linear):
-                    module.pack_for_cpu(cpu_kernels.load())
+                    module.pack_for_cpu(cpu_ops)
         self.model = model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # What a step reads of those and computes, from its plan (MBU/MFU; engine/cost.py).

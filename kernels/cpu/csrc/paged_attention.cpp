@@ -19,6 +19,15 @@ namespace pagedserve_cpu {
 
 namespace {
 
+// Loads context position t's row (one KV head, D vectors) through the block table.
+template <int D>
+inline void load_row(const float* cache, const int32_t* block_table, int64_t t, int64_t block_size,
+                     int64_t slot_stride, vf* row) {
+  const int64_t slot = int64_t(block_table[t / block_size]) * block_size + t % block_size;
+  const float* p = cache + slot * slot_stride;
+  for (int i = 0; i < D; ++i) row[i] = vload(p + i * kVec);
+}
+
 // scores[j][t] = scale * <q_j, k_t>, then softmax over t, then out_j = sum_t p[j][t] v_t.
 // D = head_dim / 16 vectors per row.
 template <int D>
@@ -29,12 +38,9 @@ void attend_one(const float* q,  // [group, D*16], row stride q_stride
                 float scale, float* scores,  // [group, row_stride] scratch
                 int64_t row_stride,
                 float* out, int64_t out_stride) {
-  constexpr int d = D * kVec;
   for (int64_t t = 0; t < seq_len; ++t) {
-    const int64_t slot = int64_t(block_table[t / block_size]) * block_size + t % block_size;
-    const float* k = key_cache + slot * slot_stride;
     vf kv[D];
-    for (int i = 0; i < D; ++i) kv[i] = vload(k + i * kVec);
+    load_row<D>(key_cache, block_table, t, block_size, slot_stride, kv);
     for (int j = 0; j < group; ++j) {
       const float* qj = q + j * q_stride;
       vf acc = vload(qj) * kv[0];
@@ -73,10 +79,8 @@ void attend_one(const float* q,  // [group, D*16], row stride q_stride
     for (int j = 0; j < g; ++j)
       for (int i = 0; i < D; ++i) acc[j][i] = vzero();
     for (int64_t t = 0; t < seq_len; ++t) {
-      const int64_t slot = int64_t(block_table[t / block_size]) * block_size + t % block_size;
-      const float* v = value_cache + slot * slot_stride;
       vf vv[D];
-      for (int i = 0; i < D; ++i) vv[i] = vload(v + i * kVec);
+      load_row<D>(value_cache, block_table, t, block_size, slot_stride, vv);
       for (int j = 0; j < g; ++j) {
         const vf p = vsplat(scores[(j0 + j) * row_stride + t]);
         for (int i = 0; i < D; ++i) acc[j][i] += p * vv[i];
@@ -85,7 +89,6 @@ void attend_one(const float* q,  // [group, D*16], row stride q_stride
     for (int j = 0; j < g; ++j)
       for (int i = 0; i < D; ++i) vstore(out + (j0 + j) * out_stride + i * kVec, acc[j][i]);
   }
-  (void)d;
 }
 
 template <int D>
