@@ -33,9 +33,9 @@ class Linear(nn.Module):
     checkpoint's ``[out, in]`` tensors are transposed once at load.
     """
 
-    # Batches of 2 to 64 rows use the packed copy (see pack_for_cpu); one row is a
-    # bandwidth-bound vector product where oneDNN's is as fast.
-    PACKED_ROWS = range(2, 65)
+    # Batches of 1 to 64 rows use the packed copy (see pack_for_cpu); must match
+    # kMaxPackedRows in kernels/cpu/csrc/decode_layer.cpp.
+    PACKED_ROWS = range(1, 65)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -46,11 +46,15 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self, ops: Any) -> None:
         """Keep a second copy of the weight in the C++ matmul's panel layout
-        (``kernels/cpu/csrc/gemm.cpp``) for decode-sized batches, where it is 1.1-1.4x
-        faster than oneDNN on 2 cores; one row and prefill chunks keep using ``weight``.
+        (``kernels/cpu/csrc/gemm.cpp``) for decode-sized batches, where it is 1.05-1.4x
+        faster than oneDNN on 2 cores; prefill chunks keep using ``weight``.
         Costs one more copy of the weights in memory; no step reads both."""
         self._packed = ops.pack_weight(self.weight.detach())
         self._cpu_ops = ops
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
         if self._packed is not None and x.shape[0] in self.PACKED_ROWS:
@@ -129,6 +133,18 @@ class DecoderLayer(nn.Module):
         )
         return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
 
+    def decode_weights(self) -> list[torch.Tensor | None]:
+        """This layer's tensors in the order of the fused C++ decode layer's ``weights``
+        argument (``kernels/cpu/csrc/decode_layer.cpp``, enum Slot): for each matmul its
+        plain weight, packed copy and bias."""
+        weights: list[torch.Tensor | None] = [
+            self.input_norm.weight,
+            self.post_attention_norm.weight,
+        ]
+        for linear in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
+            weights += [linear.weight, linear.packed, linear.bias]
+        return weights
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
@@ -165,9 +181,16 @@ class LlamaForCausalLM(nn.Module):
         _, block_size, num_kv_heads, _ = key_caches[0].shape
         plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
         residual = None
+        # A decode step (one token per sequence) can run each layer as one fused op.
+        fused = self.ops.fuses_decode_layer and plan.meta.num_decodes == batch.num_tokens
         for layer, key_cache, value_cache in zip(
             self.layers, key_caches, value_caches, strict=True
         ):
+            if fused:
+                x, residual = self.ops.decode_layer(
+                    layer, x, residual, batch, rope, self.attention, plan, key_cache, value_cache
+                )
+                continue
             x, residual = layer(
                 x, residual, batch, rope, self.attention, plan, key_cache, value_cache, self.ops
             )

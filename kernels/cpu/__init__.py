@@ -25,7 +25,13 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("paged_attention.cpp", "layer_ops.cpp", "gemm.cpp", "register.cpp")
+_SOURCES = (
+    "paged_attention.cpp",
+    "layer_ops.cpp",
+    "gemm.cpp",
+    "decode_layer.cpp",
+    "register.cpp",
+)
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 

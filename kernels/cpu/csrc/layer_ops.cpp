@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace pagedserve_cpu {

@@ -13,6 +13,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace pagedserve_cpu {

@@ -1,19 +1,8 @@
 // The operator schemas of the CPU kernels: torch.ops.pagedserve_cpu.<name>.
 
-#include <ATen/ATen.h>
 #include <torch/library.h>
 
-namespace pagedserve_cpu {
-at::Tensor paged_attention_decode(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  const at::Tensor&, const at::Tensor&, double);
-at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
-at::Tensor add_rms_norm_(const at::Tensor&, at::Tensor&, const at::Tensor&, double);
-at::Tensor silu_mul(const at::Tensor&);
-void rope_and_store_(at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                     const at::Tensor&, int64_t, int64_t);
-at::Tensor pack_weight(const at::Tensor&);
-at::Tensor packed_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&);
-}  // namespace pagedserve_cpu
+#include "ops.h"
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, "
@@ -25,6 +14,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "Tensor(c!) value_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("decode_layer(Tensor x, Tensor(a!)? residual, Tensor?[] weights, Tensor cos, Tensor sin, "
+        "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -35,4 +27,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rope_and_store_", pagedserve_cpu::rope_and_store_);
   m.impl("pack_weight", pagedserve_cpu::pack_weight);
   m.impl("packed_linear", pagedserve_cpu::packed_linear);
+  m.impl("decode_layer", pagedserve_cpu::decode_layer);
 }

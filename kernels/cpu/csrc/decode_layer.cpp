@@ -1,0 +1,61 @@
+// A whole decoder layer for a decode step (one token per sequence) in one op call.
+//
+// Why: at decode batch sizes a layer is ~18 Python-level calls (module calls, views, the
+// kernels below); on 2 cores their interpreter and dispatch time between the kernels was
+// 4-5 ms of a 37 ms batch-1 step. This runs exactly the kernels the Python layer runs, in
+// the same order on the same inputs, so its output is bitwise the same (tested); only the
+// glue moves to C++. Prefill and mixed steps keep the Python layer.
+
+#include "ops.h"
+
+namespace pagedserve_cpu {
+
+namespace {
+
+// The order of the `weights` list (engine/llama.py DecoderLayer.decode_weights builds it).
+enum Slot {
+  kInputNorm, kPostNorm,
+  kQkvW, kQkvPacked, kQkvBias,
+  kOW, kOPacked, kOBias,
+  kGateUpW, kGateUpPacked, kGateUpBias,
+  kDownW, kDownPacked, kDownBias,
+  kNumSlots
+};
+
+// Largest batch the packed matmul serves; must match Linear.PACKED_ROWS in engine/llama.py.
+constexpr int64_t kMaxPackedRows = 64;
+
+// Linear.forward: the packed copy for 1-64 rows, the library on the plain weight otherwise.
+at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int slot) {
+  const at::Tensor weight = *w.get(slot);
+  const c10::optional<at::Tensor> packed = w.get(slot + 1);
+  const c10::optional<at::Tensor> bias = w.get(slot + 2);
+  if (packed.has_value() && x.size(0) >= 1 && x.size(0) <= kMaxPackedRows)
+    return packed_linear(x, *packed, weight.size(1), bias);
+  return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
+    const c10::List<c10::optional<at::Tensor>>& w, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
+    double eps, double scale) {
+  TORCH_CHECK(w.size() == kNumSlots, "decode_layer: expected ", int(kNumSlots), " weight slots");
+  const int64_t t = x.size(0), head_dim = key_cache.size(-1);
+  // The first layer has no residual stream yet: it starts as the embeddings themselves.
+  at::Tensor residual = residual_in.has_value() ? *residual_in : x;
+  at::Tensor h = residual_in.has_value() ? add_rms_norm_(x, residual, *w.get(kInputNorm), eps)
+                                         : rms_norm(x, *w.get(kInputNorm), eps);
+  at::Tensor qkv = linear(h, w, kQkvW);
+  rope_and_store_(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads);
+  const at::Tensor q = qkv.narrow(1, 0, num_heads * head_dim).view({t, num_heads, head_dim});
+  const at::Tensor o = paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale);
+  h = add_rms_norm_(linear(o.reshape({t, num_heads * head_dim}), w, kOW), residual, *w.get(kPostNorm), eps);
+  at::Tensor out = linear(silu_mul(linear(h, w, kGateUpW)), w, kDownW);
+  return {out, residual};
+}
+
+}  // namespace pagedserve_cpu

@@ -1,0 +1,29 @@
+// The CPU kernels' entry points, shared by the op registration and the fused decoder layer.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace pagedserve_cpu {
+
+at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
+                     at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads,
+                     int64_t num_kv_heads);
+at::Tensor pack_weight(const at::Tensor& weight);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                         const c10::optional<at::Tensor>& bias);
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+    const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
+    double eps, double scale);
+
+}  // namespace pagedserve_cpu
