@@ -1,9 +1,10 @@
 """Paged attention for the model, over one of three explicitly chosen backends.
 
 - ``torch``: the plain-PyTorch reference in ``kernels/reference.py`` (any device and dtype).
-- ``cpu``: the C++ kernels of ``kernels.cpu`` (float32 on CPU): decode reads K/V in place
-  through the block tables; prefill chunks and the cache write use the reference (the
-  engine's fused layer ops write the cache themselves, ``engine/layer_ops.py``).
+- ``cpu``: the C++ kernels of ``kernels.cpu`` (float32 on CPU): every query token, decode or
+  prefill, is one row of the decode kernel with its own context length (causal attention is
+  exactly that), reading K/V in place through the block tables; the cache write uses the
+  reference (the engine's fused layer ops write the cache themselves, ``engine/layer_ops.py``).
 - ``triton``: the Triton kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``).
 
 ``auto`` picks Triton on CUDA, ``cpu`` for float32 on CPU when the C++ kernels build, and
@@ -55,10 +56,16 @@ class AttentionPlan:
 
     ``decode_context`` (torch backend only) holds the decode rows' gathered slot indices
     and padding mask, which are the same for all layers.
+
+    ``row_block_tables`` / ``row_seq_lens`` (cpu backend only): per query token, its
+    sequence's block table and the context it sees (its position + 1), so that one decode
+    kernel call covers a whole step, prefill chunks included.
     """
 
     meta: AttentionMetadata
     decode_context: DecodeContext | None = None
+    row_block_tables: torch.Tensor | None = None  # [num_tokens, max_num_blocks] int32
+    row_seq_lens: torch.Tensor | None = None  # [num_tokens] int32
 
 
 class PagedAttention:
@@ -107,6 +114,8 @@ class PagedAttention:
     def plan(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int) -> AttentionPlan:
         """Per-step work shared by all layers (called once per forward)."""
         nd = meta.num_decodes
+        if self.backend == "cpu":
+            return _per_token_plan(meta)
         if self.backend != "torch" or nd == 0:
             return AttentionPlan(meta)
         return AttentionPlan(
@@ -139,6 +148,10 @@ class PagedAttention:
         plan: AttentionPlan,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         meta = plan.meta
+        if plan.row_seq_lens is not None:
+            return self._decode(
+                query, key_cache, value_cache, plan.row_block_tables, plan.row_seq_lens, self.scale
+            )
         nd = meta.num_decodes
         num_seqs = meta.seq_lens.shape[0]
         if nd == num_seqs:
@@ -166,3 +179,24 @@ class PagedAttention:
             self.scale,
         )
         return out
+
+
+def _per_token_plan(meta: AttentionMetadata) -> AttentionPlan:
+    """Query token ``j`` of a sequence's ``q_len`` this step sits at position
+    ``seq_len - q_len + j`` and sees that many tokens plus itself (see
+    ``kernels.reference.paged_attention_prefill``)."""
+    num_seqs = meta.seq_lens.shape[0]
+    if meta.num_decodes == num_seqs:  # one token per sequence already
+        return AttentionPlan(meta, row_block_tables=meta.block_tables, row_seq_lens=meta.seq_lens)
+    q_lens = meta.query_start_loc.diff()
+    seq_of_row = torch.repeat_interleave(
+        torch.arange(num_seqs, device=q_lens.device), q_lens.long()
+    )
+    row = torch.arange(seq_of_row.shape[0], device=q_lens.device)
+    first = meta.query_start_loc[seq_of_row]
+    lens = meta.seq_lens[seq_of_row] - q_lens[seq_of_row] + 1 + (row - first)
+    return AttentionPlan(
+        meta,
+        row_block_tables=meta.block_tables[seq_of_row],
+        row_seq_lens=lens.to(torch.int32),
+    )

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 
 class TorchLayerOps:
-    # Whether decode_layer exists: a whole decoder layer of a decode step in one call.
-    fuses_decode_layer = False
+    # Whether decoder_layer exists: a whole decoder layer in one call.
+    fuses_layers = False
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return norm(x)
@@ -67,7 +67,7 @@ class TorchLayerOps:
 class CpuLayerOps(TorchLayerOps):
     """The fused C++ kernels; falls back to the torch twin for what they do not cover."""
 
-    fuses_decode_layer = True
+    fuses_layers = True
 
     def __init__(self, ops: Any) -> None:  # torch.ops.pagedserve_cpu
         self._ops = ops
@@ -106,10 +106,10 @@ class CpuLayerOps(TorchLayerOps):
         )
         return qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
 
-    def decode_layer(
+    def decoder_layer(
         self,
         layer: DecoderLayer,
-        x: torch.Tensor,  # [num_decodes, hidden]
+        x: torch.Tensor,  # [num_tokens, hidden]
         residual: torch.Tensor | None,
         batch: InputBatch,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -118,23 +118,23 @@ class CpuLayerOps(TorchLayerOps):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer(x, residual, ...)`` for a step of decodes only, as one C++ call running
-        the same kernels in the same order (bitwise the same result): on 2 cores the Python
-        glue between a layer's kernels costs ~12% of a batch-1 step."""
+        """``layer(x, residual, ...)`` as one C++ call running the same kernels in the same
+        order (bitwise the same result): on 2 cores the Python glue between a layer's
+        kernels costs ~12% of a batch-1 decode step. Needs the cpu attention backend's
+        per-token plan (``plan.row_block_tables``)."""
         t, head_dim = x.shape[0], key_cache.shape[-1]
         cos, sin = rope
-        meta = plan.meta
-        return self._ops.decode_layer(
+        return self._ops.decoder_layer(
             x,
             residual,
-            layer.decode_weights(),
+            layer.fused_weights(),
             cos.view(t, head_dim),
             sin.view(t, head_dim),
             key_cache,
             value_cache,
             batch.slot_mapping,
-            meta.block_tables,
-            meta.seq_lens,
+            plan.row_block_tables,
+            plan.row_seq_lens,
             layer.num_heads,
             layer.num_kv_heads,
             layer.input_norm.eps,

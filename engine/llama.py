@@ -34,7 +34,7 @@ class Linear(nn.Module):
     """
 
     # Batches of 1 to 64 rows use the packed copy (see pack_for_cpu); must match
-    # kMaxPackedRows in kernels/cpu/csrc/decode_layer.cpp.
+    # kMaxPackedRows in kernels/cpu/csrc/decoder_layer.cpp.
     PACKED_ROWS = range(1, 65)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -133,9 +133,9 @@ class DecoderLayer(nn.Module):
         )
         return self.down_proj(ops.silu_mul(self.gate_up_proj(h))), residual
 
-    def decode_weights(self) -> list[torch.Tensor | None]:
-        """This layer's tensors in the order of the fused C++ decode layer's ``weights``
-        argument (``kernels/cpu/csrc/decode_layer.cpp``, enum Slot): for each matmul its
+    def fused_weights(self) -> list[torch.Tensor | None]:
+        """This layer's tensors in the order of the fused C++ layer's ``weights`` argument
+        (``kernels/cpu/csrc/decoder_layer.cpp``, enum Slot): for each matmul its
         plain weight, packed copy and bias."""
         weights: list[torch.Tensor | None] = [
             self.input_norm.weight,
@@ -181,13 +181,13 @@ class LlamaForCausalLM(nn.Module):
         _, block_size, num_kv_heads, _ = key_caches[0].shape
         plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
         residual = None
-        # A decode step (one token per sequence) can run each layer as one fused op.
-        fused = self.ops.fuses_decode_layer and plan.meta.num_decodes == batch.num_tokens
+        # The cpu ops run each layer as one fused C++ call.
+        fused = self.ops.fuses_layers
         for layer, key_cache, value_cache in zip(
             self.layers, key_caches, value_caches, strict=True
         ):
             if fused:
-                x, residual = self.ops.decode_layer(
+                x, residual = self.ops.decoder_layer(
                     layer, x, residual, batch, rope, self.attention, plan, key_cache, value_cache
                 )
                 continue

@@ -29,7 +29,7 @@ _SOURCES = (
     "paged_attention.cpp",
     "layer_ops.cpp",
     "gemm.cpp",
-    "decode_layer.cpp",
+    "decoder_layer.cpp",
     "register.cpp",
 )
 _lock = threading.Lock()

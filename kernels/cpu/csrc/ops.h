@@ -19,7 +19,7 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
-std::tuple<at::Tensor, at::Tensor> decode_layer(
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual,
     const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,

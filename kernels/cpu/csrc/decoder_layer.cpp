@@ -1,10 +1,12 @@
-// A whole decoder layer for a decode step (one token per sequence) in one op call.
+// A whole decoder layer in one op call, for any step (decodes, prefill chunks or both):
+// attention treats every query token as one row of the decode kernel, with its own block
+// table row and context length (engine/attention.py builds them once per step).
 //
 // Why: at decode batch sizes a layer is ~18 Python-level calls (module calls, views, the
 // kernels below); on 2 cores their interpreter and dispatch time between the kernels was
-// 4-5 ms of a 37 ms batch-1 step. This runs exactly the kernels the Python layer runs, in
-// the same order on the same inputs, so its output is bitwise the same (tested); only the
-// glue moves to C++. Prefill and mixed steps keep the Python layer.
+// 4-5 ms of a 37 ms batch-1 step. This runs exactly the kernels the Python layer runs on the
+// cpu backend, in the same order on the same inputs, so its output is bitwise the same
+// (tested); only the glue moves to C++.
 
 #include "ops.h"
 
@@ -12,7 +14,7 @@ namespace pagedserve_cpu {
 
 namespace {
 
-// The order of the `weights` list (engine/llama.py DecoderLayer.decode_weights builds it).
+// The order of the `weights` list (engine/llama.py DecoderLayer.fused_weights builds it).
 enum Slot {
   kInputNorm, kPostNorm,
   kQkvW, kQkvPacked, kQkvBias,
@@ -37,13 +39,15 @@ at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> decode_layer(
+std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual_in,
     const c10::List<c10::optional<at::Tensor>>& w, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
+    const at::Tensor& block_tables,  // [num_tokens, max_blocks]: each token's sequence's table
+    const at::Tensor& seq_lens,      // [num_tokens]: context each token sees (position + 1)
+    int64_t num_heads, int64_t num_kv_heads,
     double eps, double scale) {
-  TORCH_CHECK(w.size() == kNumSlots, "decode_layer: expected ", int(kNumSlots), " weight slots");
+  TORCH_CHECK(w.size() == kNumSlots, "decoder_layer: expected ", int(kNumSlots), " weight slots");
   const int64_t t = x.size(0), head_dim = key_cache.size(-1);
   // The first layer has no residual stream yet: it starts as the embeddings themselves.
   at::Tensor residual = residual_in.has_value() ? *residual_in : x;
