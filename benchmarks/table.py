@@ -133,7 +133,7 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
     floors = result["floors"]
     header = (
         f"{'':28}{'conc':>5}{'TTFT ms':>9}{'xfloor':>7}{'TPOT ms':>9}{'xfloor':>7}"
-        f"{'ITLp99 ms':>10}{'tok/s':>8}{'MBU':>6}{'srvMBU':>7}{'MFU':>6}"
+        f"{'ITLp99 ms':>10}{'tok/s':>8}{'MBU':>6}{'srvMBU':>7}{'MFU':>8}"
     )
     lines = [header]
 
@@ -145,7 +145,7 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
             f"{_fmt(tpot, '.1f', 1e3):>9}{_fmt(ratio(tpot, floors['decode_s']), '.2f'):>7}"
             f"{_fmt(r.get('itl_p99_s'), '.1f', 1e3):>10}{_fmt(r.get('output_tok_s'), '.1f'):>8}"
             f"{_fmt(ratio(floors['decode_s'], tpot), '.2f'):>6}"
-            f"{_fmt(r.get('server_mbu'), '.2f'):>7}{_fmt(r.get('mfu'), '.1%'):>6}"
+            f"{_fmt(r.get('server_mbu'), '.2f'):>7}{_fmt(r.get('mfu'), '.1%'):>8}"
         )
 
     hf = result.get("transformers")

@@ -131,3 +131,12 @@ def test_format_table_rows_per_concurrency() -> None:
     # 30.0 tok/s, MBU 10/20 = 0.50, no server MBU, no MFU at c=1.
     assert first[1:] == ["1", "150", "1.50", "20.0", "2.00", "30.0", "30.0", "0.50", "n/a", "n/a"]
     assert "25.0%" in text.splitlines()[4]
+
+
+def test_format_table_keeps_columns_apart_when_mfu_passes_100_percent() -> None:
+    """An MFU above 100% (the packed matmul beats the library's ceiling) and a server MBU
+    must stay two fields, as they did not when the MFU column was 6 wide."""
+    r = result()
+    r["pagedserve"]["points"]["16"].update(mfu=1.424, server_mbu=0.44)
+    row = format_table(r, [1, 16, 64]).splitlines()[4].split()
+    assert row[-2:] == ["0.44", "142.4%"]
