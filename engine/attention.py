@@ -92,9 +92,12 @@ class PagedAttention:
                 store_kv,
             )
         elif backend == "cpu":
-            from kernels.reference import paged_attention_prefill, store_kv
+            from kernels.reference import store_kv
 
             paged_attention_decode = cpu_kernels.load().paged_attention_decode
+            # plan() gives every cpu step a per-token plan: prefill chunks go through the
+            # decode kernel, and no prefill kernel is ever called.
+            paged_attention_prefill = _no_prefill_kernel
         else:
             raise ValueError(f"unknown attention backend {backend!r}")
         self._store_kv = store_kv
@@ -179,6 +182,10 @@ class PagedAttention:
             self.scale,
         )
         return out
+
+
+def _no_prefill_kernel(*args: object) -> torch.Tensor:
+    raise AssertionError("the cpu backend attends per token (see _per_token_plan)")
 
 
 def _per_token_plan(meta: AttentionMetadata) -> AttentionPlan:

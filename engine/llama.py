@@ -33,10 +33,6 @@ class Linear(nn.Module):
     checkpoint's ``[out, in]`` tensors are transposed once at load.
     """
 
-    # Batches of 1 to 64 rows use the packed copy (see pack_for_cpu); must match
-    # kMaxPackedRows in kernels/cpu/csrc/decoder_layer.cpp.
-    PACKED_ROWS = range(1, 65)
-
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
@@ -57,8 +53,8 @@ class Linear(nn.Module):
         return self._packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        if self._packed is not None and x.shape[0] in self.PACKED_ROWS:
-            return self._cpu_ops.packed_linear(x, self._packed, self.weight.shape[1], self.bias)
+        if self._packed is not None:  # the C++ op picks packed or library by batch size
+            return self._cpu_ops.linear(x, self.weight, self._packed, self.bias)
         if self.bias is None:
             return x @ self.weight
         return torch.addmm(self.bias, x, self.weight)

@@ -24,17 +24,9 @@ enum Slot {
   kNumSlots
 };
 
-// Largest batch the packed matmul serves; must match Linear.PACKED_ROWS in engine/llama.py.
-constexpr int64_t kMaxPackedRows = 64;
-
-// Linear.forward: the packed copy for 1-64 rows, the library on the plain weight otherwise.
-at::Tensor linear(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int slot) {
-  const at::Tensor weight = *w.get(slot);
-  const c10::optional<at::Tensor> packed = w.get(slot + 1);
-  const c10::optional<at::Tensor> bias = w.get(slot + 2);
-  if (packed.has_value() && x.size(0) >= 1 && x.size(0) <= kMaxPackedRows)
-    return packed_linear(x, *packed, weight.size(1), bias);
-  return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
+// Linear.forward for the matmul whose weight, packed copy and bias start at `slot`.
+at::Tensor linear_at(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int slot) {
+  return linear(x, *w.get(slot), w.get(slot + 1), w.get(slot + 2));
 }
 
 }  // namespace
@@ -53,12 +45,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(
   at::Tensor residual = residual_in.has_value() ? *residual_in : x;
   at::Tensor h = residual_in.has_value() ? add_rms_norm_(x, residual, *w.get(kInputNorm), eps)
                                          : rms_norm(x, *w.get(kInputNorm), eps);
-  at::Tensor qkv = linear(h, w, kQkvW);
+  at::Tensor qkv = linear_at(h, w, kQkvW);
   rope_and_store_(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads);
   const at::Tensor q = qkv.narrow(1, 0, num_heads * head_dim).view({t, num_heads, head_dim});
   const at::Tensor o = paged_attention_decode(q, key_cache, value_cache, block_tables, seq_lens, scale);
-  h = add_rms_norm_(linear(o.reshape({t, num_heads * head_dim}), w, kOW), residual, *w.get(kPostNorm), eps);
-  at::Tensor out = linear(silu_mul(linear(h, w, kGateUpW)), w, kDownW);
+  h = add_rms_norm_(linear_at(o.reshape({t, num_heads * head_dim}), w, kOW), residual, *w.get(kPostNorm), eps);
+  at::Tensor out = linear_at(silu_mul(linear_at(h, w, kGateUpW)), w, kDownW);
   return {out, residual};
 }
 

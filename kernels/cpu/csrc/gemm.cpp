@@ -105,13 +105,10 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
 // the following groups find it in L2.
 static void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K,
                        float* y, int64_t ldy, const float* bias) {
+  // first group (M >= 2: a single row goes to one_row)
   int64_t m = 0;
-  // first group
-  switch (M >= 3 ? 3 : M) {
-    case 1: MICRO(1, 4); m = 1; break;
-    case 2: MICRO(2, 3); m = 2; break;
-    default: MICRO(3, 2); m = 3; break;
-  }
+  if (M == 2) { MICRO(2, 3); m = 2; }
+  else { MICRO(3, 2); m = 3; }
   for (; m < M;) {
     int64_t left = M - m;
     const float* xm = x + m * ldx; float* ym = y + m * ldy;
@@ -161,15 +158,23 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (M == 1) {
-    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) { one_row(xp, wp, K, yp, bias, begin, end); });
-    return NP == N ? y : y.narrow(1, 0, N).contiguous();
-  }
-  // One task per panel: every row of the batch is computed against a panel while it is hot.
   at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    if (M == 1) return one_row(xp, wp, K, yp, bias, begin, end);
+    // Several rows: each panel against every row of the batch while it is hot.
     for (int64_t b = begin; b < end; ++b)
       panel_rows(xp, K, M, wp + b * K * NB, K, yp + b * NB, NP, bias ? bias + b * NB : nullptr);
   });
   return NP == N ? y : y.narrow(1, 0, N).contiguous();
+}
+
+// The one rule for which matmul serves a batch (Linear.forward and decoder_layer both call
+// this): the packed copy for 1 to kMaxPackedRows rows, the library on the plain [in, out]
+// weight for prefill-sized batches, where it is faster.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
+                  const c10::optional<at::Tensor>& bias) {
+  constexpr int64_t kMaxPackedRows = 64;
+  if (packed.has_value() && x.size(0) >= 1 && x.size(0) <= kMaxPackedRows)
+    return packed_linear(x, *packed, weight.size(1), bias);
+  return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
 }
 }  // namespace pagedserve_cpu

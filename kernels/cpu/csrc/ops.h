@@ -19,6 +19,8 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
+                  const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual,
     const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& cos, const at::Tensor& sin,
