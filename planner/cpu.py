@@ -1,8 +1,9 @@
 """The ``cpu`` device: this machine's memory bandwidth and matmul FLOP/s, measured once.
 
 No datasheet says what a shared, virtualised CPU delivers, so it is measured: a STREAM-like
-pass over a tensor far larger than the caches (a read, ``x.sum()``, and a copy,
-``y.copy_(x)`` counted as read + write), and a square matmul. Each is timed a few times and
+pass over a tensor far larger than the caches (reads: ``x.sum()``, a matrix-vector product
+and the engine's own one-row product; a copy, ``y.copy_(x)`` counted as read + write), and a
+square matmul. Each is timed a few times and
 the best run is kept: the aim is the attainable peak, and other processes only ever slow a
 run down. The result is cached as JSON in ``$PAGEDSERVE_CACHE/cpu_peaks.json`` (default
 ``~/.cache/pagedserve``), keyed by CPU model, thread count and torch version, so later plans
@@ -25,6 +26,9 @@ from engine.config import cache_dir
 from planner.devices import Device, physical_memory_bytes
 
 CACHE_FILE = "cpu_peaks.json"
+# Bumped when the read probes change: a cached read bandwidth from older probes is measured
+# again (2: the engine's one-row packed matmul joined x.sum() and torch.mv).
+READ_PROBES_VERSION = 2
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -35,7 +39,7 @@ class CpuPeaks:
     Attributes:
         bandwidth: best of read and copy bandwidth, bytes/s.
         flops: matmul FLOP/s per dtype that was measured.
-        read_bandwidth: ``x.sum()`` over the tensor, bytes/s.
+        read_bandwidth: the best read probe (see ``measure_bandwidth``), bytes/s.
         copy_bandwidth: ``y.copy_(x)``, counting 2 x bytes, bytes/s.
     """
 
@@ -85,10 +89,12 @@ def measure_bandwidth(
 ) -> tuple[float, float]:
     """STREAM-like read and copy bandwidth over a ``num_bytes`` float32 tensor.
 
-    Read bandwidth is the better of a reduction (``x.sum()``) and a matrix-vector product
-    over the same bytes: the latter is what a batch-1 decode step does with every weight,
-    and on some machines the BLAS kernel streams memory faster than the reduction. A peak
-    below what the model itself achieves would report an MBU above 1.
+    Read bandwidth is the best of a reduction (``x.sum()``), a matrix-vector product over
+    the same bytes, and, when the C++ CPU kernels build, the engine's own one-row product
+    over packed weights: the latter two are what a batch-1 decode step does with every
+    weight, and on some machines they stream memory faster than the reduction (the packed
+    product's several streams per thread beat both with one thread here). A peak below what
+    the model itself achieves would report an MBU above 1.
 
     Returns:
         (read bytes/s, copy bytes/s); copy counts the bytes read plus the bytes written.
@@ -101,9 +107,26 @@ def measure_bandwidth(
     vector = torch.ones(1024)
     read_sum = num_bytes / _best_seconds(lambda: x.sum(), repeats, budget_s)
     read_mv = num_bytes / _best_seconds(lambda: torch.mv(matrix, vector), repeats, budget_s)
-    read = max(read_sum, read_mv)
     copy = 2 * num_bytes / _best_seconds(lambda: y.copy_(x), repeats, budget_s)
+    read = max(read_sum, read_mv, _packed_row_read(matrix, repeats, budget_s))
     return read, copy
+
+
+def _packed_row_read(matrix: Any, repeats: int, budget_s: float) -> float:
+    """Bytes/s of the C++ kernels' one-row product over ``matrix`` packed as a weight
+    (``kernels/cpu/csrc/gemm.cpp``), or 0.0 when the kernels are not available."""
+    import torch
+
+    from kernels import cpu as cpu_kernels
+
+    ops = cpu_kernels.load()
+    if ops is None:
+        return 0.0
+    packed = ops.pack_weight(matrix)
+    row = torch.ones(1, matrix.shape[0])
+    n = matrix.shape[1]
+    seconds = _best_seconds(lambda: ops.packed_linear(row, packed, n, None), repeats, budget_s)
+    return matrix.numel() * 4 / seconds
 
 
 def measure_matmul_flops(
@@ -149,8 +172,13 @@ def measure_cpu_peaks(
     entry: dict[str, Any] = {} if refresh else dict(cache.get(key) or {})
     flops: dict[str, float] = dict(entry.get("flops") or {})
     changed = False
-    if "read_bandwidth" not in entry or "copy_bandwidth" not in entry:
+    if (
+        "read_bandwidth" not in entry
+        or "copy_bandwidth" not in entry
+        or entry.get("read_probes_version") != READ_PROBES_VERSION
+    ):
         entry["read_bandwidth"], entry["copy_bandwidth"] = measure_bw()
+        entry["read_probes_version"] = READ_PROBES_VERSION
         changed = True
     for dtype in dtypes:
         if dtype not in _TORCH_DTYPES:

@@ -44,6 +44,22 @@ def test_cache_is_per_machine_fingerprint(
     assert len(json.loads((cache_dir / cpu.CACHE_FILE).read_text())) == 2
 
 
+def test_a_read_bandwidth_from_older_probes_is_measured_again(
+    cache_dir: Path, fake_cpu: FakeCpu
+) -> None:
+    """A figure cached before the packed-row probe existed may sit below what the engine
+    reads (an MBU above 1): it is measured again, the cached FLOP/s kept."""
+    cpu.cpu_device()
+    path = cache_dir / cpu.CACHE_FILE
+    cache = json.loads(path.read_text())
+    (entry,) = cache.values()
+    del entry["read_probes_version"]
+    entry["read_bandwidth"] = 1.0
+    path.write_text(json.dumps(cache))
+    assert cpu.cpu_device().memory_bandwidth == FAKE_READ_BW
+    assert (fake_cpu.bandwidth_calls, fake_cpu.flops_calls) == (2, ["fp32"])
+
+
 def test_a_corrupt_cache_is_measured_over(cache_dir: Path, fake_cpu: FakeCpu) -> None:
     cache_dir.mkdir(parents=True)
     (cache_dir / cpu.CACHE_FILE).write_text("{not json")
