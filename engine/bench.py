@@ -22,6 +22,7 @@ import torch
 
 from engine.llm import LLM
 from engine.loader import resolve_model
+from scheduler.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from scheduler.request import SamplingParams
 
 
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", default="16,256", help="min,max prompt tokens")
     ap.add_argument("--output-len", default="16,128", help="min,max output tokens")
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine.llm import LLM
+from scheduler.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from scheduler.request import SamplingParams
 
 SYSTEM_TEXT = """\
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=16, help="also the concurrency")
     ap.add_argument("--system-len", type=int, default=400, help="shared system-prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenLogprob
 from kvpool.config import KVPoolConfig
-from scheduler.config import SchedulerConfig
+from scheduler.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
 from scheduler.request import SamplingParams
 
 Prompt = str | list[int]
@@ -49,7 +49,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         num_kv_blocks: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         batching: str = "continuous",
         admission: str = "optimistic",
         batch_wait_ms: float = 50.0,

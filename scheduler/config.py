@@ -7,6 +7,15 @@ from dataclasses import dataclass
 BATCHING_MODES = ("continuous", "static", "dynamic")
 ADMISSION_MODES = ("optimistic", "reserve")
 
+# The default step token budget. A budget that holds a whole burst of prompts (16 of 128
+# tokens here) prefills them in one step, so they then decode together with no prefill
+# chunk interrupting them: with 512, a 16-request burst was admitted 4 prompts per step and
+# every later prefill chunk landed between running decodes (inter-token p99 650 ms at
+# concurrency 16 on 2 CPU cores, against 96 ms with 2048, at 141 tok/s either way). Larger
+# budgets make the steps that do mix prefill and decodes longer (4096 roughly doubles the
+# concurrency-64 inter-token p99). vLLM and TGI default to 2048-8192 for the same reason.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -25,7 +34,7 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     batching: str = "continuous"
     admission: str = "optimistic"
     batch_wait_ms: float = 50.0
