@@ -61,6 +61,46 @@ def test_decode_attention_matches_reference(ops, num_heads, num_kv_heads, head_d
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _prefill_rows_case(chunks, num_heads, num_kv_heads, head_dim, block_size=16, seed=1):
+    """Rows as the engine's per-token plan lays out a step: each (prior, new) chunk is `new`
+    query rows of one sequence at positions prior..prior+new-1, all with that sequence's
+    block table, context growing by one per row."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max((p + n + block_size - 1) // block_size for p, n in chunks) + 1
+    num_blocks = len(chunks) * max_blocks + 3
+    kc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    vc = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    tables = torch.randperm(num_blocks, generator=g)[: len(chunks) * max_blocks]
+    tables = tables.view(len(chunks), max_blocks).int()
+    row_tables = torch.cat([tables[i].expand(n, -1) for i, (_, n) in enumerate(chunks)])
+    lens = torch.cat([torch.arange(p + 1, p + n + 1) for p, n in chunks]).int()
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g)
+    return q, kc, vc, row_tables.contiguous(), lens
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,chunks",
+    [
+        # SmolLM2's shape: a 128-token prompt (split into runs of 32 rows inside the kernel),
+        # a chunk after 40 cached tokens, a decode row and a 2-row run in one step
+        (9, 3, 64, [(0, 128), (40, 17), (200, 1), (5, 2)]),
+        (4, 4, 128, [(0, 70), (33, 1)]),  # MHA, head_dim 128, a run of 70 rows
+        (8, 1, 32, [(300, 5)]),  # MQA after a long context
+        (16, 1, 64, [(0, 20), (0, 20)]),  # group 16 (several passes); two equal-length runs
+        (32, 8, 64, [(15, 33)]),  # group 4, a chunk starting mid-block
+    ],
+)
+def test_decode_attention_matches_reference_on_prefill_rows(
+    ops, num_heads, num_kv_heads, head_dim, chunks
+):
+    # Consecutive rows of one sequence go through the kernel's run path (a transposed K read
+    # once per run); the reference attends row by row.
+    q, kc, vc, tables, lens = _prefill_rows_case(chunks, num_heads, num_kv_heads, head_dim)
+    want = paged_attention_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    got = ops.paged_attention_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_attention_reads_strided_queries(ops):
     # The engine passes Q as a view of the fused QKV projection (rows longer than Q).
     q, kc, vc, tables, lens = _paged_case(3, 9, 3, 64, [7, 20, 33])

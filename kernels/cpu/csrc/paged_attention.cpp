@@ -1,14 +1,18 @@
-// Decode attention over the paged KV cache, reading K/V rows in place through the block
-// table (no gathered copy of the context).
+// Attention over the paged KV cache for query rows that each carry their own block-table row
+// and context length: decodes (one row per sequence) and prefill chunks (one row per token,
+// context position + 1, which is causal attention), reading K/V in place through the table.
 //
-// One work item is (sequence, KV head): its group of query heads (GQA) is scored against
-// each cached K row as the row is read, so every K and V byte is read once per step.
-// Work items are spread over the OpenMP threads dynamically, since contexts differ in length.
+// A work item is (run of rows, KV head), with the KV head's group of query heads (GQA)
+// together. A decode row scores each cached K row against the group as the row is read, so
+// every K and V byte is read once per step. A run of rows continuing one sequence (a prefill
+// chunk) reads its context once into a transposed K and scores 16 positions per vector, with
+// no horizontal sum per score: 128-token prefill attention ~2x faster than row by row.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -20,38 +24,23 @@ namespace pagedserve_cpu {
 
 namespace {
 
-// Loads context position t's row (one KV head, D vectors) through the block table.
-template <int D>
-inline void load_row(const float* cache, const int32_t* block_table, int64_t t, int64_t block_size,
-                     int64_t slot_stride, vf* row) {
-  const int64_t slot = int64_t(block_table[t / block_size]) * block_size + t % block_size;
-  const float* p = cache + slot * slot_stride;
-  for (int i = 0; i < D; ++i) row[i] = vload(p + i * kVec);
+// Calls f(t, row) for context positions t in [0, len), row pointing at position t's slot
+// (one KV head's head_dim floats) through the block table: the block is looked up once per
+// block, not with a division per position.
+template <typename F>
+inline void for_each_slot(const float* cache, const int32_t* block_table, int64_t len, int64_t block_size,
+                          int64_t slot_stride, F&& f) {
+  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    const float* p = cache + int64_t(block_table[b]) * block_size * slot_stride;
+    const int64_t n = std::min(block_size, len - t0);
+    for (int64_t i = 0; i < n; ++i) f(t0 + i, p + i * slot_stride);
+  }
 }
 
-// scores[j][t] = scale * <q_j, k_t>, then softmax over t, then out_j = sum_t p[j][t] v_t.
-// D = head_dim / 16 vectors per row.
-template <int D>
-void attend_one(const float* q,  // [group, D*16], row stride q_stride
-                int64_t q_stride, int group, const float* key_cache, const float* value_cache,
-                const int32_t* block_table, int64_t seq_len, int64_t block_size,
-                int64_t slot_stride,  // floats between consecutive slots (num_kv_heads * head_dim)
-                float scale, float* scores,  // [group, row_stride] scratch
-                int64_t row_stride,
-                float* out, int64_t out_stride) {
-  for (int64_t t = 0; t < seq_len; ++t) {
-    vf kv[D];
-    load_row<D>(key_cache, block_table, t, block_size, slot_stride, kv);
-    for (int j = 0; j < group; ++j) {
-      const float* qj = q + j * q_stride;
-      vf acc = vload(qj) * kv[0];
-      for (int i = 1; i < D; ++i) acc += vload(qj + i * kVec) * kv[i];
-      scores[j * row_stride + t] = vsum(acc) * scale;
-    }
-  }
-  // Softmax in float32, max subtracted first (as torch.softmax). Rows are padded to a
-  // multiple of 16 in the scratch buffer (see decode_all), so every loop runs on full vectors;
-  // the padding scores are -inf and come out as 0.
+// Softmax in float32 over each of `group` score rows, max subtracted first (as torch.softmax).
+// Rows are padded to a multiple of 16 in the scratch buffer (see decode_all), so every loop
+// runs on full vectors; the padding scores are set to -inf here and come out as 0.
+inline void softmax_rows(float* scores, int group, int64_t row_stride, int64_t seq_len) {
   const int64_t padded = (seq_len + kVec - 1) / kVec * kVec;
   for (int j = 0; j < group; ++j) {
     float* s = scores + j * row_stride;
@@ -73,22 +62,159 @@ void attend_one(const float* q,  // [group, D*16], row stride q_stride
     const vf inv = vsplat(1.f / vsum(sv));
     for (int64_t t = 0; t < padded; t += kVec) vstore(s + t, vload(s + t) * inv);
   }
-  constexpr int kMaxGroup = 8;
-  for (int j0 = 0; j0 < group; j0 += kMaxGroup) {
-    const int g = std::min(kMaxGroup, group - j0);
-    vf acc[kMaxGroup][D];
-    for (int j = 0; j < g; ++j)
-      for (int i = 0; i < D; ++i) acc[j][i] = vzero();
-    for (int64_t t = 0; t < seq_len; ++t) {
-      vf vv[D];
-      load_row<D>(value_cache, block_table, t, block_size, slot_stride, vv);
-      for (int j = 0; j < g; ++j) {
-        const vf p = vsplat(scores[(j0 + j) * row_stride + t]);
-        for (int i = 0; i < D; ++i) acc[j][i] += p * vv[i];
+}
+
+// out_j = sum_t p[j][t] v_t over the first seq_len context positions, for G heads at once
+// (G is a template parameter so the G x D accumulators stay in registers).
+template <int D, int G>
+inline void weighted_values_g(const float* scores, int64_t row_stride, const float* value_cache,
+                              const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                              int64_t slot_stride, float* out, int64_t out_stride) {
+  vf acc[G][D];
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < D; ++i) acc[j][i] = vzero();
+  for_each_slot(value_cache, block_table, seq_len, block_size, slot_stride, [&](int64_t t, const float* v) {
+    vf vv[D];
+    for (int i = 0; i < D; ++i) vv[i] = vload(v + i * kVec);
+    for (int j = 0; j < G; ++j) {
+      const vf p = vsplat(scores[j * row_stride + t]);
+      for (int i = 0; i < D; ++i) acc[j][i] += p * vv[i];
+    }
+  });
+  for (int j = 0; j < G; ++j)
+    for (int i = 0; i < D; ++i) vstore(out + j * out_stride + i * kVec, acc[j][i]);
+}
+
+// The whole group, in passes of at most min(6, 24 / D) heads (24 accumulator registers).
+template <int D>
+inline void weighted_values(const float* scores, int group, int64_t row_stride, const float* value_cache,
+                            const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                            int64_t slot_stride, float* out, int64_t out_stride) {
+  constexpr int kPass = D >= 24 ? 1 : std::min(6, 24 / D);  // the cases below go up to 6
+  for (int j0 = 0; j0 < group; j0 += kPass) {
+    const float* s = scores + j0 * row_stride;
+    float* o = out + j0 * out_stride;
+#define PS_WV(G) weighted_values_g<D, G>(s, row_stride, value_cache, block_table, seq_len, block_size, slot_stride, o, out_stride)
+    switch (std::min(kPass, group - j0)) {
+      case 1: PS_WV(1); break;
+      case 2: if constexpr (kPass >= 2) PS_WV(2); break;
+      case 3: if constexpr (kPass >= 3) PS_WV(3); break;
+      case 4: if constexpr (kPass >= 4) PS_WV(4); break;
+      case 5: if constexpr (kPass >= 5) PS_WV(5); break;
+      default: if constexpr (kPass >= 6) PS_WV(6); break;
+    }
+#undef PS_WV
+  }
+}
+
+// One query row (a decode): scores[j][t] = scale * <q_j, k_t>, each K row scored against the
+// whole group as it is read, then softmax over t, then the weighted sum of V.
+// D = head_dim / 16 vectors per row.
+template <int D>
+void attend_one(const float* q,  // [group, D*16], row stride q_stride
+                int64_t q_stride, int group, const float* key_cache, const float* value_cache,
+                const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                int64_t slot_stride,  // floats between consecutive slots (num_kv_heads * head_dim)
+                float scale, float* scores,  // [group, row_stride] scratch
+                int64_t row_stride,
+                float* out, int64_t out_stride) {
+  for_each_slot(key_cache, block_table, seq_len, block_size, slot_stride, [&](int64_t t, const float* k) {
+    vf kv[D];
+    for (int i = 0; i < D; ++i) kv[i] = vload(k + i * kVec);
+    for (int j = 0; j < group; ++j) {
+      const float* qj = q + j * q_stride;
+      vf acc = vload(qj) * kv[0];
+      for (int i = 1; i < D; ++i) acc += vload(qj + i * kVec) * kv[i];
+      scores[j * row_stride + t] = vsum(acc) * scale;
+    }
+  });
+  softmax_rows(scores, group, row_stride, seq_len);
+  weighted_values<D>(scores, group, row_stride, value_cache, block_table, seq_len, block_size,
+                     slot_stride, out, out_stride);
+}
+
+// scores[j][t0 + 16*b + l] for G heads and TB blocks of 16 positions from a transposed K
+// ([head_dim][ldk]): the dot products run along the vector lanes (one position per lane), so
+// there is no horizontal sum per score as in attend_one.
+template <int G, int TB>
+inline void score_blocks_g(const float* q, int64_t q_stride, const float* kt, int64_t ldk,
+                           int64_t head_dim, int64_t t0, float scale, float* scores, int64_t row_stride) {
+  // With few position blocks, split the head_dim sum over S interleaved accumulators so
+  // G x TB x S independent FMA chains hide the FMA latency.
+  constexpr int S = TB >= 4 ? 1 : 4 / TB;
+  vf acc[S][G][TB];
+  for (int u = 0; u < S; ++u)
+    for (int j = 0; j < G; ++j)
+      for (int b = 0; b < TB; ++b) acc[u][j][b] = vzero();
+  for (int64_t d0 = 0; d0 < head_dim; d0 += S) {  // head_dim is a multiple of 16
+    for (int u = 0; u < S; ++u) {
+      const int64_t d = d0 + u;
+      vf k[TB];
+      for (int b = 0; b < TB; ++b) k[b] = vload(kt + d * ldk + t0 + b * kVec);
+      for (int j = 0; j < G; ++j) {
+        const vf qd = vbcast(q + j * q_stride + d);
+        for (int b = 0; b < TB; ++b) acc[u][j][b] += qd * k[b];
       }
     }
-    for (int j = 0; j < g; ++j)
-      for (int i = 0; i < D; ++i) vstore(out + (j0 + j) * out_stride + i * kVec, acc[j][i]);
+  }
+  const vf sc = vsplat(scale);
+  for (int j = 0; j < G; ++j)
+    for (int b = 0; b < TB; ++b) {
+      vf a = acc[0][j][b];
+      for (int u = 1; u < S; ++u) a += acc[u][j][b];
+      vstore(scores + j * row_stride + t0 + b * kVec, a * sc);
+    }
+}
+
+// The whole group, in passes of at most 4 heads (4 x TB accumulators).
+template <int TB>
+inline void score_blocks(const float* q, int64_t q_stride, int group, const float* kt, int64_t ldk,
+                         int64_t head_dim, int64_t t0, float scale, float* scores, int64_t row_stride) {
+  for (int j0 = 0; j0 < group; j0 += 4) {
+    const float* qj = q + j0 * q_stride;
+    float* s = scores + j0 * row_stride;
+#define PS_SB(G) score_blocks_g<G, TB>(qj, q_stride, kt, ldk, head_dim, t0, scale, s, row_stride)
+    switch (std::min(4, group - j0)) {
+      case 1: PS_SB(1); break;
+      case 2: PS_SB(2); break;
+      case 3: PS_SB(3); break;
+      default: PS_SB(4); break;
+    }
+#undef PS_SB
+  }
+}
+
+// A run of query rows of one sequence at consecutive positions (a prefill chunk): row r sees
+// seq_len0 + r context positions. The run's context is read through the block table once,
+// into a transposed K, and every row is scored against it (see score_blocks).
+template <int D>
+void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int group, int64_t rows,
+                const float* key_cache, const float* value_cache, const int32_t* block_table,
+                int64_t seq_len0, int64_t block_size, int64_t slot_stride, float scale,
+                float* scores, int64_t row_stride, std::vector<float>& kt_buf, float* out,
+                int64_t out_row_stride, int64_t out_stride) {
+  constexpr int64_t head_dim = D * kVec;
+  const int64_t ctx = seq_len0 + rows - 1;  // the last row's context
+  const int64_t ldk = (ctx + kVec - 1) / kVec * kVec;
+  if (int64_t(kt_buf.size()) < head_dim * ldk) kt_buf.resize(size_t(head_dim * ldk));
+  float* kt = kt_buf.data();
+  for_each_slot(key_cache, block_table, ctx, block_size, slot_stride, [&](int64_t t, const float* k) {
+    for (int64_t d = 0; d < head_dim; ++d) kt[d * ldk + t] = k[d];
+  });
+  // padding positions: finite, so their (discarded) scores are too
+  for (int64_t d = 0; d < head_dim; ++d)
+    for (int64_t t = ctx; t < ldk; ++t) kt[d * ldk + t] = 0.f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t len = seq_len0 + r, padded = (len + kVec - 1) / kVec * kVec;
+    const float* qr = q + r * q_row_stride;
+    int64_t t0 = 0;
+    for (; t0 + 4 * kVec <= padded; t0 += 4 * kVec)
+      score_blocks<4>(qr, q_stride, group, kt, ldk, head_dim, t0, scale, scores, row_stride);
+    for (; t0 < padded; t0 += kVec)
+      score_blocks<1>(qr, q_stride, group, kt, ldk, head_dim, t0, scale, scores, row_stride);
+    softmax_rows(scores, group, row_stride, len);
+    weighted_values<D>(scores, group, row_stride, value_cache, block_table, len, block_size,
+                       slot_stride, out + r * out_row_stride, out_stride);
   }
 }
 
@@ -110,17 +236,54 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
   const int64_t max_len = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
-  const int64_t items = num_seqs * num_kv_heads;
-  // grain 1: items differ in cost (context length), and there are few of them.
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const int64_t bs_cols = block_tables.size(1);
+  // Work units: runs of rows that continue one sequence at consecutive positions (the same
+  // block table, context one longer each row) go to attend_run, at most kRunRows rows each
+  // so a single prompt still spreads over the threads; other rows (decodes) are runs of one.
+  constexpr int64_t kRunRows = 32;
+  std::vector<int64_t> run_start{0};
+  for (int64_t i = 1; i < num_seqs; ++i) {
+    const int64_t r0 = run_start.back();
+    const bool continues =
+        i - r0 < kRunRows && lens[i] == lens[i - 1] + 1 &&
+        (bt_stride == 0 ||  // one table row broadcast to every row
+         std::equal(bt + i * bt_stride,
+                    bt + i * bt_stride + std::min<int64_t>(bs_cols, (lens[i] + block_size - 1) / block_size),
+                    bt + (i - 1) * bt_stride));
+    if (!continues) run_start.push_back(i);
+  }
+  run_start.push_back(num_seqs);
+  const int64_t num_runs = int64_t(run_start.size()) - 1;
+  // Items (run, KV head) differ in cost (context length x rows), so threads take them one at
+  // a time from a shared counter, costliest first (a static split of a prefill chunk's runs
+  // gives one thread all the long contexts).
+  std::vector<int64_t> order(static_cast<size_t>(num_runs));
+  std::vector<int64_t> cost(static_cast<size_t>(num_runs));
+  for (int64_t r = 0; r < num_runs; ++r) {
+    order[r] = r;
+    const int64_t i = run_start[r], rows = run_start[r + 1] - i;
+    cost[r] = rows * (lens[i] + rows);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  const int64_t items = num_runs * num_kv_heads;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t row_stride = (std::max<int64_t>(max_len, 1) + kVec - 1) / kVec * kVec;
     std::vector<float> scores(size_t(group) * size_t(row_stride));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
-      attend_one<D>(q + i * q_seq_stride + h * group * q_head_stride, q_head_stride, group,
-                    kc + h * head_dim, vc + h * head_dim, bt + i * bt_stride, lens[i], block_size,
-                    slot_stride, float(scale), scores.data(), row_stride,
-                    o + (i * num_heads + h * group) * head_dim, head_dim);
+    std::vector<float> kt;
+    for (int64_t item = next++; item < items; item = next++) {
+      const int64_t run = order[item / num_kv_heads], h = item % num_kv_heads;
+      const int64_t i = run_start[run], rows = run_start[run + 1] - i;
+      const float* qi = q + i * q_seq_stride + h * group * q_head_stride;
+      float* oi = o + (i * num_heads + h * group) * head_dim;
+      if (rows == 1)
+        attend_one<D>(qi, q_head_stride, group, kc + h * head_dim, vc + h * head_dim, bt + i * bt_stride,
+                      lens[i], block_size, slot_stride, float(scale), scores.data(), row_stride, oi, head_dim);
+      else
+        attend_run<D>(qi, q_seq_stride, q_head_stride, group, rows, kc + h * head_dim, vc + h * head_dim,
+                      bt + i * bt_stride, lens[i], block_size, slot_stride, float(scale), scores.data(),
+                      row_stride, kt, oi, num_heads * head_dim, head_dim);
     }
   });
 }
