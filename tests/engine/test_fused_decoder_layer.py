@@ -11,14 +11,16 @@ from engine.layer_ops import CpuLayerOps
 from tests.engine.conftest import make_tiny_llama
 
 
-def _run(path, prompts, *, fused: bool, monkeypatch) -> tuple[list, int]:
-    calls = 0
+def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list, int, int]:
+    """(outputs, fused layer calls, most rows in one call)"""
+    calls = rows = 0
     original = CpuLayerOps.decoder_layer
 
-    def counting(self, *args, **kwargs):
-        nonlocal calls
+    def counting(self, layer, x, *args, **kwargs):
+        nonlocal calls, rows
         calls += 1
-        return original(self, *args, **kwargs)
+        rows = max(rows, x.shape[0])
+        return original(self, layer, x, *args, **kwargs)
 
     with monkeypatch.context() as m:
         m.setattr(CpuLayerOps, "fuses_layers", fused)
@@ -28,10 +30,10 @@ def _run(path, prompts, *, fused: bool, monkeypatch) -> tuple[list, int]:
             attention_backend="cpu",
             block_size=8,
             max_num_seqs=80,
-            max_num_batched_tokens=64,
+            max_num_batched_tokens=budget,
         )
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, logprobs=3))
-    return [(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs]) for o in outs], calls
+    return [(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs]) for o in outs], calls, rows
 
 
 @pytest.mark.parametrize(
@@ -39,13 +41,19 @@ def _run(path, prompts, *, fused: bool, monkeypatch) -> tuple[list, int]:
     [{}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}],
     ids=["plain", "tied-bias"],
 )
-@pytest.mark.parametrize("num_prompts", [1, 5, 70], ids=lambda n: f"{n}-seqs")
+@pytest.mark.parametrize(
+    "num_prompts,budget",
+    # 1 row (vector product); 5 and 70 prompts under a 64-token budget: steps of up to 64
+    # rows (packed matmul), chunked prefills and mixed prefill/decode steps; 70 prompts under
+    # a 2048-token budget: a first step of ~1,400 rows (the library's matmul, past the
+    # packed range of 256 rows).
+    [(1, 64), (5, 64), (70, 64), (70, 2048)],
+    ids=["1-seq", "5-seqs", "70-seqs", "70-seqs-one-step"],
+)
 def test_fused_decoder_layer_is_bitwise_the_python_layer(
-    tmp_path, monkeypatch, overrides, num_prompts
+    tmp_path, monkeypatch, overrides, num_prompts, budget
 ):
-    """1 row (vector product), 5 (packed matmul) and 70 decode rows (past the packed range:
-    the library's matmul), with and without biases; prompts cross block boundaries and a
-    64-token budget makes chunked prefills and mixed prefill/decode steps."""
+    """With and without biases; prompts cross block boundaries."""
     path = make_tiny_llama(
         tmp_path, num_kv_heads=2, seed=5, hidden_size=128, intermediate_size=256, **overrides
     )
@@ -54,9 +62,14 @@ def test_fused_decoder_layer_is_bitwise_the_python_layer(
         torch.randint(3, 256, (int(n),), generator=g).tolist()
         for n in torch.randint(1, 40, (num_prompts,), generator=g)
     ]
-    fused, fused_calls = _run(path, prompts, fused=True, monkeypatch=monkeypatch)
-    python, python_calls = _run(path, prompts, fused=False, monkeypatch=monkeypatch)
+    fused, fused_calls, rows = _run(
+        path, prompts, fused=True, monkeypatch=monkeypatch, budget=budget
+    )
+    python, python_calls, _ = _run(
+        path, prompts, fused=False, monkeypatch=monkeypatch, budget=budget
+    )
     assert python_calls == 0
+    assert rows > 256 if budget > 256 else rows <= 64
     # 2 layers x every step: at least the 10 steps of the longest request.
     assert fused_calls >= 2 * 10
     assert fused == python

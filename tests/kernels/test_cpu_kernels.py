@@ -172,7 +172,7 @@ def test_rope_and_store_matches_torch(ops):
     assert caches[2].view(-1, num_kv_heads, head_dim)[[1, 2, 3, 4]].abs().sum() == 0
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 16, 64, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 16, 64, 70, 256])
 @pytest.mark.parametrize(
     "k,n,bias",
     # 1287 columns = 21 panels (the last ragged): with 2 threads, each thread's run is long
