@@ -20,7 +20,11 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenLogprob
 from kvpool.config import KVPoolConfig
-from scheduler.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SchedulerConfig
+from scheduler.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    SchedulerConfig,
+)
 from scheduler.request import SamplingParams
 
 Prompt = str | list[int]
@@ -50,6 +54,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         batching: str = "continuous",
         admission: str = "optimistic",
         batch_wait_ms: float = 50.0,
@@ -74,6 +79,7 @@ class LLM:
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
+                prefill_chunk_tokens=prefill_chunk_tokens,
                 batching=batching,
                 admission=admission,
                 batch_wait_ms=batch_wait_ms,

@@ -31,6 +31,7 @@ that computed them: a hash is never visible before its K/V exists.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -98,6 +99,8 @@ class Scheduler:
         self.padding = BatchPadding()
         self._requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        # Prompt tokens the step being planned may still compute (see _prefill_allowance).
+        self._prefill_left = 0
         self.last_step_preemptions = 0
 
     # ---- intake ---------------------------------------------------------------------------
@@ -151,6 +154,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.last_step_preemptions = 0
+        # Prompt tokens this step may still compute (decodes are not counted against it).
+        self._prefill_left = self._prefill_allowance(budget)
 
         budget = self._schedule_running(out, budget)
         # Padding needs no check for an ended batch here: preemption releases all padding
@@ -183,6 +188,23 @@ class Scheduler:
             return None
         return self.policy.admission_time(self.waiting)
 
+    def _prefill_allowance(self, budget: int) -> int:
+        """The prompt tokens this step may compute: all of the budget when the whole prefill
+        work in sight (running requests' remaining tokens, decodes included, plus the
+        waiting requests this step could admit) fits in it, so a burst is computed together
+        and then decodes together; otherwise ``prefill_chunk_tokens``, so a deeper queue
+        drains in shorter steps (requests start sooner, decodes wait less between tokens).
+        """
+        demand = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        if self.waiting and self.policy.may_admit(self.running, self.waiting, self.clock()):
+            limit = self.policy.admission_limit(self.config.max_num_seqs, len(self.running))
+            demand += sum(
+                r.num_tokens - r.num_computed_tokens for r in itertools.islice(self.waiting, limit)
+            )
+        if demand <= budget:
+            return budget
+        return min(self.config.prefill_chunk_tokens, budget)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule running requests, oldest first, preempting the newest when blocks run
         out. Decodes cost one token each and admission order puts prefilling requests
@@ -194,6 +216,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            prefill = self._is_prefill(request)
             num_new = self._num_tokens_to_schedule(request, budget)
             if num_new == 0:
                 index += 1
@@ -202,6 +225,8 @@ class Scheduler:
                 break  # the request preempted itself: nothing newer is left to schedule
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            if prefill:
+                self._prefill_left -= num_new
             index += 1
         return budget
 
@@ -257,8 +282,15 @@ class Scheduler:
 
     # ---- helpers --------------------------------------------------------------------------
 
+    @staticmethod
+    def _is_prefill(request: Request) -> bool:
+        """More than one token to compute: a prompt (or recompute) chunk, not a decode."""
+        return request.num_tokens - request.num_computed_tokens > 1
+
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
         remaining = request.num_tokens - request.num_computed_tokens
+        if self._is_prefill(request):
+            return min(remaining, budget, self._prefill_left)
         return min(remaining, budget)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
@@ -319,11 +351,13 @@ class Scheduler:
         """
         if not self.policy.may_admit(self.running, self.waiting, self.clock()):
             return budget
+        # New requests' first chunks are all prompt tokens.
+        allowed = min(budget, self._prefill_left)
         admission = StepAdmission(
             self.config,
             self.kv,
             self.max_model_len,
-            budget=budget,
+            budget=allowed,
             limit=self.policy.admission_limit(self.config.max_num_seqs, len(self.running)),
             admits_without_budget=self.policy.admits_without_budget,
             filling=hashes_filled_by(self.kv, out.scheduled) if self.defers_to_cache else None,
@@ -345,7 +379,9 @@ class Scheduler:
                 item = self._scheduled(request, admitted.num_new)
                 out.scheduled.append(item)
                 admission.add_scheduled(item)
-        return admission.budget
+        used = allowed - admission.budget
+        self._prefill_left -= used
+        return budget - used
 
     def _finish(
         self,

@@ -69,7 +69,8 @@ def serve(config: ServingConfig) -> int:
     num_tokens = engine.num_total_blocks * block_size
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens, room for %.1f sequences of the full "
-        "context (max_model_len %d); batching %s, max_num_seqs %d, max_num_batched_tokens %d",
+        "context (max_model_len %d); batching %s, max_num_seqs %d, max_num_batched_tokens %d, "
+        "prefill_chunk_tokens %d",
         engine.num_total_blocks,
         block_size,
         num_tokens,
@@ -78,6 +79,7 @@ def serve(config: ServingConfig) -> int:
         config.scheduler.batching,
         config.scheduler.max_num_seqs,
         config.scheduler.max_num_batched_tokens,
+        config.scheduler.prefill_chunk_tokens,
     )
     client = AsyncEngineClient(
         engine,

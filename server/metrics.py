@@ -417,6 +417,7 @@ def config_info(config: ServingConfig, **resolved: str) -> dict[str, str]:
         "admission": scheduler.admission,
         "max_num_seqs": str(scheduler.max_num_seqs),
         "max_num_batched_tokens": str(scheduler.max_num_batched_tokens),
+        "prefill_chunk_tokens": str(scheduler.prefill_chunk_tokens),
         "block_size": str(kvpool.block_size),
         "prefix_caching": str(kvpool.enable_prefix_caching).lower(),
         **resolved,

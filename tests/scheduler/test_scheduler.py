@@ -118,6 +118,50 @@ def test_chunked_prefill_never_stalls_running_decodes() -> None:
     assert len(outputs["d1"]) == 20 - 6
 
 
+def test_a_burst_that_fits_the_budget_is_prefilled_in_one_step() -> None:
+    # 4 x 16 = 64 prompt tokens fit the 64-token budget: one step, past the 16-token chunk
+    # size, so the four then decode together.
+    sched = make_scheduler(max_num_batched_tokens=64, prefill_chunk_tokens=16)
+    runner = FakeRunner(16)
+    for name in "abcd":
+        sched.add_request(req(name, 16, 3))
+    assert step(sched, runner).plan == [("a", 16), ("b", 16), ("c", 16), ("d", 16)]
+    assert step(sched, runner).plan == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+
+
+def test_a_queue_deeper_than_one_step_drains_in_prefill_chunks() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, prefill_chunk_tokens=16)
+    runner = FakeRunner(16)
+    for name in "abcde":
+        sched.add_request(req(name, 16, 8))
+    plans = [step(sched, runner).plan for _ in range(3)]
+    assert plans == [
+        [("a", 16)],  # 80 tokens waiting > 64: one 16-token chunk
+        [("a", 1), ("b", 16)],  # 1 decode + 64 waiting > 64: still chunked
+        [("a", 1), ("b", 1), ("c", 16), ("d", 16), ("e", 16)],  # 50 fits: all at once
+    ]
+
+
+def test_prefill_chunks_never_cap_the_decodes() -> None:
+    sched = make_scheduler(max_num_batched_tokens=64, prefill_chunk_tokens=8)
+    runner = FakeRunner(16)
+    decoders = [req(f"d{i}", 2, 20) for i in range(12)]
+    for r in decoders:
+        sched.add_request(r)
+    assert len(step(sched, runner).plan) == 12  # 24 tokens: one step
+    sched.add_request(req("long", 100, 2))
+    # 12 decodes + 100 prompt tokens > 64: the 12 decodes, then an 8-token chunk.
+    for start in range(0, 24, 8):
+        s = step(sched, runner)
+        assert s.plan == [(r.request_id, 1) for r in decoders] + [("long", 8)]
+        assert s.out.scheduled[-1].start == start
+
+
+def test_prefill_chunk_tokens_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        make_scheduler(prefill_chunk_tokens=0)
+
+
 def test_preemption_takes_the_newest_requeues_it_first_and_recomputes() -> None:
     # block size 4, 6 blocks: a, b, c (6-token prompts) fill the pool after their prefill.
     sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=3)

@@ -52,6 +52,8 @@ def test_every_flag_reaches_its_config() -> None:
         "3",
         "--max-num-batched-tokens",
         "256",
+        "--prefill-chunk-tokens",
+        "64",
         "--batching",
         "dynamic",
         "--admission",
@@ -102,11 +104,12 @@ def test_every_flag_reaches_its_config() -> None:
     assert (
         c.scheduler.max_num_seqs,
         c.scheduler.max_num_batched_tokens,
+        c.scheduler.prefill_chunk_tokens,
         c.scheduler.batching,
         c.scheduler.admission,
         c.scheduler.batch_wait_ms,
         c.scheduler.static_finished,
-    ) == (3, 256, "dynamic", "reserve", 20.0, "skip")
+    ) == (3, 256, 64, "dynamic", "reserve", 20.0, "skip")
     assert c.server == ServerConfig(
         host="0.0.0.0",
         port=1234,
