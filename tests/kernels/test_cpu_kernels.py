@@ -81,13 +81,14 @@ def _prefill_rows_case(chunks, num_heads, num_kv_heads, head_dim, block_size=16,
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,chunks",
     [
-        # SmolLM2's shape: a 128-token prompt (split into runs of 32 rows inside the kernel),
+        # SmolLM2's shape: a 128-token prompt (4 runs of 32 rows inside the kernel),
         # a chunk after 40 cached tokens, a decode row and a 2-row run in one step
         (9, 3, 64, [(0, 128), (40, 17), (200, 1), (5, 2)]),
         (4, 4, 128, [(0, 70), (33, 1)]),  # MHA, head_dim 128, a run of 70 rows
         (8, 1, 32, [(300, 5)]),  # MQA after a long context
         (16, 1, 64, [(0, 20), (0, 20)]),  # group 16 (several passes); two equal-length runs
         (32, 8, 64, [(15, 33)]),  # group 4, a chunk starting mid-block
+        (9, 3, 64, [(0, 600)]),  # a long chunk: 16 runs of 38 rows (the last shorter)
     ],
 )
 def test_decode_attention_matches_reference_on_prefill_rows(

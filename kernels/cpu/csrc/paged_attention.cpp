@@ -5,8 +5,9 @@
 // A work item is (run of rows, KV head), with the KV head's group of query heads (GQA)
 // together. A decode row scores each cached K row against the group as the row is read, so
 // every K and V byte is read once per step. A run of rows continuing one sequence (a prefill
-// chunk) reads its context once into a transposed K and scores 16 positions per vector, with
-// no horizontal sum per score: 128-token prefill attention ~2x faster than row by row.
+// chunk) reads its context once into a transposed K and scores several rows' query vectors
+// together, 16 positions per vector, with no horizontal sum per score: 128-token prefill
+// attention ~2x faster than row by row.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -133,60 +134,75 @@ void attend_one(const float* q,  // [group, D*16], row stride q_stride
                      slot_stride, out, out_stride);
 }
 
-// scores[j][t0 + 16*b + l] for G heads and TB blocks of 16 positions from a transposed K
-// ([head_dim][ldk]): the dot products run along the vector lanes (one position per lane), so
-// there is no horizontal sum per score as in attend_one.
-template <int G, int TB>
-inline void score_blocks_g(const float* q, int64_t q_stride, const float* kt, int64_t ldk,
-                           int64_t head_dim, int64_t t0, float scale, float* scores, int64_t row_stride) {
-  // With few position blocks, split the head_dim sum over S interleaved accumulators so
-  // G x TB x S independent FMA chains hide the FMA latency.
-  constexpr int S = TB >= 4 ? 1 : 4 / TB;
-  vf acc[S][G][TB];
+// Up to kTileQ query vectors (rows x heads) scored together, so each transposed-K vector
+// loaded serves them all: a row at a time, a long context's K would stream from L2 once per
+// row.
+constexpr int kTileQ = 12;
+
+// s_n[t0 + 16*b + l] = scale * <q_n, k_(t0 + 16*b + l)> for NQ query vectors and TB blocks of
+// 16 positions from a transposed K ([head_dim][ldk]): the dot products run along the vector
+// lanes (one position per lane), so there is no horizontal sum per score as in attend_one.
+template <int NQ, int TB>
+inline void score_tile(const float* const* q, float* const* s, const float* kt, int64_t ldk,
+                       int64_t head_dim, int64_t t0, float scale) {
+  // With few accumulators, split the head_dim sum over S interleaved ones so NQ x TB x S
+  // independent FMA chains hide the FMA latency (head_dim is a multiple of 16).
+  constexpr int S = NQ * TB >= 8 ? 1 : NQ * TB >= 4 ? 2 : NQ * TB >= 2 ? 4 : 8;
+  vf acc[S][NQ][TB];
   for (int u = 0; u < S; ++u)
-    for (int j = 0; j < G; ++j)
-      for (int b = 0; b < TB; ++b) acc[u][j][b] = vzero();
-  for (int64_t d0 = 0; d0 < head_dim; d0 += S) {  // head_dim is a multiple of 16
+    for (int n = 0; n < NQ; ++n)
+      for (int b = 0; b < TB; ++b) acc[u][n][b] = vzero();
+  for (int64_t d0 = 0; d0 < head_dim; d0 += S) {
     for (int u = 0; u < S; ++u) {
       const int64_t d = d0 + u;
       vf k[TB];
       for (int b = 0; b < TB; ++b) k[b] = vload(kt + d * ldk + t0 + b * kVec);
-      for (int j = 0; j < G; ++j) {
-        const vf qd = vbcast(q + j * q_stride + d);
-        for (int b = 0; b < TB; ++b) acc[u][j][b] += qd * k[b];
+      for (int n = 0; n < NQ; ++n) {
+        const vf qd = vbcast(q[n] + d);
+        for (int b = 0; b < TB; ++b) acc[u][n][b] += qd * k[b];
       }
     }
   }
   const vf sc = vsplat(scale);
-  for (int j = 0; j < G; ++j)
+  for (int n = 0; n < NQ; ++n)
     for (int b = 0; b < TB; ++b) {
-      vf a = acc[0][j][b];
-      for (int u = 1; u < S; ++u) a += acc[u][j][b];
-      vstore(scores + j * row_stride + t0 + b * kVec, a * sc);
+      vf a = acc[0][n][b];
+      for (int u = 1; u < S; ++u) a += acc[u][n][b];
+      vstore(s[n] + t0 + b * kVec, a * sc);
     }
 }
 
-// The whole group, in passes of at most 4 heads (4 x TB accumulators).
-template <int TB>
-inline void score_blocks(const float* q, int64_t q_stride, int group, const float* kt, int64_t ldk,
-                         int64_t head_dim, int64_t t0, float scale, float* scores, int64_t row_stride) {
-  for (int j0 = 0; j0 < group; j0 += 4) {
-    const float* qj = q + j0 * q_stride;
-    float* s = scores + j0 * row_stride;
-#define PS_SB(G) score_blocks_g<G, TB>(qj, q_stride, kt, ldk, head_dim, t0, scale, s, row_stride)
-    switch (std::min(4, group - j0)) {
-      case 1: PS_SB(1); break;
-      case 2: PS_SB(2); break;
-      case 3: PS_SB(3); break;
-      default: PS_SB(4); break;
-    }
-#undef PS_SB
+// Positions [0, padded) for nq <= kTileQ query vectors: 32 positions per pass with up to 12
+// vectors (24 accumulators), 64 with up to 6, then the 16-position tail.
+template <int NQ>
+inline void score_span(const float* const* q, float* const* s, const float* kt, int64_t ldk,
+                       int64_t head_dim, int64_t padded, float scale) {
+  constexpr int TB = NQ <= 6 ? 4 : 2;
+  int64_t t0 = 0;
+  for (; t0 + TB * kVec <= padded; t0 += TB * kVec) score_tile<NQ, TB>(q, s, kt, ldk, head_dim, t0, scale);
+  for (; t0 < padded; t0 += kVec) score_tile<NQ, 1>(q, s, kt, ldk, head_dim, t0, scale);
+}
+
+inline void score_vectors(int nq, const float* const* q, float* const* s, const float* kt, int64_t ldk,
+                          int64_t head_dim, int64_t padded, float scale) {
+  switch (nq) {
+#define PS_CASE(N) case N: return score_span<N>(q, s, kt, ldk, head_dim, padded, scale);
+    PS_CASE(1) PS_CASE(2) PS_CASE(3) PS_CASE(4) PS_CASE(5) PS_CASE(6)
+    PS_CASE(7) PS_CASE(8) PS_CASE(9) PS_CASE(10) PS_CASE(11) PS_CASE(12)
+#undef PS_CASE
+    default: TORCH_CHECK(false, "score_vectors: at most ", kTileQ, " query vectors per tile");
   }
 }
 
+// How many rows of a run are scored together: as many whole groups of query heads as fit in
+// one tile (at least one row).
+inline int64_t rows_per_tile(int group) { return std::max(1, kTileQ / group); }
+
 // A run of query rows of one sequence at consecutive positions (a prefill chunk): row r sees
 // seq_len0 + r context positions. The run's context is read through the block table once,
-// into a transposed K, and every row is scored against it (see score_blocks).
+// into a transposed K; rows_per_tile rows at a time are scored against it (score_tile), each
+// scored row position past a row's own context is discarded by softmax_rows.
+// scores: [rows_per_tile(group) * group, row_stride] scratch.
 template <int D>
 void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int group, int64_t rows,
                 const float* key_cache, const float* value_cache, const int32_t* block_table,
@@ -204,17 +220,32 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
   // padding positions: finite, so their (discarded) scores are too
   for (int64_t d = 0; d < head_dim; ++d)
     for (int64_t t = ctx; t < ldk; ++t) kt[d * ldk + t] = 0.f;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t len = seq_len0 + r, padded = (len + kVec - 1) / kVec * kVec;
-    const float* qr = q + r * q_row_stride;
-    int64_t t0 = 0;
-    for (; t0 + 4 * kVec <= padded; t0 += 4 * kVec)
-      score_blocks<4>(qr, q_stride, group, kt, ldk, head_dim, t0, scale, scores, row_stride);
-    for (; t0 < padded; t0 += kVec)
-      score_blocks<1>(qr, q_stride, group, kt, ldk, head_dim, t0, scale, scores, row_stride);
-    softmax_rows(scores, group, row_stride, len);
-    weighted_values<D>(scores, group, row_stride, value_cache, block_table, len, block_size,
-                       slot_stride, out + r * out_row_stride, out_stride);
+  const int64_t tile_rows = rows_per_tile(group);
+  for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+    const int64_t nr = std::min(tile_rows, rows - r0);
+    const int64_t last_len = seq_len0 + r0 + nr - 1;
+    const int64_t padded = (last_len + kVec - 1) / kVec * kVec;
+    // The tile's query vectors, (row, head) in order; more than kTileQ only when one row's
+    // group alone is larger (then nr == 1), scored kTileQ at a time.
+    const int64_t nq = nr * group;
+    const float* qv[kTileQ];
+    float* sv[kTileQ];
+    for (int64_t n0 = 0; n0 < nq; n0 += kTileQ) {
+      const int m = int(std::min<int64_t>(kTileQ, nq - n0));
+      for (int i = 0; i < m; ++i) {
+        const int64_t n = n0 + i, r = r0 + n / group, j = n % group;
+        qv[i] = q + r * q_row_stride + j * q_stride;
+        sv[i] = scores + n * row_stride;
+      }
+      score_vectors(m, qv, sv, kt, ldk, head_dim, padded, scale);
+    }
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t len = seq_len0 + r0 + i;
+      float* si = scores + i * group * row_stride;
+      softmax_rows(si, group, row_stride, len);
+      weighted_values<D>(si, group, row_stride, value_cache, block_table, len, block_size, slot_stride,
+                         out + (r0 + i) * out_row_stride, out_stride);
+    }
   }
 }
 
@@ -238,19 +269,27 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int64_t max_len = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
   const int64_t bs_cols = block_tables.size(1);
   // Work units: runs of rows that continue one sequence at consecutive positions (the same
-  // block table, context one longer each row) go to attend_run, at most kRunRows rows each
-  // so a single prompt still spreads over the threads; other rows (decodes) are runs of one.
-  constexpr int64_t kRunRows = 32;
-  std::vector<int64_t> run_start{0};
+  // block table, context one longer each row) go to attend_run; other rows (decodes) are
+  // runs of one. A long chunk is cut into at most kMaxPieces runs of at least kMinRunRows
+  // rows: enough items to spread one prompt over the threads, few enough that re-reading
+  // the context into each run's transposed K stays small next to the scoring.
+  constexpr int64_t kMinRunRows = 32, kMaxPieces = 16;
+  std::vector<int64_t> whole{0};  // maximal runs first
   for (int64_t i = 1; i < num_seqs; ++i) {
-    const int64_t r0 = run_start.back();
     const bool continues =
-        i - r0 < kRunRows && lens[i] == lens[i - 1] + 1 &&
+        lens[i] == lens[i - 1] + 1 &&
         (bt_stride == 0 ||  // one table row broadcast to every row
          std::equal(bt + i * bt_stride,
                     bt + i * bt_stride + std::min<int64_t>(bs_cols, (lens[i] + block_size - 1) / block_size),
                     bt + (i - 1) * bt_stride));
-    if (!continues) run_start.push_back(i);
+    if (!continues) whole.push_back(i);
+  }
+  whole.push_back(num_seqs);
+  std::vector<int64_t> run_start;
+  for (size_t w = 0; w + 1 < whole.size(); ++w) {
+    const int64_t len = whole[w + 1] - whole[w];
+    const int64_t piece = std::max(kMinRunRows, (len + kMaxPieces - 1) / kMaxPieces);
+    for (int64_t i = whole[w]; i < whole[w + 1]; i += piece) run_start.push_back(i);
   }
   run_start.push_back(num_seqs);
   const int64_t num_runs = int64_t(run_start.size()) - 1;
@@ -270,7 +309,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t row_stride = (std::max<int64_t>(max_len, 1) + kVec - 1) / kVec * kVec;
-    std::vector<float> scores(size_t(group) * size_t(row_stride));
+    std::vector<float> scores(size_t(rows_per_tile(group) * group) * size_t(row_stride));
     std::vector<float> kt;
     for (int64_t item = next++; item < items; item = next++) {
       const int64_t run = order[item / num_kv_heads], h = item % num_kv_heads;
