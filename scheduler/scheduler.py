@@ -16,9 +16,9 @@ The batch ends when none of its members is running; the padding's blocks are the
 the next batch is admitted in the same ``schedule()`` call.
 
 Helpers, each in its own module: admission decisions and intake size checks
-(scheduler/admission.py), stop conditions (scheduler/stopping.py), the integrity check
-(scheduler/integrity.py). They change no scheduler state; every queue and status change
-happens here.
+(scheduler/admission.py), the step's token budgets (scheduler/step_budget.py), stop
+conditions (scheduler/stopping.py), the integrity check (scheduler/integrity.py). They
+change no scheduler state; every queue and status change happens here.
 
 Dynamic batching holds waiting requests back until its window ends; the engine thread must
 not spin on empty steps meanwhile: see ``next_admission_time()``.
@@ -50,6 +50,7 @@ from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerUpdate
 from scheduler.padding import BatchPadding
 from scheduler.policy import BatchPolicy, make_policy
 from scheduler.request import Request, RequestStatus
+from scheduler.step_budget import StepBudget
 from scheduler.stopping import stop_status
 
 __all__ = ["RequestTooLargeError", "Scheduler", "SchedulerUpdate"]
@@ -99,8 +100,6 @@ class Scheduler:
         self.padding = BatchPadding()
         self._requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
-        # Prompt tokens the step being planned may still compute (see _prefill_allowance).
-        self._prefill_left = 0
         self.last_step_preemptions = 0
 
     # ---- intake ---------------------------------------------------------------------------
@@ -152,18 +151,20 @@ class Scheduler:
             when nothing can run (e.g. dynamic batching waiting for its window).
         """
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
         self.last_step_preemptions = 0
-        # Prompt tokens this step may still compute (decodes are not counted against it).
-        self._prefill_left = self._prefill_allowance(budget)
-
-        budget = self._schedule_running(out, budget)
+        step = StepBudget.for_step(
+            self.config.max_num_batched_tokens,
+            self.config.prefill_chunk_tokens,
+            self.running,
+            self._admissible(),
+        )
+        self._schedule_running(out, step)
         # Padding needs no check for an ended batch here: preemption releases all padding
         # before it takes a live request, so a batch emptied by preemption has none left.
-        budget = self._schedule_padding(out, budget)
+        self._schedule_padding(out, step)
         # No admission in a step that had to preempt: memory is short already.
         if not out.preempted_ids:
-            budget = self._admit(out, budget)
+            self._admit(out, step)
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
         return out
 
@@ -188,59 +189,41 @@ class Scheduler:
             return None
         return self.policy.admission_time(self.waiting)
 
-    def _prefill_allowance(self, budget: int) -> int:
-        """The prompt tokens this step may compute: all of the budget when the whole prefill
-        work in sight (running requests' remaining tokens, decodes included, plus the
-        waiting requests this step could admit) fits in it, so a burst is computed together
-        and then decodes together; otherwise ``prefill_chunk_tokens``, so a deeper queue
-        drains in shorter steps (requests start sooner, decodes wait less between tokens).
-        """
-        demand = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
-        if self.waiting and self.policy.may_admit(self.running, self.waiting, self.clock()):
-            limit = self.policy.admission_limit(self.config.max_num_seqs, len(self.running))
-            demand += sum(
-                r.num_tokens - r.num_computed_tokens for r in itertools.islice(self.waiting, limit)
-            )
-        if demand <= budget:
-            return budget
-        return min(self.config.prefill_chunk_tokens, budget)
+    def _admissible(self) -> Iterable[Request]:
+        """The waiting requests this step's admission could take, by the policy and
+        ``max_num_seqs`` (blocks and the budget may take fewer)."""
+        if not self.waiting or not self.policy.may_admit(self.running, self.waiting, self.clock()):
+            return ()
+        limit = self.policy.admission_limit(self.config.max_num_seqs, len(self.running))
+        return itertools.islice(self.waiting, limit)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, step: StepBudget) -> None:
         """Schedule running requests, oldest first, preempting the newest when blocks run
         out. Decodes cost one token each and admission order puts prefilling requests
         last, so decodes go before any prefill chunk and a long prompt cannot stall them.
-
-        Returns:
-            The token budget left.
         """
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and step.tokens > 0:
             request = self.running[index]
-            prefill = self._is_prefill(request)
-            num_new = self._num_tokens_to_schedule(request, budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = step.fit(remaining)
             if num_new == 0:
                 index += 1
                 continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself: nothing newer is left to schedule
             out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
-            if prefill:
-                self._prefill_left -= num_new
+            step.spend(num_new, prompt=remaining > 1)
             index += 1
-        return budget
 
-    def _schedule_padding(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_padding(self, out: SchedulerOutput, step: StepBudget) -> None:
         """A dummy row per padding member. Padding takes the budget live requests left; a
         step whose budget a prefill chunk used up skips it (which happens only while a
         member's prompt is still being chunked).
-
-        Returns:
-            The token budget left.
         """
-        rows = self.padding.rows(self.kv, budget)
+        rows = self.padding.rows(self.kv, step.tokens)
         out.scheduled.extend(rows)
-        return budget - len(rows)
+        step.spend(len(rows), prompt=False)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> SchedulerUpdate:
         """Advance every scheduled request, append sampled tokens, apply stop conditions.
@@ -281,17 +264,6 @@ class Scheduler:
         return update
 
     # ---- helpers --------------------------------------------------------------------------
-
-    @staticmethod
-    def _is_prefill(request: Request) -> bool:
-        """More than one token to compute: a prompt (or recompute) chunk, not a decode."""
-        return request.num_tokens - request.num_computed_tokens > 1
-
-    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
-        if self._is_prefill(request):
-            return min(remaining, budget, self._prefill_left)
-        return min(remaining, budget)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -340,19 +312,16 @@ class Scheduler:
         self.last_step_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit(self, out: SchedulerOutput, step: StepBudget) -> None:
         """Admit waiting requests FCFS while the policy, ``max_num_seqs``, the token budget
         and the pool allow (scheduler/admission.py decides and allocates); schedule the
         first chunk of each. A request deferred to a prefix another row computes this step
         is skipped without blocking the queue behind it.
-
-        Returns:
-            The token budget left.
         """
         if not self.policy.may_admit(self.running, self.waiting, self.clock()):
-            return budget
+            return
         # New requests' first chunks are all prompt tokens.
-        allowed = min(budget, self._prefill_left)
+        allowed = min(step.tokens, step.prompt)
         admission = StepAdmission(
             self.config,
             self.kv,
@@ -379,9 +348,7 @@ class Scheduler:
                 item = self._scheduled(request, admitted.num_new)
                 out.scheduled.append(item)
                 admission.add_scheduled(item)
-        used = allowed - admission.budget
-        self._prefill_left -= used
-        return budget - used
+        step.spend(allowed - admission.budget, prompt=True)
 
     def _finish(
         self,
