@@ -305,11 +305,13 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   }
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
   const int64_t items = num_runs * num_kv_heads;
+  // Score rows per worker: a decode needs its group's; a run, a tile's worth of rows.
+  const int64_t score_rows = (num_runs < num_seqs ? rows_per_tile(group) : 1) * group;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t row_stride = (std::max<int64_t>(max_len, 1) + kVec - 1) / kVec * kVec;
-    std::vector<float> scores(size_t(rows_per_tile(group) * group) * size_t(row_stride));
+    std::vector<float> scores(size_t(score_rows) * size_t(row_stride));
     std::vector<float> kt;
     for (int64_t item = next++; item < items; item = next++) {
       const int64_t run = order[item / num_kv_heads], h = item % num_kv_heads;
