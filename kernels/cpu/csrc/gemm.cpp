@@ -1,5 +1,6 @@
-// Float32 matmul for decode-sized batches, y = x @ W (+ bias), against weights packed once
-// at load into 64-column panels, [ceil(N / 64), K, 64]: each panel is one contiguous stream.
+// Float32 matmul for batches of 1-256 rows (decodes, short prefill chunks), y = x @ W (+ bias),
+// against weights packed once at load into 64-column panels, [ceil(N / 64), K, 64]: each
+// panel is one contiguous stream.
 //
 // Why not oneDNN/MKL here: for 2-64 rows the library runs at 60-75% of what the same weights
 // give this kernel on 2 cores (rows x 4 accumulators of 16 floats stay in registers while a
