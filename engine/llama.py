@@ -38,6 +38,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._packed: torch.Tensor | None = None
+        self._quant: torch.Tensor | None = None
         self._cpu_ops: Any = None
 
     def pack_for_cpu(self, ops: Any) -> None:
@@ -48,13 +49,24 @@ class Linear(nn.Module):
         self._packed = ops.pack_weight(self.weight.detach())
         self._cpu_ops = ops
 
+    def use_quantized_panels(self, panels: torch.Tensor) -> None:
+        """Serve small batches from the checkpoint's own GGUF blocks (``engine/gguf_blocks.py``
+        packs them and checks that they de-quantize to exactly ``weight``); a step with at
+        most 24 rows then reads 4.5-8.5 bits a weight instead of 32. Needs ``pack_for_cpu``."""
+        assert self._cpu_ops is not None, "pack_for_cpu first"
+        self._quant = panels
+
     @property
     def packed(self) -> torch.Tensor | None:
         return self._packed
 
+    @property
+    def quantized(self) -> torch.Tensor | None:
+        return self._quant
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
-        if self._packed is not None:  # the C++ op picks packed or library by batch size
-            return self._cpu_ops.linear(x, self.weight, self._packed, self.bias)
+        if self._packed is not None:  # the C++ op picks blocks, panels or library by batch size
+            return self._cpu_ops.linear(x, self.weight, self._packed, self._quant, self.bias)
         if self.bias is None:
             return x @ self.weight
         return torch.addmm(self.bias, x, self.weight)
@@ -132,13 +144,13 @@ class DecoderLayer(nn.Module):
     def fused_weights(self) -> list[torch.Tensor | None]:
         """This layer's tensors in the order of the fused C++ layer's ``weights`` argument
         (``kernels/cpu/csrc/decoder_layer.cpp``, enum Slot): for each matmul its
-        plain weight, packed copy and bias."""
+        plain weight, packed copy, GGUF blocks and bias."""
         weights: list[torch.Tensor | None] = [
             self.input_norm.weight,
             self.post_attention_norm.weight,
         ]
         for linear in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj):
-            weights += [linear.weight, linear.packed, linear.bias]
+            weights += [linear.weight, linear.packed, linear.quantized, linear.bias]
         return weights
 
 

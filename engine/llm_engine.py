@@ -19,6 +19,7 @@ from engine.cost import StepCostModel
 from engine.faults import FaultInjectingRunner, describe, execute_isolating
 from engine.layer_ops import CpuLayerOps, TorchLayerOps
 from engine.llama import Linear, LlamaForCausalLM
+from engine.gguf_blocks import attach_gguf_blocks
 from engine.loader import load_state_dict, load_tokenizer, read_hf_config, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
@@ -86,6 +87,8 @@ class LLMEngine:
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.pack_for_cpu(cpu_ops)
+            if resolved.gguf is not None and config.matmul_weights == "gguf" and self.dtype == torch.float32:
+                attach_gguf_blocks(model, resolved.gguf, cpu_ops)
         self.model = model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # What a step reads of those and computes, from its plan (MBU/MFU; engine/cost.py).

@@ -37,6 +37,7 @@ class ResolvedModel:
 
     model_id: str  # display name, e.g. "SmolLM2-135M-Instruct"
     path: Path  # directory with config.json + *.safetensors (+ tokenizer files)
+    gguf: Path | None = None  # the GGUF file it was converted from, if any
 
 
 def default_model_gguf() -> Path:
@@ -61,10 +62,11 @@ def resolve_model(spec: str) -> ResolvedModel:
         spec: "default", a directory with config.json, or a path to a .gguf file.
     """
     if spec == DEFAULT_MODEL:
-        return ResolvedModel(DEFAULT_MODEL_ID, convert_gguf(default_model_gguf()))
+        gguf = default_model_gguf()
+        return ResolvedModel(DEFAULT_MODEL_ID, convert_gguf(gguf), gguf)
     path = Path(spec).expanduser().resolve()
     if path.is_file() and path.suffix == ".gguf":
-        return ResolvedModel(path.stem, convert_gguf(path))
+        return ResolvedModel(path.stem, convert_gguf(path), path)
     if path.is_dir() and (path / "config.json").is_file():
         return ResolvedModel(path.name, path)
     raise FileNotFoundError(

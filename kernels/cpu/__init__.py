@@ -29,6 +29,7 @@ _SOURCES = (
     "paged_attention.cpp",
     "layer_ops.cpp",
     "gemm.cpp",
+    "gemm_q.cpp",
     "decoder_layer.cpp",
     "register.cpp",
 )

@@ -17,16 +17,16 @@ namespace {
 // The order of the `weights` list (engine/llama.py DecoderLayer.fused_weights builds it).
 enum Slot {
   kInputNorm, kPostNorm,
-  kQkvW, kQkvPacked, kQkvBias,
-  kOW, kOPacked, kOBias,
-  kGateUpW, kGateUpPacked, kGateUpBias,
-  kDownW, kDownPacked, kDownBias,
+  kQkvW, kQkvPacked, kQkvQuant, kQkvBias,
+  kOW, kOPacked, kOQuant, kOBias,
+  kGateUpW, kGateUpPacked, kGateUpQuant, kGateUpBias,
+  kDownW, kDownPacked, kDownQuant, kDownBias,
   kNumSlots
 };
 
-// Linear.forward for the matmul whose weight, packed copy and bias start at `slot`.
+// Linear.forward for the matmul whose weight, packed copy, GGUF blocks and bias start at `slot`.
 at::Tensor linear_at(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, int slot) {
-  return linear(x, *w.get(slot), w.get(slot + 1), w.get(slot + 2));
+  return linear(x, *w.get(slot), w.get(slot + 1), w.get(slot + 2), w.get(slot + 3));
 }
 
 }  // namespace

@@ -19,8 +19,12 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
+at::Tensor pack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t in_features);
+at::Tensor dequantize_panels(const at::Tensor& panels, int64_t out_features);
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                        const c10::optional<at::Tensor>& bias);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
-                  const c10::optional<at::Tensor>& bias);
+                  const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> decoder_layer(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual,
     const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& cos, const at::Tensor& sin,

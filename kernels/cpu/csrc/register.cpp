@@ -14,7 +14,10 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "Tensor(c!) value_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
+  m.def("pack_gguf(Tensor raw, int ggml_type, int in_features) -> Tensor");
+  m.def("dequantize_panels(Tensor panels, int out_features) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? quant, Tensor? bias) -> Tensor");
   m.def("decoder_layer(Tensor x, Tensor(a!)? residual, Tensor?[] weights, Tensor cos, Tensor sin, "
         "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_tables, "
         "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale) -> (Tensor, Tensor)");
@@ -28,6 +31,9 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rope_and_store_", pagedserve_cpu::rope_and_store_);
   m.impl("pack_weight", pagedserve_cpu::pack_weight);
   m.impl("packed_linear", pagedserve_cpu::packed_linear);
+  m.impl("pack_gguf", pagedserve_cpu::pack_gguf);
+  m.impl("dequantize_panels", pagedserve_cpu::dequantize_panels);
+  m.impl("quant_linear", pagedserve_cpu::quant_linear);
   m.impl("linear", pagedserve_cpu::linear);
   m.impl("decoder_layer", pagedserve_cpu::decoder_layer);
 }

@@ -1,0 +1,215 @@
+"""Attach a GGUF checkpoint's own quantized blocks to the model's matmuls, where they
+reproduce its float32 weights exactly.
+
+Owns: the mapping from each ``Linear`` of ``engine/llama.py`` (fused q/k/v and gate/up
+included) to the GGUF tensors it came from, and the check that makes the fast path safe.
+
+Why: the engine runs on the float32 values ``transformers`` de-quantizes a GGUF file to
+(``engine/loader.py``), so a one-row decode step streams 32 bits a weight. The file's blocks
+hold the same values in 4.5 (Q4_0/Q4_1) or 8.5 (Q8_0) bits; the C++ matmul
+(``kernels/cpu/csrc/gemm_q.cpp``) de-quantizes them in registers, exactly, and reads 5.6x
+fewer bytes for the default model. Greedy output stays token-identical to ``transformers``
+because the weights are bitwise the same (only the summation order differs, as between any
+two matmul kernels).
+
+The invariant: a ``Linear`` gets blocks only if ``dequantize_panels(blocks)`` equals its
+float32 ``weight`` bit for bit. Anything else (another block type, rows ``transformers``
+reordered in a way not found, a tensor missing) leaves that matmul on float32 and is logged.
+Row orders are found by content, not by knowing each converter's permutation: ``transformers``
+un-permutes Llama's q/k rows that ``convert_hf_to_gguf`` permuted for its RoPE layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# ggml type ids the C++ matmul reads (kernels/cpu/csrc/gemm_q.cpp).
+SUPPORTED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+
+
+@dataclass(slots=True)
+class BlocksReport:
+    """What ``attach_gguf_blocks`` did, for the load log and tests."""
+
+    attached: Counter[str] = field(default_factory=Counter)  # ggml type name -> matmuls
+    skipped: dict[str, str] = field(default_factory=dict)  # matmul name -> why float32
+    float32_bytes: int = 0  # of the matmuls that got blocks
+    block_bytes: int = 0  # their packed blocks
+
+    def summary(self) -> str:
+        got = ", ".join(f"{n} x{c}" for c, n in sorted((c, n) for n, c in self.attached.items()))
+        text = (
+            f"{sum(self.attached.values())} matmuls read the checkpoint's GGUF blocks ({got or 'none'}): "
+            f"{self.block_bytes / 1e6:.0f} MB instead of {self.float32_bytes / 1e6:.0f} MB of float32"
+        )
+        if self.skipped:
+            text += f"; {len(self.skipped)} stay float32 (e.g. {next(iter(self.skipped.items()))})"
+        return text
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorInfo:
+    qtype: int
+    shape: tuple[int, ...]  # GGUF order: ne0 (the contiguous, input dimension) first
+    offset: int  # from the start of the file
+
+
+# GGUF metadata value types -> struct format of the fixed-size ones (8: string, 9: array).
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def read_tensor_index(path: Path) -> tuple[str, dict[str, _TensorInfo]]:
+    """A GGUF file's architecture name and tensor directory, without reading the metadata
+    values into objects: gguf-py's reader builds one numpy view per vocabulary string
+    (8 s for the default model's 49k tokens and merges); skipping them takes milliseconds."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(data)
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        (value,) = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize(fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(buf[pos - n : pos]).decode("utf-8", "replace")
+
+    def skip(vtype: int) -> Any:
+        nonlocal pos
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            itype, count = take("I"), take("Q")
+            if itype in _SCALARS:
+                pos += count * struct.calcsize(_SCALARS[itype])
+            else:
+                for _ in range(count):
+                    skip(itype)
+            return None
+        return take(_SCALARS[vtype])
+
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    pos = 4
+    _version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        meta[key] = skip(take("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        shape = tuple(take("Q") for _ in range(take("I")))
+        infos.append((name, take("I"), shape, take("Q")))
+    align = int(meta.get("general.alignment") or 32)
+    start = (pos + align - 1) // align * align
+    index = {n: _TensorInfo(t, shape, start + off) for n, t, shape, off in infos}
+    return str(meta["general.architecture"]), index
+
+
+def _sources(model: nn.Module) -> dict[str, list[str]]:
+    """Each Linear's module name -> the HF tensor names concatenated (in order) into it."""
+    tied = model.config.tie_word_embeddings
+    out = {"lm_head": ["model.embed_tokens" if tied else "lm_head"]}
+    for i in range(model.config.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        out[f"layers.{i}.qkv_proj"] = [a + "q_proj", a + "k_proj", a + "v_proj"]
+        out[f"layers.{i}.o_proj"] = [a + "o_proj"]
+        out[f"layers.{i}.gate_up_proj"] = [m + "gate_proj", m + "up_proj"]
+        out[f"layers.{i}.down_proj"] = [m + "down_proj"]
+    return out
+
+
+def _row_order(raw: np.ndarray, qtype: int, target: torch.Tensor, ops: Any) -> np.ndarray | None:
+    """Indices ``p`` such that ``raw[p]`` de-quantizes to ``target`` ([out, in]), or None."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    identity = np.arange(len(raw))
+    in_features = target.shape[1]
+    panels = ops.pack_gguf(torch.from_numpy(raw), qtype, in_features)
+    if torch.equal(ops.dequantize_panels(panels, len(raw)), target.t()):
+        return identity  # the common case, checked in C++ (fast)
+    rows = dequantize(raw, GGMLQuantizationType(qtype)).astype(np.float32, copy=False)
+    want = target.numpy()
+    if rows.shape != want.shape:
+        return None
+    index = {rows[i].tobytes(): i for i in range(len(rows))}
+    order = [index.get(want[i].tobytes(), -1) for i in range(len(want))]
+    return None if -1 in order else np.asarray(order)
+
+
+def attach_gguf_blocks(model: nn.Module, gguf_path: Path, ops: Any) -> BlocksReport:
+    """Give every ``Linear`` of ``model`` whose GGUF source blocks are exact its packed blocks.
+
+    ``model`` is a float32 ``LlamaForCausalLM`` already loaded (and packed for the cpu ops)
+    from the checkpoint ``transformers`` converted ``gguf_path`` to.
+    """
+    import gguf
+
+    from engine.llama import Linear  # the model's module, imported late: engine.llama imports us not
+
+    arch_name, tensors = read_tensor_index(gguf_path)
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch_name]
+    names = gguf.get_tensor_name_map(arch, model.config.num_layers)
+    modules = dict(model.named_modules())
+    report = BlocksReport()
+    for name, parts in _sources(model).items():
+        linear = modules[name]
+        assert isinstance(linear, Linear)
+        weight = linear.weight.detach()  # [in, out]
+        in_features = weight.shape[0]
+        raws, types, why = [], set(), None
+        offset = 0
+        for part in parts:
+            gname = names.get_name(part)
+            t = tensors.get(f"{gname}.weight") if gname else None
+            if t is None:
+                why = f"no GGUF tensor for {part}"
+                break
+            qtype = t.qtype
+            if qtype not in SUPPORTED_TYPES or len(t.shape) != 2 or t.shape[0] != in_features:
+                why = f"{part} is ggml type {qtype}, shape {t.shape}"
+                break
+            rows = t.shape[1]
+            # bytes per row: K / 32 blocks of 18 (Q4_0), 20 (Q4_1) or 34 (Q8_0) bytes
+            row_bytes = in_features // 32 * {2: 18, 3: 20, 8: 34}[qtype]
+            raw = np.array(np.memmap(gguf_path, np.uint8, "r", t.offset, (rows, row_bytes)))
+            target = weight[:, offset : offset + rows].t().contiguous()
+            order = _row_order(raw, qtype, target, ops)
+            if order is None:
+                why = f"{part}'s blocks do not de-quantize to its float32 rows"
+                break
+            raws.append(raw[order])
+            types.add(qtype)
+            offset += rows
+        if why is None and (len(types) != 1 or offset != weight.shape[1]):
+            why = "parts of different block types" if len(types) != 1 else "row count differs"
+        if why is None:
+            (qtype,) = types
+            panels = ops.pack_gguf(torch.from_numpy(np.concatenate(raws)), qtype, in_features)
+            if torch.equal(ops.dequantize_panels(panels, weight.shape[1]), weight):
+                linear.use_quantized_panels(panels)
+                report.attached[SUPPORTED_TYPES[qtype]] += 1
+                report.float32_bytes += weight.numel() * weight.element_size()
+                report.block_bytes += panels.numel()
+                continue
+            why = "packed blocks differ from the float32 weight"
+        report.skipped[name] = why
+    log.info("%s", report.summary())
+    return report

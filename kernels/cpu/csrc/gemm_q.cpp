@@ -1,0 +1,309 @@
+// Matmul against the checkpoint's own GGUF blocks (Q4_0, Q4_1, Q8_0), de-quantized inside
+// the kernel to exactly the float32 weights everything else multiplies by.
+//
+// Why: the default checkpoint ships its matmul weights as Q4_1 (4.5 bits a weight) and its
+// tied embedding as Q8_0; the engine runs on the float32 values `transformers` de-quantizes
+// them to (538 MB). A one-row decode step streams every weight once, so reading the 96 MB
+// of blocks instead of the 538 MB of floats moves 5.6x fewer bytes for the same products.
+//
+// Exactness, the invariant this file keeps: a Q4 weight is d * q + m with d, m float16 and
+// q in 0..15, a Q8 weight is d * q with q in -128..127. d * q needs at most 11 + 8 significant
+// bits, so it is exact in float32, and d * q + m is then one rounding whether or not the
+// compiler fuses it into an FMA: the same float32 value gguf-py's de-quantizer computes.
+// Q4_0 (d * (q - 8)) is stored as Q4_1 with m = -8 d: d * q exact, -8 d exact, and the exact
+// sum d * (q - 8) is representable, so also no rounding. So a product here differs from the
+// float32 kernel's only in summation order, as any two matmul libraries do. Linear's loader
+// checks the claim on every tensor (dequantize_panels == the float32 weight, bitwise) before
+// it uses this path.
+//
+// Panels, like the float32 kernel's, are 64 output columns wide, and each holds its K range
+// in blocks of 32 (the GGUF block), so a panel is one contiguous stream:
+//   q4 block (1536 bytes): float d[64], float m[64], uint8 q[16][64]; q[j][c] holds column
+//      c's values at k = j (low nibble) and k = j + 16 (high nibble), as a GGUF Q4 block does;
+//   q8 block (2304 bytes): float d[64], int8 q[32][64].
+// The packed tensor is uint8 [ceil(N / 64), K / 32, block bytes]; its last size names the
+// format. Scales are kept as float32 (not float16) so the inner loop converts only q.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "gemm.h"
+#include "ops.h"
+#include "vec.h"
+
+namespace pagedserve_cpu {
+
+namespace {
+
+constexpr int QB = 32;  // GGUF block length along K
+constexpr int64_t kQ4Block = 2 * NB * 4 + (QB / 2) * NB;
+constexpr int64_t kQ8Block = NB * 4 + QB * NB;
+// ggml type ids
+constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
+
+typedef int32_t vi32 __attribute__((vector_size(64)));
+
+// 16 bytes widened to 16 int32 lanes. Written with intrinsics: GCC 12 lowers
+// __builtin_convertvector from a byte vector to one insert per lane.
+static inline vi32 load_u8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vi32>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  vi32 r;
+  std::memcpy(&r, &a, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
+  return r;
+#else
+  vi32 r;
+  for (int i = 0; i < 16; ++i) r[i] = p[i];
+  return r;
+#endif
+}
+static inline vf load_s8(const uint8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  vf r;
+  std::memcpy(&r, &a, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
+  return r;
+#else
+  vf r;
+  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+  return r;
+#endif
+}
+static inline vf to_f(vi32 v) { return __builtin_convertvector(v, vf); }
+
+static inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+bool is_q4(const at::Tensor& panels) { return panels.size(2) == kQ4Block; }
+
+// R rows against P panels `pstride` bytes apart, walked in lockstep: each weight is
+// de-quantized once in registers and used by all R rows. One row takes P = 2 (two streams);
+// several take P = 1 and R <= 6 (4 R accumulators + the weights in 32 vector registers).
+template <int P, int R>
+static inline void q4_tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel,
+                           int64_t pstride, int64_t nblk, float* __restrict y, int64_t ldy, int64_t ystride,
+                           const float* bias) {
+  vf acc[P][R][4];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) acc[p][r][v] = vzero();
+  for (int64_t kb = 0; kb < nblk; ++kb) {
+    const float* xb = x + kb * QB;
+    const uint8_t* blk = panel + kb * kQ4Block;
+    for (int j = 0; j < QB / 2; ++j) {
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* b = blk + p * pstride;
+        const float* d = reinterpret_cast<const float*>(b);
+        const uint8_t* q = b + 2 * NB * 4 + j * NB;
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const vi32 z = load_u8(q + 16 * v);
+          const vf dv = vload(d + 16 * v), mv = vload(d + NB + 16 * v);
+          const vf lo = to_f(z & 15) * dv + mv, hi = to_f(z >> 4) * dv + mv;
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            acc[p][r][v] += vbcast(xb + r * ldx + j) * lo;
+            acc[p][r][v] += vbcast(xb + r * ldx + j + QB / 2) * hi;
+          }
+        }
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) {
+        float* o = y + r * ldy + p * ystride + 16 * v;
+        vstore(o, bias ? vload(bias + p * ystride + 16 * v) + acc[p][r][v] : acc[p][r][v]);
+      }
+}
+
+template <int P, int R>
+static inline void q8_tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel,
+                           int64_t pstride, int64_t nblk, float* __restrict y, int64_t ldy, int64_t ystride,
+                           const float* bias) {
+  vf acc[P][R][4];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) acc[p][r][v] = vzero();
+  for (int64_t kb = 0; kb < nblk; ++kb) {
+    const float* xb = x + kb * QB;
+    const uint8_t* blk = panel + kb * kQ8Block;
+    for (int j = 0; j < QB; ++j) {
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* b = blk + p * pstride;
+        const float* d = reinterpret_cast<const float*>(b);
+        const uint8_t* q = b + NB * 4 + j * NB;
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) {
+          const vf w = load_s8(q + 16 * v) * vload(d + 16 * v);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[p][r][v] += vbcast(xb + r * ldx + j) * w;
+        }
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) {
+        float* o = y + r * ldy + p * ystride + 16 * v;
+        vstore(o, bias ? vload(bias + p * ystride + 16 * v) + acc[p][r][v] : acc[p][r][v]);
+      }
+}
+
+template <int P, int R>
+static inline void tile(bool q4, const float* x, int64_t ldx, const uint8_t* panel, int64_t pstride,
+                        int64_t nblk, float* y, int64_t ldy, int64_t ystride, const float* bias) {
+  if (q4) q4_tile<P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias);
+  else q8_tile<P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias);
+}
+
+// Panels [begin, end) for one row: two runs of panels in lockstep (two streams), then the odd one.
+static void quant_one_row(bool q4, const float* x, const uint8_t* wp, int64_t nblk, int64_t pbytes, float* y,
+                          int64_t NP, const float* bias, int64_t begin, int64_t end) {
+  constexpr int P = 2;
+  const int64_t q = (end - begin) / P;
+  for (int64_t i = 0; i < q; ++i) {
+    const int64_t b = begin + i;
+    tile<P, 1>(q4, x, 0, wp + b * pbytes, q * pbytes, nblk, y + b * NB, NP, q * NB, bias ? bias + b * NB : nullptr);
+  }
+  for (int64_t b = begin + P * q; b < end; ++b)
+    tile<1, 1>(q4, x, 0, wp + b * pbytes, 0, nblk, y + b * NB, NP, 0, bias ? bias + b * NB : nullptr);
+}
+
+// All M rows against one panel, 6 at a time: the first group streams the panel from memory,
+// the others find it in L2.
+static void quant_panel_rows(bool q4, const float* x, int64_t K, int64_t M, const uint8_t* panel, int64_t nblk,
+                             float* y, int64_t ldy, const float* bias) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) tile<1, 6>(q4, x + m * K, K, panel, 0, nblk, y + m * ldy, ldy, 0, bias);
+  const float* xm = x + m * K;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 1: tile<1, 1>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
+    case 2: tile<1, 2>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
+    case 3: tile<1, 3>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
+    case 4: tile<1, 4>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
+    case 5: tile<1, 5>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
+    default: break;
+  }
+}
+
+// One panel back to float32, [K, 64] row-major (the float32 kernel's panel layout).
+static void dequantize_panel(bool q4, const uint8_t* panel, int64_t nblk, float* out) {
+  for (int64_t kb = 0; kb < nblk; ++kb) {
+    float* o = out + kb * QB * NB;
+    if (q4) {
+      const uint8_t* b = panel + kb * kQ4Block;
+      const float* d = reinterpret_cast<const float*>(b);
+      for (int j = 0; j < QB / 2; ++j)
+        for (int v = 0; v < 4; ++v) {
+          const vi32 z = load_u8(b + 2 * NB * 4 + j * NB + 16 * v);
+          const vf dv = vload(d + 16 * v), mv = vload(d + NB + 16 * v);
+          vstore(o + j * NB + 16 * v, to_f(z & 15) * dv + mv);
+          vstore(o + (j + QB / 2) * NB + 16 * v, to_f(z >> 4) * dv + mv);
+        }
+    } else {
+      const uint8_t* b = panel + kb * kQ8Block;
+      const float* d = reinterpret_cast<const float*>(b);
+      for (int j = 0; j < QB; ++j)
+        for (int v = 0; v < 4; ++v)
+          vstore(o + j * NB + 16 * v, load_s8(b + NB * 4 + j * NB + 16 * v) * vload(d + 16 * v));
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor pack_gguf(const at::Tensor& raw_, int64_t ggml_type, int64_t K) {
+  TORCH_CHECK(raw_.scalar_type() == at::kByte && raw_.dim() == 2, "raw GGUF blocks must be uint8 [N, bytes]");
+  TORCH_CHECK(K % QB == 0, "K must be a multiple of 32");
+  const int64_t bpb = ggml_type == kGgmlQ8_0 ? 34 : ggml_type == kGgmlQ4_1 ? 20 : ggml_type == kGgmlQ4_0 ? 18 : -1;
+  TORCH_CHECK(bpb > 0, "unsupported ggml type ", ggml_type);
+  const int64_t N = raw_.size(0), nblk = K / QB, nb = (N + NB - 1) / NB;
+  TORCH_CHECK(raw_.size(1) == nblk * bpb, "raw rows hold ", raw_.size(1), " bytes, expected ", nblk * bpb);
+  auto raw = raw_.contiguous();
+  const bool q8 = ggml_type == kGgmlQ8_0;
+  const int64_t pbb = q8 ? kQ8Block : kQ4Block;
+  auto out = at::zeros({nb, nblk, pbb}, raw.options());  // padding columns: d = m = 0, q = 0
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t b = n / NB, c = n % NB;
+    for (int64_t kb = 0; kb < nblk; ++kb) {
+      const uint8_t* s = src + n * nblk * bpb + kb * bpb;
+      uint8_t* blk = dst + (b * nblk + kb) * pbb;
+      float* d = reinterpret_cast<float*>(blk);
+      d[c] = half_at(s);
+      if (q8) {
+        for (int j = 0; j < QB; ++j) blk[NB * 4 + j * NB + c] = s[2 + j];
+      } else {
+        d[NB + c] = ggml_type == kGgmlQ4_1 ? half_at(s + 2) : -8.0f * d[c];
+        const uint8_t* qs = s + (ggml_type == kGgmlQ4_1 ? 4 : 2);
+        for (int j = 0; j < QB / 2; ++j) blk[2 * NB * 4 + j * NB + c] = qs[j];
+      }
+    }
+  }
+  return out;
+}
+
+at::Tensor dequantize_panels(const at::Tensor& panels, int64_t N) {
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.dim() == 3);
+  const bool q4 = is_q4(panels);
+  const int64_t nb = panels.size(0), nblk = panels.size(1), K = nblk * QB;
+  auto full = at::empty({K, nb * NB}, at::kFloat);
+  std::vector<float> buf(K * NB);
+  for (int64_t b = 0; b < nb; ++b) {
+    dequantize_panel(q4, panels.data_ptr<uint8_t>() + b * nblk * panels.size(2), nblk, buf.data());
+    for (int64_t k = 0; k < K; ++k)
+      std::memcpy(full.data_ptr<float>() + k * nb * NB + b * NB, buf.data() + k * NB, sizeof(float) * NB);
+  }
+  return full.narrow(1, 0, N).contiguous();
+}
+
+at::Tensor quant_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias_) {
+  auto x = x_.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kByte && panels.dim() == 3);
+  const bool q4 = is_q4(panels);
+  TORCH_CHECK(panels.size(2) == (q4 ? kQ4Block : kQ8Block), "not a quantized panel tensor");
+  const int64_t M = x.size(0), K = x.size(1), nb = panels.size(0), nblk = panels.size(1), NP = nb * NB;
+  TORCH_CHECK(nblk * QB == K, "x has ", K, " columns, the panels ", nblk * QB, " rows");
+  auto y = at::empty({M, NP}, x.options());
+  at::Tensor biasp;
+  const float* bias = nullptr;
+  if (bias_.has_value()) {
+    biasp = at::zeros({NP}, x.options());
+    biasp.narrow(0, 0, N).copy_(*bias_);
+    bias = biasp.data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = panels.data_ptr<uint8_t>();
+  const int64_t pbytes = nblk * panels.size(2);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    if (M == 1) return quant_one_row(q4, xp, wp, nblk, pbytes, yp, NP, bias, begin, end);
+    for (int64_t b = begin; b < end; ++b)
+      quant_panel_rows(q4, xp, K, M, wp + b * pbytes, nblk, yp + b * NB, NP, bias ? bias + b * NB : nullptr);
+  });
+  return NP == N ? y : y.narrow(1, 0, N).contiguous();
+}
+
+}  // namespace pagedserve_cpu
