@@ -62,6 +62,14 @@ def server_mbu(metrics: Mapping[str, float] | None) -> float | None:
     return None
 
 
+def server_decode_bytes(metrics: Mapping[str, float] | None) -> float | None:
+    """Weight bytes the server says a one-token decode step reads, if it exports that."""
+    for key, value in (metrics or {}).items():
+        if key.split("{", 1)[0] == "pagedserve_decode_step_weight_bytes":
+            return value
+    return None
+
+
 def measure_server(
     name: str,
     cmd: str,
@@ -118,6 +126,7 @@ def measure_server(
                 "mean_prompt_tokens": s.mean_prompt_tokens,
                 "mean_output_tokens": s.mean_output_tokens,
                 "server_mbu": server_mbu(point.server_metrics_after),
+                "decode_weight_bytes": server_decode_bytes(point.server_metrics_after),
                 "overhead_fraction": overhead_fraction(
                     sweep.metrics_before, point.server_metrics_after
                 ),

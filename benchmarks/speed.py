@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             "num_requests": args.num_requests,
         },
         "bandwidth_bytes_s": peaks.bandwidth,
+        "weight_bytes": wbytes,
         "matmul_flops": peaks.flops["fp32"],
         "floors": {"decode_s": decode_floor, "prefill_s": prefill_floor},
         "ceiling": ceiling,

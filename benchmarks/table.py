@@ -126,11 +126,19 @@ def format_checks(items: list[Check]) -> str:
 def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
     """Servers and baselines side by side, one block of rows per concurrency.
 
-    ``xfloor`` is TTFT / prefill floor and TPOT / decode floor; ``MBU`` is decode floor /
-    TPOT (weight bytes only); ``srvMBU`` is the server's own gauge; ``MFU`` is model FLOP/s
-    over the matmul ceiling at that many rows.
+    ``xfloor`` is TTFT / prefill floor and TPOT / decode floor (the float32 weights'
+    floor, for every row); ``MBU`` is the weight bytes the row's server reads per decode
+    step / bandwidth / TPOT: the float32 weights, or what the server's
+    ``pagedserve_decode_step_weight_bytes`` says it reads (GGUF blocks); ``srvMBU`` is the
+    server's own gauge; ``MFU`` is model FLOP/s over the matmul ceiling at that many rows.
     """
     floors = result["floors"]
+
+    def read_share(r: dict[str, Any]) -> float:
+        # the row's decode-step bytes as a share of the float32 weights the floor streams
+        own, f32 = r.get("decode_weight_bytes"), result.get("weight_bytes")
+        return own / f32 if own and f32 else 1.0
+
     header = (
         f"{'':28}{'conc':>5}{'TTFT ms':>9}{'xfloor':>7}{'TPOT ms':>9}{'xfloor':>7}"
         f"{'ITLp99 ms':>10}{'tok/s':>8}{'MBU':>6}{'srvMBU':>7}{'MFU':>8}"
@@ -144,7 +152,7 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
             f"{_fmt(ratio(ttft, floors['prefill_s']), '.2f'):>7}"
             f"{_fmt(tpot, '.1f', 1e3):>9}{_fmt(ratio(tpot, floors['decode_s']), '.2f'):>7}"
             f"{_fmt(r.get('itl_p99_s'), '.1f', 1e3):>10}{_fmt(r.get('output_tok_s'), '.1f'):>8}"
-            f"{_fmt(ratio(floors['decode_s'], tpot), '.2f'):>6}"
+            f"{_fmt(ratio(floors['decode_s'] * read_share(r), tpot), '.2f'):>6}"
             f"{_fmt(r.get('server_mbu'), '.2f'):>7}{_fmt(r.get('mfu'), '.1%'):>8}"
         )
 

@@ -13,6 +13,10 @@ runner actually executes (``engine/llama.py``), not from the parameter count alo
   that does not reach the end of its prompt) it reads nothing.
 * With **tied embeddings** the LM head and the embedding are one tensor; the lookup's rows
   are counted besides the head's full read (they are separate kernels), a few KB.
+* **Small batches may read GGUF blocks instead** (``engine/gguf_blocks.py``): a matmul of at
+  most ``block_rows`` rows reads the checkpoint's quantized blocks (4.5-8.5 bits a weight),
+  a larger one the float32 copy. ``with_blocks`` records both sizes; the layers switch on the
+  step's token count, the LM head on its logit rows.
 
 FLOPs: ``2 x`` the matmul parameters of the decoder layers per token, ``2 x vocab x hidden``
 per LM-head row, and causal attention ``4 x num_heads x head_dim x num_layers`` per
@@ -23,6 +27,7 @@ RoPE, softmax, SiLU and biases are left out: they are O(hidden) per token, under
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -54,6 +59,20 @@ class StepCostModel:
     body_matmul_params: int
     lm_head_params: int
     attention_flops_per_pair: int
+    # Batches of 1..block_rows rows read these instead (0: no blocks attached).
+    block_rows: int = 0
+    body_block_bytes: int = 0
+    lm_head_block_bytes: int = 0
+
+    def with_blocks(self, block_rows: int, body_saved_bytes: int, lm_head_block_bytes: int | None) -> StepCostModel:
+        """This model when its small batches read GGUF blocks: the layers read
+        ``body_saved_bytes`` fewer bytes, the head ``lm_head_block_bytes`` (None: float32)."""
+        return dataclasses.replace(
+            self,
+            block_rows=block_rows,
+            body_block_bytes=self.body_weight_bytes - body_saved_bytes,
+            lm_head_block_bytes=self.lm_head_bytes if lm_head_block_bytes is None else lm_head_block_bytes,
+        )
 
     @classmethod
     def from_config(cls, config: ModelConfig, dtype_bytes: int) -> StepCostModel:
@@ -86,8 +105,12 @@ class StepCostModel:
         for start, n in chunks:
             num_tokens += n
             num_pairs += n * start + n * (n + 1) // 2
-        head_bytes = self.lm_head_bytes if num_logit_rows > 0 else 0
-        weight_bytes = self.body_weight_bytes + head_bytes + num_tokens * self.embedding_row_bytes
+        small = self.block_rows
+        head_bytes = 0
+        if num_logit_rows > 0:
+            head_bytes = self.lm_head_block_bytes if num_logit_rows <= small else self.lm_head_bytes
+        body_bytes = self.body_block_bytes if 0 < num_tokens <= small else self.body_weight_bytes
+        weight_bytes = body_bytes + head_bytes + num_tokens * self.embedding_row_bytes
         flops = (
             2 * self.body_matmul_params * num_tokens
             + 2 * self.lm_head_params * num_logit_rows

@@ -44,14 +44,23 @@ class BlocksReport:
 
     attached: Counter[str] = field(default_factory=Counter)  # ggml type name -> matmuls
     skipped: dict[str, str] = field(default_factory=dict)  # matmul name -> why float32
-    float32_bytes: int = 0  # of the matmuls that got blocks
-    block_bytes: int = 0  # their packed blocks
+    # Sizes of the matmuls that got blocks: the decoder layers' and the LM head's.
+    body_float32_bytes: int = 0
+    body_block_bytes: int = 0
+    lm_head_block_bytes: int | None = None  # None: the LM head stays float32
+    lm_head_float32_bytes: int = 0
+
+    @property
+    def body_saved_bytes(self) -> int:
+        """Bytes a small-batch step no longer reads in the decoder layers."""
+        return self.body_float32_bytes - self.body_block_bytes
 
     def summary(self) -> str:
         got = ", ".join(f"{n} x{c}" for c, n in sorted((c, n) for n, c in self.attached.items()))
         text = (
             f"{sum(self.attached.values())} matmuls read the checkpoint's GGUF blocks ({got or 'none'}): "
-            f"{self.block_bytes / 1e6:.0f} MB instead of {self.float32_bytes / 1e6:.0f} MB of float32"
+            f"{(self.body_block_bytes + (self.lm_head_block_bytes or 0)) / 1e6:.0f} MB instead of "
+            f"{(self.body_float32_bytes + self.lm_head_float32_bytes) / 1e6:.0f} MB of float32"
         )
         if self.skipped:
             text += f"; {len(self.skipped)} stay float32 (e.g. {next(iter(self.skipped.items()))})"
@@ -206,8 +215,12 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: Path, ops: Any) -> BlocksRep
             if torch.equal(ops.dequantize_panels(panels, weight.shape[1]), weight):
                 linear.use_quantized_panels(panels)
                 report.attached[SUPPORTED_TYPES[qtype]] += 1
-                report.float32_bytes += weight.numel() * weight.element_size()
-                report.block_bytes += panels.numel()
+                if name == "lm_head":
+                    report.lm_head_block_bytes = panels.numel()
+                    report.lm_head_float32_bytes = weight.numel() * weight.element_size()
+                else:
+                    report.body_float32_bytes += weight.numel() * weight.element_size()
+                    report.body_block_bytes += panels.numel()
                 continue
             why = "packed blocks differ from the float32 weight"
         report.skipped[name] = why

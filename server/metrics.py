@@ -113,6 +113,7 @@ class ServerMetrics:
         info: labels of ``pagedserve_config_info`` (batching mode, dtype, device, ...).
         max_model_len: top of the per-request token-count buckets.
         num_kv_blocks: the pool size, exported before the first step.
+        decode_weight_bytes: weight bytes a one-token decode step reads (engine/cost.py).
         log_interval_s: period of the summary log line; 0 disables it.
     """
 
@@ -124,6 +125,7 @@ class ServerMetrics:
         info: Mapping[str, str] | None = None,
         max_model_len: int = 8192,
         num_kv_blocks: int | None = None,
+        decode_weight_bytes: int | None = None,
         log_interval_s: float = 10.0,
     ) -> None:
         self.model_name = model_name
@@ -202,6 +204,10 @@ class ServerMetrics:
         self.bandwidth = gauge("achieved_bandwidth_bytes_per_second",
                                "Bytes moved by the last step / its time")
         self.flops_rate = gauge("achieved_flops_per_second", "FLOPs of the last step / its time")
+        # So a load generator can turn its own TPOT into MBU with the bytes this server reads
+        # (float32 weights, or GGUF blocks for small batches: --matmul-weights).
+        self.decode_weight_bytes = gauge("decode_step_weight_bytes",
+                                         "Weight bytes a one-token decode step reads")
         self.peak_bandwidth = gauge("peak_bandwidth_bytes_per_second",
                                     "Peak memory bandwidth MBU divides by")
         self.peak_flops = gauge("peak_flops_per_second", "Peak FLOP/s MFU divides by")
@@ -234,6 +240,8 @@ class ServerMetrics:
             self.step_phase.labels(model_name, phase)
         if num_kv_blocks is not None:
             self.kv_total.labels(model_name).set(num_kv_blocks)
+        if decode_weight_bytes is not None:
+            self.decode_weight_bytes.labels(model_name).set(decode_weight_bytes)
         if peaks is not None and peaks.bandwidth is not None:
             self.peak_bandwidth.labels(model_name).set(peaks.bandwidth)
         if peaks is not None and peaks.flops is not None:
@@ -261,13 +269,20 @@ class ServerMetrics:
             bandwidth_gbps=config.server.peak_bandwidth_gbps,
             tflops=config.server.peak_tflops,
         )
-        info = config_info(config, device=device, dtype=dtype, attention=engine.attention_backend)
+        info = config_info(
+            config,
+            device=device,
+            dtype=dtype,
+            attention=engine.attention_backend,
+            matmul_weights=getattr(engine, "matmul_weights", "float32"),
+        )
         return cls(
             config.server.served_model_name or engine.model_id,
             peaks=peaks,
             info=info,
             max_model_len=engine.max_model_len,
             num_kv_blocks=engine.num_total_blocks,
+            decode_weight_bytes=engine.cost_model.step([(0, 1)], 1).weight_bytes,
             log_interval_s=config.server.stats_log_interval_s,
         )
 

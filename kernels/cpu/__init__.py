@@ -1,5 +1,6 @@
 """C++ CPU kernels: paged decode attention read in place, fused layer elementwise ops, and
-a float32 matmul for decode-sized batches against weights packed into column panels.
+a float32 matmul for decode-sized batches against weights packed into column panels, and one
+against a GGUF file's own quantized blocks, de-quantized exactly in registers.
 
 Owns: the build of the extension (compiled on first use with the machine's compiler and
 ``-march=native``, cached by ``torch.utils.cpp_extension`` under ``$TORCH_EXTENSIONS_DIR``,

@@ -179,9 +179,11 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t
 // packed copy's cache traffic. Blocks vs float32 panels over the default model's 121
 // matmuls on 2 cores (one run, medians): 1 row 11.0 vs 26.6 ms, 16 rows 43.8 vs 53.0,
 // 24 rows 60.8 vs 62.5, 32 rows 76.2 vs 70.7, 48 rows 110.8 vs 94.7.
+constexpr int64_t kMaxQuantRows = 24;
+int64_t max_quant_rows() { return kMaxQuantRows; }
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                   const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias) {
-  constexpr int64_t kMaxQuantRows = 24;
   constexpr int64_t kMaxPackedRows = 256;
   const int64_t rows = x.size(0);
   if (quant.has_value() && rows >= 1 && rows <= kMaxQuantRows) return quant_linear(x, *quant, weight.size(1), bias);

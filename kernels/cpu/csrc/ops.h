@@ -23,6 +23,7 @@ at::Tensor pack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t in_featur
 at::Tensor dequantize_panels(const at::Tensor& panels, int64_t out_features);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                         const c10::optional<at::Tensor>& bias);
+int64_t max_quant_rows();  // linear() uses GGUF blocks for batches of 1 to this many rows
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                   const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor> decoder_layer(

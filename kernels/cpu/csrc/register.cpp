@@ -17,6 +17,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("pack_gguf(Tensor raw, int ggml_type, int in_features) -> Tensor");
   m.def("dequantize_panels(Tensor panels, int out_features) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
+  // No tensor argument, so a catch-all kernel (no dispatch key to select on).
+  m.def("max_quant_rows() -> int", &pagedserve_cpu::max_quant_rows);
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? quant, Tensor? bias) -> Tensor");
   m.def("decoder_layer(Tensor x, Tensor(a!)? residual, Tensor?[] weights, Tensor cos, Tensor sin, "
         "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_tables, "

@@ -1,0 +1,168 @@
+"""The C++ matmul on GGUF blocks (``kernels/cpu/csrc/gemm_q.cpp``) against gguf-py.
+
+gguf-py's de-quantizer is what ``transformers`` loads a GGUF checkpoint with, so it is the
+oracle: packed blocks must de-quantize to exactly its float32 values, and ``quant_linear``
+must multiply by them (up to summation order). ``linear`` must pick the blocks for 1 to 24
+rows, the float32 panels up to 256 and the library above.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kernels import cpu
+
+TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+ROW_BYTES_PER_BLOCK = {2: 18, 3: 20, 8: 34}  # bytes of one 32-weight block
+# (N, K): ragged last panel (200 = 3 * 64 + 8), exact panels, one block of K with many
+# panels (odd count: the one-row path's lockstep pairs plus a leftover), the model's width.
+SHAPES = [(200, 96), (128, 64), (1287, 32), (960, 576)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if os.environ.get("PAGEDSERVE_CPU_KERNELS") == "0":
+        pytest.skip("C++ CPU kernels disabled by PAGEDSERVE_CPU_KERNELS=0")
+    built = cpu.load()
+    if built is None:
+        pytest.skip("the C++ CPU kernels did not build (see the warning logged)")
+    return built
+
+
+def _blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
+    """gguf-py's blocks for a random [n, k] float32 matrix: uint8 [n, k / 32 * block bytes]."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    raw = quantize(w, qtype)
+    assert raw.dtype == np.uint8 and raw.shape == (n, k // 32 * ROW_BYTES_PER_BLOCK[int(qtype)])
+    return raw
+
+
+def _dequantized(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    """The oracle, as the matmul's [K, N] weight."""
+    return torch.from_numpy(dequantize(raw, qtype).astype(np.float32, copy=False)).t()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_dequantize_panels_matches_gguf_bitwise(ops, qtype, n, k):
+    raw = _blocks(qtype, n, k, seed=n + k)
+    panels = ops.pack_gguf(torch.from_numpy(raw), int(qtype), k)
+    assert panels.dtype == torch.uint8 and panels.shape[:2] == ((n + 63) // 64, k // 32)
+    got = ops.dequantize_panels(panels, n)
+    want = _dequantized(raw, qtype)
+    assert got.dtype == torch.float32 and got.shape == (k, n)
+    assert torch.equal(got, want), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_pack_gguf_takes_a_non_contiguous_view(ops, qtype):
+    raw = _blocks(qtype, 140, 64, seed=7)
+    wide = np.zeros((140, raw.shape[1] + 5), np.uint8)
+    wide[:, 3 : 3 + raw.shape[1]] = raw
+    view = torch.from_numpy(wide)[:, 3 : 3 + raw.shape[1]]
+    assert not view.is_contiguous()
+    got = ops.dequantize_panels(ops.pack_gguf(view, int(qtype), 64), 140)
+    assert torch.equal(got, _dequantized(raw, qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_quant_linear_matches_matmul(ops, qtype, n, k, bias):
+    raw = _blocks(qtype, n, k, seed=3 * n + k)
+    panels = ops.pack_gguf(torch.from_numpy(raw), int(qtype), k)
+    w = _dequantized(raw, qtype)
+    g = torch.Generator().manual_seed(n * k)
+    b = torch.randn(n, generator=g) if bias else None
+    for rows in (1, 2, 3, 5, 6, 7, 13, 24, 30):
+        x = torch.randn(rows, k, generator=g)
+        got = ops.quant_linear(x, panels, n, b)
+        want = x @ w if b is None else torch.addmm(b, x, w)
+        assert got.shape == (rows, n) and got.is_contiguous()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{rows} rows")
+
+
+def test_quant_linear_takes_a_non_contiguous_x(ops):
+    qtype = GGMLQuantizationType.Q4_1
+    raw = _blocks(qtype, 200, 96, seed=11)
+    panels = ops.pack_gguf(torch.from_numpy(raw), int(qtype), 96)
+    x = torch.randn(96, 5).t()  # [5, 96], column-major
+    assert not x.is_contiguous()
+    got = ops.quant_linear(x, panels, 200, None)
+    assert torch.equal(got, ops.quant_linear(x.contiguous(), panels, 200, None))
+    torch.testing.assert_close(got, x @ _dequantized(raw, qtype), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_picks_blocks_then_panels_then_library(ops, qtype, bias):
+    n, k = 200, 96
+    w = _dequantized(_blocks(qtype, n, k, seed=1), qtype).contiguous()
+    packed = ops.pack_weight(w)
+    # The blocks hold a *different* matrix, so which path ran shows in the values.
+    other = _blocks(qtype, n, k, seed=2)
+    quant = ops.pack_gguf(torch.from_numpy(other), int(qtype), k)
+    g = torch.Generator().manual_seed(5)
+    b = torch.randn(n, generator=g) if bias else None
+    for rows in (1, 2, 6, 7, 24, 25, 30, 64, 256, 257, 300):
+        x = torch.randn(rows, k, generator=g)
+        got = ops.linear(x, w, packed, quant, b)
+        assert got.shape == (rows, n)
+        if rows <= 24:
+            assert torch.equal(got, ops.quant_linear(x, quant, n, b)), rows
+            want = x @ _dequantized(other, qtype)
+        elif rows <= 256:
+            assert torch.equal(got, ops.packed_linear(x, packed, n, b)), rows
+            want = x @ w
+        else:
+            want = x @ w
+        if b is not None:
+            want = want + b
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{rows} rows")
+        # Without blocks, small batches fall to the float32 panels; without either, the library.
+        if rows <= 256:
+            assert torch.equal(ops.linear(x, w, packed, None, b), ops.packed_linear(x, packed, n, b))
+        library = x @ w if b is None else torch.addmm(b, x, w)
+        assert torch.equal(ops.linear(x, w, None, None, b), library), rows
+
+
+def test_pack_gguf_rejects_bad_input(ops):
+    raw = torch.from_numpy(_blocks(GGMLQuantizationType.Q4_1, 64, 64, seed=0))
+    for qtype in (0, 1, 6, 12, 14):  # F32, F16, Q5_0, Q4_K, Q6_K
+        with pytest.raises(RuntimeError, match="unsupported ggml type"):
+            ops.pack_gguf(raw, qtype, 64)
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        ops.pack_gguf(raw[:, :-1].contiguous(), 3, 64)  # one byte short
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        ops.pack_gguf(raw, 2, 64)  # Q4_1 rows read as Q4_0
+    with pytest.raises(RuntimeError, match="bytes, expected"):
+        ops.pack_gguf(raw, 3, 96)  # in_features disagrees with the row length
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.pack_gguf(raw, 3, 48)
+    with pytest.raises(RuntimeError):
+        ops.pack_gguf(raw.view(torch.int8), 3, 64)  # not uint8
+    with pytest.raises(RuntimeError):
+        ops.pack_gguf(raw.flatten(), 3, 64)  # not 2-D
+
+
+def test_quant_linear_rejects_bad_input(ops):
+    panels = ops.pack_gguf(
+        torch.from_numpy(_blocks(GGMLQuantizationType.Q8_0, 200, 96, seed=0)), 8, 96
+    )
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.quant_linear(torch.randn(3, 64), panels, 200, None)  # K 64, panels hold 96
+    with pytest.raises(RuntimeError, match="columns"):
+        ops.quant_linear(torch.randn(1, 128), panels, 200, None)
+    with pytest.raises(RuntimeError):
+        ops.quant_linear(torch.randn(3, 96, dtype=torch.float64), panels, 200, None)
+    with pytest.raises(RuntimeError, match="not a quantized panel tensor"):
+        ops.quant_linear(torch.randn(3, 96), panels[:, :, :-1].contiguous(), 200, None)
+    with pytest.raises(RuntimeError):  # float32 panels are not blocks
+        ops.quant_linear(torch.randn(3, 96), ops.pack_weight(torch.randn(96, 200)), 200, None)
