@@ -59,6 +59,13 @@ def test_dequantize_panels_matches_gguf_bitwise(ops, qtype, n, k):
     want = _dequantized(raw, qtype)
     assert got.dtype == torch.float32 and got.shape == (k, n)
     assert torch.equal(got, want), (got - want).abs().max()
+    # Bit for bit, but for the sign of zero in Q4_0: gguf-py computes d * (q - 8), which is
+    # -0.0 for q = 8 and d < 0; the kernel's d * q + (-8 d) is +0.0 there. Equal values, and
+    # the same products (x * -0.0 and x * +0.0 differ only in the sign of a zero).
+    same_bits = got.view(torch.int32) == want.view(torch.int32)
+    if qtype == GGMLQuantizationType.Q4_0:
+        same_bits |= want == 0
+    assert same_bits.all(), got[~same_bits][:8]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -128,9 +135,15 @@ def test_linear_picks_blocks_then_panels_then_library(ops, qtype, bias):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{rows} rows")
         # Without blocks, small batches fall to the float32 panels; without either, the library.
         if rows <= 256:
-            assert torch.equal(ops.linear(x, w, packed, None, b), ops.packed_linear(x, packed, n, b))
+            assert torch.equal(
+                ops.linear(x, w, packed, None, b), ops.packed_linear(x, packed, n, b)
+            )
         library = x @ w if b is None else torch.addmm(b, x, w)
         assert torch.equal(ops.linear(x, w, None, None, b), library), rows
+
+
+def test_max_quant_rows_is_the_dispatch_limit(ops):
+    assert ops.max_quant_rows() == 24  # the rows the test above expects on the blocks
 
 
 def test_pack_gguf_rejects_bad_input(ops):

@@ -11,7 +11,8 @@
 // bits, so it is exact in float32, and d * q + m is then one rounding whether or not the
 // compiler fuses it into an FMA: the same float32 value gguf-py's de-quantizer computes.
 // Q4_0 (d * (q - 8)) is stored as Q4_1 with m = -8 d: d * q exact, -8 d exact, and the exact
-// sum d * (q - 8) is representable, so also no rounding. So a product here differs from the
+// sum d * (q - 8) is representable, so also no rounding (a zero weight under a negative d
+// comes out +0.0 where gguf-py has -0.0; they compare equal and multiply to the same sums). So a product here differs from the
 // float32 kernel's only in summation order, as any two matmul libraries do. Linear's loader
 // checks the claim on every tensor (dequantize_panels == the float32 weight, bitwise) before
 // it uses this path.

@@ -1,0 +1,230 @@
+"""engine/gguf_blocks.py: the GGUF tensor directory, the row-order search, and the rule that
+a matmul reads the checkpoint's blocks only where they de-quantize to its float32 weight.
+
+The engine tests load the embedded default model twice (blocks, and float32 only) and need
+the C++ CPU kernels; they skip where those are off or do not build.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+
+from engine import LLM, SamplingParams
+from engine.gguf_blocks import BlocksReport, _row_order, attach_gguf_blocks, read_tensor_index
+from engine.llama import Linear
+from engine.loader import default_model_gguf
+from kernels import cpu
+
+NUM_LAYERS = 30  # SmolLM2-135M
+NUM_LINEARS = NUM_LAYERS * 4 + 1  # qkv, o, gate_up, down per layer + the tied lm_head
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    # Long enough that its prefill (> 24 rows) runs on the float32 panels in both engines.
+    "Write a short story about a lighthouse keeper who finds a message in a bottle "
+    "washed up on the rocks one stormy night, and what he decides to do about it.",
+]
+KV_BLOCKS = 64  # the prompts need a few; the default pool would be 1 GiB per engine
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if os.environ.get("PAGEDSERVE_CPU_KERNELS") == "0":
+        pytest.skip("C++ CPU kernels disabled by PAGEDSERVE_CPU_KERNELS=0")
+    built = cpu.load()
+    if built is None:
+        pytest.skip("the C++ CPU kernels did not build (see the warning logged)")
+    return built
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return default_model_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def reader(gguf_path) -> GGUFReader:
+    return GGUFReader(gguf_path)  # slow to open (~5-8 s): once per module
+
+
+def _linears(llm: LLM) -> dict[str, Linear]:
+    return {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Linear)}
+
+
+def _llm(matmul_weights: str) -> LLM:
+    return LLM("default", matmul_weights=matmul_weights, num_kv_blocks=KV_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def llm_gguf(ops, gguf_path) -> LLM:
+    llm = _llm("gguf")
+    if llm.engine.attention_backend != "cpu":
+        pytest.skip(f"the default engine runs the {llm.engine.attention_backend} backend here")
+    return llm
+
+
+@pytest.fixture(scope="module")
+def llm_float32(ops, gguf_path) -> LLM:
+    llm = _llm("float32")
+    if llm.engine.attention_backend != "cpu":
+        pytest.skip(f"the default engine runs the {llm.engine.attention_backend} backend here")
+    return llm
+
+
+# --- read_tensor_index --------------------------------------------------------------------
+
+
+def test_read_tensor_index_matches_gguf_reader(gguf_path, reader):
+    arch, index = read_tensor_index(gguf_path)
+    assert arch == "llama"
+    theirs = {t.name: t for t in reader.tensors}
+    assert set(index) == set(theirs)
+    for name, info in index.items():
+        t = theirs[name]
+        assert info.qtype == int(t.tensor_type), name
+        assert info.shape == tuple(int(s) for s in t.shape), name
+        assert info.offset == t.data_offset, name
+    data = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    for name in ("blk.0.attn_q.weight", "token_embd.weight", "blk.3.ffn_down.weight"):
+        info, t = index[name], theirs[name]
+        want = np.ascontiguousarray(t.data).view(np.uint8).reshape(-1)
+        got = data[info.offset : info.offset + want.size]
+        assert np.array_equal(got, want), name
+    assert index["token_embd.weight"].qtype == GGMLQuantizationType.Q8_0
+    assert index["blk.0.attn_q.weight"].qtype == GGMLQuantizationType.Q4_1
+    assert index["blk.3.ffn_down.weight"].shape == (1536, 576)  # ne0 (input) first
+
+
+def test_read_tensor_index_rejects_a_non_gguf_file(tmp_path):
+    path = tmp_path / "not.gguf"
+    path.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_tensor_index(path)
+
+
+# --- the engine on blocks vs on float32 -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_engine_reads_blocks_for_every_matmul(llm_gguf):
+    linears = _linears(llm_gguf)
+    assert len(linears) == NUM_LINEARS
+    assert llm_gguf.engine.matmul_weights == "gguf"
+    missing = [n for n, m in linears.items() if m.quantized is None]
+    assert not missing, missing
+    assert all(m.packed is not None for m in linears.values())
+    # The tied lm_head comes from token_embd (Q8_0, 2304-byte panel blocks), the rest Q4_1.
+    assert linears["lm_head"].quantized.shape[2] == 2304
+    assert {m.quantized.shape[2] for n, m in linears.items() if n != "lm_head"} == {1536}
+
+
+@pytest.mark.slow
+def test_float32_engine_reads_no_blocks(llm_float32):
+    linears = _linears(llm_float32)
+    assert len(linears) == NUM_LINEARS
+    assert llm_float32.engine.matmul_weights == "float32"
+    assert all(m.quantized is None for m in linears.values())
+    assert all(m.packed is not None for m in linears.values())
+
+
+@pytest.mark.slow
+def test_blocks_and_float32_weights_are_bitwise_the_same(ops, llm_gguf, llm_float32):
+    theirs = _linears(llm_float32)
+    for name, linear in _linears(llm_gguf).items():
+        weight = linear.weight.detach()
+        assert torch.equal(weight, theirs[name].weight.detach()), name
+        assert torch.equal(ops.dequantize_panels(linear.quantized, weight.shape[1]), weight), name
+
+
+@pytest.mark.slow
+def test_greedy_output_is_the_same_on_blocks_and_float32(llm_gguf, llm_float32):
+    params = SamplingParams(max_tokens=24, temperature=0)
+    got = llm_gguf.generate(PROMPTS, params)
+    want = llm_float32.generate(PROMPTS, params)
+    assert len(llm_gguf.encode(PROMPTS[2])) > 24  # its prefill skips the blocks
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.prompt_token_ids == w.prompt_token_ids
+        assert len(w.token_ids) > 0
+        assert g.token_ids == w.token_ids, f"prompt {i}: {g.text!r} vs {w.text!r}"
+
+
+@pytest.mark.slow
+def test_a_weight_that_differs_from_its_blocks_stays_float32(ops, gguf_path, llm_float32):
+    """Runs on the float32 engine's model and puts it back as it was (weight, no blocks)."""
+    linears = _linears(llm_float32)
+    o_proj = linears["layers.0.o_proj"]
+    weight = o_proj.weight.data
+    original = weight[5, 7].clone()
+    try:
+        weight[5, 7] += 1e-3
+        report = attach_gguf_blocks(llm_float32.engine.model, gguf_path, ops)
+        assert isinstance(report, BlocksReport)
+        assert set(report.skipped) == {"layers.0.o_proj"}, report.skipped
+        assert "do not de-quantize" in report.skipped["layers.0.o_proj"]
+        assert o_proj.quantized is None
+        assert all(m.quantized is not None for n, m in linears.items() if n != "layers.0.o_proj")
+        assert report.attached == {"Q4_1": NUM_LINEARS - 2, "Q8_0": 1}
+        assert 0 < report.body_block_bytes < report.body_float32_bytes
+        assert report.body_saved_bytes == report.body_float32_bytes - report.body_block_bytes
+        assert report.lm_head_block_bytes is not None
+        assert 0 < report.lm_head_block_bytes < report.lm_head_float32_bytes
+        assert "layers.0.o_proj" in report.summary()
+    finally:
+        weight[5, 7] = original
+        for m in linears.values():
+            m._quant = None  # back to a float32-only model for any later test
+    assert all(m.quantized is None for m in linears.values())
+
+
+# --- _row_order -----------------------------------------------------------------------------
+
+
+def _q4_1_rows(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Raw Q4_1 blocks [n, bytes] of a random matrix and their de-quantized rows [n, k]."""
+    w = np.random.default_rng(seed).standard_normal((n, k), dtype=np.float32)
+    raw = quantize(w, GGMLQuantizationType.Q4_1)
+    return raw, torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1).astype(np.float32))
+
+
+def test_row_order_identity(ops):
+    raw, rows = _q4_1_rows(96, 64, seed=0)
+    order = _row_order(raw, 3, rows.contiguous(), ops)
+    assert order is not None and np.array_equal(order, np.arange(96))
+
+
+def test_row_order_finds_a_permutation(ops):
+    raw, rows = _q4_1_rows(200, 96, seed=1)
+    perm = np.random.default_rng(2).permutation(200)
+    target = rows[torch.from_numpy(perm)].contiguous()
+    order = _row_order(raw, 3, target, ops)
+    assert order is not None
+    assert np.array_equal(order, perm)
+    # raw[order] is the blocks of the target, row for row
+    again = dequantize(raw[order], GGMLQuantizationType.Q4_1)
+    assert np.array_equal(again.view(np.uint32), target.numpy().view(np.uint32))
+
+
+def test_row_order_none_when_a_row_matches_nothing(ops):
+    raw, rows = _q4_1_rows(200, 96, seed=3)
+    perm = np.random.default_rng(4).permutation(200)
+    target = rows[torch.from_numpy(perm)].contiguous()
+    target[17, 40] += 1e-3
+    assert _row_order(raw, 3, target, ops) is None
+    # the identity order with one changed weight is no match either
+    target = rows.clone()
+    target[0, 0] = torch.nextafter(target[0, 0], torch.tensor(float("inf")))
+    assert _row_order(raw, 3, target, ops) is None
+
+
+def test_row_order_none_when_shapes_differ(ops):
+    raw, rows = _q4_1_rows(64, 64, seed=5)
+    assert _row_order(raw, 3, rows[:63].contiguous(), ops) is None
