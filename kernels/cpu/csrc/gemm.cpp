@@ -132,6 +132,13 @@ void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int6
 }
 #undef MICRO
 
+at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t N, int64_t NP) {
+  if (!bias.has_value()) return at::Tensor();
+  auto out = at::zeros({NP}, bias->options().dtype(at::kFloat));
+  out.narrow(0, 0, N).copy_(*bias);
+  return out;
+}
+
 at::Tensor pack_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat);
   auto wc = w.contiguous();
@@ -152,13 +159,8 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t
   int64_t M = x.size(0), K = x.size(1), nb = packed.size(0), NP = nb * NB;
   TORCH_CHECK(packed.size(1) == K && packed.size(2) == NB);
   auto y = at::empty({M, NP}, x.options());
-  at::Tensor biasp;
-  const float* bias = nullptr;
-  if (bias_.has_value()) {
-    biasp = at::zeros({NP}, x.options());
-    biasp.narrow(0, 0, N).copy_(*bias_);
-    bias = biasp.data_ptr<float>();
-  }
+  const at::Tensor biasp = padded_bias(bias_, N, NP);
+  const float* bias = biasp.defined() ? biasp.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();

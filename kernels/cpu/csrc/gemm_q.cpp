@@ -97,67 +97,40 @@ bool is_q4(const at::Tensor& panels) { return panels.size(2) == kQ4Block; }
 // R rows against P panels `pstride` bytes apart, walked in lockstep: each weight is
 // de-quantized once in registers and used by all R rows. One row takes P = 2 (two streams);
 // several take P = 1 and R <= 6 (4 R accumulators + the weights in 32 vector registers).
-template <int P, int R>
-static inline void q4_tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel,
-                           int64_t pstride, int64_t nblk, float* __restrict y, int64_t ldy, int64_t ystride,
-                           const float* bias) {
+template <bool Q4, int P, int R>
+static inline void block_tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel,
+                              int64_t pstride, int64_t nblk, float* __restrict y, int64_t ldy, int64_t ystride,
+                              const float* bias) {
+  constexpr int64_t kBlock = Q4 ? kQ4Block : kQ8Block;
   vf acc[P][R][4];
   for (int p = 0; p < P; ++p)
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) acc[p][r][v] = vzero();
   for (int64_t kb = 0; kb < nblk; ++kb) {
     const float* xb = x + kb * QB;
-    const uint8_t* blk = panel + kb * kQ4Block;
-    for (int j = 0; j < QB / 2; ++j) {
+    const uint8_t* blk = panel + kb * kBlock;
+    // Q4: byte row j holds k = j (low nibble) and k = j + 16 (high); Q8: byte row j is k = j.
+    for (int j = 0; j < (Q4 ? QB / 2 : QB); ++j) {
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
         const uint8_t* b = blk + p * pstride;
         const float* d = reinterpret_cast<const float*>(b);
-        const uint8_t* q = b + 2 * NB * 4 + j * NB;
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) {
-          const vi32 z = load_u8(q + 16 * v);
-          const vf dv = vload(d + 16 * v), mv = vload(d + NB + 16 * v);
-          const vf lo = to_f(z & 15) * dv + mv, hi = to_f(z >> 4) * dv + mv;
+          if constexpr (Q4) {
+            const vi32 z = load_u8(b + 2 * NB * 4 + j * NB + 16 * v);
+            const vf dv = vload(d + 16 * v), mv = vload(d + NB + 16 * v);
+            const vf lo = to_f(z & 15) * dv + mv, hi = to_f(z >> 4) * dv + mv;
 #pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) {
-            acc[p][r][v] += vbcast(xb + r * ldx + j) * lo;
-            acc[p][r][v] += vbcast(xb + r * ldx + j + QB / 2) * hi;
+            for (int r = 0; r < R; ++r) {
+              acc[p][r][v] += vbcast(xb + r * ldx + j) * lo;
+              acc[p][r][v] += vbcast(xb + r * ldx + j + QB / 2) * hi;
+            }
+          } else {
+            const vf w = load_s8(b + NB * 4 + j * NB + 16 * v) * vload(d + 16 * v);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) acc[p][r][v] += vbcast(xb + r * ldx + j) * w;
           }
-        }
-      }
-    }
-  }
-  for (int p = 0; p < P; ++p)
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) {
-        float* o = y + r * ldy + p * ystride + 16 * v;
-        vstore(o, bias ? vload(bias + p * ystride + 16 * v) + acc[p][r][v] : acc[p][r][v]);
-      }
-}
-
-template <int P, int R>
-static inline void q8_tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel,
-                           int64_t pstride, int64_t nblk, float* __restrict y, int64_t ldy, int64_t ystride,
-                           const float* bias) {
-  vf acc[P][R][4];
-  for (int p = 0; p < P; ++p)
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) acc[p][r][v] = vzero();
-  for (int64_t kb = 0; kb < nblk; ++kb) {
-    const float* xb = x + kb * QB;
-    const uint8_t* blk = panel + kb * kQ8Block;
-    for (int j = 0; j < QB; ++j) {
-#pragma GCC unroll 4
-      for (int p = 0; p < P; ++p) {
-        const uint8_t* b = blk + p * pstride;
-        const float* d = reinterpret_cast<const float*>(b);
-        const uint8_t* q = b + NB * 4 + j * NB;
-#pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
-          const vf w = load_s8(q + 16 * v) * vload(d + 16 * v);
-#pragma GCC unroll 8
-          for (int r = 0; r < R; ++r) acc[p][r][v] += vbcast(xb + r * ldx + j) * w;
         }
       }
     }
@@ -173,8 +146,8 @@ static inline void q8_tile(const float* __restrict x, int64_t ldx, const uint8_t
 template <int P, int R>
 static inline void tile(bool q4, const float* x, int64_t ldx, const uint8_t* panel, int64_t pstride,
                         int64_t nblk, float* y, int64_t ldy, int64_t ystride, const float* bias) {
-  if (q4) q4_tile<P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias);
-  else q8_tile<P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias);
+  if (q4) block_tile<true, P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias);
+  else block_tile<false, P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias);
 }
 
 // Panels [begin, end) for one row: two runs of panels in lockstep (two streams), then the odd one.
@@ -288,13 +261,8 @@ at::Tensor quant_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t 
   const int64_t M = x.size(0), K = x.size(1), nb = panels.size(0), nblk = panels.size(1), NP = nb * NB;
   TORCH_CHECK(nblk * QB == K, "x has ", K, " columns, the panels ", nblk * QB, " rows");
   auto y = at::empty({M, NP}, x.options());
-  at::Tensor biasp;
-  const float* bias = nullptr;
-  if (bias_.has_value()) {
-    biasp = at::zeros({NP}, x.options());
-    biasp.narrow(0, 0, N).copy_(*bias_);
-    bias = biasp.data_ptr<float>();
-  }
+  const at::Tensor biasp = padded_bias(bias_, N, NP);
+  const float* bias = biasp.defined() ? biasp.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = panels.data_ptr<uint8_t>();
   const int64_t pbytes = nblk * panels.size(2);
