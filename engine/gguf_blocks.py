@@ -58,7 +58,8 @@ class BlocksReport:
     def summary(self) -> str:
         got = ", ".join(f"{n} x{c}" for c, n in sorted((c, n) for n, c in self.attached.items()))
         text = (
-            f"{sum(self.attached.values())} matmuls read the checkpoint's GGUF blocks ({got or 'none'}): "
+            f"{sum(self.attached.values())} matmuls read the checkpoint's GGUF blocks "
+            f"({got or 'none'}): "
             f"{(self.body_block_bytes + (self.lm_head_block_bytes or 0)) / 1e6:.0f} MB instead of "
             f"{(self.body_float32_bytes + self.lm_head_float32_bytes) / 1e6:.0f} MB of float32"
         )
@@ -75,7 +76,19 @@ class _TensorInfo:
 
 
 # GGUF metadata value types -> struct format of the fixed-size ones (8: string, 9: array).
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 
 
 def read_tensor_index(path: Path) -> tuple[str, dict[str, _TensorInfo]]:
@@ -144,16 +157,13 @@ def _sources(model: nn.Module) -> dict[str, list[str]]:
     return out
 
 
-def _row_order(raw: np.ndarray, qtype: int, target: torch.Tensor, ops: Any) -> np.ndarray | None:
-    """Indices ``p`` such that ``raw[p]`` de-quantizes to ``target`` ([out, in]), or None."""
+def _row_order(raw: np.ndarray, qtype: int, target: torch.Tensor) -> np.ndarray | None:
+    """Indices ``p`` such that ``raw[p]`` de-quantizes to ``target`` ([out, in]), or None.
+    Matches rows by content with gguf-py's de-quantizer (slow; only for a matmul whose blocks
+    in file order failed the check)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    identity = np.arange(len(raw))
-    in_features = target.shape[1]
-    panels = ops.pack_gguf(torch.from_numpy(raw), qtype, in_features)
-    if torch.equal(ops.dequantize_panels(panels, len(raw)), target.t()):
-        return identity  # the common case, checked in C++ (fast)
     rows = dequantize(raw, GGMLQuantizationType(qtype)).astype(np.float32, copy=False)
     want = target.numpy()
     if rows.shape != want.shape:
@@ -161,6 +171,14 @@ def _row_order(raw: np.ndarray, qtype: int, target: torch.Tensor, ops: Any) -> n
     index = {rows[i].tobytes(): i for i in range(len(rows))}
     order = [index.get(want[i].tobytes(), -1) for i in range(len(want))]
     return None if -1 in order else np.asarray(order)
+
+
+def _exact_panels(
+    raws: list[np.ndarray], qtype: int, weight: torch.Tensor, ops: Any
+) -> torch.Tensor | None:
+    """The parts' blocks packed for the kernel, if they de-quantize to ``weight`` bit for bit."""
+    panels = ops.pack_gguf(torch.from_numpy(np.concatenate(raws)), qtype, weight.shape[0])
+    return panels if torch.equal(ops.dequantize_panels(panels, weight.shape[1]), weight) else None
 
 
 def attach_gguf_blocks(model: nn.Module, gguf_path: Path, ops: Any) -> BlocksReport:
@@ -171,7 +189,9 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: Path, ops: Any) -> BlocksRep
     """
     import gguf
 
-    from engine.llama import Linear  # the model's module, imported late: engine.llama imports us not
+    from engine.llama import (
+        Linear,  # the model's module, imported late: engine.llama imports us not
+    )
 
     arch_name, tensors = read_tensor_index(gguf_path)
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch_name]
@@ -184,7 +204,6 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: Path, ops: Any) -> BlocksRep
         weight = linear.weight.detach()  # [in, out]
         in_features = weight.shape[0]
         raws, types, why = [], set(), None
-        offset = 0
         for part in parts:
             gname = names.get_name(part)
             t = tensors.get(f"{gname}.weight") if gname else None
@@ -195,34 +214,43 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: Path, ops: Any) -> BlocksRep
             if qtype not in SUPPORTED_TYPES or len(t.shape) != 2 or t.shape[0] != in_features:
                 why = f"{part} is ggml type {qtype}, shape {t.shape}"
                 break
-            rows = t.shape[1]
             # bytes per row: K / 32 blocks of 18 (Q4_0), 20 (Q4_1) or 34 (Q8_0) bytes
             row_bytes = in_features // 32 * {2: 18, 3: 20, 8: 34}[qtype]
-            raw = np.array(np.memmap(gguf_path, np.uint8, "r", t.offset, (rows, row_bytes)))
-            target = weight[:, offset : offset + rows].t().contiguous()
-            order = _row_order(raw, qtype, target, ops)
-            if order is None:
-                why = f"{part}'s blocks do not de-quantize to its float32 rows"
-                break
-            raws.append(raw[order])
+            raws.append(
+                np.array(np.memmap(gguf_path, np.uint8, "r", t.offset, (t.shape[1], row_bytes)))
+            )
             types.add(qtype)
-            offset += rows
-        if why is None and (len(types) != 1 or offset != weight.shape[1]):
+        if why is None and (len(types) != 1 or sum(len(r) for r in raws) != weight.shape[1]):
             why = "parts of different block types" if len(types) != 1 else "row count differs"
-        if why is None:
-            (qtype,) = types
-            panels = ops.pack_gguf(torch.from_numpy(np.concatenate(raws)), qtype, in_features)
-            if torch.equal(ops.dequantize_panels(panels, weight.shape[1]), weight):
-                linear.use_quantized_panels(panels)
-                report.attached[SUPPORTED_TYPES[qtype]] += 1
-                if name == "lm_head":
-                    report.lm_head_block_bytes = panels.numel()
-                    report.lm_head_float32_bytes = weight.numel() * weight.element_size()
-                else:
-                    report.body_float32_bytes += weight.numel() * weight.element_size()
-                    report.body_block_bytes += panels.numel()
+        if why is not None:
+            report.skipped[name] = why
+            continue
+        (qtype,) = types
+        # The blocks in file order first: one pack and one check. Only if that fails, each
+        # part's rows are matched by content (Llama's q/k after transformers un-permuted them).
+        panels = _exact_panels(raws, qtype, weight, ops)
+        if panels is None:
+            offsets = np.cumsum([0] + [len(r) for r in raws])
+            orders = [
+                _row_order(raw, qtype, weight[:, lo:hi].t().contiguous())
+                for raw, lo, hi in zip(raws, offsets[:-1], offsets[1:], strict=True)
+            ]
+            if any(order is None for order in orders):
+                report.skipped[name] = "its blocks do not de-quantize to its float32 rows"
                 continue
-            why = "packed blocks differ from the float32 weight"
-        report.skipped[name] = why
+            panels = _exact_panels(
+                [r[o] for r, o in zip(raws, orders, strict=True)], qtype, weight, ops
+            )
+            if panels is None:
+                report.skipped[name] = "packed blocks differ from the float32 weight"
+                continue
+        linear.use_quantized_panels(panels)
+        report.attached[SUPPORTED_TYPES[qtype]] += 1
+        if name == "lm_head":
+            report.lm_head_block_bytes = panels.numel()
+            report.lm_head_float32_bytes = weight.numel() * weight.element_size()
+        else:
+            report.body_float32_bytes += weight.numel() * weight.element_size()
+            report.body_block_bytes += panels.numel()
     log.info("%s", report.summary())
     return report

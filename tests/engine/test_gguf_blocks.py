@@ -7,8 +7,6 @@ the C++ CPU kernels; they skip where those are off or do not build.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -19,7 +17,6 @@ from engine import LLM, SamplingParams
 from engine.gguf_blocks import BlocksReport, _row_order, attach_gguf_blocks, read_tensor_index
 from engine.llama import Linear
 from engine.loader import default_model_gguf
-from kernels import cpu
 
 NUM_LAYERS = 30  # SmolLM2-135M
 NUM_LINEARS = NUM_LAYERS * 4 + 1  # qkv, o, gate_up, down per layer + the tied lm_head
@@ -31,16 +28,6 @@ PROMPTS = [
     "washed up on the rocks one stormy night, and what he decides to do about it.",
 ]
 KV_BLOCKS = 64  # the prompts need a few; the default pool would be 1 GiB per engine
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if os.environ.get("PAGEDSERVE_CPU_KERNELS") == "0":
-        pytest.skip("C++ CPU kernels disabled by PAGEDSERVE_CPU_KERNELS=0")
-    built = cpu.load()
-    if built is None:
-        pytest.skip("the C++ CPU kernels did not build (see the warning logged)")
-    return built
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +47,21 @@ def _linears(llm: LLM) -> dict[str, Linear]:
     return {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Linear)}
 
 
-def _llm(matmul_weights: str) -> LLM:
-    return LLM("default", matmul_weights=matmul_weights, num_kv_blocks=KV_BLOCKS)
+def _cpu_llm(matmul_weights: str) -> LLM:
+    llm = LLM("default", matmul_weights=matmul_weights, num_kv_blocks=KV_BLOCKS)
+    if llm.engine.attention_backend != "cpu":
+        pytest.skip(f"the default engine runs the {llm.engine.attention_backend} backend here")
+    return llm
 
 
 @pytest.fixture(scope="module")
 def llm_gguf(ops, gguf_path) -> LLM:
-    llm = _llm("gguf")
-    if llm.engine.attention_backend != "cpu":
-        pytest.skip(f"the default engine runs the {llm.engine.attention_backend} backend here")
-    return llm
+    return _cpu_llm("gguf")
 
 
 @pytest.fixture(scope="module")
 def llm_float32(ops, gguf_path) -> LLM:
-    llm = _llm("float32")
-    if llm.engine.attention_backend != "cpu":
-        pytest.skip(f"the default engine runs the {llm.engine.attention_backend} backend here")
-    return llm
+    return _cpu_llm("float32")
 
 
 # --- read_tensor_index --------------------------------------------------------------------
@@ -195,17 +179,17 @@ def _q4_1_rows(n: int, k: int, seed: int) -> tuple[np.ndarray, torch.Tensor]:
     return raw, torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1).astype(np.float32))
 
 
-def test_row_order_identity(ops):
+def test_row_order_identity():
     raw, rows = _q4_1_rows(96, 64, seed=0)
-    order = _row_order(raw, 3, rows.contiguous(), ops)
+    order = _row_order(raw, 3, rows.contiguous())
     assert order is not None and np.array_equal(order, np.arange(96))
 
 
-def test_row_order_finds_a_permutation(ops):
+def test_row_order_finds_a_permutation():
     raw, rows = _q4_1_rows(200, 96, seed=1)
     perm = np.random.default_rng(2).permutation(200)
     target = rows[torch.from_numpy(perm)].contiguous()
-    order = _row_order(raw, 3, target, ops)
+    order = _row_order(raw, 3, target)
     assert order is not None
     assert np.array_equal(order, perm)
     # raw[order] is the blocks of the target, row for row
@@ -213,18 +197,18 @@ def test_row_order_finds_a_permutation(ops):
     assert np.array_equal(again.view(np.uint32), target.numpy().view(np.uint32))
 
 
-def test_row_order_none_when_a_row_matches_nothing(ops):
+def test_row_order_none_when_a_row_matches_nothing():
     raw, rows = _q4_1_rows(200, 96, seed=3)
     perm = np.random.default_rng(4).permutation(200)
     target = rows[torch.from_numpy(perm)].contiguous()
     target[17, 40] += 1e-3
-    assert _row_order(raw, 3, target, ops) is None
+    assert _row_order(raw, 3, target) is None
     # the identity order with one changed weight is no match either
     target = rows.clone()
     target[0, 0] = torch.nextafter(target[0, 0], torch.tensor(float("inf")))
-    assert _row_order(raw, 3, target, ops) is None
+    assert _row_order(raw, 3, target) is None
 
 
-def test_row_order_none_when_shapes_differ(ops):
+def test_row_order_none_when_shapes_differ():
     raw, rows = _q4_1_rows(64, 64, seed=5)
-    assert _row_order(raw, 3, rows[:63].contiguous(), ops) is None
+    assert _row_order(raw, 3, rows[:63].contiguous()) is None
