@@ -92,7 +92,27 @@ static inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(bits);
 }
 
-bool is_q4(const at::Tensor& panels) { return panels.size(2) == kQ4Block; }
+// Whether a packed tensor holds q4 (else q8) blocks, after checking it is one of the two.
+bool checked_q4(const at::Tensor& panels) {
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.dim() == 3, "not a quantized panel tensor");
+  TORCH_CHECK(panels.size(2) == kQ4Block || panels.size(2) == kQ8Block, "not a quantized panel tensor");
+  return panels.size(2) == kQ4Block;
+}
+
+// The one definition of a weight from its block, for the matmul and for dequantize_panels
+// alike: the loader's bitwise check of dequantize_panels then vouches for what the matmul
+// multiplies by. Columns 16 v .. 16 v + 15 of byte row j; a q4 byte row holds k = j (lo)
+// and k = j + 16 (hi).
+static inline void q4_weights(const uint8_t* blk, int j, int v, vf& lo, vf& hi) {
+  const float* d = reinterpret_cast<const float*>(blk);
+  const vi32 z = load_u8(blk + 2 * NB * 4 + j * NB + 16 * v);
+  const vf dv = vload(d + 16 * v), mv = vload(d + NB + 16 * v);
+  lo = to_f(z & 15) * dv + mv;
+  hi = to_f(z >> 4) * dv + mv;
+}
+static inline vf q8_weight(const uint8_t* blk, int j, int v) {
+  return load_s8(blk + NB * 4 + j * NB + 16 * v) * vload(reinterpret_cast<const float*>(blk) + 16 * v);
+}
 
 // R rows against P panels `pstride` bytes apart, walked in lockstep: each weight is
 // de-quantized once in registers and used by all R rows. One row takes P = 2 (two streams);
@@ -114,20 +134,18 @@ static inline void block_tile(const float* __restrict x, int64_t ldx, const uint
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
         const uint8_t* b = blk + p * pstride;
-        const float* d = reinterpret_cast<const float*>(b);
 #pragma GCC unroll 4
         for (int v = 0; v < 4; ++v) {
           if constexpr (Q4) {
-            const vi32 z = load_u8(b + 2 * NB * 4 + j * NB + 16 * v);
-            const vf dv = vload(d + 16 * v), mv = vload(d + NB + 16 * v);
-            const vf lo = to_f(z & 15) * dv + mv, hi = to_f(z >> 4) * dv + mv;
+            vf lo, hi;
+            q4_weights(b, j, v, lo, hi);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
               acc[p][r][v] += vbcast(xb + r * ldx + j) * lo;
               acc[p][r][v] += vbcast(xb + r * ldx + j + QB / 2) * hi;
             }
           } else {
-            const vf w = load_s8(b + NB * 4 + j * NB + 16 * v) * vload(d + 16 * v);
+            const vf w = q8_weight(b, j, v);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) acc[p][r][v] += vbcast(xb + r * ldx + j) * w;
           }
@@ -185,23 +203,18 @@ static void quant_panel_rows(bool q4, const float* x, int64_t K, int64_t M, cons
 static void dequantize_panel(bool q4, const uint8_t* panel, int64_t nblk, float* out) {
   for (int64_t kb = 0; kb < nblk; ++kb) {
     float* o = out + kb * QB * NB;
-    if (q4) {
-      const uint8_t* b = panel + kb * kQ4Block;
-      const float* d = reinterpret_cast<const float*>(b);
-      for (int j = 0; j < QB / 2; ++j)
-        for (int v = 0; v < 4; ++v) {
-          const vi32 z = load_u8(b + 2 * NB * 4 + j * NB + 16 * v);
-          const vf dv = vload(d + 16 * v), mv = vload(d + NB + 16 * v);
-          vstore(o + j * NB + 16 * v, to_f(z & 15) * dv + mv);
-          vstore(o + (j + QB / 2) * NB + 16 * v, to_f(z >> 4) * dv + mv);
+    const uint8_t* b = panel + kb * (q4 ? kQ4Block : kQ8Block);
+    for (int j = 0; j < (q4 ? QB / 2 : QB); ++j)
+      for (int v = 0; v < 4; ++v) {
+        if (q4) {
+          vf lo, hi;
+          q4_weights(b, j, v, lo, hi);
+          vstore(o + j * NB + 16 * v, lo);
+          vstore(o + (j + QB / 2) * NB + 16 * v, hi);
+        } else {
+          vstore(o + j * NB + 16 * v, q8_weight(b, j, v));
         }
-    } else {
-      const uint8_t* b = panel + kb * kQ8Block;
-      const float* d = reinterpret_cast<const float*>(b);
-      for (int j = 0; j < QB; ++j)
-        for (int v = 0; v < 4; ++v)
-          vstore(o + j * NB + 16 * v, load_s8(b + NB * 4 + j * NB + 16 * v) * vload(d + 16 * v));
-    }
+      }
   }
 }
 
@@ -240,8 +253,7 @@ at::Tensor pack_gguf(const at::Tensor& raw_, int64_t ggml_type, int64_t K) {
 }
 
 at::Tensor dequantize_panels(const at::Tensor& panels, int64_t N) {
-  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.dim() == 3);
-  const bool q4 = is_q4(panels);
+  const bool q4 = checked_q4(panels);
   const int64_t nb = panels.size(0), nblk = panels.size(1), K = nblk * QB;
   auto full = at::empty({K, nb * NB}, at::kFloat);
   std::vector<float> buf(K * NB);
@@ -255,9 +267,8 @@ at::Tensor dequantize_panels(const at::Tensor& panels, int64_t N) {
 
 at::Tensor quant_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias_) {
   auto x = x_.contiguous();
-  TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kByte && panels.dim() == 3);
-  const bool q4 = is_q4(panels);
-  TORCH_CHECK(panels.size(2) == (q4 ? kQ4Block : kQ8Block), "not a quantized panel tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  const bool q4 = checked_q4(panels);
   const int64_t M = x.size(0), K = x.size(1), nb = panels.size(0), nblk = panels.size(1), NP = nb * NB;
   TORCH_CHECK(nblk * QB == K, "x has ", K, " columns, the panels ", nblk * QB, " rows");
   auto y = at::empty({M, NP}, x.options());
