@@ -64,14 +64,18 @@ class StepCostModel:
     body_block_bytes: int = 0
     lm_head_block_bytes: int = 0
 
-    def with_blocks(self, block_rows: int, body_saved_bytes: int, lm_head_block_bytes: int | None) -> StepCostModel:
+    def with_blocks(
+        self, block_rows: int, body_saved_bytes: int, lm_head_block_bytes: int | None
+    ) -> StepCostModel:
         """This model when its small batches read GGUF blocks: the layers read
         ``body_saved_bytes`` fewer bytes, the head ``lm_head_block_bytes`` (None: float32)."""
         return dataclasses.replace(
             self,
             block_rows=block_rows,
             body_block_bytes=self.body_weight_bytes - body_saved_bytes,
-            lm_head_block_bytes=self.lm_head_bytes if lm_head_block_bytes is None else lm_head_block_bytes,
+            lm_head_block_bytes=self.lm_head_bytes
+            if lm_head_block_bytes is None
+            else lm_head_block_bytes,
         )
 
     @classmethod

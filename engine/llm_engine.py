@@ -17,9 +17,9 @@ from engine.attention import PagedAttention, resolve_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cost import StepCostModel
 from engine.faults import FaultInjectingRunner, describe, execute_isolating
+from engine.gguf_blocks import attach_gguf_blocks
 from engine.layer_ops import CpuLayerOps, TorchLayerOps
 from engine.llama import Linear, LlamaForCausalLM
-from engine.gguf_blocks import attach_gguf_blocks
 from engine.loader import load_state_dict, load_tokenizer, read_hf_config, resolve_model
 from engine.model_runner import ModelRunner
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats

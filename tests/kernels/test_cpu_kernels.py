@@ -6,25 +6,13 @@ be built, so a machine without a compiler is noticed here and not as a silent sl
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.layer_ops import CpuLayerOps, TorchLayerOps
 from engine.llama import RMSNorm
-from kernels import cpu
 from kernels.reference import paged_attention_decode
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if os.environ.get("PAGEDSERVE_CPU_KERNELS") == "0":
-        pytest.skip("C++ CPU kernels disabled by PAGEDSERVE_CPU_KERNELS=0")
-    built = cpu.load()
-    assert built is not None, "the C++ CPU kernels did not build (see the warning logged)"
-    return built
 
 
 def _paged_case(num_seqs, num_heads, num_kv_heads, head_dim, seq_lens, block_size=16, seed=0):

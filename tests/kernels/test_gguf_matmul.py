@@ -8,31 +8,17 @@ rows, the float32 panels up to 256 and the library above.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kernels import cpu
-
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 ROW_BYTES_PER_BLOCK = {2: 18, 3: 20, 8: 34}  # bytes of one 32-weight block
 # (N, K): ragged last panel (200 = 3 * 64 + 8), exact panels, one block of K with many
 # panels (odd count: the one-row path's lockstep pairs plus a leftover), the model's width.
 SHAPES = [(200, 96), (128, 64), (1287, 32), (960, 576)]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if os.environ.get("PAGEDSERVE_CPU_KERNELS") == "0":
-        pytest.skip("C++ CPU kernels disabled by PAGEDSERVE_CPU_KERNELS=0")
-    built = cpu.load()
-    if built is None:
-        pytest.skip("the C++ CPU kernels did not build (see the warning logged)")
-    return built
 
 
 def _blocks(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> np.ndarray:
