@@ -49,42 +49,31 @@ constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
 
 typedef int32_t vi32 __attribute__((vector_size(64)));
 
-// 16 bytes widened to 16 int32 lanes. Written with intrinsics: GCC 12 lowers
-// __builtin_convertvector from a byte vector to one insert per lane.
-static inline vi32 load_u8(const uint8_t* p) {
+// 16 bytes widened to 16 int32 lanes, as unsigned (q4 nibble pairs) or signed (q8) bytes.
+// Written with intrinsics: GCC 12 lowers __builtin_convertvector from a byte vector to one
+// insert per lane.
+template <bool Signed>
+static inline vi32 widen8(const uint8_t* p) {
 #if defined(__AVX512F__)
-  return reinterpret_cast<vi32>(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vi32>(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #elif defined(__AVX2__)
-  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
   vi32 r;
-  std::memcpy(&r, &a, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
+  for (int h = 0; h < 2; ++h) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
+    const __m256i w = Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    std::memcpy(reinterpret_cast<char*>(&r) + 32 * h, &w, 32);
+  }
   return r;
 #else
   vi32 r;
-  for (int i = 0; i < 16; ++i) r[i] = p[i];
-  return r;
-#endif
-}
-static inline vf load_s8(const uint8_t* p) {
-#if defined(__AVX512F__)
-  return reinterpret_cast<vf>(
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#elif defined(__AVX2__)
-  const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  const __m256 b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
-  vf r;
-  std::memcpy(&r, &a, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &b, 32);
-  return r;
-#else
-  vf r;
-  for (int i = 0; i < 16; ++i) r[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+  for (int i = 0; i < 16; ++i) r[i] = Signed ? static_cast<int8_t>(p[i]) : p[i];
   return r;
 #endif
 }
 static inline vf to_f(vi32 v) { return __builtin_convertvector(v, vf); }
+static inline vi32 load_u8(const uint8_t* p) { return widen8<false>(p); }
+static inline vf load_s8(const uint8_t* p) { return to_f(widen8<true>(p)); }
 
 static inline float half_at(const uint8_t* p) {
   uint16_t bits;
