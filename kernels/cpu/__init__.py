@@ -4,7 +4,11 @@ against a GGUF file's own quantized blocks, de-quantized exactly in registers.
 
 Owns: the build of the extension (compiled on first use with the machine's compiler and
 ``-march=native``, cached by ``torch.utils.cpp_extension`` under ``$TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``) and nothing else.
+default ``~/.cache/torch_extensions``) and nothing else. ``PAGEDSERVE_CPU_MARCH`` names
+another target (``x86-64-v3`` is AVX2 + FMA, ``x86-64`` the portable vector code): the
+kernels have AVX-512, AVX2 and portable paths, and this is how a machine with AVX-512 tests
+and times the other two. Each target builds under its own extension name, so the caches
+never mix.
 
 Why C++ rather than the PyTorch reference: on a CPU, the reference gathers every decoding
 sequence's context into a padded copy before two batched matmuls (read, write, read again),
@@ -57,11 +61,13 @@ def _build() -> Any | None:
         from torch.utils.cpp_extension import load as load_extension
 
         csrc = Path(__file__).parent / "csrc"
+        march = march_flag()
+        suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
         load_extension(
-            name="pagedserve_cpu",
+            name="pagedserve_cpu" + suffix,
             sources=[str(csrc / s) for s in _SOURCES],
             extra_include_paths=[str(csrc)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-std=c++17"],
+            extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-std=c++17"],
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -70,6 +76,12 @@ def _build() -> Any | None:
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
         log.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference", exc)
         return None
+
+
+def march_flag() -> str:
+    """The ``-march`` the extension is built for: ``native`` unless ``PAGEDSERVE_CPU_MARCH``
+    names another target."""
+    return os.environ.get("PAGEDSERVE_CPU_MARCH", "").strip() or "native"
 
 
 def supports(*, head_dim: int, hidden_size: int, intermediate_size: int) -> bool:
