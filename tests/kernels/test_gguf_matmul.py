@@ -2,8 +2,9 @@
 
 gguf-py's de-quantizer is what ``transformers`` loads a GGUF checkpoint with, so it is the
 oracle: packed blocks must de-quantize to exactly its float32 values, and ``quant_linear``
-must multiply by them (up to summation order). ``linear`` must pick the blocks for 1 to 24
-rows, the float32 panels up to 256 and the library above.
+must multiply by them (up to summation order). ``linear`` must pick the blocks for 1 to
+``max_quant_rows()`` rows (24 with AVX-512, 12 with AVX2), the float32 panels up to 256 and
+the library above.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _dequantized(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
 def test_dequantize_panels_matches_gguf_bitwise(ops, qtype, n, k):
     raw = _blocks(qtype, n, k, seed=n + k)
     panels = ops.pack_gguf(torch.from_numpy(raw), int(qtype), k)
-    assert panels.dtype == torch.uint8 and panels.shape[:2] == ((n + 63) // 64, k // 32)
+    nb = ops.panel_width()  # 64 columns with AVX-512, 16 with AVX2
+    assert panels.dtype == torch.uint8 and panels.shape[:2] == ((n + nb - 1) // nb, k // 32)
     got = ops.dequantize_panels(panels, n)
     want = _dequantized(raw, qtype)
     assert got.dtype == torch.float32 and got.shape == (k, n)
@@ -104,11 +106,12 @@ def test_linear_picks_blocks_then_panels_then_library(ops, qtype, bias):
     quant = ops.pack_gguf(torch.from_numpy(other), int(qtype), k)
     g = torch.Generator().manual_seed(5)
     b = torch.randn(n, generator=g) if bias else None
-    for rows in (1, 2, 6, 7, 24, 25, 30, 64, 256, 257, 300):
+    limit = ops.max_quant_rows()
+    for rows in sorted({1, 2, 6, 7, limit, limit + 1, 24, 25, 30, 64, 256, 257, 300}):
         x = torch.randn(rows, k, generator=g)
         got = ops.linear(x, w, packed, quant, b)
         assert got.shape == (rows, n)
-        if rows <= 24:
+        if rows <= limit:
             assert torch.equal(got, ops.quant_linear(x, quant, n, b)), rows
             want = x @ _dequantized(other, qtype)
         elif rows <= 256:
@@ -128,8 +131,10 @@ def test_linear_picks_blocks_then_panels_then_library(ops, qtype, bias):
         assert torch.equal(ops.linear(x, w, None, None, b), library), rows
 
 
-def test_max_quant_rows_is_the_dispatch_limit(ops):
-    assert ops.max_quant_rows() == 24  # the rows the test above expects on the blocks
+def test_max_quant_rows_follows_the_vector_width(ops):
+    # 24 rows with AVX-512 (64-column panels), 12 with AVX2 or less (16-column panels): the
+    # crossovers measured in gemm.cpp. The test above checks linear() keeps to it.
+    assert ops.max_quant_rows() == (24 if ops.panel_width() == 64 else 12)
 
 
 def test_pack_gguf_rejects_bad_input(ops):

@@ -1,6 +1,6 @@
 // Float32 matmul for batches of 1-256 rows (decodes, short prefill chunks), y = x @ W (+ bias),
-// against weights packed once at load into 64-column panels, [ceil(N / 64), K, 64]: each
-// panel is one contiguous stream.
+// against weights packed once at load into column panels, [ceil(N / NB), K, NB] (NB = 64
+// floats with AVX-512, 16 with AVX2: gemm.h says why): each panel is one contiguous stream.
 //
 // Why not oneDNN/MKL here: for 2-64 rows the library runs at 60-75% of what the same weights
 // give this kernel on 2 cores (rows x 4 accumulators of 16 floats stay in registers while a
@@ -25,27 +25,29 @@ namespace pagedserve_cpu {
 
 namespace {
 
-// y[r, 0:64] = bias + x[r, 0:K] @ panel[0:K, 0:64] for R rows. The k range is cut into S
+// y[r, 0:NB] = bias + x[r, 0:K] @ panel[0:K, 0:NB] for R rows. The k range is cut into S
 // segments walked in lockstep: S concurrent sequential streams per thread keep more cache
 // misses in flight than one (single-stream reads top out at ~2/3 of the bandwidth here).
+// Registers: S * R * NV accumulators + NV weights + 1 broadcast (R * S <= 6 fits AVX-512 and AVX2).
 template <int R, int S>
 static inline void micro(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
                          float* __restrict y, int64_t ldy, const float* bias) {
-  vf acc[S][R][4];
+  vf acc[S][R][NV];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) acc[s][r][v] = vzero();
+      for (int v = 0; v < NV; ++v) acc[s][r][v] = vzero();
   const int64_t seg = K / S;
   for (int64_t k = 0; k < seg; ++k) {
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {
       const int64_t kk = s * seg + k;
       const float* w = panel + kk * NB;
-      vf w0 = vload(w), w1 = vload(w + 16), w2 = vload(w + 32), w3 = vload(w + 48);
+      vf wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = vload(w + kVec * v);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         vf b = vbcast(x + r * ldx + kk);
-        acc[s][r][0] += b * w0; acc[s][r][1] += b * w1; acc[s][r][2] += b * w2; acc[s][r][3] += b * w3;
+        for (int v = 0; v < NV; ++v) acc[s][r][v] += b * wv[v];
       }
     }
   }
@@ -53,47 +55,49 @@ static inline void micro(const float* __restrict x, int64_t ldx, const float* __
     const float* w = panel + kk * NB;
     for (int r = 0; r < R; ++r) {
       vf b = vbcast(x + r * ldx + kk);
-      for (int v = 0; v < 4; ++v) acc[0][r][v] += b * vload(w + 16 * v);
+      for (int v = 0; v < NV; ++v) acc[0][r][v] += b * vload(w + kVec * v);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) {
-      vf t = bias ? vload(bias + 16 * v) : vzero();
+    for (int v = 0; v < NV; ++v) {
+      vf t = bias ? vload(bias + kVec * v) : vzero();
       for (int s = 0; s < S; ++s) t += acc[s][r][v];
-      vstore(y + r * ldy + 16 * v, t);
+      vstore(y + r * ldy + kVec * v, t);
     }
 }
 
+// Panels one row walks in lockstep: P * NV accumulators + 1 broadcast should fit the
+// registers (AVX-512: 8 x 4 of 32, the weights read as FMA memory operands; AVX2: 6 x 2 of 16).
+constexpr int kRowStreams = kRegs == 32 ? 8 : std::max(1, (kRegs - 4) / NV);
+
 // One row against P panels `pstride` floats apart, all walked in lockstep: P sequential
-// streams per thread, the most misses in flight a single row can have (P = 8 fills the 32
-// vector registers with accumulators).
+// streams per thread, the most misses in flight a single row can have.
 template <int P>
 static inline void row_streams(const float* __restrict x, const float* __restrict panel, int64_t pstride,
                                int64_t K, float* __restrict y, int64_t ystride, const float* bias) {
-  vf acc[P][4];
+  vf acc[P][NV];
   for (int p = 0; p < P; ++p)
-    for (int v = 0; v < 4; ++v) acc[p][v] = vzero();
+    for (int v = 0; v < NV; ++v) acc[p][v] = vzero();
   for (int64_t k = 0; k < K; ++k) {
     const vf b = vbcast(x + k);
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) {
       const float* w = panel + p * pstride + k * NB;
-      acc[p][0] += b * vload(w); acc[p][1] += b * vload(w + 16);
-      acc[p][2] += b * vload(w + 32); acc[p][3] += b * vload(w + 48);
+      for (int v = 0; v < NV; ++v) acc[p][v] += b * vload(w + kVec * v);
     }
   }
   for (int p = 0; p < P; ++p)
-    for (int v = 0; v < 4; ++v) {
-      const vf t = bias ? vload(bias + p * ystride + 16 * v) + acc[p][v] : acc[p][v];
-      vstore(y + p * ystride + 16 * v, t);
+    for (int v = 0; v < NV; ++v) {
+      const vf t = bias ? vload(bias + p * ystride + kVec * v) + acc[p][v] : acc[p][v];
+      vstore(y + p * ystride + kVec * v, t);
     }
 }
 
-// One row, panels [begin, end): 8 equal runs of panels in lockstep, then the leftover
-// panels one at a time with their k range cut into 4 streams.
+// One row, panels [begin, end): kRowStreams equal runs of panels in lockstep, then the
+// leftover panels one at a time with their k range cut into 4 streams.
 static void one_row(const float* x, const float* wp, int64_t K, float* y, const float* bias,
                     int64_t begin, int64_t end) {
-  constexpr int P = 8;
+  constexpr int P = kRowStreams;
   const int64_t q = (end - begin) / P;
   for (int64_t i = 0; i < q; ++i) {
     const int64_t b = begin + i;
@@ -179,10 +183,13 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t
 // de-quantizing every weight again per 6 rows costs more than the bytes it saves; the
 // library on the plain [in, out] weight for larger batches, where it is as fast and needs no
 // packed copy's cache traffic. Blocks vs float32 panels over the default model's 121
-// matmuls on 2 cores (one run, medians): 1 row 11.0 vs 26.6 ms, 16 rows 43.8 vs 53.0,
-// 24 rows 60.8 vs 62.5, 32 rows 76.2 vs 70.7, 48 rows 110.8 vs 94.7.
-constexpr int64_t kMaxQuantRows = 24;
+// matmuls on 2 cores (one run, medians), AVX-512: 1 row 11.0 vs 26.6 ms, 16 rows 43.8 vs 53.0,
+// 24 rows 60.8 vs 62.5, 32 rows 76.2 vs 70.7, 48 rows 110.8 vs 94.7. An AVX2 build
+// de-quantizes 8 weights per instruction instead of 16 and crosses over earlier: 8 rows 43.7
+// vs 51.0 ms, 12 rows 63.3 vs 63.7, 16 rows 75.6 vs 74.7, 24 rows 118.9 vs 91.8.
+constexpr int64_t kMaxQuantRows = kRegs == 32 ? 24 : 12;
 int64_t max_quant_rows() { return kMaxQuantRows; }
+int64_t panel_width() { return NB; }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                   const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias) {

@@ -6,11 +6,21 @@
 
 #include <cstdint>
 
+#include "vec.h"
+
 namespace pagedserve_cpu {
 
-constexpr int NB = 64;  // panel width (floats): packed panels are [ceil(N / 64), K, 64]
+// Panel width (floats): packed panels are [ceil(N / NB), K, NB]. A tile keeps rows x NB
+// accumulators in vector registers while a panel streams past, so the width follows the
+// register file: with AVX-512 (32 registers of 16 floats) 64 columns are 4 registers a row
+// and leave room for 6 rows; with AVX2 (16 registers of 8 floats) 64 columns would take 8 a
+// row, so panels are 16 wide, the classic 6 x 16 tile (12 accumulators + 2 weights + 1
+// broadcast). The layout depends on the build's target; nothing stores packed panels.
+constexpr int NB = kRegs == 32 ? 64 : 16;
+constexpr int NV = NB / kVec;  // vectors per panel row
+static_assert(NB % kVec == 0, "a panel row is whole vectors");
 
-// y[0:M, 0:64] = bias + x[0:M, 0:K] @ panel[0:K, 0:64]; M >= 2.
+// y[0:M, 0:NB] = bias + x[0:M, 0:K] @ panel[0:K, 0:NB]; M >= 2.
 void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K, float* y,
                 int64_t ldy, const float* bias);
 

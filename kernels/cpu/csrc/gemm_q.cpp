@@ -17,12 +17,13 @@
 // checks the claim on every tensor (dequantize_panels == the float32 weight, bitwise) before
 // it uses this path.
 //
-// Panels, like the float32 kernel's, are 64 output columns wide, and each holds its K range
-// in blocks of 32 (the GGUF block), so a panel is one contiguous stream:
-//   q4 block (1536 bytes): float d[64], float m[64], uint8 q[16][64]; q[j][c] holds column
+// Panels, like the float32 kernel's, are NB output columns wide (64 with AVX-512, 16 with
+// AVX2: gemm.h), and each holds its K range in blocks of 32 (the GGUF block), so a panel is
+// one contiguous stream:
+//   q4 block (24 NB bytes): float d[NB], float m[NB], uint8 q[16][NB]; q[j][c] holds column
 //      c's values at k = j (low nibble) and k = j + 16 (high nibble), as a GGUF Q4 block does;
-//   q8 block (2304 bytes): float d[64], int8 q[32][64].
-// The packed tensor is uint8 [ceil(N / 64), K / 32, block bytes]; its last size names the
+//   q8 block (36 NB bytes): float d[NB], int8 q[32][NB].
+// The packed tensor is uint8 [ceil(N / NB), K / 32, block bytes]; its last size names the
 // format. Scales are kept as float32 (not float16) so the inner loop converts only q.
 
 #include <ATen/ATen.h>
@@ -47,27 +48,20 @@ constexpr int64_t kQ8Block = NB * 4 + QB * NB;
 // ggml type ids
 constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
 
-typedef int32_t vi32 __attribute__((vector_size(64)));
-
-// 16 bytes widened to 16 int32 lanes, as unsigned (q4 nibble pairs) or signed (q8) bytes.
-// Written with intrinsics: GCC 12 lowers __builtin_convertvector from a byte vector to one
-// insert per lane.
+// kVec bytes widened to kVec int32 lanes, as unsigned (q4 nibble pairs) or signed (q8)
+// bytes. Written with intrinsics: GCC 12 lowers __builtin_convertvector from a byte vector
+// to one insert per lane.
 template <bool Signed>
 static inline vi32 widen8(const uint8_t* p) {
 #if defined(__AVX512F__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return reinterpret_cast<vi32>(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
 #elif defined(__AVX2__)
-  vi32 r;
-  for (int h = 0; h < 2; ++h) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
-    const __m256i w = Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-    std::memcpy(reinterpret_cast<char*>(&r) + 32 * h, &w, 32);
-  }
-  return r;
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vi32>(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
 #else
   vi32 r;
-  for (int i = 0; i < 16; ++i) r[i] = Signed ? static_cast<int8_t>(p[i]) : p[i];
+  for (int i = 0; i < kVec; ++i) r[i] = Signed ? static_cast<int8_t>(p[i]) : p[i];
   return r;
 #endif
 }
@@ -90,31 +84,38 @@ bool checked_q4(const at::Tensor& panels) {
 
 // The one definition of a weight from its block, for the matmul and for dequantize_panels
 // alike: the loader's bitwise check of dequantize_panels then vouches for what the matmul
-// multiplies by. Columns 16 v .. 16 v + 15 of byte row j; a q4 byte row holds k = j (lo)
+// multiplies by. Columns kVec v .. kVec (v + 1) - 1 of byte row j; a q4 byte row holds k = j (lo)
 // and k = j + 16 (hi).
 static inline void q4_weights(const uint8_t* blk, int j, int v, vf& lo, vf& hi) {
   const float* d = reinterpret_cast<const float*>(blk);
-  const vi32 z = load_u8(blk + 2 * NB * 4 + j * NB + 16 * v);
-  const vf dv = vload(d + 16 * v), mv = vload(d + NB + 16 * v);
+  const vi32 z = load_u8(blk + 2 * NB * 4 + j * NB + kVec * v);
+  const vf dv = vload(d + kVec * v), mv = vload(d + NB + kVec * v);
   lo = to_f(z & 15) * dv + mv;
   hi = to_f(z >> 4) * dv + mv;
 }
 static inline vf q8_weight(const uint8_t* blk, int j, int v) {
-  return load_s8(blk + NB * 4 + j * NB + 16 * v) * vload(reinterpret_cast<const float*>(blk) + 16 * v);
+  return load_s8(blk + NB * 4 + j * NB + kVec * v) * vload(reinterpret_cast<const float*>(blk) + kVec * v);
 }
 
+// How many panels one row walks in lockstep, and how many rows share a panel's de-quantized
+// weights, so that the accumulators (P x R x NV vectors), the scales and the weights being
+// de-quantized stay in registers: 2 and 6 with AVX-512's 32 registers; with AVX2's 16, 4
+// rows (over the default model's matmuls, AVX2 build: 16 rows 75.6 ms with 4, 82.7 with 3,
+// 98.1 with 2; 4 rows 21.5 / 26.1 / 28.6 ms).
+constexpr int kQuantRowStreams = 2;
+constexpr int kQuantRowTile = kRegs == 32 ? 6 : 4;
+
 // R rows against P panels `pstride` bytes apart, walked in lockstep: each weight is
-// de-quantized once in registers and used by all R rows. One row takes P = 2 (two streams);
-// several take P = 1 and R <= 6 (4 R accumulators + the weights in 32 vector registers).
+// de-quantized once in registers and used by all R rows.
 template <bool Q4, int P, int R>
 static inline void block_tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel,
                               int64_t pstride, int64_t nblk, float* __restrict y, int64_t ldy, int64_t ystride,
                               const float* bias) {
   constexpr int64_t kBlock = Q4 ? kQ4Block : kQ8Block;
-  vf acc[P][R][4];
+  vf acc[P][R][NV];
   for (int p = 0; p < P; ++p)
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) acc[p][r][v] = vzero();
+      for (int v = 0; v < NV; ++v) acc[p][r][v] = vzero();
   for (int64_t kb = 0; kb < nblk; ++kb) {
     const float* xb = x + kb * QB;
     const uint8_t* blk = panel + kb * kBlock;
@@ -124,7 +125,7 @@ static inline void block_tile(const float* __restrict x, int64_t ldx, const uint
       for (int p = 0; p < P; ++p) {
         const uint8_t* b = blk + p * pstride;
 #pragma GCC unroll 4
-        for (int v = 0; v < 4; ++v) {
+        for (int v = 0; v < NV; ++v) {
           if constexpr (Q4) {
             vf lo, hi;
             q4_weights(b, j, v, lo, hi);
@@ -144,9 +145,9 @@ static inline void block_tile(const float* __restrict x, int64_t ldx, const uint
   }
   for (int p = 0; p < P; ++p)
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) {
-        float* o = y + r * ldy + p * ystride + 16 * v;
-        vstore(o, bias ? vload(bias + p * ystride + 16 * v) + acc[p][r][v] : acc[p][r][v]);
+      for (int v = 0; v < NV; ++v) {
+        float* o = y + r * ldy + p * ystride + kVec * v;
+        vstore(o, bias ? vload(bias + p * ystride + kVec * v) + acc[p][r][v] : acc[p][r][v]);
       }
 }
 
@@ -157,10 +158,10 @@ static inline void tile(bool q4, const float* x, int64_t ldx, const uint8_t* pan
   else block_tile<false, P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias);
 }
 
-// Panels [begin, end) for one row: two runs of panels in lockstep (two streams), then the odd one.
+// Panels [begin, end) for one row: P runs of panels in lockstep (P streams), then the rest.
 static void quant_one_row(bool q4, const float* x, const uint8_t* wp, int64_t nblk, int64_t pbytes, float* y,
                           int64_t NP, const float* bias, int64_t begin, int64_t end) {
-  constexpr int P = 2;
+  constexpr int P = kQuantRowStreams;
   const int64_t q = (end - begin) / P;
   for (int64_t i = 0; i < q; ++i) {
     const int64_t b = begin + i;
@@ -170,38 +171,40 @@ static void quant_one_row(bool q4, const float* x, const uint8_t* wp, int64_t nb
     tile<1, 1>(q4, x, 0, wp + b * pbytes, 0, nblk, y + b * NB, NP, 0, bias ? bias + b * NB : nullptr);
 }
 
-// All M rows against one panel, 6 at a time: the first group streams the panel from memory,
-// the others find it in L2.
-static void quant_panel_rows(bool q4, const float* x, int64_t K, int64_t M, const uint8_t* panel, int64_t nblk,
+// The last R < kQuantRowTile rows of a panel.
+template <int R = 1>
+static inline void tail_rows(int left, bool q4, const float* x, int64_t K, const uint8_t* panel, int64_t nblk,
                              float* y, int64_t ldy, const float* bias) {
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) tile<1, 6>(q4, x + m * K, K, panel, 0, nblk, y + m * ldy, ldy, 0, bias);
-  const float* xm = x + m * K;
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 1: tile<1, 1>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
-    case 2: tile<1, 2>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
-    case 3: tile<1, 3>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
-    case 4: tile<1, 4>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
-    case 5: tile<1, 5>(q4, xm, K, panel, 0, nblk, ym, ldy, 0, bias); break;
-    default: break;
+  if constexpr (R < kQuantRowTile) {
+    if (left == R) return tile<1, R>(q4, x, K, panel, 0, nblk, y, ldy, 0, bias);
+    tail_rows<R + 1>(left, q4, x, K, panel, nblk, y, ldy, bias);
   }
 }
 
-// One panel back to float32, [K, 64] row-major (the float32 kernel's panel layout).
+// All M rows against one panel, kQuantRowTile at a time: the first group streams the panel
+// from memory, the others find it in L2.
+static void quant_panel_rows(bool q4, const float* x, int64_t K, int64_t M, const uint8_t* panel, int64_t nblk,
+                             float* y, int64_t ldy, const float* bias) {
+  constexpr int T = kQuantRowTile;
+  int64_t m = 0;
+  for (; m + T <= M; m += T) tile<1, T>(q4, x + m * K, K, panel, 0, nblk, y + m * ldy, ldy, 0, bias);
+  if (m < M) tail_rows(static_cast<int>(M - m), q4, x + m * K, K, panel, nblk, y + m * ldy, ldy, bias);
+}
+
+// One panel back to float32, [K, NB] row-major (the float32 kernel's panel layout).
 static void dequantize_panel(bool q4, const uint8_t* panel, int64_t nblk, float* out) {
   for (int64_t kb = 0; kb < nblk; ++kb) {
     float* o = out + kb * QB * NB;
     const uint8_t* b = panel + kb * (q4 ? kQ4Block : kQ8Block);
     for (int j = 0; j < (q4 ? QB / 2 : QB); ++j)
-      for (int v = 0; v < 4; ++v) {
+      for (int v = 0; v < NV; ++v) {
         if (q4) {
           vf lo, hi;
           q4_weights(b, j, v, lo, hi);
-          vstore(o + j * NB + 16 * v, lo);
-          vstore(o + (j + QB / 2) * NB + 16 * v, hi);
+          vstore(o + j * NB + kVec * v, lo);
+          vstore(o + (j + QB / 2) * NB + kVec * v, hi);
         } else {
-          vstore(o + j * NB + 16 * v, q8_weight(b, j, v));
+          vstore(o + j * NB + kVec * v, q8_weight(b, j, v));
         }
       }
   }

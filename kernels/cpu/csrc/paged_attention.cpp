@@ -6,7 +6,7 @@
 // together. A decode row scores each cached K row against the group as the row is read, so
 // every K and V byte is read once per step. A run of rows continuing one sequence (a prefill
 // chunk) reads its context once into a transposed K and scores several rows' query vectors
-// together, 16 positions per vector, with no horizontal sum per score: 128-token prefill
+// together, one position per vector lane, with no horizontal sum per score: 128-token prefill
 // attention ~2x faster than row by row.
 
 #include <ATen/ATen.h>
@@ -39,7 +39,7 @@ inline void for_each_slot(const float* cache, const int32_t* block_table, int64_
 }
 
 // Softmax in float32 over each of `group` score rows, max subtracted first (as torch.softmax).
-// Rows are padded to a multiple of 16 in the scratch buffer (see decode_all), so every loop
+// Rows are padded to a multiple of kVec in the scratch buffer (see decode_all), so every loop
 // runs on full vectors; the padding scores are set to -inf here and come out as 0.
 inline void softmax_rows(float* scores, int group, int64_t row_stride, int64_t seq_len) {
   const int64_t padded = (seq_len + kVec - 1) / kVec * kVec;
@@ -86,12 +86,16 @@ inline void weighted_values_g(const float* scores, int64_t row_stride, const flo
     for (int i = 0; i < D; ++i) vstore(out + j * out_stride + i * kVec, acc[j][i]);
 }
 
-// The whole group, in passes of at most min(6, 24 / D) heads (24 accumulator registers).
+// Accumulator registers a tile may use, leaving the rest for the operands: 24 of AVX-512's
+// 32, 12 of AVX2's 16.
+constexpr int kAccRegs = kRegs * 3 / 4;
+
+// The whole group, in passes of at most min(6, kAccRegs / D) heads.
 template <int D>
 inline void weighted_values(const float* scores, int group, int64_t row_stride, const float* value_cache,
                             const int32_t* block_table, int64_t seq_len, int64_t block_size,
                             int64_t slot_stride, float* out, int64_t out_stride) {
-  constexpr int kPass = D >= 24 ? 1 : std::min(6, 24 / D);  // the cases below go up to 6
+  constexpr int kPass = D >= kAccRegs ? 1 : std::min(6, kAccRegs / D);  // the cases below go up to 6
   for (int j0 = 0; j0 < group; j0 += kPass) {
     const float* s = scores + j0 * row_stride;
     float* o = out + j0 * out_stride;
@@ -110,9 +114,9 @@ inline void weighted_values(const float* scores, int group, int64_t row_stride, 
 
 // One query row (a decode): scores[j][t] = scale * <q_j, k_t>, each K row scored against the
 // whole group as it is read, then softmax over t, then the weighted sum of V.
-// D = head_dim / 16 vectors per row.
+// D = head_dim / kVec vectors per row.
 template <int D>
-void attend_one(const float* q,  // [group, D*16], row stride q_stride
+void attend_one(const float* q,  // [group, D * kVec], row stride q_stride
                 int64_t q_stride, int group, const float* key_cache, const float* value_cache,
                 const int32_t* block_table, int64_t seq_len, int64_t block_size,
                 int64_t slot_stride,  // floats between consecutive slots (num_kv_heads * head_dim)
@@ -136,17 +140,17 @@ void attend_one(const float* q,  // [group, D*16], row stride q_stride
 
 // Up to kTileQ query vectors (rows x heads) scored together, so each transposed-K vector
 // loaded serves them all: a row at a time, a long context's K would stream from L2 once per
-// row.
-constexpr int kTileQ = 12;
+// row. 12 with AVX-512, 6 with AVX2 (two positions' vectors per query: kAccRegs).
+constexpr int kTileQ = kAccRegs / 2;
 
-// s_n[t0 + 16*b + l] = scale * <q_n, k_(t0 + 16*b + l)> for NQ query vectors and TB blocks of
-// 16 positions from a transposed K ([head_dim][ldk]): the dot products run along the vector
+// s_n[t0 + kVec*b + l] = scale * <q_n, k_(t0 + kVec*b + l)> for NQ query vectors and TB blocks
+// of kVec positions from a transposed K ([head_dim][ldk]): the dot products run along the vector
 // lanes (one position per lane), so there is no horizontal sum per score as in attend_one.
 template <int NQ, int TB>
 inline void score_tile(const float* const* q, float* const* s, const float* kt, int64_t ldk,
                        int64_t head_dim, int64_t t0, float scale) {
   // With few accumulators, split the head_dim sum over S interleaved ones so NQ x TB x S
-  // independent FMA chains hide the FMA latency (head_dim is a multiple of 16).
+  // independent FMA chains hide the FMA latency (head_dim is a multiple of 16 >= 8 = S).
   constexpr int S = NQ * TB >= 8 ? 1 : NQ * TB >= 4 ? 2 : NQ * TB >= 2 ? 4 : 8;
   vf acc[S][NQ][TB];
   for (int u = 0; u < S; ++u)
@@ -172,12 +176,12 @@ inline void score_tile(const float* const* q, float* const* s, const float* kt, 
     }
 }
 
-// Positions [0, padded) for nq <= kTileQ query vectors: 32 positions per pass with up to 12
-// vectors (24 accumulators), 64 with up to 6, then the 16-position tail.
+// Positions [0, padded) for nq <= kTileQ query vectors: 4 vectors of positions per pass
+// while NQ x 4 accumulators fit in kAccRegs, else 2; then the one-vector tail.
 template <int NQ>
 inline void score_span(const float* const* q, float* const* s, const float* kt, int64_t ldk,
                        int64_t head_dim, int64_t padded, float scale) {
-  constexpr int TB = NQ <= 6 ? 4 : 2;
+  constexpr int TB = NQ * 4 <= kAccRegs ? 4 : 2;
   int64_t t0 = 0;
   for (; t0 + TB * kVec <= padded; t0 += TB * kVec) score_tile<NQ, TB>(q, s, kt, ldk, head_dim, t0, scale);
   for (; t0 < padded; t0 += kVec) score_tile<NQ, 1>(q, s, kt, ldk, head_dim, t0, scale);
@@ -186,7 +190,10 @@ inline void score_span(const float* const* q, float* const* s, const float* kt, 
 inline void score_vectors(int nq, const float* const* q, float* const* s, const float* kt, int64_t ldk,
                           int64_t head_dim, int64_t padded, float scale) {
   switch (nq) {
-#define PS_CASE(N) case N: return score_span<N>(q, s, kt, ldk, head_dim, padded, scale);
+#define PS_CASE(N) \
+  case N:          \
+    if constexpr (N <= kTileQ) return score_span<N>(q, s, kt, ldk, head_dim, padded, scale); \
+    break;
     PS_CASE(1) PS_CASE(2) PS_CASE(3) PS_CASE(4) PS_CASE(5) PS_CASE(6)
     PS_CASE(7) PS_CASE(8) PS_CASE(9) PS_CASE(10) PS_CASE(11) PS_CASE(12)
 #undef PS_CASE
@@ -347,11 +354,12 @@ at::Tensor paged_attention_decode(const at::Tensor& query,  // [num_seqs, num_he
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   auto out = at::empty({query.size(0), query.size(1), head_dim}, query.options());
   switch (head_dim) {
-    case 64: decode_all<4>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 128: decode_all<8>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 32: decode_all<2>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 96: decode_all<6>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 256: decode_all<16>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    // decode_all<head_dim / kVec>: vectors per head row
+    case 64: decode_all<64 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case 128: decode_all<128 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case 32: decode_all<32 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case 96: decode_all<96 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case 256: decode_all<256 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
     default: TORCH_CHECK(false, "paged_attention_decode: unsupported head_dim ", head_dim);
   }
   return out;

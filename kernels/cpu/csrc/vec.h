@@ -1,34 +1,52 @@
-// 16-float vectors for the CPU kernels, written with GCC vector extensions so one source
-// compiles to AVX-512 (one register), AVX2 (two) or plain SSE, whatever -march=native finds.
+// Float vectors for the CPU kernels, written with GCC vector extensions so one source
+// compiles to AVX-512, AVX2 or plain SSE, whatever -march finds. A vector is exactly one
+// machine register wide (16, 8 or 4 floats): GCC keeps a generic vector wider than the
+// registers on the stack and lowers every operation to loads and stores (an AVX2 build with
+// 16-float vectors ran 16-row matmuls 6.6x slower than AVX-512 instead of ~2x).
 #pragma once
 
 #include <cstdint>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__SSE2__)
 #include <immintrin.h>
 #endif
 
 namespace pagedserve_cpu {
 
-constexpr int kVec = 16;
+#if defined(__AVX512F__)
+constexpr int kVec = 16;   // floats per vector
+constexpr int kRegs = 32;  // vector registers: what a tile's accumulators must fit in
+#elif defined(__AVX2__)
+constexpr int kVec = 8;
+constexpr int kRegs = 16;
+#else
+constexpr int kVec = 4;
+constexpr int kRegs = 16;
+#endif
+
 // may_alias + aligned(4): loads and stores from any float pointer, no alignment promise.
-typedef float vf __attribute__((vector_size(64), aligned(4), may_alias));
+typedef float vf __attribute__((vector_size(kVec * 4), aligned(4), may_alias));
+typedef int32_t vi32 __attribute__((vector_size(kVec * 4)));
 
 static inline vf vload(const float* p) { return *reinterpret_cast<const vf*>(p); }
 static inline void vstore(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
 static inline vf vzero() { return vf{}; }
 
-// Broadcast from memory: on AVX-512 this is one load-port uop (vbroadcastss m32), not a
-// shuffle competing with the FMA unit on port 5.
-static inline vf vbcast(const float* p) {
+static inline vf vsplat(float s) {
 #if defined(__AVX512F__)
-  return reinterpret_cast<vf>(_mm512_set1_ps(*p));
+  return reinterpret_cast<vf>(_mm512_set1_ps(s));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vf>(_mm256_set1_ps(s));
 #else
-  const float s = *p;
-  return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+  vf v;
+  for (int i = 0; i < kVec; ++i) v[i] = s;
+  return v;
 #endif
 }
-static inline vf vsplat(float s) { return vf{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+// Broadcast from memory: with AVX this is one load-port uop (vbroadcastss m32), not a
+// shuffle competing with the FMA unit on port 5.
+static inline vf vbcast(const float* p) { return vsplat(*p); }
 
 static inline float vsum(vf v) {
 #if defined(__AVX512F__)
@@ -48,7 +66,7 @@ namespace pagedserve_cpu {
 // (Cephes expf coefficients, ~1 ulp), times 2^n built in the exponent bits. Inputs below
 // -87.3 flush to 0 (as softmax's exp(-inf) must), above 88.7 saturate.
 static inline vf vexp(vf x) {
-  typedef int32_t vi __attribute__((vector_size(64)));
+  typedef vi32 vi;
   const vf hi = vsplat(88.3762626647949f), lo = vsplat(-87.3365447504f);
   vf xc = x < lo ? lo : (x > hi ? hi : x);
   const vf log2e = vsplat(1.44269504088896341f);
