@@ -9,6 +9,8 @@ the library above.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -129,6 +131,26 @@ def test_linear_picks_blocks_then_panels_then_library(ops, qtype, bias):
             )
         library = x @ w if b is None else torch.addmm(b, x, w)
         assert torch.equal(ops.linear(x, w, None, None, b), library), rows
+
+
+def test_panel_width_follows_the_build_target(ops):
+    # 64 columns only where the extension was built for AVX-512 (gemm.h), so a build for
+    # another target (PAGEDSERVE_CPU_MARCH, tests/kernels/test_other_targets.py) is seen to
+    # be one.
+    from kernels import cpu
+
+    march = cpu.march_flag()
+    if march == "native":
+        if not os.path.exists("/proc/cpuinfo"):
+            pytest.skip("no /proc/cpuinfo to tell what native is")
+        with open("/proc/cpuinfo") as f:
+            expected = 64 if " avx512f" in f.read() else 16
+    else:
+        known = {"x86-64": 16, "x86-64-v2": 16, "x86-64-v3": 16, "x86-64-v4": 64}
+        if march not in known:
+            pytest.skip(f"no expectation written down for -march={march}")
+        expected = known[march]
+    assert ops.panel_width() == expected, march
 
 
 def test_max_quant_rows_follows_the_vector_width(ops):

@@ -3,8 +3,10 @@
 // floats with AVX-512, 16 with AVX2: gemm.h says why): each panel is one contiguous stream.
 //
 // Why not oneDNN/MKL here: for 2-64 rows the library runs at 60-75% of what the same weights
-// give this kernel on 2 cores (rows x 4 accumulators of 16 floats stay in registers while a
-// panel streams past; the panel's later row groups hit L2). Up to 256 rows it is still a few
+// give this kernel on 2 cores with AVX-512 (rows x 4 accumulators of 16 floats stay in
+// registers while a panel streams past; the panel's later row groups hit L2; with AVX2 the
+// two are even: 16 rows 77 vs 86 ms, 64 rows 202 vs 202 over the model). Figures below are
+// AVX-512's. Up to 256 rows it is still a few
 // percent ahead over the model's 120 matmuls (it reads the packed panels; the library packs
 // the weight again on every call): 128 rows 198 vs 185 GFLOP/s, 256 rows 184 vs 174 (medians,
 // one run); at 512 they are even. One row is a pure weight stream: walking 8 runs of panels at

@@ -1,0 +1,69 @@
+"""The C++ CPU kernels built for the targets this machine is not.
+
+The kernels have three vector paths chosen at compile time by ``-march``: AVX-512 (16-float
+vectors, 64-column panels), AVX2 (8 floats, 16 columns, smaller tiles) and the portable one
+(4 floats, no intrinsics). ``-march=native`` tests only the machine's own, so a developer's
+AVX-512 machine never runs the AVX2 code that most 2-core cloud machines run, and the
+reverse. Here the kernel tests run again in a subprocess against an extension built with
+``PAGEDSERVE_CPU_MARCH`` for each target the CPU can execute, other than the one native
+builds already test.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_TESTS = ["tests/kernels/test_cpu_kernels.py", "tests/kernels/test_gguf_matmul.py"]
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+FLAGS = _cpu_flags()
+X86 = platform.machine() in ("x86_64", "AMD64")
+# (target, what the CPU needs to run it, what a native build would already be)
+TARGETS = [
+    ("x86-64-v3", {"avx2", "fma", "bmi2"}, "avx512f" not in FLAGS),
+    ("x86-64", set(), "avx2" not in FLAGS),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86, reason="the -march targets named here are x86-64 ones")
+@pytest.mark.skipif(os.environ.get("PAGEDSERVE_CPU_KERNELS") == "0", reason="C++ kernels disabled")
+@pytest.mark.skipif(
+    bool(os.environ.get("PAGEDSERVE_CPU_MARCH")), reason="already running for a chosen target"
+)
+@pytest.mark.parametrize("target,needs,native_is_it", TARGETS, ids=[t[0] for t in TARGETS])
+def test_kernel_tests_pass_when_built_for(target, needs, native_is_it):
+    if not needs <= FLAGS:
+        pytest.skip(f"this CPU cannot run {target} code (lacks {sorted(needs - FLAGS)})")
+    if native_is_it:
+        pytest.skip(f"the native build is already the {target} path")
+    env = dict(os.environ, PAGEDSERVE_CPU_MARCH=target)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    assert proc.returncode == 0, f"kernel tests built for {target} failed:\n{tail}"
+    # The subprocess really used that build: the layout it reports differs from AVX-512's.
+    assert " passed" in proc.stdout, tail
