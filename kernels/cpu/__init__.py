@@ -62,7 +62,8 @@ def _build() -> Any | None:
 
         csrc = Path(__file__).parent / "csrc"
         march = march_flag()
-        suffix = "" if march == "native" else "_" + "".join(c if c.isalnum() else "_" for c in march)
+        safe = "".join(c if c.isalnum() else "_" for c in march)
+        suffix = "" if march == "native" else "_" + safe
         load_extension(
             name="pagedserve_cpu" + suffix,
             sources=[str(csrc / s) for s in _SOURCES],
