@@ -134,10 +134,10 @@ class EngineConfig:
         attention_backend: "auto" (Triton on CUDA; on CPU the C++ kernels for float32 when
             they build, else the torch reference), "triton", "cpu" or "torch".
         matmul_weights: "gguf" (default): when the model is a GGUF file and the C++ cpu
-            kernels run, batches of up to 24 rows multiply by the file's own Q4_0/Q4_1/Q8_0
-            blocks wherever they de-quantize to exactly the float32 weights (same greedy
-            output, 5.6x fewer bytes read per decode step for the default model;
-            engine/gguf_blocks.py); "float32": always the float32 copy.
+            kernels run, batches of up to 24 rows (12 with AVX2) multiply by the file's own
+            Q4_0/Q4_1/Q8_0 blocks wherever they de-quantize to exactly the float32 weights
+            (same greedy output, 5.6x fewer bytes read per decode step for the default
+            model; engine/gguf_blocks.py); "float32": always the float32 copy.
         max_model_len: longest prompt + output; None uses the model's max positions.
         seed: seed of the sampler's generator for requests that give no seed.
         fault_token_id: TEST ONLY (fault injection, engine/faults.py): the step raises

@@ -268,9 +268,10 @@ _OPTIONS: tuple[_Option, ...] = (
             "or torch",
             ("auto", "triton", "cpu", "torch")),
     _Option("--matmul-weights", "engine", "matmul_weights", str, _E.matmul_weights,
-            "gguf (a .gguf model on the C++ CPU kernels: batches of up to 24 rows multiply "
-            "by the file's own Q4_0/Q4_1/Q8_0 blocks where they de-quantize to exactly the "
-            "float32 weights; same output, fewer bytes) or float32 (always the float32 copy)",
+            "gguf (a .gguf model on the C++ CPU kernels: batches of up to 24 rows, 12 with "
+            "AVX2, multiply by the file's own Q4_0/Q4_1/Q8_0 blocks where they de-quantize to "
+            "exactly the float32 weights; same output, fewer bytes) or float32 (always the "
+            "float32 copy)",
             ("gguf", "float32")),
     _Option("--max-model-len", "engine", "max_model_len", _optional(int), _E.max_model_len,
             "longest prompt + output in tokens; auto = the model's max positions"),
