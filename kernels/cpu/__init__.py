@@ -86,8 +86,9 @@ def march_flag() -> str:
 
 
 def supports(*, head_dim: int, hidden_size: int, intermediate_size: int) -> bool:
-    """The shapes the kernels are written for: whole 16-float vectors everywhere (RoPE
-    rotates half-rows, hence head_dim % 32), and the head sizes the attention instantiates."""
+    """The shapes the kernels are written for: whole vectors everywhere, of up to 16 floats
+    (RoPE rotates half-rows, hence head_dim % 32), and the head sizes the attention
+    instantiates."""
     return (
         head_dim in (32, 64, 96, 128, 256) and hidden_size % 16 == 0 and intermediate_size % 16 == 0
     )

@@ -258,6 +258,20 @@ print(json.dumps(results))
 
 
 @pytest.fixture(scope="session")
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none): what
+    a ``-march=native`` build of the C++ kernels compiles for."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@pytest.fixture(scope="session")
 def sm90_build_errors() -> dict[str, str | None]:
     """``SM90_BUILDS`` name -> None if it compiled for sm_90, else the error text."""
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its CUDA backend")

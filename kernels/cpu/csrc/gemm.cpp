@@ -6,10 +6,9 @@
 // give this kernel on 2 cores with AVX-512 (rows x 4 accumulators of 16 floats stay in
 // registers while a panel streams past; the panel's later row groups hit L2; with AVX2 the
 // two are even: 16 rows 77 vs 86 ms, 64 rows 202 vs 202 over the model). Figures below are
-// AVX-512's. Up to 256 rows it is still a few
-// percent ahead over the model's 120 matmuls (it reads the packed panels; the library packs
-// the weight again on every call): 128 rows 198 vs 185 GFLOP/s, 256 rows 184 vs 174 (medians,
-// one run); at 512 they are even. One row is a pure weight stream: walking 8 runs of panels at
+// AVX-512's. Up to 256 rows it is still a few percent ahead over the model's 120 matmuls (it
+// reads the packed panels; the library packs the weight again on every call): 128 rows 198
+// vs 185 GFLOP/s, 256 rows 184 vs 174 (medians, one run); at 512 they are even. One row is a pure weight stream: walking 8 runs of panels at
 // once reads ~7% faster than the library's vector product (21.4 vs 20.0 GB/s over the model's
 // weights here). Larger batches (long prefill chunks) use the library on the unpacked weights.
 
@@ -109,13 +108,11 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
     micro<1, 4>(x, K, wp + b * K * NB, K, y + b * NB, NB, bias ? bias + b * NB : nullptr);
 }
 
-}  // namespace
-
 #define MICRO(R, S) micro<R, S>(x, ldx, panel, K, y, ldy, bias)
-// All rows of one panel: the first group streams the panel from memory (several streams),
-// the following groups find it in L2.
-void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K,
-                float* y, int64_t ldy, const float* bias) {
+// All M >= 2 rows of one panel: the first group streams the panel from memory (several
+// streams), the following groups find it in L2.
+static void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K,
+                       float* y, int64_t ldy, const float* bias) {
   // first group (M >= 2: a single row goes to one_row)
   int64_t m = 0;
   if (M == 2) { MICRO(2, 3); m = 2; }
@@ -137,6 +134,8 @@ void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int6
   }
 }
 #undef MICRO
+
+}  // namespace
 
 at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t N, int64_t NP) {
   if (!bias.has_value()) return at::Tensor();

@@ -1,5 +1,5 @@
-// The float32 panel kernels of gemm.cpp that the quantized matmul (gemm_q.cpp) reuses once it
-// has turned a panel back into float32.
+// What the float32 matmul (gemm.cpp) and the GGUF-block matmul (gemm_q.cpp) share: the panel
+// layout and the padded bias.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,10 +19,6 @@ namespace pagedserve_cpu {
 constexpr int NB = kRegs == 32 ? 64 : 16;
 constexpr int NV = NB / kVec;  // vectors per panel row
 static_assert(NB % kVec == 0, "a panel row is whole vectors");
-
-// y[0:M, 0:NB] = bias + x[0:M, 0:K] @ panel[0:K, 0:NB]; M >= 2.
-void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K, float* y,
-                int64_t ldy, const float* bias);
 
 // The bias padded with zeros to the panels' NP >= N columns (undefined tensor: no bias).
 at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t N, int64_t NP);
