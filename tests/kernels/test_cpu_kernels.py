@@ -161,11 +161,13 @@ def test_rope_and_store_matches_torch(ops):
     assert caches[2].view(-1, num_kv_heads, head_dim)[[1, 2, 3, 4]].abs().sum() == 0
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 16, 64, 70, 256])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 16, 25, 64, 70, 256])
 @pytest.mark.parametrize(
     "k,n,bias",
-    # 1287 columns = 21 panels (the last ragged): with 2 threads, each thread's run is long
-    # enough for the one-row path's 8 lockstep streams plus leftover panels.
+    # With 64-column panels, 960, 64 and 1287 columns are odd panel counts (15, 1, 21), which
+    # 2 threads share by rows from 24 rows up (25: a short second share). 1287 columns = 21
+    # panels (the last ragged): with 2 threads, each thread's run is long enough for the
+    # one-row path's 8 lockstep streams plus leftover panels.
     [(576, 960, False), (130, 100, True), (1536, 64, False), (64, 1287, True)],
 )
 def test_packed_linear_matches_matmul(ops, rows, k, n, bias):

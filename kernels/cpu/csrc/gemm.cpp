@@ -30,15 +30,17 @@ namespace {
 // segments walked in lockstep: S concurrent sequential streams per thread keep more cache
 // misses in flight than one (single-stream reads top out at ~2/3 of the bandwidth here).
 // Registers: S * R * NV accumulators + NV weights + 1 broadcast (R * S <= 6 fits AVX-512 and AVX2).
+// `pf`, if set: one cache line per k step, pf[0 : K * kLineFloats), is prefetched into L2.
 template <int R, int S>
 static inline void micro(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t K,
-                         float* __restrict y, int64_t ldy, const float* bias) {
+                         float* __restrict y, int64_t ldy, const float* bias, const float* pf = nullptr) {
   vf acc[S][R][NV];
   for (int s = 0; s < S; ++s)
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < NV; ++v) acc[s][r][v] = vzero();
   const int64_t seg = K / S;
   for (int64_t k = 0; k < seg; ++k) {
+    if (pf) __builtin_prefetch(pf + k * kLineFloats, 0, 2);
 #pragma GCC unroll 4
     for (int s = 0; s < S; ++s) {
       const int64_t kk = s * seg + k;
@@ -110,18 +112,25 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
 
 #define MICRO(R, S) micro<R, S>(x, ldx, panel, K, y, ldy, bias)
 // All M >= 2 rows of one panel: the first group streams the panel from memory (several
-// streams), the following groups find it in L2.
+// streams), the following groups find it in L2. Those groups also prefetch `next` (the
+// thread's next panel, if any) into L2, one line per k step, so that its first group does
+// not wait on memory: a panel is K * NB / kLineFloats lines, NB / kLineFloats groups' worth.
+// Over the model's 120 layer matmuls with distinct weights (one run, paired medians of 21):
+// 7-14% faster at 32 and 64 rows, 1-4% at 128-256.
 static void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K,
-                       float* y, int64_t ldy, const float* bias) {
+                       float* y, int64_t ldy, const float* bias, const float* next) {
   // first group (M >= 2: a single row goes to one_row)
   int64_t m = 0;
   if (M == 2) { MICRO(2, 3); m = 2; }
   else { MICRO(3, 2); m = 3; }
-  for (; m < M;) {
+  for (int64_t group = 0; m < M; ++group) {
     int64_t left = M - m;
     const float* xm = x + m * ldx; float* ym = y + m * ldy;
-    if (left >= 6) { micro<6, 1>(xm, ldx, panel, K, ym, ldy, bias); m += 6; }
-    else {
+    if (left >= 6) {
+      const bool fetch = next && group < NB / kLineFloats;
+      micro<6, 1>(xm, ldx, panel, K, ym, ldy, bias, fetch ? next + group * K * kLineFloats : nullptr);
+      m += 6;
+    } else {
       switch (left) {
         case 1: micro<1, 1>(xm, ldx, panel, K, ym, ldy, bias); break;
         case 2: micro<2, 1>(xm, ldx, panel, K, ym, ldy, bias); break;
@@ -169,12 +178,15 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
-    if (M == 1) return one_row(xp, wp, K, yp, bias, begin, end);
+  if (M == 1)
+    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) { one_row(xp, wp, K, yp, bias, begin, end); });
+  else
     // Several rows: each panel against every row of the batch while it is hot.
-    for (int64_t b = begin; b < end; ++b)
-      panel_rows(xp, K, M, wp + b * K * NB, K, yp + b * NB, NP, bias ? bias + b * NB : nullptr);
-  });
+    parallel_panels(nb, M, 6, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
+      if (m1 - m0 == 1) return one_row(xp + m0 * K, wp, K, yp + m0 * NP, bias, b, b + 1);
+      panel_rows(xp + m0 * K, K, m1 - m0, wp + b * K * NB, K, yp + m0 * NP + b * NB, NP,
+                 bias ? bias + b * NB : nullptr, next >= 0 ? wp + next * K * NB : nullptr);
+    });
   return NP == N ? y : y.narrow(1, 0, N).contiguous();
 }
 

@@ -110,7 +110,7 @@ constexpr int kQuantRowTile = kRegs == 32 ? 6 : 4;
 template <bool Q4, int P, int R>
 static inline void block_tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel,
                               int64_t pstride, int64_t nblk, float* __restrict y, int64_t ldy, int64_t ystride,
-                              const float* bias) {
+                              const float* bias, const uint8_t* pf = nullptr) {
   constexpr int64_t kBlock = Q4 ? kQ4Block : kQ8Block;
   vf acc[P][R][NV];
   for (int p = 0; p < P; ++p)
@@ -119,6 +119,8 @@ static inline void block_tile(const float* __restrict x, int64_t ldx, const uint
   for (int64_t kb = 0; kb < nblk; ++kb) {
     const float* xb = x + kb * QB;
     const uint8_t* blk = panel + kb * kBlock;
+    if (pf)  // the same block of the next panel, into L2
+      for (int64_t off = 0; off < kBlock; off += kLineFloats * 4) __builtin_prefetch(pf + kb * kBlock + off, 0, 2);
     // Q4: byte row j holds k = j (low nibble) and k = j + 16 (high); Q8: byte row j is k = j.
     for (int j = 0; j < (Q4 ? QB / 2 : QB); ++j) {
 #pragma GCC unroll 4
@@ -153,9 +155,10 @@ static inline void block_tile(const float* __restrict x, int64_t ldx, const uint
 
 template <int P, int R>
 static inline void tile(bool q4, const float* x, int64_t ldx, const uint8_t* panel, int64_t pstride,
-                        int64_t nblk, float* y, int64_t ldy, int64_t ystride, const float* bias) {
-  if (q4) block_tile<true, P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias);
-  else block_tile<false, P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias);
+                        int64_t nblk, float* y, int64_t ldy, int64_t ystride, const float* bias,
+                        const uint8_t* pf = nullptr) {
+  if (q4) block_tile<true, P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias, pf);
+  else block_tile<false, P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias, pf);
 }
 
 // Panels [begin, end) for one row: P runs of panels in lockstep (P streams), then the rest.
@@ -174,21 +177,27 @@ static void quant_one_row(bool q4, const float* x, const uint8_t* wp, int64_t nb
 // The last R < kQuantRowTile rows of a panel.
 template <int R = 1>
 static inline void tail_rows(int left, bool q4, const float* x, int64_t K, const uint8_t* panel, int64_t nblk,
-                             float* y, int64_t ldy, const float* bias) {
+                             float* y, int64_t ldy, const float* bias, const uint8_t* pf) {
   if constexpr (R < kQuantRowTile) {
-    if (left == R) return tile<1, R>(q4, x, K, panel, 0, nblk, y, ldy, 0, bias);
-    tail_rows<R + 1>(left, q4, x, K, panel, nblk, y, ldy, bias);
+    if (left == R) return tile<1, R>(q4, x, K, panel, 0, nblk, y, ldy, 0, bias, pf);
+    tail_rows<R + 1>(left, q4, x, K, panel, nblk, y, ldy, bias, pf);
   }
 }
 
 // All M rows against one panel, kQuantRowTile at a time: the first group streams the panel
-// from memory, the others find it in L2.
+// from memory, the others find it in L2. The second group (or the only one) prefetches
+// `next`, the thread's next panel, into L2 as it goes, so that panel's first group does not
+// wait on memory. Over the model's matmuls (paired medians of 15): 4-7% faster at 4-16 rows.
 static void quant_panel_rows(bool q4, const float* x, int64_t K, int64_t M, const uint8_t* panel, int64_t nblk,
-                             float* y, int64_t ldy, const float* bias) {
+                             float* y, int64_t ldy, const float* bias, const uint8_t* next) {
   constexpr int T = kQuantRowTile;
-  int64_t m = 0;
-  for (; m + T <= M; m += T) tile<1, T>(q4, x + m * K, K, panel, 0, nblk, y + m * ldy, ldy, 0, bias);
-  if (m < M) tail_rows(static_cast<int>(M - m), q4, x + m * K, K, panel, nblk, y + m * ldy, ldy, bias);
+  const int64_t fetching_group = M > T ? 1 : 0;
+  int64_t m = 0, group = 0;
+  for (; m + T <= M; m += T, ++group)
+    tile<1, T>(q4, x + m * K, K, panel, 0, nblk, y + m * ldy, ldy, 0, bias, group == fetching_group ? next : nullptr);
+  if (m < M)
+    tail_rows(static_cast<int>(M - m), q4, x + m * K, K, panel, nblk, y + m * ldy, ldy, bias,
+              group == fetching_group ? next : nullptr);
 }
 
 // One panel back to float32, [K, NB] row-major (the float32 kernel's panel layout).
@@ -270,11 +279,15 @@ at::Tensor quant_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t 
   const uint8_t* wp = panels.data_ptr<uint8_t>();
   const int64_t pbytes = nblk * panels.size(2);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
-    if (M == 1) return quant_one_row(q4, xp, wp, nblk, pbytes, yp, NP, bias, begin, end);
-    for (int64_t b = begin; b < end; ++b)
-      quant_panel_rows(q4, xp, K, M, wp + b * pbytes, nblk, yp + b * NB, NP, bias ? bias + b * NB : nullptr);
-  });
+  if (M == 1)
+    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+      quant_one_row(q4, xp, wp, nblk, pbytes, yp, NP, bias, begin, end);
+    });
+  else
+    parallel_panels(nb, M, kQuantRowTile, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
+      quant_panel_rows(q4, xp + m0 * K, K, m1 - m0, wp + b * pbytes, nblk, yp + m0 * NP + b * NB, NP,
+                       bias ? bias + b * NB : nullptr, next >= 0 ? wp + next * pbytes : nullptr);
+    });
   return NP == N ? y : y.narrow(1, 0, N).contiguous();
 }
 
