@@ -115,8 +115,9 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
 // streams), the following groups find it in L2. Those groups also prefetch `next` (the
 // thread's next panel, if any) into L2, one line per k step, so that its first group does
 // not wait on memory: a panel is K * NB / kLineFloats lines, NB / kLineFloats groups' worth.
-// Over the model's 120 layer matmuls with distinct weights (one run, paired medians of 21):
-// 7-14% faster at 32 and 64 rows, 1-4% at 128-256.
+// Over 30 layers' worth of the model's four matmul shapes, distinct weights (one run, paired
+// medians of 21-31): 11-14% faster at 32 and 64 rows, 1% at 128 and 256 rows, where the
+// row split of parallel_panels adds 3-5%.
 static void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K,
                        float* y, int64_t ldy, const float* bias, const float* next) {
   // first group (M >= 2: a single row goes to one_row)
