@@ -136,7 +136,7 @@ class EngineConfig:
         matmul_weights: "gguf" (default): when the model is a GGUF file and the C++ cpu
             kernels run, batches of up to 24 rows (12 with AVX2) multiply by the file's own
             Q4_0/Q4_1/Q8_0 blocks wherever they de-quantize to exactly the float32 weights
-            (same greedy output, 5.6x fewer bytes read per decode step for the default
+            (same greedy output, 4.8x fewer bytes read per decode step for the default
             model; engine/gguf_blocks.py); "float32": always the float32 copy.
         max_model_len: longest prompt + output; None uses the model's max positions.
         seed: seed of the sampler's generator for requests that give no seed.

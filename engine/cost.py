@@ -14,7 +14,7 @@ runner actually executes (``engine/llama.py``), not from the parameter count alo
 * With **tied embeddings** the LM head and the embedding are one tensor; the lookup's rows
   are counted besides the head's full read (they are separate kernels), a few KB.
 * **Small batches may read GGUF blocks instead** (``engine/gguf_blocks.py``): a matmul of at
-  most ``block_rows`` rows reads the checkpoint's quantized blocks (4.5-8.5 bits a weight),
+  most ``block_rows`` rows reads the checkpoint's quantized blocks (6 or 9 bits a weight),
   a larger one the float32 copy. ``with_blocks`` records both sizes; the layers switch on the
   step's token count, the LM head on its logit rows.
 

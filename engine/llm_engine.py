@@ -90,17 +90,18 @@ class LLMEngine:
         blocks = None
         if cpu_ops is not None and resolved.gguf is not None and config.matmul_weights == "gguf":
             blocks = attach_gguf_blocks(model, resolved.gguf, cpu_ops)
+        uses_blocks = blocks is not None and bool(blocks.attached)
         self.model = model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # What a step reads of those and computes, from its plan (MBU/MFU; engine/cost.py).
         self.cost_model = StepCostModel.from_config(mc, self.dtype.itemsize)
-        if blocks is not None and blocks.attached:
+        if uses_blocks:
             self.cost_model = self.cost_model.with_blocks(
                 cpu_ops.max_quant_rows(),
                 body_saved_bytes=blocks.body_saved_bytes,
                 lm_head_block_bytes=blocks.lm_head_block_bytes,
             )
-        self.matmul_weights = "gguf" if blocks is not None and blocks.attached else "float32"
+        self.matmul_weights = "gguf" if uses_blocks else "float32"
         logger.info(
             "loaded %s from %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
             self.model_id,

@@ -274,7 +274,7 @@ class ServerMetrics:
             device=device,
             dtype=dtype,
             attention=engine.attention_backend,
-            matmul_weights=getattr(engine, "matmul_weights", "float32"),
+            matmul_weights=engine.matmul_weights,
         )
         return cls(
             config.server.served_model_name or engine.model_id,

@@ -8,9 +8,10 @@
 // two are even: 16 rows 77 vs 86 ms, 64 rows 202 vs 202 over the model). Figures below are
 // AVX-512's. Up to 256 rows it is still a few percent ahead over the model's 120 matmuls (it
 // reads the packed panels; the library packs the weight again on every call): 128 rows 198
-// vs 185 GFLOP/s, 256 rows 184 vs 174 (medians, one run); at 512 they are even. One row is a pure weight stream: walking 8 runs of panels at
-// once reads ~7% faster than the library's vector product (21.4 vs 20.0 GB/s over the model's
-// weights here). Larger batches (long prefill chunks) use the library on the unpacked weights.
+// vs 185 GFLOP/s, 256 rows 184 vs 174 (medians, one run); at 512 they are even. One row is a
+// pure weight stream: walking 8 runs of panels at once reads ~7% faster than the library's
+// vector product (21.4 vs 20.0 GB/s over the model's weights here). Larger batches (long
+// prefill chunks) use the library on the unpacked weights.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -110,6 +111,10 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
     micro<1, 4>(x, K, wp + b * K * NB, K, y + b * NB, NB, bias ? bias + b * NB : nullptr);
 }
 
+// Rows of the L2 tiles after a panel's first group: 6 x NV accumulators fill AVX-512's and
+// AVX2's registers (micro). parallel_panels cuts batches in whole tiles of this size.
+constexpr int kRowTile = 6;
+
 #define MICRO(R, S) micro<R, S>(x, ldx, panel, K, y, ldy, bias)
 // All M >= 2 rows of one panel: the first group streams the panel from memory (several
 // streams), the following groups find it in L2. Those groups also prefetch `next` (the
@@ -127,10 +132,10 @@ static void panel_rows(const float* x, int64_t ldx, int64_t M, const float* pane
   for (int64_t group = 0; m < M; ++group) {
     int64_t left = M - m;
     const float* xm = x + m * ldx; float* ym = y + m * ldy;
-    if (left >= 6) {
+    if (left >= kRowTile) {
       const bool fetch = next && group < NB / kLineFloats;
-      micro<6, 1>(xm, ldx, panel, K, ym, ldy, bias, fetch ? next + group * K * kLineFloats : nullptr);
-      m += 6;
+      micro<kRowTile, 1>(xm, ldx, panel, K, ym, ldy, bias, fetch ? next + group * K * kLineFloats : nullptr);
+      m += kRowTile;
     } else {
       switch (left) {
         case 1: micro<1, 1>(xm, ldx, panel, K, ym, ldy, bias); break;
@@ -183,7 +188,7 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t
     at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) { one_row(xp, wp, K, yp, bias, begin, end); });
   else
     // Several rows: each panel against every row of the batch while it is hot.
-    parallel_panels(nb, M, 6, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
+    parallel_panels(nb, M, kRowTile, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
       if (m1 - m0 == 1) return one_row(xp + m0 * K, wp, K, yp + m0 * NP, bias, b, b + 1);
       panel_rows(xp + m0 * K, K, m1 - m0, wp + b * K * NB, K, yp + m0 * NP + b * NB, NP,
                  bias ? bias + b * NB : nullptr, next >= 0 ? wp + next * K * NB : nullptr);
@@ -193,7 +198,7 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t
 
 // The one rule for which matmul serves a batch (Linear.forward and decoder_layer both call
 // this): the checkpoint's GGUF blocks (gemm_q.cpp) for 1 to kMaxQuantRows rows, where reading
-// 4.5-8.5 bits a weight instead of 32 wins; the float32 panels up to kMaxPackedRows, where
+// 6-9 bits a weight instead of 32 wins; the float32 panels up to kMaxPackedRows, where
 // de-quantizing every weight again per 6 rows costs more than the bytes it saves; the
 // library on the plain [in, out] weight for larger batches, where it is as fast and needs no
 // packed copy's cache traffic. Blocks vs float32 panels over the default model's 121

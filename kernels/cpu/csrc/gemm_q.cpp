@@ -1,10 +1,11 @@
 // Matmul against the checkpoint's own GGUF blocks (Q4_0, Q4_1, Q8_0), de-quantized inside
 // the kernel to exactly the float32 weights everything else multiplies by.
 //
-// Why: the default checkpoint ships its matmul weights as Q4_1 (4.5 bits a weight) and its
-// tied embedding as Q8_0; the engine runs on the float32 values `transformers` de-quantizes
-// them to (538 MB). A one-row decode step streams every weight once, so reading the 96 MB
-// of blocks instead of the 538 MB of floats moves 5.6x fewer bytes for the same products.
+// Why: the default checkpoint ships its matmul weights as Q4_1 (5 bits a weight) and its tied
+// embedding as Q8_0 (8.5); the engine runs on the float32 values `transformers` de-quantizes
+// them to (538 MB). A one-row decode step streams every weight once, so reading the blocks,
+// packed below at 6 (Q4) or 9 (Q8) bits a weight, instead of the floats moves 4.8x fewer bytes
+// for the same products (112 MB instead of 538).
 //
 // Exactness, the invariant this file keeps: a Q4 weight is d * q + m with d, m float16 and
 // q in 0..15, a Q8 weight is d * q with q in -128..127. d * q needs at most 11 + 8 significant
@@ -12,8 +13,9 @@
 // compiler fuses it into an FMA: the same float32 value gguf-py's de-quantizer computes.
 // Q4_0 (d * (q - 8)) is stored as Q4_1 with m = -8 d: d * q exact, -8 d exact, and the exact
 // sum d * (q - 8) is representable, so also no rounding (a zero weight under a negative d
-// comes out +0.0 where gguf-py has -0.0; they compare equal and multiply to the same sums). So a product here differs from the
-// float32 kernel's only in summation order, as any two matmul libraries do. Linear's loader
+// comes out +0.0 where gguf-py has -0.0; they compare equal and multiply to the same sums).
+// So a product here differs from the float32 kernel's only in summation order, as any two
+// matmul libraries do. Linear's loader
 // checks the claim on every tensor (dequantize_panels == the float32 weight, bitwise) before
 // it uses this path.
 //

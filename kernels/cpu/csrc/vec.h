@@ -66,13 +66,12 @@ namespace pagedserve_cpu {
 // (Cephes expf coefficients, ~1 ulp), times 2^n built in the exponent bits. Inputs below
 // -87.3 flush to 0 (as softmax's exp(-inf) must), above 88.7 saturate.
 static inline vf vexp(vf x) {
-  typedef vi32 vi;
   const vf hi = vsplat(88.3762626647949f), lo = vsplat(-87.3365447504f);
   vf xc = x < lo ? lo : (x > hi ? hi : x);
   const vf log2e = vsplat(1.44269504088896341f);
   vf fx = xc * log2e + vsplat(0.5f);
   // floor
-  vi n = __builtin_convertvector(fx, vi);
+  vi32 n = __builtin_convertvector(fx, vi32);
   vf nf = __builtin_convertvector(n, vf);
   n = nf > fx ? n - 1 : n;
   nf = __builtin_convertvector(n, vf);
@@ -84,7 +83,7 @@ static inline vf vexp(vf x) {
   y = y * r + vsplat(1.6666665459e-1f);
   y = y * r + vsplat(5.0000001201e-1f);
   y = y * r * r + r + vsplat(1.0f);
-  vi bits = (n + 127) << 23;
+  vi32 bits = (n + 127) << 23;
   vf scale = reinterpret_cast<vf>(bits);
   vf res = y * scale;
   return x < lo ? vzero() : res;
