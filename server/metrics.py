@@ -238,6 +238,10 @@ class ServerMetrics:
             self.finished.labels(model_name, reason)
         for phase in STEP_PHASES:
             self.step_phase.labels(model_name, phase)
+        # The main route's successes from 0, like the series above: a series first scraped
+        # after a burst holds its final value in every sample, so rate() reads 0 and the
+        # dashboard's error-rate denominator NaN until the next burst.
+        self.http_requests.labels(model_name, "/v1/completions", "200")
         if num_kv_blocks is not None:
             self.kv_total.labels(model_name).set(num_kv_blocks)
         if decode_weight_bytes is not None:

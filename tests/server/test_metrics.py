@@ -110,6 +110,10 @@ async def test_engine_failure_counts_as_error(serve) -> None:
     assert (
         value(text, "pagedserve_http_requests_total", handler="/v1/completions", status="500") == 1
     )
+    # The successes' series exists from the start (rate() needs a sample before the burst).
+    assert (
+        value(text, "pagedserve_http_requests_total", handler="/v1/completions", status="200") == 0
+    )
     # Failed requests stay out of the latency histograms.
     assert value(text, "pagedserve_e2e_request_latency_seconds_count") == 0
 
