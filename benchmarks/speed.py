@@ -14,7 +14,9 @@ tokens, greedy, EOS ignored), at concurrency 1, 16 and 64 by default:
 - ``transformers.generate()``: TTFT and TPOT at batch 1, and the throughput of one static
   batch of each concurrency above 1 (``baselines``);
 - pagedserve's server (a subprocess on 127.0.0.1) through the HTTP load generator, with its
-  own MBU gauge and per-phase step time when ``/metrics`` exports them (``servers``);
+  own MBU gauge and per-phase step time when ``/metrics`` exports them (``servers``); and
+  once more at concurrency 1 with ``--matmul-weights float32``, which streams the float32
+  weights the decode floor counts (the default reads the checkpoint's smaller GGUF blocks);
 - optionally vLLM's CPU build (or any OpenAI-compatible server), driven the same way.
 
 It prints the table and the speed targets' ratios (``table``), and writes
@@ -77,6 +79,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--startup-timeout", type=float, default=1200.0, help="seconds (vLLM compiles first)"
     )
+    ap.add_argument(
+        "--skip-float32-row",
+        action="store_true",
+        help="do not measure pagedserve --matmul-weights float32 at concurrency 1",
+    )
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--out", default="results/speed.json")
     ap.add_argument(
@@ -136,16 +143,18 @@ def main(argv: list[str] | None = None) -> int:
         "floors": {"decode_s": decode_floor, "prefill_s": prefill_floor},
         "ceiling": ceiling,
     }
-    servers = {"pagedserve": args.pagedserve_cmd}
+    servers = {"pagedserve": (args.pagedserve_cmd, concurrencies)}
+    if 1 in concurrencies and not args.skip_float32_row:
+        servers["pagedserve_f32"] = (f"{args.pagedserve_cmd} --matmul-weights float32", [1])
     vllm_cmd = vllm_command(args.vllm_python) if args.vllm_python else args.vllm_cmd
     if vllm_cmd:
-        servers["vllm"] = vllm_cmd
-    for name, cmd in servers.items():
+        servers["vllm"] = (vllm_cmd, concurrencies)
+    for name, (cmd, levels) in servers.items():
         result[name] = measure_server(
             name,
             cmd,
             model_dir,
-            concurrencies,
+            levels,
             args.prompt_tokens,
             args.output_tokens,
             args.num_requests,

@@ -4,6 +4,7 @@ Result layout (also the JSON written by ``--out``)::
 
     floors:        {"decode_s", "prefill_s"}
     pagedserve:    {"startup_s", "points": {"<c>": row}}      # row: see servers.measure_server
+    pagedserve_f32: same, concurrency 1 only: ``--matmul-weights float32``
     vllm:          same, when --vllm-cmd was given
     transformers:  {"ttft_s", "tpot_s", "tok_s_c1", "static_tok_s": {"<B>": tok/s}}
 """
@@ -22,6 +23,10 @@ TPOT_VS_VLLM = {1: 1.6}
 TOK_S_VS_STATIC = 1.5
 # Concurrency at which the step overhead outside the forward is reported.
 OVERHEAD_AT = 16
+# Batch-1 decode: TPOT / (float32 weight bytes / bandwidth) at most this, and MBU (the bytes
+# a server actually reads / bandwidth / its step time) at least the other.
+TPOT_VS_FLOOR = 1.4
+MBU_TARGET = 0.7
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +37,7 @@ class Check:
     value: float | None
     target: float | None = None
     op: str = ">="  # ">=" or "<="
-    unit: str = "x"  # "x" (ratio) or "%" (fraction shown as percent)
+    unit: str = "x"  # "x" (ratio), "%" (fraction shown as percent) or "" (a plain fraction)
 
     @property
     def passed(self) -> bool | None:
@@ -96,6 +101,8 @@ def checks(result: dict[str, Any], concurrencies: list[int]) -> list[Check]:
                 )
         if c > 1:
             out.append(Check(f"c={c} MFU pagedserve", ps.get("mfu"), unit="%"))
+    if 1 in concurrencies:
+        out.extend(_batch1_checks(result))
     if OVERHEAD_AT in concurrencies:
         ps = _point(result, "pagedserve", OVERHEAD_AT)
         out.append(
@@ -103,6 +110,48 @@ def checks(result: dict[str, Any], concurrencies: list[int]) -> list[Check]:
                 f"c={OVERHEAD_AT} step time outside the model forward",
                 ps.get("overhead_fraction"),
                 unit="%",
+            )
+        )
+    return out
+
+
+def _batch1_checks(result: dict[str, Any]) -> list[Check]:
+    """The batch-1 decode target, both ways it can be read: TPOT against the float32
+    weights' floor (what a step must stream if it reads float32 weights), and MBU on the
+    bytes each configuration actually reads, as the server's own gauge reports it. The
+    default reads the checkpoint's GGUF blocks (fewer bytes, so a lower TPOT but a lower
+    MBU); ``pagedserve_f32`` streams the float32 weights the floor counts."""
+    decode_floor = result["floors"]["decode_s"]
+    out = [
+        Check(
+            "c=1 TPOT p50 pagedserve / float32 decode floor",
+            ratio(_point(result, "pagedserve", 1).get("tpot_p50_s"), decode_floor),
+            TPOT_VS_FLOOR,
+            op="<=",
+        ),
+        Check(
+            "c=1 MBU pagedserve (gauge, bytes read)",
+            _point(result, "pagedserve", 1).get("server_mbu"),
+            MBU_TARGET,
+            unit="",
+        ),
+    ]
+    f32 = _point(result, "pagedserve_f32", 1)
+    if f32:
+        out.append(
+            Check(
+                "c=1 TPOT p50 pagedserve float32 weights / floor",
+                ratio(f32.get("tpot_p50_s"), decode_floor),
+                TPOT_VS_FLOOR,
+                op="<=",
+            )
+        )
+        out.append(
+            Check(
+                "c=1 MBU pagedserve float32 weights (gauge)",
+                f32.get("server_mbu"),
+                MBU_TARGET,
+                unit="",
             )
         )
     return out
@@ -157,9 +206,14 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
         )
 
     hf = result.get("transformers")
+    servers = (
+        ("pagedserve", "pagedserve"),
+        ("pagedserve_f32", "pagedserve float32 weights"),
+        ("vllm", "vLLM (CPU)"),
+    )
     for c in concurrencies:
-        for server, label in (("pagedserve", "pagedserve"), ("vllm", "vLLM (CPU)")):
-            if server in result:
+        for server, label in servers:
+            if _point(result, server, c):
                 lines.append(row(label, c, _point(result, server, c)))
         if hf is None:
             continue

@@ -140,3 +140,29 @@ def test_format_table_keeps_columns_apart_when_mfu_passes_100_percent() -> None:
     r["pagedserve"]["points"]["16"].update(mfu=1.424, server_mbu=0.44)
     row = format_table(r, [1, 16, 64]).splitlines()[4].split()
     assert row[-2:] == ["0.44", "142.4%"]
+
+
+def test_batch1_decode_checks_read_the_floor_and_each_configurations_gauge() -> None:
+    """The batch-1 target two ways: TPOT against the float32 floor, and MBU on the bytes
+    each configuration reads (the default's GGUF blocks; the float32-weights row's floats)."""
+    data = result()
+    data["pagedserve"]["points"]["1"].update(server_mbu=0.27)
+    data["pagedserve_f32"] = {"points": {"1": point(25.0, 0.160, 0.013, 0.020, server_mbu=0.75)}}
+    items = by_label(checks(data, [1, 16]))
+    tpot = items["c=1 TPOT p50 pagedserve / float32 decode floor"]
+    assert tpot.value == pytest.approx(2.0) and tpot.op == "<=" and tpot.passed is False
+    gauge = items["c=1 MBU pagedserve (gauge, bytes read)"]
+    assert gauge.value == 0.27 and gauge.target == 0.7 and gauge.passed is False
+    assert format_checks([gauge]).splitlines()[1].split()[-4:] == ["0.27", ">=", "0.7", "MISSED"]
+    f32_tpot = items["c=1 TPOT p50 pagedserve float32 weights / floor"]
+    assert f32_tpot.value == pytest.approx(1.3) and f32_tpot.passed is True
+    assert items["c=1 MBU pagedserve float32 weights (gauge)"].passed is True
+
+    # the float32 row is printed at concurrency 1 only, after the default's
+    names = [line[:28].strip() for line in format_table(data, [1, 16]).splitlines()[1:]]
+    assert names[:3] == ["pagedserve", "pagedserve float32 weights", "vLLM (CPU)"]
+    assert names.count("pagedserve float32 weights") == 1
+
+    # without the row (--skip-float32-row), only the default's two checks
+    del data["pagedserve_f32"]
+    assert not any("float32 weights" in label for label in by_label(checks(data, [1])))
