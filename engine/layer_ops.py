@@ -23,11 +23,11 @@ from engine.rope import apply_rope
 if TYPE_CHECKING:
     from engine.attention import AttentionPlan, PagedAttention
     from engine.input_batch import InputBatch
-    from engine.llama import DecoderLayer, RMSNorm
+    from engine.llama import LlamaForCausalLM, RMSNorm
 
 
 class TorchLayerOps:
-    # Whether decoder_layer exists: a whole decoder layer in one call.
+    # Whether decoder_layers exists: every decoder layer of a step in one call.
     fuses_layers = False
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -106,37 +106,36 @@ class CpuLayerOps(TorchLayerOps):
         )
         return qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
 
-    def decoder_layer(
+    def decoder_layers(
         self,
-        layer: DecoderLayer,
-        x: torch.Tensor,  # [num_tokens, hidden]
-        residual: torch.Tensor | None,
+        model: LlamaForCausalLM,
+        x: torch.Tensor,  # [num_tokens, hidden]: the embeddings
         batch: InputBatch,
         rope: tuple[torch.Tensor, torch.Tensor],
-        attention: PagedAttention,
         plan: AttentionPlan,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``layer(x, residual, ...)`` as one C++ call running the same kernels in the same
-        order (bitwise the same result): on 2 cores the Python glue between a layer's
-        kernels costs ~12% of a batch-1 decode step. Needs the cpu attention backend's
-        per-token plan (``plan.row_block_tables``)."""
-        t, head_dim = x.shape[0], key_cache.shape[-1]
+        """Every ``layer(x, residual, ...)`` of ``model`` in turn, as one C++ call running
+        the same kernels in the same order (bitwise the same result): on 2 cores the Python
+        glue between a layer's kernels, then between layers, cost ~12% and then ~20% of a
+        batch-1 decode step. Needs the cpu attention backend's per-token plan
+        (``plan.row_block_tables``). Returns the last layer's (output, residual stream)."""
+        layer = model.layers[0]
+        t, head_dim = x.shape[0], layer.head_dim
         cos, sin = rope
-        return self._ops.decoder_layer(
+        return self._ops.decoder_layers(
             x,
-            residual,
-            layer.fused_weights(),
+            model.fused_weights(),
+            key_caches,
+            value_caches,
             cos.view(t, head_dim),
             sin.view(t, head_dim),
-            key_cache,
-            value_cache,
             batch.slot_mapping,
             plan.row_block_tables,
             plan.row_seq_lens,
             layer.num_heads,
             layer.num_kv_heads,
             layer.input_norm.eps,
-            attention.scale,
+            model.attention.scale,
         )

@@ -33,6 +33,10 @@ class Linear(nn.Module):
     checkpoint's ``[out, in]`` tensors are transposed once at load.
     """
 
+    # Bumped whenever any Linear gets a packed copy or GGUF blocks: the model's cached list of
+    # every layer's tensors (LlamaForCausalLM.fused_weights) is rebuilt when it moved.
+    generation = 0
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
@@ -48,6 +52,7 @@ class Linear(nn.Module):
         Costs one more copy of the weights in memory; no step reads both."""
         self._packed = ops.pack_weight(self.weight.detach())
         self._cpu_ops = ops
+        Linear.generation += 1
 
     def use_quantized_panels(self, panels: torch.Tensor) -> None:
         """Serve small batches from the checkpoint's own GGUF blocks (``engine/gguf_blocks.py``
@@ -56,6 +61,7 @@ class Linear(nn.Module):
         bits a weight instead of 32. Needs ``pack_for_cpu``."""
         assert self._cpu_ops is not None, "pack_for_cpu first"
         self._quant = panels
+        Linear.generation += 1
 
     @property
     def packed(self) -> torch.Tensor | None:
@@ -175,6 +181,18 @@ class LlamaForCausalLM(nn.Module):
         # (see Linear). A tied model pays one extra copy (vocab x hidden) of memory.
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = rope
+        self._fused_weights: tuple[int, list[torch.Tensor | None]] | None = None
+
+    def fused_weights(self) -> list[torch.Tensor | None]:
+        """Every layer's ``DecoderLayer.fused_weights``, layer after layer: the ``weights``
+        argument of the fused C++ stack. Built once and kept (30 layers' lists cost ~0.6 ms
+        to gather, a twentieth of a batch-1 step); rebuilt when a matmul got a packed copy or
+        GGUF blocks since (``Linear.generation``). Parameters are updated in place (``load_*``
+        copies into them), so the tensors listed stay the model's."""
+        if self._fused_weights is None or self._fused_weights[0] != Linear.generation:
+            weights = [w for layer in self.layers for w in layer.fused_weights()]
+            self._fused_weights = (Linear.generation, weights)
+        return self._fused_weights[1]
 
     @torch.inference_mode()
     def forward(
@@ -189,20 +207,18 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rope.lookup(batch.positions, x.dtype)
         _, block_size, num_kv_heads, _ = key_caches[0].shape
         plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
-        residual = None
-        # The cpu ops run each layer as one fused C++ call.
-        fused = self.ops.fuses_layers
-        for layer, key_cache, value_cache in zip(
-            self.layers, key_caches, value_caches, strict=True
-        ):
-            if fused:
-                x, residual = self.ops.decoder_layer(
-                    layer, x, residual, batch, rope, self.attention, plan, key_cache, value_cache
-                )
-                continue
-            x, residual = layer(
-                x, residual, batch, rope, self.attention, plan, key_cache, value_cache, self.ops
+        if self.ops.fuses_layers:  # the cpu ops run every layer in one C++ call
+            x, residual = self.ops.decoder_layers(
+                self, x, batch, rope, plan, key_caches, value_caches
             )
+        else:
+            residual = None
+            for layer, key_cache, value_cache in zip(
+                self.layers, key_caches, value_caches, strict=True
+            ):
+                x, residual = layer(
+                    x, residual, batch, rope, self.attention, plan, key_cache, value_cache, self.ops
+                )
         # Only the last token of each sampling request needs logits: a prefill chunk of 512
         # tokens would otherwise pay 512 vocab-sized matmul rows for nothing.
         last = batch.logits_indices

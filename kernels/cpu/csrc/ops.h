@@ -27,10 +27,10 @@ int64_t max_quant_rows();  // linear() uses GGUF blocks for batches of 1 to this
 int64_t panel_width();     // output columns per packed panel (64 with AVX-512, 16 with AVX2)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                   const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias);
-std::tuple<at::Tensor, at::Tensor> decoder_layer(
-    const at::Tensor& x, const c10::optional<at::Tensor>& residual,
-    const c10::List<c10::optional<at::Tensor>>& weights, const at::Tensor& cos, const at::Tensor& sin,
-    at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+// Every layer of the model: weights holds kNumSlots tensors a layer (decoder_layer.cpp).
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& weights, at::TensorList key_caches,
+    at::TensorList value_caches, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
     double eps, double scale);
 

@@ -21,9 +21,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("max_quant_rows() -> int", &pagedserve_cpu::max_quant_rows);
   m.def("panel_width() -> int", &pagedserve_cpu::panel_width);
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? quant, Tensor? bias) -> Tensor");
-  m.def("decoder_layer(Tensor x, Tensor(a!)? residual, Tensor?[] weights, Tensor cos, Tensor sin, "
-        "Tensor(b!) key_cache, Tensor(c!) value_cache, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor seq_lens, int num_heads, int num_kv_heads, float eps, float scale) -> (Tensor, Tensor)");
+  m.def("decoder_layers(Tensor x, Tensor?[] weights, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+        "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "int num_heads, int num_kv_heads, float eps, float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -38,5 +38,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("dequantize_panels", pagedserve_cpu::dequantize_panels);
   m.impl("quant_linear", pagedserve_cpu::quant_linear);
   m.impl("linear", pagedserve_cpu::linear);
-  m.impl("decoder_layer", pagedserve_cpu::decoder_layer);
+  m.impl("decoder_layers", pagedserve_cpu::decoder_layers);
 }
