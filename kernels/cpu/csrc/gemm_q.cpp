@@ -99,12 +99,18 @@ static inline vf q8_weight(const uint8_t* blk, int j, int v) {
   return load_s8(blk + NB * 4 + j * NB + kVec * v) * vload(reinterpret_cast<const float*>(blk) + kVec * v);
 }
 
-// How many panels one row walks in lockstep, and how many rows share a panel's de-quantized
-// weights, so that the accumulators (P x R x NV vectors), the scales and the weights being
-// de-quantized stay in registers: 2 and 6 with AVX-512's 32 registers; with AVX2's 16, 4
-// rows (over the default model's matmuls, AVX2 build: 16 rows 75.6 ms with 4, 82.7 with 3,
-// 98.1 with 2; 4 rows 21.5 / 26.1 / 28.6 ms).
-constexpr int kQuantRowStreams = 2;
+// How many panels one row walks in lockstep (streams from memory at once), and how many rows
+// share a panel's de-quantized weights, so that the accumulators (P x R x NV vectors), the
+// scales and the weights being de-quantized stay in registers.
+// - One row: 4 panels of Q8 blocks (the default model's tied lm_head, 32 MB): with 2 it read
+//   at ~14 GB/s; 4 gave 1.24x on AVX-512 and 1.06x on AVX2 (one run, paired medians of 21).
+//   Q4's heavier de-quantization leaves less to gain: 4 panels gave 1.03x over the model's
+//   Q4 matmuls on AVX-512, and lost ~4% on AVX2 (16 registers), which keeps 2.
+// - Rows per tile: 6 with AVX-512's 32 registers; with AVX2's 16, 4 (over the default model's
+//   matmuls, AVX2 build: 16 rows 75.6 ms with 4, 82.7 with 3, 98.1 with 2; 4 rows 21.5 / 26.1
+//   / 28.6 ms).
+constexpr int kQ8RowStreams = 4;
+constexpr int kQ4RowStreams = kRegs == 32 ? 4 : 2;
 constexpr int kQuantRowTile = kRegs == 32 ? 6 : 4;
 
 // R rows against P panels `pstride` bytes apart, walked in lockstep: each weight is
@@ -164,9 +170,9 @@ static inline void tile(bool q4, const float* x, int64_t ldx, const uint8_t* pan
 }
 
 // Panels [begin, end) for one row: P runs of panels in lockstep (P streams), then the rest.
+template <int P>
 static void quant_one_row(bool q4, const float* x, const uint8_t* wp, int64_t nblk, int64_t pbytes, float* y,
                           int64_t NP, const float* bias, int64_t begin, int64_t end) {
-  constexpr int P = kQuantRowStreams;
   const int64_t q = (end - begin) / P;
   for (int64_t i = 0; i < q; ++i) {
     const int64_t b = begin + i;
@@ -284,7 +290,8 @@ at::Tensor quant_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t 
   float* yp = y.data_ptr<float>();
   if (M == 1)
     at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
-      quant_one_row(q4, xp, wp, nblk, pbytes, yp, NP, bias, begin, end);
+      if (q4) quant_one_row<kQ4RowStreams>(q4, xp, wp, nblk, pbytes, yp, NP, bias, begin, end);
+      else quant_one_row<kQ8RowStreams>(q4, xp, wp, nblk, pbytes, yp, NP, bias, begin, end);
     });
   else
     parallel_panels(nb, M, kQuantRowTile, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
