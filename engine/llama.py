@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
         # Only the last token of each sampling request needs logits: a prefill chunk of 512
         # tokens would otherwise pay 512 vocab-sized matmul rows for nothing.
         last = batch.logits_indices
-        x = self.norm(residual[last] + x[last])
+        x = self.ops.add_rms_norm_(x[last], residual[last], self.norm)
         return self.lm_head(x).float()
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
