@@ -74,3 +74,19 @@ def test_fused_decoder_layer_is_bitwise_the_python_layer(
     # One call a step: at least the 10 steps of the longest request.
     assert fused_calls >= 10
     assert fused == python
+
+
+def test_model_keeps_the_stacks_weight_list_until_a_matmul_changes(tmp_path):
+    """The flattened list the fused stack takes is gathered once, and again when a matmul
+    gets a new packed copy (or GGUF blocks): it must always list the tensors the Python
+    layers would use."""
+    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
+    model = LLM(str(path), attention_backend="cpu").engine.model
+    first = model.fused_weights()
+    assert model.fused_weights() is first
+    assert len(first) == 18 * len(model.layers)
+    o_proj = model.layers[1].o_proj
+    assert first[18 + 7] is o_proj.packed  # layer 1, slot kOPacked
+    o_proj.pack_for_cpu(o_proj._cpu_ops)
+    again = model.fused_weights()
+    assert again is not first and again[18 + 7] is o_proj.packed
