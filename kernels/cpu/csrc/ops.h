@@ -23,7 +23,8 @@ at::Tensor pack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t in_featur
 at::Tensor dequantize_panels(const at::Tensor& panels, int64_t out_features);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                         const c10::optional<at::Tensor>& bias);
-int64_t max_quant_rows();  // linear() uses GGUF blocks for batches of 1 to this many rows
+int64_t max_quant_rows();   // linear() uses GGUF blocks for batches of 1 to this many rows
+int64_t max_packed_rows();  // ... and the float32 panels up to this many (then the library)
 int64_t panel_width();     // output columns per packed panel (64 with AVX-512, 16 with AVX2)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                   const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias);

@@ -19,6 +19,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   // No tensor argument, so a catch-all kernel (no dispatch key to select on).
   m.def("max_quant_rows() -> int", &pagedserve_cpu::max_quant_rows);
+  m.def("max_packed_rows() -> int", &pagedserve_cpu::max_packed_rows);
   m.def("panel_width() -> int", &pagedserve_cpu::panel_width);
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? quant, Tensor? bias) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor?[] weights, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
