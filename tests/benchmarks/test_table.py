@@ -149,14 +149,14 @@ def test_batch1_decode_checks_read_the_floor_and_each_configurations_gauge() -> 
     data["pagedserve"]["points"]["1"].update(server_mbu=0.27)
     data["pagedserve_f32"] = {"points": {"1": point(25.0, 0.160, 0.013, 0.020, server_mbu=0.75)}}
     items = by_label(checks(data, [1, 16]))
-    tpot = items["c=1 TPOT p50 pagedserve / float32 decode floor"]
+    tpot = items["c=1 TPOT p50 pagedserve / decode floor"]
     assert tpot.value == pytest.approx(2.0) and tpot.op == "<=" and tpot.passed is False
     gauge = items["c=1 MBU pagedserve (gauge, bytes read)"]
     assert gauge.value == 0.27 and gauge.target == 0.7 and gauge.passed is False
     assert format_checks([gauge]).splitlines()[1].split()[-4:] == ["0.27", ">=", "0.7", "MISSED"]
-    f32_tpot = items["c=1 TPOT p50 pagedserve float32 weights / floor"]
+    f32_tpot = items["c=1 TPOT p50 pagedserve float32 weights / decode floor"]
     assert f32_tpot.value == pytest.approx(1.3) and f32_tpot.passed is True
-    assert items["c=1 MBU pagedserve float32 weights (gauge)"].passed is True
+    assert items["c=1 MBU pagedserve float32 weights (gauge, bytes read)"].passed is True
 
     # the float32 row is printed at concurrency 1 only, after the default's
     names = [line[:28].strip() for line in format_table(data, [1, 16]).splitlines()[1:]]
