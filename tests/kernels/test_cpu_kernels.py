@@ -49,6 +49,44 @@ def test_decode_attention_matches_reference(ops, num_heads, num_kv_heads, head_d
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test, then puts it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 4])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,seq_lens",
+    [
+        # Fewer (sequence, KV head) items than two a thread: the kernel cuts each context
+        # into spans (one per thread at batch 1) and merges their partial softmaxes.
+        # Contexts shorter than the span count leave empty spans.
+        (9, 3, 64, [1]),
+        (9, 3, 64, [3]),
+        (9, 3, 64, [17]),
+        (9, 3, 64, [180]),
+        (9, 3, 64, [700, 2]),  # 2 sequences: split only with 4 threads
+        (8, 1, 32, [300]),  # MQA: 1 item
+        (4, 4, 128, [65]),
+    ],
+)
+def test_few_decodes_split_along_the_context_match_reference(
+    ops, threads, num_threads, num_heads, num_kv_heads, head_dim, seq_lens
+):
+    threads(num_threads)
+    q, kc, vc, tables, lens = _paged_case(
+        len(seq_lens), num_heads, num_kv_heads, head_dim, seq_lens, seed=len(seq_lens) + seq_lens[0]
+    )
+    # Large score spread: the merge must rescale each span by its own max.
+    q = q * 4
+    want = paged_attention_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    got = ops.paged_attention_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _prefill_rows_case(chunks, num_heads, num_kv_heads, head_dim, block_size=16, seed=1):
     """Rows as the engine's per-token plan lays out a step: each (prior, new) chunk is `new`
     query rows of one sequence at positions prior..prior+new-1, all with that sequence's

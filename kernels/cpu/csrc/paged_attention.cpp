@@ -7,13 +7,15 @@
 // every K and V byte is read once per step. A run of rows continuing one sequence (a prefill
 // chunk) reads its context once into a transposed K and scores several rows' query vectors
 // together, one position per vector lane, with no horizontal sum per score: 128-token prefill
-// attention ~2x faster than row by row.
+// attention ~2x faster than row by row. Decodes too few for the threads (batch 1) are split
+// along their context instead (decode_split).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
+#include <tuple>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -25,56 +27,62 @@ namespace pagedserve_cpu {
 
 namespace {
 
-// Calls f(t, row) for context positions t in [0, len), row pointing at position t's slot
+// Calls f(t - t0, row) for context positions t in [t0, t1), row pointing at position t's slot
 // (one KV head's head_dim floats) through the block table: the block is looked up once per
 // block, not with a division per position.
 template <typename F>
-inline void for_each_slot(const float* cache, const int32_t* block_table, int64_t len, int64_t block_size,
-                          int64_t slot_stride, F&& f) {
-  for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+inline void for_each_slot(const float* cache, const int32_t* block_table, int64_t t0, int64_t t1,
+                          int64_t block_size, int64_t slot_stride, F&& f) {
+  for (int64_t b = t0 / block_size, t = t0; t < t1; ++b) {
     const float* p = cache + int64_t(block_table[b]) * block_size * slot_stride;
-    const int64_t n = std::min(block_size, len - t0);
-    for (int64_t i = 0; i < n; ++i) f(t0 + i, p + i * slot_stride);
+    const int64_t end = std::min((b + 1) * block_size, t1);
+    for (; t < end; ++t) f(t - t0, p + (t - b * block_size) * slot_stride);
   }
 }
 
+// Over one score row of len positions, padded with -inf to a multiple of kVec (the scratch
+// rows are, see decode_all): s[t] = exp(s[t] - max), so every loop runs on full vectors and
+// the padding comes out as 0. Returns (max, sum of the exponentials).
+inline std::pair<float, float> exp_row(float* s, int64_t len) {
+  const int64_t padded = (len + kVec - 1) / kVec * kVec;
+  for (int64_t t = len; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
+  vf mv = vsplat(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < padded; t += kVec) {
+    const vf v = vload(s + t);
+    mv = v > mv ? v : mv;
+  }
+  float m = mv[0];
+  for (int i = 1; i < kVec; ++i) m = std::max(m, mv[i]);
+  const vf mm = vsplat(m);
+  vf sv = vzero();
+  for (int64_t t = 0; t < padded; t += kVec) {
+    const vf e = vexp(vload(s + t) - mm);
+    vstore(s + t, e);
+    sv += e;
+  }
+  return {m, vsum(sv)};
+}
+
 // Softmax in float32 over each of `group` score rows, max subtracted first (as torch.softmax).
-// Rows are padded to a multiple of kVec in the scratch buffer (see decode_all), so every loop
-// runs on full vectors; the padding scores are set to -inf here and come out as 0.
 inline void softmax_rows(float* scores, int group, int64_t row_stride, int64_t seq_len) {
   const int64_t padded = (seq_len + kVec - 1) / kVec * kVec;
   for (int j = 0; j < group; ++j) {
     float* s = scores + j * row_stride;
-    for (int64_t t = seq_len; t < padded; ++t) s[t] = -std::numeric_limits<float>::infinity();
-    vf mv = vsplat(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < padded; t += kVec) {
-      const vf v = vload(s + t);
-      mv = v > mv ? v : mv;
-    }
-    float m = mv[0];
-    for (int i = 1; i < kVec; ++i) m = std::max(m, mv[i]);
-    const vf mm = vsplat(m);
-    vf sv = vzero();
-    for (int64_t t = 0; t < padded; t += kVec) {
-      const vf e = vexp(vload(s + t) - mm);
-      vstore(s + t, e);
-      sv += e;
-    }
-    const vf inv = vsplat(1.f / vsum(sv));
+    const vf inv = vsplat(1.f / exp_row(s, seq_len).second);
     for (int64_t t = 0; t < padded; t += kVec) vstore(s + t, vload(s + t) * inv);
   }
 }
 
-// out_j = sum_t p[j][t] v_t over the first seq_len context positions, for G heads at once
+// out_j = sum_t p[j][t - t0] v_t over context positions [t0, t1), for G heads at once
 // (G is a template parameter so the G x D accumulators stay in registers).
 template <int D, int G>
 inline void weighted_values_g(const float* scores, int64_t row_stride, const float* value_cache,
-                              const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                              const int32_t* block_table, int64_t t0, int64_t t1, int64_t block_size,
                               int64_t slot_stride, float* out, int64_t out_stride) {
   vf acc[G][D];
   for (int j = 0; j < G; ++j)
     for (int i = 0; i < D; ++i) acc[j][i] = vzero();
-  for_each_slot(value_cache, block_table, seq_len, block_size, slot_stride, [&](int64_t t, const float* v) {
+  for_each_slot(value_cache, block_table, t0, t1, block_size, slot_stride, [&](int64_t t, const float* v) {
     vf vv[D];
     for (int i = 0; i < D; ++i) vv[i] = vload(v + i * kVec);
     for (int j = 0; j < G; ++j) {
@@ -93,13 +101,13 @@ constexpr int kAccRegs = kRegs * 3 / 4;
 // The whole group, in passes of at most min(6, kAccRegs / D) heads.
 template <int D>
 inline void weighted_values(const float* scores, int group, int64_t row_stride, const float* value_cache,
-                            const int32_t* block_table, int64_t seq_len, int64_t block_size,
+                            const int32_t* block_table, int64_t t0, int64_t t1, int64_t block_size,
                             int64_t slot_stride, float* out, int64_t out_stride) {
   constexpr int kPass = D >= kAccRegs ? 1 : std::min(6, kAccRegs / D);  // the cases below go up to 6
   for (int j0 = 0; j0 < group; j0 += kPass) {
     const float* s = scores + j0 * row_stride;
     float* o = out + j0 * out_stride;
-#define PS_WV(G) weighted_values_g<D, G>(s, row_stride, value_cache, block_table, seq_len, block_size, slot_stride, o, out_stride)
+#define PS_WV(G) weighted_values_g<D, G>(s, row_stride, value_cache, block_table, t0, t1, block_size, slot_stride, o, out_stride)
     switch (std::min(kPass, group - j0)) {
       case 1: PS_WV(1); break;
       case 2: if constexpr (kPass >= 2) PS_WV(2); break;
@@ -112,30 +120,62 @@ inline void weighted_values(const float* scores, int group, int64_t row_stride, 
   }
 }
 
-// One query row (a decode): scores[j][t] = scale * <q_j, k_t>, each K row scored against the
-// whole group as it is read, then softmax over t, then the weighted sum of V.
-// D = head_dim / kVec vectors per row.
+// scores[j][t - t0] = scale * <q_j, k_t> for context positions t in [t0, t1) and query heads
+// j < heads, head j reading KV head j / group (key_cache points at the first KV head's
+// slice of slot 0): each slot's K rows are scored against their query heads as they are
+// read, so a slot spanning several KV heads is one contiguous read. D = head_dim / kVec.
 template <int D>
-void attend_one(const float* q,  // [group, D * kVec], row stride q_stride
-                int64_t q_stride, int group, const float* key_cache, const float* value_cache,
-                const int32_t* block_table, int64_t seq_len, int64_t block_size,
-                int64_t slot_stride,  // floats between consecutive slots (num_kv_heads * head_dim)
-                float scale, float* scores,  // [group, row_stride] scratch
-                int64_t row_stride,
-                float* out, int64_t out_stride) {
-  for_each_slot(key_cache, block_table, seq_len, block_size, slot_stride, [&](int64_t t, const float* k) {
-    vf kv[D];
-    for (int i = 0; i < D; ++i) kv[i] = vload(k + i * kVec);
-    for (int j = 0; j < group; ++j) {
-      const float* qj = q + j * q_stride;
-      vf acc = vload(qj) * kv[0];
-      for (int i = 1; i < D; ++i) acc += vload(qj + i * kVec) * kv[i];
-      scores[j * row_stride + t] = vsum(acc) * scale;
+inline void score_slots(const float* q,  // [heads, D * kVec], row stride q_stride
+                        int64_t q_stride, int heads, int group, const float* key_cache,
+                        const int32_t* block_table, int64_t t0, int64_t t1, int64_t block_size,
+                        int64_t slot_stride,  // floats between consecutive slots (num_kv_heads * head_dim)
+                        float scale, float* scores, int64_t row_stride) {
+  for_each_slot(key_cache, block_table, t0, t1, block_size, slot_stride, [&](int64_t t, const float* slot) {
+    for (int j0 = 0; j0 < heads; j0 += group) {
+      const float* k = slot + (j0 / group) * D * kVec;
+      vf kv[D];
+      for (int i = 0; i < D; ++i) kv[i] = vload(k + i * kVec);
+      for (int j = j0; j < j0 + group; ++j) {
+        const float* qj = q + j * q_stride;
+        vf acc = vload(qj) * kv[0];
+        for (int i = 1; i < D; ++i) acc += vload(qj + i * kVec) * kv[i];
+        scores[j * row_stride + t] = vsum(acc) * scale;
+      }
     }
   });
+}
+
+// One query row (a decode) and one KV head's group: scores over the whole context, softmax,
+// then the weighted sum of V.
+template <int D>
+void attend_one(const float* q, int64_t q_stride, int group, const float* key_cache, const float* value_cache,
+                const int32_t* block_table, int64_t seq_len, int64_t block_size, int64_t slot_stride,
+                float scale, float* scores,  // [group, row_stride] scratch
+                int64_t row_stride, float* out, int64_t out_stride) {
+  score_slots<D>(q, q_stride, group, group, key_cache, block_table, 0, seq_len, block_size, slot_stride, scale,
+                 scores, row_stride);
   softmax_rows(scores, group, row_stride, seq_len);
-  weighted_values<D>(scores, group, row_stride, value_cache, block_table, seq_len, block_size,
+  weighted_values<D>(scores, group, row_stride, value_cache, block_table, 0, seq_len, block_size,
                      slot_stride, out, out_stride);
+}
+
+// One span [t0, t1) of a decode's context (t0 < t1), every query head at once: per query head
+// n, the span's score max m[n], the sum of exp(score - m[n]) l[n], and
+// out_n = sum_t exp(score_t - m[n]) v_t, not yet divided by the sum over all spans.
+template <int D>
+void attend_span(const float* q, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
+                 const float* key_cache, const float* value_cache, const int32_t* block_table, int64_t t0,
+                 int64_t t1, int64_t block_size, float scale, float* scores, int64_t row_stride, float* m,
+                 float* l, float* out) {
+  constexpr int64_t head_dim = D * kVec;
+  const int group = int(num_heads / num_kv_heads);
+  const int64_t slot_stride = num_kv_heads * head_dim;
+  score_slots<D>(q, q_stride, int(num_heads), group, key_cache, block_table, t0, t1, block_size, slot_stride,
+                 scale, scores, row_stride);
+  for (int64_t n = 0; n < num_heads; ++n) std::tie(m[n], l[n]) = exp_row(scores + n * row_stride, t1 - t0);
+  for (int64_t h = 0; h < num_kv_heads; ++h)
+    weighted_values<D>(scores + h * group * row_stride, group, row_stride, value_cache + h * head_dim, block_table,
+                       t0, t1, block_size, slot_stride, out + h * group * head_dim, head_dim);
 }
 
 // Up to kTileQ query vectors (rows x heads) scored together, so each transposed-K vector
@@ -221,7 +261,7 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
   const int64_t ldk = (ctx + kVec - 1) / kVec * kVec;
   if (int64_t(kt_buf.size()) < head_dim * ldk) kt_buf.resize(size_t(head_dim * ldk));
   float* kt = kt_buf.data();
-  for_each_slot(key_cache, block_table, ctx, block_size, slot_stride, [&](int64_t t, const float* k) {
+  for_each_slot(key_cache, block_table, 0, ctx, block_size, slot_stride, [&](int64_t t, const float* k) {
     for (int64_t d = 0; d < head_dim; ++d) kt[d * ldk + t] = k[d];
   });
   // padding positions: finite, so their (discarded) scores are too
@@ -250,10 +290,64 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
       const int64_t len = seq_len0 + r0 + i;
       float* si = scores + i * group * row_stride;
       softmax_rows(si, group, row_stride, len);
-      weighted_values<D>(si, group, row_stride, value_cache, block_table, len, block_size, slot_stride,
+      weighted_values<D>(si, group, row_stride, value_cache, block_table, 0, len, block_size, slot_stride,
                          out + (r0 + i) * out_row_stride, out_stride);
     }
   }
+}
+
+// Decodes too few to give every thread its share of (sequence, KV head) items: at batch 1,
+// 3 KV heads on 2 threads went 2 + 1, one thread idle half the time while the other read
+// its context from memory. Here each sequence's context is cut into `parts` spans, a thread
+// takes a span with every KV head (a slot's heads are adjacent in memory, so a span is one
+// contiguous read a block), and the spans' partial softmaxes are merged (flash-decoding).
+// The merge changes the summation order, not the math. Batch-1 engine decode step, in-process
+// A/B: 1.05x with GGUF blocks; with float32 weights within noise (attention is a smaller share).
+template <int D>
+void decode_split(const float* q, int64_t q_seq_stride, int64_t q_head_stride, const float* kc, const float* vc,
+                  const int32_t* bt, int64_t bt_stride, const int32_t* lens, int64_t num_seqs, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t block_size, double scale, int64_t parts, float* o) {
+  constexpr int64_t head_dim = D * kVec;
+  const int64_t items = num_seqs * parts;
+  const int64_t max_len = *std::max_element(lens, lens + num_seqs);
+  const int64_t row_stride = ((max_len + parts - 1) / parts + kVec) / kVec * kVec;
+  // Per (item, query head): the span's score max, exp-sum and unnormalized output.
+  std::vector<float> m(size_t(items * num_heads)), l(m.size()), acc(m.size() * size_t(head_dim));
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(size_t(num_heads) * size_t(row_stride));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / parts, p = item % parts, len = lens[i];
+      const int64_t t0 = len * p / parts, t1 = len * (p + 1) / parts;
+      if (t0 == t1) {  // a context shorter than parts: this span adds nothing
+        std::fill_n(m.data() + item * num_heads, num_heads, -std::numeric_limits<float>::infinity());
+        std::fill_n(l.data() + item * num_heads, num_heads, 0.f);
+        std::fill_n(acc.data() + item * num_heads * head_dim, num_heads * head_dim, 0.f);
+        continue;
+      }
+      const int64_t n = item * num_heads;
+      attend_span<D>(q + i * q_seq_stride, q_head_stride, num_heads, num_kv_heads, kc, vc, bt + i * bt_stride, t0,
+                     t1, block_size, float(scale), scores.data(), row_stride, m.data() + n, l.data() + n,
+                     acc.data() + n * head_dim);
+    }
+  });
+  // out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p, M the max over the spans.
+  for (int64_t i = 0; i < num_seqs; ++i)
+    for (int64_t n = 0; n < num_heads; ++n) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, m[(i * parts + p) * num_heads + n]);
+      float denom = 0.f;
+      vf out[D];
+      for (int d = 0; d < D; ++d) out[d] = vzero();
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t k = (i * parts + p) * num_heads + n;
+        const float w = std::exp(m[k] - mx);
+        denom += w * l[k];
+        const vf wv = vsplat(w);
+        for (int d = 0; d < D; ++d) out[d] += wv * vload(acc.data() + k * head_dim + d * kVec);
+      }
+      const vf inv = vsplat(denom > 0.f ? 1.f / denom : 0.f);  // no context: zeros, not NaN
+      for (int d = 0; d < D; ++d) vstore(o + (i * num_heads + n) * head_dim + d * kVec, out[d] * inv);
+    }
 }
 
 template <int D>
@@ -292,6 +386,13 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
     if (!continues) whole.push_back(i);
   }
   whole.push_back(num_seqs);
+  // Decodes only (every run one row), fewer (sequence, KV head) items than 2 a thread: split.
+  const int64_t threads = at::get_num_threads();
+  if (int64_t(whole.size()) - 1 == num_seqs && num_seqs * num_kv_heads < 2 * threads) {
+    const int64_t parts = (threads + num_seqs - 1) / num_seqs;
+    return decode_split<D>(q, q_seq_stride, q_head_stride, kc, vc, bt, bt_stride, lens, num_seqs, num_heads,
+                           num_kv_heads, block_size, scale, parts, o);
+  }
   std::vector<int64_t> run_start;
   for (size_t w = 0; w + 1 < whole.size(); ++w) {
     const int64_t len = whole[w + 1] - whole[w];
