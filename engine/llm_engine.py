@@ -145,7 +145,9 @@ class LLMEngine:
         # Cumulative prefix-cache counters at the last step, to report per-step deltas.
         self._prefix_totals = (0, 0)
         self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
-        self.sampler = Sampler(config.seed, self.device)
+        self.sampler = Sampler(
+            config.seed, self.device, cpu_ops.argmax_rows if cpu_ops is not None else None
+        )
         self.runner: ModelRunner | FaultInjectingRunner = ModelRunner(
             self.model, self.storage, self.sampler, self.device
         )

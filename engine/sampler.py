@@ -14,6 +14,8 @@ lives as long as the request (it survives preemption); call ``forget`` when it f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from engine.outputs import TokenLogprob
@@ -22,8 +24,20 @@ from scheduler.request import SamplingParams
 
 
 class Sampler:
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        seed: int,
+        device: torch.device,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Args:
+        argmax: the greedy pick, [rows, vocab] -> [rows] int64, with ``torch.argmax``'s
+            rule (the first index of the largest value, a NaN the largest); torch's own by
+            default. The CPU kernels' is ~10x faster over a 49,152-token vocabulary (3 ms
+            of a batch-64 step with torch's).
+        """
         self.device = device
+        self._argmax = argmax if argmax is not None else _torch_argmax
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -61,7 +75,7 @@ class Sampler:
                 if p.needs_penalties:
                     _apply_penalties(logits[row], item, p)
 
-        chosen = logits.argmax(dim=-1)  # greedy rows keep this
+        chosen = self._argmax(logits)  # greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             for row in random_rows:
@@ -82,6 +96,10 @@ class Sampler:
                 top = list(zip(ids.tolist(), values.tolist(), strict=False))
             logprobs.append(TokenLogprob(token_ids[row], float(lp[token_ids[row]]), top))
         return token_ids, logprobs
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def _apply_penalties(row: torch.Tensor, item: ScheduledRequest, p: SamplingParams) -> None:

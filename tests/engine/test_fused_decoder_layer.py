@@ -90,3 +90,27 @@ def test_model_keeps_the_stacks_weight_list_until_a_matmul_changes(tmp_path):
     o_proj.pack_for_cpu(o_proj._cpu_ops)
     again = model.fused_weights()
     assert again is not first and again[18 + 7] is o_proj.packed
+
+
+def test_cpu_backend_picks_greedy_tokens_with_the_kernels_argmax(tmp_path):
+    """The sampler's greedy pick is the C++ argmax on the cpu backend; every call agrees
+    with torch.argmax on the same logits."""
+    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=2, hidden_size=128, intermediate_size=256)
+    llm = LLM(str(path), attention_backend="cpu")
+    sampler = llm.engine.sampler
+    kernel = sampler._argmax
+    calls = 0
+
+    def checked(logits: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        got = kernel(logits)
+        assert torch.equal(got, logits.argmax(dim=-1))
+        return got
+
+    sampler._argmax = checked
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 30)]
+    llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert calls >= 8
+    assert kernel.__name__ != "_torch_argmax"

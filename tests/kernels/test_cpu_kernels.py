@@ -175,6 +175,30 @@ def test_silu_mul_matches_torch_including_extremes(ops):
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 49152, 49155])  # whole vectors and tails
+def test_argmax_rows_is_torch_argmax_including_ties_and_nan(ops, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(4, n, generator=g)
+    cases = {
+        "random": x,
+        "ties": x.round(),  # many equal maxima: the first index wins
+        "all -inf": torch.full((3, n), -float("inf")),
+        "all equal": torch.zeros(2, n),
+    }
+    y = x.clone()
+    y[:, n // 2] = float("nan")
+    y[1, -1] = float("nan")
+    cases["nan"] = y  # a NaN counts as the largest; the first NaN wins
+    y = x.clone()
+    y[:, -1] = y[:, 0] = float("inf")
+    cases["inf at both ends"] = y
+    y = torch.full((2, n), -float("inf"))
+    y[:, -1] = 3.0
+    cases["max at the end"] = y
+    for name, logits in cases.items():
+        assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1)), name
+
+
 def test_rope_and_store_matches_torch(ops):
     from engine.attention import PagedAttention
 

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <limits>
 
 #include "ops.h"
 #include "vec.h"
@@ -137,6 +138,57 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
       std::copy(k + kv, k + 2 * kv, vc + slot * kv);
     }
   });
+}
+
+// Index of each row's largest value, the first one on ties, as torch.argmax: a NaN counts as
+// the largest (the first NaN wins). Greedy sampling reads this over the vocabulary every step,
+// and torch.argmax ran at 1-4 GB/s here (3 ms of a batch-64 step over 49,152 logits).
+// One pass: each vector lane keeps its largest value and where that came first; then the
+// first index among the lanes holding the overall max.
+at::Tensor argmax_rows(const at::Tensor& x_) {
+  const at::Tensor x = x_.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0,
+              "argmax_rows: expected float32 [rows, n > 0]");
+  TORCH_CHECK(x.size(1) < (int64_t(1) << 24), "argmax_rows: positions are kept as exact floats");
+  const int64_t rows = x.size(0), n = x.size(1), nv = n / kVec * kVec;
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * n;
+      vf best = vsplat(-std::numeric_limits<float>::infinity()), at = vzero(), lane;
+      for (int i = 0; i < kVec; ++i) lane[i] = float(i);
+      vf nan = vzero();  // lanes that saw a NaN (v != v), as all-ones bits
+      for (int64_t i = 0; i < nv; i += kVec) {
+        const vf v = vload(row + i);
+        const auto gt = v > best;
+        best = gt ? v : best;
+        at = gt ? lane + float(i) : at;
+        nan = (v != v) ? vsplat(1.f) : nan;
+      }
+      bool has_nan = false;
+      for (int i = 0; i < kVec; ++i) has_nan |= nan[i] != 0.f;
+      float m = -std::numeric_limits<float>::infinity();
+      int64_t idx = 0;  // also the answer when every value is -inf
+      if (!has_nan) {
+        for (int i = 0; i < kVec; ++i) m = std::max(m, best[i]);
+        if (nv > 0) {
+          idx = n;
+          for (int i = 0; i < kVec; ++i)
+            if (best[i] == m) idx = std::min<int64_t>(idx, int64_t(at[i]));
+        }
+        for (int64_t i = nv; i < n; ++i) {  // the tail past the last whole vector
+          if (std::isnan(row[i])) { has_nan = true; break; }
+          if (row[i] > m) { m = row[i]; idx = i; }
+        }
+      }
+      if (has_nan)
+        for (idx = 0; !std::isnan(row[idx]); ++idx) {}
+      op[r] = idx;
+    }
+  });
+  return out;
 }
 
 }  // namespace pagedserve_cpu

@@ -13,6 +13,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor argmax_rows(const at::Tensor& x);
 void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
                      at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads,
                      int64_t num_kv_heads);

@@ -10,6 +10,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rope_and_store_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key_cache, "
         "Tensor(c!) value_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
   m.def("pack_weight(Tensor weight) -> Tensor");
@@ -32,6 +33,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rms_norm", pagedserve_cpu::rms_norm);
   m.impl("add_rms_norm_", pagedserve_cpu::add_rms_norm_);
   m.impl("silu_mul", pagedserve_cpu::silu_mul);
+  m.impl("argmax_rows", pagedserve_cpu::argmax_rows);
   m.impl("rope_and_store_", pagedserve_cpu::rope_and_store_);
   m.impl("pack_weight", pagedserve_cpu::pack_weight);
   m.impl("packed_linear", pagedserve_cpu::packed_linear);
