@@ -159,7 +159,7 @@ at::Tensor argmax_rows(const at::Tensor& x_) {
       const float* row = xp + r * n;
       vf best = vsplat(-std::numeric_limits<float>::infinity()), at = vzero(), lane;
       for (int i = 0; i < kVec; ++i) lane[i] = float(i);
-      vf nan = vzero();  // lanes that saw a NaN (v != v), as all-ones bits
+      vf nan = vzero();  // 1 in the lanes that saw a NaN (v != v)
       for (int64_t i = 0; i < nv; i += kVec) {
         const vf v = vload(row + i);
         const auto gt = v > best;

@@ -16,10 +16,10 @@
 
 #include <algorithm>
 #include <atomic>
-#include <tuple>
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <tuple>
 #include <vector>
 
 #include "ops.h"
@@ -384,7 +384,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(num_items, threads);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    const int64_t row_stride = (std::max<int64_t>(max_len, 1) + kVec) / kVec * kVec;
+    const int64_t row_stride = (std::max<int64_t>(max_len, 1) + kVec - 1) / kVec * kVec;
     std::vector<float> scores(size_t(score_rows) * size_t(row_stride));
     std::vector<float> kt;
     std::vector<float> m(static_cast<size_t>(num_heads)), l(m.size()), acc(m.size() * static_cast<size_t>(head_dim));
