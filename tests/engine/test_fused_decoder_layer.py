@@ -39,8 +39,14 @@ def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list,
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}],
-    ids=["plain", "tied-bias"],
+    [
+        {},
+        {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
+        # No matmul width a multiple of the 64-column panels: the stack's buffers are then
+        # filled through the allocating matmul and a copy.
+        {"hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1, "intermediate_size": 80},
+    ],
+    ids=["plain", "tied-bias", "widths-off-the-panels"],
 )
 @pytest.mark.parametrize(
     "num_prompts,budget",
@@ -55,9 +61,8 @@ def test_fused_decoder_layer_is_bitwise_the_python_layer(
     tmp_path, monkeypatch, overrides, num_prompts, budget
 ):
     """With and without biases; prompts cross block boundaries."""
-    path = make_tiny_llama(
-        tmp_path, num_kv_heads=2, seed=5, hidden_size=128, intermediate_size=256, **overrides
-    )
+    sizes = {"hidden_size": 128, "intermediate_size": 256, **overrides}
+    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=5, **sizes)
     g = torch.Generator().manual_seed(num_prompts)
     prompts = [
         torch.randint(3, 256, (int(n),), generator=g).tolist()

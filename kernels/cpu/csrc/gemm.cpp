@@ -178,12 +178,14 @@ at::Tensor pack_weight(const at::Tensor& w) {
   return out;
 }
 
-at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias_) {
+void packed_linear_into(const at::Tensor& x_, const at::Tensor& packed, int64_t N,
+                        const c10::optional<at::Tensor>& bias_, at::Tensor& y) {
   auto x = x_.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat);
   int64_t M = x.size(0), K = x.size(1), nb = packed.size(0), NP = nb * NB;
   TORCH_CHECK(packed.size(1) == K && packed.size(2) == NB);
-  auto y = at::empty({M, NP}, x.options());
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == M && y.size(1) == NP,
+              "packed_linear_into: y must be contiguous float32 [rows, whole panels]");
   const at::Tensor biasp = padded_bias(bias_, N, NP);
   const float* bias = biasp.defined() ? biasp.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
@@ -198,6 +200,12 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& packed, int64_t
       panel_rows(xp + m0 * K, K, m1 - m0, wp + b * K * NB, K, yp + m0 * NP + b * NB, NP,
                  bias ? bias + b * NB : nullptr, next >= 0 ? wp + next * K * NB : nullptr);
     });
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias) {
+  const int64_t NP = packed.size(0) * NB;
+  auto y = at::empty({x.size(0), NP}, x.options());
+  packed_linear_into(x, packed, N, bias, y);
   return NP == N ? y : y.narrow(1, 0, N).contiguous();
 }
 
@@ -226,5 +234,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   if (quant.has_value() && rows >= 1 && rows <= kMaxQuantRows) return quant_linear(x, *quant, weight.size(1), bias);
   if (packed.has_value() && rows >= 1 && rows <= kMaxPackedRows) return packed_linear(x, *packed, weight.size(1), bias);
   return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
+}
+
+// linear() into y [rows, out_features], by the same rule. The kernels write whole panels, so
+// an out_features that is not a multiple of the panel width goes through linear() and a copy.
+void linear_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
+                 const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t rows = x.size(0), N = weight.size(1);
+  if (N % NB == 0 && quant.has_value() && rows >= 1 && rows <= kMaxQuantRows)
+    return quant_linear_into(x, *quant, N, bias, y);
+  if (N % NB == 0 && packed.has_value() && rows >= 1 && rows <= kMaxPackedRows)
+    return packed_linear_into(x, *packed, N, bias, y);
+  y.copy_(linear(x, weight, packed, quant, bias));
 }
 }  // namespace pagedserve_cpu

@@ -275,13 +275,15 @@ at::Tensor dequantize_panels(const at::Tensor& panels, int64_t N) {
   return full.narrow(1, 0, N).contiguous();
 }
 
-at::Tensor quant_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias_) {
+void quant_linear_into(const at::Tensor& x_, const at::Tensor& panels, int64_t N,
+                       const c10::optional<at::Tensor>& bias_, at::Tensor& y) {
   auto x = x_.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   const bool q4 = checked_q4(panels);
   const int64_t M = x.size(0), K = x.size(1), nb = panels.size(0), nblk = panels.size(1), NP = nb * NB;
   TORCH_CHECK(nblk * QB == K, "x has ", K, " columns, the panels ", nblk * QB, " rows");
-  auto y = at::empty({M, NP}, x.options());
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == M && y.size(1) == NP,
+              "quant_linear_into: y must be contiguous float32 [rows, whole panels]");
   const at::Tensor biasp = padded_bias(bias_, N, NP);
   const float* bias = biasp.defined() ? biasp.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
@@ -298,6 +300,12 @@ at::Tensor quant_linear(const at::Tensor& x_, const at::Tensor& panels, int64_t 
       quant_panel_rows(q4, xp + m0 * K, K, m1 - m0, wp + b * pbytes, nblk, yp + m0 * NP + b * NB, NP,
                        bias ? bias + b * NB : nullptr, next >= 0 ? wp + next * pbytes : nullptr);
     });
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias) {
+  const int64_t NP = panels.size(0) * NB;
+  auto y = at::empty({x.size(0), NP}, x.options());
+  quant_linear_into(x, panels, N, bias, y);
   return NP == N ? y : y.narrow(1, 0, N).contiguous();
 }
 

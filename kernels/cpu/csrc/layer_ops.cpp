@@ -39,9 +39,9 @@ constexpr int64_t kRowGrain = 16;
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+void rms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   check_rows(x, weight);
-  auto out = at::empty_like(x);
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat);
   const int64_t n = x.size(1);
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -49,15 +49,20 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto out = at::empty_like(x);
+  rms_norm_into(x, weight, eps, out);
   return out;
 }
 
-// residual += x (in place), then returns rms_norm(residual).
-at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
-                         double eps) {
+// residual += x (in place), then out = rms_norm(residual).
+void add_rms_norm_into(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& out) {
   check_rows(residual, weight);
   TORCH_CHECK(x.sizes() == residual.sizes() && x.is_contiguous() && x.scalar_type() == at::kFloat);
-  auto out = at::empty_like(x);
+  TORCH_CHECK(out.sizes() == x.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat);
   const int64_t n = x.size(1);
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
@@ -70,15 +75,23 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
       rms_norm_row(res, wp, op + r * n, n, float(eps));
     }
   });
+}
+
+// residual += x (in place), then returns rms_norm(residual).
+at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                         double eps) {
+  auto out = at::empty_like(x);
+  add_rms_norm_into(x, residual, weight, eps, out);
   return out;
 }
 
 // [rows, 2 * inter] (gate | up) -> silu(gate) * up, [rows, inter].
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out) {
   TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous());
   const int64_t inter = gate_up.size(1) / 2;
   TORCH_CHECK(inter % kVec == 0, "intermediate size must be a multiple of 16");
-  auto out = at::empty({gate_up.size(0), inter}, gate_up.options());
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == gate_up.size(0) && out.size(1) == inter && out.is_contiguous() &&
+              out.scalar_type() == at::kFloat);
   const float* g = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t b, int64_t e) {
@@ -90,6 +103,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       }
     }
   });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_mul_into(gate_up, out);
   return out;
 }
 

@@ -7,6 +7,13 @@
 
 namespace pagedserve_cpu {
 
+// Most ops come in two forms: one that returns a new tensor (the registered op) and `_into`,
+// which writes into a tensor the caller owns (contiguous, of the op's output shape; a matmul's
+// y has whole panels of columns). decoder_layers runs a step on `_into` forms over buffers it
+// allocates once: a decode step streams megabytes of weights between two ops, which evicts
+// the allocator's and the dispatcher's code and data from the caches, so each allocation
+// there cost several microseconds of cache misses.
+
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale);
@@ -14,6 +21,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
+void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, double scale, at::Tensor& out);
+void rms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+void add_rms_norm_into(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& out);
+void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out);
+void packed_linear_into(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                        const c10::optional<at::Tensor>& bias, at::Tensor& y);
+void quant_linear_into(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
+                       const c10::optional<at::Tensor>& bias, at::Tensor& y);
+void linear_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
+                 const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias, at::Tensor& y);
 void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
                      at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads,
                      int64_t num_kv_heads);

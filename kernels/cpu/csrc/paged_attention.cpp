@@ -447,6 +447,14 @@ at::Tensor paged_attention_decode(const at::Tensor& query,  // [num_seqs, num_he
                                   const at::Tensor& key_cache,  // [blocks, block_size, kv_heads, head_dim]
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
                                   const at::Tensor& seq_lens, double scale) {
+  auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
+  paged_attention_decode_into(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+  return out;
+}
+
+void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_cache,
+                                 const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                 const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
                   value_cache.scalar_type() == at::kFloat,
               "paged_attention_decode: float32 only");
@@ -455,9 +463,10 @@ at::Tensor paged_attention_decode(const at::Tensor& query,  // [num_seqs, num_he
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(query.stride(2) == 1, "query rows must be contiguous in head_dim");
   TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous());
-  const int64_t head_dim = query.size(2);
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
-  auto out = at::empty({query.size(0), query.size(1), head_dim}, query.options());
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == query.numel(),
+              "paged_attention_decode_into: out must be contiguous float32 [num_seqs, num_heads, head_dim]");
   switch (head_dim) {
     // decode_all<head_dim / kVec>: vectors per head row
     case 64: decode_all<64 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
@@ -467,7 +476,6 @@ at::Tensor paged_attention_decode(const at::Tensor& query,  // [num_seqs, num_he
     case 256: decode_all<256 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
     default: TORCH_CHECK(false, "paged_attention_decode: unsupported head_dim ", head_dim);
   }
-  return out;
 }
 
 }  // namespace pagedserve_cpu
