@@ -44,7 +44,12 @@ def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list,
         {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
         # No matmul width a multiple of the 64-column panels: the stack's buffers are then
         # filled through the allocating matmul and a copy.
-        {"hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1, "intermediate_size": 80},
+        {
+            "hidden_size": 96,
+            "num_attention_heads": 3,
+            "num_key_value_heads": 1,
+            "intermediate_size": 80,
+        },
     ],
     ids=["plain", "tied-bias", "widths-off-the-panels"],
 )
