@@ -228,23 +228,39 @@ int64_t max_quant_rows() { return kMaxQuantRows; }
 int64_t max_packed_rows() { return kMaxPackedRows; }
 int64_t panel_width() { return NB; }
 
+namespace {
+enum class Matmul { kBlocks, kPanels, kLibrary };
+// The rule above, for a batch of `rows` and the copies a Linear holds.
+Matmul pick(int64_t rows, const c10::optional<at::Tensor>& packed, const c10::optional<at::Tensor>& quant) {
+  if (quant.has_value() && rows >= 1 && rows <= kMaxQuantRows) return Matmul::kBlocks;
+  if (packed.has_value() && rows >= 1 && rows <= kMaxPackedRows) return Matmul::kPanels;
+  return Matmul::kLibrary;
+}
+}  // namespace
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                   const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias) {
-  const int64_t rows = x.size(0);
-  if (quant.has_value() && rows >= 1 && rows <= kMaxQuantRows) return quant_linear(x, *quant, weight.size(1), bias);
-  if (packed.has_value() && rows >= 1 && rows <= kMaxPackedRows) return packed_linear(x, *packed, weight.size(1), bias);
-  return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
+  switch (pick(x.size(0), packed, quant)) {
+    case Matmul::kBlocks: return quant_linear(x, *quant, weight.size(1), bias);
+    case Matmul::kPanels: return packed_linear(x, *packed, weight.size(1), bias);
+    default: return bias.has_value() ? at::addmm(*bias, x, weight) : at::mm(x, weight);
+  }
 }
 
 // linear() into y [rows, out_features], by the same rule. The kernels write whole panels, so
 // an out_features that is not a multiple of the panel width goes through linear() and a copy.
 void linear_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                  const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
-  const int64_t rows = x.size(0), N = weight.size(1);
-  if (N % NB == 0 && quant.has_value() && rows >= 1 && rows <= kMaxQuantRows)
-    return quant_linear_into(x, *quant, N, bias, y);
-  if (N % NB == 0 && packed.has_value() && rows >= 1 && rows <= kMaxPackedRows)
-    return packed_linear_into(x, *packed, N, bias, y);
-  y.copy_(linear(x, weight, packed, quant, bias));
+  const Matmul m = pick(x.size(0), packed, quant);
+  if (m == Matmul::kLibrary) {
+    if (bias.has_value()) at::addmm_out(y, *bias, x, weight);
+    else at::mm_out(y, x, weight);
+  } else if (weight.size(1) % NB != 0) {
+    y.copy_(linear(x, weight, packed, quant, bias));
+  } else if (m == Matmul::kBlocks) {
+    quant_linear_into(x, *quant, weight.size(1), bias, y);
+  } else {
+    packed_linear_into(x, *packed, weight.size(1), bias, y);
+  }
 }
 }  // namespace pagedserve_cpu
