@@ -135,15 +135,29 @@ class ServerMetrics:
         PlatformCollector(registry=registry)
         GCCollector(registry=registry)
         label = ["model_name"]
+        # Every series carries this server's model_name, so the attributes below hold the
+        # series bound to it once (``metric.labels(name)``), not the metric families:
+        # labels() takes a lock and builds its key on every call, and record_step runs after
+        # every engine step on the event loop, which at batch 1 shares the cores with the
+        # matmul threads (~30 calls: a quarter of the loop's per-token work). Binding also
+        # creates every series from the start (zeros), so dashboards and alerts see the
+        # metrics before the first request.
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+        def family(name: str, doc: str, extra: tuple[str, ...]) -> Counter:
             return Counter(f"pagedserve_{name}", doc, [*label, *extra], registry=registry)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagedserve_{name}", doc, label, registry=registry)
+        def counter(name: str, doc: str) -> Any:
+            return family(name, doc, ()).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"pagedserve_{name}", doc, label, buckets=buckets, registry=registry)
+        def gauge(name: str, doc: str, bind: bool = True) -> Any:
+            """The bound series, or None (the family exports no sample) when not ``bind``."""
+            family = Gauge(f"pagedserve_{name}", doc, label, registry=registry)
+            return family.labels(model_name) if bind else None
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(
+                f"pagedserve_{name}", doc, label, buckets=buckets, registry=registry
+            ).labels(model_name)
 
         # fmt: off
         self.ttft = histogram("time_to_first_token_seconds",
@@ -174,21 +188,20 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a "
                                      "first token")
         self.generation_tokens = counter("generation_tokens", "Tokens delivered to requests")
-        self.finished = counter("requests_finished", "Requests finished, by reason",
-                                ("finished_reason",))
+        finished = family("requests_finished", "Requests finished, by reason",
+                          ("finished_reason",))
         self.preemptions = counter("preemptions", "Requests preempted (blocks freed, requeued)")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
                                       "prefix cache at admission")
         self.prefix_hits = counter("prefix_cache_hits", "Of those, tokens found cached")
-        self.http_requests = counter("http_requests", "HTTP responses by route and status",
+        self._http_requests = family("http_requests", "HTTP responses by route and status",
                                      ("handler", "status"))
         self.weight_bytes = counter("weight_bytes_read", "Weight bytes read by engine steps")
         self.kv_bytes_read = counter("kv_bytes_read", "KV cache bytes read by engine steps")
         self.kv_bytes_written = counter("kv_bytes_written", "KV cache bytes written by steps")
         self.flops = counter("flops", "Estimated FLOPs of engine steps (engine/cost.py)")
-        self.step_phase = counter("step_phase_seconds", "Engine step wall time by phase; all "
-                                  "but 'forward' is overhead around the model",
-                                  ("phase",))
+        step_phase = family("step_phase_seconds", "Engine step wall time by phase; all but "
+                            "'forward' is overhead around the model", ("phase",))
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_used = gauge("kv_blocks_used", "KV blocks owned by requests")
@@ -197,20 +210,27 @@ class ServerMetrics:
         self.kv_cached = gauge("kv_blocks_cached", "Blocks holding a prefix hash, used or not")
         self.kv_evictable = gauge("kv_blocks_evictable", "Cached blocks no request owns")
         self.kv_waste = gauge("kv_waste_ratio", "Allocated KV slots holding no token (0-1)")
-        self.mbu = gauge("mbu", "Model bandwidth utilization of the last step (0-1)")
-        self.mbu_smoothed = gauge("mbu_smoothed", f"MBU over ~{SMOOTHING_S:g}s of busy time")
-        self.mfu = gauge("mfu", "Model FLOP/s utilization of the last step (0-1)")
-        self.mfu_smoothed = gauge("mfu_smoothed", f"MFU over ~{SMOOTHING_S:g}s of busy time")
+        # Utilization needs a known peak: without one these export nothing, not a false 0.
+        has_bandwidth = peaks is not None and bool(peaks.bandwidth)
+        has_flops = peaks is not None and bool(peaks.flops)
+        self.mbu = gauge("mbu", "Model bandwidth utilization of the last step (0-1)",
+                         has_bandwidth)
+        self.mbu_smoothed = gauge("mbu_smoothed", f"MBU over ~{SMOOTHING_S:g}s of busy time",
+                                  has_bandwidth)
+        self.mfu = gauge("mfu", "Model FLOP/s utilization of the last step (0-1)", has_flops)
+        self.mfu_smoothed = gauge("mfu_smoothed", f"MFU over ~{SMOOTHING_S:g}s of busy time",
+                                  has_flops)
         self.bandwidth = gauge("achieved_bandwidth_bytes_per_second",
                                "Bytes moved by the last step / its time")
         self.flops_rate = gauge("achieved_flops_per_second", "FLOPs of the last step / its time")
         # So a load generator can turn its own TPOT into MBU with the bytes this server reads
         # (float32 weights, or GGUF blocks for small batches: --matmul-weights).
-        self.decode_weight_bytes = gauge("decode_step_weight_bytes",
-                                         "Weight bytes a one-token decode step reads")
-        self.peak_bandwidth = gauge("peak_bandwidth_bytes_per_second",
-                                    "Peak memory bandwidth MBU divides by")
-        self.peak_flops = gauge("peak_flops_per_second", "Peak FLOP/s MFU divides by")
+        decode_weight_bytes_series = gauge("decode_step_weight_bytes", "Weight bytes a "
+                                           "one-token decode step reads",
+                                           decode_weight_bytes is not None)
+        peak_bandwidth = gauge("peak_bandwidth_bytes_per_second",
+                               "Peak memory bandwidth MBU divides by", has_bandwidth)
+        peak_flops = gauge("peak_flops_per_second", "Peak FLOP/s MFU divides by", has_flops)
         config = Info("pagedserve_config", "Serving configuration (batching mode, device, ...)",
                       label, registry=registry)
         # fmt: on
@@ -223,33 +243,21 @@ class ServerMetrics:
             )
         config.labels(model_name).info(config_labels)
 
-        # Every series exists from the start (zeros), so dashboards and alerts see the
-        # metrics before the first request, and a reason that never happened reads 0.
-        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill,
-                       self.decode, self.request_prompt_tokens, self.request_generation_tokens,
-                       self.step_tokens, self.step_duration, self.prompt_tokens,
-                       self.generation_tokens, self.preemptions, self.prefix_queries,
-                       self.prefix_hits, self.weight_bytes, self.kv_bytes_read,
-                       self.kv_bytes_written, self.flops, self.running, self.waiting,
-                       self.kv_used, self.kv_total, self.kv_usage, self.kv_cached,
-                       self.kv_evictable, self.kv_waste):  # fmt: skip
-            metric.labels(model_name)
-        for reason in FINISH_REASONS:
-            self.finished.labels(model_name, reason)
-        for phase in STEP_PHASES:
-            self.step_phase.labels(model_name, phase)
+        self.finished = {reason: finished.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.step_phase = {phase: step_phase.labels(model_name, phase) for phase in STEP_PHASES}
+        self._http_series: dict[tuple[str, int], Any] = {}
         # The main route's successes from 0, like the series above: a series first scraped
         # after a burst holds its final value in every sample, so rate() reads 0 and the
         # dashboard's error-rate denominator NaN until the next burst.
-        self.http_requests.labels(model_name, "/v1/completions", "200")
+        self._http_series_for("/v1/completions", 200)
         if num_kv_blocks is not None:
-            self.kv_total.labels(model_name).set(num_kv_blocks)
+            self.kv_total.set(num_kv_blocks)
         if decode_weight_bytes is not None:
-            self.decode_weight_bytes.labels(model_name).set(decode_weight_bytes)
-        if peaks is not None and peaks.bandwidth is not None:
-            self.peak_bandwidth.labels(model_name).set(peaks.bandwidth)
-        if peaks is not None and peaks.flops is not None:
-            self.peak_flops.labels(model_name).set(peaks.flops)
+            decode_weight_bytes_series.set(decode_weight_bytes)
+        if peaks is not None and has_bandwidth:
+            peak_bandwidth.set(peaks.bandwidth)
+        if peaks is not None and has_flops:
+            peak_flops.set(peaks.flops)
         self._bandwidth_ema = _RatioEMA(SMOOTHING_S)
         self._flops_ema = _RatioEMA(SMOOTHING_S)
         self.last_mbu: float | None = None
@@ -298,27 +306,26 @@ class ServerMetrics:
     # ------------------------------------------------------------------ recording
 
     def record_step(self, stats: StepStats) -> None:
-        m = self.model_name
-        self.running.labels(m).set(stats.num_running)
-        self.waiting.labels(m).set(stats.num_waiting)
-        self.kv_used.labels(m).set(stats.num_kv_blocks_used)
-        self.kv_total.labels(m).set(stats.num_kv_blocks_total)
-        self.kv_usage.labels(m).set(stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1))
-        self.kv_cached.labels(m).set(stats.num_kv_blocks_cached)
-        self.kv_evictable.labels(m).set(stats.num_kv_blocks_evictable)
-        self.kv_waste.labels(m).set(stats.kv_waste_fraction)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_used.set(stats.num_kv_blocks_used)
+        self.kv_total.set(stats.num_kv_blocks_total)
+        self.kv_usage.set(stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1))
+        self.kv_cached.set(stats.num_kv_blocks_cached)
+        self.kv_evictable.set(stats.num_kv_blocks_evictable)
+        self.kv_waste.set(stats.kv_waste_fraction)
         num_tokens = stats.num_prefill_tokens + stats.num_decode_tokens + stats.num_padding_tokens
-        self.step_tokens.labels(m).observe(num_tokens)
-        self.step_duration.labels(m).observe(stats.step_time_s)
-        self.preemptions.labels(m).inc(stats.num_preemptions)
-        self.prefix_queries.labels(m).inc(stats.prefix_cache_queries)
-        self.prefix_hits.labels(m).inc(stats.prefix_cache_hits)
-        self.weight_bytes.labels(m).inc(stats.weight_bytes)
-        self.kv_bytes_read.labels(m).inc(stats.kv_bytes_read)
-        self.kv_bytes_written.labels(m).inc(stats.kv_bytes_written)
-        self.flops.labels(m).inc(stats.flops)
+        self.step_tokens.observe(num_tokens)
+        self.step_duration.observe(stats.step_time_s)
+        self.preemptions.inc(stats.num_preemptions)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
+        self.weight_bytes.inc(stats.weight_bytes)
+        self.kv_bytes_read.inc(stats.kv_bytes_read)
+        self.kv_bytes_written.inc(stats.kv_bytes_written)
+        self.flops.inc(stats.flops)
         for phase, seconds in stats.phase_s.items():
-            self.step_phase.labels(m, phase).inc(seconds)
+            self.step_phase[phase].inc(seconds)
             self._window_phase_s[phase] = self._window_phase_s.get(phase, 0.0) + seconds
         self._record_utilization(stats)
         self._num_preemptions += stats.num_preemptions
@@ -330,41 +337,38 @@ class ServerMetrics:
     def _record_utilization(self, stats: StepStats) -> None:
         if stats.step_time_s <= 0:
             return
-        m = self.model_name
         moved = stats.weight_bytes + stats.kv_bytes_read + stats.kv_bytes_written
         bandwidth = moved / stats.step_time_s
         flops_rate = stats.flops / stats.step_time_s
-        self.bandwidth.labels(m).set(bandwidth)
-        self.flops_rate.labels(m).set(flops_rate)
+        self.bandwidth.set(bandwidth)
+        self.flops_rate.set(flops_rate)
         smoothed_bandwidth = self._bandwidth_ema.add(moved, stats.step_time_s)
         smoothed_flops = self._flops_ema.add(stats.flops, stats.step_time_s)
         peaks = self.peaks
         if peaks is not None and peaks.bandwidth:
             self.last_mbu = bandwidth / peaks.bandwidth
-            self.mbu.labels(m).set(self.last_mbu)
-            self.mbu_smoothed.labels(m).set(smoothed_bandwidth / peaks.bandwidth)
+            self.mbu.set(self.last_mbu)
+            self.mbu_smoothed.set(smoothed_bandwidth / peaks.bandwidth)
         if peaks is not None and peaks.flops:
-            self.mfu.labels(m).set(flops_rate / peaks.flops)
-            self.mfu_smoothed.labels(m).set(smoothed_flops / peaks.flops)
+            self.mfu.set(flops_rate / peaks.flops)
+            self.mfu_smoothed.set(smoothed_flops / peaks.flops)
 
     def record_tokens(self, timings: RequestTimings, num_new_tokens: int) -> None:
         """A choice received ``num_new_tokens`` (``timings.on_tokens`` already ran)."""
         if num_new_tokens <= 0:
             return
-        m = self.model_name
-        self.generation_tokens.labels(m).inc(num_new_tokens)
+        self.generation_tokens.inc(num_new_tokens)
         if timings.num_output_tokens == num_new_tokens:  # its first tokens
-            self.prompt_tokens.labels(m).inc(timings.num_prompt_tokens)
+            self.prompt_tokens.inc(timings.num_prompt_tokens)
             if timings.ttft_s is not None:
-                self.ttft.labels(m).observe(timings.ttft_s)
+                self.ttft.observe(timings.ttft_s)
         elif timings.last_inter_token_latency_s is not None:
-            self.itl.labels(m).observe(timings.last_inter_token_latency_s)
+            self.itl.observe(timings.last_inter_token_latency_s)
 
     def record_request(self, timings: RequestTimings) -> None:
         """A choice ended; call exactly once per choice."""
-        m = self.model_name
         reason = timings.finish_reason or "stop"
-        self.finished.labels(m, reason).inc()
+        self.finished[reason].inc()
         if reason in ("abort", "error"):
             return
         for histogram, value in (
@@ -375,12 +379,20 @@ class ServerMetrics:
             (self.decode, timings.decode_s),
         ):
             if value is not None:
-                histogram.labels(m).observe(max(value, 0.0))
-        self.request_prompt_tokens.labels(m).observe(timings.num_prompt_tokens)
-        self.request_generation_tokens.labels(m).observe(timings.num_output_tokens)
+                histogram.observe(max(value, 0.0))
+        self.request_prompt_tokens.observe(timings.num_prompt_tokens)
+        self.request_generation_tokens.observe(timings.num_output_tokens)
 
     def record_http(self, handler: str, status: int) -> None:
-        self.http_requests.labels(self.model_name, handler, str(status)).inc()
+        self._http_series_for(handler, status).inc()
+
+    def _http_series_for(self, handler: str, status: int) -> Any:
+        key = (handler, status)
+        series = self._http_series.get(key)
+        if series is None:
+            series = self._http_requests.labels(self.model_name, handler, str(status))
+            self._http_series[key] = series
+        return series
 
     def _maybe_log(self) -> None:
         if self._log_interval_s <= 0:
