@@ -223,6 +223,26 @@ def test_rope_and_store_matches_torch(ops):
     assert caches[2].view(-1, num_kv_heads, head_dim)[[1, 2, 3, 4]].abs().sum() == 0
 
 
+@pytest.mark.parametrize("num_threads", [2, 3])
+@pytest.mark.parametrize(
+    "k,n,bias",
+    # Panel counts that whole-panel shares leave uneven (9 = 5 + 4 on 2 threads, 15, 2 panels
+    # on 3 threads, 1): one row cuts K over the threads and sums their partial rows. An odd K
+    # leaves the threads unequal ranges; 768 panels split evenly and keep the panel split.
+    [(576, 576, True), (1536, 576, False), (576, 960, True), (7, 100, True), (33, 64, False),
+     (576, 49152, False)],
+)
+def test_one_row_split_over_k_matches_matmul(ops, threads, num_threads, k, n, bias):
+    threads(num_threads)
+    g = torch.Generator().manual_seed(k + n)
+    w, x = torch.randn(k, n, generator=g), torch.randn(1, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    packed = ops.pack_weight(w)
+    want = x @ w if b is None else torch.addmm(b, x, w)
+    for _ in range(2):  # the second call reuses the partial rows' buffer
+        torch.testing.assert_close(ops.packed_linear(x, packed, n, b), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 16, 25, 64, 70, 256])
 @pytest.mark.parametrize(
     "k,n,bias",

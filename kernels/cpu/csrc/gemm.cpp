@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "gemm.h"
 #include "ops.h"
@@ -116,6 +117,44 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
     micro<1, 4>(x, K, wp + b * K * NB, K, y + b * NB, NB, bias ? bias + b * NB : nullptr);
 }
 
+// One row, panels [begin, end) over rows [k0, k1) of K (panels are K * NB floats apart):
+// ceil(n / kRowStreams) groups of consecutive panels, sized as evenly as possible, each
+// walked in lockstep.
+static void one_row_range(const float* x, const float* wp, int64_t K, int64_t k0, int64_t k1,
+                          float* y, int64_t begin, int64_t end) {
+  const int64_t n = end - begin, groups = (n + kRowStreams - 1) / kRowStreams;
+  for (int64_t g = 0, b = begin; g < groups; ++g) {
+    const int64_t size = n / groups + (g < n % groups ? 1 : 0);
+    const float* xs = x + k0;
+    const float* ps = wp + b * K * NB + k0 * NB;
+    float* ys = y + b * NB;
+    const int64_t len = k1 - k0, ps_stride = K * NB;
+    switch (size) {
+      case 8: if constexpr (kRowStreams >= 8) { row_streams<8>(xs, ps, ps_stride, len, ys, NB, nullptr); break; } [[fallthrough]];
+      case 7: if constexpr (kRowStreams >= 7) { row_streams<7>(xs, ps, ps_stride, len, ys, NB, nullptr); break; } [[fallthrough]];
+      case 6: row_streams<6>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
+      case 5: row_streams<5>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
+      case 4: row_streams<4>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
+      case 3: row_streams<3>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
+      case 2: row_streams<2>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
+      default: micro<1, 4>(xs, K, ps, len, ys, NB, nullptr); break;
+    }
+    b += size;
+  }
+}
+
+// Whether whole panels split over T threads leave one thread over 5% more than the mean:
+// the model's 576 columns are 9 panels of 64, 5 + 4 on 2 threads. Those one-row matmuls cut
+// K instead (one_row_range per thread over all panels, partial rows summed): C++-timed
+// chains over distinct weights, 2 threads, three alternating runs each, o_proj (576 x 576)
+// 58-66 -> 55-56 us, down_proj (1536 x 576) 148-159 -> 141-147 us; qkv (15 panels, 8 + 7)
+// 87-91 -> 86-89 us. Larger or evenly split shapes keep the panel split: half-length streams
+// would only add group starts.
+static bool unbalanced(int64_t nb, int T) {
+  const int64_t most = (nb + T - 1) / T;
+  return T > 1 && (most * T - nb) * 20 > nb;
+}
+
 // Rows of the L2 tiles after a panel's first group: 6 x NV accumulators fill AVX-512's and
 // AVX2's registers (micro). parallel_panels cuts batches in whole tiles of this size.
 constexpr int kRowTile = 6;
@@ -191,7 +230,21 @@ void packed_linear_into(const at::Tensor& x_, const at::Tensor& packed, int64_t 
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (M == 1)
+  const int T = at::get_num_threads();
+  if (M == 1 && unbalanced(nb, T)) {
+    // Each thread all panels over its k range; the partial rows are summed after.
+    thread_local std::vector<float> part;  // threads 1.. of this call; reused, no allocation
+    part.resize(static_cast<size_t>(T - 1) * NP);
+    float* pp = part.data();
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        one_row_range(xp, wp, K, K * t / T, K * (t + 1) / T, t == 0 ? yp : pp + (t - 1) * NP, 0, nb);
+    });
+    for (int t = 1; t < T; ++t)
+      for (int64_t j = 0; j < NP; ++j) yp[j] += pp[(t - 1) * NP + j];
+    if (bias)
+      for (int64_t j = 0; j < NP; ++j) yp[j] += bias[j];
+  } else if (M == 1)
     at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) { one_row(xp, wp, K, yp, bias, begin, end); });
   else
     // Several rows: each panel against every row of the batch while it is hot.
