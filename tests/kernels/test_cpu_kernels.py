@@ -229,8 +229,14 @@ def test_rope_and_store_matches_torch(ops):
     # Panel counts that whole-panel shares leave uneven (9 = 5 + 4 on 2 threads, 15, 2 panels
     # on 3 threads, 1): one row cuts K over the threads and sums their partial rows. An odd K
     # leaves the threads unequal ranges; 768 panels split evenly and keep the panel split.
-    [(576, 576, True), (1536, 576, False), (576, 960, True), (7, 100, True), (33, 64, False),
-     (576, 49152, False)],
+    [
+        (576, 576, True),
+        (1536, 576, False),
+        (576, 960, True),
+        (7, 100, True),
+        (33, 64, False),
+        (576, 49152, False),
+    ],
 )
 def test_one_row_split_over_k_matches_matmul(ops, threads, num_threads, k, n, bias):
     threads(num_threads)
