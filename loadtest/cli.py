@@ -157,6 +157,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="do not calibrate prompt length with the server's /tokenize",
     )
     run.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
+    run.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="also scrape /metrics every S seconds during a point (0: only before and after)",
+    )
     run.add_argument("--out", default=None, help="result JSON path (plots go beside it)")
     run.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     _add_workload_args(run)
@@ -269,6 +276,7 @@ def _run(args: argparse.Namespace) -> int:
         warmup_requests=args.warmup_requests,
         calibrate_tokens=not args.no_tokenize,
         scrape_metrics=not args.no_metrics,
+        metrics_interval_s=args.metrics_interval,
         progress=not args.no_progress,
     )
 

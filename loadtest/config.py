@@ -70,6 +70,9 @@ class LoadTestConfig:
     warmup_requests: short unrecorded requests sent before the sweep (first-request costs).
     calibrate_tokens: use the server's ``/tokenize`` (if any) to size prompts.
     scrape_metrics: record ``GET /metrics`` before the sweep and after each point, if served.
+    metrics_interval_s: also scrape it this often during a point, as a Prometheus would, so
+        that a gauge of one step (a server's last-step MBU) is read over the point, not only
+        at its end; 0 turns this off.
     progress: show a progress bar on stderr.
     """
 
@@ -99,6 +102,7 @@ class LoadTestConfig:
     warmup_requests: int = 1
     calibrate_tokens: bool = True
     scrape_metrics: bool = True
+    metrics_interval_s: float = 2.0
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -163,4 +167,5 @@ class LoadTestConfig:
             "warmup_requests": self.warmup_requests,
             "calibrate_tokens": self.calibrate_tokens,
             "scrape_metrics": self.scrape_metrics,
+            "metrics_interval_s": self.metrics_interval_s,
         }

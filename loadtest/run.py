@@ -15,7 +15,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,9 @@ class PointResult:
     summary: Summary
     records: list[RequestRecord]
     server_metrics_after: dict[str, float] | None = None
+    # Scrapes taken during the point (config.metrics_interval_s); kept out of to_json, where
+    # they would repeat every series of the server once a scrape.
+    server_metrics_during: list[dict[str, float]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         requests = []
@@ -125,10 +128,18 @@ class _Progress:
 
 
 async def run_point(
-    client: CompletionClient, point: SweepPoint, specs: list[RequestSpec], config: LoadTestConfig
+    client: CompletionClient,
+    point: SweepPoint,
+    specs: list[RequestSpec],
+    config: LoadTestConfig,
+    sample_metrics: bool = False,
 ) -> PointResult:
-    """Send ``specs`` as ``point`` says, bounded by the duration limit and drain timeout."""
+    """Send ``specs`` as ``point`` says, bounded by the duration limit and drain timeout.
+
+    ``sample_metrics``: scrape ``/metrics`` every ``config.metrics_interval_s`` meanwhile.
+    """
     records: list[RequestRecord] = []
+    during: list[dict[str, float]] = []
     in_flight = InFlight()
     bar = _Progress(len(specs), point.label, config.progress)
     origin = time.perf_counter()
@@ -157,16 +168,33 @@ async def run_point(
         else:
             offsets = [spec.arrival_s or 0.0 for spec in specs]
         driver = run_open_loop(specs, offsets, send, stop_at, config.max_concurrency)
+    sampler = None
+    if sample_metrics and config.metrics_interval_s > 0:
+        sampler = asyncio.create_task(_sample_metrics(client, config.metrics_interval_s, during))
     try:
         await asyncio.wait_for(driver, timeout=config.duration_limit_s + config.drain_timeout_s)
     except asyncio.TimeoutError:
         pass  # in-flight requests were cancelled; their records say cancel_reason="time_limit"
     finally:
         bar.close()
+        if sampler is not None:
+            sampler.cancel()
+            await asyncio.gather(sampler, return_exceptions=True)
     duration = time.perf_counter() - origin
     records.sort(key=lambda r: r.index)
     summary = summarize(records, duration, config.slo, in_flight.peak)
-    return PointResult(point=point, summary=summary, records=records)
+    return PointResult(point=point, summary=summary, records=records, server_metrics_during=during)
+
+
+async def _sample_metrics(
+    client: CompletionClient, interval_s: float, into: list[dict[str, float]]
+) -> None:
+    """Scrape ``/metrics`` every ``interval_s`` into ``into`` until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        samples = await scrape_metrics(client.http)
+        if samples:
+            into.append(samples)
 
 
 async def _warmup(client: CompletionClient, num_requests: int) -> None:
@@ -213,7 +241,9 @@ async def arun_sweep(
         # Scraped after the warm-up, so "after point 1 - before" covers point 1 alone.
         metrics_before = await scrape_metrics(client.http) if config.scrape_metrics else None
         for point in config.points():
-            result = await run_point(client, point, specs, config)
+            result = await run_point(
+                client, point, specs, config, sample_metrics=metrics_before is not None
+            )
             if config.scrape_metrics and metrics_before is not None:
                 result.server_metrics_after = await scrape_metrics(client.http)
             points.append(result)

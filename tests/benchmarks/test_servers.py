@@ -55,3 +55,14 @@ def test_server_mbu_ignores_the_smoothed_gauge() -> None:
     assert server_mbu(metrics) == 0.4
     assert server_mbu({"vllm:num_requests_running": 1.0}) is None
     assert server_mbu(None) is None
+
+
+def test_server_mbu_is_the_median_of_the_scrapes_during_the_point() -> None:
+    def scrape(value: float) -> dict[str, float]:
+        return {'pagedserve_mbu{model_name="d"}': value}
+
+    during = [scrape(0.7), scrape(0.2), scrape(0.72), scrape(0.69)]
+    assert server_mbu(scrape(0.48), during) == 0.7
+    # Fewer than 3 reads during the point: the one after it.
+    assert server_mbu(scrape(0.48), during[:2]) == 0.48
+    assert server_mbu(scrape(0.48), [{"vllm:num_requests_running": 1.0}] * 4) == 0.48

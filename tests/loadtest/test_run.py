@@ -160,3 +160,17 @@ async def test_cancel_fraction_and_trace(
     assert point.point.kind == "trace" and point.summary.num_completed == 5
     starts = sorted(r.start_s for r in point.records)
     assert starts[-1] - starts[0] == pytest.approx(0.4, abs=0.1)
+
+
+async def test_metrics_scraped_during_a_point(fake_server: Callable[..., FakeServer]) -> None:
+    server = fake_server(step_s=0.01)
+    fast = config(server, concurrencies=(1,), num_requests=4, metrics_interval_s=0.05)
+    (point,) = (await arun_sweep(fast)).points
+    # 4 requests of ~0.1 s or more each: several scrapes, each a full parse of /metrics.
+    assert len(point.server_metrics_during) >= 3
+    assert all("fake_finished_total" in m for m in point.server_metrics_during)
+    assert "server_metrics_during" not in point.to_json()
+
+    off = config(server, concurrencies=(1,), num_requests=2, metrics_interval_s=0)
+    (point,) = (await arun_sweep(off)).points
+    assert point.server_metrics_during == []
