@@ -151,8 +151,8 @@ class ServerMetrics:
 
         def gauge(name: str, doc: str, bind: bool = True) -> Any:
             """The bound series, or None (the family exports no sample) when not ``bind``."""
-            family = Gauge(f"pagedserve_{name}", doc, label, registry=registry)
-            return family.labels(model_name) if bind else None
+            metric = Gauge(f"pagedserve_{name}", doc, label, registry=registry)
+            return metric.labels(model_name) if bind else None
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(
@@ -188,8 +188,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a "
                                      "first token")
         self.generation_tokens = counter("generation_tokens", "Tokens delivered to requests")
-        finished = family("requests_finished", "Requests finished, by reason",
-                          ("finished_reason",))
+        self._finished = family("requests_finished", "Requests finished, by reason",
+                                ("finished_reason",))
         self.preemptions = counter("preemptions", "Requests preempted (blocks freed, requeued)")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
                                       "prefix cache at admission")
@@ -200,8 +200,8 @@ class ServerMetrics:
         self.kv_bytes_read = counter("kv_bytes_read", "KV cache bytes read by engine steps")
         self.kv_bytes_written = counter("kv_bytes_written", "KV cache bytes written by steps")
         self.flops = counter("flops", "Estimated FLOPs of engine steps (engine/cost.py)")
-        step_phase = family("step_phase_seconds", "Engine step wall time by phase; all but "
-                            "'forward' is overhead around the model", ("phase",))
+        self._step_phase = family("step_phase_seconds", "Engine step wall time by phase; all "
+                                  "but 'forward' is overhead around the model", ("phase",))
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_used = gauge("kv_blocks_used", "KV blocks owned by requests")
@@ -243,13 +243,16 @@ class ServerMetrics:
             )
         config.labels(model_name).info(config_labels)
 
-        self.finished = {reason: finished.labels(model_name, reason) for reason in FINISH_REASONS}
-        self.step_phase = {phase: step_phase.labels(model_name, phase) for phase in STEP_PHASES}
-        self._http_series: dict[tuple[str, int], Any] = {}
+        # Series with a second label, bound on first use (the known values up front).
+        self._bound: dict[tuple[Any, ...], Any] = {}
+        for reason in FINISH_REASONS:
+            self._series(self._finished, reason)
+        for phase in STEP_PHASES:
+            self._series(self._step_phase, phase)
         # The main route's successes from 0, like the series above: a series first scraped
         # after a burst holds its final value in every sample, so rate() reads 0 and the
         # dashboard's error-rate denominator NaN until the next burst.
-        self._http_series_for("/v1/completions", 200)
+        self._series(self._http_requests, "/v1/completions", "200")
         if num_kv_blocks is not None:
             self.kv_total.set(num_kv_blocks)
         if decode_weight_bytes is not None:
@@ -325,7 +328,7 @@ class ServerMetrics:
         self.kv_bytes_written.inc(stats.kv_bytes_written)
         self.flops.inc(stats.flops)
         for phase, seconds in stats.phase_s.items():
-            self.step_phase[phase].inc(seconds)
+            self._series(self._step_phase, phase).inc(seconds)
             self._window_phase_s[phase] = self._window_phase_s.get(phase, 0.0) + seconds
         self._record_utilization(stats)
         self._num_preemptions += stats.num_preemptions
@@ -368,7 +371,7 @@ class ServerMetrics:
     def record_request(self, timings: RequestTimings) -> None:
         """A choice ended; call exactly once per choice."""
         reason = timings.finish_reason or "stop"
-        self.finished[reason].inc()
+        self._series(self._finished, reason).inc()
         if reason in ("abort", "error"):
             return
         for histogram, value in (
@@ -384,14 +387,14 @@ class ServerMetrics:
         self.request_generation_tokens.observe(timings.num_output_tokens)
 
     def record_http(self, handler: str, status: int) -> None:
-        self._http_series_for(handler, status).inc()
+        self._series(self._http_requests, handler, str(status)).inc()
 
-    def _http_series_for(self, handler: str, status: int) -> Any:
-        key = (handler, status)
-        series = self._http_series.get(key)
+    def _series(self, family: Any, *labels: str) -> Any:
+        """``family.labels(model_name, *labels)``, bound once and kept."""
+        key = (id(family), *labels)
+        series = self._bound.get(key)
         if series is None:
-            series = self._http_requests.labels(self.model_name, handler, str(status))
-            self._http_series[key] = series
+            series = self._bound[key] = family.labels(self.model_name, *labels)
         return series
 
     def _maybe_log(self) -> None:

@@ -298,3 +298,19 @@ async def test_deadline_counts_as_abort(serve) -> None:
     assert (
         value(text, "pagedserve_http_requests_total", handler="/v1/completions", status="504") == 1
     )
+
+
+def test_series_with_a_second_label_bind_on_first_use() -> None:
+    metrics = ServerMetrics("m", log_interval_s=0)
+    metrics.record_step(_step(phase_s={"forward": 0.5, "a_new_phase": 0.25}))
+    metrics.record_step(_step(phase_s={"forward": 0.5, "a_new_phase": 0.25}))
+    metrics.record_http("/v1/chat/completions", 429)
+    get = metrics.registry.get_sample_value
+    phase = "pagedserve_step_phase_seconds_total"
+    assert get(phase, {"model_name": "m", "phase": "forward"}) == 1.0
+    assert get(phase, {"model_name": "m", "phase": "a_new_phase"}) == pytest.approx(0.5)
+    labels = {"model_name": "m", "handler": "/v1/chat/completions", "status": "429"}
+    assert get("pagedserve_http_requests_total", labels) == 1.0
+    # Known values exist from the start, at zero.
+    abort = {"model_name": "m", "finished_reason": "abort"}
+    assert get("pagedserve_requests_finished_total", abort) == 0.0
