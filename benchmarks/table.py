@@ -171,7 +171,8 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
     floor, for every row); ``MBU`` is the weight bytes the row's server reads per decode
     step / bandwidth / TPOT: the float32 weights, or what the server's
     ``pagedserve_decode_step_weight_bytes`` says it reads (GGUF blocks); ``srvMBU`` is the
-    server's own gauge; ``MFU`` is model FLOP/s over the matmul ceiling at that many rows.
+    server's own gauge, the median of the scrapes during the point; ``MFU`` is model FLOP/s
+    over the matmul ceiling at that many rows.
     """
     floors = result["floors"]
 
