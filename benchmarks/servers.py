@@ -7,7 +7,7 @@ one sweep per concurrency so that each point's metrics are "after the point minu
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +92,21 @@ def measure_server(
     num_requests: int,
     log_dir: Path,
     startup_timeout_s: float,
+    probe_bandwidth: Callable[[], float] | None = None,
 ) -> dict[str, Any]:
     """Launch ``cmd`` on a free port of 127.0.0.1 and run one closed-loop point per concurrency.
+
+    Args:
+        probe_bandwidth: if given, the memory bandwidth is probed with it (bytes/s) right
+            before and right after the concurrency-1 point, while the server idles: the
+            bandwidth this machine gives moves by tens of percent from minute to minute
+            (other tenants), so the batch-1 floor is read beside the point it judges.
 
     Returns:
         ``{"startup_s": ..., "points": {"<c>": row}}``; a row holds the latency percentiles,
         throughput and token counts of the point, and the server's MBU and step overhead
-        when its ``/metrics`` has them.
+        when its ``/metrics`` has them; the concurrency-1 row also ``bandwidth_probes_bytes_s``
+        (before, after) and ``bandwidth_bytes_s`` (the higher) when probed.
     """
     port = free_port()
     argv = build_command(cmd, port=port, host="127.0.0.1", model_dir=str(model_dir))
@@ -110,6 +118,8 @@ def measure_server(
         print(f"{name} healthy after {startup_s:.0f}s", flush=True)
         points: dict[str, Any] = {}
         for c in concurrencies:
+            probe = probe_bandwidth if c == 1 else None
+            probes = [probe()] if probe is not None else []
             sweep = run_sweep(
                 LoadTestConfig(
                     base_url=server.base_url,
@@ -123,6 +133,8 @@ def measure_server(
                     warmup_requests=2,
                 )
             )
+            if probe is not None:
+                probes.append(probe())
             point = sweep.points[0]
             s = point.summary
             if s.num_errors:
@@ -143,7 +155,11 @@ def measure_server(
                     sweep.metrics_before, point.server_metrics_after
                 ),
             }
-            print(f"{name} c={c}: {s.output_throughput_tok_s:.1f} tok/s", flush=True)
+            if probes:
+                points[str(c)]["bandwidth_probes_bytes_s"] = probes
+                points[str(c)]["bandwidth_bytes_s"] = max(probes)
+            beside = f" (bandwidth beside it {max(probes) / 1e9:.1f} GB/s)" if probes else ""
+            print(f"{name} c={c}: {s.output_throughput_tok_s:.1f} tok/s{beside}", flush=True)
         return {"startup_s": startup_s, "points": points}
     finally:
         server.stop()

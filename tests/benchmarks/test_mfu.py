@@ -81,3 +81,34 @@ def test_achieved_flops_s_and_mfu() -> None:
     assert "mfu" not in points["1"]  # no ceiling measured at 1 row
     assert points["16"]["mfu"] == pytest.approx(10 / 4)
     assert "mfu" not in points["64"]  # nothing completed
+
+
+def test_matmul_ceiling_counts_pagedserves_own_kernels_where_they_serve() -> None:
+    """The ceiling is the best of the library's two layouts and, where the C++ kernels
+    build and serve that many rows, the float32 panels and the GGUF blocks: a ceiling
+    below what the server's own matmuls reach would report an MFU over 100%."""
+    from benchmarks.mfu import measure_matmul_ceiling
+    from kernels import cpu as cpu_kernels
+
+    config = ModelConfig.from_hf(
+        {
+            "num_hidden_layers": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "vocab_size": 256,
+        }
+    )
+    m = measure_matmul_ceiling(config, 4, min_repeats=1, budget_s=0.0)
+    ops = cpu_kernels.load()
+    expected = {"x_at_w", "f_linear", "ceiling"}
+    if ops is not None:
+        expected |= {"panels", "blocks"}
+    assert set(m) == expected
+    assert m["ceiling"] == max(v for k, v in m.items() if k != "ceiling")
+    assert all(v > 0 for v in m.values())
+    if ops is not None:  # past the GGUF blocks' rows, only the panels join the library
+        rows = ops.max_quant_rows() + 1
+        assert "blocks" not in measure_matmul_ceiling(config, rows, min_repeats=1, budget_s=0.0)

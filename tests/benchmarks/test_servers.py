@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 from benchmarks.servers import overhead_fraction, phase_seconds, server_mbu
@@ -66,3 +69,71 @@ def test_server_mbu_is_the_median_of_the_scrapes_during_the_point() -> None:
     # Fewer than 3 reads during the point: the one after it.
     assert server_mbu(scrape(0.48), during[:2]) == 0.48
     assert server_mbu(scrape(0.48), [{"vllm:num_requests_running": 1.0}] * 4) == 0.48
+
+
+def test_measure_server_probes_bandwidth_around_the_concurrency_1_point(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The bandwidth is probed right before and after the c=1 point only, and the point
+    keeps both probes and the higher one."""
+    from benchmarks import servers
+
+    calls: list[str] = []
+
+    class FakeServer:
+        base_url = "http://127.0.0.1:1"
+        log_path = tmp_path / "log"
+
+        def __init__(self, *args: Any) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+        def wait_healthy(self, timeout_s: float) -> float:
+            return 0.0
+
+        def stop(self) -> None:
+            pass
+
+    summary = SimpleNamespace(
+        num_errors=0,
+        ttft_p50_s=0.1,
+        tpot_p50_s=0.02,
+        itl_p99_s=0.03,
+        output_throughput_tok_s=50.0,
+        num_completed=2,
+        duration_s=3.0,
+        mean_prompt_tokens=128.0,
+        mean_output_tokens=64.0,
+    )
+
+    def fake_sweep(config: Any) -> Any:
+        calls.append(f"point c={config.concurrencies[0]}")
+        point = SimpleNamespace(summary=summary, server_metrics_after={}, server_metrics_during=[])
+        return SimpleNamespace(points=[point], metrics_before={})
+
+    probes = iter([30e9, 34e9])
+
+    def probe() -> float:
+        calls.append("probe")
+        return next(probes)
+
+    monkeypatch.setattr(servers, "ServerProcess", FakeServer)
+    monkeypatch.setattr(servers, "run_sweep", fake_sweep)
+    out = servers.measure_server(
+        "fake",
+        "python -m x --port {port}",
+        tmp_path,
+        [1, 16],
+        128,
+        64,
+        4,
+        tmp_path,
+        1.0,
+        probe_bandwidth=probe,
+    )
+    assert calls == ["probe", "point c=1", "probe", "point c=16"]
+    assert out["points"]["1"]["bandwidth_probes_bytes_s"] == [30e9, 34e9]
+    assert out["points"]["1"]["bandwidth_bytes_s"] == 34e9
+    assert "bandwidth_bytes_s" not in out["points"]["16"]

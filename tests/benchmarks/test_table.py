@@ -166,3 +166,20 @@ def test_batch1_decode_checks_read_the_floor_and_each_configurations_gauge() -> 
     # without the row (--skip-float32-row), only the default's two checks
     del data["pagedserve_f32"]
     assert not any("float32 weights" in label for label in by_label(checks(data, [1])))
+
+
+def test_batch1_floor_uses_the_bandwidth_probed_beside_the_point() -> None:
+    """A point probed for bandwidth is judged by that bandwidth's floor, in the checks and in
+    the table's xfloor and MBU columns; a point without a probe keeps the run's floor."""
+    data = result()
+    data["weight_bytes"] = 500e6
+    # the run's first probe: 50 GB/s (decode floor 10 ms); beside the point: 25 GB/s (20 ms)
+    data["pagedserve"]["points"]["1"].update(bandwidth_bytes_s=25e9)
+    items = by_label(checks(data, [1, 16]))
+    assert items["c=1 TPOT p50 pagedserve / decode floor"].value == pytest.approx(1.0)
+    line = format_table(data, [1, 16]).splitlines()[1].split()
+    # pagedserve 1 | TTFT 150 1.50 | TPOT 20.0 1.00 | ITL 30.0 | 30.0 tok/s | MBU 1.00
+    assert line[0] == "pagedserve" and line[4:6] == ["20.0", "1.00"] and line[8] == "1.00"
+    # vLLM's c=1 point carries no probe: the run's 10 ms floor
+    vllm_line = format_table(data, [1, 16]).splitlines()[2].split()
+    assert vllm_line[:2] == ["vLLM", "(CPU)"] and vllm_line[6] == "4.00"
