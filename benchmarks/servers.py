@@ -74,6 +74,14 @@ def server_mbu(
     return gauge(after)
 
 
+def server_peak_bandwidth(metrics: Mapping[str, float] | None) -> float | None:
+    """The peak bandwidth (bytes/s) the server's MBU gauge divides by, if it exports it."""
+    for key, value in (metrics or {}).items():
+        if key.split("{", 1)[0] == "pagedserve_peak_bandwidth_bytes_per_second":
+            return value
+    return None
+
+
 def server_decode_bytes(metrics: Mapping[str, float] | None) -> float | None:
     """Weight bytes the server says a one-token decode step reads, if it exports that."""
     for key, value in (metrics or {}).items():
@@ -150,6 +158,7 @@ def measure_server(
                 "mean_prompt_tokens": s.mean_prompt_tokens,
                 "mean_output_tokens": s.mean_output_tokens,
                 "server_mbu": server_mbu(point.server_metrics_after, point.server_metrics_during),
+                "server_peak_bandwidth_bytes_s": server_peak_bandwidth(point.server_metrics_after),
                 "decode_weight_bytes": server_decode_bytes(point.server_metrics_after),
                 "overhead_fraction": overhead_fraction(
                     sweep.metrics_before, point.server_metrics_after

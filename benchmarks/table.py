@@ -155,11 +155,25 @@ def _batch1_checks(result: dict[str, Any]) -> list[Check]:
             )
         )
         out.append(
-            Check(
-                f"c=1 MBU {label} (gauge, bytes read)", point.get("server_mbu"), MBU_TARGET, unit=""
-            )
+            Check(f"c=1 MBU {label} (gauge, bytes read)", gauge_mbu(point), MBU_TARGET, unit="")
         )
     return out
+
+
+def gauge_mbu(row: dict[str, Any]) -> float | None:
+    """The server's own MBU gauge for a row (the median of its scrapes during the point),
+    moved from the peak the server divides by (the bandwidth it read at start-up,
+    ``server_peak_bandwidth_bytes_s``) to the bandwidth probed beside the point, when both
+    are known: the bytes/s the gauge reports are the same, the yardstick is the one the
+    row's floor uses."""
+    mbu, peak, beside = (
+        row.get("server_mbu"),
+        row.get("server_peak_bandwidth_bytes_s"),
+        row.get("bandwidth_bytes_s"),
+    )
+    if mbu is None or not peak or not beside:
+        return mbu
+    return float(mbu) * float(peak) / float(beside)
 
 
 def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
@@ -185,7 +199,8 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
     ``decode_floor``); ``MBU`` is the weight bytes the row's server reads per decode
     step / bandwidth / TPOT: the float32 weights, or what the server's
     ``pagedserve_decode_step_weight_bytes`` says it reads (GGUF blocks); ``srvMBU`` is the
-    server's own gauge, the median of the scrapes during the point; ``MFU`` is model FLOP/s
+    server's own gauge, the median of the scrapes during the point, at the bandwidth probed
+    beside the point when it was (``gauge_mbu``); ``MFU`` is model FLOP/s
     over the matmul ceiling at that many rows.
     """
     floors = result["floors"]
@@ -209,7 +224,7 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
             f"{_fmt(tpot, '.1f', 1e3):>9}{_fmt(ratio(tpot, decode_floor(result, r)), '.2f'):>7}"
             f"{_fmt(r.get('itl_p99_s'), '.1f', 1e3):>10}{_fmt(r.get('output_tok_s'), '.1f'):>8}"
             f"{_fmt(ratio(decode_floor(result, r) * read_share(r), tpot), '.2f'):>6}"
-            f"{_fmt(r.get('server_mbu'), '.2f'):>7}{_fmt(r.get('mfu'), '.1%'):>8}"
+            f"{_fmt(gauge_mbu(r), '.2f'):>7}{_fmt(r.get('mfu'), '.1%'):>8}"
         )
 
     hf = result.get("transformers")

@@ -183,3 +183,20 @@ def test_batch1_floor_uses_the_bandwidth_probed_beside_the_point() -> None:
     # vLLM's c=1 point carries no probe: the run's 10 ms floor
     vllm_line = format_table(data, [1, 16]).splitlines()[2].split()
     assert vllm_line[:2] == ["vLLM", "(CPU)"] and vllm_line[6] == "4.00"
+
+
+def test_gauge_mbu_moves_to_the_bandwidth_beside_the_point() -> None:
+    """The gauge divides by the peak the server read at start-up (60 GB/s here); beside the
+    point the probe read 30: the same bytes/s are an MBU twice as high. Without a probe or
+    a known server peak the gauge stays as read."""
+    from benchmarks.table import gauge_mbu
+
+    row = {"server_mbu": 0.4, "server_peak_bandwidth_bytes_s": 60e9, "bandwidth_bytes_s": 30e9}
+    assert gauge_mbu(row) == pytest.approx(0.8)
+    assert gauge_mbu({"server_mbu": 0.4, "bandwidth_bytes_s": 30e9}) == 0.4
+    assert gauge_mbu({"server_mbu": 0.4, "server_peak_bandwidth_bytes_s": 60e9}) == 0.4
+    assert gauge_mbu({}) is None
+    data = result()
+    data["pagedserve"]["points"]["1"].update(row)
+    check = by_label(checks(data, [1]))["c=1 MBU pagedserve (gauge, bytes read)"]
+    assert check.value == pytest.approx(0.8) and check.passed is True
