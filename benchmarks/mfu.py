@@ -1,17 +1,20 @@
 """Model FLOPs per request and the matmul FLOP/s ceiling for the model's own shapes.
 
-MFU = achieved model FLOP/s / the best FLOP/s this machine reaches on the model's matmuls at
-the same number of rows. A square 1024 x 1024 matmul (``planner.cpu``) overstates what a
-decode step with 16 or 64 rows can reach, so the ceiling here is measured with the model's
-weight shapes, one distinct weight tensor per layer (30 layers of SmolLM2-135M are ~425 MB,
-far beyond the caches, as in a real forward), as ``x @ W`` with contiguous ``[in, out]``
-weights and as ``F.linear(x, W)`` with ``[out, in]`` weights (``transformers``' layout) and,
-when the C++ CPU kernels build, with pagedserve's own matmuls at the row counts it uses them
-for: the float32 panels, and the GGUF blocks (Q4_1 layers, a Q8_0 lm_head, as the default
-checkpoint ships them; the same float32 FLOPs from 4.8x fewer bytes). The best of them is
-the ceiling. Measured against the library alone, a server whose own kernels beat it at 16
-rows read an MFU of 170%: a ceiling the machine demonstrably exceeds says nothing about how
-much compute is left.
+MFU = achieved model FLOP/s / the best FLOP/s this machine reaches on the model's matmuls
+(``benchmarks.speed`` measures the ceiling at each concurrency's row count and at 256 and
+2,048 rows, and divides by the best: a server that runs prefill chunks beside its decodes
+feeds its matmuls more rows than its concurrency). A square 1024 x 1024 matmul
+(``planner.cpu``) says little about the model's thin shapes, so the ceiling is measured
+with the model's weight shapes, one distinct weight tensor per layer (30 layers of
+SmolLM2-135M are ~425 MB, far beyond the caches, as in a real forward), as ``x @ W`` with
+contiguous ``[in, out]`` weights and as ``F.linear(x, W)`` with ``[out, in]`` weights
+(``transformers``' layout) and, when the C++ CPU kernels build, with pagedserve's own
+matmuls at the row counts it uses them for: the float32 panels, and the GGUF blocks (Q4_1
+layers, a Q8_0 lm_head, as the default checkpoint ships them; the same float32 FLOPs from
+4.8x fewer bytes). The best of them is the ceiling at that row count. Measured against the
+library alone at the concurrency's row count, a server whose own kernels beat the library
+read an MFU of 317% at c=16: a ceiling the machine demonstrably exceeds says nothing about
+how much compute is left.
 """
 
 from __future__ import annotations
