@@ -26,6 +26,8 @@ def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list,
     with monkeypatch.context() as m:
         m.setattr(CpuLayerOps, "fuses_layers", fused)
         m.setattr(CpuLayerOps, "decoder_layers", counting)
+        # One pass a step, as the Python layers take it (passes: test_step_in_passes_...).
+        m.setattr(CpuLayerOps, "rows_per_pass", None)
         llm = LLM(
             str(path),
             attention_backend="cpu",
@@ -124,3 +126,54 @@ def test_cpu_backend_picks_greedy_tokens_with_the_kernels_argmax(tmp_path):
     llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert calls >= 8
     assert kernel.__name__ != "_torch_argmax"
+
+
+class _CountingOps:
+    """``torch.ops.pagedserve_cpu`` with the fused stack's calls counted by rows."""
+
+    def __init__(self, ops) -> None:
+        self._ops = ops
+        self.stack_rows: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def decoder_layers(self, x, *args):
+        self.stack_rows.append(x.shape[0])
+        return self._ops.decoder_layers(x, *args)
+
+
+def test_step_in_passes_matches_the_step_in_one_pass(tmp_path, monkeypatch):
+    """A step of more rows than ``rows_per_pass`` (70 prompts prefilled in one step under a
+    2,048-token budget) runs the stack in passes of consecutive rows: a pass's rows read
+    the K/V that earlier passes wrote, so the outputs are those of one pass up to matmul
+    rounding (the passes' matmuls run on the packed panels, one pass's on the library):
+    the same greedy tokens and logprobs within 1e-4. Passes of 1 row (every row on its own)
+    and of 16 (prompts cut mid-sequence, a decode beside a prefill's tail) both."""
+    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=7, hidden_size=128, intermediate_size=256)
+    g = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(3, 256, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 40, (70,), generator=g)
+    ]
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2)
+
+    def run(rows_per_pass):
+        with monkeypatch.context() as m:
+            m.setattr(CpuLayerOps, "rows_per_pass", rows_per_pass)
+            llm = LLM(str(path), attention_backend="cpu", block_size=8, max_num_seqs=80)
+            counting = _CountingOps(llm.engine.model.ops._ops)
+            llm.engine.model.ops._ops = counting
+            outs = llm.generate(prompts, params)
+        return outs, counting.stack_rows
+
+    whole, whole_rows = run(None)
+    assert max(whole_rows) > 1000  # the first step: every prompt in one pass
+    for rows_per_pass in (16, 1):
+        parts, part_rows = run(rows_per_pass)
+        assert max(part_rows) == rows_per_pass
+        assert len(part_rows) > len(whole_rows)
+        for a, b in zip(whole, parts, strict=True):
+            assert a.token_ids == b.token_ids
+            for la, lb in zip(a.logprobs, b.logprobs, strict=True):
+                assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
