@@ -64,30 +64,28 @@ class TorchLayerOps:
         return q
 
 
-# The most query rows one call of the fused stack takes: a step with more (a burst of
-# prompts prefilled together, up to the 2,048-token budget) runs the stack in passes of at
-# most this many rows, in token order. The step keeps its shape (the scheduler's budget,
-# and with it when decodes wait for prefills, is unchanged); only its matmuls change rows.
-# At 256 rows the packed float32 panels run the model's matmuls at 212 GFLOP/s on 2 AVX-512
-# cores, the library at 2,048 rows at 174, and a pass's activations (gate_up: 3 MB) stay in
-# cache where 2,048 rows' (25 MB) do not. 64 prompts of 128 tokens + 64 tokens each, bare
-# engine, passes alternated: 210.5/220.5 -> 244.8/243.6 tok/s native; on the AVX2 build
-# (panels up to 64 rows, the library above) 176.1/192.9 -> 181.8/207.7 at 256 rows, and
-# 179.5/195.6 at 64, so 256 on both.
-ROWS_PER_PASS = 256
-
-
 class CpuLayerOps(TorchLayerOps):
     """The fused C++ kernels; falls back to the torch twin for what they do not cover.
 
-    ``rows_per_pass``: the most rows one call of the fused stack takes (None: no limit).
+    A step of more rows than the packed float32 panels serve (``max_packed_rows()``: 256
+    with AVX-512, 64 with AVX2; a burst of prompts prefilled together, up to the 2,048-token
+    budget) runs the fused stack in passes of at most that many rows, in token order, so
+    that its matmuls run on the panels rather than the library. The step keeps its shape:
+    the scheduler's budget, and with it when decodes wait for prefills, is unchanged. The
+    first step of 16 or 4 prompts of 128 tokens, bare engine, three alternating rounds,
+    medians: AVX-512 2,490 -> 2,199 ms and 642 -> 549 ms (the panels at 256 rows: 212
+    GFLOP/s over the model's matmuls here, the library at 2,048 rows: 174, and a pass's
+    activations stay in cache); AVX2 2,764 -> 2,824 and 736 -> 719 ms with passes of 64
+    rows, even, and 3,462 / 863 ms with passes of 256 rows (the library at 256 rows).
+    ``rows_per_pass`` overrides that limit (tests).
     """
 
     fuses_layers = True
-    rows_per_pass: int | None = ROWS_PER_PASS
+    rows_per_pass: int | None = None
 
     def __init__(self, ops: Any) -> None:  # torch.ops.pagedserve_cpu
         self._ops = ops
+        self._panel_rows = int(ops.max_packed_rows())
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return self._ops.rms_norm(x.contiguous(), norm.weight, norm.eps)
@@ -139,7 +137,7 @@ class CpuLayerOps(TorchLayerOps):
         batch-1 decode step. Needs the cpu attention backend's per-token plan
         (``plan.row_block_tables``). Returns the last layer's (output, residual stream).
 
-        A step of more than ``rows_per_pass`` tokens runs in passes over consecutive rows.
+        A step of more rows than a pass takes runs in passes over consecutive rows.
         NOTE: that is exact attention, as chunked prefill is: every row attends through its
         own block table row and context length, a sequence's rows are consecutive and in
         position order, and a pass writes its rows' K/V of every layer before the next pass
@@ -155,7 +153,7 @@ class CpuLayerOps(TorchLayerOps):
         cos, sin = cos.view(t, head_dim), sin.view(t, head_dim)
         weights = model.fused_weights()
         assert plan.row_block_tables is not None and plan.row_seq_lens is not None
-        rows = self.rows_per_pass or t
+        rows = self.rows_per_pass or self._panel_rows
         passes = [
             self._ops.decoder_layers(
                 x[start : start + rows],

@@ -11,6 +11,8 @@ from engine import LLM, SamplingParams
 from engine.layer_ops import CpuLayerOps
 from tests.engine.conftest import make_tiny_llama
 
+ONE_PASS = 1 << 30  # CpuLayerOps.rows_per_pass for a step in one call of the fused stack
+
 
 def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list, int, int]:
     """(outputs, fused stack calls, most rows in one call)"""
@@ -27,7 +29,7 @@ def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list,
         m.setattr(CpuLayerOps, "fuses_layers", fused)
         m.setattr(CpuLayerOps, "decoder_layers", counting)
         # One pass a step, as the Python layers take it (passes: test_step_in_passes_...).
-        m.setattr(CpuLayerOps, "rows_per_pass", None)
+        m.setattr(CpuLayerOps, "rows_per_pass", ONE_PASS)
         llm = LLM(
             str(path),
             attention_backend="cpu",
@@ -144,7 +146,7 @@ class _CountingOps:
 
 
 def test_step_in_passes_matches_the_step_in_one_pass(tmp_path, monkeypatch):
-    """A step of more rows than ``rows_per_pass`` (70 prompts prefilled in one step under a
+    """A step of more rows than a pass takes (70 prompts prefilled in one step under a
     2,048-token budget) runs the stack in passes of consecutive rows: a pass's rows read
     the K/V that earlier passes wrote, so the outputs are those of one pass up to matmul
     rounding (the passes' matmuls run on the packed panels, one pass's on the library):
@@ -167,7 +169,7 @@ def test_step_in_passes_matches_the_step_in_one_pass(tmp_path, monkeypatch):
             outs = llm.generate(prompts, params)
         return outs, counting.stack_rows
 
-    whole, whole_rows = run(None)
+    whole, whole_rows = run(ONE_PASS)
     assert max(whole_rows) > 1000  # the first step: every prompt in one pass
     for rows_per_pass in (16, 1):
         parts, part_rows = run(rows_per_pass)
@@ -177,3 +179,18 @@ def test_step_in_passes_matches_the_step_in_one_pass(tmp_path, monkeypatch):
             assert a.token_ids == b.token_ids
             for la, lb in zip(a.logprobs, b.logprobs, strict=True):
                 assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
+
+
+def test_passes_default_to_the_rows_the_panels_serve(tmp_path):
+    """Without an override, a pass is as many rows as the packed panels serve (256 with
+    AVX-512, 64 with AVX2), so no pass falls to the library."""
+    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
+    llm = LLM(str(path), attention_backend="cpu", block_size=8, max_num_seqs=80)
+    ops = llm.engine.model.ops
+    counting = _CountingOps(ops._ops)
+    ops._ops = counting
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (30,), generator=g).tolist() for _ in range(40)]
+    llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0))
+    limit = counting.max_packed_rows()
+    assert max(counting.stack_rows) == limit  # the first step: 1,200 rows
