@@ -9,9 +9,9 @@
 // AVX-512's. Up to 256 rows it is still a few percent ahead over the model's 120 matmuls (it
 // reads the packed panels; the library packs the weight again on every call): 128 rows 198
 // vs 185 GFLOP/s, 256 rows 184 vs 174 (medians, one run); at 512 they are even. One row is a
-// pure weight stream: walking 8 runs of panels at once reads ~7% faster than the library's
-// vector product (21.4 vs 20.0 GB/s over the model's weights here). Larger batches (long
-// prefill chunks) use the library on the unpacked weights.
+// pure weight stream: walking runs of panels at once (kRowStreams) reads ~7% faster than the
+// library's vector product (21.4 vs 20.0 GB/s over the model's weights here). Larger
+// batches (long prefill chunks) use the library on the unpacked weights.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -73,7 +73,12 @@ static inline void micro(const float* __restrict x, int64_t ldx, const float* __
 
 // Panels one row walks in lockstep: P * NV accumulators + 1 broadcast should fit the
 // registers (AVX-512: 8 x 4 of 32, the weights read as FMA memory operands; AVX2: 6 x 2 of 16).
-constexpr int kRowStreams = kRegs == 32 ? 8 : std::max(1, (kRegs - 4) / NV);
+// AVX-512 walks 4, not the 8 that fit: over the model's 121 one-row matmuls chained over
+// distinct weights (2 threads, one process, rounds classified by an x.sum() probe taken
+// before each), medians of 8 / 4 / 2 / 1 streams: 17.24 / 16.83 / 17.06 / 17.57 ms in 683
+// rounds of this host's slow bandwidth periods (< 45 GB/s), 12.43 / 12.08 / 12.46 / 13.22 ms
+// in 817 rounds of its fast ones; 4 first and 8 second, 17.0 / 17.43 ms over 600 rounds.
+constexpr int kRowStreams = kRegs == 32 ? 4 : std::max(1, (kRegs - 4) / NV);
 
 // One row against P panels `pstride` floats apart, all walked in lockstep: P sequential
 // streams per thread, the most misses in flight a single row can have.
