@@ -131,13 +131,12 @@ def measure_matmul_ceiling(
         # One layout at a time, so no two copies of ~0.5 GB of weights live together.
         w_in_out = [torch.rand(i, o, generator=g) for i, o in shapes_list]
         out["x_at_w"] = each(w_in_out, lambda x, w, _: x @ w)
-        if ops is not None and num_rows <= ops.max_packed_rows():
-            packed = [ops.pack_weight(w) for w in w_in_out]
-            del w_in_out
+        serves_panels = ops is not None and num_rows <= ops.max_packed_rows()
+        packed = [ops.pack_weight(w) for w in w_in_out] if serves_panels else []
+        del w_in_out
+        if packed:
             out["panels"] = each(packed, lambda x, w, n: ops.packed_linear(x, w, n, None))
             del packed
-        else:
-            del w_in_out
         w_out_in = [torch.rand(o, i, generator=g) for i, o in shapes_list]
         out["f_linear"] = each(w_out_in, lambda x, w, _: F.linear(x, w))
         del w_out_in

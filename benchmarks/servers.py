@@ -74,20 +74,22 @@ def server_mbu(
     return gauge(after)
 
 
-def server_peak_bandwidth(metrics: Mapping[str, float] | None) -> float | None:
-    """The peak bandwidth (bytes/s) the server's MBU gauge divides by, if it exports it."""
+def _series(metrics: Mapping[str, float] | None, name: str) -> float | None:
+    """The value of the first series of metric ``name`` in a scrape, or None."""
     for key, value in (metrics or {}).items():
-        if key.split("{", 1)[0] == "pagedserve_peak_bandwidth_bytes_per_second":
+        if key.split("{", 1)[0] == name:
             return value
     return None
+
+
+def server_peak_bandwidth(metrics: Mapping[str, float] | None) -> float | None:
+    """The peak bandwidth (bytes/s) the server's MBU gauge divides by, if it exports it."""
+    return _series(metrics, "pagedserve_peak_bandwidth_bytes_per_second")
 
 
 def server_decode_bytes(metrics: Mapping[str, float] | None) -> float | None:
     """Weight bytes the server says a one-token decode step reads, if it exports that."""
-    for key, value in (metrics or {}).items():
-        if key.split("{", 1)[0] == "pagedserve_decode_step_weight_bytes":
-            return value
-    return None
+    return _series(metrics, "pagedserve_decode_step_weight_bytes")
 
 
 def measure_server(

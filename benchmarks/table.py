@@ -200,8 +200,8 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
     step / bandwidth / TPOT: the float32 weights, or what the server's
     ``pagedserve_decode_step_weight_bytes`` says it reads (GGUF blocks); ``srvMBU`` is the
     server's own gauge, the median of the scrapes during the point, at the bandwidth probed
-    beside the point when it was (``gauge_mbu``); ``MFU`` is model FLOP/s
-    over the matmul ceiling at that many rows.
+    beside the point when it was (``gauge_mbu``); ``MFU`` is model FLOP/s over the best
+    matmul ceiling the run measured at any row count (``benchmarks.speed``).
     """
     floors = result["floors"]
 
