@@ -38,6 +38,14 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def threads():
+    """Sets torch's thread count for one test, then puts it back."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(
     params=[
         pytest.param(

@@ -49,14 +49,6 @@ def test_decode_attention_matches_reference(ops, num_heads, num_kv_heads, head_d
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def threads():
-    """Sets torch's thread count for one test, then puts it back."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("num_threads", [1, 2, 4])
 @pytest.mark.parametrize(
     "num_heads,num_kv_heads,head_dim,seq_lens",
@@ -223,22 +215,24 @@ def test_rope_and_store_matches_torch(ops):
     assert caches[2].view(-1, num_kv_heads, head_dim)[[1, 2, 3, 4]].abs().sum() == 0
 
 
-@pytest.mark.parametrize("num_threads", [2, 3])
+@pytest.mark.parametrize("num_threads", [2, 3, 5])
 @pytest.mark.parametrize(
     "k,n,bias",
-    # Panel counts that whole-panel shares leave uneven (9 = 5 + 4 on 2 threads, 15, 2 panels
-    # on 3 threads, 1): one row cuts K over the threads and sums their partial rows. An odd K
-    # leaves the threads unequal ranges; 768 panels split evenly and keep the panel split.
+    # One row gives each thread an equal share of the weight bytes, so a panel at a share's
+    # edge is split along K between two threads (or more: 2 panels on 3 or 5 threads, 1 panel)
+    # and their partial rows summed: 9 panels = 4.5 + 4.5 on 2 threads, 15, an odd K (7, 33:
+    # unequal pieces), and 768 panels, which 2 threads split at a panel edge.
     [
         (576, 576, True),
         (1536, 576, False),
         (576, 960, True),
         (7, 100, True),
         (33, 64, False),
+        (96, 200, True),
         (576, 49152, False),
     ],
 )
-def test_one_row_split_over_k_matches_matmul(ops, threads, num_threads, k, n, bias):
+def test_one_row_equal_shares_match_matmul(ops, threads, num_threads, k, n, bias):
     threads(num_threads)
     g = torch.Generator().manual_seed(k + n)
     w, x = torch.randn(k, n, generator=g), torch.randn(1, k, generator=g)

@@ -84,6 +84,22 @@ def test_quant_linear_matches_matmul(ops, qtype, n, k, bias):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{rows} rows")
 
 
+@pytest.mark.parametrize("num_threads", [2, 3, 5])
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("n,k", [(576, 576), (576, 1536), (960, 576), (64, 32), (200, 96)])
+def test_one_row_over_threads_matches_matmul(ops, threads, num_threads, qtype, n, k):
+    """One row over 2, 3 or 5 threads, whole panels each: shares that do not divide (9, 15
+    panels), fewer panels than threads (1 panel, 4 panels on 5 threads), a ragged last panel."""
+    threads(num_threads)
+    raw = _blocks(qtype, n, k, seed=n + k)
+    panels = ops.pack_gguf(torch.from_numpy(raw), int(qtype), k)
+    w = _dequantized(raw, qtype)
+    g = torch.Generator().manual_seed(n - k)
+    x, b = torch.randn(1, k, generator=g), torch.randn(n, generator=g)
+    torch.testing.assert_close(ops.quant_linear(x, panels, n, b), torch.addmm(b, x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ops.quant_linear(x, panels, n, None), x @ w, rtol=1e-4, atol=1e-4)
+
+
 def test_quant_linear_takes_a_non_contiguous_x(ops):
     qtype = GGMLQuantizationType.Q4_1
     raw = _blocks(qtype, 200, 96, seed=11)

@@ -122,42 +122,57 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
     micro<1, 4>(x, K, wp + b * K * NB, K, y + b * NB, NB, bias ? bias + b * NB : nullptr);
 }
 
-// One row, panels [begin, end) over rows [k0, k1) of K (panels are K * NB floats apart):
-// ceil(n / kRowStreams) groups of consecutive panels, sized as evenly as possible, each
-// walked in lockstep.
-static void one_row_range(const float* x, const float* wp, int64_t K, int64_t k0, int64_t k1,
-                          float* y, int64_t begin, int64_t end) {
-  const int64_t n = end - begin, groups = (n + kRowStreams - 1) / kRowStreams;
-  for (int64_t g = 0, b = begin; g < groups; ++g) {
-    const int64_t size = n / groups + (g < n % groups ? 1 : 0);
-    const float* xs = x + k0;
-    const float* ps = wp + b * K * NB + k0 * NB;
-    float* ys = y + b * NB;
-    const int64_t len = k1 - k0, ps_stride = K * NB;
-    switch (size) {
-      case 8: if constexpr (kRowStreams >= 8) { row_streams<8>(xs, ps, ps_stride, len, ys, NB, nullptr); break; } [[fallthrough]];
-      case 7: if constexpr (kRowStreams >= 7) { row_streams<7>(xs, ps, ps_stride, len, ys, NB, nullptr); break; } [[fallthrough]];
-      case 6: row_streams<6>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
-      case 5: row_streams<5>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
-      case 4: row_streams<4>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
-      case 3: row_streams<3>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
-      case 2: row_streams<2>(xs, ps, ps_stride, len, ys, NB, nullptr); break;
-      default: micro<1, 4>(xs, K, ps, len, ys, NB, nullptr); break;
+// One row's matmul split into equal shares of its bytes. The panels lie end to end in memory
+// as nb runs of K rows of NB floats, and thread t of T takes rows [nb K t / T, nb K (t + 1) / T):
+// one contiguous range, the same size for every thread whether or not T divides nb. Inside
+// it, `whole(b0, b1)` runs the panels it holds entirely and `piece(b, k0, k1, part)` rows
+// [k0, k1) of a panel it shares with a neighbouring thread (at most one at each end), writing
+// that panel's partial row into `part`, the thread's own row of a [T, NP] buffer;
+// sum_shared_panels adds those up once every thread is done.
+//
+// Why not whole panels per thread: the model's 576 columns are 9 panels of 64 (5 + 4 on 2
+// threads, one thread idle a ninth of the matmul), its q/k/v 15 (8 + 7). Why not each thread
+// a half of every panel's K range (what this kernel did before for those shapes): a thread
+// then reads 9-15 short runs instead of one. The model's 121 one-row matmuls chained over
+// distinct weights, 2 threads, one process, rounds classified by an x.sum() probe before
+// each, medians of 2,415 rounds in fast bandwidth periods, K-split before -> equal shares:
+// q/k/v 1.802 -> 1.693 ms, o 1.169 -> 1.053, down 2.628 -> 2.419, all 121 12.51 -> 12.20;
+// over 120 rounds of slow periods, 17.57 -> 17.56. The GGUF-block kernel (gemm_q.cpp) keeps
+// whole panels: its one-row matmuls are compute-bound here, and a piece de-quantized apart
+// from its thread's other panels cost more than the balance saved (q/k/v 1.11-1.15x slower,
+// o and down 0.98-1.07x over the model's Q4 matmuls; one run each).
+template <class Whole, class Piece>
+void one_row_shared(int64_t nb, int64_t K, int64_t NP, const float* bias, float* y, const Whole& whole,
+                    const Piece& piece) {
+  const int64_t T = at::get_num_threads(), total = nb * K;
+  thread_local std::vector<float> part;  // [T, NP]; only shared panels' entries are written
+  part.resize(static_cast<size_t>(T * NP));
+  float* pp = part.data();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r0 = total * t / T, r1 = total * (t + 1) / T;
+      int64_t b = r0 / K;
+      if (r0 % K) {  // the head: the end of a panel the previous thread begins
+        piece(b, r0 % K, std::min(K, r1 - b * K), pp + t * NP);
+        ++b;
+      }
+      const int64_t last = r1 / K;  // panels [b, last) are this thread's alone
+      if (last > b) whole(b, last);
+      if (last >= b && last < nb && r1 % K)  // the tail: the start of a panel the next thread ends
+        piece(last, int64_t{0}, r1 % K, pp + t * NP);
     }
-    b += size;
+  });
+  // Shared panels: y = the sum of the partial rows of every thread whose range meets them.
+  for (int64_t s = 1, done = -1; s < T; ++s) {
+    const int64_t r = total * s / T, b = r / K;
+    if (r % K == 0 || b == done) continue;
+    done = b;
+    float* yb = y + b * NB;
+    for (int64_t j = 0; j < NB; ++j) yb[j] = bias ? bias[b * NB + j] : 0.f;
+    for (int64_t t = 0; t < T; ++t)
+      if (total * t / T < (b + 1) * K && total * (t + 1) / T > b * K)
+        for (int64_t j = 0; j < NB; ++j) yb[j] += pp[t * NP + b * NB + j];
   }
-}
-
-// Whether whole panels split over T threads leave one thread over 5% more than the mean:
-// the model's 576 columns are 9 panels of 64, 5 + 4 on 2 threads. Those one-row matmuls cut
-// K instead (one_row_range per thread over all panels, partial rows summed): C++-timed
-// chains over distinct weights, 2 threads, three alternating runs each, o_proj (576 x 576)
-// 58-66 -> 55-56 us, down_proj (1536 x 576) 148-159 -> 141-147 us; qkv (15 panels, 8 + 7)
-// 87-91 -> 86-89 us. Larger or evenly split shapes keep the panel split: half-length streams
-// would only add group starts.
-static bool unbalanced(int64_t nb, int T) {
-  const int64_t most = (nb + T - 1) / T;
-  return T > 1 && (most * T - nb) * 20 > nb;
 }
 
 // Rows of the L2 tiles after a panel's first group: 6 x NV accumulators fill AVX-512's and
@@ -235,22 +250,14 @@ void packed_linear_into(const at::Tensor& x_, const at::Tensor& packed, int64_t 
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int T = at::get_num_threads();
-  if (M == 1 && unbalanced(nb, T)) {
-    // Each thread all panels over its k range; the partial rows are summed after.
-    thread_local std::vector<float> part;  // threads 1.. of this call; reused, no allocation
-    part.resize(static_cast<size_t>(T - 1) * NP);
-    float* pp = part.data();
-    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        one_row_range(xp, wp, K, K * t / T, K * (t + 1) / T, t == 0 ? yp : pp + (t - 1) * NP, 0, nb);
-    });
-    for (int t = 1; t < T; ++t)
-      for (int64_t j = 0; j < NP; ++j) yp[j] += pp[(t - 1) * NP + j];
-    if (bias)
-      for (int64_t j = 0; j < NP; ++j) yp[j] += bias[j];
-  } else if (M == 1)
-    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) { one_row(xp, wp, K, yp, bias, begin, end); });
+  if (M == 1)
+    // Equal shares of the weight bytes per thread; a shared panel's piece is its k range cut
+    // into 4 streams.
+    one_row_shared(
+        nb, K, NP, bias, yp, [&](int64_t b0, int64_t b1) { one_row(xp, wp, K, yp, bias, b0, b1); },
+        [&](int64_t b, int64_t k0, int64_t k1, float* part) {
+          micro<1, 4>(xp + k0, K, wp + (b * K + k0) * NB, k1 - k0, part + b * NB, NB, nullptr);
+        });
   else
     // Several rows: each panel against every row of the batch while it is hot.
     parallel_panels(nb, M, kRowTile, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
