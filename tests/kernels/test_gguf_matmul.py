@@ -85,7 +85,9 @@ def test_quant_linear_matches_matmul(ops, qtype, n, k, bias):
 
 
 @pytest.mark.parametrize("num_threads", [2, 3, 5])
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda t: t.name
+)
 @pytest.mark.parametrize("n,k", [(576, 576), (576, 1536), (960, 576), (64, 32), (200, 96)])
 def test_one_row_over_threads_matches_matmul(ops, threads, num_threads, qtype, n, k):
     """One row over 2, 3 or 5 threads, whole panels each: shares that do not divide (9, 15
@@ -96,8 +98,9 @@ def test_one_row_over_threads_matches_matmul(ops, threads, num_threads, qtype, n
     w = _dequantized(raw, qtype)
     g = torch.Generator().manual_seed(n - k)
     x, b = torch.randn(1, k, generator=g), torch.randn(n, generator=g)
-    torch.testing.assert_close(ops.quant_linear(x, panels, n, b), torch.addmm(b, x, w), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(ops.quant_linear(x, panels, n, None), x @ w, rtol=1e-4, atol=1e-4)
+    for bias, want in ((b, torch.addmm(b, x, w)), (None, x @ w)):
+        got = ops.quant_linear(x, panels, n, bias)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_quant_linear_takes_a_non_contiguous_x(ops):
