@@ -9,6 +9,7 @@ matmul weight is stored input-major (``Linear`` below).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -63,6 +64,42 @@ class Linear(nn.Module):
         assert self._cpu_ops is not None, "pack_for_cpu first"
         self._quant = panels
         Linear.generation += 1
+
+    @classmethod
+    def gather_cpu_copies(cls, modules: Iterable[nn.Module]) -> int:
+        """Move the packed panels of every ``Linear`` among ``modules``, and their GGUF blocks
+        if any, into one buffer each, laid out in the order given (``model.modules()`` is
+        forward order: layer by layer, q/k/v, o, gate/up, down, then the head). Returns the bytes
+        moved.
+
+        Why: a batch-1 decode step streams every weight once, and the hardware prefetchers read
+        one long run at a time. Copies allocated one by one land wherever the allocator puts
+        them; in one buffer each matmul's weights start where the previous one's end. The
+        model's 121 one-row float32 matmuls chained (2 threads, one process, separate copies and
+        one buffer alternating, rounds classified by an x.sum() probe): 11.17 -> 10.96 ms in
+        1,203 rounds of fast bandwidth periods, 16.48 -> 16.29 in 297 slow ones; the AVX2 build
+        10.74 -> 10.35 and 17.26 -> 17.03. Costs the copies' size once more, for the moment of the
+        move."""
+        linears = [m for m in modules if isinstance(m, cls)]
+        moved = 0
+        for attr in ("_packed", "_quant"):
+            owners = [m for m in linears if getattr(m, attr) is not None]
+            if not owners:
+                continue
+            dtypes = {getattr(m, attr).dtype for m in owners}
+            assert len(dtypes) == 1, f"{attr} copies of several dtypes: {dtypes}"
+            total = sum(getattr(m, attr).numel() for m in owners)
+            buffer = torch.empty(total, dtype=dtypes.pop())
+            offset = 0
+            for m in owners:
+                t = getattr(m, attr)
+                view = buffer[offset : offset + t.numel()].view(t.shape)
+                view.copy_(t)
+                setattr(m, attr, view)  # the separate copy is freed here
+                offset += t.numel()
+            moved += buffer.numel() * buffer.element_size()
+        cls.generation += 1
+        return moved
 
     @property
     def packed(self) -> torch.Tensor | None:

@@ -91,6 +91,8 @@ class LLMEngine:
         if cpu_ops is not None and resolved.gguf is not None and config.matmul_weights == "gguf":
             blocks = attach_gguf_blocks(model, resolved.gguf, cpu_ops)
         uses_blocks = blocks is not None and bool(blocks.attached)
+        if cpu_ops is not None:
+            Linear.gather_cpu_copies(model.modules())
         self.model = model.eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         # What a step reads of those and computes, from its plan (MBU/MFU; engine/cost.py).

@@ -123,6 +123,53 @@ def test_float32_engine_reads_no_blocks(llm_float32):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["llm_gguf", "llm_float32"])
+def test_matmul_copies_lie_in_one_buffer_in_forward_order(request, engine):
+    """Linear.gather_cpu_copies: each kind of copy (packed panels, GGUF blocks) is one buffer,
+    the matmuls' copies end to end in forward order (q/k/v, o, gate/up, down, layer after
+    layer, then the head), so a decode step reads it front to back."""
+    linears = list(_linears(request.getfixturevalue(engine)).values())
+    for attr in ("packed", "quantized"):
+        copies = [getattr(m, attr) for m in linears if getattr(m, attr) is not None]
+        if attr == "quantized" and engine == "llm_float32":
+            assert not copies
+            continue
+        assert len(copies) == NUM_LINEARS
+        storage = copies[0].untyped_storage()
+        assert all(c.untyped_storage().data_ptr() == storage.data_ptr() for c in copies)
+        starts = [c.storage_offset() for c in copies]
+        ends = [start + c.numel() for start, c in zip(starts, copies, strict=True)]
+        assert starts[0] == 0 and starts[1:] == ends[:-1]
+        assert ends[-1] * copies[0].element_size() == storage.nbytes()
+
+
+def test_gather_cpu_copies_keeps_every_value(ops):
+    """Moving the copies into one buffer changes where they live, nothing else: same values,
+    same products, and the fused stack's cached weight list is rebuilt (generation)."""
+    g = torch.Generator().manual_seed(0)
+    linears = [Linear(64, n) for n in (96, 64, 200)]
+    for m in linears:
+        m.weight.data = torch.randn(64, m.weight.shape[1], generator=g)
+        m.pack_for_cpu(ops)
+    raw = quantize(torch.randn(96, 64, generator=g).numpy(), GGMLQuantizationType.Q4_1)
+    linears[0].use_quantized_panels(ops.pack_gguf(torch.from_numpy(raw), 3, 64))
+    before = [
+        (m.packed.clone(), None if m.quantized is None else m.quantized.clone()) for m in linears
+    ]
+    x = torch.randn(3, 64, generator=g)
+    want = [m(x) for m in linears]
+    generation = Linear.generation
+    moved = Linear.gather_cpu_copies(linears)
+    assert Linear.generation > generation
+    assert moved == sum(p.numel() * 4 + (0 if q is None else q.numel()) for p, q in before)
+    for m, (packed, quant), y in zip(linears, before, want, strict=True):
+        assert torch.equal(m.packed, packed) and m.packed.storage_offset() >= 0
+        assert quant is None or torch.equal(m.quantized, quant)
+        assert torch.equal(m(x), y)
+    assert len({m.packed.untyped_storage().data_ptr() for m in linears}) == 1
+
+
+@pytest.mark.slow
 def test_blocks_and_float32_weights_are_bitwise_the_same(ops, llm_gguf, llm_float32):
     theirs = _linears(llm_float32)
     for name, linear in _linears(llm_gguf).items():

@@ -9,8 +9,8 @@
 // AVX-512's. Up to 256 rows it is still a few percent ahead over the model's 120 matmuls (it
 // reads the packed panels; the library packs the weight again on every call): 128 rows 198
 // vs 185 GFLOP/s, 256 rows 184 vs 174 (medians, one run); at 512 they are even. One row is a
-// pure weight stream: walking runs of panels at once (kRowStreams) reads ~7% faster than the
-// library's vector product (21.4 vs 20.0 GB/s over the model's weights here). Larger
+// pure weight stream: each thread reads one contiguous share of the weights as two sequential
+// streams (kRowStreams says why), about as fast as a plain sum over them. Larger
 // batches (long prefill chunks) use the library on the unpacked weights.
 
 #include <ATen/ATen.h>
@@ -71,14 +71,15 @@ static inline void micro(const float* __restrict x, int64_t ldx, const float* __
     }
 }
 
-// Panels one row walks in lockstep: P * NV accumulators + 1 broadcast should fit the
-// registers (AVX-512: 8 x 4 of 32, the weights read as FMA memory operands; AVX2: 6 x 2 of 16).
-// AVX-512 walks 4, not the 8 that fit: over the model's 121 one-row matmuls chained over
-// distinct weights (2 threads, one process, rounds classified by an x.sum() probe taken
-// before each), medians of 8 / 4 / 2 / 1 streams: 17.24 / 16.83 / 17.06 / 17.57 ms in 683
-// rounds of this host's slow bandwidth periods (< 45 GB/s), 12.43 / 12.08 / 12.46 / 13.22 ms
-// in 817 rounds of its fast ones; 4 first and 8 second, 17.0 / 17.43 ms over 600 rounds.
-constexpr int kRowStreams = kRegs == 32 ? 4 : std::max(1, (kRegs - 4) / NV);
+// Panels one row walks in lockstep: 2, each a sequential stream. Since each thread reads one
+// contiguous share of a matmul (one_row_shared) from one buffer (Linear.gather_cpu_copies),
+// fewer streams read faster than the 4 (AVX-512) or 6 (AVX2) that fit the registers. The
+// model's 121 one-row matmuls chained from one buffer, 2 threads, one process, rounds
+// classified by an x.sum() probe, medians, streams 1 / 2 / 4 (/ 6): AVX-512 10.84 / 10.96 /
+// 11.42 ms in 1,203 rounds of fast bandwidth periods, 16.22 / 16.29 / 16.76 in 297 slow
+// ones; AVX2 10.88 / 10.19 / 10.26 / 10.35 in 741 fast, 16.83 / 16.61 / 16.82 / 17.03 in
+// 459 slow. A plain sum over the same weights, matmul by matmul: 10.97 and 10.26 ms (fast).
+constexpr int kRowStreams = 2;
 
 // One row against P panels `pstride` floats apart, all walked in lockstep: P sequential
 // streams per thread, the most misses in flight a single row can have.
@@ -103,11 +104,8 @@ static inline void row_streams(const float* __restrict x, const float* __restric
     }
 }
 
-// One row, panels [begin, end): P = min(kRowStreams, panels) equal runs of panels in
-// lockstep, then the leftover panels one at a time with their k range cut into 4 streams. A
-// thread's share of a small matmul (4-5 of the 9 panels of the model's 576 columns) thus
-// still walks all its panels at once: 1.05x on those matmuls over 4 streams a panel (1.02x
-// over the model's one-row matmuls; one run, paired medians of 25).
+// One row, panels [begin, end): P = min(kRowStreams, panels) equal runs of panels walked in
+// lockstep, then the leftover panel (if the count is odd) with its k range cut into 4 streams.
 template <int P = kRowStreams>
 static void one_row(const float* x, const float* wp, int64_t K, float* y, const float* bias,
                     int64_t begin, int64_t end) {
@@ -252,11 +250,11 @@ void packed_linear_into(const at::Tensor& x_, const at::Tensor& packed, int64_t 
   float* yp = y.data_ptr<float>();
   if (M == 1)
     // Equal shares of the weight bytes per thread; a shared panel's piece is its k range cut
-    // into 4 streams.
+    // into kRowStreams streams.
     one_row_shared(
         nb, K, NP, bias, yp, [&](int64_t b0, int64_t b1) { one_row(xp, wp, K, yp, bias, b0, b1); },
         [&](int64_t b, int64_t k0, int64_t k1, float* part) {
-          micro<1, 4>(xp + k0, K, wp + (b * K + k0) * NB, k1 - k0, part + b * NB, NB, nullptr);
+          micro<1, kRowStreams>(xp + k0, K, wp + (b * K + k0) * NB, k1 - k0, part + b * NB, NB, nullptr);
         });
   else
     // Several rows: each panel against every row of the batch while it is hot.
