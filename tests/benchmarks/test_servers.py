@@ -71,15 +71,7 @@ def test_server_mbu_is_the_median_of_the_scrapes_during_the_point() -> None:
     assert server_mbu(scrape(0.48), [{"vllm:num_requests_running": 1.0}] * 4) == 0.48
 
 
-def test_measure_server_probes_bandwidth_around_the_concurrency_1_point(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
-) -> None:
-    """The bandwidth is probed right before and after the c=1 point only, and the point
-    keeps both probes and the higher one."""
-    from benchmarks import servers
-
-    calls: list[str] = []
-
+def _fake_server(tmp_path: Any) -> type:
     class FakeServer:
         base_url = "http://127.0.0.1:1"
         log_path = tmp_path / "log"
@@ -96,6 +88,10 @@ def test_measure_server_probes_bandwidth_around_the_concurrency_1_point(
         def stop(self) -> None:
             pass
 
+    return FakeServer
+
+
+def _fake_sweep(calls: list[str]) -> Any:
     summary = SimpleNamespace(
         num_errors=0,
         ttft_p50_s=0.1,
@@ -113,14 +109,25 @@ def test_measure_server_probes_bandwidth_around_the_concurrency_1_point(
         point = SimpleNamespace(summary=summary, server_metrics_after={}, server_metrics_during=[])
         return SimpleNamespace(points=[point], metrics_before={})
 
+    return fake_sweep
+
+
+def test_measure_server_probes_bandwidth_around_the_concurrency_1_point(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The bandwidth is probed right before and after the c=1 point only, and the point
+    keeps both probes and the higher one."""
+    from benchmarks import servers
+
+    calls: list[str] = []
     probes = iter([30e9, 34e9])
 
     def probe() -> float:
         calls.append("probe")
         return next(probes)
 
-    monkeypatch.setattr(servers, "ServerProcess", FakeServer)
-    monkeypatch.setattr(servers, "run_sweep", fake_sweep)
+    monkeypatch.setattr(servers, "ServerProcess", _fake_server(tmp_path))
+    monkeypatch.setattr(servers, "run_sweep", _fake_sweep(calls))
     out = servers.measure_server(
         "fake",
         "python -m x --port {port}",
@@ -136,4 +143,39 @@ def test_measure_server_probes_bandwidth_around_the_concurrency_1_point(
     assert calls == ["probe", "point c=1", "probe", "point c=16"]
     assert out["points"]["1"]["bandwidth_probes_bytes_s"] == [30e9, 34e9]
     assert out["points"]["1"]["bandwidth_bytes_s"] == 34e9
+    assert out["points"]["1"]["bandwidth_steady"] is True
+    assert out["points"]["1"]["bandwidth_attempts"] == 1
     assert "bandwidth_bytes_s" not in out["points"]["16"]
+
+
+@pytest.mark.parametrize(
+    "probes,runs,steady",
+    [
+        # moved during the first run (36 -> 62 GB/s), not during the second: keep the second
+        ([36e9, 62e9, 60e9, 61e9], 2, True),
+        # moved during every run: the last is kept, marked unsteady
+        ([36e9, 62e9, 62e9, 35e9, 34e9, 60e9], 3, False),
+    ],
+)
+def test_measure_server_runs_the_concurrency_1_point_again_while_bandwidth_moves(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, probes: list[float], runs: int, steady: bool
+) -> None:
+    from benchmarks import servers
+
+    calls: list[str] = []
+    monkeypatch.setattr(servers, "ServerProcess", _fake_server(tmp_path))
+    monkeypatch.setattr(servers, "run_sweep", _fake_sweep(calls))
+    readings = iter(probes)
+
+    def probe() -> float:
+        calls.append("probe")
+        return next(readings)
+
+    out = servers.measure_server(
+        "fake", "python -m x --port {port}", tmp_path, [1], 128, 64, 4, tmp_path, 1.0, probe
+    )
+    assert calls == ["probe", "point c=1", "probe"] * runs
+    point = out["points"]["1"]
+    assert point["bandwidth_probes_bytes_s"] == probes[-2:]
+    assert point["bandwidth_attempts"] == runs
+    assert point["bandwidth_steady"] is steady
