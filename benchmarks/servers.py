@@ -158,13 +158,13 @@ def measure_server(
                 progress=False,
                 warmup_requests=2,
             )
-            for attempt in range(1, (STEADY_ATTEMPTS if probe is not None else 1) + 1):
+            attempts = STEADY_ATTEMPTS if probe is not None else 1
+            for attempt in range(1, attempts + 1):
                 probes = [probe()] if probe is not None else []
                 sweep = run_sweep(config)
-                if probe is None:
-                    break
-                probes.append(probe())
-                if steady(probes):
+                if probe is not None:
+                    probes.append(probe())
+                if not probes or steady(probes):
                     break
                 moved = " -> ".join(f"{b / 1e9:.1f}" for b in probes)
                 again = "; measuring it again" if attempt < STEADY_ATTEMPTS else "; keeping it"

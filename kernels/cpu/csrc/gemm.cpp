@@ -104,13 +104,11 @@ static inline void row_streams(const float* __restrict x, const float* __restric
     }
 }
 
-// One row, panels [begin, end): P = min(kRowStreams, panels) equal runs of panels walked in
-// lockstep, then the leftover panel (if the count is odd) with its k range cut into 4 streams.
-template <int P = kRowStreams>
+// One row, panels [begin, end): kRowStreams equal runs of panels walked in lockstep, then
+// the leftover panels one at a time with their k range cut into 4 streams.
 static void one_row(const float* x, const float* wp, int64_t K, float* y, const float* bias,
                     int64_t begin, int64_t end) {
-  if constexpr (P > 2)
-    if (end - begin < P) return one_row<P - 1>(x, wp, K, y, bias, begin, end);
+  constexpr int P = kRowStreams;
   const int64_t q = (end - begin) / P;
   for (int64_t i = 0; i < q; ++i) {
     const int64_t b = begin + i;
@@ -123,10 +121,10 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
 // One row's matmul split into equal shares of its bytes. The panels lie end to end in memory
 // as nb runs of K rows of NB floats, and thread t of T takes rows [nb K t / T, nb K (t + 1) / T):
 // one contiguous range, the same size for every thread whether or not T divides nb. Inside
-// it, `whole(b0, b1)` runs the panels it holds entirely and `piece(b, k0, k1, part)` rows
-// [k0, k1) of a panel it shares with a neighbouring thread (at most one at each end), writing
-// that panel's partial row into `part`, the thread's own row of a [T, NP] buffer;
-// sum_shared_panels adds those up once every thread is done.
+// it, the panels it holds entirely go through one_row; rows [k0, k1) of a panel it shares
+// with a neighbouring thread (at most one at each end) are cut into kRowStreams streams and
+// written as a partial row into the thread's own row of a [T, NP] buffer, and the shared
+// panels' partial rows are added up once every thread is done.
 //
 // Why not whole panels per thread: the model's 576 columns are 9 panels of 64 (5 + 4 on 2
 // threads, one thread idle a ninth of the matmul), its q/k/v 15 (8 + 7). Why not each thread
@@ -139,25 +137,28 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
 // whole panels: its one-row matmuls are compute-bound here, and a piece de-quantized apart
 // from its thread's other panels cost more than the balance saved (q/k/v 1.11-1.15x slower,
 // o and down 0.98-1.07x over the model's Q4 matmuls; one run each).
-template <class Whole, class Piece>
-void one_row_shared(int64_t nb, int64_t K, int64_t NP, const float* bias, float* y, const Whole& whole,
-                    const Piece& piece) {
+static void one_row_shared(const float* x, const float* wp, int64_t K, int64_t nb, int64_t NP,
+                           const float* bias, float* y) {
   const int64_t T = at::get_num_threads(), total = nb * K;
   thread_local std::vector<float> part;  // [T, NP]; only shared panels' entries are written
   part.resize(static_cast<size_t>(T * NP));
   float* pp = part.data();
+  // Rows [k0, k1) of panel b into thread t's partial row.
+  auto piece = [&](int64_t t, int64_t b, int64_t k0, int64_t k1) {
+    micro<1, kRowStreams>(x + k0, K, wp + (b * K + k0) * NB, k1 - k0, pp + t * NP + b * NB, NB, nullptr);
+  };
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = total * t / T, r1 = total * (t + 1) / T;
       int64_t b = r0 / K;
       if (r0 % K) {  // the head: the end of a panel the previous thread begins
-        piece(b, r0 % K, std::min(K, r1 - b * K), pp + t * NP);
+        piece(t, b, r0 % K, std::min(K, r1 - b * K));
         ++b;
       }
       const int64_t last = r1 / K;  // panels [b, last) are this thread's alone
-      if (last > b) whole(b, last);
+      if (last > b) one_row(x, wp, K, y, bias, b, last);
       if (last >= b && last < nb && r1 % K)  // the tail: the start of a panel the next thread ends
-        piece(last, int64_t{0}, r1 % K, pp + t * NP);
+        piece(t, last, 0, r1 % K);
     }
   });
   // Shared panels: y = the sum of the partial rows of every thread whose range meets them.
@@ -249,13 +250,7 @@ void packed_linear_into(const at::Tensor& x_, const at::Tensor& packed, int64_t 
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M == 1)
-    // Equal shares of the weight bytes per thread; a shared panel's piece is its k range cut
-    // into kRowStreams streams.
-    one_row_shared(
-        nb, K, NP, bias, yp, [&](int64_t b0, int64_t b1) { one_row(xp, wp, K, yp, bias, b0, b1); },
-        [&](int64_t b, int64_t k0, int64_t k1, float* part) {
-          micro<1, kRowStreams>(xp + k0, K, wp + (b * K + k0) * NB, k1 - k0, part + b * NB, NB, nullptr);
-        });
+    one_row_shared(xp, wp, K, nb, NP, bias, yp);  // equal shares of the weight bytes per thread
   else
     // Several rows: each panel against every row of the batch while it is hot.
     parallel_panels(nb, M, kRowTile, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
