@@ -43,6 +43,9 @@ class InputBatch:
     # padding rows (whose logits nobody uses)
     logits_indices: torch.Tensor
     sampling: list[ScheduledRequest]  # aligned with the head of logits_indices
+    # logits_indices is every row in order (a step of decodes only, none of them padding):
+    # the model then takes the rows as they are instead of gathering them.
+    logits_are_all_rows: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -95,4 +98,7 @@ def build_input_batch(out: SchedulerOutput, block_size: int, device: torch.devic
         ),
         logits_indices=tensor(logits_indices + padding_indices, torch.int64),
         sampling=sampling,
+        # Sampling rows are increasing token indices, one per request: as many as there
+        # are tokens, and no padding after them, means 0, 1, ..., num_tokens - 1.
+        logits_are_all_rows=not padding_indices and len(logits_indices) == len(input_ids),
     )

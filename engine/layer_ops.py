@@ -86,6 +86,9 @@ class CpuLayerOps(TorchLayerOps):
     def __init__(self, ops: Any) -> None:  # torch.ops.pagedserve_cpu
         self._ops = ops
         self._panel_rows = int(ops.max_packed_rows())
+        # The model's fused_weights() list and the C++ object holding the same tensors,
+        # made again when the model's list is a new one (a matmul got another copy).
+        self._stack_weights: tuple[list[torch.Tensor | None], Any] | None = None
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return self._ops.rms_norm(x.contiguous(), norm.weight, norm.eps)
@@ -121,6 +124,15 @@ class CpuLayerOps(TorchLayerOps):
         )
         return qkv[:, : num_heads * head_dim].view(t, num_heads, head_dim)
 
+    def stack_weights(self, model: LlamaForCausalLM) -> Any:
+        """``model.fused_weights()`` as the C++ stack's weights object: converted to C++ once,
+        not at every step (a list of 540 optional tensors cost 0.43 ms a call to convert,
+        2.7% of a batch-1 step with float32 weights, 6% with GGUF blocks)."""
+        weights = model.fused_weights()
+        if self._stack_weights is None or self._stack_weights[0] is not weights:
+            self._stack_weights = (weights, torch.classes.pagedserve_cpu.StackWeights(weights))
+        return self._stack_weights[1]
+
     def decoder_layers(
         self,
         model: LlamaForCausalLM,
@@ -151,7 +163,7 @@ class CpuLayerOps(TorchLayerOps):
         t, head_dim = x.shape[0], layer.head_dim
         cos, sin = rope
         cos, sin = cos.view(t, head_dim), sin.view(t, head_dim)
-        weights = model.fused_weights()
+        weights = self.stack_weights(model)
         assert plan.row_block_tables is not None and plan.row_seq_lens is not None
         rows = self.rows_per_pass or self._panel_rows
         passes = [

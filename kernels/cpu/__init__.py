@@ -38,6 +38,20 @@ _SOURCES = (
     "decoder_layer.cpp",
     "register.cpp",
 )
+# The kernels of one decoder layer, in the order the fused stack runs them and its step
+# profile (``step_profile`` / ``step_profile_read``, decoder_layer.cpp: enum StepKernel)
+# reports them.
+STEP_KERNELS = (
+    "input_norm",
+    "qkv_proj",
+    "rope_store",
+    "attention",
+    "o_proj",
+    "post_norm",
+    "gate_up_proj",
+    "silu_mul",
+    "down_proj",
+)
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 

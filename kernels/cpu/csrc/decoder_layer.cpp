@@ -18,11 +18,48 @@
 // float32 weights, 1.06x with GGUF blocks, 1.04x at batch 16 and 64 (larger activations are
 // mmap'ed fresh, page faults included).
 
+#include <chrono>
+
 #include "ops.h"
 
 namespace pagedserve_cpu {
 
 namespace {
+
+// The step profile (step_profile / step_profile_read; benchmarks/step_profile.py): the wall
+// time of each kernel of the fused stack, summed over the layers and steps run while it is
+// on. Why: the stack is one call, and a batch-1 step's time past its floor is spread over
+// its kernels (the matmuls' streaming rate against the machine's, attention reading K/V
+// from memory, the small ops); the profile says which. Off, it costs one predictable branch
+// a kernel. It is owned by the thread that runs steps (the engine's): the C++ side takes no
+// lock. The order of StepKernel is the order of kernels.cpu.STEP_KERNELS.
+enum StepKernel {
+  kInputNormK, kQkvK, kRopeStoreK, kAttentionK, kOK, kPostNormK, kGateUpK, kSiluMulK, kDownK,
+  kNumStepKernels
+};
+struct StepProfile {
+  bool on = false;
+  double seconds[kNumStepKernels] = {};
+  double calls_seconds = 0;  // whole decoder_layers calls: what the kernels leave is the stack's own
+  int64_t layers = 0;  // layer calls timed: seconds / layers is a kernel's mean per layer
+};
+StepProfile g_profile;
+
+// Adds the time since the previous lap (or since construction) to a kernel, when profiling.
+class Laps {
+ public:
+  Laps() : on_(g_profile.on), last_(on_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point()) {}
+  void lap(StepKernel k) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    g_profile.seconds[k] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  bool on_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 // The order of each layer's slots in the `weights` list (engine/llama.py: DecoderLayer.fused_weights
 // lists one layer's, LlamaForCausalLM.fused_weights all of them, layer after layer).
@@ -75,29 +112,42 @@ void layer_forward(const at::Tensor& x, at::Tensor& residual, bool first, const 
                    size_t base, Buffers& b, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
                    at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+  Laps laps;
   if (first) rms_norm_into(x, *w.get(base + kInputNorm), eps, b.h);
   else add_rms_norm_into(x, residual, *w.get(base + kInputNorm), eps, b.h);
+  laps.lap(kInputNormK);
   linear_at(b.h, w, base + kQkvW, b.qkv);
+  laps.lap(kQkvK);
   rope_and_store_(b.qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads);
+  laps.lap(kRopeStoreK);
   paged_attention_decode_into(b.q, key_cache, value_cache, block_tables, seq_lens, scale, b.attn);
+  laps.lap(kAttentionK);
   linear_at(b.attn2d, w, base + kOW, b.o);
+  laps.lap(kOK);
   add_rms_norm_into(b.o, residual, *w.get(base + kPostNorm), eps, b.h);
+  laps.lap(kPostNormK);
   linear_at(b.h, w, base + kGateUpW, b.gate_up);
+  laps.lap(kGateUpK);
   silu_mul_into(b.gate_up, b.act);
+  laps.lap(kSiluMulK);
   linear_at(b.act, w, base + kDownW, b.out);
+  laps.lap(kDownK);
+  if (g_profile.on) ++g_profile.layers;
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& w, at::TensorList key_caches,
+    const at::Tensor& x, const c10::intrusive_ptr<StackWeights>& weights, at::TensorList key_caches,
     at::TensorList value_caches, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables,  // [num_tokens, max_blocks]: each token's sequence's table
     const at::Tensor& seq_lens,      // [num_tokens]: context each token sees (position + 1)
     int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+  const c10::List<c10::optional<at::Tensor>>& w = weights->w;
   const size_t layers = key_caches.size();
   TORCH_CHECK(layers > 0 && value_caches.size() == layers && w.size() == layers * kNumSlots,
               "decoder_layers: expected a key and a value cache and ", int(kNumSlots), " weight slots a layer");
+  const auto called = std::chrono::steady_clock::now();
   const int64_t head_dim = key_caches[0].size(-1);
   Buffers b(x, w, num_heads, head_dim);
   // The first layer has no residual stream yet: it starts as the embeddings themselves.
@@ -107,7 +157,21 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     layer_forward(l == 0 ? x : b.out, residual, l == 0, w, l * kNumSlots, b, cos, sin, key_cache, value_cache,
                   slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, eps, scale);
   }
+  if (g_profile.on)
+    g_profile.calls_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
   return {b.out, residual};
+}
+
+void step_profile(bool on) { g_profile = StepProfile{on}; }
+
+at::Tensor step_profile_read() {
+  auto out = at::empty({kNumStepKernels + 2}, at::kDouble);
+  double* p = out.data_ptr<double>();
+  for (int k = 0; k < kNumStepKernels; ++k) p[k] = g_profile.seconds[k];
+  p[kNumStepKernels] = g_profile.calls_seconds;
+  p[kNumStepKernels + 1] = double(g_profile.layers);
+  g_profile = StepProfile{g_profile.on};
+  return out;
 }
 
 }  // namespace pagedserve_cpu

@@ -22,8 +22,13 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("max_quant_rows() -> int", &pagedserve_cpu::max_quant_rows);
   m.def("max_packed_rows() -> int", &pagedserve_cpu::max_packed_rows);
   m.def("panel_width() -> int", &pagedserve_cpu::panel_width);
+  m.def("step_profile(bool on) -> ()", &pagedserve_cpu::step_profile);
+  m.def("step_profile_read() -> Tensor", &pagedserve_cpu::step_profile_read);
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? quant, Tensor? bias) -> Tensor");
-  m.def("decoder_layers(Tensor x, Tensor?[] weights, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+  m.class_<pagedserve_cpu::StackWeights>("StackWeights")
+      .def(torch::init<c10::List<c10::optional<at::Tensor>>>())
+      .def("size", &pagedserve_cpu::StackWeights::size);
+  m.def("decoder_layers(Tensor x, __torch__.torch.classes.pagedserve_cpu.StackWeights weights, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
         "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "int num_heads, int num_kv_heads, float eps, float scale) -> (Tensor, Tensor)");
 }
