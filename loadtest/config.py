@@ -65,6 +65,9 @@ class LoadTestConfig:
     shared_prefix_len / num_prefixes: shared "system prompt" workload (0 = off).
     cancel_fraction: fraction of requests the client abandons mid-stream.
     seed: one seed for workload and arrival times.
+    prompt_salt: varies the prompts' words, not their lengths (``synthetic_workload``'s
+        ``text_salt``; each point adds its own index): two runs against one server that
+        must not share prompts (a point measured again) give different salts.
     ignore_eos / temperature / extra_body / api_key / request_timeout_s: request options.
     slo: goodput objectives.
     warmup_requests: short unrecorded requests sent before the sweep (first-request costs).
@@ -93,6 +96,7 @@ class LoadTestConfig:
     num_prefixes: int = 1
     cancel_fraction: float = 0.0
     seed: int = 0
+    prompt_salt: str = ""
     ignore_eos: bool = True
     temperature: float = 0.0
     extra_body: Mapping[str, Any] = field(default_factory=dict)
@@ -158,6 +162,7 @@ class LoadTestConfig:
             "num_prefixes": self.num_prefixes,
             "cancel_fraction": self.cancel_fraction,
             "seed": self.seed,
+            "prompt_salt": self.prompt_salt,
             "ignore_eos": self.ignore_eos,
             "temperature": self.temperature,
             "extra_body": dict(self.extra_body),

@@ -2,7 +2,11 @@
 
 ``run_sweep(config)`` (or ``await arun_sweep(config)`` inside an event loop) is the one entry
 point the CLI, ``compare`` and integration tests share. Every point sends the same seeded
-workload, so points differ only in how requests arrive.
+workload (the same prompt and output lengths, cancellations and arrival draws), so points
+differ only in how requests arrive; each point's synthetic prompts are other words, though
+(``config.prompt_salt`` and the point's index): a server with a prefix cache would otherwise
+find every later point's prompts cached by the first point, and answer them without their
+prefills (a trace's prompts are the trace's, the same at every point).
 """
 
 from __future__ import annotations
@@ -84,8 +88,11 @@ class SweepResult:
         }
 
 
-def build_workload(config: LoadTestConfig, tokens_per_word: float) -> list[RequestSpec]:
-    """The requests every point of ``config`` sends (deterministic given the seed)."""
+def build_workload(
+    config: LoadTestConfig, tokens_per_word: float, point_index: int = 0
+) -> list[RequestSpec]:
+    """The requests point ``point_index`` of ``config`` sends (deterministic given the seed
+    and the salt; only the synthetic prompts' words differ between points)."""
     if config.trace_path:
         return load_trace(
             config.trace_path,
@@ -103,6 +110,7 @@ def build_workload(config: LoadTestConfig, tokens_per_word: float) -> list[Reque
         shared_prefix_len=config.shared_prefix_len,
         num_prefixes=config.num_prefixes,
         cancel_fraction=config.cancel_fraction,
+        text_salt=f"{config.prompt_salt}:{point_index}" if config.prompt_salt or point_index else "",
     )
 
 
@@ -225,7 +233,7 @@ async def arun_sweep(
         measured = None
         if config.calibrate_tokens:
             measured = await tokens_per_word(http, model, config.seed)
-    specs = build_workload(config, measured or 1.0)
+    tokens_per_word_used = measured or 1.0
     options = ClientOptions(
         base_url=config.base_url,
         model=model,
@@ -240,7 +248,8 @@ async def arun_sweep(
         await _warmup(client, config.warmup_requests)
         # Scraped after the warm-up, so "after point 1 - before" covers point 1 alone.
         metrics_before = await scrape_metrics(client.http) if config.scrape_metrics else None
-        for point in config.points():
+        for index, point in enumerate(config.points()):
+            specs = build_workload(config, tokens_per_word_used, index)
             result = await run_point(
                 client, point, specs, config, sample_metrics=metrics_before is not None
             )

@@ -87,6 +87,7 @@ def synthetic_workload(
     shared_prefix_len: int = 0,
     num_prefixes: int = 1,
     cancel_fraction: float = 0.0,
+    text_salt: str = "",
 ) -> list[RequestSpec]:
     """Build a reproducible synthetic workload.
 
@@ -102,6 +103,9 @@ def synthetic_workload(
         num_prefixes: number of distinct shared prefixes.
         cancel_fraction: fraction of requests (chosen at random) that the client abandons
             after a random number of chunks in [1, max_tokens - 1].
+        text_salt: varies the prompts' words (not the shared prefixes) and nothing else:
+            the same seed with another salt gives the same lengths and cancellations over
+            different text, which a server's prefix cache has not seen.
 
     Returns:
         ``num_requests`` specs, indexed 0..n-1.
@@ -114,7 +118,7 @@ def synthetic_workload(
         raise ValueError("shared_prefix_len must be >= 0 and num_prefixes >= 1")
     prompt_lens = prompt_len.sample_many(num_requests, random.Random(f"{seed}:prompt_len"))
     output_lens = output_len.sample_many(num_requests, random.Random(f"{seed}:output_len"))
-    text_rng = random.Random(f"{seed}:prompt_text")
+    text_rng = random.Random(f"{seed}:prompt_text{text_salt}")
     prefix_rng = random.Random(f"{seed}:prefix_text")
     cancel_rng = random.Random(f"{seed}:cancel")
     prefixes = [

@@ -50,6 +50,10 @@ async def test_closed_loop_sweep(fake_server: Callable[..., FakeServer]) -> None
     assert c4 > 1.5 * c1
     # Warm-up is off, so the server saw exactly the measured requests.
     assert len(server.state.bodies) == 48
+    # ... and no prompt twice: a prefix cache would answer a later point's repeats without
+    # their prefills.
+    prompts = [body["prompt"] for body in server.state.bodies]
+    assert len(set(prompts)) == 48
 
 
 async def test_open_loop_rate(fake_server: Callable[..., FakeServer]) -> None:

@@ -26,6 +26,19 @@ def test_same_seed_same_workload() -> None:
     assert [s.prompt for s in different] != [s.prompt for s in make(3)]
 
 
+def test_text_salt_changes_the_words_and_nothing_else() -> None:
+    plain, salted = make(0), make(0, text_salt="point-1")
+    assert make(0, text_salt="") == plain and make(0, text_salt="point-1") == salted
+    assert [(s.prompt_len, s.max_tokens) for s in salted] == [
+        (s.prompt_len, s.max_tokens) for s in plain
+    ]
+    assert all(a.prompt != b.prompt for a, b in zip(plain, salted, strict=True))
+    # Shared prefixes stay shared (they are what a prefix cache is meant to reuse).
+    a = make(0, shared_prefix_len=20)
+    b = make(0, shared_prefix_len=20, text_salt="x")
+    assert a[0].prompt.split()[:20] == b[0].prompt.split()[:20]
+
+
 def test_streams_are_independent() -> None:
     # Changing the output distribution must not change the prompts (separate random streams).
     a = make(0)
