@@ -7,8 +7,8 @@ one sweep per concurrency so that each point's metrics are "after the point minu
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

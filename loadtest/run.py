@@ -101,6 +101,8 @@ def build_workload(
             max_requests=config.num_requests,
             time_scale=config.trace_time_scale,
         )
+    # Point 0 of an unsalted sweep keeps the words it always had.
+    salt = f"{config.prompt_salt}:{point_index}" if config.prompt_salt or point_index else ""
     return synthetic_workload(
         num_requests=config.num_requests,
         prompt_len=LengthDist.parse(config.prompt_len),
@@ -110,7 +112,7 @@ def build_workload(
         shared_prefix_len=config.shared_prefix_len,
         num_prefixes=config.num_prefixes,
         cancel_fraction=config.cancel_fraction,
-        text_salt=f"{config.prompt_salt}:{point_index}" if config.prompt_salt or point_index else "",
+        text_salt=salt,
     )
 
 
