@@ -29,20 +29,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
 from engine.llm import LLM
 from kernels import cpu as cpu_kernels
 from planner.cpu import measure_bandwidth
 from scheduler.request import SamplingParams
 
-# The matmul of each StepKernel entry that is one, by DecoderLayer attribute.
-MATMULS = {
-    "qkv_proj": "qkv_proj",
-    "o_proj": "o_proj",
-    "gate_up_proj": "gate_up_proj",
-    "down_proj": "down_proj",
-}
+# The STEP_KERNELS entries that are matmuls: each is also its DecoderLayer attribute.
+MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass
@@ -130,8 +123,7 @@ def profile_round(
     kernel_s, stack_s = kernels[:n], kernels[n]
     layers = model.layers
     weight_bytes = {
-        name: sum(read_bytes(getattr(layer, attr)) for layer in layers)
-        for name, attr in MATMULS.items()
+        name: sum(read_bytes(getattr(layer, name)) for layer in layers) for name in MATMULS
     }
     kv = kv_bytes_per_step(llm, len(prompt), output_tokens) * len(layers)
     parts = [
@@ -224,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_kernels.load() is None:
         print("the step profile needs the C++ cpu kernels (kernels.cpu)", file=sys.stderr)
         return 1
-    torch.manual_seed(0)
     results = run(configs, args.rounds, args.prompt_tokens, args.output_tokens, args.model)
     if args.out:
         with open(args.out, "w") as f:

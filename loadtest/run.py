@@ -250,8 +250,10 @@ async def arun_sweep(
         await _warmup(client, config.warmup_requests)
         # Scraped after the warm-up, so "after point 1 - before" covers point 1 alone.
         metrics_before = await scrape_metrics(client.http) if config.scrape_metrics else None
+        specs = build_workload(config, tokens_per_word_used)
         for index, point in enumerate(config.points()):
-            specs = build_workload(config, tokens_per_word_used, index)
+            if index and not config.trace_path:  # a trace's prompts are the same every point
+                specs = build_workload(config, tokens_per_word_used, index)
             result = await run_point(
                 client, point, specs, config, sample_metrics=metrics_before is not None
             )

@@ -8,20 +8,14 @@ import pytest
 from benchmarks.step_profile import format_round, read_bytes, run
 from engine import LLM, SamplingParams
 from kernels import cpu as cpu_kernels
-from tests.engine.conftest import make_tiny_llama
+from tests.engine.conftest import tiny_llama_cpu_shapes  # noqa: F401 - a fixture
 
 KERNELS = len(cpu_kernels.STEP_KERNELS)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_llama(
-        tmp_path_factory.mktemp("tiny-profile"),
-        num_kv_heads=2,
-        seed=4,
-        hidden_size=128,
-        intermediate_size=256,
-    )
+@pytest.fixture
+def tiny(tiny_llama_cpu_shapes):  # noqa: F811 - the imported fixture
+    return tiny_llama_cpu_shapes
 
 
 def _generate(llm: LLM) -> list:
