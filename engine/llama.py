@@ -21,6 +21,7 @@ from engine.config import ModelConfig
 from engine.input_batch import InputBatch
 from engine.layer_ops import TorchLayerOps
 from engine.rope import RotaryEmbedding
+from kvpool import host_memory
 
 
 class Linear(nn.Module):
@@ -80,7 +81,8 @@ class Linear(nn.Module):
         1,203 rounds of fast bandwidth periods, 16.48 -> 16.29 in 297 slow ones; the AVX2 build
         10.74 -> 10.35 and 17.26 -> 17.03. The GGUF blocks' matmuls, compute-bound here, neither
         gain nor lose (4.37 vs 4.33 ms over 1,500 rounds). Costs the copies' size once more, for
-        the moment of the move."""
+        the moment of the move. The buffer is on huge pages where the OS gives them
+        (kvpool/host_memory.py)."""
         linears = [m for m in modules if isinstance(m, cls)]
         moved = 0
         for attr in ("_packed", "_quant"):
@@ -90,7 +92,7 @@ class Linear(nn.Module):
             dtypes = {getattr(m, attr).dtype for m in owners}
             assert len(dtypes) == 1, f"{attr} copies of several dtypes: {dtypes}"
             total = sum(getattr(m, attr).numel() for m in owners)
-            buffer = torch.empty(total, dtype=dtypes.pop())
+            buffer = host_memory.zeros((total,), dtypes.pop())  # huge pages: fewer TLB misses
             offset = 0
             for m in owners:
                 t = getattr(m, attr)

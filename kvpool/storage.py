@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpool import host_memory
 from kvpool.config import KVPoolConfig
 
 logger = logging.getLogger(__name__)
@@ -105,13 +106,16 @@ class KVCacheStorage:
         shape = (capacity.num_blocks, capacity.block_size, num_kv_heads, head_dim)
         self.capacity = capacity
         # Zero-filled, not empty: padding rows of a partly filled block are masked by the
-        # kernels, but NaN garbage times a zero weight is still NaN.
-        self.key_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
-        self.value_caches = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
+        # kernels, but NaN garbage times a zero weight is still NaN. On CPU, on huge pages:
+        # attention walks scattered blocks, a TLB miss per 4 KiB page otherwise
+        # (kvpool/host_memory.py).
+        def zeros() -> torch.Tensor:
+            if torch.device(device).type == "cpu":
+                return host_memory.zeros(shape, dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.key_caches = [zeros() for _ in range(num_layers)]
+        self.value_caches = [zeros() for _ in range(num_layers)]
         logger.info("%s", capacity.describe())
 
     @property

@@ -27,8 +27,9 @@ from planner.devices import Device, physical_memory_bytes
 
 CACHE_FILE = "cpu_peaks.json"
 # Bumped when the read probes change: a cached read bandwidth from older probes is measured
-# again (2: the engine's one-row packed matmul joined x.sum() and torch.mv).
-READ_PROBES_VERSION = 2
+# again (2: the engine's one-row packed matmul joined x.sum() and torch.mv; 3: the probes
+# read huge pages, as the engine's weights and KV cache do).
+READ_PROBES_VERSION = 3
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -94,15 +95,19 @@ def measure_bandwidth(
     over packed weights: the latter two are what a batch-1 decode step does with every
     weight, and on some machines they stream memory faster than the reduction (the packed
     product's several streams per thread beat both with one thread here). A peak below what
-    the model itself achieves would report an MBU above 1.
+    the model itself achieves would report an MBU above 1. For the same reason the tensors
+    are on huge pages where the OS gives them, as the engine's weights and KV cache are
+    (``kvpool/host_memory.py``: x.sum() read 27-30 GB/s on 4 KiB pages, 31-33 on 2 MiB).
 
     Returns:
         (read bytes/s, copy bytes/s); copy counts the bytes read plus the bytes written.
     """
     import torch
 
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    y = torch.empty_like(x)
+    from kvpool import host_memory
+
+    x = host_memory.zeros((num_bytes // 4,), torch.float32).fill_(1.0)
+    y = host_memory.zeros((num_bytes // 4,), torch.float32)
     matrix = x.view(-1, 1024)
     vector = torch.ones(1024)
     read_sum = num_bytes / _best_seconds(lambda: x.sum(), repeats, budget_s)
@@ -122,7 +127,10 @@ def _packed_row_read(matrix: Any, repeats: int, budget_s: float) -> float:
     ops = cpu_kernels.load()
     if ops is None:
         return 0.0
+    from kvpool import host_memory
+
     packed = ops.pack_weight(matrix)
+    packed = host_memory.zeros(packed.shape, packed.dtype).copy_(packed)
     row = torch.ones(1, matrix.shape[0])
     n = matrix.shape[1]
     seconds = _best_seconds(lambda: ops.packed_linear(row, packed, n, None), repeats, budget_s)

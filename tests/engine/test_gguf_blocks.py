@@ -139,8 +139,9 @@ def test_matmul_copies_lie_in_one_buffer_in_forward_order(request, engine):
         assert all(c.untyped_storage().data_ptr() == storage.data_ptr() for c in copies)
         starts = [c.storage_offset() for c in copies]
         ends = [start + c.numel() for start, c in zip(starts, copies, strict=True)]
-        assert starts[0] == 0 and starts[1:] == ends[:-1]
-        assert ends[-1] * copies[0].element_size() == storage.nbytes()
+        # The buffer may start inside a larger mapping (huge-page aligned: host_memory).
+        assert starts[1:] == ends[:-1]
+        assert ends[-1] * copies[0].element_size() <= storage.nbytes()
 
 
 def test_gather_cpu_copies_keeps_every_value(ops):
