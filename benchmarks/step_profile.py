@@ -7,10 +7,10 @@
 bandwidth); this says where the difference lies. Each round probes the machine's read
 bandwidth (``planner.cpu.measure_bandwidth``), then decodes one request on the bare engine
 (no HTTP: nothing else shares the cores) with the fused C++ stack's step profile on, and
-prints for every kernel of a decoder layer, for the head and for the rest of the step: its
-time a step, the bytes it reads, the rate it reads them at, and that rate as a fraction of
-the probe's. A matmul well below the probe's rate is streaming badly; a kernel that reads
-little but takes long is latency- or compute-bound.
+prints for every kernel of a decoder layer, for the final norm and head and for the rest
+of the step: its time a step, the bytes it reads, the rate it reads them at, and that rate
+as a fraction of the probe's. A matmul well below the probe's rate is streaming badly; a
+kernel that reads little but takes long is latency- or compute-bound.
 
 The probe runs between rounds, not during them: the bandwidth this kind of shared machine
 gives moves from minute to minute, so compare a round with its own probe.
@@ -83,25 +83,10 @@ def profile_round(
     engine = llm.engine
     model = engine.model
     ops = cpu_kernels.load()
-    head_s = 0.0
-    started = 0.0
-
-    def head_start(module: Any, args: Any) -> None:
-        nonlocal started
-        started = time.perf_counter()
-
-    def head_end(module: Any, args: Any, out: Any) -> None:
-        nonlocal head_s
-        head_s += time.perf_counter() - started
-
     engine.add_request(
         tag, prompt, SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
     )
     engine.step()  # the prefill (and the first token): not a decode step
-    hooks = [
-        model.lm_head.register_forward_pre_hook(head_start),
-        model.lm_head.register_forward_hook(head_end),
-    ]
     ops.step_profile(True)
     forward_s = wall_s = 0.0
     steps = 0
@@ -117,27 +102,25 @@ def profile_round(
         kernels = ops.step_profile_read().tolist()
     finally:
         ops.step_profile(False)
-        for hook in hooks:
-            hook.remove()
     n = len(cpu_kernels.STEP_KERNELS)
     kernel_s, stack_s = kernels[:n], kernels[n]
     layers = model.layers
     weight_bytes = {
         name: sum(read_bytes(getattr(layer, name)) for layer in layers) for name in MATMULS
     }
+    # A decode step's stack ends with the final norm and the head (decoder_layer.cpp).
+    weight_bytes["head"] = read_bytes(model.lm_head)
     kv = kv_bytes_per_step(llm, len(prompt), output_tokens) * len(layers)
     parts = [
         Part(name, seconds / steps, weight_bytes.get(name, kv if name == "attention" else None))
         for name, seconds in zip(cpu_kernels.STEP_KERNELS, kernel_s, strict=True)
     ]
-    # The stack's own time: its step buffers and the loop over layers.
+    # The stack's own time: the embedding and RoPE lookups, its buffers, the loop over layers.
     parts.append(Part("stack between kernels", (stack_s - sum(kernel_s)) / steps))
-    head_bytes = read_bytes(model.lm_head)
-    parts.append(Part("lm_head", head_s / steps, head_bytes))
-    # Embedding, RoPE rows, attention plan, the stack call's Python side, the final norm.
-    parts.append(Part("rest of the forward", (forward_s - stack_s - head_s) / steps))
+    # The attention plan and the stack call's Python side.
+    parts.append(Part("rest of the forward", (forward_s - stack_s) / steps))
     parts.append(Part("outside the forward", (wall_s - forward_s) / steps))
-    step_bytes = sum(weight_bytes.values()) + kv + head_bytes
+    step_bytes = sum(weight_bytes.values()) + kv
     float32_bytes = sum(p.numel() * 4 for p in model.parameters())
     return Round(
         matmul_weights=engine.matmul_weights,

@@ -89,6 +89,9 @@ class CpuLayerOps(TorchLayerOps):
         # The model's fused_weights() list and the C++ object holding the same tensors,
         # made again when the model's list is a new one (a matmul got another copy).
         self._stack_weights: tuple[list[torch.Tensor | None], Any] | None = None
+        # The KV cache's lists (kvpool's KVCacheStorage owns them; they never change) and
+        # the C++ object holding them.
+        self._stack_caches: tuple[list[torch.Tensor], list[torch.Tensor], Any] | None = None
 
     def rms_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         return self._ops.rms_norm(x.contiguous(), norm.weight, norm.eps)
@@ -133,21 +136,35 @@ class CpuLayerOps(TorchLayerOps):
             self._stack_weights = (weights, torch.classes.pagedserve_cpu.StackWeights(weights))
         return self._stack_weights[1]
 
+    def stack_caches(self, key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]) -> Any:
+        """The cache lists as the C++ stack's caches object, made once: as two lists, the
+        default model's 60 tensors were converted on every call."""
+        held = self._stack_caches
+        if held is None or held[0] is not key_caches or held[1] is not value_caches:
+            obj = torch.classes.pagedserve_cpu.StackCaches(key_caches, value_caches)
+            held = self._stack_caches = (key_caches, value_caches, obj)
+        return held[2]
+
     def decoder_layers(
         self,
         model: LlamaForCausalLM,
-        x: torch.Tensor,  # [num_tokens, hidden]: the embeddings
         batch: InputBatch,
-        rope: tuple[torch.Tensor, torch.Tensor],
         plan: AttentionPlan,
         key_caches: list[torch.Tensor],
         value_caches: list[torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every ``layer(x, residual, ...)`` of ``model`` in turn, as one C++ call running
-        the same kernels in the same order (bitwise the same result): on 2 cores the Python
-        glue between a layer's kernels, then between layers, cost ~12% and then ~20% of a
-        batch-1 decode step. Needs the cpu attention backend's per-token plan
-        (``plan.row_block_tables``). Returns the last layer's (output, residual stream).
+        *,
+        logits: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The embeddings of ``batch.input_ids``, then every ``layer(x, residual, ...)`` of
+        ``model`` in turn, as one C++ call running the same kernels in the same order (bitwise
+        the same result): on 2 cores the Python glue between a layer's kernels, then between
+        layers, cost ~12% and then ~20% of a batch-1 decode step. Needs the cpu attention
+        backend's per-token plan (``plan.row_block_tables``).
+
+        Returns ``(out, residual, is_logits)``: with ``logits`` (every row is its sequence's
+        last token) and a head the stack can run as the model would, ``out`` is the float32
+        logits of every row (the final norm and the head ran in the call); else it is the
+        last layer's output, with the residual stream.
 
         A step of more rows than a pass takes runs in passes over consecutive rows.
         NOTE: that is exact attention, as chunked prefill is: every row attends through its
@@ -160,30 +177,47 @@ class CpuLayerOps(TorchLayerOps):
                       p0's last two rows (pass 1) read its first four from the cache.
         """
         layer = model.layers[0]
-        t, head_dim = x.shape[0], layer.head_dim
-        cos, sin = rope
-        cos, sin = cos.view(t, head_dim), sin.view(t, head_dim)
+        eps = layer.input_norm.eps
+        # The stack's head is the model's when it norms with the layers' eps and the head
+        # has its packed copy (then both run the same C++ linear).
+        logits = logits and model.norm.eps == eps and model.lm_head.packed is not None
         weights = self.stack_weights(model)
+        caches = self.stack_caches(key_caches, value_caches)
         assert plan.row_block_tables is not None and plan.row_seq_lens is not None
+        args = (
+            batch.input_ids,
+            batch.positions,
+            batch.slot_mapping,
+            plan.row_block_tables,
+            plan.row_seq_lens,
+        )
+        t = batch.input_ids.shape[0]
         rows = self.rows_per_pass or self._panel_rows
+        # One pass (every decode step): the step's own tensors, no slicing.
+        if t <= rows:
+            spans = [args]
+        else:
+            spans = [tuple(a[i : i + rows] for a in args) for i in range(0, t, rows)]
         passes = [
             self._ops.decoder_layers(
-                x[start : start + rows],
+                ids,
+                positions,
                 weights,
-                key_caches,
-                value_caches,
-                cos[start : start + rows],
-                sin[start : start + rows],
-                batch.slot_mapping[start : start + rows],
-                plan.row_block_tables[start : start + rows],
-                plan.row_seq_lens[start : start + rows],
+                caches,
+                model.rope.cos,
+                model.rope.sin,
+                slots,
+                tables,
+                lens,
                 layer.num_heads,
                 layer.num_kv_heads,
-                layer.input_norm.eps,
+                eps,
                 model.attention.scale,
+                logits,
             )
-            for start in range(0, t, rows)
+            for ids, positions, slots, tables, lens in spans
         ]
         if len(passes) == 1:
-            return passes[0]
-        return torch.cat([out for out, _ in passes]), torch.cat([res for _, res in passes])
+            return passes[0][0], passes[0][1], logits
+        out = torch.cat([o for o, _ in passes])
+        return out, torch.cat([res for _, res in passes]), logits

@@ -225,13 +225,18 @@ class LlamaForCausalLM(nn.Module):
         self._fused_weights: tuple[int, list[torch.Tensor | None]] | None = None
 
     def fused_weights(self) -> list[torch.Tensor | None]:
-        """Every layer's ``DecoderLayer.fused_weights``, layer after layer: the ``weights``
-        argument of the fused C++ stack. Built once and kept (30 layers' lists cost ~0.6 ms
-        to gather, a twentieth of a batch-1 step); rebuilt when a matmul got a packed copy or
-        GGUF blocks since (``Linear.generation``). Parameters are updated in place (``load_*``
-        copies into them), so the tensors listed stay the model's."""
+        """Every layer's ``DecoderLayer.fused_weights``, layer after layer, then the model's
+        own: the embedding, the final norm, and the head's weight, packed copy, GGUF blocks
+        and bias (decoder_layer.cpp, enum HeadSlot). The ``weights`` of the fused C++ stack.
+        Built once and kept (30 layers' lists cost ~0.6 ms to gather, a twentieth of a
+        batch-1 step); rebuilt when a matmul got a packed copy or GGUF blocks since
+        (``Linear.generation``). Parameters are updated in place (``load_*`` copies into
+        them), so the tensors listed stay the model's."""
         if self._fused_weights is None or self._fused_weights[0] != Linear.generation:
             weights = [w for layer in self.layers for w in layer.fused_weights()]
+            head = self.lm_head
+            weights += [self.embed_tokens.weight, self.norm.weight]
+            weights += [head.weight, head.packed, head.quantized, head.bias]
             self._fused_weights = (Linear.generation, weights)
         return self._fused_weights[1]
 
@@ -244,15 +249,21 @@ class LlamaForCausalLM(nn.Module):
         ],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
         value_caches: list[torch.Tensor],
     ) -> torch.Tensor:  # [num_samples, vocab] float32
-        x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
-        rope = self.rope.lookup(batch.positions, x.dtype)
         _, block_size, num_kv_heads, _ = key_caches[0].shape
         plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
-        if self.ops.fuses_layers:  # the cpu ops run every layer in one C++ call
-            x, residual = self.ops.decoder_layers(
-                self, x, batch, rope, plan, key_caches, value_caches
+        if self.ops.fuses_layers:
+            # The C++ stack also looks up the embeddings and RoPE rows, and in a decode-only
+            # step (every row is its sequence's last token) ends with the final norm and the
+            # head: each Python-level op here costs tens of microseconds once the weights
+            # have streamed through the caches (decoder_layer.cpp).
+            x, residual, is_logits = self.ops.decoder_layers(
+                self, batch, plan, key_caches, value_caches, logits=batch.logits_are_all_rows
             )
+            if is_logits:
+                return x
         else:
+            x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+            rope = self.rope.lookup(batch.positions, x.dtype)
             residual = None
             for layer, key_cache, value_cache in zip(
                 self.layers, key_caches, value_caches, strict=True

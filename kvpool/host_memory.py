@@ -55,9 +55,7 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < MIN_BYTES or not enabled():
         return torch.zeros(tuple(shape), dtype=dtype)
     # One huge page more than asked, so a 2 MiB-aligned start can be chosen inside.
-    region = mmap.mmap(
-        -1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    )
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:

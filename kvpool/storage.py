@@ -105,6 +105,7 @@ class KVCacheStorage:
     ) -> None:
         shape = (capacity.num_blocks, capacity.block_size, num_kv_heads, head_dim)
         self.capacity = capacity
+
         # Zero-filled, not empty: padding rows of a partly filled block are masked by the
         # kernels, but NaN garbage times a zero weight is still NaN. On CPU, on huge pages:
         # attention walks scattered blocks, a TLB miss per 4 KiB page otherwise

@@ -40,7 +40,7 @@ _SOURCES = (
 )
 # The kernels of one decoder layer, in the order the fused stack runs them and its step
 # profile (``step_profile`` / ``step_profile_read``, decoder_layer.cpp: enum StepKernel)
-# reports them.
+# reports them, then the final norm and head the stack ends with in a decode-only step.
 STEP_KERNELS = (
     "input_norm",
     "qkv_proj",
@@ -51,6 +51,7 @@ STEP_KERNELS = (
     "gate_up_proj",
     "silu_mul",
     "down_proj",
+    "head",
 )
 _lock = threading.Lock()
 _state: dict[str, Any] = {}

@@ -53,7 +53,7 @@ def test_stack_weights_object_is_made_once_and_again_when_the_model_list_changes
     model, layer_ops = llm.engine.model, llm.engine.model.ops
     first = layer_ops.stack_weights(model)
     assert layer_ops.stack_weights(model) is first
-    assert first.size() == 18 * len(model.layers)
+    assert first.size() == 18 * len(model.layers) + 6  # then embedding, final norm, head
     o_proj = model.layers[0].o_proj
     o_proj.pack_for_cpu(o_proj._cpu_ops)  # a new packed copy: the model lists it anew
     again = layer_ops.stack_weights(model)
@@ -74,7 +74,6 @@ def test_benchmark_round_accounts_for_the_step(ops, tiny):
     assert names[:KERNELS] == list(cpu_kernels.STEP_KERNELS)
     assert names[KERNELS:] == [
         "stack between kernels",
-        "lm_head",
         "rest of the forward",
         "outside the forward",
     ]
@@ -84,6 +83,8 @@ def test_benchmark_round_accounts_for_the_step(ops, tiny):
     layers = llm.engine.model.layers
     qkv = next(p for p in r.parts if p.name == "qkv_proj")
     assert qkv.bytes == sum(read_bytes(layer.qkv_proj) for layer in layers)
+    head = next(p for p in r.parts if p.name == "head")
+    assert head.bytes == read_bytes(llm.engine.model.lm_head) and head.seconds > 0
     assert r.floor_s == pytest.approx((sum(p.bytes for p in r.parts if p.bytes)) / 10e9)
     text = format_round(r)
     assert "float32 weights, probe 10.0 GB/s, 4 decode steps" in text

@@ -19,11 +19,11 @@ def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list,
     calls = rows = 0
     original = CpuLayerOps.decoder_layers
 
-    def counting(self, model, x, *args, **kwargs):
+    def counting(self, model, batch, *args, **kwargs):
         nonlocal calls, rows
         calls += 1
-        rows = max(rows, x.shape[0])
-        return original(self, model, x, *args, **kwargs)
+        rows = max(rows, batch.input_ids.shape[0])
+        return original(self, model, batch, *args, **kwargs)
 
     with monkeypatch.context() as m:
         m.setattr(CpuLayerOps, "fuses_layers", fused)
@@ -98,7 +98,7 @@ def test_model_keeps_the_stacks_weight_list_until_a_matmul_changes(tmp_path):
     model = LLM(str(path), attention_backend="cpu").engine.model
     first = model.fused_weights()
     assert model.fused_weights() is first
-    assert len(first) == 18 * len(model.layers)
+    assert len(first) == 18 * len(model.layers) + 6  # then embedding, final norm, head
     o_proj = model.layers[1].o_proj
     assert first[18 + 7] is o_proj.packed  # layer 1, slot kOPacked
     o_proj.pack_for_cpu(o_proj._cpu_ops)
@@ -140,9 +140,9 @@ class _CountingOps:
     def __getattr__(self, name):
         return getattr(self._ops, name)
 
-    def decoder_layers(self, x, *args):
-        self.stack_rows.append(x.shape[0])
-        return self._ops.decoder_layers(x, *args)
+    def decoder_layers(self, input_ids, *args):
+        self.stack_rows.append(input_ids.shape[0])
+        return self._ops.decoder_layers(input_ids, *args)
 
 
 def test_step_in_passes_matches_the_step_in_one_pass(tmp_path, monkeypatch):

@@ -60,12 +60,22 @@ struct StackWeights : torch::CustomClassHolder {
   int64_t size() const { return int64_t(w.size()); }
 };
 
-// Every layer of the model.
+// The KV cache's per-layer tensors, converted from Python once, for the same reason: as two
+// Tensor[] arguments, the default model's 60 cache tensors were converted on every call.
+struct StackCaches : torch::CustomClassHolder {
+  c10::List<at::Tensor> k, v;
+  StackCaches(c10::List<at::Tensor> key_caches, c10::List<at::Tensor> value_caches)
+      : k(std::move(key_caches)), v(std::move(value_caches)) {}
+  int64_t size() const { return int64_t(k.size()); }
+};
+
+// The model from token ids to the last layer's output and residual stream, or with `logits`
+// on to the logits of every row (decoder_layer.cpp).
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    const at::Tensor& x, const c10::intrusive_ptr<StackWeights>& weights, at::TensorList key_caches,
-    at::TensorList value_caches, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads,
-    double eps, double scale);
+    const at::Tensor& input_ids, const at::Tensor& positions, const c10::intrusive_ptr<StackWeights>& weights,
+    const c10::intrusive_ptr<StackCaches>& caches, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+    int64_t num_kv_heads, double eps, double scale, bool logits);
 // The step profile of decoder_layers (decoder_layer.cpp): on/off (either resets it), and
 // read: seconds per kernel summed since the last read, then the seconds of whole
 // decoder_layers calls, then the layer calls timed; resets.

@@ -28,9 +28,14 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.class_<pagedserve_cpu::StackWeights>("StackWeights")
       .def(torch::init<c10::List<c10::optional<at::Tensor>>>())
       .def("size", &pagedserve_cpu::StackWeights::size);
-  m.def("decoder_layers(Tensor x, __torch__.torch.classes.pagedserve_cpu.StackWeights weights, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
-        "Tensor cos, Tensor sin, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "int num_heads, int num_kv_heads, float eps, float scale) -> (Tensor, Tensor)");
+  m.class_<pagedserve_cpu::StackCaches>("StackCaches")
+      .def(torch::init<c10::List<at::Tensor>, c10::List<at::Tensor>>())
+      .def("size", &pagedserve_cpu::StackCaches::size);
+  // The caches object's tensors are written (K/V of the step's tokens).
+  m.def("decoder_layers(Tensor input_ids, Tensor positions, __torch__.torch.classes.pagedserve_cpu.StackWeights weights, "
+        "__torch__.torch.classes.pagedserve_cpu.StackCaches caches, Tensor cos_table, Tensor sin_table, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "int num_heads, int num_kv_heads, float eps, float scale, bool logits) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
