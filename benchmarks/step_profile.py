@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from engine.cost import StepCostModel
 from engine.llm import LLM
 from kernels import cpu as cpu_kernels
 from planner.cpu import measure_bandwidth
@@ -121,7 +122,10 @@ def profile_round(
     parts.append(Part("rest of the forward", (forward_s - stack_s) / steps))
     parts.append(Part("outside the forward", (wall_s - forward_s) / steps))
     step_bytes = sum(weight_bytes.values()) + kv
-    float32_bytes = sum(p.numel() * 4 for p in model.parameters())
+    # benchmarks.speed's decode floor: the float32 layers, final norm and head (the embedding
+    # table is not streamed: a step reads one row of it).
+    cost = StepCostModel.from_config(engine.model_config, dtype_bytes=4)
+    float32_bytes = cost.body_weight_bytes + cost.lm_head_bytes
     return Round(
         matmul_weights=engine.matmul_weights,
         bandwidth_bytes_s=bandwidth,
