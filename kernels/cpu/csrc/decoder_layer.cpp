@@ -161,13 +161,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const auto called = std::chrono::steady_clock::now();
   const size_t head = layers * kNumSlots;
   const at::Tensor x = w.get(head + kEmbed)->index_select(0, input_ids);  // [t, hidden]
-  at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
-  if (cos.scalar_type() != x.scalar_type()) {
-    cos = cos.to(x.scalar_type());
-    sin = sin.to(x.scalar_type());
-  }
-  const at::Tensor first_cache = caches->k.get(0);
-  const int64_t head_dim = first_cache.size(-1);
+  // The tables are float32, as the model on these kernels is (rope_and_store_ checks).
+  const at::Tensor cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
+  const int64_t head_dim = caches->k.get(0).size(-1);
   Buffers b(x, w, num_heads, head_dim);
   // The first layer has no residual stream yet: it starts as the embeddings themselves.
   at::Tensor residual = x;
