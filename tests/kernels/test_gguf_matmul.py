@@ -2,8 +2,9 @@
 
 gguf-py's de-quantizer is what ``transformers`` loads a GGUF checkpoint with, so it is the
 oracle: packed blocks must de-quantize to exactly its float32 values, and ``quant_linear``
-must multiply by them (up to summation order). ``linear`` must pick the blocks for 1 to
-``max_quant_rows()`` rows (24 with AVX-512, 12 with AVX2), the float32 panels up to
+must multiply by them (up to summation order, and with integer dot products x's rounding to
+22 bits below its 32-block's largest element: gemm_q.cpp). ``linear`` must pick the blocks for 1 to
+``max_quant_rows()`` rows (64 with AVX-512 VNNI, 24 with AVX-512, 12 with AVX2), the float32 panels up to
 ``max_packed_rows()`` (256, 64 with AVX2) and the library above.
 """
 
@@ -41,7 +42,7 @@ def _dequantized(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
 def test_dequantize_panels_matches_gguf_bitwise(ops, qtype, n, k):
     raw = _blocks(qtype, n, k, seed=n + k)
     panels = ops.pack_gguf(torch.from_numpy(raw), int(qtype), k)
-    nb = ops.panel_width()  # 64 columns with AVX-512, 16 with AVX2
+    nb = ops.quant_panel_width()  # 16 with integer dot products, else panel_width()
     assert panels.dtype == torch.uint8 and panels.shape[:2] == ((n + nb - 1) // nb, k // 32)
     got = ops.dequantize_panels(panels, n)
     want = _dequantized(raw, qtype)
@@ -171,9 +172,28 @@ def test_panel_width_follows_the_build_target(ops, cpu_flags):
 
 
 def test_max_quant_rows_follows_the_vector_width(ops):
-    # 24 rows with AVX-512 (64-column panels), 12 with AVX2 or less (16-column panels): the
-    # crossovers measured in gemm.cpp. The test above checks linear() keeps to it.
-    assert ops.max_quant_rows() == (24 if ops.panel_width() == 64 else 12)
+    # 64 rows with integer dot products (16-column block panels, AVX-512 VNNI), else 24 with
+    # AVX-512 (64-column panels), 12 with AVX2 or less (16-column panels): the crossovers
+    # measured in gemm.cpp. The test above checks linear() keeps to it.
+    if ops.quant_panel_width() < ops.panel_width():
+        assert ops.max_quant_rows() == 64
+    else:
+        assert ops.max_quant_rows() == (24 if ops.panel_width() == 64 else 12)
+
+
+def test_quant_panel_width_follows_the_build_target(ops, cpu_flags):
+    # Integer dot products (one-vector panels) only where the build has AVX-512 VNNI.
+    from kernels import cpu
+
+    if cpu.march_flag() != "native":
+        assert ops.quant_panel_width() == ops.panel_width()  # the targets CI builds: no VNNI
+    elif not cpu_flags:
+        pytest.skip("no /proc/cpuinfo to tell what native is")
+    elif {"avx512f", "avx512_vnni"} <= set(cpu_flags):
+        assert ops.quant_panel_width() == 16
+    elif "avx512f" in cpu_flags:
+        assert ops.quant_panel_width() == 64
+
 
 
 def test_pack_gguf_rejects_bad_input(ops):

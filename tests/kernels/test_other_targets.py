@@ -2,7 +2,8 @@
 
 The kernels have three vector paths chosen at compile time by ``-march``: AVX-512 (16-float
 vectors, 64-column panels), AVX2 (8 floats, 16 columns, smaller tiles) and the portable one
-(4 floats, no intrinsics). ``-march=native`` tests only the machine's own, so a developer's
+(4 floats, no intrinsics); the GGUF-block matmul also has an integer path (AVX-512 VNNI)
+beside its float one. ``-march=native`` tests only the machine's own, so a developer's
 AVX-512 machine never runs the AVX2 code that most 2-core cloud machines run, and the
 reverse. Here the kernel tests run again in a subprocess against an extension built with
 ``PAGEDSERVE_CPU_MARCH`` for each target the CPU can execute, other than the one native
@@ -25,6 +26,8 @@ X86 = platform.machine() in ("x86_64", "AMD64")
 # (target, the flags the CPU needs to run it, the flag whose absence makes a native build
 # already this target)
 TARGETS = [
+    # AVX-512 without VNNI: the GGUF-block matmul's float path on 64-column panels.
+    ("x86-64-v4", {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}, "avx512_vnni"),
     ("x86-64-v3", {"avx2", "fma", "bmi2"}, "avx512f"),
     ("x86-64", set(), "avx2"),
 ]

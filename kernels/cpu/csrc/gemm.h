@@ -22,6 +22,15 @@ constexpr int NB = kRegs == 32 ? 64 : 16;
 constexpr int NV = NB / kVec;  // vectors per panel row
 static_assert(NB % kVec == 0, "a panel row is whole vectors");
 
+// Whether the GGUF-block matmul multiplies with integer dot products (gemm_q.cpp says how),
+// and the width of its panels: one vector where it does, NB where it de-quantizes to float.
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
+constexpr bool kIntDot = true;
+#else
+constexpr bool kIntDot = false;
+#endif
+constexpr int NBQ = kIntDot ? kVec : NB;
+
 // The bias padded with zeros to the panels' NP >= N columns (undefined tensor: no bias).
 at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t N, int64_t NP);
 

@@ -1,5 +1,5 @@
-// Matmul against the checkpoint's own GGUF blocks (Q4_0, Q4_1, Q8_0), de-quantized inside
-// the kernel to exactly the float32 weights everything else multiplies by.
+// Matmul against the checkpoint's own GGUF blocks (Q4_0, Q4_1, Q8_0), for batches of 1 to
+// max_quant_rows() rows.
 //
 // Why: the default checkpoint ships its matmul weights as Q4_1 (5 bits a weight) and its tied
 // embedding as Q8_0 (8.5); the engine runs on the float32 values `transformers` de-quantizes
@@ -7,25 +7,44 @@
 // packed below at 6 (Q4) or 9 (Q8) bits a weight, instead of the floats moves 4.8x fewer bytes
 // for the same products (112 MB instead of 538).
 //
-// Exactness, the invariant this file keeps: a Q4 weight is d * q + m with d, m float16 and
-// q in 0..15, a Q8 weight is d * q with q in -128..127. d * q needs at most 11 + 8 significant
-// bits, so it is exact in float32, and d * q + m is then one rounding whether or not the
-// compiler fuses it into an FMA: the same float32 value gguf-py's de-quantizer computes.
-// Q4_0 (d * (q - 8)) is stored as Q4_1 with m = -8 d: d * q exact, -8 d exact, and the exact
-// sum d * (q - 8) is representable, so also no rounding (a zero weight under a negative d
-// comes out +0.0 where gguf-py has -0.0; they compare equal and multiply to the same sums).
-// So a product here differs from the float32 kernel's only in summation order, as any two
-// matmul libraries do. Linear's loader
-// checks the claim on every tensor (dequantize_panels == the float32 weight, bitwise) before
-// it uses this path.
+// The weights, the invariant this file keeps: a Q4 weight is d * q + m with d, m float16 and
+// q in 0..15, a Q8 weight is d * q with q in -128..127, exactly gguf-py's de-quantized float32
+// values. d * q needs at most 11 + 8 significant bits, so it is exact in float32, and d * q + m
+// is then one rounding whether or not the compiler fuses it into an FMA. Q4_0 (d * (q - 8)) is
+// stored as Q4_1 with m = -8 d: d * q exact, -8 d exact, and the exact sum d * (q - 8) is
+// representable, so also no rounding (a zero weight under a negative d comes out +0.0 where
+// gguf-py has -0.0; they compare equal and multiply to the same sums). Linear's loader checks
+// the claim on every tensor (dequantize_panels == the float32 weight, bitwise) before it uses
+// this path.
 //
-// Panels, like the float32 kernel's, are NB output columns wide (64 with AVX-512, 16 with
-// AVX2: gemm.h), and each holds its K range in blocks of 32 (the GGUF block), so a panel is
-// one contiguous stream:
-//   q4 block (24 NB bytes): float d[NB], float m[NB], uint8 q[16][NB]; q[j][c] holds column
-//      c's values at k = j (low nibble) and k = j + 16 (high nibble), as a GGUF Q4 block does;
-//   q8 block (36 NB bytes): float d[NB], int8 q[32][NB].
-// The packed tensor is uint8 [ceil(N / NB), K / 32, block bytes]; its last size names the
+// Two ways to multiply by them, picked by the build's target:
+//
+// - Integer dot products (AVX-512 VNNI, or AVX-VNNI): one vpdpbusd multiplies 4 byte pairs
+//   per lane and adds them to an int32, 64 products an instruction, where de-quantizing to
+//   float costs a widen, a convert and an FMA per 16 weights before the product's own FMA.
+//   A one-row step de-quantizing to float was compute-bound (~25 GB/s of blocks against a
+//   33-60 GB/s memory). x is not rounded to 8 bits, as llama.cpp does (that changes greedy
+//   output): each 32-element block of a row is scaled by a power of two 2^e so that its
+//   largest |x| is in [2^21, 2^22), rounded to the integer X = round(x 2^e), and split into
+//   three signed base-256 digits, X = D0 + 256 D1 + 65536 D2. Then per block and column
+//     sum_k q_k X_k = S0 + 256 S1 + 65536 S2,   S_t = sum_k q_k D_t,k   (exact in int32),
+//   scaled back by d 2^-e (and + m sum_k x~_k for Q4's offset). The only rounding beyond a
+//   float32 matmul's is x's, to 22 bits below its block's largest element (|x~ - x| <=
+//   2^-22 max|x|, about a float32 ulp of that element times 2-4), of the order of the float32
+//   summation's own error; the parity tests hold greedy output to transformers' token for
+//   token.
+// - Float (other targets): each weight de-quantized to its float32 value in registers, then
+//   FMAs; a product differs from the float32 kernel's only in summation order.
+//
+// Panels are NBQ output columns wide (one vector, 16 columns, with integer dot products; the
+// float32 kernel's NB otherwise: gemm.h) and hold their K range in blocks of 32 (the GGUF
+// block), so a panel is one contiguous stream. In a block, byte t of lane c of group g is
+// column c's weight at k = 4 g + t, the order vpdpbusd sums in:
+//   q4 block (24 NBQ bytes): float d[NBQ], float m[NBQ], uint8 q[4][NBQ][4]: low nibble
+//      k = 4 g + t, high nibble k = 16 + 4 g + t (the nibble pairs of a GGUF Q4 block);
+//   q8 block (36 NBQ bytes): float d[NBQ], uint8 (q + 128)[8][NBQ][4] (unsigned, the operand
+//      vpdpbusd takes unsigned; the 128 is taken back in integers: see int_tile).
+// The packed tensor is uint8 [ceil(N / NBQ), K / 32, block bytes]; its last size names the
 // format. Scales are kept as float32 (not float16) so the inner loop converts only q.
 
 #include <ATen/ATen.h>
@@ -33,7 +52,9 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "gemm.h"
@@ -45,31 +66,16 @@ namespace pagedserve_cpu {
 namespace {
 
 constexpr int QB = 32;  // GGUF block length along K
-constexpr int64_t kQ4Block = 2 * NB * 4 + (QB / 2) * NB;
-constexpr int64_t kQ8Block = NB * 4 + QB * NB;
+constexpr int NVQ = NBQ / kVec;  // vectors per panel row
+constexpr int64_t kQ4Block = 2 * NBQ * 4 + (QB / 2) * NBQ;
+constexpr int64_t kQ8Block = NBQ * 4 + QB * NBQ;
+constexpr int64_t kGroupBytes = NBQ * 4;  // one group of 4 k for every column of a panel
 // ggml type ids
 constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
 
-// kVec bytes widened to kVec int32 lanes, as unsigned (q4 nibble pairs) or signed (q8)
-// bytes. Written with intrinsics: GCC 12 lowers __builtin_convertvector from a byte vector
-// to one insert per lane.
-template <bool Signed>
-static inline vi32 widen8(const uint8_t* p) {
-#if defined(__AVX512F__)
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<vi32>(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
-#elif defined(__AVX2__)
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return reinterpret_cast<vi32>(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
-#else
-  vi32 r;
-  for (int i = 0; i < kVec; ++i) r[i] = Signed ? static_cast<int8_t>(p[i]) : p[i];
-  return r;
-#endif
-}
+typedef int32_t vi32u __attribute__((vector_size(kVec * 4), aligned(1), may_alias));
+static inline vi32 load_i32(const uint8_t* p) { return *reinterpret_cast<const vi32u*>(p); }
 static inline vf to_f(vi32 v) { return __builtin_convertvector(v, vf); }
-static inline vi32 load_u8(const uint8_t* p) { return widen8<false>(p); }
-static inline vf load_s8(const uint8_t* p) { return to_f(widen8<true>(p)); }
 
 static inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -84,70 +90,210 @@ bool checked_q4(const at::Tensor& panels) {
   return panels.size(2) == kQ4Block;
 }
 
-// The one definition of a weight from its block, for the matmul and for dequantize_panels
-// alike: the loader's bitwise check of dequantize_panels then vouches for what the matmul
-// multiplies by. Columns kVec v .. kVec (v + 1) - 1 of byte row j; a q4 byte row holds k = j (lo)
-// and k = j + 16 (hi).
-static inline void q4_weights(const uint8_t* blk, int j, int v, vf& lo, vf& hi) {
+// The one definition of a weight from its block, for the float matmul and for
+// dequantize_panels alike: the loader's bitwise check of dequantize_panels then vouches for
+// what the matmuls multiply by (the integer path multiplies by the same d, q and m). Columns
+// kVec v .. kVec (v + 1) - 1 of group g; w[t] is k = 4 g + t (q4: lo[t] that, hi[t] k + 16).
+static inline void q4_weights(const uint8_t* blk, int g, int v, vf (&lo)[4], vf (&hi)[4]) {
   const float* d = reinterpret_cast<const float*>(blk);
-  const vi32 z = load_u8(blk + 2 * NB * 4 + j * NB + kVec * v);
-  const vf dv = vload(d + kVec * v), mv = vload(d + NB + kVec * v);
-  lo = to_f(z & 15) * dv + mv;
-  hi = to_f(z >> 4) * dv + mv;
+  const vi32 z = load_i32(blk + 2 * NBQ * 4 + g * kGroupBytes + kVec * 4 * v);
+  const vf dv = vload(d + kVec * v), mv = vload(d + NBQ + kVec * v);
+  for (int t = 0; t < 4; ++t) {
+    lo[t] = to_f((z >> (8 * t)) & 15) * dv + mv;
+    hi[t] = to_f((z >> (8 * t + 4)) & 15) * dv + mv;
+  }
 }
-static inline vf q8_weight(const uint8_t* blk, int j, int v) {
-  return load_s8(blk + NB * 4 + j * NB + kVec * v) * vload(reinterpret_cast<const float*>(blk) + kVec * v);
+static inline void q8_weights(const uint8_t* blk, int g, int v, vf (&w)[4]) {
+  const vi32 z = load_i32(blk + NBQ * 4 + g * kGroupBytes + kVec * 4 * v);
+  const vf dv = vload(reinterpret_cast<const float*>(blk) + kVec * v);
+  for (int t = 0; t < 4; ++t) w[t] = to_f(((z >> (8 * t)) & 255) - 128) * dv;
 }
 
-// How many panels one row walks in lockstep (streams from memory at once), and how many rows
-// share a panel's de-quantized weights, so that the accumulators (P x R x NV vectors), the
-// scales and the weights being de-quantized stay in registers.
-// - One row: 4 panels of Q8 blocks (the default model's tied lm_head, 32 MB): with 2 it read
-//   at ~14 GB/s; 4 gave 1.24x on AVX-512 and 1.06x on AVX2 (one run, paired medians of 21).
-//   Q4's heavier de-quantization leaves less to gain: 4 panels gave 1.03x over the model's
-//   Q4 matmuls on AVX-512, and lost ~4% on AVX2 (16 registers), which keeps 2.
-// - Rows per tile: 6 with AVX-512's 32 registers; with AVX2's 16, 4 (over the default model's
-//   matmuls, AVX2 build: 16 rows 75.6 ms with 4, 82.7 with 3, 98.1 with 2; 4 rows 21.5 / 26.1
-//   / 28.6 ms).
-constexpr int kQ8RowStreams = 4;
-constexpr int kQ4RowStreams = kRegs == 32 ? 4 : 2;
-constexpr int kQuantRowTile = kRegs == 32 ? 6 : 4;
+// x's rows as the integer path reads them (file comment): per row and 32-block, the three
+// base-256 digits of X, lowest first, and what turns integer sums back into floats.
+struct XDigits {
+  const int8_t* digits;  // [rows][nblk][3][QB]
+  const float* unit;     // [rows][nblk]: 2^-e, what one unit of X is worth
+  const float* sum;      // [rows][nblk]: sum of the block's x~ = X 2^-e (Q4's offset m multiplies it)
+  const int32_t* zero;   // [rows][nblk][3]: 128 sum_k D_t,k (Q8's stored q + 128 takes it back)
+  int64_t nblk;
+};
 
-// R rows against P panels `pstride` bytes apart, walked in lockstep: each weight is
-// de-quantized once in registers and used by all R rows.
+// The digits of M rows of x, into buffers this thread keeps (a matmul is called from one
+// thread and its workers only read them). A block holding inf or NaN gets unit = NaN, so its
+// outputs are NaN, as a float matmul's would be.
+XDigits split_digits(const float* x, int64_t M, int64_t K) {
+  thread_local std::vector<int8_t> digits;
+  thread_local std::vector<float> unit, sum;
+  thread_local std::vector<int32_t> zero;
+  const int64_t nblk = K / QB;
+  digits.resize(M * nblk * 3 * QB);
+  unit.resize(M * nblk);
+  sum.resize(M * nblk);
+  zero.resize(M * nblk * 3);
+  for (int64_t b = 0; b < M * nblk; ++b) {
+    const float* xs = x + b * QB;  // x is [M, K] contiguous, so block b is row b / nblk's
+    float mx = 0.f;
+    bool finite = true;
+    for (int i = 0; i < QB; ++i) {
+      mx = std::max(mx, std::fabs(xs[i]));
+      finite &= std::isfinite(xs[i]);
+    }
+    int ex = 0;
+    if (mx > 0.f) std::frexp(mx, &ex);  // mx < 2^ex
+    const int e = 22 - ex;               // so mx 2^e < 2^22, and |D2| <= 64 below
+    const double up = std::ldexp(1.0, e);
+    int8_t* d = digits.data() + b * 3 * QB;
+    int32_t total = 0, z[3] = {0, 0, 0};
+    for (int i = 0; i < QB; ++i) {
+      const int32_t X = finite ? static_cast<int32_t>(std::nearbyint(double(xs[i]) * up)) : 0;
+      const int32_t d0 = static_cast<int8_t>(X), x1 = (X - d0) >> 8;
+      const int32_t d1 = static_cast<int8_t>(x1), d2 = (x1 - d1) >> 8;
+      d[i] = static_cast<int8_t>(d0);
+      d[QB + i] = static_cast<int8_t>(d1);
+      d[2 * QB + i] = static_cast<int8_t>(d2);
+      total += X;
+      z[0] += d0;
+      z[1] += d1;
+      z[2] += d2;
+    }
+    const double down = std::ldexp(1.0, -e);
+    unit[b] = finite ? static_cast<float>(down) : std::numeric_limits<float>::quiet_NaN();
+    sum[b] = finite ? static_cast<float>(double(total) * down) : std::numeric_limits<float>::quiet_NaN();
+    for (int t = 0; t < 3; ++t) zero[b * 3 + t] = 128 * z[t];
+  }
+  return XDigits{digits.data(), unit.data(), sum.data(), zero.data(), nblk};
+}
+
+// acc + sum over each lane's 4 byte pairs of u8s (unsigned) times s8s (signed).
+static inline vi32 dot4(vi32 acc, vi32 u8s, vi32 s8s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return reinterpret_cast<vi32>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(u8s),
+                                                    reinterpret_cast<__m512i>(s8s)));
+#elif defined(__AVXVNNI__) && !defined(__AVX512F__)
+  return reinterpret_cast<vi32>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc), reinterpret_cast<__m256i>(u8s),
+                                                        reinterpret_cast<__m256i>(s8s)));
+#else
+  (void)u8s;
+  (void)s8s;
+  return acc;  // not compiled into a matmul: kIntDot is false
+#endif
+}
+// 4 digit bytes (k .. k + 3) in every lane.
+static inline vi32 bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return vi32{} + v;
+}
+
+// Where a tile's rows come from: x itself (float path) or its digits (integer path).
+struct Rows {
+  const float* x;  // row 0 of the tile
+  int64_t ldx;
+  XDigits xq;
+  int64_t row0;  // the tile's first row in xq
+};
+
+// R rows against P panels `pstride` bytes apart, walked in lockstep, with integer dot
+// products: per block, each row's three digit sums S_t (int32) for one vector of columns,
+// then y += d 2^-e ((S0 + 256 S1) + 65536 S2) (+ m sum x~ for Q4). Q8's stored bytes are
+// q + 128, so S_t there is sum (q + 128) D_t, and 128 sum D_t (xq.zero) is taken off in int32
+// before anything is rounded.
 template <bool Q4, int P, int R>
-static inline void block_tile(const float* __restrict x, int64_t ldx, const uint8_t* __restrict panel,
-                              int64_t pstride, int64_t nblk, float* __restrict y, int64_t ldy, int64_t ystride,
-                              const float* bias, const uint8_t* pf = nullptr) {
+static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, int64_t pstride, int64_t nblk,
+                            float* __restrict y, int64_t ldy, int64_t ystride, const float* bias, const uint8_t* pf) {
   constexpr int64_t kBlock = Q4 ? kQ4Block : kQ8Block;
-  vf acc[P][R][NV];
+  const XDigits& xq = rows.xq;
+  const vi32 nibble = vi32{} + 0x0F0F0F0F;
+  vf acc[P][R];
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) acc[p][r] = vzero();
+  for (int64_t kb = 0; kb < nblk; ++kb) {
+    if (pf)  // the same block of the next panel, into L2
+      for (int64_t off = 0; off < kBlock; off += kLineFloats * 4) __builtin_prefetch(pf + kb * kBlock + off, 0, 2);
+    const int64_t rb0 = rows.row0 * nblk + kb;  // (row, block) index of row 0; row r adds r nblk
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* blk = panel + p * pstride + kb * kBlock;
+      const uint8_t* qs = blk + (Q4 ? 2 : 1) * NBQ * 4;
+      vi32 s[R][3];
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < 3; ++t) s[r][t] = vi32{};
+#pragma GCC unroll 8
+      for (int g = 0; g < (Q4 ? 4 : 8); ++g) {
+        const vi32 z = load_i32(qs + g * kGroupBytes);
+        const vi32 lo = Q4 ? (z & nibble) : z;
+        const vi32 hi = (z >> 4) & nibble;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const int8_t* dg = xq.digits + (rb0 + r * nblk) * 3 * QB + 4 * g;
+#pragma GCC unroll 3
+          for (int t = 0; t < 3; ++t) {
+            s[r][t] = dot4(s[r][t], lo, bcast4(dg + t * QB));
+            if constexpr (Q4) s[r][t] = dot4(s[r][t], hi, bcast4(dg + t * QB + QB / 2));
+          }
+        }
+      }
+      const vf dv = vload(reinterpret_cast<const float*>(blk));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int64_t rb = rb0 + r * nblk;
+        if constexpr (!Q4)
+          for (int t = 0; t < 3; ++t) s[r][t] -= xq.zero[rb * 3 + t];
+        const vi32 low = (s[r][1] << 8) + s[r][0];  // |S1| < 2^21: no overflow
+        const vf v = to_f(s[r][2]) * vsplat(65536.f) + to_f(low);
+        acc[p][r] += v * (dv * vsplat(xq.unit[rb]));
+        if constexpr (Q4) acc[p][r] += vload(reinterpret_cast<const float*>(blk) + NBQ) * vsplat(xq.sum[rb]);
+      }
+    }
+  }
+  for (int p = 0; p < P; ++p)
+    for (int r = 0; r < R; ++r) {
+      float* o = y + r * ldy + p * ystride;
+      vstore(o, bias ? vload(bias + p * ystride) + acc[p][r] : acc[p][r]);
+    }
+}
+
+// The same tile with each weight de-quantized to float once in registers and used by all R
+// rows.
+template <bool Q4, int P, int R>
+static inline void float_tile(const Rows& rows, const uint8_t* __restrict panel, int64_t pstride, int64_t nblk,
+                              float* __restrict y, int64_t ldy, int64_t ystride, const float* bias, const uint8_t* pf) {
+  constexpr int64_t kBlock = Q4 ? kQ4Block : kQ8Block;
+  const float* x = rows.x;
+  const int64_t ldx = rows.ldx;
+  vf acc[P][R][NVQ];
   for (int p = 0; p < P; ++p)
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) acc[p][r][v] = vzero();
+      for (int v = 0; v < NVQ; ++v) acc[p][r][v] = vzero();
   for (int64_t kb = 0; kb < nblk; ++kb) {
     const float* xb = x + kb * QB;
     const uint8_t* blk = panel + kb * kBlock;
-    if (pf)  // the same block of the next panel, into L2
+    if (pf)
       for (int64_t off = 0; off < kBlock; off += kLineFloats * 4) __builtin_prefetch(pf + kb * kBlock + off, 0, 2);
-    // Q4: byte row j holds k = j (low nibble) and k = j + 16 (high); Q8: byte row j is k = j.
-    for (int j = 0; j < (Q4 ? QB / 2 : QB); ++j) {
+    for (int g = 0; g < (Q4 ? 4 : 8); ++g) {
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
         const uint8_t* b = blk + p * pstride;
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) {
+        for (int v = 0; v < NVQ; ++v) {
           if constexpr (Q4) {
-            vf lo, hi;
-            q4_weights(b, j, v, lo, hi);
+            vf lo[4], hi[4];
+            q4_weights(b, g, v, lo, hi);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; ++t)
 #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) {
-              acc[p][r][v] += vbcast(xb + r * ldx + j) * lo;
-              acc[p][r][v] += vbcast(xb + r * ldx + j + QB / 2) * hi;
-            }
+              for (int r = 0; r < R; ++r) {
+                acc[p][r][v] += vbcast(xb + r * ldx + 4 * g + t) * lo[t];
+                acc[p][r][v] += vbcast(xb + r * ldx + 4 * g + t + QB / 2) * hi[t];
+              }
           } else {
-            const vf w = q8_weight(b, j, v);
+            vf w[4];
+            q8_weights(b, g, v, w);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; ++t)
 #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) acc[p][r][v] += vbcast(xb + r * ldx + j) * w;
+              for (int r = 0; r < R; ++r) acc[p][r][v] += vbcast(xb + r * ldx + 4 * g + t) * w[t];
           }
         }
       }
@@ -155,74 +301,108 @@ static inline void block_tile(const float* __restrict x, int64_t ldx, const uint
   }
   for (int p = 0; p < P; ++p)
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NV; ++v) {
+      for (int v = 0; v < NVQ; ++v) {
         float* o = y + r * ldy + p * ystride + kVec * v;
         vstore(o, bias ? vload(bias + p * ystride + kVec * v) + acc[p][r][v] : acc[p][r][v]);
       }
 }
 
 template <int P, int R>
-static inline void tile(bool q4, const float* x, int64_t ldx, const uint8_t* panel, int64_t pstride,
-                        int64_t nblk, float* y, int64_t ldy, int64_t ystride, const float* bias,
-                        const uint8_t* pf = nullptr) {
-  if (q4) block_tile<true, P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias, pf);
-  else block_tile<false, P, R>(x, ldx, panel, pstride, nblk, y, ldy, ystride, bias, pf);
+static inline void tile(bool q4, const Rows& rows, const uint8_t* panel, int64_t pstride, int64_t nblk, float* y,
+                        int64_t ldy, int64_t ystride, const float* bias, const uint8_t* pf = nullptr) {
+  if constexpr (kIntDot) {
+    if (q4) int_tile<true, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
+    else int_tile<false, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
+  } else {
+    if (q4) float_tile<true, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
+    else float_tile<false, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
+  }
 }
+
+// How many panels one row walks in lockstep (streams from memory at once), and how many rows
+// share a panel's weights, so that the accumulators, the scales and the weights stay in
+// registers.
+// - Float path, one row: 4 panels of Q8 blocks (the default model's tied lm_head, 32 MB):
+//   with 2 it read at ~14 GB/s; 4 gave 1.24x on AVX-512 and 1.06x on AVX2 (one run, paired
+//   medians of 21). Q4's heavier de-quantization leaves less to gain: 4 panels gave 1.03x
+//   over the model's Q4 matmuls on AVX-512, and lost ~4% on AVX2 (16 registers), which keeps 2.
+// - Float path, rows per tile: 6 with AVX-512's 32 registers; with AVX2's 16, 4 (over the
+//   default model's matmuls, AVX2 build: 16 rows 75.6 ms with 4, 82.7 with 3, 98.1 with 2; 4
+//   rows 21.5 / 26.1 / 28.6 ms).
+// - Integer path: a panel is one vector wide, so a row's tile is 3 digit sums + 1 float
+//   accumulator a panel.
+// - Integer path, one row: 2 panels in lockstep. Its compute no longer hides memory
+//   latency, and more streams read slower and more erratically: over the model's matmuls in
+//   alternating runs, 4 streams 3.98-7.07 ms, 2 streams 3.98-4.29 ms (1 stream 3.72-4.48).
+// - Integer path, rows per tile: 4, 5, 6 and 8 rows all ran 16 and 64 rows alike (21.1-21.9,
+//   79.3-82.2 ms): there a step is bound by vpdpbusd's throughput (~1 a cycle), so the float
+//   path's 6 is kept.
+constexpr int kQ8RowStreams = kIntDot ? 2 : 4;
+constexpr int kQ4RowStreams = kIntDot ? 2 : kRegs == 32 ? 4 : 2;
+constexpr int kQuantRowTile = kRegs == 32 ? 6 : 4;
 
 // Panels [begin, end) for one row: P runs of panels in lockstep (P streams), then the rest.
 template <int P>
-static void quant_one_row(bool q4, const float* x, const uint8_t* wp, int64_t nblk, int64_t pbytes, float* y,
-                          int64_t NP, const float* bias, int64_t begin, int64_t end) {
+static void quant_one_row(bool q4, const Rows& rows, const uint8_t* wp, int64_t nblk, int64_t pbytes, float* y,
+                          const float* bias, int64_t begin, int64_t end) {
   const int64_t q = (end - begin) / P;
   for (int64_t i = 0; i < q; ++i) {
     const int64_t b = begin + i;
-    tile<P, 1>(q4, x, 0, wp + b * pbytes, q * pbytes, nblk, y + b * NB, NP, q * NB, bias ? bias + b * NB : nullptr);
+    tile<P, 1>(q4, rows, wp + b * pbytes, q * pbytes, nblk, y + b * NBQ, 0, q * NBQ, bias ? bias + b * NBQ : nullptr);
   }
   for (int64_t b = begin + P * q; b < end; ++b)
-    tile<1, 1>(q4, x, 0, wp + b * pbytes, 0, nblk, y + b * NB, NP, 0, bias ? bias + b * NB : nullptr);
+    tile<1, 1>(q4, rows, wp + b * pbytes, 0, nblk, y + b * NBQ, 0, 0, bias ? bias + b * NBQ : nullptr);
+}
+
+static inline Rows offset(const Rows& rows, int64_t m) {
+  return Rows{rows.x + m * rows.ldx, rows.ldx, rows.xq, rows.row0 + m};
 }
 
 // The last R < kQuantRowTile rows of a panel.
-template <int R = 1>
-static inline void tail_rows(int left, bool q4, const float* x, int64_t K, const uint8_t* panel, int64_t nblk,
-                             float* y, int64_t ldy, const float* bias, const uint8_t* pf) {
-  if constexpr (R < kQuantRowTile) {
-    if (left == R) return tile<1, R>(q4, x, K, panel, 0, nblk, y, ldy, 0, bias, pf);
-    tail_rows<R + 1>(left, q4, x, K, panel, nblk, y, ldy, bias, pf);
+template <int TT, int R = 1>
+static inline void tail_rows(int left, bool q4, const Rows& rows, const uint8_t* panel, int64_t nblk, float* y,
+                             int64_t ldy, const float* bias, const uint8_t* pf) {
+  if constexpr (R < TT) {
+    if (left == R) return tile<1, R>(q4, rows, panel, 0, nblk, y, ldy, 0, bias, pf);
+    tail_rows<TT, R + 1>(left, q4, rows, panel, nblk, y, ldy, bias, pf);
   }
 }
 
 // All M rows against one panel, kQuantRowTile at a time: the first group streams the panel
 // from memory, the others find it in L2. The second group (or the only one) prefetches
 // `next`, the thread's next panel, into L2 as it goes, so that panel's first group does not
-// wait on memory. Over the model's 121 matmuls (one run, paired medians of 15): 4-7% faster
-// at 4-16 rows, 1% at 24.
-static void quant_panel_rows(bool q4, const float* x, int64_t K, int64_t M, const uint8_t* panel, int64_t nblk,
-                             float* y, int64_t ldy, const float* bias, const uint8_t* next) {
-  constexpr int T = kQuantRowTile;
+// wait on memory. Over the model's 121 matmuls (float path, one run, paired medians of 15):
+// 4-7% faster at 4-16 rows, 1% at 24.
+template <int T>
+static void quant_panel_rows(bool q4, const Rows& rows, int64_t M, const uint8_t* panel, int64_t nblk, float* y,
+                             int64_t ldy, const float* bias, const uint8_t* next) {
   const int64_t fetching_group = M > T ? 1 : 0;
   int64_t m = 0, group = 0;
   for (; m + T <= M; m += T, ++group)
-    tile<1, T>(q4, x + m * K, K, panel, 0, nblk, y + m * ldy, ldy, 0, bias, group == fetching_group ? next : nullptr);
+    tile<1, T>(q4, offset(rows, m), panel, 0, nblk, y + m * ldy, ldy, 0, bias, group == fetching_group ? next : nullptr);
   if (m < M)
-    tail_rows(static_cast<int>(M - m), q4, x + m * K, K, panel, nblk, y + m * ldy, ldy, bias,
+    tail_rows<T>(static_cast<int>(M - m), q4, offset(rows, m), panel, nblk, y + m * ldy, ldy, bias,
               group == fetching_group ? next : nullptr);
 }
 
-// One panel back to float32, [K, NB] row-major (the float32 kernel's panel layout).
+// One panel back to float32, [K, NBQ] row-major.
 static void dequantize_panel(bool q4, const uint8_t* panel, int64_t nblk, float* out) {
   for (int64_t kb = 0; kb < nblk; ++kb) {
-    float* o = out + kb * QB * NB;
+    float* o = out + kb * QB * NBQ;
     const uint8_t* b = panel + kb * (q4 ? kQ4Block : kQ8Block);
-    for (int j = 0; j < (q4 ? QB / 2 : QB); ++j)
-      for (int v = 0; v < NV; ++v) {
+    for (int g = 0; g < (q4 ? 4 : 8); ++g)
+      for (int v = 0; v < NVQ; ++v) {
         if (q4) {
-          vf lo, hi;
-          q4_weights(b, j, v, lo, hi);
-          vstore(o + j * NB + kVec * v, lo);
-          vstore(o + (j + QB / 2) * NB + kVec * v, hi);
+          vf lo[4], hi[4];
+          q4_weights(b, g, v, lo, hi);
+          for (int t = 0; t < 4; ++t) {
+            vstore(o + (4 * g + t) * NBQ + kVec * v, lo[t]);
+            vstore(o + (4 * g + t + QB / 2) * NBQ + kVec * v, hi[t]);
+          }
         } else {
-          vstore(o + j * NB + kVec * v, q8_weight(b, j, v));
+          vf w[4];
+          q8_weights(b, g, v, w);
+          for (int t = 0; t < 4; ++t) vstore(o + (4 * g + t) * NBQ + kVec * v, w[t]);
         }
       }
   }
@@ -230,32 +410,35 @@ static void dequantize_panel(bool q4, const uint8_t* panel, int64_t nblk, float*
 
 }  // namespace
 
+int64_t quant_panel_width() { return NBQ; }
+
 at::Tensor pack_gguf(const at::Tensor& raw_, int64_t ggml_type, int64_t K) {
   TORCH_CHECK(raw_.scalar_type() == at::kByte && raw_.dim() == 2, "raw GGUF blocks must be uint8 [N, bytes]");
   TORCH_CHECK(K % QB == 0, "K must be a multiple of 32");
   const int64_t bpb = ggml_type == kGgmlQ8_0 ? 34 : ggml_type == kGgmlQ4_1 ? 20 : ggml_type == kGgmlQ4_0 ? 18 : -1;
   TORCH_CHECK(bpb > 0, "unsupported ggml type ", ggml_type);
-  const int64_t N = raw_.size(0), nblk = K / QB, nb = (N + NB - 1) / NB;
+  const int64_t N = raw_.size(0), nblk = K / QB, nb = (N + NBQ - 1) / NBQ;
   TORCH_CHECK(raw_.size(1) == nblk * bpb, "raw rows hold ", raw_.size(1), " bytes, expected ", nblk * bpb);
   auto raw = raw_.contiguous();
   const bool q8 = ggml_type == kGgmlQ8_0;
   const int64_t pbb = q8 ? kQ8Block : kQ4Block;
-  auto out = at::zeros({nb, nblk, pbb}, raw.options());  // padding columns: d = m = 0, q = 0
+  // Padding columns: d = m = 0 (q8's q byte 0 is q = -128, times d = 0).
+  auto out = at::zeros({nb, nblk, pbb}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; ++n) {
-    const int64_t b = n / NB, c = n % NB;
+    const int64_t b = n / NBQ, c = n % NBQ;
     for (int64_t kb = 0; kb < nblk; ++kb) {
       const uint8_t* s = src + n * nblk * bpb + kb * bpb;
       uint8_t* blk = dst + (b * nblk + kb) * pbb;
       float* d = reinterpret_cast<float*>(blk);
       d[c] = half_at(s);
-      if (q8) {
-        for (int j = 0; j < QB; ++j) blk[NB * 4 + j * NB + c] = s[2 + j];
-      } else {
-        d[NB + c] = ggml_type == kGgmlQ4_1 ? half_at(s + 2) : -8.0f * d[c];
+      if (q8) {  // GGUF byte j is k = j, as int8; stored + 128
+        for (int j = 0; j < QB; ++j) blk[NBQ * 4 + (j / 4) * kGroupBytes + c * 4 + j % 4] = s[2 + j] ^ 0x80;
+      } else {  // GGUF byte j holds k = j (low nibble) and k = j + 16 (high): kept as a pair
+        d[NBQ + c] = ggml_type == kGgmlQ4_1 ? half_at(s + 2) : -8.0f * d[c];
         const uint8_t* qs = s + (ggml_type == kGgmlQ4_1 ? 4 : 2);
-        for (int j = 0; j < QB / 2; ++j) blk[2 * NB * 4 + j * NB + c] = qs[j];
+        for (int j = 0; j < QB / 2; ++j) blk[2 * NBQ * 4 + (j / 4) * kGroupBytes + c * 4 + j % 4] = qs[j];
       }
     }
   }
@@ -265,12 +448,12 @@ at::Tensor pack_gguf(const at::Tensor& raw_, int64_t ggml_type, int64_t K) {
 at::Tensor dequantize_panels(const at::Tensor& panels, int64_t N) {
   const bool q4 = checked_q4(panels);
   const int64_t nb = panels.size(0), nblk = panels.size(1), K = nblk * QB;
-  auto full = at::empty({K, nb * NB}, at::kFloat);
-  std::vector<float> buf(K * NB);
+  auto full = at::empty({K, nb * NBQ}, at::kFloat);
+  std::vector<float> buf(K * NBQ);
   for (int64_t b = 0; b < nb; ++b) {
     dequantize_panel(q4, panels.data_ptr<uint8_t>() + b * nblk * panels.size(2), nblk, buf.data());
     for (int64_t k = 0; k < K; ++k)
-      std::memcpy(full.data_ptr<float>() + k * nb * NB + b * NB, buf.data() + k * NB, sizeof(float) * NB);
+      std::memcpy(full.data_ptr<float>() + k * nb * NBQ + b * NBQ, buf.data() + k * NBQ, sizeof(float) * NBQ);
   }
   return full.narrow(1, 0, N).contiguous();
 }
@@ -280,30 +463,31 @@ void quant_linear_into(const at::Tensor& x_, const at::Tensor& panels, int64_t N
   auto x = x_.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   const bool q4 = checked_q4(panels);
-  const int64_t M = x.size(0), K = x.size(1), nb = panels.size(0), nblk = panels.size(1), NP = nb * NB;
+  const int64_t M = x.size(0), K = x.size(1), nb = panels.size(0), nblk = panels.size(1), NP = nb * NBQ;
   TORCH_CHECK(nblk * QB == K, "x has ", K, " columns, the panels ", nblk * QB, " rows");
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == M && y.size(1) == NP,
               "quant_linear_into: y must be contiguous float32 [rows, whole panels]");
   const at::Tensor biasp = padded_bias(bias_, N, NP);
   const float* bias = biasp.defined() ? biasp.data_ptr<float>() : nullptr;
   const float* xp = x.data_ptr<float>();
+  const Rows rows{xp, K, kIntDot ? split_digits(xp, M, K) : XDigits{}, 0};
   const uint8_t* wp = panels.data_ptr<uint8_t>();
   const int64_t pbytes = nblk * panels.size(2);
   float* yp = y.data_ptr<float>();
   if (M == 1)
     at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
-      if (q4) quant_one_row<kQ4RowStreams>(q4, xp, wp, nblk, pbytes, yp, NP, bias, begin, end);
-      else quant_one_row<kQ8RowStreams>(q4, xp, wp, nblk, pbytes, yp, NP, bias, begin, end);
+      if (q4) quant_one_row<kQ4RowStreams>(q4, rows, wp, nblk, pbytes, yp, bias, begin, end);
+      else quant_one_row<kQ8RowStreams>(q4, rows, wp, nblk, pbytes, yp, bias, begin, end);
     });
   else
     parallel_panels(nb, M, kQuantRowTile, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
-      quant_panel_rows(q4, xp + m0 * K, K, m1 - m0, wp + b * pbytes, nblk, yp + m0 * NP + b * NB, NP,
-                       bias ? bias + b * NB : nullptr, next >= 0 ? wp + next * pbytes : nullptr);
+      quant_panel_rows<kQuantRowTile>(q4, offset(rows, m0), m1 - m0, wp + b * pbytes, nblk, yp + m0 * NP + b * NBQ, NP,
+                       bias ? bias + b * NBQ : nullptr, next >= 0 ? wp + next * pbytes : nullptr);
     });
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias) {
-  const int64_t NP = panels.size(0) * NB;
+  const int64_t NP = panels.size(0) * NBQ;
   auto y = at::empty({x.size(0), NP}, x.options());
   quant_linear_into(x, panels, N, bias, y);
   return NP == N ? y : y.narrow(1, 0, N).contiguous();
