@@ -418,9 +418,11 @@ def test_aborting_10_streams_frees_the_pool_while_others_complete(
 
 
 def test_non_streaming_disconnect_frees_the_pool(server: RealServer) -> None:
-    body = {"prompt": "Count slowly", "max_tokens": 200, "ignore_eos": True}
+    # 240 tokens take over a second even at batch-1 speed (~5 ms a token); the client gives up
+    # after 0.5 s, mid-generation.
+    body = {"prompt": "Count slowly", "max_tokens": 240, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.5)
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=0.5)
     server.wait_pool_free(timeout_s=10)
 
 
