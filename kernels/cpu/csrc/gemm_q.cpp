@@ -38,12 +38,15 @@
 //
 // Panels are NBQ output columns wide (one vector, 16 columns, with integer dot products; the
 // float32 kernel's NB otherwise: gemm.h) and hold their K range in blocks of 32 (the GGUF
-// block), so a panel is one contiguous stream. In a block, byte t of lane c of group g is
-// column c's weight at k = 4 g + t, the order vpdpbusd sums in:
-//   q4 block (24 NBQ bytes): float d[NBQ], float m[NBQ], uint8 q[4][NBQ][4]: low nibble
-//      k = 4 g + t, high nibble k = 16 + 4 g + t (the nibble pairs of a GGUF Q4 block);
-//   q8 block (36 NBQ bytes): float d[NBQ], uint8 (q + 128)[8][NBQ][4] (unsigned, the operand
-//      vpdpbusd takes unsigned; the 128 is taken back in integers: see int_tile).
+// block), so a panel is one contiguous stream:
+//   q4 block (24 NBQ bytes): float d[NBQ], float m[NBQ], then 16 byte rows: byte row j holds
+//      k = j (low nibble) and k = j + 16 (high), as a GGUF Q4 block does;
+//   q8 block (36 NBQ bytes): float d[NBQ], then 32 byte rows, byte row j = k.
+// The float path stores byte rows as they read (row j: NBQ columns' bytes, so kVec of them
+// widen into one vector of kVec columns) and Q8's q as int8. The integer path groups them by
+// 4 in the order vpdpbusd sums (byte t of column c's lane in group g is byte row 4 g + t) and
+// stores Q8's q + 128, the unsigned operand vpdpbusd takes (the 128 is taken back in
+// integers: int_tile). q_byte() is the one place that says where a byte goes.
 // The packed tensor is uint8 [ceil(N / NBQ), K / 32, block bytes]; its last size names the
 // format. Scales are kept as float32 (not float16) so the inner loop converts only q.
 
@@ -90,23 +93,53 @@ bool checked_q4(const at::Tensor& panels) {
   return panels.size(2) == kQ4Block;
 }
 
+// Where column c's byte row j lives among a block's q bytes (q4: j in 0..15 holds k = j in its
+// low nibble and k = j + 16 in its high one; q8: j = k): grouped by 4 k for the integer path
+// (file comment), byte rows of NBQ columns for the float path, whose vectors then widen
+// kVec consecutive bytes into kVec columns' weights for one k.
+static inline int64_t q_byte(int64_t c, int j) {
+  return kIntDot ? (j / 4) * kGroupBytes + c * 4 + j % 4 : int64_t(j) * NBQ + c;
+}
+// Q8's stored byte: q + 128 where vpdpbusd takes it unsigned, q itself for the float path.
+static inline uint8_t q8_stored(uint8_t gguf_byte) { return kIntDot ? gguf_byte ^ 0x80 : gguf_byte; }
+
 // The one definition of a weight from its block, for the float matmul and for
 // dequantize_panels alike: the loader's bitwise check of dequantize_panels then vouches for
-// what the matmuls multiply by (the integer path multiplies by the same d, q and m). Columns
-// kVec v .. kVec (v + 1) - 1 of group g; w[t] is k = 4 g + t (q4: lo[t] that, hi[t] k + 16).
-static inline void q4_weights(const uint8_t* blk, int g, int v, vf (&lo)[4], vf (&hi)[4]) {
-  const float* d = reinterpret_cast<const float*>(blk);
-  const vi32 z = load_i32(blk + 2 * NBQ * 4 + g * kGroupBytes + kVec * 4 * v);
-  const vf dv = vload(d + kVec * v), mv = vload(d + NBQ + kVec * v);
-  for (int t = 0; t < 4; ++t) {
-    lo[t] = to_f((z >> (8 * t)) & 15) * dv + mv;
-    hi[t] = to_f((z >> (8 * t + 4)) & 15) * dv + mv;
-  }
+// what the matmuls multiply by (the integer path multiplies by the same d, q and m).
+// Columns kVec v .. kVec (v + 1) - 1 of byte row j (float builds' layout).
+template <bool Signed>
+static inline vi32 widen8(const uint8_t* p) {  // kVec bytes widened to kVec int32 lanes
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vi32>(Signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<vi32>(Signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#else
+  vi32 r;
+  for (int i = 0; i < kVec; ++i) r[i] = Signed ? static_cast<int8_t>(p[i]) : p[i];
+  return r;
+#endif
 }
-static inline void q8_weights(const uint8_t* blk, int g, int v, vf (&w)[4]) {
-  const vi32 z = load_i32(blk + NBQ * 4 + g * kGroupBytes + kVec * 4 * v);
-  const vf dv = vload(reinterpret_cast<const float*>(blk) + kVec * v);
-  for (int t = 0; t < 4; ++t) w[t] = to_f(((z >> (8 * t)) & 255) - 128) * dv;
+static inline void q4_weights(const uint8_t* blk, int j, int v, vf& lo, vf& hi) {
+  const float* d = reinterpret_cast<const float*>(blk);
+  const vi32 z = widen8<false>(blk + 2 * NBQ * 4 + j * NBQ + kVec * v);
+  const vf dv = vload(d + kVec * v), mv = vload(d + NBQ + kVec * v);
+  lo = to_f(z & 15) * dv + mv;
+  hi = to_f(z >> 4) * dv + mv;
+}
+static inline vf q8_weight(const uint8_t* blk, int j, int v) {
+  return to_f(widen8<true>(blk + NBQ * 4 + j * NBQ + kVec * v)) * vload(reinterpret_cast<const float*>(blk) + kVec * v);
+}
+// One weight, any layout (dequantize_panels in integer builds, whose matmul never forms it).
+static inline float weight_at(bool q4, const uint8_t* blk, int64_t c, int k) {
+  const float d = reinterpret_cast<const float*>(blk)[c];
+  if (!q4) {
+    const uint8_t b = blk[NBQ * 4 + q_byte(c, k)];
+    return float(kIntDot ? int(b) - 128 : int(static_cast<int8_t>(b))) * d;
+  }
+  const uint8_t b = blk[2 * NBQ * 4 + q_byte(c, k % (QB / 2))];
+  return float(k < QB / 2 ? b & 15 : b >> 4) * d + reinterpret_cast<const float*>(blk)[NBQ + c];
 }
 
 // x's rows as the integer path reads them (file comment): per row and 32-block, the three
@@ -255,7 +288,7 @@ static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, i
 }
 
 // The same tile with each weight de-quantized to float once in registers and used by all R
-// rows.
+// rows (float builds' layout).
 template <bool Q4, int P, int R>
 static inline void float_tile(const Rows& rows, const uint8_t* __restrict panel, int64_t pstride, int64_t nblk,
                               float* __restrict y, int64_t ldy, int64_t ystride, const float* bias, const uint8_t* pf) {
@@ -269,31 +302,26 @@ static inline void float_tile(const Rows& rows, const uint8_t* __restrict panel,
   for (int64_t kb = 0; kb < nblk; ++kb) {
     const float* xb = x + kb * QB;
     const uint8_t* blk = panel + kb * kBlock;
-    if (pf)
+    if (pf)  // the same block of the next panel, into L2
       for (int64_t off = 0; off < kBlock; off += kLineFloats * 4) __builtin_prefetch(pf + kb * kBlock + off, 0, 2);
-    for (int g = 0; g < (Q4 ? 4 : 8); ++g) {
+    for (int j = 0; j < (Q4 ? QB / 2 : QB); ++j) {
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
         const uint8_t* b = blk + p * pstride;
 #pragma GCC unroll 4
         for (int v = 0; v < NVQ; ++v) {
           if constexpr (Q4) {
-            vf lo[4], hi[4];
-            q4_weights(b, g, v, lo, hi);
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; ++t)
+            vf lo, hi;
+            q4_weights(b, j, v, lo, hi);
 #pragma GCC unroll 8
-              for (int r = 0; r < R; ++r) {
-                acc[p][r][v] += vbcast(xb + r * ldx + 4 * g + t) * lo[t];
-                acc[p][r][v] += vbcast(xb + r * ldx + 4 * g + t + QB / 2) * hi[t];
-              }
+            for (int r = 0; r < R; ++r) {
+              acc[p][r][v] += vbcast(xb + r * ldx + j) * lo;
+              acc[p][r][v] += vbcast(xb + r * ldx + j + QB / 2) * hi;
+            }
           } else {
-            vf w[4];
-            q8_weights(b, g, v, w);
-#pragma GCC unroll 4
-            for (int t = 0; t < 4; ++t)
+            const vf w = q8_weight(b, j, v);
 #pragma GCC unroll 8
-              for (int r = 0; r < R; ++r) acc[p][r][v] += vbcast(xb + r * ldx + 4 * g + t) * w[t];
+            for (int r = 0; r < R; ++r) acc[p][r][v] += vbcast(xb + r * ldx + j) * w;
           }
         }
       }
@@ -390,21 +418,22 @@ static void dequantize_panel(bool q4, const uint8_t* panel, int64_t nblk, float*
   for (int64_t kb = 0; kb < nblk; ++kb) {
     float* o = out + kb * QB * NBQ;
     const uint8_t* b = panel + kb * (q4 ? kQ4Block : kQ8Block);
-    for (int g = 0; g < (q4 ? 4 : 8); ++g)
-      for (int v = 0; v < NVQ; ++v) {
-        if (q4) {
-          vf lo[4], hi[4];
-          q4_weights(b, g, v, lo, hi);
-          for (int t = 0; t < 4; ++t) {
-            vstore(o + (4 * g + t) * NBQ + kVec * v, lo[t]);
-            vstore(o + (4 * g + t + QB / 2) * NBQ + kVec * v, hi[t]);
+    if constexpr (kIntDot) {
+      for (int k = 0; k < QB; ++k)
+        for (int64_t c = 0; c < NBQ; ++c) o[k * NBQ + c] = weight_at(q4, b, c, k);
+    } else {
+      for (int j = 0; j < (q4 ? QB / 2 : QB); ++j)
+        for (int v = 0; v < NVQ; ++v) {
+          if (q4) {
+            vf lo, hi;
+            q4_weights(b, j, v, lo, hi);
+            vstore(o + j * NBQ + kVec * v, lo);
+            vstore(o + (j + QB / 2) * NBQ + kVec * v, hi);
+          } else {
+            vstore(o + j * NBQ + kVec * v, q8_weight(b, j, v));
           }
-        } else {
-          vf w[4];
-          q8_weights(b, g, v, w);
-          for (int t = 0; t < 4; ++t) vstore(o + (4 * g + t) * NBQ + kVec * v, w[t]);
         }
-      }
+    }
   }
 }
 
@@ -422,7 +451,7 @@ at::Tensor pack_gguf(const at::Tensor& raw_, int64_t ggml_type, int64_t K) {
   auto raw = raw_.contiguous();
   const bool q8 = ggml_type == kGgmlQ8_0;
   const int64_t pbb = q8 ? kQ8Block : kQ4Block;
-  // Padding columns: d = m = 0 (q8's q byte 0 is q = -128, times d = 0).
+  // Padding columns: d = m = 0, so whatever q is, their weights are 0.
   auto out = at::zeros({nb, nblk, pbb}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -433,12 +462,12 @@ at::Tensor pack_gguf(const at::Tensor& raw_, int64_t ggml_type, int64_t K) {
       uint8_t* blk = dst + (b * nblk + kb) * pbb;
       float* d = reinterpret_cast<float*>(blk);
       d[c] = half_at(s);
-      if (q8) {  // GGUF byte j is k = j, as int8; stored + 128
-        for (int j = 0; j < QB; ++j) blk[NBQ * 4 + (j / 4) * kGroupBytes + c * 4 + j % 4] = s[2 + j] ^ 0x80;
+      if (q8) {  // GGUF byte j is k = j, as int8
+        for (int j = 0; j < QB; ++j) blk[NBQ * 4 + q_byte(c, j)] = q8_stored(s[2 + j]);
       } else {  // GGUF byte j holds k = j (low nibble) and k = j + 16 (high): kept as a pair
         d[NBQ + c] = ggml_type == kGgmlQ4_1 ? half_at(s + 2) : -8.0f * d[c];
         const uint8_t* qs = s + (ggml_type == kGgmlQ4_1 ? 4 : 2);
-        for (int j = 0; j < QB / 2; ++j) blk[2 * NBQ * 4 + (j / 4) * kGroupBytes + c * 4 + j % 4] = qs[j];
+        for (int j = 0; j < QB / 2; ++j) blk[2 * NBQ * 4 + q_byte(c, j)] = qs[j];
       }
     }
   }
