@@ -245,38 +245,49 @@ static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, i
     if (pf)  // the same block of the next panel, into L2
       for (int64_t off = 0; off < kBlock; off += kLineFloats * 4) __builtin_prefetch(pf + kb * kBlock + off, 0, 2);
     const int64_t rb0 = rows.row0 * nblk + kb;  // (row, block) index of row 0; row r adds r nblk
-#pragma GCC unroll 4
-    for (int p = 0; p < P; ++p) {
-      const uint8_t* blk = panel + p * pstride + kb * kBlock;
-      const uint8_t* qs = blk + (Q4 ? 2 : 1) * NBQ * 4;
-      vi32 s[R][3];
+    // g outside p: each digit broadcast is loaded once for all P panels.
+    vi32 s[P][R][3];
+    for (int p = 0; p < P; ++p)
       for (int r = 0; r < R; ++r)
-        for (int t = 0; t < 3; ++t) s[r][t] = vi32{};
+        for (int t = 0; t < 3; ++t) s[p][r][t] = vi32{};
 #pragma GCC unroll 8
-      for (int g = 0; g < (Q4 ? 4 : 8); ++g) {
-        const vi32 z = load_i32(qs + g * kGroupBytes);
-        const vi32 lo = Q4 ? (z & nibble) : z;
-        const vi32 hi = (z >> 4) & nibble;
+    for (int g = 0; g < (Q4 ? 4 : 8); ++g) {
+      vi32 lo[P], hi[P];
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) {
+        const vi32 z = load_i32(panel + p * pstride + kb * kBlock + (Q4 ? 2 : 1) * NBQ * 4 + g * kGroupBytes);
+        lo[p] = Q4 ? (z & nibble) : z;
+        hi[p] = (z >> 4) & nibble;
+      }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-          const int8_t* dg = xq.digits + (rb0 + r * nblk) * 3 * QB + 4 * g;
+      for (int r = 0; r < R; ++r) {
+        const int8_t* dg = xq.digits + (rb0 + r * nblk) * 3 * QB + 4 * g;
 #pragma GCC unroll 3
-          for (int t = 0; t < 3; ++t) {
-            s[r][t] = dot4(s[r][t], lo, bcast4(dg + t * QB));
-            if constexpr (Q4) s[r][t] = dot4(s[r][t], hi, bcast4(dg + t * QB + QB / 2));
+        for (int t = 0; t < 3; ++t) {
+          const vi32 b = bcast4(dg + t * QB);
+#pragma GCC unroll 4
+          for (int p = 0; p < P; ++p) s[p][r][t] = dot4(s[p][r][t], lo[p], b);
+          if constexpr (Q4) {
+            const vi32 b2 = bcast4(dg + t * QB + QB / 2);
+#pragma GCC unroll 4
+            for (int p = 0; p < P; ++p) s[p][r][t] = dot4(s[p][r][t], hi[p], b2);
           }
         }
       }
-      const vf dv = vload(reinterpret_cast<const float*>(blk));
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < P; ++p) {
+      const float* blk = reinterpret_cast<const float*>(panel + p * pstride + kb * kBlock);
+      const vf dv = vload(blk);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t rb = rb0 + r * nblk;
         if constexpr (!Q4)
-          for (int t = 0; t < 3; ++t) s[r][t] -= xq.zero[rb * 3 + t];
-        const vi32 low = (s[r][1] << 8) + s[r][0];  // |S1| < 2^21: no overflow
-        const vf v = to_f(s[r][2]) * vsplat(65536.f) + to_f(low);
+          for (int t = 0; t < 3; ++t) s[p][r][t] -= xq.zero[rb * 3 + t];
+        const vi32 low = (s[p][r][1] << 8) + s[p][r][0];  // |S1| < 2^21: no overflow
+        const vf v = to_f(s[p][r][2]) * vsplat(65536.f) + to_f(low);
         acc[p][r] += v * (dv * vsplat(xq.unit[rb]));
-        if constexpr (Q4) acc[p][r] += vload(reinterpret_cast<const float*>(blk) + NBQ) * vsplat(xq.sum[rb]);
+        if constexpr (Q4) acc[p][r] += vload(blk + NBQ) * vsplat(xq.sum[rb]);
       }
     }
   }
