@@ -108,9 +108,9 @@ def test_default_engine_reads_blocks_for_every_matmul(llm_gguf, ops):
     assert all(m.packed is not None for m in linears.values())
     # The tied lm_head comes from token_embd (Q8_0: 36 bytes a column in a panel block), the
     # rest Q4_1 (24 bytes a column).
-    nb = ops.quant_panel_width()
-    assert linears["lm_head"].quantized.shape[2] == 36 * nb
-    assert {m.quantized.shape[2] for n, m in linears.items() if n != "lm_head"} == {24 * nb}
+    assert linears["lm_head"].quantized.shape[2] == 36 * ops.quant_panel_width(8)
+    q4_bytes = 24 * ops.quant_panel_width(3)
+    assert {m.quantized.shape[2] for n, m in linears.items() if n != "lm_head"} == {q4_bytes}
 
 
 @pytest.mark.slow

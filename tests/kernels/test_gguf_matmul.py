@@ -42,7 +42,7 @@ def _dequantized(raw: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
 def test_dequantize_panels_matches_gguf_bitwise(ops, qtype, n, k):
     raw = _blocks(qtype, n, k, seed=n + k)
     panels = ops.pack_gguf(torch.from_numpy(raw), int(qtype), k)
-    nb = ops.quant_panel_width()  # 16 with integer dot products, else panel_width()
+    nb = ops.quant_panel_width(int(qtype))  # one vector where its matmul is integer (gemm.h)
     assert panels.dtype == torch.uint8 and panels.shape[:2] == ((n + nb - 1) // nb, k // 32)
     got = ops.dequantize_panels(panels, n)
     want = _dequantized(raw, qtype)
@@ -172,28 +172,42 @@ def test_panel_width_follows_the_build_target(ops, cpu_flags):
 
 
 def test_max_quant_rows_follows_the_vector_width(ops):
-    # 64 rows with integer dot products (16-column block panels, AVX-512 VNNI), else 24 with
-    # AVX-512 (64-column panels), 12 with AVX2 or less (16-column panels): the crossovers
-    # measured in gemm.cpp. The test above checks linear() keeps to it.
-    if ops.quant_panel_width() < ops.panel_width():
+    # 64 rows with VNNI (Q8 blocks then multiply in integers too, in one-vector panels), else
+    # 24 with AVX-512 (64-column panels), 12 with AVX2 or less (16-column panels): the
+    # crossovers measured in gemm.cpp. The test above checks linear() keeps to it.
+    if ops.quant_panel_width(8) < ops.panel_width():
         assert ops.max_quant_rows() == 64
     else:
         assert ops.max_quant_rows() == (24 if ops.panel_width() == 64 else 12)
 
 
 def test_quant_panel_width_follows_the_build_target(ops, cpu_flags):
-    # Integer dot products (one-vector panels) only where the build has AVX-512 VNNI.
+    # Integer dot products (one-vector panels): Q4 with AVX2 or AVX-512BW (vpmaddubsw), Q8
+    # only with VNNI; the float path's panels are panel_width() wide (gemm.h).
     from kernels import cpu
 
-    if cpu.march_flag() != "native":
-        assert ops.quant_panel_width() == ops.panel_width()  # the targets CI builds: no VNNI
-    elif not cpu_flags:
-        pytest.skip("no /proc/cpuinfo to tell what native is")
-    elif {"avx512f", "avx512_vnni"} <= set(cpu_flags):
-        assert ops.quant_panel_width() == 16
-    elif "avx512f" in cpu_flags:
-        assert ops.quant_panel_width() == 64
-
+    vector = 16 if ops.panel_width() == 64 else 8
+    march = cpu.march_flag()
+    if march == "native":
+        if not cpu_flags:
+            pytest.skip("no /proc/cpuinfo to tell what native is")
+        avx512 = "avx512f" in cpu_flags
+        int_q4 = ("avx512bw" in cpu_flags) if avx512 else "avx2" in cpu_flags
+        vnni = "avx512_vnni" in cpu_flags if avx512 else "avx_vnni" in cpu_flags
+    else:
+        known = {
+            "x86-64": (False, False),
+            "x86-64-v2": (False, False),
+            "x86-64-v3": (True, False),
+            "x86-64-v4": (True, False),
+        }
+        if march not in known:
+            pytest.skip(f"no expectation written down for -march={march}")
+        int_q4, vnni = known[march]
+    for qtype, integer in ((3, int_q4 or vnni), (2, int_q4 or vnni), (8, vnni)):
+        assert ops.quant_panel_width(qtype) == (vector if integer else ops.panel_width()), qtype
+    with pytest.raises(RuntimeError, match="unsupported ggml type"):
+        ops.quant_panel_width(0)
 
 
 def test_pack_gguf_rejects_bad_input(ops):

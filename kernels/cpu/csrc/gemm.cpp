@@ -280,7 +280,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // Integer dot products (AVX-512 VNNI) cost a third of the float de-quantization and cross
 // over much later (same 121 matmuls, one run, medians of 5): 16 rows 21.8 vs 33.8 ms, 32
 // rows 42.0 vs 47.0, 64 rows 79.5 vs 84.0, 96 rows 121.7 vs 123.1.
-constexpr int64_t kMaxQuantRows = kIntDot ? 64 : kRegs == 32 ? 24 : 12;
+constexpr int64_t kMaxQuantRows = kVnni ? 64 : kRegs == 32 ? 24 : 12;
 // AVX2 builds hand batches over 64 rows to the library: its AVX2 kernel beats the 6 x 16 tile
 // there (over the model's 120 layer matmuls, one run, paired medians of 9: 64 rows 0.98x the
 // packed time, 128 rows 1.07x faster, 256 rows 1.10x).

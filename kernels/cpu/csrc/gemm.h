@@ -22,14 +22,25 @@ constexpr int NB = kRegs == 32 ? 64 : 16;
 constexpr int NV = NB / kVec;  // vectors per panel row
 static_assert(NB % kVec == 0, "a panel row is whole vectors");
 
-// Whether the GGUF-block matmul multiplies with integer dot products (gemm_q.cpp says how),
-// and the width of its panels: one vector where it does, NB where it de-quantizes to float.
+// Which GGUF formats the block matmul multiplies with integer dot products (gemm_q.cpp says
+// how): both with VNNI; with AVX2 or AVX-512BW alone Q4 (vpmaddubsw's 16-bit sums hold Q4's
+// 4-bit weights but would overflow on Q8's bytes). kVnni also sets how far the blocks serve (gemm.cpp).
 #if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
-constexpr bool kIntDot = true;
+constexpr bool kVnni = true;
 #else
-constexpr bool kIntDot = false;
+constexpr bool kVnni = false;
 #endif
-constexpr int NBQ = kIntDot ? kVec : NB;
+#if (defined(__AVX512F__) && defined(__AVX512BW__)) || (!defined(__AVX512F__) && defined(__AVX2__))
+constexpr bool kIntQ4 = true;
+#else
+constexpr bool kIntQ4 = kVnni;
+#endif
+template <bool Q4>
+constexpr bool kIntDot = Q4 ? kIntQ4 : kVnni;
+// A block panel's width: one vector where the format's matmul is integer, NB where it
+// de-quantizes to float.
+template <bool Q4>
+constexpr int NBQ = kIntDot<Q4> ? kVec : NB;
 
 // The bias padded with zeros to the panels' NP >= N columns (undefined tensor: no bias).
 at::Tensor padded_bias(const c10::optional<at::Tensor>& bias, int64_t N, int64_t NP);

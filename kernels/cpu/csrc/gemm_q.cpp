@@ -69,10 +69,13 @@ namespace pagedserve_cpu {
 namespace {
 
 constexpr int QB = 32;  // GGUF block length along K
-constexpr int NVQ = NBQ / kVec;  // vectors per panel row
-constexpr int64_t kQ4Block = 2 * NBQ * 4 + (QB / 2) * NBQ;
-constexpr int64_t kQ8Block = NBQ * 4 + QB * NBQ;
-constexpr int64_t kGroupBytes = NBQ * 4;  // one group of 4 k for every column of a panel
+template <bool Q4>
+constexpr int NVQ = NBQ<Q4> / kVec;  // vectors per panel row
+template <bool Q4>
+constexpr int64_t kBlockBytes = Q4 ? 24 * NBQ<true> : 36 * NBQ<false>;
+template <bool Q4>
+constexpr int64_t kGroupBytes = NBQ<Q4> * 4;  // one group of 4 k for every column of a panel
+static_assert(kBlockBytes<true> != kBlockBytes<false>, "a panel's block size names its format");
 // ggml type ids
 constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
 
@@ -89,19 +92,21 @@ static inline float half_at(const uint8_t* p) {
 // Whether a packed tensor holds q4 (else q8) blocks, after checking it is one of the two.
 bool checked_q4(const at::Tensor& panels) {
   TORCH_CHECK(panels.scalar_type() == at::kByte && panels.dim() == 3, "not a quantized panel tensor");
-  TORCH_CHECK(panels.size(2) == kQ4Block || panels.size(2) == kQ8Block, "not a quantized panel tensor");
-  return panels.size(2) == kQ4Block;
+  TORCH_CHECK(panels.size(2) == kBlockBytes<true> || panels.size(2) == kBlockBytes<false>,
+              "not a quantized panel tensor");
+  return panels.size(2) == kBlockBytes<true>;
 }
 
 // Where column c's byte row j lives among a block's q bytes (q4: j in 0..15 holds k = j in its
 // low nibble and k = j + 16 in its high one; q8: j = k): grouped by 4 k for the integer path
 // (file comment), byte rows of NBQ columns for the float path, whose vectors then widen
 // kVec consecutive bytes into kVec columns' weights for one k.
+template <bool Q4>
 static inline int64_t q_byte(int64_t c, int j) {
-  return kIntDot ? (j / 4) * kGroupBytes + c * 4 + j % 4 : int64_t(j) * NBQ + c;
+  return kIntDot<Q4> ? (j / 4) * kGroupBytes<Q4> + c * 4 + j % 4 : int64_t(j) * NBQ<Q4> + c;
 }
 // Q8's stored byte: q + 128 where vpdpbusd takes it unsigned, q itself for the float path.
-static inline uint8_t q8_stored(uint8_t gguf_byte) { return kIntDot ? gguf_byte ^ 0x80 : gguf_byte; }
+static inline uint8_t q8_stored(uint8_t gguf_byte) { return kIntDot<false> ? gguf_byte ^ 0x80 : gguf_byte; }
 
 // The one definition of a weight from its block, for the float matmul and for
 // dequantize_panels alike: the loader's bitwise check of dequantize_panels then vouches for
@@ -122,24 +127,28 @@ static inline vi32 widen8(const uint8_t* p) {  // kVec bytes widened to kVec int
 #endif
 }
 static inline void q4_weights(const uint8_t* blk, int j, int v, vf& lo, vf& hi) {
+  constexpr int W = NBQ<true>;
   const float* d = reinterpret_cast<const float*>(blk);
-  const vi32 z = widen8<false>(blk + 2 * NBQ * 4 + j * NBQ + kVec * v);
-  const vf dv = vload(d + kVec * v), mv = vload(d + NBQ + kVec * v);
+  const vi32 z = widen8<false>(blk + 2 * W * 4 + j * W + kVec * v);
+  const vf dv = vload(d + kVec * v), mv = vload(d + W + kVec * v);
   lo = to_f(z & 15) * dv + mv;
   hi = to_f(z >> 4) * dv + mv;
 }
 static inline vf q8_weight(const uint8_t* blk, int j, int v) {
-  return to_f(widen8<true>(blk + NBQ * 4 + j * NBQ + kVec * v)) * vload(reinterpret_cast<const float*>(blk) + kVec * v);
+  constexpr int W = NBQ<false>;
+  return to_f(widen8<true>(blk + W * 4 + j * W + kVec * v)) * vload(reinterpret_cast<const float*>(blk) + kVec * v);
 }
-// One weight, any layout (dequantize_panels in integer builds, whose matmul never forms it).
-static inline float weight_at(bool q4, const uint8_t* blk, int64_t c, int k) {
+// One weight, any layout (dequantize_panels for the integer path, whose matmul never forms it).
+template <bool Q4>
+static inline float weight_at(const uint8_t* blk, int64_t c, int k) {
+  constexpr int W = NBQ<Q4>;
   const float d = reinterpret_cast<const float*>(blk)[c];
-  if (!q4) {
-    const uint8_t b = blk[NBQ * 4 + q_byte(c, k)];
-    return float(kIntDot ? int(b) - 128 : int(static_cast<int8_t>(b))) * d;
+  if constexpr (!Q4) {
+    const uint8_t b = blk[W * 4 + q_byte<false>(c, k)];
+    return float(kIntDot<false> ? int(b) - 128 : int(static_cast<int8_t>(b))) * d;
   }
-  const uint8_t b = blk[2 * NBQ * 4 + q_byte(c, k % (QB / 2))];
-  return float(k < QB / 2 ? b & 15 : b >> 4) * d + reinterpret_cast<const float*>(blk)[NBQ + c];
+  const uint8_t b = blk[2 * W * 4 + q_byte<true>(c, k % (QB / 2))];
+  return float(k < QB / 2 ? b & 15 : b >> 4) * d + reinterpret_cast<const float*>(blk)[W + c];
 }
 
 // x's rows as the integer path reads them (file comment): per row and 32-block, the three
@@ -198,20 +207,42 @@ XDigits split_digits(const float* x, int64_t M, int64_t K) {
   return XDigits{digits.data(), unit.data(), sum.data(), zero.data(), nblk};
 }
 
-// acc + sum over each lane's 4 byte pairs of u8s (unsigned) times s8s (signed).
-static inline vi32 dot4(vi32 acc, vi32 u8s, vi32 s8s) {
+// One block's integer sums for one digit: acc + each lane's 4 byte pairs u8s (unsigned) times
+// s8s (signed). VNNI adds the 4 products into the lane's int32 (vpdpbusd). AVX2 alone adds
+// vpmaddubsw's sums of 2 into 16-bit halves, and dot_finish widens them once a block; only
+// for Q4: its 8 additions a block of |q D| <= 2 * 15 * 128 stay under 2^15.
+#define PAGEDSERVE_VNNI ((defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__)))
+static inline vi32 dot_add(vi32 acc, vi32 u8s, vi32 s8s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
   return reinterpret_cast<vi32>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(u8s),
                                                     reinterpret_cast<__m512i>(s8s)));
 #elif defined(__AVXVNNI__) && !defined(__AVX512F__)
   return reinterpret_cast<vi32>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc), reinterpret_cast<__m256i>(u8s),
                                                         reinterpret_cast<__m256i>(s8s)));
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+  return reinterpret_cast<vi32>(_mm512_add_epi16(
+      reinterpret_cast<__m512i>(acc), _mm512_maddubs_epi16(reinterpret_cast<__m512i>(u8s), reinterpret_cast<__m512i>(s8s))));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  return reinterpret_cast<vi32>(_mm256_add_epi16(
+      reinterpret_cast<__m256i>(acc), _mm256_maddubs_epi16(reinterpret_cast<__m256i>(u8s), reinterpret_cast<__m256i>(s8s))));
 #else
   (void)u8s;
   (void)s8s;
-  return acc;  // not compiled into a matmul: kIntDot is false
+  return acc;  // not compiled into a matmul: kIntDot<*> is false
 #endif
 }
+static inline vi32 dot_finish(vi32 acc) {
+#if PAGEDSERVE_VNNI
+  return acc;
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+  return reinterpret_cast<vi32>(_mm512_madd_epi16(reinterpret_cast<__m512i>(acc), _mm512_set1_epi16(1)));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  return reinterpret_cast<vi32>(_mm256_madd_epi16(reinterpret_cast<__m256i>(acc), _mm256_set1_epi16(1)));
+#else
+  return acc;
+#endif
+}
+#undef PAGEDSERVE_VNNI
 // 4 digit bytes (k .. k + 3) in every lane.
 static inline vi32 bcast4(const int8_t* p) {
   int32_t v;
@@ -235,7 +266,8 @@ struct Rows {
 template <bool Q4, int P, int R>
 static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, int64_t pstride, int64_t nblk,
                             float* __restrict y, int64_t ldy, int64_t ystride, const float* bias, const uint8_t* pf) {
-  constexpr int64_t kBlock = Q4 ? kQ4Block : kQ8Block;
+  constexpr int64_t kBlock = kBlockBytes<Q4>;
+  constexpr int W = NBQ<Q4>;
   const XDigits& xq = rows.xq;
   const vi32 nibble = vi32{} + 0x0F0F0F0F;
   vf acc[P][R];
@@ -255,7 +287,7 @@ static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, i
       vi32 lo[P], hi[P];
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
-        const vi32 z = load_i32(panel + p * pstride + kb * kBlock + (Q4 ? 2 : 1) * NBQ * 4 + g * kGroupBytes);
+        const vi32 z = load_i32(panel + p * pstride + kb * kBlock + (Q4 ? 2 : 1) * W * 4 + g * kGroupBytes<Q4>);
         lo[p] = Q4 ? (z & nibble) : z;
         hi[p] = (z >> 4) & nibble;
       }
@@ -266,11 +298,11 @@ static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, i
         for (int t = 0; t < 3; ++t) {
           const vi32 b = bcast4(dg + t * QB);
 #pragma GCC unroll 4
-          for (int p = 0; p < P; ++p) s[p][r][t] = dot4(s[p][r][t], lo[p], b);
+          for (int p = 0; p < P; ++p) s[p][r][t] = dot_add(s[p][r][t], lo[p], b);
           if constexpr (Q4) {
             const vi32 b2 = bcast4(dg + t * QB + QB / 2);
 #pragma GCC unroll 4
-            for (int p = 0; p < P; ++p) s[p][r][t] = dot4(s[p][r][t], hi[p], b2);
+            for (int p = 0; p < P; ++p) s[p][r][t] = dot_add(s[p][r][t], hi[p], b2);
           }
         }
       }
@@ -282,12 +314,14 @@ static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, i
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int64_t rb = rb0 + r * nblk;
+        vi32 S[3];
+        for (int t = 0; t < 3; ++t) S[t] = dot_finish(s[p][r][t]);
         if constexpr (!Q4)
-          for (int t = 0; t < 3; ++t) s[p][r][t] -= xq.zero[rb * 3 + t];
-        const vi32 low = (s[p][r][1] << 8) + s[p][r][0];  // |S1| < 2^21: no overflow
-        const vf v = to_f(s[p][r][2]) * vsplat(65536.f) + to_f(low);
+          for (int t = 0; t < 3; ++t) S[t] -= xq.zero[rb * 3 + t];
+        const vi32 low = (S[1] << 8) + S[0];  // |S1| < 2^21: no overflow
+        const vf v = to_f(S[2]) * vsplat(65536.f) + to_f(low);
         acc[p][r] += v * (dv * vsplat(xq.unit[rb]));
-        if constexpr (Q4) acc[p][r] += vload(blk + NBQ) * vsplat(xq.sum[rb]);
+        if constexpr (Q4) acc[p][r] += vload(blk + W) * vsplat(xq.sum[rb]);
       }
     }
   }
@@ -299,17 +333,18 @@ static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, i
 }
 
 // The same tile with each weight de-quantized to float once in registers and used by all R
-// rows (float builds' layout).
+// rows (the float path's layout).
 template <bool Q4, int P, int R>
 static inline void float_tile(const Rows& rows, const uint8_t* __restrict panel, int64_t pstride, int64_t nblk,
                               float* __restrict y, int64_t ldy, int64_t ystride, const float* bias, const uint8_t* pf) {
-  constexpr int64_t kBlock = Q4 ? kQ4Block : kQ8Block;
+  constexpr int64_t kBlock = kBlockBytes<Q4>;
+  constexpr int NV = NVQ<Q4>;
   const float* x = rows.x;
   const int64_t ldx = rows.ldx;
-  vf acc[P][R][NVQ];
+  vf acc[P][R][NV];
   for (int p = 0; p < P; ++p)
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NVQ; ++v) acc[p][r][v] = vzero();
+      for (int v = 0; v < NV; ++v) acc[p][r][v] = vzero();
   for (int64_t kb = 0; kb < nblk; ++kb) {
     const float* xb = x + kb * QB;
     const uint8_t* blk = panel + kb * kBlock;
@@ -320,7 +355,7 @@ static inline void float_tile(const Rows& rows, const uint8_t* __restrict panel,
       for (int p = 0; p < P; ++p) {
         const uint8_t* b = blk + p * pstride;
 #pragma GCC unroll 4
-        for (int v = 0; v < NVQ; ++v) {
+        for (int v = 0; v < NV; ++v) {
           if constexpr (Q4) {
             vf lo, hi;
             q4_weights(b, j, v, lo, hi);
@@ -340,22 +375,17 @@ static inline void float_tile(const Rows& rows, const uint8_t* __restrict panel,
   }
   for (int p = 0; p < P; ++p)
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < NVQ; ++v) {
+      for (int v = 0; v < NV; ++v) {
         float* o = y + r * ldy + p * ystride + kVec * v;
         vstore(o, bias ? vload(bias + p * ystride + kVec * v) + acc[p][r][v] : acc[p][r][v]);
       }
 }
 
-template <int P, int R>
-static inline void tile(bool q4, const Rows& rows, const uint8_t* panel, int64_t pstride, int64_t nblk, float* y,
-                        int64_t ldy, int64_t ystride, const float* bias, const uint8_t* pf = nullptr) {
-  if constexpr (kIntDot) {
-    if (q4) int_tile<true, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
-    else int_tile<false, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
-  } else {
-    if (q4) float_tile<true, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
-    else float_tile<false, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
-  }
+template <bool Q4, int P, int R>
+static inline void tile(const Rows& rows, const uint8_t* panel, int64_t pstride, int64_t nblk, float* y, int64_t ldy,
+                        int64_t ystride, const float* bias, const uint8_t* pf = nullptr) {
+  if constexpr (kIntDot<Q4>) int_tile<Q4, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
+  else float_tile<Q4, P, R>(rows, panel, pstride, nblk, y, ldy, ystride, bias, pf);
 }
 
 // How many panels one row walks in lockstep (streams from memory at once), and how many rows
@@ -373,161 +403,190 @@ static inline void tile(bool q4, const Rows& rows, const uint8_t* panel, int64_t
 // - Integer path, one row: 2 panels in lockstep. Its compute no longer hides memory
 //   latency, and more streams read slower and more erratically: over the model's matmuls in
 //   alternating runs, 4 streams 3.98-7.07 ms, 2 streams 3.98-4.29 ms (1 stream 3.72-4.48).
-// - Integer path, rows per tile: 4, 5, 6 and 8 rows all ran 16 and 64 rows alike (21.1-21.9,
-//   79.3-82.2 ms): there a step is bound by vpdpbusd's throughput (~1 a cycle), so the float
-//   path's 6 is kept.
-constexpr int kQ8RowStreams = kIntDot ? 2 : 4;
-constexpr int kQ4RowStreams = kIntDot ? 2 : kRegs == 32 ? 4 : 2;
-constexpr int kQuantRowTile = kRegs == 32 ? 6 : 4;
+// - Integer path, rows per tile: with AVX-512 VNNI, 4, 5, 6 and 8 rows all ran 16 and 64 rows
+//   alike (21.1-21.9, 79.3-82.2 ms): there a step is bound by vpdpbusd's throughput (~1 a
+//   cycle), so the float path's 6 is kept. AVX2's 16 registers hold 2 (4 a row).
+template <bool Q4>
+constexpr int kRowStreams = kIntDot<Q4> ? 2 : Q4 ? (kRegs == 32 ? 4 : 2) : 4;
+template <bool Q4>
+constexpr int kRowTile = kIntDot<Q4> ? (kRegs == 32 ? 6 : 2) : kRegs == 32 ? 6 : 4;
 
 // Panels [begin, end) for one row: P runs of panels in lockstep (P streams), then the rest.
-template <int P>
-static void quant_one_row(bool q4, const Rows& rows, const uint8_t* wp, int64_t nblk, int64_t pbytes, float* y,
+template <bool Q4>
+static void quant_one_row(const Rows& rows, const uint8_t* wp, int64_t nblk, int64_t pbytes, float* y,
                           const float* bias, int64_t begin, int64_t end) {
+  constexpr int P = kRowStreams<Q4>, W = NBQ<Q4>;
   const int64_t q = (end - begin) / P;
   for (int64_t i = 0; i < q; ++i) {
     const int64_t b = begin + i;
-    tile<P, 1>(q4, rows, wp + b * pbytes, q * pbytes, nblk, y + b * NBQ, 0, q * NBQ, bias ? bias + b * NBQ : nullptr);
+    tile<Q4, P, 1>(rows, wp + b * pbytes, q * pbytes, nblk, y + b * W, 0, q * W, bias ? bias + b * W : nullptr);
   }
   for (int64_t b = begin + P * q; b < end; ++b)
-    tile<1, 1>(q4, rows, wp + b * pbytes, 0, nblk, y + b * NBQ, 0, 0, bias ? bias + b * NBQ : nullptr);
+    tile<Q4, 1, 1>(rows, wp + b * pbytes, 0, nblk, y + b * W, 0, 0, bias ? bias + b * W : nullptr);
 }
 
 static inline Rows offset(const Rows& rows, int64_t m) {
   return Rows{rows.x + m * rows.ldx, rows.ldx, rows.xq, rows.row0 + m};
 }
 
-// The last R < kQuantRowTile rows of a panel.
-template <int TT, int R = 1>
-static inline void tail_rows(int left, bool q4, const Rows& rows, const uint8_t* panel, int64_t nblk, float* y,
-                             int64_t ldy, const float* bias, const uint8_t* pf) {
-  if constexpr (R < TT) {
-    if (left == R) return tile<1, R>(q4, rows, panel, 0, nblk, y, ldy, 0, bias, pf);
-    tail_rows<TT, R + 1>(left, q4, rows, panel, nblk, y, ldy, bias, pf);
+// The last R < kRowTile rows of a panel.
+template <bool Q4, int R = 1>
+static inline void tail_rows(int left, const Rows& rows, const uint8_t* panel, int64_t nblk, float* y, int64_t ldy,
+                             const float* bias, const uint8_t* pf) {
+  if constexpr (R < kRowTile<Q4>) {
+    if (left == R) return tile<Q4, 1, R>(rows, panel, 0, nblk, y, ldy, 0, bias, pf);
+    tail_rows<Q4, R + 1>(left, rows, panel, nblk, y, ldy, bias, pf);
   }
 }
 
-// All M rows against one panel, kQuantRowTile at a time: the first group streams the panel
-// from memory, the others find it in L2. The second group (or the only one) prefetches
-// `next`, the thread's next panel, into L2 as it goes, so that panel's first group does not
-// wait on memory. Over the model's 121 matmuls (float path, one run, paired medians of 15):
-// 4-7% faster at 4-16 rows, 1% at 24.
-template <int T>
-static void quant_panel_rows(bool q4, const Rows& rows, int64_t M, const uint8_t* panel, int64_t nblk, float* y,
-                             int64_t ldy, const float* bias, const uint8_t* next) {
+// All M rows against one panel, kRowTile at a time: the first group streams the panel from
+// memory, the others find it in L2. The second group (or the only one) prefetches `next`, the
+// thread's next panel, into L2 as it goes, so that panel's first group does not wait on
+// memory. Over the model's 121 matmuls (float path, one run, paired medians of 15): 4-7%
+// faster at 4-16 rows, 1% at 24.
+template <bool Q4>
+static void quant_panel_rows(const Rows& rows, int64_t M, const uint8_t* panel, int64_t nblk, float* y, int64_t ldy,
+                             const float* bias, const uint8_t* next) {
+  constexpr int T = kRowTile<Q4>;
   const int64_t fetching_group = M > T ? 1 : 0;
   int64_t m = 0, group = 0;
   for (; m + T <= M; m += T, ++group)
-    tile<1, T>(q4, offset(rows, m), panel, 0, nblk, y + m * ldy, ldy, 0, bias, group == fetching_group ? next : nullptr);
+    tile<Q4, 1, T>(offset(rows, m), panel, 0, nblk, y + m * ldy, ldy, 0, bias, group == fetching_group ? next : nullptr);
   if (m < M)
-    tail_rows<T>(static_cast<int>(M - m), q4, offset(rows, m), panel, nblk, y + m * ldy, ldy, bias,
-              group == fetching_group ? next : nullptr);
+    tail_rows<Q4>(static_cast<int>(M - m), offset(rows, m), panel, nblk, y + m * ldy, ldy, bias,
+                  group == fetching_group ? next : nullptr);
 }
 
 // One panel back to float32, [K, NBQ] row-major.
-static void dequantize_panel(bool q4, const uint8_t* panel, int64_t nblk, float* out) {
+template <bool Q4>
+static void dequantize_panel(const uint8_t* panel, int64_t nblk, float* out) {
+  constexpr int W = NBQ<Q4>;
   for (int64_t kb = 0; kb < nblk; ++kb) {
-    float* o = out + kb * QB * NBQ;
-    const uint8_t* b = panel + kb * (q4 ? kQ4Block : kQ8Block);
-    if constexpr (kIntDot) {
+    float* o = out + kb * QB * W;
+    const uint8_t* b = panel + kb * kBlockBytes<Q4>;
+    if constexpr (kIntDot<Q4>) {
       for (int k = 0; k < QB; ++k)
-        for (int64_t c = 0; c < NBQ; ++c) o[k * NBQ + c] = weight_at(q4, b, c, k);
+        for (int64_t c = 0; c < W; ++c) o[k * W + c] = weight_at<Q4>(b, c, k);
     } else {
-      for (int j = 0; j < (q4 ? QB / 2 : QB); ++j)
-        for (int v = 0; v < NVQ; ++v) {
-          if (q4) {
+      for (int j = 0; j < (Q4 ? QB / 2 : QB); ++j)
+        for (int v = 0; v < NVQ<Q4>; ++v) {
+          if constexpr (Q4) {
             vf lo, hi;
             q4_weights(b, j, v, lo, hi);
-            vstore(o + j * NBQ + kVec * v, lo);
-            vstore(o + (j + QB / 2) * NBQ + kVec * v, hi);
+            vstore(o + j * W + kVec * v, lo);
+            vstore(o + (j + QB / 2) * W + kVec * v, hi);
           } else {
-            vstore(o + j * NBQ + kVec * v, q8_weight(b, j, v));
+            vstore(o + j * W + kVec * v, q8_weight(b, j, v));
           }
         }
     }
   }
 }
 
-}  // namespace
-
-int64_t quant_panel_width() { return NBQ; }
-
-at::Tensor pack_gguf(const at::Tensor& raw_, int64_t ggml_type, int64_t K) {
-  TORCH_CHECK(raw_.scalar_type() == at::kByte && raw_.dim() == 2, "raw GGUF blocks must be uint8 [N, bytes]");
-  TORCH_CHECK(K % QB == 0, "K must be a multiple of 32");
-  const int64_t bpb = ggml_type == kGgmlQ8_0 ? 34 : ggml_type == kGgmlQ4_1 ? 20 : ggml_type == kGgmlQ4_0 ? 18 : -1;
-  TORCH_CHECK(bpb > 0, "unsupported ggml type ", ggml_type);
-  const int64_t N = raw_.size(0), nblk = K / QB, nb = (N + NBQ - 1) / NBQ;
-  TORCH_CHECK(raw_.size(1) == nblk * bpb, "raw rows hold ", raw_.size(1), " bytes, expected ", nblk * bpb);
-  auto raw = raw_.contiguous();
-  const bool q8 = ggml_type == kGgmlQ8_0;
-  const int64_t pbb = q8 ? kQ8Block : kQ4Block;
+template <bool Q4>
+at::Tensor pack(const uint8_t* src, int64_t ggml_type, int64_t N, int64_t nblk, int64_t bpb,
+                const at::TensorOptions& options) {
+  constexpr int W = NBQ<Q4>;
+  const int64_t nb = (N + W - 1) / W;
   // Padding columns: d = m = 0, so whatever q is, their weights are 0.
-  auto out = at::zeros({nb, nblk, pbb}, raw.options());
-  const uint8_t* src = raw.data_ptr<uint8_t>();
+  at::Tensor out = at::zeros({nb, nblk, kBlockBytes<Q4>}, options);
   uint8_t* dst = out.data_ptr<uint8_t>();
   for (int64_t n = 0; n < N; ++n) {
-    const int64_t b = n / NBQ, c = n % NBQ;
+    const int64_t b = n / W, c = n % W;
     for (int64_t kb = 0; kb < nblk; ++kb) {
       const uint8_t* s = src + n * nblk * bpb + kb * bpb;
-      uint8_t* blk = dst + (b * nblk + kb) * pbb;
+      uint8_t* blk = dst + (b * nblk + kb) * kBlockBytes<Q4>;
       float* d = reinterpret_cast<float*>(blk);
       d[c] = half_at(s);
-      if (q8) {  // GGUF byte j is k = j, as int8
-        for (int j = 0; j < QB; ++j) blk[NBQ * 4 + q_byte(c, j)] = q8_stored(s[2 + j]);
+      if constexpr (!Q4) {  // GGUF byte j is k = j, as int8
+        for (int j = 0; j < QB; ++j) blk[W * 4 + q_byte<false>(c, j)] = q8_stored(s[2 + j]);
       } else {  // GGUF byte j holds k = j (low nibble) and k = j + 16 (high): kept as a pair
-        d[NBQ + c] = ggml_type == kGgmlQ4_1 ? half_at(s + 2) : -8.0f * d[c];
+        d[W + c] = ggml_type == kGgmlQ4_1 ? half_at(s + 2) : -8.0f * d[c];
         const uint8_t* qs = s + (ggml_type == kGgmlQ4_1 ? 4 : 2);
-        for (int j = 0; j < QB / 2; ++j) blk[2 * NBQ * 4 + q_byte(c, j)] = qs[j];
+        for (int j = 0; j < QB / 2; ++j) blk[2 * W * 4 + q_byte<true>(c, j)] = qs[j];
       }
     }
   }
   return out;
 }
 
-at::Tensor dequantize_panels(const at::Tensor& panels, int64_t N) {
-  const bool q4 = checked_q4(panels);
+template <bool Q4>
+at::Tensor dequantize(const at::Tensor& panels, int64_t N) {
+  constexpr int W = NBQ<Q4>;
   const int64_t nb = panels.size(0), nblk = panels.size(1), K = nblk * QB;
-  auto full = at::empty({K, nb * NBQ}, at::kFloat);
-  std::vector<float> buf(K * NBQ);
+  auto full = at::empty({K, nb * W}, at::kFloat);
+  std::vector<float> buf(K * W);
   for (int64_t b = 0; b < nb; ++b) {
-    dequantize_panel(q4, panels.data_ptr<uint8_t>() + b * nblk * panels.size(2), nblk, buf.data());
+    dequantize_panel<Q4>(panels.data_ptr<uint8_t>() + b * nblk * panels.size(2), nblk, buf.data());
     for (int64_t k = 0; k < K; ++k)
-      std::memcpy(full.data_ptr<float>() + k * nb * NBQ + b * NBQ, buf.data() + k * NBQ, sizeof(float) * NBQ);
+      std::memcpy(full.data_ptr<float>() + k * nb * W + b * W, buf.data() + k * W, sizeof(float) * W);
   }
   return full.narrow(1, 0, N).contiguous();
 }
 
-void quant_linear_into(const at::Tensor& x_, const at::Tensor& panels, int64_t N,
-                       const c10::optional<at::Tensor>& bias_, at::Tensor& y) {
-  auto x = x_.contiguous();
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
-  const bool q4 = checked_q4(panels);
-  const int64_t M = x.size(0), K = x.size(1), nb = panels.size(0), nblk = panels.size(1), NP = nb * NBQ;
-  TORCH_CHECK(nblk * QB == K, "x has ", K, " columns, the panels ", nblk * QB, " rows");
-  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == M && y.size(1) == NP,
-              "quant_linear_into: y must be contiguous float32 [rows, whole panels]");
+template <bool Q4>
+void linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& panels, int64_t N,
+                 const c10::optional<at::Tensor>& bias_, float* yp) {
+  constexpr int W = NBQ<Q4>;
+  const int64_t nb = panels.size(0), nblk = panels.size(1), NP = nb * W;
   const at::Tensor biasp = padded_bias(bias_, N, NP);
   const float* bias = biasp.defined() ? biasp.data_ptr<float>() : nullptr;
-  const float* xp = x.data_ptr<float>();
-  const Rows rows{xp, K, kIntDot ? split_digits(xp, M, K) : XDigits{}, 0};
+  const Rows rows{xp, K, kIntDot<Q4> ? split_digits(xp, M, K) : XDigits{}, 0};
   const uint8_t* wp = panels.data_ptr<uint8_t>();
   const int64_t pbytes = nblk * panels.size(2);
-  float* yp = y.data_ptr<float>();
   if (M == 1)
     at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
-      if (q4) quant_one_row<kQ4RowStreams>(q4, rows, wp, nblk, pbytes, yp, bias, begin, end);
-      else quant_one_row<kQ8RowStreams>(q4, rows, wp, nblk, pbytes, yp, bias, begin, end);
+      quant_one_row<Q4>(rows, wp, nblk, pbytes, yp, bias, begin, end);
     });
   else
-    parallel_panels(nb, M, kQuantRowTile, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
-      quant_panel_rows<kQuantRowTile>(q4, offset(rows, m0), m1 - m0, wp + b * pbytes, nblk, yp + m0 * NP + b * NBQ, NP,
-                       bias ? bias + b * NBQ : nullptr, next >= 0 ? wp + next * pbytes : nullptr);
+    parallel_panels(nb, M, kRowTile<Q4>, [&](int64_t b, int64_t m0, int64_t m1, int64_t next) {
+      quant_panel_rows<Q4>(offset(rows, m0), m1 - m0, wp + b * pbytes, nblk, yp + m0 * NP + b * W, NP,
+                           bias ? bias + b * W : nullptr, next >= 0 ? wp + next * pbytes : nullptr);
     });
 }
 
+int64_t panel_columns(const at::Tensor& panels) { return panels.size(0) * (checked_q4(panels) ? NBQ<true> : NBQ<false>); }
+
+}  // namespace
+
+int64_t quant_panel_width(int64_t ggml_type) {
+  TORCH_CHECK(ggml_type == kGgmlQ4_0 || ggml_type == kGgmlQ4_1 || ggml_type == kGgmlQ8_0, "unsupported ggml type ",
+              ggml_type);
+  return ggml_type == kGgmlQ8_0 ? NBQ<false> : NBQ<true>;
+}
+
+at::Tensor pack_gguf(const at::Tensor& raw_, int64_t ggml_type, int64_t K) {
+  TORCH_CHECK(raw_.scalar_type() == at::kByte && raw_.dim() == 2, "raw GGUF blocks must be uint8 [N, bytes]");
+  TORCH_CHECK(K % QB == 0, "K must be a multiple of 32");
+  const int64_t bpb = ggml_type == kGgmlQ8_0 ? 34 : ggml_type == kGgmlQ4_1 ? 20 : ggml_type == kGgmlQ4_0 ? 18 : -1;
+  TORCH_CHECK(bpb > 0, "unsupported ggml type ", ggml_type);
+  const int64_t N = raw_.size(0), nblk = K / QB;
+  TORCH_CHECK(raw_.size(1) == nblk * bpb, "raw rows hold ", raw_.size(1), " bytes, expected ", nblk * bpb);
+  auto raw = raw_.contiguous();
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  return ggml_type == kGgmlQ8_0 ? pack<false>(src, ggml_type, N, nblk, bpb, raw.options())
+                                : pack<true>(src, ggml_type, N, nblk, bpb, raw.options());
+}
+
+at::Tensor dequantize_panels(const at::Tensor& panels, int64_t N) {
+  return checked_q4(panels) ? dequantize<true>(panels, N) : dequantize<false>(panels, N);
+}
+
+void quant_linear_into(const at::Tensor& x_, const at::Tensor& panels, int64_t N,
+                       const c10::optional<at::Tensor>& bias, at::Tensor& y) {
+  auto x = x_.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  const bool q4 = checked_q4(panels);
+  const int64_t M = x.size(0), K = x.size(1), nblk = panels.size(1), NP = panel_columns(panels);
+  TORCH_CHECK(nblk * QB == K, "x has ", K, " columns, the panels ", nblk * QB, " rows");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == M && y.size(1) == NP,
+              "quant_linear_into: y must be contiguous float32 [rows, whole panels]");
+  if (q4) linear_into<true>(x.data_ptr<float>(), M, K, panels, N, bias, y.data_ptr<float>());
+  else linear_into<false>(x.data_ptr<float>(), M, K, panels, N, bias, y.data_ptr<float>());
+}
+
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias) {
-  const int64_t NP = panels.size(0) * NBQ;
+  const int64_t NP = panel_columns(panels);
   auto y = at::empty({x.size(0), NP}, x.options());
   quant_linear_into(x, panels, N, bias, y);
   return NP == N ? y : y.narrow(1, 0, N).contiguous();

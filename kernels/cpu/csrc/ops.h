@@ -48,7 +48,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t o
 int64_t max_quant_rows();   // linear() uses GGUF blocks for batches of 1 to this many rows
 int64_t max_packed_rows();  // ... and the float32 panels up to this many (then the library)
 int64_t panel_width();     // output columns per packed panel (64 with AVX-512, 16 with AVX2)
-int64_t quant_panel_width();  // ... per GGUF-block panel (16 with integer dot products, else panel_width())
+int64_t quant_panel_width(int64_t ggml_type);  // ... per GGUF-block panel of that type (gemm.h NBQ)
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                   const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias);
 // The fused stack's weights, kNumSlots tensors a layer (decoder_layer.cpp), converted from

@@ -22,7 +22,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("max_quant_rows() -> int", &pagedserve_cpu::max_quant_rows);
   m.def("max_packed_rows() -> int", &pagedserve_cpu::max_packed_rows);
   m.def("panel_width() -> int", &pagedserve_cpu::panel_width);
-  m.def("quant_panel_width() -> int", &pagedserve_cpu::quant_panel_width);
+  m.def("quant_panel_width(int ggml_type) -> int", &pagedserve_cpu::quant_panel_width);
   m.def("step_profile(bool on) -> ()", &pagedserve_cpu::step_profile);
   m.def("step_profile_read() -> Tensor", &pagedserve_cpu::step_profile_read);
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? quant, Tensor? bias) -> Tensor");
