@@ -17,27 +17,29 @@
 // the claim on every tensor (dequantize_panels == the float32 weight, bitwise) before it uses
 // this path.
 //
-// Two ways to multiply by them, picked by the build's target:
+// Two ways to multiply by them, picked by the build's target and the format (gemm.h):
 //
-// - Integer dot products (AVX-512 VNNI, or AVX-VNNI): one vpdpbusd multiplies 4 byte pairs
-//   per lane and adds them to an int32, 64 products an instruction, where de-quantizing to
-//   float costs a widen, a convert and an FMA per 16 weights before the product's own FMA.
-//   A one-row step de-quantizing to float was compute-bound (~25 GB/s of blocks against a
-//   33-60 GB/s memory). x is not rounded to 8 bits, as llama.cpp does (that changes greedy
-//   output): each 32-element block of a row is scaled by a power of two 2^e so that its
-//   largest |x| is in [2^21, 2^22), rounded to the integer X = round(x 2^e), and split into
-//   three signed base-256 digits, X = D0 + 256 D1 + 65536 D2. Then per block and column
+// - Integer dot products (both formats with AVX-512 VNNI or AVX-VNNI; Q4 also with AVX2 or
+//   AVX-512BW alone): one vpdpbusd multiplies 4 byte pairs per lane and adds them to an
+//   int32, 64 products an instruction (vpmaddubsw + a 16-bit add, 2 per instruction pair,
+//   without VNNI), where de-quantizing to float costs a widen, a convert and an FMA per 16
+//   weights before the product's own FMA. A one-row step de-quantizing to float was
+//   compute-bound (~25 GB/s of blocks against a 33-60 GB/s memory). x is not rounded to 8
+//   bits, as llama.cpp does (that changes greedy output): each 32-element block of a row is
+//   scaled by a power of two 2^e so that its largest |x| is in [2^21, 2^22), rounded to the
+//   integer X = round(x 2^e), and split into three signed base-256 digits,
+//   X = D0 + 256 D1 + 65536 D2. Then per block and column
 //     sum_k q_k X_k = S0 + 256 S1 + 65536 S2,   S_t = sum_k q_k D_t,k   (exact in int32),
 //   scaled back by d 2^-e (and + m sum_k x~_k for Q4's offset). The only rounding beyond a
 //   float32 matmul's is x's, to 22 bits below its block's largest element (|x~ - x| <=
 //   2^-22 max|x|, about a float32 ulp of that element times 2-4), of the order of the float32
 //   summation's own error; the parity tests hold greedy output to transformers' token for
-//   token.
-// - Float (other targets): each weight de-quantized to its float32 value in registers, then
-//   FMAs; a product differs from the float32 kernel's only in summation order.
+//   token, on every target.
+// - Float (the rest): each weight de-quantized to its float32 value in registers, then FMAs;
+//   a product differs from the float32 kernel's only in summation order.
 //
-// Panels are NBQ output columns wide (one vector, 16 columns, with integer dot products; the
-// float32 kernel's NB otherwise: gemm.h) and hold their K range in blocks of 32 (the GGUF
+// Panels are NBQ<Q4> output columns wide (one vector with integer dot products; the float32
+// kernel's NB otherwise: gemm.h) and hold their K range in blocks of 32 (the GGUF
 // block), so a panel is one contiguous stream:
 //   q4 block (24 NBQ bytes): float d[NBQ], float m[NBQ], then 16 byte rows: byte row j holds
 //      k = j (low nibble) and k = j + 16 (high), as a GGUF Q4 block does;
