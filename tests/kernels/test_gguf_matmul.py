@@ -104,6 +104,38 @@ def test_one_row_over_threads_matches_matmul(ops, threads, num_threads, qtype, n
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_quant_linear_keeps_scale_and_non_finite_values(ops, qtype):
+    """x's rows far from 1 in either direction, zero, or with an inf or NaN: the integer path
+    scales each 32-block by its own power of two (gemm_q.cpp), so tiny and huge rows keep
+    their relative precision, and a non-finite block makes its row's outputs NaN, as a float
+    matmul's would, without touching the other rows."""
+    n, k = 96, 128
+    raw = _blocks(qtype, n, k, seed=17)
+    panels = ops.pack_gguf(torch.from_numpy(raw), int(qtype), k)
+    w = _dequantized(raw, qtype).double()
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(7, k, generator=g)
+    scales = torch.tensor([1.0, 1e-30, 1e30, 0.0, 1.0, 1.0, 3e-38])
+    x = base * scales[:, None]
+    x[1, :32] *= 1e-6  # one block far below the rest of its row
+    x[4, 40] = float("inf")
+    x[5, 100] = float("nan")
+    for rows in (x, x[4:5], x[1:2]):  # several rows, and the one-row path
+        got = ops.quant_linear(rows, panels, n, None)
+        want = rows.double() @ w
+        finite = torch.isfinite(rows).all(dim=1)
+        assert torch.isnan(got[~finite]).all()
+        if not finite.any():
+            continue
+        # Relative to each row's own size (rows 1, 2 and 6 are 1e-30, 1e30 and 3e-38 x 1; the
+        # last one's d 2^-e alone is below float32's normal range).
+        size = (rows[finite].double().abs() @ w.abs()).clamp_min(1e-300)
+        err = ((got[finite].double() - want[finite]) / size).abs().max()
+        assert err < 1e-6, err
+        assert (got[finite] == 0).all(dim=1).tolist() == (rows[finite] == 0).all(dim=1).tolist()
+
+
 def test_quant_linear_takes_a_non_contiguous_x(ops):
     qtype = GGMLQuantizationType.Q4_1
     raw = _blocks(qtype, 200, 96, seed=11)

@@ -322,7 +322,8 @@ static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, i
           for (int t = 0; t < 3; ++t) S[t] -= xq.zero[rb * 3 + t];
         const vi32 low = (S[1] << 8) + S[0];  // |S1| < 2^21: no overflow
         const vf v = to_f(S[2]) * vsplat(65536.f) + to_f(low);
-        acc[p][r] += v * (dv * vsplat(xq.unit[rb]));
+        // d first, then 2^-e: d 2^-e alone can fall below float32's normal range (x ~ 1e-37).
+        acc[p][r] += (v * dv) * vsplat(xq.unit[rb]);
         if constexpr (Q4) acc[p][r] += vload(blk + W) * vsplat(xq.sum[rb]);
       }
     }
