@@ -165,7 +165,7 @@ struct XDigits {
 
 // The digits of M rows of x, into buffers this thread keeps (a matmul is called from one
 // thread and its workers only read them). A block holding inf or NaN gets unit = NaN, so its
-// outputs are NaN, as a float matmul's would be.
+// row's outputs are NaN, non-finite as a float matmul's would be (inf or NaN).
 XDigits split_digits(const float* x, int64_t M, int64_t K) {
   thread_local std::vector<int8_t> digits;
   thread_local std::vector<float> unit, sum;
