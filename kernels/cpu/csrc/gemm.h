@@ -25,16 +25,20 @@ static_assert(NB % kVec == 0, "a panel row is whole vectors");
 // Which GGUF formats the block matmul multiplies with integer dot products (gemm_q.cpp says
 // how): both with VNNI; with AVX2 or AVX-512BW alone Q4 (vpmaddubsw's 16-bit sums hold Q4's
 // 4-bit weights but would overflow on Q8's bytes). kVnni also sets how far the blocks serve (gemm.cpp).
+// The two macros are the one statement of which instructions the build has at its vector
+// width; gemm_q.cpp picks its intrinsics by them.
 #if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
-constexpr bool kVnni = true;
+#define PAGEDSERVE_VNNI 1  // vpdpbusd
 #else
-constexpr bool kVnni = false;
+#define PAGEDSERVE_VNNI 0
 #endif
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || (!defined(__AVX512F__) && defined(__AVX2__))
-constexpr bool kIntQ4 = true;
+#define PAGEDSERVE_MADDUBS 1  // vpmaddubsw
 #else
-constexpr bool kIntQ4 = kVnni;
+#define PAGEDSERVE_MADDUBS 0
 #endif
+constexpr bool kVnni = PAGEDSERVE_VNNI;
+constexpr bool kIntQ4 = PAGEDSERVE_VNNI || PAGEDSERVE_MADDUBS;
 template <bool Q4>
 constexpr bool kIntDot = Q4 ? kIntQ4 : kVnni;
 // A block panel's width: one vector where the format's matmul is integer, NB where it

@@ -160,7 +160,6 @@ struct XDigits {
   const float* unit;     // [rows][nblk]: 2^-e, what one unit of X is worth
   const float* sum;      // [rows][nblk]: sum of the block's x~ = X 2^-e (Q4's offset m multiplies it)
   const int32_t* zero;   // [rows][nblk][3]: 128 sum_k D_t,k (Q8's stored q + 128 takes it back)
-  int64_t nblk;
 };
 
 // The digits of M rows of x, into buffers this thread keeps (a matmul is called from one
@@ -206,25 +205,24 @@ XDigits split_digits(const float* x, int64_t M, int64_t K) {
     sum[b] = finite ? static_cast<float>(double(total) * down) : std::numeric_limits<float>::quiet_NaN();
     for (int t = 0; t < 3; ++t) zero[b * 3 + t] = 128 * z[t];
   }
-  return XDigits{digits.data(), unit.data(), sum.data(), zero.data(), nblk};
+  return XDigits{digits.data(), unit.data(), sum.data(), zero.data()};
 }
 
 // One block's integer sums for one digit: acc + each lane's 4 byte pairs u8s (unsigned) times
 // s8s (signed). VNNI adds the 4 products into the lane's int32 (vpdpbusd). AVX2 alone adds
 // vpmaddubsw's sums of 2 into 16-bit halves, and dot_finish widens them once a block; only
 // for Q4: its 8 additions a block of |q D| <= 2 * 15 * 128 stay under 2^15.
-#define PAGEDSERVE_VNNI ((defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__)))
 static inline vi32 dot_add(vi32 acc, vi32 u8s, vi32 s8s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#if PAGEDSERVE_VNNI && defined(__AVX512F__)
   return reinterpret_cast<vi32>(_mm512_dpbusd_epi32(reinterpret_cast<__m512i>(acc), reinterpret_cast<__m512i>(u8s),
                                                     reinterpret_cast<__m512i>(s8s)));
-#elif defined(__AVXVNNI__) && !defined(__AVX512F__)
+#elif PAGEDSERVE_VNNI
   return reinterpret_cast<vi32>(_mm256_dpbusd_avx_epi32(reinterpret_cast<__m256i>(acc), reinterpret_cast<__m256i>(u8s),
                                                         reinterpret_cast<__m256i>(s8s)));
-#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#elif PAGEDSERVE_MADDUBS && defined(__AVX512F__)
   return reinterpret_cast<vi32>(_mm512_add_epi16(
       reinterpret_cast<__m512i>(acc), _mm512_maddubs_epi16(reinterpret_cast<__m512i>(u8s), reinterpret_cast<__m512i>(s8s))));
-#elif defined(__AVX2__) && !defined(__AVX512F__)
+#elif PAGEDSERVE_MADDUBS
   return reinterpret_cast<vi32>(_mm256_add_epi16(
       reinterpret_cast<__m256i>(acc), _mm256_maddubs_epi16(reinterpret_cast<__m256i>(u8s), reinterpret_cast<__m256i>(s8s))));
 #else
@@ -234,17 +232,14 @@ static inline vi32 dot_add(vi32 acc, vi32 u8s, vi32 s8s) {
 #endif
 }
 static inline vi32 dot_finish(vi32 acc) {
-#if PAGEDSERVE_VNNI
+#if PAGEDSERVE_VNNI || !PAGEDSERVE_MADDUBS
   return acc;
-#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#elif defined(__AVX512F__)
   return reinterpret_cast<vi32>(_mm512_madd_epi16(reinterpret_cast<__m512i>(acc), _mm512_set1_epi16(1)));
-#elif defined(__AVX2__) && !defined(__AVX512F__)
-  return reinterpret_cast<vi32>(_mm256_madd_epi16(reinterpret_cast<__m256i>(acc), _mm256_set1_epi16(1)));
 #else
-  return acc;
+  return reinterpret_cast<vi32>(_mm256_madd_epi16(reinterpret_cast<__m256i>(acc), _mm256_set1_epi16(1)));
 #endif
 }
-#undef PAGEDSERVE_VNNI
 // 4 digit bytes (k .. k + 3) in every lane.
 static inline vi32 bcast4(const int8_t* p) {
   int32_t v;
@@ -291,7 +286,7 @@ static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, i
       for (int p = 0; p < P; ++p) {
         const vi32 z = load_i32(panel + p * pstride + kb * kBlock + (Q4 ? 2 : 1) * W * 4 + g * kGroupBytes<Q4>);
         lo[p] = Q4 ? (z & nibble) : z;
-        hi[p] = (z >> 4) & nibble;
+        if constexpr (Q4) hi[p] = (z >> 4) & nibble;
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -553,7 +548,8 @@ void linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& panels
     });
 }
 
-int64_t panel_columns(const at::Tensor& panels) { return panels.size(0) * (checked_q4(panels) ? NBQ<true> : NBQ<false>); }
+// Output columns of a panel tensor holding q4 (else q8) blocks.
+int64_t panel_columns(const at::Tensor& panels, bool q4) { return panels.size(0) * (q4 ? NBQ<true> : NBQ<false>); }
 
 }  // namespace
 
@@ -585,7 +581,7 @@ void quant_linear_into(const at::Tensor& x_, const at::Tensor& panels, int64_t N
   auto x = x_.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
   const bool q4 = checked_q4(panels);
-  const int64_t M = x.size(0), K = x.size(1), nblk = panels.size(1), NP = panel_columns(panels);
+  const int64_t M = x.size(0), K = x.size(1), nblk = panels.size(1), NP = panel_columns(panels, q4);
   TORCH_CHECK(nblk * QB == K, "x has ", K, " columns, the panels ", nblk * QB, " rows");
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == M && y.size(1) == NP,
               "quant_linear_into: y must be contiguous float32 [rows, whole panels]");
@@ -594,7 +590,7 @@ void quant_linear_into(const at::Tensor& x_, const at::Tensor& panels, int64_t N
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const c10::optional<at::Tensor>& bias) {
-  const int64_t NP = panel_columns(panels);
+  const int64_t NP = panel_columns(panels, checked_q4(panels));
   auto y = at::empty({x.size(0), NP}, x.options());
   quant_linear_into(x, panels, N, bias, y);
   return NP == N ? y : y.narrow(1, 0, N).contiguous();
