@@ -67,16 +67,17 @@ class TorchLayerOps:
 class CpuLayerOps(TorchLayerOps):
     """The fused C++ kernels; falls back to the torch twin for what they do not cover.
 
-    A step of more rows than the packed float32 panels serve (``max_packed_rows()``: 256
-    with AVX-512, 64 with AVX2; a burst of prompts prefilled together, up to the 2,048-token
+    A step of more rows than the packed float32 panels serve (``max_packed_rows()``: 256;
+    a burst of prompts prefilled together, up to the 2,048-token
     budget) runs the fused stack in passes of at most that many rows, in token order, so
     that its matmuls run on the panels rather than the library. The step keeps its shape:
     the scheduler's budget, and with it when decodes wait for prefills, is unchanged. The
     first step of 16 or 4 prompts of 128 tokens, bare engine, three alternating rounds,
     medians: AVX-512 2,490 -> 2,199 ms and 642 -> 549 ms (the panels at 256 rows: 212
     GFLOP/s over the model's matmuls here, the library at 2,048 rows: 174, and a pass's
-    activations stay in cache); AVX2 2,764 -> 2,824 and 736 -> 719 ms with passes of 64
-    rows, even, and 3,462 / 863 ms with passes of 256 rows (the library at 256 rows).
+    activations stay in cache). AVX2 builds, the library held to AVX2: passes of 64 rows
+    2,600 and 618 ms, of 256 rows (the panels serve them since; the library did before:
+    3,462 and 863) 2,369 and 573 (``kernels/cpu/csrc/gemm.cpp``, kMaxPackedRows).
     ``rows_per_pass`` overrides that limit (tests).
     """
 

@@ -49,8 +49,9 @@ class Linear(nn.Module):
 
     def pack_for_cpu(self, ops: Any) -> None:
         """Keep a second copy of the weight in the C++ matmul's panel layout
-        (``kernels/cpu/csrc/gemm.cpp``) for batches of up to 256 rows (64 with AVX2), where
-        it is 1.05-1.4x faster than oneDNN on 2 cores; larger prefill chunks keep using
+        (``kernels/cpu/csrc/gemm.cpp``) for batches of up to 256 rows, where it is 1.05-1.5x
+        faster than the library on 2 cores; the engine runs larger steps in passes of 256
+        rows (``engine/layer_ops.py``), so only the Python forward's larger batches use
         ``weight``.
         Costs one more copy of the weights in memory; no step reads both."""
         self._packed = ops.pack_weight(self.weight.detach())

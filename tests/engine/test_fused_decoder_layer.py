@@ -182,8 +182,8 @@ def test_step_in_passes_matches_the_step_in_one_pass(tmp_path, monkeypatch):
 
 
 def test_passes_default_to_the_rows_the_panels_serve(tmp_path):
-    """Without an override, a pass is as many rows as the packed panels serve (256 with
-    AVX-512, 64 with AVX2), so no pass falls to the library."""
+    """Without an override, a pass is as many rows as the packed panels serve (256), so no
+    pass falls to the library."""
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
     llm = LLM(str(path), attention_backend="cpu", block_size=8, max_num_seqs=80)
     ops = llm.engine.model.ops

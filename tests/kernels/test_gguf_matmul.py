@@ -5,7 +5,7 @@ oracle: packed blocks must de-quantize to exactly its float32 values, and ``quan
 must multiply by them (up to summation order, and with integer dot products x's rounding to
 22 bits below its 32-block's largest element: gemm_q.cpp). ``linear`` must pick the blocks
 for 1 to ``max_quant_rows()`` rows (64 with AVX-512 VNNI, 24 with AVX-512, 12 with AVX2),
-the float32 panels up to ``max_packed_rows()`` (256, 64 with AVX2) and the library above.
+the float32 panels up to ``max_packed_rows()`` (256) and the library above.
 """
 
 from __future__ import annotations

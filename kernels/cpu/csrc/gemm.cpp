@@ -1,12 +1,13 @@
-// Float32 matmul for batches of 1-256 rows (1-64 with AVX2; decodes, short prefill chunks), y = x @ W (+ bias),
+// Float32 matmul for batches of 1-256 rows (decodes, prefill chunks, a long step's passes), y = x @ W (+ bias),
 // against weights packed once at load into column panels, [ceil(N / NB), K, NB] (NB = 64
 // floats with AVX-512, 16 with AVX2: gemm.h says why): each panel is one contiguous stream.
 //
 // Why not oneDNN/MKL here: for 2-64 rows the library runs at 60-75% of what the same weights
 // give this kernel on 2 cores with AVX-512 (rows x 4 accumulators of 16 floats stay in
 // registers while a panel streams past; the panel's later row groups hit L2; with AVX2 the
-// two are even: 16 rows 77 vs 86 ms, 64 rows 202 vs 202 over the model). Figures below are
-// AVX-512's. Up to 256 rows it is still a few percent ahead over the model's 120 matmuls (it
+// two were measured even, 16 rows 77 vs 86 ms, 64 rows 202 vs 202 over the model, with the
+// library's own AVX-512 kernel; held to AVX2 it is far behind: kMaxPackedRows). Figures below
+// are AVX-512's. Up to 256 rows it is still a few percent ahead over the model's 120 matmuls (it
 // reads the packed panels; the library packs the weight again on every call): 128 rows 198
 // vs 185 GFLOP/s, 256 rows 184 vs 174 (medians, one run); at 512 they are even. One row is a
 // pure weight stream: each thread reads one contiguous share of the weights as two sequential
@@ -281,10 +282,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // over much later (same 121 matmuls, one run, medians of 5): 16 rows 21.8 vs 33.8 ms, 32
 // rows 42.0 vs 47.0, 64 rows 79.5 vs 84.0, 96 rows 121.7 vs 123.1.
 constexpr int64_t kMaxQuantRows = kVnni ? 64 : kRegs == 32 ? 24 : 12;
-// AVX2 builds hand batches over 64 rows to the library: its AVX2 kernel beats the 6 x 16 tile
-// there (over the model's 120 layer matmuls, one run, paired medians of 9: 64 rows 0.98x the
-// packed time, 128 rows 1.07x faster, 256 rows 1.10x).
-constexpr int64_t kMaxPackedRows = kRegs == 32 ? 256 : 64;
+// Batches over 256 rows go to the library; the engine never sends any (engine/layer_ops.py
+// runs a larger step in passes of max_packed_rows() rows, so its matmuls stay here). AVX2
+// builds served 64 rows and handed 128 and 256 to the library until the library was measured
+// with its AVX2 kernel held (MKL_ENABLE_INSTRUCTIONS=AVX2, ATEN_CPU_CAPABILITY=avx2, as on an
+// AVX2-only machine): over the model's 120 layer matmuls, 2 threads, medians of 5, panels /
+// library 141 / 94 GFLOP/s at 64 rows, 188 / 112 at 128, 191 / 127 at 256, 191 / 149 at
+// 2,048. The first step of 16 prompts of 128 tokens, bare engine, alternating: passes of 64
+// rows 2,600 ms, of 256 rows 2,369 (4 prompts: 618 -> 573).
+constexpr int64_t kMaxPackedRows = 256;
 int64_t max_quant_rows() { return kMaxQuantRows; }
 int64_t max_packed_rows() { return kMaxPackedRows; }
 int64_t panel_width() { return NB; }
