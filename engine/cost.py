@@ -1,7 +1,8 @@
 """StepCostModel: the bytes of weights a step reads and the FLOPs it does, from its plan.
 
-These are analytic figures for MBU and MFU (``server/metrics.py``), derived from what this
-runner actually executes (``engine/llama.py``), not from the parameter count alone:
+These are analytic figures for MBU and MFU (``server/utilization.py``, exported by
+``server/metrics.py``), derived from what this runner actually executes (``engine/llama.py``),
+not from the parameter count alone:
 
 * **Decoder layers and the final norm** run on every token of the step, so every step reads
   all of their weights once, whatever the batch.

@@ -1,14 +1,14 @@
 """``python -m loadtest {run,compare,report}``: the load generator's command line.
 
 ``main(argv)`` returns an exit code and never calls ``sys.exit`` itself, so tests (and
-``pagedserve bench``, which may delegate here) can call it directly.
+``pagedserve bench``, which may delegate here) can call it directly. The flags themselves are
+declared in ``loadtest/cli_args.py``; this module runs the command they select and prints
+its results.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import shlex
 import sys
 from pathlib import Path
@@ -16,232 +16,14 @@ from typing import Any
 
 import httpx
 
-from loadtest.compare import (
-    DEFAULT_MODES,
-    DEFAULT_SERVER_CMD,
-    CompareConfig,
-    Mode,
-    run_compare,
-)
+from loadtest.cli_args import build_parser
+from loadtest.compare import DEFAULT_MODES, CompareConfig, Mode, run_compare
 from loadtest.compare_report import compare_table
 from loadtest.config import LoadTestConfig
 from loadtest.plots import matplotlib_available, plot_sweep
 from loadtest.report import sweep_table
 from loadtest.run import PointResult, load_result, run_sweep, write_result
 from loadtest.stats import SLO
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
-
-
-def _rate_list(text: str) -> tuple[float, ...]:
-    return tuple(math.inf if x.strip() == "inf" else float(x) for x in text.split(",") if x.strip())
-
-
-def _optional_float(text: str) -> float | None:
-    return None if text.lower() in ("none", "off", "") else float(text)
-
-
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument(
-        "--model",
-        default=None,
-        help="model name sent with requests (default: first of GET /v1/models)",
-    )
-    g.add_argument(
-        "--prompt-len-dist",
-        default="uniform:64:192",
-        help="prompt tokens: N | uniform:LO:HI | exponential:MEAN[:MAX] | "
-        "lognormal:MEDIAN:SIGMA[:MAX] (default %(default)s)",
-    )
-    g.add_argument(
-        "--output-len-dist",
-        default="exponential:64:384",
-        help="max_tokens distribution, same syntax (default %(default)s)",
-    )
-    g.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
-    g.add_argument(
-        "--no-ignore-eos",
-        action="store_true",
-        help="do not send ignore_eos (for servers that reject it)",
-    )
-    g.add_argument(
-        "--duration-limit",
-        type=float,
-        default=300.0,
-        help="seconds per point after which no new request is sent",
-    )
-    g.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=60.0,
-        help="seconds in-flight requests may run past the duration limit",
-    )
-    s = p.add_argument_group("SLOs for goodput ('none' disables one)")
-    s.add_argument("--slo-ttft", type=_optional_float, default=2.0, help="seconds (default 2)")
-    s.add_argument("--slo-tpot", type=_optional_float, default=0.2, help="seconds (default 0.2)")
-    s.add_argument("--slo-e2e", type=_optional_float, default=None, help="seconds (default none)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m loadtest",
-        description="Load generator for OpenAI-compatible servers (HTTP only).",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    run = sub.add_parser("run", help="sweep concurrency or request rate against a server")
-    run.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root")
-    mode = run.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--concurrency", type=_int_list, help="closed loop, e.g. 1,4,16")
-    mode.add_argument(
-        "--request-rate",
-        type=_rate_list,
-        help="open loop in req/s, e.g. 0.5,1,2 (inf: all at once)",
-    )
-    mode.add_argument(
-        "--trace", help="replay a JSONL trace (arrival_s, prompt|prompt_len, max_tokens)"
-    )
-    run.add_argument(
-        "--burstiness",
-        type=float,
-        default=1.0,
-        help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier",
-    )
-    run.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=None,
-        help="client-side cap on in-flight requests in open loop",
-    )
-    run.add_argument(
-        "--trace-time-scale", type=float, default=1.0, help="replay speed-up (2 = twice as fast)"
-    )
-    run.add_argument("--num-requests", type=int, default=100, help="requests per point")
-    run.add_argument(
-        "--shared-prefix-len",
-        type=int,
-        default=0,
-        help="tokens of a shared system prompt in front of every prompt",
-    )
-    run.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes")
-    run.add_argument(
-        "--cancel-fraction",
-        type=float,
-        default=0.0,
-        help="fraction of requests abandoned mid-stream",
-    )
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument(
-        "--extra-body",
-        type=json.loads,
-        default={},
-        help="JSON object merged into every request body",
-    )
-    run.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
-    run.add_argument(
-        "--request-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for a connection or the next chunk",
-    )
-    run.add_argument(
-        "--warmup-requests", type=int, default=1, help="unrecorded short requests before the sweep"
-    )
-    run.add_argument(
-        "--no-tokenize",
-        action="store_true",
-        help="do not calibrate prompt length with the server's /tokenize",
-    )
-    run.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
-    run.add_argument(
-        "--metrics-interval",
-        type=float,
-        default=2.0,
-        metavar="S",
-        help="also scrape /metrics every S seconds during a point (0: only before and after)",
-    )
-    run.add_argument("--out", default=None, help="result JSON path (plots go beside it)")
-    run.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
-    _add_workload_args(run)
-
-    cmp = sub.add_parser("compare", help="start a server in each batching mode and compare")
-    cmp.add_argument(
-        "--server-cmd",
-        default=DEFAULT_SERVER_CMD,
-        help="launch template; placeholders {host} {port} {max_num_seqs} "
-        "{mode_args} {batch_wait_ms} (default: %(default)s)",
-    )
-    cmp.add_argument(
-        "--modes",
-        default=None,
-        help="comma list of mode names to run (default: "
-        + ",".join(m.name for m in DEFAULT_MODES)
-        + ")",
-    )
-    cmp.add_argument(
-        "--mode",
-        action="append",
-        default=[],
-        metavar="NAME=ARGS",
-        help="define a mode: ARGS fill {mode_args} (repeatable)",
-    )
-    cmp.add_argument("--baseline", default="static", help="mode ratios are taken against")
-    cmp.add_argument("--max-num-seqs", type=int, default=16)
-    cmp.add_argument("--batch-wait-ms", type=float, default=100.0)
-    cmp.add_argument(
-        "--concurrency",
-        type=int,
-        default=None,
-        help="closed-loop concurrency (default: --max-num-seqs)",
-    )
-    cmp.add_argument(
-        "--num-requests",
-        type=int,
-        default=64,
-        help="requests in the closed-loop and at-capacity scenarios",
-    )
-    cmp.add_argument("--low-load-num-requests", type=int, default=16)
-    cmp.add_argument(
-        "--load",
-        type=float,
-        default=1.0,
-        help="open-loop rate as a multiple of the baseline's capacity",
-    )
-    cmp.add_argument(
-        "--low-load",
-        type=float,
-        default=0.2,
-        help="low-load rate as a multiple of the baseline's capacity",
-    )
-    cmp.add_argument(
-        "--request-rate",
-        type=float,
-        default=None,
-        help="explicit open-loop rate (req/s) instead of --load",
-    )
-    cmp.add_argument(
-        "--low-request-rate",
-        type=float,
-        default=None,
-        help="explicit low-load rate (req/s) instead of --low-load",
-    )
-    cmp.add_argument("--warmup-requests", type=int, default=2, help="per server start")
-    cmp.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        help="seconds a server may take to answer /health",
-    )
-    cmp.add_argument("--out", default=None, help="result JSON (default results/compare-*.json)")
-    _add_workload_args(cmp)
-
-    rep = sub.add_parser("report", help="print the table of a saved result JSON")
-    rep.add_argument("path")
-    return parser
 
 
 def _slo(args: argparse.Namespace) -> SLO:
@@ -391,7 +173,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
-    parser = _build_parser()
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:

@@ -1,4 +1,5 @@
-"""AsyncEngineClient: the only place where asyncio meets the (synchronous) engine.
+"""AsyncEngineClient: the only place where asyncio meets the (synchronous) engine, together
+with its engine thread (``server/engine_loop.py``).
 
 Ownership and threads::
 
@@ -9,24 +10,17 @@ Ownership and threads::
                     │                                   outputs = engine.step()
     RequestStream <─┴── loop.call_soon_threadsafe(_deliver, outputs) <─┘  heartbeat, snapshot
 
-* Only the engine thread calls the engine. The event loop only appends to the intake queue
-  and reads per-request ``RequestStream`` collectors, which only the event loop writes
+* Only the engine thread calls the engine; it lives in ``server/engine_loop.py``
+  (``EngineLoop``: the thread, its intake queue, heartbeat, snapshot, step-failure and
+  integrity handling). This module is the event-loop half: it only appends to the intake
+  queue and reads per-request ``RequestStream`` collectors, which only the event loop writes
   (``_deliver`` runs there), so neither side needs a lock beyond the intake's condition.
-* The engine thread sleeps on the condition when there is no work (no busy spin) and wakes
-  every ``idle_wake_s`` to refresh its heartbeat, so ``/health`` can tell "alive and idle"
-  from "stuck inside a step" (a stale heartbeat) and from "dead" (thread gone).
-* A request whose computation raises is failed by the engine itself, alone
-  (``finish_reason="error"``; engine/faults.py). If ``engine.step()`` raises anyway (the
-  scheduler failed, so no single request can be blamed), every request in flight is aborted
-  in the engine (blocks returned) and finishes with ``"error"``, then the engine's
-  ``check_integrity()`` must hold for the loop to go on serving.
-* If that check fails, the engine cannot abort, or the loop itself crashes, the client is
-  marked dead at once: every open stream gets an error, ``/health`` answers 503 from then on,
-  and every later ``add`` raises ``EngineUnavailableError`` (a 503) instead of waiting on a
-  loop that will never answer.
-* Each time the engine goes idle (no request left), the thread runs ``check_integrity()``
-  once and publishes the step it checked at (``/health`` shows it); a violation is fatal,
-  because a corrupt pool would serve wrong tokens or leak blocks from then on.
+* ``/health`` reads what the thread publishes: "alive and idle" (a fresh heartbeat), "stuck
+  inside a step" (a stale one) and "dead" (thread gone, or the loop crashed).
+* If the engine thread dies (an integrity check fails, the engine cannot abort after a failed
+  step, or the loop itself crashes), the client is marked dead at once: every open stream
+  gets an error, ``/health`` answers 503 from then on, and every later ``add`` raises
+  ``EngineUnavailableError`` (a 503) instead of waiting on a loop that will never answer.
 
 Why a thread and not a process. The model's forward pass runs inside torch ops that release
 the GIL, so the event loop gets the GIL for most of a step; only the engine's Python-side work
@@ -39,25 +33,21 @@ detokenizing every stream 72.7 tokens/s (440 ms/step, -1.6%), event-loop lag p50
 p99 5.9 ms, max 15 ms; a process split would add 0.26-0.58 ms of pipe round trip per step
 (0.1% of a CPU step). Both costs are noise on CPU, so the simpler thread wins. On a GPU a step
 is ~100x shorter and the GIL share grows; re-run the bench there before deciding otherwise.
-Per STYLE 4, moving the engine into a process changes only this file: the public surface
-(``submit`` + ``confirm`` or ``add`` / ``abort`` / ``health`` / ``snapshot``; types in
-server/engine_types.py) stays.
+Per STYLE 4, moving the engine into a process changes only this file and engine_loop.py: the
+public surface (``submit`` + ``confirm`` or ``add`` / ``abort`` / ``health`` / ``snapshot``;
+types in server/engine_types.py) stays.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import threading
 import time
-import traceback
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import RequestOutput, StepStats
+from server.engine_loop import EngineLoop, error_output
 from server.engine_types import (
     EngineHealth,
     EngineLike,
@@ -83,18 +73,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class _Add:
-    requests: Sequence[EngineRequest]
-    arrival_time: float | None
-    future: asyncio.Future[None]
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_ids: list[str]
-
-
 class AsyncEngineClient:
     """Runs one engine on one thread and bridges it to asyncio.
 
@@ -116,7 +94,6 @@ class AsyncEngineClient:
         check_integrity: bool = False,
         idle_wake_s: float = 0.5,
     ) -> None:
-        self._engine = engine
         # Read-only facts, copied before the engine thread exists, so handlers never touch
         # the engine object.
         self.tokenizer: Any = engine.tokenizer
@@ -125,29 +102,16 @@ class AsyncEngineClient:
         self.eos_token_id: int | None = engine.eos_token_id
         self.vocab_size: int = int(engine.model_config.vocab_size)
         self._stall_timeout_s = stall_timeout_s
-        self._check_integrity = check_integrity
-        self._idle_wake_s = idle_wake_s
         self.on_step: Callable[[StepStats], None] | None = None
-
-        self._cond = threading.Condition()
-        self._intake: deque[_Add | _Abort] = deque()  # guarded by _cond
-        self._stopping = False  # guarded by _cond
-        self._closed = False  # guarded by _cond: the loop is gone, nothing will take intake
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        # Written by the engine thread, read by the loop: single reference/float assignments.
-        self._heartbeat = time.monotonic()
-        self._in_step_since: float | None = None
-        self._dead_reason: str | None = None
-        self._snapshot = EngineSnapshot(
-            num_free_blocks=engine.num_free_blocks, num_total_blocks=engine.num_total_blocks
+        self._engine_loop = EngineLoop(
+            engine,
+            check_integrity=check_integrity,
+            idle_wake_s=idle_wake_s,
+            deliver=self._deliver,
+            fail_streams=self._fail_streams,
         )
-        # Engine-thread only: ids added to the engine and not finished yet.
-        self._active: set[str] = set()
         # Event-loop only: request id -> its stream.
         self._streams: dict[str, RequestStream] = {}
-
-    # ------------------------------------------------------------------ event-loop side
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume outputs.
@@ -155,27 +119,24 @@ class AsyncEngineClient:
         Idempotent for the same loop (the app lifespan and tests may both call it).
         """
         loop = asyncio.get_running_loop()
-        if self._thread is not None:
-            if self._loop is not loop:
+        engine_loop = self._engine_loop
+        if engine_loop.thread is not None:
+            if engine_loop.event_loop is not loop:
                 raise RuntimeError("AsyncEngineClient is already bound to another event loop")
             return
-        self._loop = loop
-        self._heartbeat = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
+        engine_loop.start(loop)
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread after its current step; open streams end with an error."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, timeout_s)
+        self._engine_loop.stop()
+        thread = self._engine_loop.thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join, timeout_s)
         self._fail_streams("the server is shutting down")
 
     @property
     def snapshot(self) -> EngineSnapshot:
-        return self._snapshot
+        return self._engine_loop.snapshot
 
     @property
     def num_unfinished(self) -> int:
@@ -187,23 +148,24 @@ class AsyncEngineClient:
     @property
     def is_stopping(self) -> bool:
         """``shutdown()`` was called: open streams end because the server is going away."""
-        return self._stopping
+        return self._engine_loop.stopping
 
     def health(self) -> EngineHealth:
+        engine_loop = self._engine_loop
         now = time.monotonic()
-        age = now - self._heartbeat
+        age = now - engine_loop.heartbeat
         reason: str | None = None
-        if self._dead_reason is not None:
-            reason = f"engine loop died: {self._dead_reason}"
-        elif self._thread is None:
+        if engine_loop.dead_reason is not None:
+            reason = f"engine loop died: {engine_loop.dead_reason}"
+        elif engine_loop.thread is None:
             reason = "engine loop not started"
-        elif not self._thread.is_alive():
+        elif not engine_loop.thread.is_alive():
             reason = "engine loop thread exited"
         elif age > self._stall_timeout_s:
-            stuck = self._in_step_since
+            stuck = engine_loop.in_step_since
             where = f" inside a step for {now - stuck:.1f}s" if stuck is not None else ""
             reason = f"engine loop stalled: no iteration for {age:.1f}s{where}"
-        return EngineHealth(reason is None, reason, age, self._snapshot)
+        return EngineHealth(reason is None, reason, age, engine_loop.snapshot)
 
     def submit(
         self, requests: Sequence[EngineRequest], arrival_time: float | None = None
@@ -218,7 +180,8 @@ class AsyncEngineClient:
         health = self.health()
         if not health.healthy:
             raise EngineUnavailableError(health.reason or "unavailable")
-        assert self._loop is not None
+        loop = self._engine_loop.event_loop
+        assert loop is not None
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids) or any(i in self._streams for i in ids):
             raise ValueError(f"duplicate request id among {ids}")
@@ -226,9 +189,9 @@ class AsyncEngineClient:
         # Register before queueing: outputs may be delivered before the ack below resolves.
         for request_id in ids:
             self._streams[request_id] = stream
-        future: asyncio.Future[None] = self._loop.create_future()
+        future: asyncio.Future[None] = loop.create_future()
         try:
-            self._enqueue(_Add(requests, arrival_time, future))
+            self._engine_loop.add(requests, arrival_time, future)
         except EngineUnavailableError:
             self._forget(ids)
             raise
@@ -265,21 +228,7 @@ class AsyncEngineClient:
         """Ask the engine to abort; idempotent, unknown or finished ids are ignored."""
         ids = list(request_ids)
         if ids:
-            self._enqueue(_Abort(ids))
-
-    def _enqueue(self, item: _Add | _Abort) -> None:
-        """Raises:
-        EngineUnavailableError: for an add, when the loop has died (an abort is dropped:
-            the dead loop already failed every request).
-        """
-        with self._cond:
-            if self._closed:
-                # The loop died after the health check in add(): queueing would wait forever.
-                if isinstance(item, _Add):
-                    raise EngineUnavailableError(self._dead_reason or "engine loop exited")
-                return
-            self._intake.append(item)
-            self._cond.notify()
+            self._engine_loop.abort(ids)
 
     def _deliver(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         """Event loop: route outputs to their streams (runs via call_soon_threadsafe)."""
@@ -299,160 +248,5 @@ class AsyncEngineClient:
     def _fail_streams(self, message: str) -> None:
         """Event loop: end every open stream with an error output."""
         for request_id, stream in list(self._streams.items()):
-            stream._put(_error_output(request_id, message))
+            stream._put(error_output(request_id, message))
         self._streams.clear()
-
-    # ------------------------------------------------------------------ engine thread
-
-    def _post(self, callback: Callable[..., None], *args: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    def _run(self) -> None:
-        try:
-            self._serve_forever()
-        except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
-            self._dead_reason = f"{type(exc).__name__}: {exc}"
-            logger.critical("engine loop crashed:\n%s", traceback.format_exc())
-            with self._cond:
-                self._closed = True
-                pending, self._intake = list(self._intake), deque()
-            error = EngineUnavailableError(self._dead_reason)
-            for item in pending:
-                if isinstance(item, _Add):
-                    self._post(_set_future, item.future, error)
-            self._post(self._fail_streams, f"engine loop died: {self._dead_reason}")
-
-    def _serve_forever(self) -> None:
-        engine = self._engine
-        has_work = False
-        num_steps = 0
-        checked_at: int | None = None
-        # perf_counter() when the last step returned, while there has been work ever since:
-        # the time until the next step starts is the "between_steps" phase of that step.
-        last_step_end: float | None = None
-        while True:
-            with self._cond:
-                while not self._intake and not self._stopping and not has_work:
-                    self._heartbeat = time.monotonic()
-                    self._cond.wait(self._idle_wake_s)
-                if self._stopping:
-                    return
-                intake, self._intake = self._intake, deque()
-
-            outputs: list[RequestOutput] = []
-            for item in intake:
-                outputs.extend(self._apply(item))
-
-            stats: StepStats | None = None
-            if engine.has_unfinished_requests():
-                self._in_step_since = time.monotonic()
-                step_start = time.perf_counter()
-                try:
-                    outputs.extend(engine.step())
-                    stats = engine.last_step_stats
-                    if stats is not None and last_step_end is not None:
-                        stats.phase_s["between_steps"] = step_start - last_step_end
-                except Exception as exc:
-                    logger.error(
-                        "engine step failed; failing %d request(s) in flight:\n%s",
-                        len(self._active),
-                        traceback.format_exc(),
-                    )
-                    outputs.extend(self._fail_active(f"{type(exc).__name__}: {exc}"))
-                    # Serving on is only safe if the failure left the pool consistent.
-                    engine.check_integrity()  # AssertionError here is fatal on purpose
-                finally:
-                    self._in_step_since = None
-                    last_step_end = time.perf_counter()
-                num_steps += 1
-                if self._check_integrity:
-                    engine.check_integrity()  # AssertionError here is fatal on purpose
-
-            for output in outputs:
-                if output.finished:
-                    self._active.discard(output.request_id)
-            has_work = engine.has_unfinished_requests()
-            if not has_work:
-                last_step_end = None  # idle time is nobody's overhead
-            if not has_work and checked_at != num_steps:
-                # Idle: every request is finished, so the whole pool must be consistent (and
-                # free); cheap now, and what /health reports to tests and operators.
-                engine.check_integrity()  # AssertionError here is fatal on purpose
-                checked_at = num_steps
-            self._snapshot = EngineSnapshot(
-                num_steps=num_steps,
-                num_requests=len(self._active),
-                num_free_blocks=engine.num_free_blocks,
-                num_total_blocks=engine.num_total_blocks,
-                last_step_stats=stats if stats is not None else self._snapshot.last_step_stats,
-                integrity_checked_at_step=checked_at,
-            )
-            self._heartbeat = time.monotonic()
-            if outputs or stats is not None:
-                self._post(self._deliver, outputs, stats)
-
-    def _apply(self, item: _Add | _Abort) -> list[RequestOutput]:
-        """Engine thread: apply one intake item; return outputs to deliver."""
-        engine = self._engine
-        if isinstance(item, _Abort):
-            ids = [r for r in item.request_ids if r in self._active]
-            return engine.abort_request(ids) if ids else []
-        added: list[str] = []
-        try:
-            for request in item.requests:
-                engine.add_request(
-                    request.request_id,
-                    list(request.prompt_token_ids),
-                    request.params,
-                    item.arrival_time,
-                )
-                added.append(request.request_id)
-        except Exception as exc:  # ValueError: the request can never run -> the client's 400
-            if added:
-                engine.abort_request(added)  # all-or-nothing: n>1 choices go in together
-            self._post(_set_future, item.future, exc)
-            return []
-        self._active.update(added)
-        self._post(_set_future, item.future, None)
-        return []
-
-    def _fail_active(self, message: str) -> list[RequestOutput]:
-        """Engine thread: after a failed step, abort everything in flight as an error."""
-        ids = sorted(self._active)
-        aborted = {o.request_id: o for o in self._engine.abort_request(ids)}
-        failed = []
-        for request_id in ids:
-            output = aborted.get(request_id)
-            if output is None:
-                failed.append(_error_output(request_id, message))
-            else:
-                failed.append(
-                    dataclasses.replace(output, finished=True, finish_reason="error", error=message)
-                )
-        return failed
-
-
-def _set_future(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():  # the waiter was cancelled
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-
-
-def _error_output(request_id: str, message: str) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        new_token_ids=[],
-        new_logprobs=None,
-        finished=True,
-        finish_reason="error",
-        num_prompt_tokens=0,
-        num_output_tokens=0,
-        error=message,
-    )

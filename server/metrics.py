@@ -18,24 +18,15 @@ prompts counts 2, each with its prompt's tokens (HTTP requests have their own co
 Latency histograms are observed for choices that finished on their own (not ``abort`` /
 ``error``, whose durations measure the client's patience or a failure).
 
-MBU and MFU, per step (figures from ``engine/cost.py`` and the KV pool):
-
-    MBU = (weight bytes read + KV bytes read + KV bytes written) / step time / peak bandwidth
-    MFU = (2 x matmul params x tokens + 2 x vocab x hidden x logit rows + attention) FLOPs
-          / step time / peak FLOP/s
-
-Step time is the engine's whole iteration (schedule, batch building, forward, sampling,
-update), so the figures describe the serving loop, not a kernel in isolation. Smoothed values
-are ratios of exponentially decayed sums over about ``SMOOTHING_S`` seconds of *busy* time:
-idle time between steps does not lower them. The byte, FLOP and step-time counters let
-PromQL recompute both over any window (``deploy/README.md``).
+MBU and MFU per step, and their smoothed values, are computed in ``server/utilization.py``
+(the formulas are there); the bucket boundaries are in ``server/metric_buckets.py`` and the
+periodic summary log line in ``server/stats_log.py``. None of those import
+``prometheus_client``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,55 +44,22 @@ from prometheus_client.exposition import choose_encoder
 
 from engine.outputs import STEP_PHASES, StepStats
 from server.config import ServingConfig
+from server.metric_buckets import (
+    ITL_BUCKETS,
+    PHASE_BUCKETS,
+    STEP_BUCKETS,
+    STEP_TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    token_buckets,
+)
 from server.peaks import Peaks, resolve_peaks
+from server.stats_log import StatsLog
 from server.timings import RequestTimings
+from server.utilization import SMOOTHING_S, UtilizationTracker
 
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-SMOOTHING_S = 10.0
-# Latencies resolve small models: a 135M model decodes a token in ~1 ms on an H100, so the
-# inter-token buckets start at 1 ms (vLLM's start at 10 ms) and the request-phase ones at 1 ms
-# (vLLM's at 300 ms). The tails reach hours, as vLLM's do since vllm#15202.
-# fmt: off
-TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
-                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0,
-                 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-                 1920.0, 7680.0)
-STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
-                0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-# fmt: on
-STEP_TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
-
-
-def token_buckets(max_len: int) -> tuple[float, ...]:
-    """1-2-5 buckets up to ``max_len`` (vLLM's request-length buckets)."""
-    buckets: list[float] = []
-    scale = 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > max_len:
-                return tuple(buckets)
-            buckets.append(float(m * scale))
-        scale *= 10
-
-
-class _RatioEMA:
-    """``sum(x) / sum(t)`` over exponentially decayed steps: a time-weighted average rate."""
-
-    def __init__(self, time_constant_s: float) -> None:
-        self._tau = time_constant_s
-        self._num = 0.0
-        self._den = 0.0
-
-    def add(self, amount: float, duration_s: float) -> float:
-        decay = math.exp(-duration_s / self._tau)
-        self._num = self._num * decay + amount
-        self._den = self._den * decay + duration_s
-        return self._num / self._den if self._den > 0 else 0.0
 
 
 class ServerMetrics:
@@ -261,17 +219,9 @@ class ServerMetrics:
             peak_bandwidth.set(peaks.bandwidth)
         if peaks is not None and has_flops:
             peak_flops.set(peaks.flops)
-        self._bandwidth_ema = _RatioEMA(SMOOTHING_S)
-        self._flops_ema = _RatioEMA(SMOOTHING_S)
+        self._utilization = UtilizationTracker(peaks)
         self.last_mbu: float | None = None
-
-        self._log_interval_s = log_interval_s
-        self._window_start = time.monotonic()
-        self._window_prompt_tokens = 0
-        self._window_generation_tokens = 0
-        self._window_phase_s = dict.fromkeys(STEP_PHASES, 0.0)
-        self._num_preemptions = 0
-        self._last_step: StepStats | None = None
+        self._stats_log = StatsLog(log_interval_s, logger)
 
     @classmethod
     def for_engine(cls, config: ServingConfig, engine: Any) -> ServerMetrics:
@@ -329,32 +279,24 @@ class ServerMetrics:
         self.flops.inc(stats.flops)
         for phase, seconds in stats.phase_s.items():
             self._series(self._step_phase, phase).inc(seconds)
-            self._window_phase_s[phase] = self._window_phase_s.get(phase, 0.0) + seconds
         self._record_utilization(stats)
-        self._num_preemptions += stats.num_preemptions
-        self._window_prompt_tokens += stats.num_prefill_tokens
-        self._window_generation_tokens += stats.num_decode_tokens
-        self._last_step = stats
-        self._maybe_log()
+        self._stats_log.add(stats, self.last_mbu)
 
     def _record_utilization(self, stats: StepStats) -> None:
-        if stats.step_time_s <= 0:
+        step = self._utilization.add(stats)
+        if step is None:
             return
-        moved = stats.weight_bytes + stats.kv_bytes_read + stats.kv_bytes_written
-        bandwidth = moved / stats.step_time_s
-        flops_rate = stats.flops / stats.step_time_s
-        self.bandwidth.set(bandwidth)
-        self.flops_rate.set(flops_rate)
-        smoothed_bandwidth = self._bandwidth_ema.add(moved, stats.step_time_s)
-        smoothed_flops = self._flops_ema.add(stats.flops, stats.step_time_s)
-        peaks = self.peaks
-        if peaks is not None and peaks.bandwidth:
-            self.last_mbu = bandwidth / peaks.bandwidth
-            self.mbu.set(self.last_mbu)
-            self.mbu_smoothed.set(smoothed_bandwidth / peaks.bandwidth)
-        if peaks is not None and peaks.flops:
-            self.mfu.set(flops_rate / peaks.flops)
-            self.mfu_smoothed.set(smoothed_flops / peaks.flops)
+        self.bandwidth.set(step.bandwidth)
+        self.flops_rate.set(step.flops_rate)
+        # The ratio gauges exist (are bound) exactly when their peak is known, and then the
+        # tracker returns both ratios.
+        if step.mbu is not None:
+            self.last_mbu = step.mbu
+            self.mbu.set(step.mbu)
+            self.mbu_smoothed.set(step.mbu_smoothed)
+        if step.mfu is not None:
+            self.mfu.set(step.mfu)
+            self.mfu_smoothed.set(step.mfu_smoothed)
 
     def record_tokens(self, timings: RequestTimings, num_new_tokens: int) -> None:
         """A choice received ``num_new_tokens`` (``timings.on_tokens`` already ran)."""
@@ -396,51 +338,6 @@ class ServerMetrics:
         if series is None:
             series = self._bound[key] = family.labels(self.model_name, *labels)
         return series
-
-    def _maybe_log(self) -> None:
-        if self._log_interval_s <= 0:
-            return
-        now = time.monotonic()
-        elapsed = now - self._window_start
-        if elapsed < self._log_interval_s:
-            return
-        stats = self._last_step
-        assert stats is not None
-        kv_usage = stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1)
-        mbu = f"{100 * self.last_mbu:.1f}%" if self.last_mbu is not None else "n/a"
-        logger.info(
-            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, "
-            "running: %d, waiting: %d, KV usage: %.1f%% (%d/%d blocks), preemptions: %d, "
-            "MBU (last step): %s, step time outside the model: %s",
-            self._window_prompt_tokens / elapsed,
-            self._window_generation_tokens / elapsed,
-            stats.num_running,
-            stats.num_waiting,
-            100 * kv_usage,
-            stats.num_kv_blocks_used,
-            stats.num_kv_blocks_total,
-            self._num_preemptions,
-            mbu,
-            overhead_summary(self._window_phase_s),
-        )
-        self._window_start = now
-        self._window_prompt_tokens = 0
-        self._window_generation_tokens = 0
-        self._window_phase_s = dict.fromkeys(STEP_PHASES, 0.0)
-
-
-def overhead_summary(phase_s: Mapping[str, float]) -> str:
-    """``"7.9% (schedule 0.4%, prepare 1.2%, ...)"``: the share of step time spent outside
-    the model's forward, and each phase's share; "n/a" before any step."""
-    total = sum(phase_s.values())
-    if total <= 0:
-        return "n/a"
-    parts = ", ".join(
-        f"{phase.replace('_', ' ')} {100 * phase_s.get(phase, 0.0) / total:.1f}%"
-        for phase in STEP_PHASES
-        if phase != "forward"
-    )
-    return f"{100 * (1 - phase_s.get('forward', 0.0) / total):.1f}% ({parts})"
 
 
 def config_info(config: ServingConfig, **resolved: str) -> dict[str, str]:

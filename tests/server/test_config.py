@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.config import ServerConfig, ServingConfig, env_var_names, parse_size
+from server.config import ServerConfig, ServingConfig, env_var_names
+from server.flags import parse_size
 
 
 def test_defaults() -> None:

@@ -48,7 +48,7 @@ async def test_outputs_are_routed_per_stream(client: AsyncEngineClient) -> None:
 
 async def test_only_the_engine_thread_touches_the_engine(client: AsyncEngineClient) -> None:
     await drain(await client.add(requests("x")))
-    engine = client._engine
+    engine = client._engine_loop.engine
     assert isinstance(engine, FakeEngine)
     assert engine._owner is not None and engine._owner != threading.get_ident()
 
@@ -68,7 +68,7 @@ async def test_duplicate_ids_are_refused(client: AsyncEngineClient) -> None:
 
 
 async def test_abort_finishes_with_abort_and_frees_blocks(client: AsyncEngineClient) -> None:
-    engine = client._engine
+    engine = client._engine_loop.engine
     assert isinstance(engine, FakeEngine)
     engine.step_delay_s = 0.01
     stream = await client.add(requests("long", params=SamplingParams(max_tokens=200)))
@@ -83,7 +83,7 @@ async def test_abort_finishes_with_abort_and_frees_blocks(client: AsyncEngineCli
 
 
 async def test_step_failure_fails_requests_in_flight_and_keeps_serving(client) -> None:
-    engine = client._engine
+    engine = client._engine_loop.engine
     assert isinstance(engine, FakeEngine)
     engine.step_delay_s = 0.005
     stream = await client.add(requests("victim", params=SamplingParams(max_tokens=100)))
@@ -147,11 +147,13 @@ async def test_idle_engine_thread_does_not_spin(client: AsyncEngineClient) -> No
     await drain(await client.add(requests("warm")))
     await asyncio.sleep(0.1)
     cpu_before, wall_before = time.process_time(), time.monotonic()
-    beat_before = client._heartbeat
+    beat_before = client._engine_loop.heartbeat
     await asyncio.sleep(0.5)
     cpu = time.process_time() - cpu_before
     assert cpu < 0.15 * (time.monotonic() - wall_before), f"idle loop used {cpu:.3f}s CPU"
-    assert client._heartbeat > beat_before, "the idle loop must still refresh its heartbeat"
+    assert client._engine_loop.heartbeat > beat_before, (
+        "the idle loop must still refresh its heartbeat"
+    )
     assert client.health().healthy
 
 

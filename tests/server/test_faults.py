@@ -146,7 +146,7 @@ async def test_an_add_racing_the_loop_death_fails_instead_of_waiting_forever() -
     503), not wait for an acknowledgement nobody will send."""
     client = AsyncEngineClient(FakeEngine(), idle_wake_s=0.05)
     client.start()
-    engine = client._engine
+    engine = client._engine_loop.engine
     assert isinstance(engine, FakeEngine)
 
     def crash() -> bool:

@@ -13,13 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 import planner.cpu
 from engine.outputs import STEP_PHASES, StepStats
 from server.config import ServingConfig
-from server.metrics import (
-    ServerMetrics,
-    config_info,
-    overhead_summary,
-    token_buckets,
-)
+from server.metric_buckets import token_buckets
+from server.metrics import ServerMetrics, config_info
 from server.peaks import Peaks, resolve_peaks
+from server.stats_log import overhead_summary
 from server.timings import RequestTimings
 from tests.server.server_fakes import FakeEngine
 from tests.server.test_streaming import call_asgi
