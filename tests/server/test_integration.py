@@ -1,5 +1,6 @@
 """The real server: `python -m server` in a subprocess on 127.0.0.1 (real uvicorn, sockets),
-serving the embedded default model, called with the official `openai` package and raw httpx.
+serving the embedded default model, called with the official `openai` package and raw httpx
+(tests/server/real_server.py starts it).
 
 References: the offline engine (`engine.LLM`) run on each prompt alone, and transformers'
 own forward pass on the same weights for logprobs. The server starts once per session.
@@ -8,15 +9,8 @@ own forward pass on the same weights for logprobs. The server starts once per se
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,99 +18,27 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.server.test_errors import BAD_REQUESTS, MAX_BODY, assert_openai_error
+from tests.server.real_server import (
+    MAX_MODEL_LEN,
+    NUM_KV_BLOCKS,
+    WORDS,
+    RealServer,
+    alone,
+    async_client,
+    running_server,
+    sync_client,
+    torch_threads,
+)
+from tests.server.test_errors import BAD_REQUESTS, assert_openai_error
 from tests.server.test_streaming import split_frames
 
 pytestmark = pytest.mark.slow
 
-MAX_MODEL_LEN = 256
-NUM_KV_BLOCKS = 128  # 2048 token slots: room for the 32 concurrent requests below
-STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF (tens of seconds); later ones load
-REPO = Path(__file__).resolve().parents[2]
-WORDS = (
-    "the history of science shows that careful measurement and honest reporting "
-    "matter more than any single clever idea because"
-).split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class RealServer:
-    def __init__(self, url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-        self.url = url
-        self.process = process
-        self.log = log
-
-    def health(self) -> dict[str, Any]:
-        return httpx.get(f"{self.url}/health", timeout=10).json()
-
-    def wait_pool_free(self, timeout_s: float = 10.0) -> float:
-        """Seconds until no request is left and every KV block is free again."""
-        start = time.monotonic()
-        while time.monotonic() - start < timeout_s:
-            engine = self.health()["engine"]
-            if engine["num_requests"] == 0 and engine["kv_blocks_used"] == 0:
-                return time.monotonic() - start
-            time.sleep(0.05)
-        raise AssertionError(f"KV pool not free after {timeout_s}s: {self.health()}")
-
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--num-kv-blocks",
-        str(NUM_KV_BLOCKS),
-        "--max-num-seqs",
-        "32",
-        "--max-body-size",
-        str(MAX_BODY),
-        "--stats-log-interval",
-        "0",
-        "--log-level",
-        "info",
-    ]
-    # One torch thread: on a small shared CPU box, torch's default (one thread per core)
-    # oversubscribes the cores with this test process and others, and OpenMP spin-waiting then
-    # makes every step ~10x slower. The server's behaviour under test does not depend on it.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited ({process.returncode}):\n{log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy in time:\n{log.read_text()[-3000:]}")
-            time.sleep(0.25)
-        yield RealServer(url, process, log)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with running_server(tmp_path_factory.mktemp("server") / "server.log") as real:
+        yield real
 
 
 @pytest.fixture(scope="session")
@@ -124,34 +46,6 @@ def reference() -> LLM:
     """The offline engine on the same model: each prompt is generated alone."""
     with torch_threads(1):
         return LLM(model="default", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)
-
-
-@contextlib.contextmanager
-def torch_threads(num_threads: int) -> Iterator[None]:
-    """Run reference computations single-threaded (see the server fixture), then restore the
-    process-wide setting so other test folders in the same session are unaffected."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def alone(llm: LLM, prompt: str, params: SamplingParams) -> Any:
-    with torch_threads(1):
-        (out,) = llm.generate([prompt], params)
-    return out
-
-
-def sync_client(server: RealServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-def async_client(server: RealServer) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
 
 
 # ------------------------------------------------------------------------------ tests
