@@ -134,7 +134,8 @@ class EngineConfig:
         attention_backend: "auto" (Triton on CUDA; on CPU the C++ kernels for float32 when
             they build, else the torch reference), "triton", "cpu" or "torch".
         matmul_weights: "gguf" (default): when the model is a GGUF file and the C++ cpu
-            kernels run, batches of up to 24 rows (12 with AVX2) multiply by the file's own
+            kernels run, batches of up to max_quant_rows() rows (64 with AVX-512 VNNI, 12 with
+            AVX-512, 8 with AVX2) multiply by the file's own
             Q4_0/Q4_1/Q8_0 blocks wherever they de-quantize to exactly the float32 weights
             (same greedy output, 4.8x fewer bytes read per decode step for the default
             model; engine/gguf_blocks.py); "float32": always the float32 copy.

@@ -61,7 +61,7 @@ class Linear(nn.Module):
     def use_quantized_panels(self, panels: torch.Tensor) -> None:
         """Serve small batches from the checkpoint's own GGUF blocks (``engine/gguf_blocks.py``
         packs them and checks that they de-quantize to exactly ``weight``); a step with at
-        most ``max_quant_rows()`` rows (64 with AVX-512 VNNI, 24 with AVX-512, 12 with AVX2) then
+        most ``max_quant_rows()`` rows (64 with AVX-512 VNNI, 12 with AVX-512, 8 with AVX2) then
         reads 6 (Q4) or 9 (Q8) bits a weight instead of 32. Needs ``pack_for_cpu``."""
         assert self._cpu_ops is not None, "pack_for_cpu first"
         self._quant = panels

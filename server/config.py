@@ -192,8 +192,9 @@ _OPTIONS: tuple[Option, ...] = (
            "or torch",
            ("auto", "triton", "cpu", "torch")),
     Option("--matmul-weights", "engine", "matmul_weights", str, _E.matmul_weights,
-           "gguf (a .gguf model on the C++ CPU kernels: batches of up to 24 rows, 12 with "
-           "AVX2, multiply by the file's own Q4_0/Q4_1/Q8_0 blocks where they de-quantize to "
+           "gguf (a .gguf model on the C++ CPU kernels: batches of up to 64 rows with "
+           "AVX-512 VNNI, 12 with AVX-512, 8 with AVX2, multiply by the file's own "
+           "Q4_0/Q4_1/Q8_0 blocks where they de-quantize to "
            "exactly the float32 weights; same output, fewer bytes) or float32 (always the "
            "float32 copy)",
            ("gguf", "float32")),

@@ -23,7 +23,8 @@ NUM_LINEARS = NUM_LAYERS * 4 + 1  # qkv, o, gate_up, down per layer + the tied l
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
-    # Long enough that its prefill (> 24 rows) runs on the float32 panels in both engines.
+    # Longer than max_quant_rows() without VNNI (12 with AVX-512, 8 with AVX2): there its
+    # prefill runs on the float32 panels in both engines (with VNNI, on the blocks: 64).
     "Write a short story about a lighthouse keeper who finds a message in a bottle "
     "washed up on the rocks one stormy night, and what he decides to do about it.",
 ]

@@ -4,7 +4,7 @@ gguf-py's de-quantizer is what ``transformers`` loads a GGUF checkpoint with, so
 oracle: packed blocks must de-quantize to exactly its float32 values, and ``quant_linear``
 must multiply by them (up to summation order, and with integer dot products x's rounding to
 22 bits below its 32-block's largest element: gemm_q.cpp). ``linear`` must pick the blocks
-for 1 to ``max_quant_rows()`` rows (64 with AVX-512 VNNI, 24 with AVX-512, 12 with AVX2),
+for 1 to ``max_quant_rows()`` rows (64 with AVX-512 VNNI, 12 with AVX-512, 8 with AVX2),
 the float32 panels up to ``max_packed_rows()`` (256) and the library above.
 """
 
@@ -205,12 +205,12 @@ def test_panel_width_follows_the_build_target(ops, cpu_flags):
 
 def test_max_quant_rows_follows_the_vector_width(ops):
     # 64 rows with VNNI (Q8 blocks then multiply in integers too, in one-vector panels), else
-    # 24 with AVX-512 (64-column panels), 12 with AVX2 or less (16-column panels): the
+    # 12 with AVX-512 (64-column panels), 8 with AVX2 or less (16-column panels): the
     # crossovers measured in gemm.cpp. The test above checks linear() keeps to it.
     if ops.quant_panel_width(8) < ops.panel_width():
         assert ops.max_quant_rows() == 64
     else:
-        assert ops.max_quant_rows() == (24 if ops.panel_width() == 64 else 12)
+        assert ops.max_quant_rows() == (12 if ops.panel_width() == 64 else 8)
 
 
 def test_quant_panel_width_follows_the_build_target(ops, cpu_flags):

@@ -273,15 +273,20 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // 6-9 bits a weight instead of 32 wins; the float32 panels up to kMaxPackedRows, where
 // de-quantizing every weight again per 6 rows costs more than the bytes it saves; the
 // library on the plain [in, out] weight for larger batches, where it is as fast and needs no
-// packed copy's cache traffic. Blocks vs float32 panels over the default model's 121
-// matmuls on 2 cores (one run, medians), AVX-512: 1 row 11.0 vs 26.6 ms, 16 rows 43.8 vs 53.0,
-// 24 rows 60.8 vs 62.5, 32 rows 76.2 vs 70.7, 48 rows 110.8 vs 94.7. An AVX2 build
-// de-quantizes 8 weights per instruction instead of 16 and crosses over earlier: 8 rows 43.7
-// vs 51.0 ms, 12 rows 63.3 vs 63.7, 16 rows 75.6 vs 74.7, 24 rows 118.9 vs 91.8.
-// Integer dot products (AVX-512 VNNI) cost a third of the float de-quantization and cross
-// over much later (same 121 matmuls, one run, medians of 5): 16 rows 21.8 vs 33.8 ms, 32
-// rows 42.0 vs 47.0, 64 rows 79.5 vs 84.0, 96 rows 121.7 vs 123.1.
-constexpr int64_t kMaxQuantRows = kVnni ? 64 : kRegs == 32 ? 24 : 12;
+// packed copy's cache traffic. Blocks / float32 panels, time over the default model's 121
+// matmuls, 2 threads (medians of 5, two runs each) and the calling thread's CPU time with
+// one (immune to the VM's stolen time), each build on the same AVX-512 VNNI machine:
+// - VNNI (both formats in integers): 16 rows 0.65, 32 rows 0.96-1.00, 48 rows 1.01-1.03,
+//   64 rows 1.00-1.08 (an earlier run: 16 rows 0.64, 32 0.89, 64 0.95). Even from 32 to 64
+//   rows; the blocks keep those, as they leave more of the memory to anything beside.
+// - AVX-512 without VNNI (x86-64-v4: Q4 in integers, the Q8 head de-quantized): 8 rows
+//   0.85-0.92, 12 rows 0.98-1.08, 16 rows 1.01-1.10, 24 rows 1.19-1.47.
+// - AVX2 (x86-64-v3, the library held to AVX2 too): 6 rows 0.59-0.78, 8 rows 0.68-0.86,
+//   10 rows 1.09-1.35, 12 rows 1.15-1.37.
+// Those builds served 24 and 12 rows before their Q4 blocks multiplied in integers (then
+// 24 rows 0.97, 12 rows 0.99): the integer path is cheaper for one row and dearer per extra
+// row, so it crosses over earlier.
+constexpr int64_t kMaxQuantRows = kVnni ? 64 : kRegs == 32 ? 12 : 8;
 // Batches over 256 rows go to the library; the engine never sends any (engine/layer_ops.py
 // runs a larger step in passes of max_packed_rows() rows, so its matmuls stay here). AVX2
 // builds served 64 rows and handed 128 and 256 to the library until the library was measured
