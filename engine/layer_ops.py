@@ -76,8 +76,8 @@ class CpuLayerOps(TorchLayerOps):
     medians: AVX-512 2,490 -> 2,199 ms and 642 -> 549 ms (the panels at 256 rows: 212
     GFLOP/s over the model's matmuls here, the library at 2,048 rows: 174, and a pass's
     activations stay in cache). AVX2 builds, the library held to AVX2: passes of 64 rows
-    2,600 and 618 ms, of 256 rows (the panels serve them since; the library did before:
-    3,462 and 863) 2,369 and 573 (``kernels/cpu/csrc/gemm.cpp``, kMaxPackedRows).
+    2,600 and 618 ms, of 256 rows, which the panels serve since (the library did before),
+    2,369 and 573 (``kernels/cpu/csrc/gemm.cpp``, kMaxPackedRows).
     ``rows_per_pass`` overrides that limit (tests).
     """
 

@@ -4,11 +4,10 @@
 //
 // Why not oneDNN/MKL here: for 2-64 rows the library runs at 60-75% of what the same weights
 // give this kernel on 2 cores with AVX-512 (rows x 4 accumulators of 16 floats stay in
-// registers while a panel streams past; the panel's later row groups hit L2; with AVX2 the
-// two were measured even, 16 rows 77 vs 86 ms, 64 rows 202 vs 202 over the model, with the
-// library's own AVX-512 kernel; held to AVX2 it is far behind: kMaxPackedRows). Figures below
-// are AVX-512's. Up to 256 rows it is still a few percent ahead over the model's 120 matmuls (it
-// reads the packed panels; the library packs the weight again on every call): 128 rows 198
+// registers while a panel streams past; the panel's later row groups hit L2; AVX2 builds
+// against the library held to AVX2: kMaxPackedRows). Figures below are AVX-512's. Up to 256
+// rows it is still a few percent ahead over the model's 120 matmuls (it reads the packed
+// panels; the library packs the weight again on every call): 128 rows 198
 // vs 185 GFLOP/s, 256 rows 184 vs 174 (medians, one run); at 512 they are even. One row is a
 // pure weight stream: each thread reads one contiguous share of the weights as two sequential
 // streams (kRowStreams says why), about as fast as a plain sum over them. Larger
@@ -289,11 +288,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 constexpr int64_t kMaxQuantRows = kVnni ? 64 : kRegs == 32 ? 12 : 8;
 // Batches over 256 rows go to the library; the engine never sends any (engine/layer_ops.py
 // runs a larger step in passes of max_packed_rows() rows, so its matmuls stay here). AVX2
-// builds served 64 rows and handed 128 and 256 to the library until the library was measured
-// with its AVX2 kernel held (MKL_ENABLE_INSTRUCTIONS=AVX2, ATEN_CPU_CAPABILITY=avx2, as on an
-// AVX2-only machine): over the model's 120 layer matmuls, 2 threads, medians of 5, panels /
-// library 141 / 94 GFLOP/s at 64 rows, 188 / 112 at 128, 191 / 127 at 256, 191 / 149 at
-// 2,048. The first step of 16 prompts of 128 tokens, bare engine, alternating: passes of 64
+// builds served 64 rows and handed 128 and 256 to the library, on a run that found the two
+// even at 16-64 rows and the library 1.07-1.10x ahead at 128-256. Measured again with the
+// library held to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, ATEN_CPU_CAPABILITY=avx2, as on an
+// AVX2-only machine), over the model's 120 layer matmuls, 2 threads, medians of 5, panels /
+// library: 141 / 94 GFLOP/s at 64 rows, 188 / 112 at 128, 191 / 127 at 256, 191 / 149 at
+// 2,048; one thread's CPU time, 96 / 70 at 64 rows, 104 / 87 at 256, 96 / 90 at 2,048. The first step of 16 prompts of 128 tokens, bare engine, alternating: passes of 64
 // rows 2,600 ms, of 256 rows 2,369 (4 prompts: 618 -> 573).
 constexpr int64_t kMaxPackedRows = 256;
 int64_t max_quant_rows() { return kMaxQuantRows; }
