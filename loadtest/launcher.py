@@ -61,13 +61,17 @@ class ServerProcess:
         argv: the command.
         port: the port it was told to listen on (on 127.0.0.1).
         log_path: where its stdout and stderr go.
+        env: the child's environment (default: this process's).
     """
 
-    def __init__(self, argv: list[str], port: int, log_path: str | Path) -> None:
+    def __init__(
+        self, argv: list[str], port: int, log_path: str | Path, env: dict[str, str] | None = None
+    ) -> None:
         self.argv = argv
         self.port = port
         self.base_url = f"http://{HOST}:{port}"
         self.log_path = Path(log_path)
+        self.env = env
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -75,7 +79,11 @@ class ServerProcess:
         with open(self.log_path, "wb") as log:
             # The child keeps its own copy of the file descriptor after we close ours.
             self._proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
             )
 
     def wait_healthy(self, timeout_s: float) -> float:

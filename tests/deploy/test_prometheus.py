@@ -27,7 +27,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.real_server import free_port
+from loadtest.launcher import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,28 +18,21 @@ import httpx
 import openai
 
 from engine import LLM, SamplingParams
+from loadtest.launcher import HOST, ServerProcess, free_port
 from tests.server.test_errors import MAX_BODY
 
 MAX_MODEL_LEN = 256
 NUM_KV_BLOCKS = 128  # 2048 token slots: room for the 32 concurrent requests below
 STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF (tens of seconds); later ones load
-REPO = Path(__file__).resolve().parents[2]
 WORDS = (
     "the history of science shows that careful measurement and honest reporting "
     "matter more than any single clever idea because"
 ).split()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RealServer:
-    def __init__(self, url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    def __init__(self, url: str, log: Path) -> None:
         self.url = url
-        self.process = process
         self.log = log
 
     def health(self) -> dict[str, Any]:
@@ -61,56 +52,26 @@ class RealServer:
 @contextlib.contextmanager
 def running_server(log: Path) -> Iterator[RealServer]:
     """`python -m server` on a free port of 127.0.0.1, its output in `log`, until healthy;
-    terminated on exit."""
+    stopped on exit (loadtest/launcher.py's ServerProcess)."""
     port = free_port()
     argv = [
-        sys.executable,
-        "-m",
-        "server",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--num-kv-blocks",
-        str(NUM_KV_BLOCKS),
-        "--max-num-seqs",
-        "32",
-        "--max-body-size",
-        str(MAX_BODY),
-        "--stats-log-interval",
-        "0",
-        "--log-level",
-        "info",
-    ]
+        sys.executable, "-m", "server",
+        "--host", HOST,
+        "--port", str(port),
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--num-kv-blocks", str(NUM_KV_BLOCKS),
+        "--max-num-seqs", "32",
+        "--max-body-size", str(MAX_BODY),
+        "--stats-log-interval", "0",
+        "--log-level", "info",
+    ]  # fmt: skip
     # One torch thread: on a small shared CPU box, torch's default (one thread per core)
     # oversubscribes the cores with this test process and others, and OpenMP spin-waiting then
     # makes every step ~10x slower. The server's behaviour under test does not depend on it.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited ({process.returncode}):\n{log.read_text()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy in time:\n{log.read_text()[-3000:]}")
-            time.sleep(0.25)
-        yield RealServer(url, process, log)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+    with ServerProcess(argv, port, log, env=env) as process:
+        process.wait_healthy(STARTUP_TIMEOUT_S)
+        yield RealServer(process.base_url, log)
 
 
 @contextlib.contextmanager

@@ -25,11 +25,11 @@ from typing import Any
 import pytest
 import uvicorn
 
+from loadtest.launcher import free_port
 from server.api import create_app
 from server.config import ServerConfig, ServingConfig
 from server.engine_client import AsyncEngineClient
 from tests.server.server_fakes import FakeEngine
-from tests.server.tiny_server import free_port
 
 schemathesis = pytest.importorskip("schemathesis")
 

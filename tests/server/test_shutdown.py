@@ -12,12 +12,12 @@ import time
 import httpx
 import uvicorn
 
+from loadtest.launcher import free_port
 from server.api import create_app
 from server.config import ServerConfig, ServingConfig
 from server.engine_client import AsyncEngineClient
 from server.shutdown import make_server
 from tests.server.server_fakes import FakeEngine
-from tests.server.tiny_server import free_port
 
 C = "/v1/completions"
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from loadtest.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120
@@ -42,12 +43,6 @@ def make_tiny_model_dir(path: Path, seed: int = 0) -> Path:
     )
     tokenizer.save_pretrained(path)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class TinyServer:
@@ -100,7 +95,7 @@ def tiny_server(model_dir: Path, log: Path, *args: str) -> Iterator[TinyServer]:
         "--stats-log-interval", "0",
         *args,
     ]  # fmt: skip
-    # One torch thread: see test_integration.py (oversubscribed cores make steps ~10x slower).
+    # One torch thread: see real_server.py (oversubscribed cores make steps ~10x slower).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with log.open("wb") as out:
         process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
