@@ -136,6 +136,35 @@ def test_quant_linear_keeps_scale_and_non_finite_values(ops, qtype):
         assert (got[finite] == 0).all(dim=1).tolist() == (rows[finite] == 0).all(dim=1).tolist()
 
 
+@pytest.mark.parametrize("scale_exp", [0, -30, -130, 40])
+def test_quant_linear_rounds_x_to_nearest_even_at_every_scale(ops, scale_exp):
+    """The integer path's one rounding, exactly: each 32-block of x is scaled by 2^e so its
+    largest |x| is in [2^21, 2^22) and rounded to the nearest integer, ties to even (as
+    nearbyint), whether the block takes the vector split or, when 2^e is out of float32's
+    range (scale 2^-130), the scalar one. With every weight 1 (d = 1, m = 0, q = 1) the output
+    is that sum of rounded values times 2^-e, exact in float32, so it must match bit for bit.
+    A rounding that truncated, or rounded ties away from zero, would be off by whole units."""
+    qtype = GGMLQuantizationType.Q4_1
+    n, k = 16, 64
+    block = np.zeros(20, np.uint8)
+    block[0:2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)  # d
+    block[2:4] = np.frombuffer(np.float16(0.0).tobytes(), np.uint8)  # m
+    block[4:] = 0x11  # q = 1 for k and k + 16
+    raw = np.tile(block, (n, k // 32))
+    if ops.quant_panel_width(int(qtype)) == ops.panel_width():  # gemm.h: NBQ
+        pytest.skip("this build multiplies Q4 blocks in float: x is not rounded")
+    panels = ops.pack_gguf(torch.from_numpy(raw), int(qtype), k)
+    halves = torch.arange(-31, 31, dtype=torch.float64)[:62] + 0.5  # ties: -30.5 .. 30.5
+    top = torch.tensor([2.0**21 + 0.5, -(2.0**21) - 1.5])  # the blocks' largest: e = 0
+    base = torch.cat([top[:1], halves[:31], top[1:], halves[31:]])
+    x = (base * 2.0**scale_exp).float()[None, :]
+    assert torch.equal(x[0].double() / 2.0**scale_exp, base)  # every value exact in float32
+    rounded = torch.round(base.view(2, 32)).sum(dim=1)  # torch.round: half to even
+    want = (rounded.sum() * 2.0**scale_exp).float()
+    got = ops.quant_linear(x, panels, n, None)
+    assert torch.equal(got, want.expand(1, n)), (got[0, 0].item(), want.item())
+
+
 def test_quant_linear_takes_a_non_contiguous_x(ops):
     qtype = GGMLQuantizationType.Q4_1
     raw = _blocks(qtype, 200, 96, seed=11)

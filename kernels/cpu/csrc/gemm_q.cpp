@@ -162,9 +162,100 @@ struct XDigits {
   const int32_t* zero;   // [rows][nblk][3]: 128 sum_k D_t,k (Q8's stored q + 128 takes it back)
 };
 
+// One 32-block of x, xs, into its digits d ([3][QB]), with unit, sum and zero as XDigits
+// has them. The reference: element by element in double, the definition the vector path
+// below must reproduce bit for bit. A block holding inf or NaN gets unit = NaN, so its row's
+// outputs are NaN, non-finite as a float matmul's would be (inf or NaN).
+static void split_block_scalar(const float* xs, int8_t* d, float& unit, float& sum, int32_t* zero) {
+  float mx = 0.f;
+  bool finite = true;
+  for (int i = 0; i < QB; ++i) {
+    mx = std::max(mx, std::fabs(xs[i]));
+    finite &= std::isfinite(xs[i]);
+  }
+  int ex = 0;
+  if (mx > 0.f) std::frexp(mx, &ex);  // mx < 2^ex
+  const int e = 22 - ex;               // so mx 2^e < 2^22, and |D2| <= 64 below
+  const double up = std::ldexp(1.0, e);
+  int32_t total = 0, z[3] = {0, 0, 0};
+  for (int i = 0; i < QB; ++i) {
+    const int32_t X = finite ? static_cast<int32_t>(std::nearbyint(double(xs[i]) * up)) : 0;
+    const int32_t d0 = static_cast<int8_t>(X), x1 = (X - d0) >> 8;
+    const int32_t d1 = static_cast<int8_t>(x1), d2 = (x1 - d1) >> 8;
+    d[i] = static_cast<int8_t>(d0);
+    d[QB + i] = static_cast<int8_t>(d1);
+    d[2 * QB + i] = static_cast<int8_t>(d2);
+    total += X;
+    z[0] += d0;
+    z[1] += d1;
+    z[2] += d2;
+  }
+  const double down = std::ldexp(1.0, -e);
+  unit = finite ? static_cast<float>(down) : std::numeric_limits<float>::quiet_NaN();
+  sum = finite ? static_cast<float>(double(total) * down) : std::numeric_limits<float>::quiet_NaN();
+  for (int t = 0; t < 3; ++t) zero[t] = 128 * z[t];
+}
+
+typedef int8_t vi8u __attribute__((vector_size(kVec), aligned(1), may_alias));
+static inline int32_t hsum(vi32 v) {
+  int32_t s = 0;
+  for (int i = 0; i < kVec; ++i) s += v[i];
+  return s;
+}
+
+// The same block in vectors. The split runs on the calling thread before a matmul's threads
+// start, so it is on every matmul's critical path. One thread, a one-panel matmul at K =
+// 1,536 (best of 5 x 500 calls, the Python call included): one row 5.00 -> 4.39 us, 64 rows
+// 168.9 -> 135.4 us. Why it is bit for bit the scalar's: x 2^e is a power-of-two scaling, exact
+// in float32 while 2^e is a normal float (|x 2^e| < 2^22: no overflow; an element scaled
+// under float's normal range is < 2^-126 and rounds to 0 either way), and adding and taking
+// away 1.5 2^23 rounds |v| < 2^22 to the nearest integer, ties to even, as nearbyint does in
+// the default rounding mode. Blocks with inf or NaN, or with 2^e beyond float's range (largest
+// |x| < 2^-104), take the scalar path.
+static inline void split_block(const float* xs, int8_t* d, float& unit, float& sum, int32_t* zero) {
+  constexpr int NVB = QB / kVec;
+  // The largest |x| from the bits of |x|, which order as |x| does; inf and NaN have bits
+  // >= 0x7f800000.
+  vi32 top = vi32{};
+  for (int v = 0; v < NVB; ++v) {
+    const vi32 bits = *reinterpret_cast<const vi32u*>(xs + kVec * v) & 0x7fffffff;
+    top = top > bits ? top : bits;
+  }
+  int32_t mx_bits = 0;
+  for (int i = 0; i < kVec; ++i) mx_bits = std::max(mx_bits, top[i]);
+  if (mx_bits >= 0x7f800000) return split_block_scalar(xs, d, unit, sum, zero);
+  float mx;
+  std::memcpy(&mx, &mx_bits, 4);
+  int ex = 0;
+  if (mx > 0.f) std::frexp(mx, &ex);
+  const int e = 22 - ex;
+  if (e > 126) return split_block_scalar(xs, d, unit, sum, zero);
+  const vf up = vsplat(std::ldexp(1.0f, e)), magic = vsplat(12582912.f);  // 1.5 2^23
+  vi32 z0 = vi32{}, z1 = vi32{}, z2 = vi32{};
+  for (int v = 0; v < NVB; ++v) {
+    const vf scaled = vload(xs + kVec * v) * up;
+    const vi32 X = __builtin_convertvector((scaled + magic) - magic, vi32);  // an integer: exact
+    const vi32 d0 = (X << 24) >> 24, x1 = (X - d0) >> 8;                     // int8(X), sign kept
+    const vi32 d1 = (x1 << 24) >> 24, d2 = (x1 - d1) >> 8;
+    *reinterpret_cast<vi8u*>(d + kVec * v) = __builtin_convertvector(d0, vi8u);
+    *reinterpret_cast<vi8u*>(d + QB + kVec * v) = __builtin_convertvector(d1, vi8u);
+    *reinterpret_cast<vi8u*>(d + 2 * QB + kVec * v) = __builtin_convertvector(d2, vi8u);
+    z0 += d0;
+    z1 += d1;
+    z2 += d2;
+  }
+  const int32_t s0 = hsum(z0), s1 = hsum(z1), s2 = hsum(z2);
+  const int32_t total = s0 + 256 * s1 + 65536 * s2;  // sum X: X = D0 + 256 D1 + 65536 D2
+  const double down = std::ldexp(1.0, -e);
+  unit = static_cast<float>(down);
+  sum = static_cast<float>(double(total) * down);
+  zero[0] = 128 * s0;
+  zero[1] = 128 * s1;
+  zero[2] = 128 * s2;
+}
+
 // The digits of M rows of x, into buffers this thread keeps (a matmul is called from one
-// thread and its workers only read them). A block holding inf or NaN gets unit = NaN, so its
-// row's outputs are NaN, non-finite as a float matmul's would be (inf or NaN).
+// thread and its workers only read them).
 XDigits split_digits(const float* x, int64_t M, int64_t K) {
   thread_local std::vector<int8_t> digits;
   thread_local std::vector<float> unit, sum;
@@ -174,37 +265,8 @@ XDigits split_digits(const float* x, int64_t M, int64_t K) {
   unit.resize(M * nblk);
   sum.resize(M * nblk);
   zero.resize(M * nblk * 3);
-  for (int64_t b = 0; b < M * nblk; ++b) {
-    const float* xs = x + b * QB;  // x is [M, K] contiguous, so block b is row b / nblk's
-    float mx = 0.f;
-    bool finite = true;
-    for (int i = 0; i < QB; ++i) {
-      mx = std::max(mx, std::fabs(xs[i]));
-      finite &= std::isfinite(xs[i]);
-    }
-    int ex = 0;
-    if (mx > 0.f) std::frexp(mx, &ex);  // mx < 2^ex
-    const int e = 22 - ex;               // so mx 2^e < 2^22, and |D2| <= 64 below
-    const double up = std::ldexp(1.0, e);
-    int8_t* d = digits.data() + b * 3 * QB;
-    int32_t total = 0, z[3] = {0, 0, 0};
-    for (int i = 0; i < QB; ++i) {
-      const int32_t X = finite ? static_cast<int32_t>(std::nearbyint(double(xs[i]) * up)) : 0;
-      const int32_t d0 = static_cast<int8_t>(X), x1 = (X - d0) >> 8;
-      const int32_t d1 = static_cast<int8_t>(x1), d2 = (x1 - d1) >> 8;
-      d[i] = static_cast<int8_t>(d0);
-      d[QB + i] = static_cast<int8_t>(d1);
-      d[2 * QB + i] = static_cast<int8_t>(d2);
-      total += X;
-      z[0] += d0;
-      z[1] += d1;
-      z[2] += d2;
-    }
-    const double down = std::ldexp(1.0, -e);
-    unit[b] = finite ? static_cast<float>(down) : std::numeric_limits<float>::quiet_NaN();
-    sum[b] = finite ? static_cast<float>(double(total) * down) : std::numeric_limits<float>::quiet_NaN();
-    for (int t = 0; t < 3; ++t) zero[b * 3 + t] = 128 * z[t];
-  }
+  for (int64_t b = 0; b < M * nblk; ++b)  // x is [M, K] contiguous, so block b is row b / nblk's
+    split_block(x + b * QB, digits.data() + b * 3 * QB, unit[b], sum[b], zero.data() + b * 3);
   return XDigits{digits.data(), unit.data(), sum.data(), zero.data()};
 }
 
