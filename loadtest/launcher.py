@@ -62,17 +62,30 @@ class ServerProcess:
         port: the port it was told to listen on (on 127.0.0.1).
         log_path: where its stdout and stderr go.
         env: the child's environment (default: this process's).
+        cwd: the child's working directory (default: this process's).
     """
 
     def __init__(
-        self, argv: list[str], port: int, log_path: str | Path, env: dict[str, str] | None = None
+        self,
+        argv: list[str],
+        port: int,
+        log_path: str | Path,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
     ) -> None:
         self.argv = argv
         self.port = port
         self.base_url = f"http://{HOST}:{port}"
         self.log_path = Path(log_path)
         self.env = env
+        self.cwd = cwd
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        """The running child (after ``start()``), for callers that signal or wait on it."""
+        assert self._proc is not None, "start() first"
+        return self._proc
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +97,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env=self.env,
+                cwd=self.cwd,
             )
 
     def wait_healthy(self, timeout_s: float) -> float:

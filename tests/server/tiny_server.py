@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.launcher import free_port
+from loadtest.launcher import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120
@@ -97,26 +96,10 @@ def tiny_server(model_dir: Path, log: Path, *args: str) -> Iterator[TinyServer]:
     ]  # fmt: skip
     # One torch thread: see real_server.py (oversubscribed cores make steps ~10x slower).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(argv, port, log, env=env, cwd=REPO)
+    server.start()
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited ({process.returncode}):\n{log.read_text()}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy in time:\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        yield TinyServer(url, process, log)
+        server.wait_healthy(STARTUP_TIMEOUT_S)
+        yield TinyServer(server.base_url, server.process, log)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        server.stop(grace_s=20)
