@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.layer_ops import CpuLayerOps
+from kernels import cpu as cpu_kernels
 from tests.engine.conftest import make_tiny_llama
 
 ONE_PASS = 1 << 30  # CpuLayerOps.rows_per_pass for a step in one call of the fused stack
@@ -194,3 +195,47 @@ def test_passes_default_to_the_rows_the_panels_serve(tmp_path):
     llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0))
     limit = counting.max_packed_rows()
     assert max(counting.stack_rows) == limit  # the first step: 1,200 rows
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_stack_in_a_team_is_bitwise_the_stack_without(tmp_path, monkeypatch, threads):
+    """decoder_layers runs small steps in one team of threads (kernels/cpu/csrc/team.h),
+    splitting each kernel's work exactly as at::parallel_for does: outputs must be bitwise
+    those of one parallel region a kernel. 3 threads on this 2-core machine: more threads
+    than cores (the team's spin-waits must yield) and ranges that split unevenly. Steps of
+    1 to 64 rows, all in a team on one side, none on the other."""
+    sizes = {"hidden_size": 128, "intermediate_size": 256}
+    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=11, **sizes)
+    g = torch.Generator().manual_seed(threads)
+    prompts = [
+        torch.randint(3, 256, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 40, (9,), generator=g)
+    ]
+    ops = cpu_kernels.load()
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results = {}
+        for team_rows in (1 << 30, 0):
+            before = ops.set_stack_team_rows(team_rows)
+            try:
+                results[team_rows], _, rows = _run(
+                    path, prompts, fused=True, monkeypatch=monkeypatch, budget=64
+                )
+            finally:
+                ops.set_stack_team_rows(before)
+            assert 1 < rows <= 64
+    finally:
+        torch.set_num_threads(before_threads)
+    assert results[1 << 30] == results[0]
+
+
+def test_stack_team_rows_default_and_restore():
+    """The limit is 16 rows unless set; setting it returns the previous one."""
+    ops = cpu_kernels.load()
+    before = ops.set_stack_team_rows(0)
+    try:
+        assert before == 16
+        assert ops.set_stack_team_rows(16) == 0
+    finally:
+        ops.set_stack_team_rows(before)

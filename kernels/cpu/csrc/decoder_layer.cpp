@@ -24,9 +24,14 @@
 // float32 weights, 1.06x with GGUF blocks, 1.04x at batch 16 and 64 (larger activations are
 // mmap'ed fresh, page faults included).
 
+#include <omp.h>
+
+#include <atomic>
 #include <chrono>
+#include <exception>
 
 #include "ops.h"
+#include "team.h"
 
 namespace pagedserve_cpu {
 
@@ -144,6 +149,19 @@ void layer_forward(const at::Tensor& x, at::Tensor& residual, bool first, const 
   if (g_profile.on) ++g_profile.layers;
 }
 
+// Steps of at most this many rows run in a team (team.h); 0: none. Why a limit: inside a team
+// an ATen op runs on one thread, and every matmul of up to max_packed_rows() rows (at least
+// 64) is this extension's own; and past a few rows a step is long enough (~37 ms at 16 rows)
+// that ~150 parallel regions are under 1% of it.
+std::atomic<int64_t> g_team_rows{16};
+
+// The stack itself: decoder_layers below runs it on its thread 0, in a team or not.
+std::tuple<at::Tensor, at::Tensor> run_stack(
+    const at::Tensor& input_ids, const at::Tensor& positions, const c10::intrusive_ptr<StackWeights>& weights,
+    const c10::intrusive_ptr<StackCaches>& caches, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+    int64_t num_kv_heads, double eps, double scale, bool logits);
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
@@ -159,6 +177,50 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
               "decoder_layers: expected a key and a value cache and ", int(kNumSlots),
               " weight slots a layer, then ", int(kNumHeadSlots), " for the model");
   const auto called = std::chrono::steady_clock::now();
+  std::tuple<at::Tensor, at::Tensor> result;
+  const int64_t threads = at::get_num_threads();
+  if (threads > 1 && input_ids.size(0) <= g_team_rows.load(std::memory_order_relaxed) && !at::in_parallel_region()) {
+    // team.h: one OpenMP region for the whole call; thread 0 runs the stack, the others
+    // serve its kernels' ranges. Exceptions cannot leave an OpenMP region: carried out.
+    std::exception_ptr error;
+    Team team;
+#pragma omp parallel
+    {
+      const int64_t tid = omp_get_thread_num(), size = omp_get_num_threads();
+      if (tid == 0) {
+        team.set_size(size);  // the threads OpenMP gave; before anything is published
+        current_team() = &team;
+        try {
+          result = run_stack(input_ids, positions, weights, caches, cos_table, sin_table, slot_mapping, block_tables,
+                             seq_lens, num_heads, num_kv_heads, eps, scale, logits);
+        } catch (...) {
+          error = std::current_exception();
+        }
+        current_team() = nullptr;
+        team.stop();
+      } else {
+        team.serve(tid);
+      }
+    }
+    if (error) std::rethrow_exception(error);
+  } else {
+    result = run_stack(input_ids, positions, weights, caches, cos_table, sin_table, slot_mapping, block_tables,
+                       seq_lens, num_heads, num_kv_heads, eps, scale, logits);
+  }
+  if (g_profile.on)
+    g_profile.calls_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
+  return result;
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> run_stack(
+    const at::Tensor& input_ids, const at::Tensor& positions, const c10::intrusive_ptr<StackWeights>& weights,
+    const c10::intrusive_ptr<StackCaches>& caches, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
+    int64_t num_kv_heads, double eps, double scale, bool logits) {
+  const c10::List<c10::optional<at::Tensor>>& w = weights->w;
+  const size_t layers = caches->k.size();
   const size_t head = layers * kNumSlots;
   const at::Tensor x = w.get(head + kEmbed)->index_select(0, input_ids);  // [t, hidden]
   // The tables are float32, as the model on these kernels is (rope_and_store_ checks).
@@ -180,10 +242,17 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
                  w.get(head + kHeadBias));
     laps.lap(kHeadK);
   }
-  if (g_profile.on)
-    g_profile.calls_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
   return {out, residual};
 }
+
+}  // namespace
+
+Team*& current_team() {
+  thread_local Team* team = nullptr;
+  return team;
+}
+
+int64_t set_stack_team_rows(int64_t rows) { return g_team_rows.exchange(rows); }
 
 void step_profile(bool on) { g_profile = StepProfile{on}; }
 

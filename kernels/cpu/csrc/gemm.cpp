@@ -22,6 +22,7 @@
 
 #include "gemm.h"
 #include "ops.h"
+#include "team.h"
 #include "vec.h"
 
 namespace pagedserve_cpu {
@@ -139,7 +140,7 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
 // o and down 0.98-1.07x over the model's Q4 matmuls; one run each).
 static void one_row_shared(const float* x, const float* wp, int64_t K, int64_t nb, int64_t NP,
                            const float* bias, float* y) {
-  const int64_t T = at::get_num_threads(), total = nb * K;
+  const int64_t T = num_threads(), total = nb * K;
   thread_local std::vector<float> part;  // [T, NP]; only shared panels' entries are written
   part.resize(static_cast<size_t>(T * NP));
   float* pp = part.data();
@@ -147,7 +148,7 @@ static void one_row_shared(const float* x, const float* wp, int64_t K, int64_t n
   auto piece = [&](int64_t t, int64_t b, int64_t k0, int64_t k1) {
     micro<1, kRowStreams>(x + k0, K, wp + (b * K + k0) * NB, k1 - k0, pp + t * NP + b * NB, NB, nullptr);
   };
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+  parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r0 = total * t / T, r1 = total * (t + 1) / T;
       int64_t b = r0 / K;

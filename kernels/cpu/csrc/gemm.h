@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "team.h"
 #include "vec.h"
 
 namespace pagedserve_cpu {
@@ -64,10 +65,10 @@ constexpr int64_t kLineFloats = 16;
 // a small batch would be a partial tile.
 template <class F>
 void parallel_panels(int64_t nb, int64_t M, int64_t tile, const F& fn) {
-  const int64_t T = at::get_num_threads();
+  const int64_t T = num_threads();
   const int64_t G = T > 1 && nb % T != 0 && M >= 4 * tile ? T : 1;
   const int64_t chunk = ((M + G - 1) / G + tile - 1) / tile * tile;
-  at::parallel_for(0, nb * G, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, nb * G, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / G, m0 = (i % G) * chunk, m1 = std::min(M, m0 + chunk);
       const int64_t next = i + 1 < end && (i + 1) / G != b ? (i + 1) / G : -1;

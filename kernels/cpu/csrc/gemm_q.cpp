@@ -64,6 +64,7 @@
 
 #include "gemm.h"
 #include "ops.h"
+#include "team.h"
 #include "vec.h"
 
 namespace pagedserve_cpu {
@@ -600,7 +601,7 @@ void linear_into(const float* xp, int64_t M, int64_t K, const at::Tensor& panels
   const uint8_t* wp = panels.data_ptr<uint8_t>();
   const int64_t pbytes = nblk * panels.size(2);
   if (M == 1)
-    at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
       quant_one_row<Q4>(rows, wp, nblk, pbytes, yp, bias, begin, end);
     });
   else

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "ops.h"
+#include "team.h"
 #include "vec.h"
 
 namespace pagedserve_cpu {
@@ -46,7 +47,7 @@ void rms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, at
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t b, int64_t e) {
+  parallel_for(0, x.size(0), kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * n, wp, op + r * n, n, float(eps));
   });
 }
@@ -68,7 +69,7 @@ void add_rms_norm_into(const at::Tensor& x, at::Tensor& residual, const at::Tens
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t b, int64_t e) {
+  parallel_for(0, x.size(0), kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float* res = rp + r * n;
       for (int64_t i = 0; i < n; i += kVec) vstore(res + i, vload(res + i) + vload(xp + r * n + i));
@@ -94,7 +95,7 @@ void silu_mul_into(const at::Tensor& gate_up, at::Tensor& out) {
               out.scalar_type() == at::kFloat);
   const float* g = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t b, int64_t e) {
+  parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* gr = g + r * 2 * inter;
       for (int64_t i = 0; i < inter; i += kVec) {
@@ -135,7 +136,7 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   float* kc = key_cache.data_ptr<float>();
   float* vc = value_cache.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  at::parallel_for(0, tokens, kRowGrain, [&](int64_t b, int64_t e) {
+  parallel_for(0, tokens, kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       float* xt = x + t * row;
       const float* ct = c + t * head_dim;
@@ -172,7 +173,7 @@ at::Tensor argmax_rows(const at::Tensor& x_) {
   auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * n;
       vf best = vsplat(-std::numeric_limits<float>::infinity()), at = vzero(), lane;

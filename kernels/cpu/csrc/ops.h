@@ -82,5 +82,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 // decoder_layers calls, then the layer calls timed; resets.
 void step_profile(bool on);
 at::Tensor step_profile_read();
+// decoder_layers runs steps of at most `rows` rows in one team of threads (team.h; 0: none,
+// default 16); returns the previous limit. For tests and A/B measurements.
+int64_t set_stack_team_rows(int64_t rows);
 
 }  // namespace pagedserve_cpu

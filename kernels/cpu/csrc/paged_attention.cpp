@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "team.h"
 #include "vec.h"
 
 namespace pagedserve_cpu {
@@ -329,7 +330,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   float* o = out.data_ptr<float>();
   const int64_t max_len = num_seqs ? *std::max_element(lens, lens + num_seqs) : 0;
   const int64_t bs_cols = block_tables.size(1);
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   // Runs: rows that continue one sequence at consecutive positions (the same block table,
   // context one longer each row) go to attend_run; other rows (decodes) are runs of one. A
   // long chunk is cut into at most kMaxPieces runs of at least kMinRunRows rows: enough
@@ -396,7 +397,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int64_t score_rows = std::max<int64_t>(num_heads, num_runs < num_seqs ? rows_per_tile(group) * group : 0);
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(num_items, threads);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t row_stride = (std::max<int64_t>(max_len, 1) + kVec - 1) / kVec * kVec;
     std::vector<float> scores(size_t(score_rows) * size_t(row_stride));
     std::vector<float> kt;
