@@ -337,7 +337,14 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   // items to spread one prompt over the threads, few enough that re-reading the context into
   // each run's transposed K stays small next to the scoring.
   constexpr int64_t kMinRunRows = 32, kMaxPieces = 16;
-  std::vector<int64_t> whole{0};  // maximal runs first
+  // The bookkeeping vectors below are thread_local and reused: allocated in every call they
+  // were ~10 mallocs a layer, each a few cache misses after a step's weights streamed by.
+  // NOTE: the workers below reach them through these references (a lambda does not capture
+  // a thread_local: named inside it, it would be the worker's own, empty one).
+  thread_local std::vector<int64_t> tl_whole, tl_run_start;
+  std::vector<int64_t>& whole = tl_whole;
+  std::vector<int64_t>& run_start = tl_run_start;
+  whole.assign(1, 0);  // maximal runs first
   for (int64_t i = 1; i < num_seqs; ++i) {
     const bool continues =
         lens[i] == lens[i - 1] + 1 &&
@@ -348,7 +355,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
     if (!continues) whole.push_back(i);
   }
   whole.push_back(num_seqs);
-  std::vector<int64_t> run_start;
+  run_start.clear();
   for (size_t w = 0; w + 1 < whole.size(); ++w) {
     const int64_t len = whole[w + 1] - whole[w];
     const int64_t piece = std::max(kMinRunRows, (len + kMaxPieces - 1) / kMaxPieces);
@@ -372,7 +379,9 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
     int64_t run, head, span;  // head -1: a decode span, every KV head
     int64_t cost;
   };
-  std::vector<Item> items;
+  thread_local std::vector<Item> tl_items;
+  std::vector<Item>& items = tl_items;
+  items.clear();
   for (int64_t r = 0; r < num_runs; ++r) {
     const int64_t i = run_start[r], rows = run_start[r + 1] - i;
     if (rows == 1)
@@ -387,8 +396,9 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int64_t num_items = int64_t(items.size());
   // Split decodes' partial results, per (decode, span, query head): score max, exp-sum, and
   // the output not yet divided by the sum over the spans.
-  std::vector<float> part_m, part_l, part_acc;
-  if (spans > 1) {
+  thread_local std::vector<float> tl_part_m, tl_part_l, tl_part_acc;
+  std::vector<float>&part_m = tl_part_m, &part_l = tl_part_l, &part_acc = tl_part_acc;
+  if (spans > 1) {  // every entry is written by its span's item before the merge reads it
     part_m.resize(size_t(num_seqs * spans * num_heads));
     part_l.resize(part_m.size());
     part_acc.resize(part_m.size() * size_t(head_dim));
@@ -399,9 +409,12 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int64_t workers = std::min<int64_t>(num_items, threads);
   parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t row_stride = (std::max<int64_t>(max_len, 1) + kVec - 1) / kVec * kVec;
-    std::vector<float> scores(size_t(score_rows) * size_t(row_stride));
-    std::vector<float> kt;
-    std::vector<float> m(static_cast<size_t>(num_heads)), l(m.size()), acc(m.size() * static_cast<size_t>(head_dim));
+    // Each worker thread's own, reused (zeroed as the fresh vectors they replace were).
+    thread_local std::vector<float> scores, kt, m, l, acc;
+    scores.assign(size_t(score_rows) * size_t(row_stride), 0.f);
+    m.assign(static_cast<size_t>(num_heads), 0.f);
+    l.assign(m.size(), 0.f);
+    acc.assign(m.size() * static_cast<size_t>(head_dim), 0.f);
     for (int64_t n = next++; n < num_items; n = next++) {
       const Item& it = items[size_t(n)];
       const int64_t i = run_start[it.run], rows = run_start[it.run + 1] - i;
