@@ -160,64 +160,6 @@ std::tuple<at::Tensor, at::Tensor> run_stack(
     const at::Tensor& input_ids, const at::Tensor& positions, const c10::intrusive_ptr<StackWeights>& weights,
     const c10::intrusive_ptr<StackCaches>& caches, const at::Tensor& cos_table, const at::Tensor& sin_table,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
-    int64_t num_kv_heads, double eps, double scale, bool logits);
-
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    const at::Tensor& input_ids, const at::Tensor& positions, const c10::intrusive_ptr<StackWeights>& weights,
-    const c10::intrusive_ptr<StackCaches>& caches, const at::Tensor& cos_table, const at::Tensor& sin_table,
-    const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables,  // [num_tokens, max_blocks]: each token's sequence's table
-    const at::Tensor& seq_lens,      // [num_tokens]: context each token sees (position + 1)
-    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool logits) {
-  const c10::List<c10::optional<at::Tensor>>& w = weights->w;
-  const size_t layers = caches->k.size();
-  TORCH_CHECK(layers > 0 && caches->v.size() == layers && w.size() == layers * kNumSlots + kNumHeadSlots,
-              "decoder_layers: expected a key and a value cache and ", int(kNumSlots),
-              " weight slots a layer, then ", int(kNumHeadSlots), " for the model");
-  const auto called = std::chrono::steady_clock::now();
-  std::tuple<at::Tensor, at::Tensor> result;
-  const int64_t threads = at::get_num_threads();
-  if (threads > 1 && input_ids.size(0) <= g_team_rows.load(std::memory_order_relaxed) && !at::in_parallel_region()) {
-    // team.h: one OpenMP region for the whole call; thread 0 runs the stack, the others
-    // serve its kernels' ranges. Exceptions cannot leave an OpenMP region: carried out.
-    std::exception_ptr error;
-    Team team;
-#pragma omp parallel
-    {
-      const int64_t tid = omp_get_thread_num(), size = omp_get_num_threads();
-      if (tid == 0) {
-        team.set_size(size);  // the threads OpenMP gave; before anything is published
-        current_team() = &team;
-        try {
-          result = run_stack(input_ids, positions, weights, caches, cos_table, sin_table, slot_mapping, block_tables,
-                             seq_lens, num_heads, num_kv_heads, eps, scale, logits);
-        } catch (...) {
-          error = std::current_exception();
-        }
-        current_team() = nullptr;
-        team.stop();
-      } else {
-        team.serve(tid);
-      }
-    }
-    if (error) std::rethrow_exception(error);
-  } else {
-    result = run_stack(input_ids, positions, weights, caches, cos_table, sin_table, slot_mapping, block_tables,
-                       seq_lens, num_heads, num_kv_heads, eps, scale, logits);
-  }
-  if (g_profile.on)
-    g_profile.calls_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
-  return result;
-}
-
-namespace {
-
-std::tuple<at::Tensor, at::Tensor> run_stack(
-    const at::Tensor& input_ids, const at::Tensor& positions, const c10::intrusive_ptr<StackWeights>& weights,
-    const c10::intrusive_ptr<StackCaches>& caches, const at::Tensor& cos_table, const at::Tensor& sin_table,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads,
     int64_t num_kv_heads, double eps, double scale, bool logits) {
   const c10::List<c10::optional<at::Tensor>>& w = weights->w;
   const size_t layers = caches->k.size();
@@ -246,6 +188,56 @@ std::tuple<at::Tensor, at::Tensor> run_stack(
 }
 
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& input_ids, const at::Tensor& positions, const c10::intrusive_ptr<StackWeights>& weights,
+    const c10::intrusive_ptr<StackCaches>& caches, const at::Tensor& cos_table, const at::Tensor& sin_table,
+    const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables,  // [num_tokens, max_blocks]: each token's sequence's table
+    const at::Tensor& seq_lens,      // [num_tokens]: context each token sees (position + 1)
+    int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool logits) {
+  const c10::List<c10::optional<at::Tensor>>& w = weights->w;
+  const size_t layers = caches->k.size();
+  TORCH_CHECK(layers > 0 && caches->v.size() == layers && w.size() == layers * kNumSlots + kNumHeadSlots,
+              "decoder_layers: expected a key and a value cache and ", int(kNumSlots),
+              " weight slots a layer, then ", int(kNumHeadSlots), " for the model");
+  const auto called = std::chrono::steady_clock::now();
+  const auto run = [&] {
+    return run_stack(input_ids, positions, weights, caches, cos_table, sin_table, slot_mapping, block_tables, seq_lens,
+                     num_heads, num_kv_heads, eps, scale, logits);
+  };
+  std::tuple<at::Tensor, at::Tensor> result;
+  const int64_t threads = at::get_num_threads();
+  if (threads > 1 && input_ids.size(0) <= g_team_rows.load(std::memory_order_relaxed) && !at::in_parallel_region()) {
+    // team.h: one OpenMP region for the whole call; thread 0 runs the stack, the others
+    // serve its kernels' ranges. Exceptions cannot leave an OpenMP region: carried out.
+    std::exception_ptr error;
+    Team team;
+#pragma omp parallel
+    {
+      const int64_t tid = omp_get_thread_num(), size = omp_get_num_threads();
+      if (tid == 0) {
+        team.set_size(size);  // the threads OpenMP gave; before anything is published
+        current_team() = &team;
+        try {
+          result = run();
+        } catch (...) {
+          error = std::current_exception();
+        }
+        current_team() = nullptr;
+        team.stop();
+      } else {
+        team.serve(tid);
+      }
+    }
+    if (error) std::rethrow_exception(error);
+  } else {
+    result = run();
+  }
+  if (g_profile.on)
+    g_profile.calls_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
+  return result;
+}
 
 Team*& current_team() {
   thread_local Team* team = nullptr;

@@ -17,7 +17,7 @@
 // - The team lives inside one decoder_layers call: nothing spins between steps.
 // - Inside the team at::in_parallel_region() is true on every thread, so an ATen op a kernel
 //   calls runs on the calling thread alone: decoder_layers uses a team only for small steps,
-//   whose kernels are all this extension's own (team_rows()).
+//   whose kernels are all this extension's own (g_team_rows in decoder_layer.cpp).
 #pragma once
 
 #include <ATen/Parallel.h>
