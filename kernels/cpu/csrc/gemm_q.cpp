@@ -335,13 +335,19 @@ struct Rows {
 // dropped, as prefetches never fault.
 constexpr int64_t kStreamAhead = 4096;
 
-template <bool Q4, int P>
-static inline void prefetch_streams(const uint8_t* panel, int64_t pstride, int64_t kb) {
-#pragma GCC unroll 4
-  for (int p = 0; p < P; ++p)
+// The prefetches a tile issues before its block kb: with pf (a batch's row groups), the same
+// block of the thread's next panel, into L2; with Ahead (one row), kStreamAhead bytes ahead in
+// each of its P panel streams, into L1.
+template <bool Q4, int P, bool Ahead>
+static inline void prefetch_block(const uint8_t* panel, int64_t pstride, const uint8_t* pf, int64_t kb) {
+  constexpr int64_t kBlock = kBlockBytes<Q4>;
 #pragma GCC unroll 9
-    for (int64_t off = 0; off < kBlockBytes<Q4>; off += kLineFloats * 4)
-      __builtin_prefetch(panel + p * pstride + kb * kBlockBytes<Q4> + kStreamAhead + off, 0, 3);
+  for (int64_t off = 0; off < kBlock; off += kLineFloats * 4) {
+    if (pf) __builtin_prefetch(pf + kb * kBlock + off, 0, 2);
+    if constexpr (Ahead)
+#pragma GCC unroll 4
+      for (int p = 0; p < P; ++p) __builtin_prefetch(panel + p * pstride + kb * kBlock + kStreamAhead + off, 0, 3);
+  }
 }
 
 // R rows against P panels `pstride` bytes apart, walked in lockstep, with integer dot
@@ -360,9 +366,7 @@ static inline void int_tile(const Rows& rows, const uint8_t* __restrict panel, i
   for (int p = 0; p < P; ++p)
     for (int r = 0; r < R; ++r) acc[p][r] = vzero();
   for (int64_t kb = 0; kb < nblk; ++kb) {
-    if (pf)  // the same block of the next panel, into L2
-      for (int64_t off = 0; off < kBlock; off += kLineFloats * 4) __builtin_prefetch(pf + kb * kBlock + off, 0, 2);
-    if constexpr (Ahead) prefetch_streams<Q4, P>(panel, pstride, kb);
+    prefetch_block<Q4, P, Ahead>(panel, pstride, pf, kb);
     const int64_t rb0 = rows.row0 * nblk + kb;  // (row, block) index of row 0; row r adds r nblk
     // g outside p: each digit broadcast is loaded once for all P panels.
     vi32 s[P][R][3];
@@ -436,9 +440,7 @@ static inline void float_tile(const Rows& rows, const uint8_t* __restrict panel,
   for (int64_t kb = 0; kb < nblk; ++kb) {
     const float* xb = x + kb * QB;
     const uint8_t* blk = panel + kb * kBlock;
-    if (pf)  // the same block of the next panel, into L2
-      for (int64_t off = 0; off < kBlock; off += kLineFloats * 4) __builtin_prefetch(pf + kb * kBlock + off, 0, 2);
-    if constexpr (Ahead) prefetch_streams<Q4, P>(panel, pstride, kb);
+    prefetch_block<Q4, P, Ahead>(panel, pstride, pf, kb);
     for (int j = 0; j < (Q4 ? QB / 2 : QB); ++j) {
 #pragma GCC unroll 4
       for (int p = 0; p < P; ++p) {
