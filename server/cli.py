@@ -57,12 +57,15 @@ def serve(config: ServingConfig) -> int:
     """Load the engine, start its thread inside the app's lifespan, run uvicorn until a
     signal drains it."""
     from engine.llm_engine import LLMEngine
+    from engine.threads import configure_threads
     from server.api import create_app
     from server.engine_client import AsyncEngineClient
     from server.metrics import ServerMetrics
     from server.shutdown import serve_until_drained
 
     configure_logging(config.server.log_level)
+    threads, source = configure_threads(config.server.num_threads)
+    logger.info("CPU threads: %d (%s)", threads, source)
     logger.info("loading model %r (%s)", config.engine.model, config.engine)
     engine = on_worker_thread(LLMEngine, config.engine, config.kvpool, config.scheduler)
     block_size = config.kvpool.block_size

@@ -64,6 +64,8 @@ class ServerConfig:
         public_paths: paths served without a key when ``api_keys`` is set.
         cors_origins: origins allowed by CORS; empty = no CORS headers at all.
         log_prompts: log each request's prompt (off: logs carry ids and sizes only).
+        num_threads: threads for CPU compute (torch's and the C++ kernels' team); None = the
+            CPUs the process may use (affinity, cgroup quota; engine/threads.py).
     """
 
     host: str = "127.0.0.1"
@@ -88,6 +90,7 @@ class ServerConfig:
     public_paths: tuple[str, ...] = ("/health", "/metrics")
     cors_origins: tuple[str, ...] = ()
     log_prompts: bool = False
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -112,7 +115,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a positive number, got {value}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
-        for name in ("max_prompt_tokens", "max_output_tokens"):
+        for name in ("max_prompt_tokens", "max_output_tokens", "num_threads"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -296,6 +299,9 @@ _OPTIONS: tuple[Option, ...] = (
            multiple=True),
     Option("--log-prompts", "server", "log_prompts", parse_bool, _S.log_prompts,
            "log request prompts (true/false); off, logs carry only ids and sizes"),
+    Option("--num-threads", "server", "num_threads", optional(int), _S.num_threads,
+           "threads for CPU compute; auto = the CPUs this process may use (affinity mask, "
+           "cgroup CPU quota), or OMP_NUM_THREADS when set"),
 )
 # fmt: on
 

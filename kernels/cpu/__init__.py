@@ -3,8 +3,9 @@ a float32 matmul for decode-sized batches against weights packed into column pan
 against a GGUF file's own quantized blocks, de-quantized exactly in registers.
 
 Owns: the build of the extension (compiled on first use with the machine's compiler and
-``-march=native``, cached by ``torch.utils.cpp_extension`` under ``$TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``) and nothing else. ``PAGEDSERVE_CPU_MARCH`` names
+``-march=native``, cached under ``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``; ``build.py`` says how a crash or a race is kept from wedging
+it) and nothing else. ``PAGEDSERVE_CPU_MARCH`` names
 another target (``x86-64-v3`` is AVX2 + FMA, ``x86-64`` the portable vector code): the
 kernels have AVX-512, AVX2 and portable paths, and this is how a machine with AVX-512 tests
 and times the other two. Each target builds under its own extension name, so the caches
@@ -72,26 +73,34 @@ def _build() -> Any | None:
         return None
     import torch
 
-    try:
-        from torch.utils.cpp_extension import load as load_extension
+    from kernels.cpu.build import BuildUnavailable, load_or_build, one_line
 
-        csrc = Path(__file__).parent / "csrc"
-        march = march_flag()
-        safe = "".join(c if c.isalnum() else "_" for c in march)
-        suffix = "" if march == "native" else "_" + safe
-        load_extension(
-            name="pagedserve_cpu" + suffix,
-            sources=[str(csrc / s) for s in _SOURCES],
-            extra_include_paths=[str(csrc)],
-            extra_cflags=["-O3", f"-march={march}", "-fopenmp", "-std=c++17"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
+    csrc = Path(__file__).parent / "csrc"
+    march = march_flag()
+    safe = "".join(c if c.isalnum() else "_" for c in march)
+    suffix = "" if march == "native" else "_" + safe
+    try:
+        _state["path"] = load_or_build(
+            "pagedserve_cpu" + suffix,
+            sources=[csrc / s for s in _SOURCES],
+            include_dirs=[csrc],
+            cflags=["-O3", f"-march={march}", "-fopenmp", "-std=c++17"],
+            ldflags=["-fopenmp"],
         )
         return torch.ops.pagedserve_cpu
-    except Exception as exc:  # noqa: BLE001 - any build failure means "use the reference"
+    except BuildUnavailable as exc:
         log.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference", exc)
-        return None
+    except Exception as exc:  # noqa: BLE001 - any load failure means "use the reference"
+        log.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference",
+                    one_line(str(exc) or type(exc).__name__))  # fmt: skip
+    return None
+
+
+def library_path() -> Path | None:
+    """The file the loaded extension came from; None before ``load()`` or without one."""
+    with _lock:
+        path: Path | None = _state.get("path")
+        return path
 
 
 def march_flag() -> str:

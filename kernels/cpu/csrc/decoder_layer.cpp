@@ -210,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const int64_t threads = at::get_num_threads();
   if (threads > 1 && input_ids.size(0) <= g_team_rows.load(std::memory_order_relaxed) && !at::in_parallel_region()) {
     // team.h: one OpenMP region for the whole call; thread 0 runs the stack, the others
-    // serve its kernels' ranges. Exceptions cannot leave an OpenMP region: carried out.
+    // help with its kernels' ranges. Exceptions cannot leave an OpenMP region: carried out.
     std::exception_ptr error;
     Team team;
 #pragma omp parallel
@@ -227,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
         current_team() = nullptr;
         team.stop();
       } else {
-        team.serve(tid);
+        team.serve();
       }
     }
     if (error) std::rethrow_exception(error);

@@ -1,20 +1,31 @@
-// One OpenMP team held for a whole decoder_layers call, its work handed out by spinning
-// threads instead of a parallel region a kernel.
+// One OpenMP team held for a whole decoder_layers call, its work handed out through one
+// cache line instead of a parallel region a kernel.
 //
 // Why: every at::parallel_for opens an OpenMP parallel region and joins it; with the other
 // thread already spinning that costs ~1.7 us on these machines (a 2-panel one-row matmul
 // took 3.6 us against 1.9 for 1 panel, which runs inline). A batch-1 decode step of the
 // default model runs ~150 such regions (four matmuls and attention a layer, the head): ~0.25
 // ms of a ~5.3 ms step. Inside a team, thread 0 runs the stack as before and each parallel
-// kernel publishes its range on one cache line that the other threads spin on; handing out
+// kernel publishes its range on one cache line that the other threads watch; handing out
 // and joining a kernel then costs a cache line's round trip between the cores.
 //
+// Sharing a host: a worker that has lost its core (another process wants it, or the team is
+// larger than the CPUs it gets) must not hold thread 0 up. So the chunks of a range are
+// claimed, not assigned: thread 0 takes the first, and then, like every worker, claims any
+// chunk still unclaimed; a descheduled worker claims nothing and thread 0 does its share.
+// And nobody spins for long: a waiting thread spins for kSpinNs (a kernel's gap) and then
+// sleeps on a futex, so that a core left idle by a waiter can run the thread it waits for.
+//
 // Invariants:
-// - Work is split exactly as at::parallel_for splits it (chunks of ceil(n / threads), thread
-//   t the t-th), so a kernel's output is the same, bit for bit, with or without a team.
-// - Only thread 0 publishes; it waits for every worker to finish one range before it
-//   publishes the next, so the function a range points to is alive while a worker runs it.
-// - The team lives inside one decoder_layers call: nothing spins between steps.
+// - Work is split exactly as at::parallel_for splits it (chunks of ceil(n / threads)), so a
+//   kernel's output is the same, bit for bit, with or without a team, whichever thread runs
+//   a chunk: no kernel's result depends on the thread that computes a range.
+// - Only thread 0 publishes, and it waits until every chunk of a range is done before it
+//   publishes the next, so the function and range a claimed chunk points to are alive while
+//   it runs. A chunk is claimed by one compare-and-swap on `claim_`, which holds the range's
+//   generation beside its counters: a worker that wakes late cannot claim a chunk of a range
+//   other than the one it read.
+// - The team lives inside one decoder_layers call: nothing waits between steps.
 // - Inside the team at::in_parallel_region() is true on every thread, so an ATen op a kernel
 //   calls runs on the calling thread alone: decoder_layers uses a team only for small steps,
 //   whose kernels are all this extension's own (g_team_rows in decoder_layer.cpp).
@@ -24,10 +35,18 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <climits>
 #include <cstdint>
 #include <exception>
 #include <thread>
 #include <utility>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -41,8 +60,31 @@ inline void spin_pause() {
 #endif
 }
 
+// Sleep while *word == expected (or until a wake-up, or spuriously: callers re-check).
+inline void futex_wait(std::atomic<uint32_t>& word, uint32_t expected) {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+#else
+  if (word.load(std::memory_order_acquire) == expected) std::this_thread::yield();
+#endif
+}
+
+inline void futex_wake_all(std::atomic<uint32_t>& word) {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+#else
+  (void)word;
+#endif
+}
+
 class Team {
  public:
+  // How long a waiting thread spins before it sleeps: longer than the gap between two
+  // kernels of a step (a few microseconds of thread 0's serial work), far shorter than a
+  // scheduler's time slice (milliseconds), which is what a thread that cannot get a core
+  // would otherwise burn.
+  static constexpr int64_t kSpinNs = 50'000;
+
   // Threads in the team, thread 0 included: set by thread 0 before it publishes a range (the
   // workers never read it).
   void set_size(int64_t size) { size_ = size; }
@@ -58,20 +100,30 @@ class Team {
       return;
     }
     const int64_t parts = grain > 0 ? std::min(size_, (n + grain - 1) / grain) : size_;
+    const int64_t chunk = (n + parts - 1) / parts;
+    const uint64_t chunks = uint64_t((n + chunk - 1) / chunk);  // the non-empty ones
     begin_ = begin;
     end_ = end;
-    chunk_ = (n + parts - 1) / parts;
+    chunk_ = chunk;
     ctx_ = &fn;
     call_ = [](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); };
-    pending_.store(size_ - 1, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
+    done_.store(0, std::memory_order_relaxed);
+    // Chunk 0 is thread 0's: the counter starts at 1.
+    next_generation();
+    claim_.store(generation_ << 32 | chunks << 16 | 1, std::memory_order_seq_cst);
+    wake_workers();
     std::exception_ptr mine;
     try {
-      fn(begin, std::min(end, begin + chunk_));
+      fn(begin, std::min(end, begin + chunk));
     } catch (...) {
       mine = std::current_exception();
     }
-    wait_until([&] { return pending_.load(std::memory_order_acquire) == 0; });
+    done_.fetch_add(1, std::memory_order_acq_rel);
+    // After a throw the range's result is lost anyway: the chunks nobody has claimed yet are
+    // only counted, so that the wait below ends.
+    if (mine) drain(generation_);
+    else work_on(generation_);
+    wait_done(uint32_t(chunks));
     if (mine) std::rethrow_exception(mine);
     if (error_) {
       error_claimed_.clear();
@@ -79,53 +131,143 @@ class Team {
     }
   }
 
-  // Threads 1..size-1: run thread `tid`'s share of each published range until stop().
-  void serve(int64_t tid) {
+  // Threads 1..size-1: help with each published range until stop().
+  void serve() {
+    // Generation 0 is the team's state before thread 0 publishes anything. A worker may
+    // arrive after thread 0 published ranges, or after stop(): it must see those as new.
     uint64_t seen = 0;
     for (;;) {
-      uint64_t g = 0;
-      wait_until([&] { return (g = generation_.load(std::memory_order_acquire)) != seen; });
-      seen = g;
-      if (stopping_) return;
-      const int64_t b = begin_ + tid * chunk_;
-      if (b < end_) {
-        try {
-          call_(ctx_, b, std::min(end_, b + chunk_));
-        } catch (...) {
-          if (!error_claimed_.test_and_set()) error_ = std::current_exception();
-        }
-      }
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      uint64_t gen = seen;
+      wait_for_range(seen, gen);
+      seen = gen;
+      if (stopping_.load(std::memory_order_acquire)) return;
+      work_on(gen);
     }
   }
 
   // Thread 0, once its work is done: releases the workers from serve().
   void stop() {
-    stopping_ = true;
-    generation_.fetch_add(1, std::memory_order_release);
+    stopping_.store(true, std::memory_order_release);
+    next_generation();
+    claim_.store(generation_ << 32, std::memory_order_seq_cst);
+    wake_workers();
   }
 
  private:
-  // Spins (the wait is a kernel's length, microseconds), yielding now and then so that a
-  // team larger than the cores it gets still moves.
+  static uint64_t generation_of(uint64_t word) { return word >> 32; }
+
+  // 32 bits in claim_, never 0 (serve()'s starting point).
+  void next_generation() {
+    generation_ = (generation_ + 1) & 0xffffffffu;
+    if (generation_ == 0) generation_ = 1;
+  }
+
+  // Claims and runs chunks of range `gen` until none is left unclaimed.
+  void work_on(uint64_t gen) {
+    uint64_t word = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t next = word & 0xffff, chunks = (word >> 16) & 0xffff;
+      if (generation_of(word) != gen || next >= chunks) return;
+      if (!claim_.compare_exchange_weak(word, word + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+        continue;  // `word` now holds the current value
+      // Claimed: thread 0 waits for this chunk before it rewrites the range.
+      const int64_t b = begin_ + int64_t(next) * chunk_;
+      try {
+        call_(ctx_, b, std::min(end_, b + chunk_));
+      } catch (...) {
+        if (!error_claimed_.test_and_set()) error_ = std::current_exception();
+      }
+      finish_one();
+      word = claim_.load(std::memory_order_acquire);
+    }
+  }
+
+  // Thread 0 after its own chunk threw: claims what is left without running it.
+  void drain(uint64_t gen) {
+    uint64_t word = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t next = word & 0xffff, chunks = (word >> 16) & 0xffff;
+      if (generation_of(word) != gen || next >= chunks) return;
+      if (claim_.compare_exchange_weak(word, word + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+        done_.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+
+  void finish_one() {
+    done_.fetch_add(1, std::memory_order_seq_cst);
+    if (leader_sleeping_.load(std::memory_order_seq_cst)) futex_wake_all(done_);
+  }
+
+  void wake_workers() {
+    // Pairs with wait_for_range: a worker announces itself in sleepers_ before it re-reads
+    // claim_, and thread 0 stores claim_ before it reads sleepers_ (all seq_cst), so either
+    // the worker sees the new range or thread 0 sees the sleeper and wakes it.
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      wake_seq_.fetch_add(1, std::memory_order_seq_cst);
+      futex_wake_all(wake_seq_);
+    }
+  }
+
+  // Until claim_ holds a generation other than `seen`; that generation into `gen`.
+  void wait_for_range(uint64_t seen, uint64_t& gen) {
+    const auto changed = [&] {
+      gen = generation_of(claim_.load(std::memory_order_acquire));
+      return gen != seen;
+    };
+    if (spin_until(changed)) return;
+    for (;;) {
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      const uint32_t seq = wake_seq_.load(std::memory_order_seq_cst);
+      const bool ready = changed();
+      if (!ready) futex_wait(wake_seq_, seq);
+      sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+      if (ready || changed()) return;
+    }
+  }
+
+  // Thread 0: until `chunks` chunks of the current range are done.
+  void wait_done(uint32_t chunks) {
+    const auto all = [&] { return done_.load(std::memory_order_acquire) >= chunks; };
+    if (spin_until(all)) return;
+    for (;;) {
+      leader_sleeping_.store(true, std::memory_order_seq_cst);
+      const uint32_t done = done_.load(std::memory_order_seq_cst);
+      if (done < chunks) futex_wait(done_, done);
+      leader_sleeping_.store(false, std::memory_order_relaxed);
+      if (all()) return;
+    }
+  }
+
+  // Spins up to kSpinNs for done(); whether it came true.
   template <class Done>
-  static void wait_until(const Done& done) {
-    for (uint32_t spins = 0; !done(); ++spins) {
+  static bool spin_until(const Done& done) {
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    for (uint32_t spins = 1;; ++spins) {
+      if (done()) return true;
       spin_pause();
-      if ((spins & 0xffff) == 0xffff) std::this_thread::yield();
+      if ((spins & 63) == 0 &&
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count() > kSpinNs)
+        return done();
     }
   }
 
   int64_t size_ = 1;
-  // The published range; written by thread 0 before generation_ moves, read after.
+  // The published range; written by thread 0 before claim_ moves to its generation, read by
+  // a thread only after it claimed one of its chunks.
   int64_t begin_ = 0, end_ = 0, chunk_ = 0;
   const void* ctx_ = nullptr;
   void (*call_)(const void*, int64_t, int64_t) = nullptr;
-  bool stopping_ = false;
+  uint64_t generation_ = 0;  // thread 0's
+  std::atomic<bool> stopping_{false};
   std::exception_ptr error_;
   std::atomic_flag error_claimed_ = ATOMIC_FLAG_INIT;
-  alignas(64) std::atomic<uint64_t> generation_{0};
-  alignas(64) std::atomic<int64_t> pending_{0};
+  // generation << 32 | chunks << 16 | next unclaimed chunk: the one line the workers watch.
+  alignas(64) std::atomic<uint64_t> claim_{0};
+  alignas(64) std::atomic<uint32_t> done_{0};  // chunks of the current range finished
+  std::atomic<bool> leader_sleeping_{false};
+  alignas(64) std::atomic<uint32_t> wake_seq_{0};  // the futex sleeping workers wait on
+  std::atomic<int32_t> sleepers_{0};
 };
 
 // The team the calling thread leads (set by decoder_layers on its thread 0), or null.
