@@ -38,7 +38,8 @@ FROM ${PYTHON_IMAGE} AS runtime
 ARG UID=10001
 # g++: the C++ CPU kernels (kernels/cpu) are compiled on the first start for the CPU the
 # container runs on (-march=native), into the cache volume; without a compiler the server
-# falls back to the slower PyTorch reference. Not pinned: bookworm's g++ is the one the base
+# falls back to the slower PyTorch reference, with one warning line. ninja, which the build
+# also needs, is a Python dependency (pyproject.toml): it is in /opt/venv/bin. Not pinned: bookworm's g++ is the one the base
 # image's libstdc++ matches, and security updates should come through.
 # hadolint ignore=DL3008
 RUN apt-get update -qq \
@@ -66,8 +67,8 @@ USER ${UID}:${UID}
 WORKDIR /home/pagedserve
 VOLUME ["/var/cache/pagedserve"]
 EXPOSE 8000
-# The first start converts the GGUF and measures the CPU peaks (about a minute on a small CPU):
-# the start period covers it. /health is 503 when the engine loop is stalled or dead.
+# The first start converts the GGUF, compiles the C++ kernels and measures the CPU peaks (a
+# few minutes on a small CPU): the start period covers it. /health is 503 when the engine loop is stalled or dead.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PAGEDSERVE_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["pagedserve", "serve"]
