@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,7 @@ from loadtest.config import LoadTestConfig
 from loadtest.launcher import ServerProcess, build_command, free_port
 from loadtest.run import run_sweep
 
+ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 2.2
 BUSY_LOOP = "while True: pass"
 
@@ -80,10 +82,14 @@ def cpu_name() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def commit() -> str:
+def commit(checkout: Path) -> str:
     try:
         done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=checkout,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except OSError:
         return "unknown"
@@ -93,7 +99,7 @@ def commit() -> str:
 def measure(args: argparse.Namespace, log_dir: Path) -> list[Point]:
     port = free_port()
     argv = build_command(f"{args.server_cmd} --host 127.0.0.1 --port {{port}}", port=port)
-    server = ServerProcess(argv, port, log_dir / "server.log")
+    server = ServerProcess(argv, port, log_dir / "server.log", cwd=args.server_cwd)
     cpus = sorted(os.sched_getaffinity(0))
     busy_cpu = cpus[-1]
     print(f"starting {' '.join(argv)} (log: {server.log_path})", flush=True)
@@ -166,8 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
         "--server-cmd",
-        default="pagedserve serve",
-        help="the server command, without --host/--port (default: pagedserve serve)",
+        default=f"{shlex.quote(sys.executable)} -m server",
+        help="the server command, without --host/--port (default: this interpreter's "
+        "`-m server`, which serves the checkout it runs in)",
+    )
+    parser.add_argument(
+        "--server-cwd",
+        type=Path,
+        default=ROOT,
+        help="the server's working directory (default: this checkout), e.g. another checkout "
+        "to compare with",
     )
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -177,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="pagedserve-contention-") as tmp:
         points = measure(args, Path(tmp))
-    head = f"{cpu_name()}, {len(os.sched_getaffinity(0))} CPUs, commit {commit()}"
+    head = f"{cpu_name()}, {len(os.sched_getaffinity(0))} CPUs, commit {commit(args.server_cwd)}"
     print(f"\n{head}; target: busy/alone <= {TARGET_RATIO}")
     for p in points:
         print(format_point(p))
