@@ -212,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     // team.h: one OpenMP region for the whole call; thread 0 runs the stack, the others
     // help with its kernels' ranges. Exceptions cannot leave an OpenMP region: carried out.
     std::exception_ptr error;
-    Team team;
+    Team team(std::max<int64_t>(threads, omp_get_max_threads()));
 #pragma omp parallel
     {
       const int64_t tid = omp_get_thread_num(), size = omp_get_num_threads();
@@ -227,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
         current_team() = nullptr;
         team.stop();
       } else {
-        team.serve();
+        team.serve(tid);
       }
     }
     if (error) std::rethrow_exception(error);

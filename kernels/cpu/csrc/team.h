@@ -13,8 +13,11 @@
 // larger than the CPUs it gets) must not hold thread 0 up. So the chunks of a range are
 // claimed, not assigned: thread 0 takes the first, and then, like every worker, claims any
 // chunk still unclaimed; a descheduled worker claims nothing and thread 0 does its share.
-// And nobody spins for long: a waiting thread spins for kSpinNs (a kernel's gap) and then
+// And nobody spins for long: a waiting thread spins for spin_ns() (a kernel's gap) and then
 // sleeps on a futex, so that a core left idle by a waiter can run the thread it waits for.
+// It does not spin at all when the thread it waits for last ran on its own CPU: spinning
+// there only keeps that thread from running (after a busy neighbour went away, two threads
+// of the team left on one CPU made a batch-1 step 3-4x slower until they did not spin).
 //
 // Invariants:
 // - Work is split exactly as at::parallel_for splits it (chunks of ceil(n / threads)), so a
@@ -37,13 +40,16 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <thread>
 #include <utility>
 
 #if defined(__linux__)
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -69,6 +75,15 @@ inline void futex_wait(std::atomic<uint32_t>& word, uint32_t expected) {
 #endif
 }
 
+// The CPU the calling thread runs on, or -1 where unknown.
+inline int32_t current_cpu() {
+#if defined(__linux__)
+  return sched_getcpu();
+#else
+  return -1;
+#endif
+}
+
 inline void futex_wake_all(std::atomic<uint32_t>& word) {
 #if defined(__linux__)
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
@@ -79,11 +94,20 @@ inline void futex_wake_all(std::atomic<uint32_t>& word) {
 
 class Team {
  public:
+  // max_threads: the most threads the OpenMP region may have (its size() is at most this).
+  explicit Team(int64_t max_threads) : slots_(new Slot[size_t(std::max<int64_t>(max_threads, 1))]) {}
+
   // How long a waiting thread spins before it sleeps: longer than the gap between two
   // kernels of a step (a few microseconds of thread 0's serial work), far shorter than a
   // scheduler's time slice (milliseconds), which is what a thread that cannot get a core
-  // would otherwise burn.
-  static constexpr int64_t kSpinNs = 50'000;
+  // would otherwise burn. PAGEDSERVE_CPU_SPIN_US overrides it (read once).
+  static int64_t spin_ns() {
+    static const int64_t ns = [] {
+      const char* text = std::getenv("PAGEDSERVE_CPU_SPIN_US");
+      return text && *text ? int64_t(std::atof(text) * 1e3) : int64_t(50'000);
+    }();
+    return ns;
+  }
 
   // Threads in the team, thread 0 included: set by thread 0 before it publishes a range (the
   // workers never read it).
@@ -110,6 +134,7 @@ class Team {
     done_.store(0, std::memory_order_relaxed);
     // Chunk 0 is thread 0's: the counter starts at 1.
     next_generation();
+    slots_[0].cpu.store(current_cpu(), std::memory_order_relaxed);
     claim_.store(generation_ << 32 | chunks << 16 | 1, std::memory_order_seq_cst);
     wake_workers();
     std::exception_ptr mine;
@@ -122,7 +147,7 @@ class Team {
     // After a throw the range's result is lost anyway: the chunks nobody has claimed yet are
     // only counted, so that the wait below ends.
     if (mine) drain(generation_);
-    else work_on(generation_);
+    else work_on(generation_, 0);
     wait_done(uint32_t(chunks));
     if (mine) std::rethrow_exception(mine);
     if (error_) {
@@ -132,7 +157,7 @@ class Team {
   }
 
   // Threads 1..size-1: help with each published range until stop().
-  void serve() {
+  void serve(int64_t tid) {
     // Generation 0 is the team's state before thread 0 publishes anything. A worker may
     // arrive after thread 0 published ranges, or after stop(): it must see those as new.
     uint64_t seen = 0;
@@ -141,7 +166,7 @@ class Team {
       wait_for_range(seen, gen);
       seen = gen;
       if (stopping_.load(std::memory_order_acquire)) return;
-      work_on(gen);
+      work_on(gen, tid);
     }
   }
 
@@ -162,8 +187,9 @@ class Team {
     if (generation_ == 0) generation_ = 1;
   }
 
-  // Claims and runs chunks of range `gen` until none is left unclaimed.
-  void work_on(uint64_t gen) {
+  // Thread `tid` claims and runs chunks of range `gen` until none is left unclaimed.
+  void work_on(uint64_t gen, int64_t tid) {
+    Slot& slot = slots_[size_t(tid)];
     uint64_t word = claim_.load(std::memory_order_acquire);
     for (;;) {
       const uint64_t next = word & 0xffff, chunks = (word >> 16) & 0xffff;
@@ -171,12 +197,15 @@ class Team {
       if (!claim_.compare_exchange_weak(word, word + 1, std::memory_order_acq_rel, std::memory_order_acquire))
         continue;  // `word` now holds the current value
       // Claimed: thread 0 waits for this chunk before it rewrites the range.
+      slot.cpu.store(current_cpu(), std::memory_order_relaxed);
+      slot.working.store(true, std::memory_order_relaxed);
       const int64_t b = begin_ + int64_t(next) * chunk_;
       try {
         call_(ctx_, b, std::min(end_, b + chunk_));
       } catch (...) {
         if (!error_claimed_.test_and_set()) error_ = std::current_exception();
       }
+      slot.working.store(false, std::memory_order_relaxed);
       finish_one();
       word = claim_.load(std::memory_order_acquire);
     }
@@ -214,7 +243,9 @@ class Team {
       gen = generation_of(claim_.load(std::memory_order_acquire));
       return gen != seen;
     };
-    if (spin_until(changed)) return;
+    const int32_t cpu = current_cpu();
+    const bool beside_leader = cpu >= 0 && slots_[0].cpu.load(std::memory_order_relaxed) == cpu;
+    if (!beside_leader && spin_until(changed)) return;
     for (;;) {
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       const uint32_t seq = wake_seq_.load(std::memory_order_seq_cst);
@@ -228,7 +259,12 @@ class Team {
   // Thread 0: until `chunks` chunks of the current range are done.
   void wait_done(uint32_t chunks) {
     const auto all = [&] { return done_.load(std::memory_order_acquire) >= chunks; };
-    if (spin_until(all)) return;
+    const int32_t cpu = current_cpu();
+    bool beside_worker = false;
+    for (int64_t t = 1; t < size_ && cpu >= 0; ++t)
+      beside_worker |= slots_[size_t(t)].working.load(std::memory_order_relaxed) &&
+                       slots_[size_t(t)].cpu.load(std::memory_order_relaxed) == cpu;
+    if (!beside_worker && spin_until(all)) return;
     for (;;) {
       leader_sleeping_.store(true, std::memory_order_seq_cst);
       const uint32_t done = done_.load(std::memory_order_seq_cst);
@@ -238,20 +274,28 @@ class Team {
     }
   }
 
-  // Spins up to kSpinNs for done(); whether it came true.
+  // Spins up to spin_ns() for done(); whether it came true.
   template <class Done>
   static bool spin_until(const Done& done) {
     using Clock = std::chrono::steady_clock;
     const auto start = Clock::now();
+    const int64_t limit = spin_ns();
     for (uint32_t spins = 1;; ++spins) {
       if (done()) return true;
       spin_pause();
       if ((spins & 63) == 0 &&
-          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count() > kSpinNs)
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count() > limit)
         return done();
     }
   }
 
+  // Where each thread last ran and whether it is running a claimed chunk: hints for whether
+  // spinning can help (a stale one costs a spin or a sleep, never correctness).
+  struct Slot {
+    alignas(64) std::atomic<int32_t> cpu{-1};
+    std::atomic<bool> working{false};
+  };
+  std::unique_ptr<Slot[]> slots_;
   int64_t size_ = 1;
   // The published range; written by thread 0 before claim_ moves to its generation, read by
   // a thread only after it claimed one of its chunks.
