@@ -216,18 +216,23 @@ def test_stack_in_a_team_is_bitwise_the_stack_without(tmp_path, monkeypatch, thr
     torch.set_num_threads(threads)
     try:
         results = {}
-        for team_rows in (1 << 30, 0):
+        # (team rows, solo steps): every step in a team, in a solo team (thread 0 runs the
+        # team's chunks alone, as after a stall), or in none.
+        for team_rows, solo in ((1 << 30, 0), (1 << 30, 1 << 30), (0, 0)):
             before = ops.set_stack_team_rows(team_rows)
+            before_solo = ops.set_stack_solo_steps(solo)
             try:
-                results[team_rows], _, rows = _run(
+                results[team_rows, solo], _, rows = _run(
                     path, prompts, fused=True, monkeypatch=monkeypatch, budget=64
                 )
             finally:
                 ops.set_stack_team_rows(before)
+                ops.set_stack_solo_steps(before_solo)
             assert 1 < rows <= 64
     finally:
         torch.set_num_threads(before_threads)
-    assert results[1 << 30] == results[0]
+    assert results[1 << 30, 0] == results[0, 0]
+    assert results[1 << 30, 1 << 30] == results[0, 0]
 
 
 def test_stack_team_rows_default_and_restore():

@@ -155,6 +155,12 @@ void layer_forward(const at::Tensor& x, at::Tensor& residual, bool first, const 
 // that ~150 parallel regions are under 1% of it.
 std::atomic<int64_t> g_team_rows{16};
 
+// Steps left to run solo (team.h): a team call whose thread 0 stalled on a worker sets it, so
+// a server beside a busy process runs at one thread's speed instead of waiting, a time
+// slice at a time, for a worker that shares its core; then the team is tried again.
+constexpr int64_t kSoloSteps = 16;
+std::atomic<int64_t> g_solo_steps{0};
+
 // The stack itself: decoder_layers below runs it on its thread 0, in a team or not.
 std::tuple<at::Tensor, at::Tensor> run_stack(
     const at::Tensor& input_ids, const at::Tensor& positions, const c10::intrusive_ptr<StackWeights>& weights,
@@ -208,7 +214,22 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   };
   std::tuple<at::Tensor, at::Tensor> result;
   const int64_t threads = at::get_num_threads();
-  if (threads > 1 && input_ids.size(0) <= g_team_rows.load(std::memory_order_relaxed) && !at::in_parallel_region()) {
+  const bool small = input_ids.size(0) <= g_team_rows.load(std::memory_order_relaxed);
+  if (threads > 1 && small && !at::in_parallel_region() && g_solo_steps.load(std::memory_order_relaxed) > 0) {
+    g_solo_steps.fetch_sub(1, std::memory_order_relaxed);
+    // The team's split on this thread alone: no region, the same chunks (bitwise the same).
+    Team team(1);
+    team.set_size(threads);
+    team.set_solo(true);
+    current_team() = &team;
+    try {
+      result = run();
+    } catch (...) {
+      current_team() = nullptr;
+      throw;
+    }
+    current_team() = nullptr;
+  } else if (threads > 1 && small && !at::in_parallel_region()) {
     // team.h: one OpenMP region for the whole call; thread 0 runs the stack, the others
     // help with its kernels' ranges. Exceptions cannot leave an OpenMP region: carried out.
     std::exception_ptr error;
@@ -230,6 +251,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
         team.serve(tid);
       }
     }
+    if (team.stalls() > 0) g_solo_steps.store(kSoloSteps, std::memory_order_relaxed);
     if (error) std::rethrow_exception(error);
   } else {
     result = run();
@@ -245,6 +267,8 @@ Team*& current_team() {
 }
 
 int64_t set_stack_team_rows(int64_t rows) { return g_team_rows.exchange(rows); }
+
+int64_t set_stack_solo_steps(int64_t steps) { return g_solo_steps.exchange(steps); }
 
 void step_profile(bool on) { g_profile = StepProfile{on}; }
 
