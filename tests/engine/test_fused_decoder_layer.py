@@ -202,8 +202,8 @@ def test_stack_in_a_team_is_bitwise_the_stack_without(tmp_path, monkeypatch, thr
     """decoder_layers runs small steps in one team of threads (kernels/cpu/csrc/team.h),
     splitting each kernel's work exactly as at::parallel_for does: outputs must be bitwise
     those of one parallel region a kernel. 3 threads on this 2-core machine: more threads
-    than cores (the team's spin-waits must yield) and ranges that split unevenly. Steps of
-    1 to 64 rows, all in a team on one side, none on the other."""
+    than cores (the team's waits must give the cores up) and ranges that split unevenly.
+    Steps of 1 to 64 rows, all in a team (or a solo team) on one side, none on the other."""
     sizes = {"hidden_size": 128, "intermediate_size": 256}
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=11, **sizes)
     g = torch.Generator().manual_seed(threads)
