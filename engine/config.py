@@ -141,6 +141,16 @@ class EngineConfig:
             model; engine/gguf_blocks.py); "float32": always the float32 copy.
         max_model_len: longest prompt + output; None uses the model's max positions.
         seed: seed of the sampler's generator for requests that give no seed.
+        load_format: "auto" reads the checkpoint; "dummy" fills the model with random
+            weights of the right shapes and dtype (benchmarks where no weights can be
+            fetched). With "dummy", ``model`` may also name a shape preset
+            (engine/presets.py: "llama-3-8b", "llama-3.2-1b", "qwen2.5-7b", ...).
+        tokenizer: a directory holding a tokenizer to use instead of the model's own
+            (a dummy preset has none: without one it takes token-id prompts only).
+        enforce_eager: never capture CUDA graphs; every step launches its kernels from
+            Python (engine/cuda_graphs.py).
+        cuda_graph_sizes: the batch sizes to capture a decode graph for; None picks
+            1, 2, 4, 8, then steps of 8 up to 64 and of 16 up to ``max_num_seqs``.
         fault_token_id: TEST ONLY (fault injection, engine/faults.py): the step raises
             whenever it computes a request whose prompt contains this token id. None (the
             default) installs nothing.
@@ -154,12 +164,24 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     fault_token_id: int | None = None
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.matmul_weights not in ("gguf", "float32"):
             raise ValueError(f"matmul_weights must be gguf or float32, got {self.matmul_weights!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1
+        ):
+            raise ValueError(
+                f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes!r}"
+            )
         if self.attention_backend not in ("auto", "triton", "cpu", "torch"):
             raise ValueError(
                 "attention_backend must be auto, triton, cpu or torch, "

@@ -148,3 +148,22 @@ def load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """``--load-format dummy``: random weights in place, on the model's own device.
+
+    Matmul and embedding weights are drawn from N(0, 0.02^2) (the usual initialiser scale,
+    so activations stay finite in bf16 through many layers); norm weights are 1 and biases
+    0. The values are meaningless; the shapes, dtypes and bytes read are the real model's.
+    """
+    gen = torch.Generator(device=next(model.parameters()).device)
+    gen.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
