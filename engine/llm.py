@@ -61,6 +61,10 @@ class LLM:
         batch_wait_ms: float = 50.0,
         static_finished: str = "compute",
         enable_prefix_caching: bool = True,
+        load_format: str = "auto",
+        tokenizer: str | None = None,
+        enforce_eager: bool = False,
+        cuda_graph_sizes: tuple[int, ...] | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -71,6 +75,10 @@ class LLM:
                 matmul_weights=matmul_weights,
                 max_model_len=max_model_len,
                 seed=seed,
+                load_format=load_format,
+                tokenizer=tokenizer,
+                enforce_eager=enforce_eager,
+                cuda_graph_sizes=cuda_graph_sizes,
             ),
             KVPoolConfig(
                 block_size=block_size,

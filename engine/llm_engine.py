@@ -6,8 +6,10 @@ Not thread-safe: exactly one thread calls it (the server's engine thread, or the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,12 +18,21 @@ import torch
 from engine.attention import PagedAttention, resolve_backend
 from engine.config import EngineConfig, ModelConfig
 from engine.cost import StepCostModel
+from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
+from engine.gpu_memory import gpu_kv_budget
 from engine.faults import FaultInjectingRunner, describe, execute_isolating
 from engine.gguf_blocks import attach_gguf_blocks
 from engine.layer_ops import CpuLayerOps, TorchLayerOps
 from engine.llama import Linear, LlamaForCausalLM
-from engine.loader import load_state_dict, load_tokenizer, read_hf_config, resolve_model
+from engine.loader import (
+    fill_dummy_weights,
+    load_state_dict,
+    load_tokenizer,
+    read_hf_config,
+    resolve_model,
+)
 from engine.model_runner import ModelRunner
+from engine.presets import preset
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
@@ -56,14 +67,18 @@ class LLMEngine:
         self.dtype = DTYPES[
             config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
         ]
-        resolved = resolve_model(config.model)
-        self.model_id = resolved.model_id
-        self.model_config = ModelConfig.from_hf(read_hf_config(resolved.path))
+        dummy_shape = preset(config.model) if config.load_format == "dummy" else None
+        resolved = None if dummy_shape is not None else resolve_model(config.model)
+        self.model_id = config.model if resolved is None else resolved.model_id
+        self.model_config = ModelConfig.from_hf(
+            dummy_shape if resolved is None else read_hf_config(resolved.path)
+        )
         mc = self.model_config
         self.max_model_len = min(
             mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings
         )
-        self.tokenizer: Any = load_tokenizer(resolved.path)
+        tokenizer_dir = config.tokenizer or (resolved.path if resolved is not None else None)
+        self.tokenizer: Any = load_tokenizer(Path(tokenizer_dir)) if tokenizer_dir else None
         self.eos_token_id = mc.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
@@ -81,15 +96,21 @@ class LLMEngine:
         # Built on the meta device, then materialised once: no time spent on random init.
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, attention, rope, ops)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        model.load_hf_state_dict(load_state_dict(resolved.path))
+        # Cast on meta, then allocate: the weights are never materialised in float32 first.
+        model = model.to(self.dtype).to_empty(device=self.device)
+        if config.load_format == "dummy":
+            fill_dummy_weights(model, config.seed)
+        else:
+            assert resolved is not None
+            model.load_hf_state_dict(load_state_dict(resolved.path))
         if cpu_ops is not None:
             for module in model.modules():
                 if isinstance(module, Linear):
                     module.pack_for_cpu(cpu_ops)
         blocks = None
-        if cpu_ops is not None and resolved.gguf is not None and config.matmul_weights == "gguf":
-            blocks = attach_gguf_blocks(model, resolved.gguf, cpu_ops)
+        gguf = resolved.gguf if resolved is not None and config.load_format == "auto" else None
+        if cpu_ops is not None and gguf is not None and config.matmul_weights == "gguf":
+            blocks = attach_gguf_blocks(model, gguf, cpu_ops)
         uses_blocks = blocks is not None and bool(blocks.attached)
         if cpu_ops is not None:
             Linear.gather_cpu_copies(model.modules())
@@ -107,7 +128,8 @@ class LLMEngine:
         logger.info(
             "loaded %s from %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
             self.model_id,
-            resolved.path,
+            "random weights (--load-format dummy)" if config.load_format == "dummy"
+            else resolved.path if resolved is not None else "?",
             mc.num_params / 1e6,
             str(self.dtype).removeprefix("torch."),
             self.device,
@@ -115,6 +137,24 @@ class LLMEngine:
             time.perf_counter() - t0,
         )
 
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        graph_sizes = list(
+            config.cuda_graph_sizes or default_graph_sizes(scheduler_config.max_num_seqs)
+        )
+        if self.device.type == "cuda" and kv_config.memory_bytes is None and kv_config.num_blocks is None:
+            # The KV cache takes what is left after the largest step's activations and the
+            # decode graphs, measured here, so neither runs out of memory later.
+            kv_config = dataclasses.replace(
+                kv_config,
+                memory_bytes=gpu_kv_budget(
+                    self.model,
+                    self.device,
+                    max_tokens=scheduler_config.max_num_batched_tokens,
+                    graph_sizes=graph_sizes if use_graphs else [],
+                    vocab_size=mc.vocab_size,
+                    block_size=kv_config.block_size,
+                ),
+            )
         capacity = plan_capacity(
             kv_config,
             num_layers=mc.num_layers,
@@ -153,6 +193,17 @@ class LLMEngine:
         self.runner: ModelRunner | FaultInjectingRunner = ModelRunner(
             self.model, self.storage, self.sampler, self.device
         )
+        if use_graphs:
+            graphs = DecodeGraphs(
+                self.model,
+                self.storage,
+                [s for s in graph_sizes if s <= scheduler_config.max_num_seqs] or [1],
+                -(-self.max_model_len // capacity.block_size),
+                self.device,
+                capture=True,
+            )
+            graphs.capture_all()
+            self.runner.graphs = graphs
         if config.fault_token_id is not None:
             logger.warning(
                 "TEST-ONLY fault injection is on: requests whose prompt contains token %d fail",
@@ -160,6 +211,28 @@ class LLMEngine:
             )
             self.runner = FaultInjectingRunner(self.runner, config.fault_token_id)
         self.last_step_stats: StepStats | None = None
+        if self.device.type == "cuda":
+            self.warm_up(scheduler_config.max_num_batched_tokens)
+
+    def warm_up(self, max_step_tokens: int) -> float:
+        """Serve a few synthetic requests before any real one: prompts of lengths that meet
+        the kernels' specialisations (1, around a block, around 16, a long chunk), decoded
+        together, so Triton compiles everything a first real request would wait for. Their
+        blocks are freed (full ones stay in the prefix cache, evictable). Returns seconds."""
+        start = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        longest = max(1, min(max_step_tokens, self.max_model_len - 8))
+        lengths = sorted({n for n in (1, 7, 15, 16, 17, 33, 100, 513, longest) if n <= longest})
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        for i, n in enumerate(lengths):
+            ids = [(1000 * i + 7 * j + 3) % vocab for j in range(n)]
+            self.add_request(f"warmup-{i}", ids, params)
+        while self.has_unfinished_requests():
+            self.step()
+        self.last_step_stats = None
+        elapsed = time.perf_counter() - start
+        logger.info("warm-up: %d requests through every step kind in %.1f s", len(lengths), elapsed)
+        return elapsed
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -19,7 +19,15 @@ from typing import Any
 from engine.config import EngineConfig
 from kvpool.config import DEFAULT_BLOCK_SIZE, KVPoolConfig
 from scheduler.config import ADMISSION_MODES, BATCHING_MODES, SchedulerConfig
-from server.flags import Option, build_arg_parser, optional, parse_bool, parse_list, parse_size
+from server.flags import (
+    Option,
+    build_arg_parser,
+    optional,
+    parse_bool,
+    parse_int_list,
+    parse_list,
+    parse_size,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 UNKNOWN_FIELD_POLICIES = ("reject", "ignore")
@@ -202,6 +210,19 @@ _OPTIONS: tuple[Option, ...] = (
            "longest prompt + output in tokens; auto = the model's max positions"),
     Option("--seed", "engine", "seed", int, _E.seed,
            "seed of the sampler for requests that give none"),
+    Option("--load-format", "engine", "load_format", str, _E.load_format,
+           "auto (read the checkpoint) or dummy (random weights of the model's shapes; "
+           "--model may then name a preset: llama-3-8b, llama-3.1-8b, llama-3.2-1b, "
+           "qwen2.5-7b, smollm2-135m, tiny-llama)",
+           ("auto", "dummy")),
+    Option("--tokenizer", "engine", "tokenizer", optional(str), _E.tokenizer,
+           "directory of a tokenizer to use instead of the model's (a dummy preset has none)"),
+    Option("--enforce-eager", "engine", "enforce_eager", parse_bool, _E.enforce_eager,
+           "CUDA: never capture CUDA graphs; every step launches its kernels from Python"),
+    Option("--cuda-graph-sizes", "engine", "cuda_graph_sizes", optional(parse_int_list),
+           _E.cuda_graph_sizes,
+           "CUDA: decode batch sizes to capture a graph for, e.g. 1,2,4,8,16; auto = 1, 2, "
+           "4, 8, then steps of 8 to 64 and of 16 to --max-num-seqs"),
     Option("--test-fault-token-id", "engine", "fault_token_id", optional(int),
            _E.fault_token_id,
            "TEST ONLY, never in production: the engine fails every request whose prompt "

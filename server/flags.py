@@ -67,6 +67,14 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """``1,2,4,8`` -> (1, 2, 4, 8)."""
+    try:
+        return tuple(int(item) for item in parse_list(text))
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """Accept ``none``/``auto`` as ``None`` (so an env var can restore a None default)."""
 
@@ -155,7 +163,8 @@ def build_arg_parser(
             choices=option.choices,
             metavar=None if option.choices else option.dest.split("_")[-1].upper(),
             help=f"{option.help} [env {option.env}; default {option.default!r}]",
-            nargs="?" if option.negate else None,
-            const=True if option.negate else None,
+            # A boolean given alone means true (--enforce-eager), as argparse switches do.
+            nargs="?" if option.negate or option.parse is parse_bool else None,
+            const=True if option.negate or option.parse is parse_bool else None,
         )
     return parser
