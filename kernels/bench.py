@@ -1,16 +1,27 @@
-"""Decode paged-attention benchmark: ``python -m kernels.bench [--quick] [--peak-gbps N]``.
+"""Kernel benchmark: ``python -m kernels.bench [--targets] [--fused] [--quick] [--peak-gbps N]``.
 
-For each configuration (batch size x context length x GQA shape x block size) it times
+Decode paged attention. For each configuration (batch size x context length x GQA shape x
+block size) it times
 
 - ``triton``        the Triton decode kernel, split-K chosen by its heuristic (GPU only),
 - ``triton-nosplit``  the same with ``num_splits=1``, printed when the heuristic split,
+- ``triton-split=N``  the same with ``num_splits=N`` for each N of ``--splits`` (tuning),
+- ``triton[w=W,s=S]`` the heuristic split at ``num_warps=W``, ``num_stages=S`` for each pair
+                    of ``--warps`` x ``--stages`` (tuning),
+- ``flashinfer``, ``flash-attn``  their paged decode on the same cache, where importable,
 - ``reference``     ``kernels.reference.paged_attention_decode`` (gather + matmuls in fp32),
 - ``sdpa``          ``scaled_dot_product_attention`` on K/V already contiguous per sequence,
 - ``sdpa+gather``   the same plus gathering the paged K/V into that contiguous layout,
 
 and prints the time, the achieved bandwidth (bytes of K/V + Q + O + block tables that a
 decode step must move, divided by the time; the same byte count for every implementation so
-rows compare) and its fraction of the device's peak memory bandwidth.
+rows compare) and its fraction of the device's peak memory bandwidth. ``--targets`` runs the
+issue's rows (Llama-3-8B shape, 32 query / 8 KV heads, head_dim 128, block 16: batch x
+context 1 x 512, 16 x 512, 1 x 4,096, 64 x 4,096, 256 x 4,096).
+
+Fused layer ops (``--fused``): ``add_rms_norm_``, ``rms_norm``, ``silu_mul`` and
+``rope_and_store_`` of a Llama-3-8B layer (hidden 4,096, intermediate 14,336) at several
+token counts, Triton against the PyTorch twin, bandwidth counted on each op's own bytes.
 
 On CUDA the timer is ``triton.testing.do_bench`` (median, L2 flushed between runs). On CPU
 the Triton kernels only run under ``TRITON_INTERPRET=1`` (numpy, orders of magnitude slower,
@@ -19,9 +30,9 @@ bandwidth measured with a large tensor copy unless ``--peak-gbps`` is given; wit
 ``TRITON_INTERPRET=1`` set it adds the interpreted Triton rows, for their ``max_err`` only.
 Every row checks its output against the reference (``max_err``), so a fast wrong kernel shows.
 
-The target figure (>= 70% of peak on an H100/H200, bf16, GQA)::
+The issue's figures on an H100/H200 (``make test-gpu`` runs this)::
 
-    python -m kernels.bench --batches 64 --contexts 4096 --shapes 32/8 --block-sizes 16
+    python -m kernels.bench --targets --fused
 """
 
 from __future__ import annotations
@@ -192,13 +203,66 @@ def sdpa(
     return F.scaled_dot_product_attention(q, key, value, scale=scale)
 
 
+def external_decoders(
+    x: Inputs, cfg: Config, scale: float
+) -> list[tuple[str, Callable[[], torch.Tensor] | None, str]]:
+    """FlashInfer's and FlashAttention's paged decode on the same cache, where importable:
+    (name, callable or None, why not). Both read the ``[num_blocks, block_size,
+    num_kv_heads, head_dim]`` layout ("NHD") through the same block tables."""
+    found: list[tuple[str, Callable[[], torch.Tensor] | None, str]] = []
+    device = x.query.device
+    try:
+        import flashinfer
+
+        workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device=device)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        blocks_per_seq = x.block_tables.shape[1]
+        indptr = torch.arange(cfg.batch + 1, dtype=torch.int32, device=device) * blocks_per_seq
+        last = (cfg.context_len - 1) % cfg.block_size + 1
+        last_page_len = torch.full((cfg.batch,), last, dtype=torch.int32, device=device)
+        wrapper.plan(indptr, x.block_tables.flatten(), last_page_len, cfg.num_heads,
+                     cfg.num_kv_heads, cfg.head_dim, cfg.block_size, data_type=cfg.dtype,
+                     sm_scale=scale)  # fmt: skip
+        found.append(("flashinfer", lambda: wrapper.run(x.query, (x.key_cache, x.value_cache)),
+                      ""))  # fmt: skip
+    except Exception as e:  # ImportError, or a version whose API or build does not fit
+        found.append(("flashinfer", None, f"{type(e).__name__}: {e}"[:120]))
+    try:
+        from flash_attn import flash_attn_with_kvcache
+
+        def flash() -> torch.Tensor:
+            return flash_attn_with_kvcache(
+                x.query.unsqueeze(1), x.key_cache, x.value_cache, cache_seqlens=x.seq_lens,
+                block_table=x.block_tables, softmax_scale=scale,
+            )  # fmt: skip
+
+        flash()  # FlashAttention 2 wants blocks of a multiple of 256 tokens: fail here
+        found.append(("flash-attn", flash, ""))
+    except Exception as e:
+        found.append(("flash-attn", None, f"{type(e).__name__}: {e}"[:120]))
+    return found
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Compiled Triton needs CUDA; on CPU only the interpreter runs the kernels."""
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def bench_config(cfg: Config, device: torch.device) -> list[tuple[str, int, float, float]]:
-    """Rows of (implementation, num_splits, seconds, max |output - reference output|)."""
+def bench_config(
+    cfg: Config,
+    device: torch.device,
+    *,
+    splits: list[int] | None = None,
+    launch_params: list[tuple[int, int]] | None = None,
+    externals: bool = False,
+    skipped: list[str] | None = None,
+) -> list[tuple[str, int, float, float]]:
+    """Rows of (implementation, num_splits, seconds, max |output - reference output|).
+
+    ``splits``: extra rows at these forced split counts. ``launch_params``: extra rows of
+    the heuristic split at these (num_warps, num_stages). ``externals``: FlashInfer and
+    FlashAttention rows where importable (why not, appended to ``skipped``).
+    """
     x = make_inputs(cfg, device)
     scale = cfg.head_dim**-0.5
     paged = (x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, scale)
@@ -209,16 +273,33 @@ def bench_config(cfg: Config, device: torch.device) -> list[tuple[str, int, floa
         return float((out.float().reshape(expected.shape) - expected).abs().max())
 
     if triton_runs_on(device):
+        import kernels.paged_attention as decode_module
         from kernels.paged_attention import choose_num_splits, paged_attention_decode
 
-        splits = choose_num_splits(
+        chosen = choose_num_splits(
             cfg.batch, cfg.num_kv_heads, x.block_tables.shape[1] * cfg.block_size, device
         )
-        candidates = [splits] + ([1] if splits > 1 else [])
-        for n in candidates:
+        candidates = [("triton", chosen)] + ([("triton-nosplit", 1)] if chosen > 1 else [])
+        candidates += [(f"triton-split={n}", n) for n in splits or [] if n != chosen]
+        for name, n in candidates:
             fn = lambda n=n: paged_attention_decode(*paged, num_splits=n)  # noqa: E731
-            name = "triton" if n == splits else "triton-nosplit"
             rows.append((name, n, time_fn(fn, device), error(fn())))
+        default = (decode_module.NUM_WARPS, decode_module.NUM_STAGES)
+        for warps, stages in launch_params or []:
+            decode_module.NUM_WARPS, decode_module.NUM_STAGES = warps, stages
+            try:
+                fn = lambda: paged_attention_decode(*paged, num_splits=chosen)  # noqa: E731
+                rows.append((f"triton[w={warps},s={stages}]", chosen, time_fn(fn, device),
+                             error(fn())))  # fmt: skip
+            finally:
+                decode_module.NUM_WARPS, decode_module.NUM_STAGES = default
+    if externals:
+        for name, fn, why in external_decoders(x, cfg, scale):
+            if fn is None:
+                if skipped is not None and not any(w.startswith(name) for w in skipped):
+                    skipped.append(f"{name}: {why}")
+                continue
+            rows.append((name, 1, time_fn(fn, device), error(fn())))
     rows.append(("reference", 1, time_fn(lambda: reference.paged_attention_decode(*paged), device),
                  0.0))  # fmt: skip
     rows.append(("sdpa", 1, time_fn(lambda: sdpa(x.query, x.key, x.value, scale), device),
@@ -233,6 +314,123 @@ def bench_config(cfg: Config, device: torch.device) -> list[tuple[str, int, floa
     return rows
 
 
+@dataclass(frozen=True)
+class FusedConfig:
+    """One decoder layer's elementwise ops at ``num_tokens`` rows (default: Llama-3-8B)."""
+
+    num_tokens: int
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+    def bytes_moved(self, op: str) -> int:
+        """Bytes an op must read and write (weights, tables and slots included)."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        t, h = self.num_tokens, self.hidden_size
+        if op == "add_rms_norm_":  # x, residual in; residual, out; the weight
+            return (4 * t * h + h) * elem
+        if op == "rms_norm":
+            return (2 * t * h + h) * elem
+        if op == "silu_mul":  # gate and up in, out
+            return 3 * t * self.intermediate_size * elem
+        if op == "rope_and_store_":  # the qkv row in; Q back, K and V to the cache; cos, sin
+            qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            return (2 * t * qkv + 2 * t * self.head_dim) * elem + 8 * t
+        raise ValueError(op)
+
+
+FUSED_OPS = ("add_rms_norm_", "rms_norm", "silu_mul", "rope_and_store_")
+
+
+def bench_fused(cfg: FusedConfig, device: torch.device) -> list[tuple[str, str, float, float]]:
+    """Rows of (op, implementation, seconds, max |output - torch twin's output|) for each of
+    ``FUSED_OPS``: ``triton`` (where Triton runs) and ``torch`` (``kernels.reference``, the
+    engine's ``TorchLayerOps`` arithmetic)."""
+    from kernels.rms_norm import add_rms_norm_, rms_norm
+    from kernels.rope_and_store import rope_and_store_
+    from kernels.silu_mul import silu_mul
+
+    t, h, d = cfg.num_tokens, cfg.hidden_size, cfg.head_dim
+    nh, nkv = cfg.num_heads, cfg.num_kv_heads
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device).to(cfg.dtype)
+
+    x, residual, weight = randn(t, h), randn(t, h), randn(h)
+    gate_up = randn(t, 2 * cfg.intermediate_size)
+    qkv = randn(t, (nh + 2 * nkv) * d)
+    angles = torch.rand(t, d, device=device) * 6.3
+    cos, sin = angles.cos().to(cfg.dtype), angles.sin().to(cfg.dtype)
+    num_blocks = -(-t // cfg.block_size) + 1
+    cache_shape = (num_blocks, cfg.block_size, nkv, d)
+    key_cache = torch.zeros(cache_shape, dtype=cfg.dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(num_blocks * cfg.block_size, device=device)[:t]
+
+    def rope(impl: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        out = impl(q, cos, sin, k, v, slots, nh, nkv)
+        return torch.cat([out.flatten(), k.flatten(), v.flatten()])
+
+    cases: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor],
+                           Callable[[], tuple[torch.Tensor, ...]]]] = {
+        "add_rms_norm_": (
+            lambda a, r: add_rms_norm_(a, r, weight, 1e-5),
+            lambda a, r: reference.add_rms_norm_(a, r, weight, 1e-5),
+            lambda: (x, residual.clone()),
+        ),
+        "rms_norm": (
+            lambda a: rms_norm(a, weight, 1e-5),
+            lambda a: reference.rms_norm(a, weight, 1e-5),
+            lambda: (x,),
+        ),
+        "silu_mul": (silu_mul, reference.silu_mul, lambda: (gate_up,)),
+        "rope_and_store_": (
+            lambda *a: rope(rope_and_store_, *a),
+            lambda *a: rope(reference.rope_and_store_, *a),
+            lambda: (qkv.clone(), key_cache.clone(), value_cache.clone()),
+        ),
+    }  # fmt: skip
+    rows: list[tuple[str, str, float, float]] = []
+    for op in FUSED_OPS:
+        kernel, twin, fresh = cases[op]
+        expected = twin(*fresh()).float()
+        timed = fresh()  # in-place ops keep writing into these while timed
+        if triton_runs_on(device):
+            err = float((kernel(*fresh()).float() - expected).abs().max())
+            rows.append((op, "triton", time_fn(lambda: kernel(*timed), device), err))
+        rows.append((op, "torch", time_fn(lambda: twin(*timed), device), 0.0))
+    return rows
+
+
+def print_fused(tokens: list[int], dtype: torch.dtype, device: torch.device,
+                peak: float | None) -> None:  # fmt: skip
+    print()
+    print("# fused layer ops, Llama-3-8B layer (hidden 4096, intermediate 14336, 32/8 heads "
+          "x 128); GB/s on each op's own bytes")  # fmt: skip
+    print(f"{'tokens':>6} {'op':<16} {'impl':<7} {'time_us':>10} {'GB/s':>8} {'%peak':>6} "
+          f"{'vs_torch':>8} {'max_err':>8}")  # fmt: skip
+    for t in tokens:
+        cfg = FusedConfig(t, dtype=dtype)
+        rows = bench_fused(cfg, device)
+        for op, impl, seconds, err in rows:
+            torch_s = next(sec for o, i, sec, _ in rows if o == op and i == "torch")
+            gbps = cfg.bytes_moved(op) / seconds / 1e9
+            pct = f"{100 * gbps / peak:5.1f}%" if peak else "   n/a"
+            print(f"{t:>6} {op:<16} {impl:<7} {seconds * 1e6:>10.1f} {gbps:>8.1f} {pct:>6} "
+                  f"{torch_s / seconds:>7.2f}x {err:>8.1e}")  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# The issue's decode rows: (batch, context), Llama-3-8B shape, block 16.
+TARGET_ROWS = [(1, 512), (16, 512), (1, 4096), (64, 4096), (256, 4096)]
+
+
 def sweep(args: argparse.Namespace, device: torch.device) -> list[Config]:
     """The configurations to run: a default grid per device, narrowed by any list flag."""
     if args.quick:
@@ -244,11 +442,13 @@ def sweep(args: argparse.Namespace, device: torch.device) -> list[Config]:
     else:
         batches, contexts = [1, 8, 32], [512, 2048]
         shapes, block_sizes = [(9, 3), (32, 8)], [16]
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    if args.targets:
+        return [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in TARGET_ROWS]
     batches = args.batches or batches
     contexts = args.contexts or contexts
     shapes = args.shapes or shapes
     block_sizes = args.block_sizes or block_sizes
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     configs = [
         Config(b, ctx, h, kvh, bs, args.head_dim if (h, kvh) != (9, 3) else 64, dtype)
         for b in batches
@@ -288,6 +488,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-sizes", type=_int_list, help="e.g. 16,32")
     parser.add_argument("--shapes", type=_shape_list,
                         help="query/KV heads, e.g. 32/8,9/3 (GQA ratio = q/kv)")  # fmt: skip
+    parser.add_argument("--targets", action="store_true",
+                        help="the issue's decode rows (32/8 heads x 128, block 16): 1x512, "
+                             "16x512, 1x4096, 64x4096, 256x4096")  # fmt: skip
+    parser.add_argument("--splits", type=_int_list, help="also time these forced split counts")
+    parser.add_argument("--warps", type=_int_list, help="also time these num_warps (decode)")
+    parser.add_argument("--stages", type=_int_list, help="also time these num_stages (decode)")
+    parser.add_argument("--fused", action="store_true",
+                        help="also bench the fused layer ops (Triton runs on CUDA or under "
+                             "TRITON_INTERPRET=1)")  # fmt: skip
+    parser.add_argument("--fused-tokens", type=_int_list, default=[1, 64, 256, 2048],
+                        help="token counts of the fused-op rows")  # fmt: skip
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.dtype is None:
@@ -308,9 +520,21 @@ def main(argv: list[str] | None = None) -> None:
         f"{'batch':>5} {'ctx':>6} {'heads':>7} {'bs':>3} {'impl':<15} {'splits':>6} "
         f"{'time_us':>10} {'GB/s':>8} {'%peak':>6} {'vs_gather':>9} {'max_err':>8}"
     )
-    print(header)
-    for cfg in sweep(args, device):
-        rows = bench_config(cfg, device)
+    launch_params = None
+    if args.warps or args.stages:
+        from kernels import paged_attention
+
+        launch_params = [
+            (w, st)
+            for w in args.warps or [paged_attention.NUM_WARPS]
+            for st in args.stages or [paged_attention.NUM_STAGES]
+        ]
+    skipped: list[str] = []
+    if not args.no_decode:
+        print(header)
+    for cfg in [] if args.no_decode else sweep(args, device):
+        rows = bench_config(cfg, device, splits=args.splits, launch_params=launch_params,
+                            externals=device.type == "cuda", skipped=skipped)  # fmt: skip
         baseline = next(seconds for impl, _, seconds, _ in rows if impl == "sdpa+gather")
         for impl, splits, seconds, err in rows:
             gbps = cfg.bytes_moved() / seconds / 1e9
@@ -320,6 +544,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"{gbps:>8.1f} {pct:>6} {baseline / seconds:>8.2f}x {err:>8.1e}")  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    for why in skipped:
+        print(f"# not benched: {why}")
+    if args.fused and (triton_runs_on(device) or device.type == "cpu"):
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+        print_fused(args.fused_tokens, dtype, device, peak)
 
 
 if __name__ == "__main__":
