@@ -122,7 +122,10 @@ def _run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int, tag: str) 
 
 def decode_steps(engine: LLMEngine, batch: int, context: int, steps: int, salt: int) -> float:
     """Median wall time of a decode step of ``batch`` sequences at ``context`` tokens."""
-    params = SamplingParams(max_tokens=steps + 2, temperature=0, ignore_eos=True)
+    # Enough tokens that nobody finishes while the others prefill (chunked prefill decodes
+    # the early ones meanwhile); everyone is aborted after the timed steps.
+    max_tokens = engine.max_model_len - context - 1
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     ids = [f"dec-{salt}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
@@ -132,6 +135,7 @@ def decode_steps(engine: LLMEngine, batch: int, context: int, steps: int, salt: 
         engine.step()
     times = []
     for _ in range(steps):
+        assert len(engine.scheduler.running) == batch, "a sequence left the batch"
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     bw_meas, fl_meas = measured_peaks(device, dtype)
     if table is not None:
         key = "bf16" if dtype == torch.bfloat16 else "fp16" if dtype == torch.float16 else "tf32"
-        bandwidth, flops = table.bandwidth, table.tflops[key] * 1e12
+        bandwidth, flops = table.memory_bandwidth, table.peak_flops[key]
         source = f"table: {table.description}"
     else:
         bandwidth, flops, source = bw_meas, fl_meas, "measured"

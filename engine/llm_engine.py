@@ -20,6 +20,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cost import StepCostModel
 from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
 from engine.gpu_memory import gpu_kv_budget
+from engine.gpu_ops import TritonLayerOps
 from engine.faults import FaultInjectingRunner, describe, execute_isolating
 from engine.gguf_blocks import attach_gguf_blocks
 from engine.layer_ops import CpuLayerOps, TorchLayerOps
@@ -92,7 +93,13 @@ class LLMEngine:
         # The cpu backend brings the fused C++ layer ops and packed matmuls along; every
         # other one uses torch's.
         cpu_ops = cpu_kernels.load() if self.attention_backend == "cpu" else None
-        ops = CpuLayerOps(cpu_ops) if cpu_ops is not None else TorchLayerOps()
+        ops: TorchLayerOps
+        if cpu_ops is not None:
+            ops = CpuLayerOps(cpu_ops)
+        elif self.attention_backend == "triton" and self.device.type == "cuda":
+            ops = TritonLayerOps()
+        else:
+            ops = TorchLayerOps()
         # Built on the meta device, then materialised once: no time spent on random init.
         with torch.device("meta"):
             model = LlamaForCausalLM(mc, attention, rope, ops)
@@ -223,15 +230,20 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         longest = max(1, min(max_step_tokens, self.max_model_len - 8))
         lengths = sorted({n for n in (1, 7, 15, 16, 17, 33, 100, 513, longest) if n <= longest})
-        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-        for i, n in enumerate(lengths):
-            ids = [(1000 * i + 7 * j + 3) % vocab for j in range(n)]
-            self.add_request(f"warmup-{i}", ids, params)
-        while self.has_unfinished_requests():
-            self.step()
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        # Each alone (prefill-only steps of one sequence, then decodes), then all together
+        # (mixed steps of many sequences, chunked), with new tokens each round so the
+        # prefix cache answers none of them.
+        groups = [[i] for i in range(len(lengths))] + [list(range(len(lengths)))]
+        for g, group in enumerate(groups):
+            for i in group:
+                ids = [(1000 * g + 31 * i + 7 * j + 3) % vocab for j in range(lengths[i])]
+                self.add_request(f"warmup-{g}-{i}", ids, params)
+            while self.has_unfinished_requests():
+                self.step()
         self.last_step_stats = None
         elapsed = time.perf_counter() - start
-        logger.info("warm-up: %d requests through every step kind in %.1f s", len(lengths), elapsed)
+        logger.info("warm-up: %d prompts, alone and together, in %.1f s", len(lengths), elapsed)
         return elapsed
 
     # ---- requests -------------------------------------------------------------------------
