@@ -11,6 +11,13 @@ attention reads one cached token, which is finite because the cache is zero-fill
 0 at position 0. Every op of the forward is row-wise apart from attention, which is
 per-sequence, so padding rows never change a real row's result; their logits are dropped.
 
+Small batches also get graphs per context bucket (``SHORT_CONTEXTS``): the decode kernel
+splits each sequence's context over several programs when the batch alone cannot fill the
+GPU, and it sizes the splits from the block-table width it is given. A graph captured over
+the full width would size them for the longest context the model allows, leaving a short
+context in one split; a graph over a narrower view of the same buffer sizes them for that
+bucket. A step takes the narrowest bucket that holds its longest context.
+
 Mixed and prefill steps, static batches with padding rows of their own, and batches larger
 than the largest bucket run eagerly.
 
@@ -30,6 +37,12 @@ from engine.input_batch import AttentionMetadata, InputBatch
 from kvpool.storage import KVCacheStorage
 
 logger = logging.getLogger(__name__)
+
+# Context buckets (tokens) captured besides the full width, for batches of at most
+# SHORT_CONTEXT_MAX_BATCH sequences: larger batches give the decode kernel enough programs
+# without splitting, so their split count does not depend on the context.
+SHORT_CONTEXTS = (1024, 4096)
+SHORT_CONTEXT_MAX_BATCH = 32
 
 
 def default_graph_sizes(max_num_seqs: int) -> list[int]:
@@ -63,12 +76,23 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(max_bs, dtype=i64, device=device)  # [max_bs]
         self.positions = torch.zeros(max_bs, dtype=i64, device=device)  # [max_bs]
         self.slot_mapping = torch.full((max_bs,), -1, dtype=i64, device=device)  # [max_bs]
-        # [max_bs, max_blocks_per_seq]: the full width, so one graph serves every context.
+        # [max_bs, max_blocks_per_seq]: graphs take views of the first columns (widths).
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=i32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=i32, device=device)  # [max_bs]
         self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=device)
         self.logits_indices = torch.arange(max_bs, dtype=i64, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        block_size = storage.block_size
+        # Per batch bucket, its context buckets in blocks, narrowest first; the full width last.
+        self.widths: dict[int, list[int]] = {
+            size: sorted(
+                {-(-c // block_size) for c in SHORT_CONTEXTS if -(-c // block_size) < max_blocks_per_seq}
+                if size <= SHORT_CONTEXT_MAX_BATCH
+                else set()
+            )
+            + [max_blocks_per_seq]
+            for size in self.sizes
+        }
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
         self.pool_bytes = 0
 
@@ -92,28 +116,38 @@ class DecodeGraphs:
 
     # ---- capture and replay --------------------------------------------------------------
 
-    def static_batch(self, size: int) -> InputBatch:
-        """The persistent buffers' first ``size`` rows, as the batch a graph is captured on."""
+    def width(self, size: int, needed: int) -> int:
+        """The narrowest context bucket of batch bucket ``size`` holding ``needed`` blocks."""
+        return next(w for w in self.widths[size] if w >= needed)
+
+    def static_batch(self, size: int, width: int) -> InputBatch:
+        """The persistent buffers' first ``size`` rows and ``width`` block-table columns, as
+        the batch a graph is captured on."""
         return InputBatch(
             input_ids=self.input_ids[:size],
             positions=self.positions[:size],
             slot_mapping=self.slot_mapping[:size],
             attn=AttentionMetadata(
                 num_decodes=size,
-                block_tables=self.block_tables[:size],
+                block_tables=self.block_tables[:size, :width],
                 seq_lens=self.seq_lens[:size],
                 query_start_loc=self.query_start_loc[: size + 1],
-                max_seq_len=self.max_blocks_per_seq * self.storage.block_size,
+                max_seq_len=width * self.storage.block_size,
             ),
             logits_indices=self.logits_indices[:size],
             sampling=[],
             logits_are_all_rows=True,
         )
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int, width: int) -> torch.Tensor:
         return self.model(
-            self.static_batch(size), self.storage.key_caches, self.storage.value_caches
+            self.static_batch(size, width), self.storage.key_caches, self.storage.value_caches
         )
+
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        """Every (batch bucket, context width) a graph is kept for, largest first."""
+        return sorted(((s, w) for s in self.sizes for w in self.widths[s]), reverse=True)
 
     def capture_all(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool.
@@ -127,20 +161,21 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._forward(size)
+            for key in self.keys:
+                self._forward(*key)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        for size in reversed(self.sizes):
+        for key in self.keys:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self._graphs[size] = (graph, logits)
+                logits = self._forward(*key)
+            self._graphs[key] = (graph, logits)
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - start
         self.pool_bytes = torch.cuda.memory_reserved(self.device) - before
         logger.info(
-            "captured %d CUDA graphs for decode batches of %s in %.2f s (%.0f MiB)",
+            "captured %d CUDA graphs for decode batches of %s (small batches also per "
+            "context bucket) in %.2f s (%.0f MiB)",
             len(self._graphs),
             _ranges(self.sizes),
             self.capture_s,
@@ -157,20 +192,18 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(batch.attn.seq_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(batch.attn.block_tables, non_blocking=True)
-        # A real row's table past its width, and the padding rows, point at block 0 with
-        # context 1: inert (see the module docstring). A previous step may have left larger
-        # values there.
-        if width < self.max_blocks_per_seq:
-            self.block_tables[:n, width:].zero_()
+        # Columns past a row's own blocks keep a previous step's ids: attention reads a
+        # table only up to its row's context. Padding rows get context 1 over block 0.
         if size > n:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size].zero_()
-        captured = self._graphs.get(size)
-        if captured is None:  # the stand-in, or a bucket not captured
-            return self._forward(size)[:n]
+        key = (size, self.width(size, width))
+        captured = self._graphs.get(key)
+        if captured is None:  # the stand-in
+            return self._forward(*key)[:n]
         graph, logits = captured
         graph.replay()
         return logits[:n]

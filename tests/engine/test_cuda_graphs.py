@@ -46,8 +46,14 @@ def _prompts(vocab: int, count: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_gqa", "tiny_llama_cpu_shapes"])
-def test_stand_in_replay_matches_transformers_and_eager(request, fixture) -> None:
+def test_stand_in_replay_matches_transformers_and_eager(request, fixture, monkeypatch) -> None:
     from transformers import AutoModelForCausalLM
+
+    from engine import cuda_graphs
+
+    # Context buckets of 2 and 8 blocks below the full 32: the prompts (1..40 tokens, +12
+    # generated) move from one bucket to the next as they grow.
+    monkeypatch.setattr(cuda_graphs, "SHORT_CONTEXTS", (32, 128))
 
     path = request.getfixturevalue(fixture)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -56,14 +62,23 @@ def test_stand_in_replay_matches_transformers_and_eager(request, fixture) -> Non
 
     llm = LLM(str(path), max_num_seqs=16)
     graphs = _with_stand_in(llm, [1, 2, 4, 8, 16])
+    assert graphs.widths[16] == [2, 8, 32]
     calls = []
+    widths = set()
     run = graphs.run
-    graphs.run = lambda batch: calls.append(batch.num_tokens) or run(batch)  # type: ignore[method-assign]
+
+    def counting(batch):
+        calls.append(batch.num_tokens)
+        widths.add(graphs.width(graphs.bucket(batch.num_tokens), batch.attn.block_tables.shape[1]))
+        return run(batch)
+
+    graphs.run = counting  # type: ignore[method-assign]
     # 11 at once (bucket 16, 5 padding rows), then alone: the buffers' rows 1..15 hold the
     # previous steps' values and must be made inert again.
     together = [o.token_ids for o in llm.generate(prompts, params)]
     alone = [o.token_ids for o in llm.generate(prompts[:1], params)]
     assert calls and max(calls) == 11 and 1 in calls
+    assert widths == {2, 8}, widths
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for i, prompt in enumerate(prompts):
         ref = hf_greedy(hf, prompt, 12, None)
