@@ -1,10 +1,11 @@
 """Fault isolation in LLMEngine.step: a request whose computation raises fails alone.
 
-A tiny random Llama with the test-only fault injector (``EngineConfig.fault_token_id``):
-requests whose prompt holds the marker token raise inside ``ModelRunner.execute``. The step
-bisects, fails exactly those requests (``finish_reason="error"``, blocks freed), and every
-other request gets exactly the greedy tokens it gets when it runs alone. Prompts share a
-prefix so prefix caching (and its copy-on-write) is active while steps fail.
+A tiny random Llama whose runner is wrapped in the test-only fault injector
+(tests/engine/fault_runner.py): requests whose prompt holds the marker token raise inside the
+runner's ``execute``. The step bisects, fails exactly those requests
+(``finish_reason="error"``, blocks freed), and every other request gets exactly the greedy
+tokens it gets when it runs alone. Prompts share a prefix so prefix caching (and its
+copy-on-write) is active while steps fail.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvpool.config import KVPoolConfig
 from scheduler import SchedulerConfig
 from scheduler.request import SamplingParams
 from tests.engine.conftest import make_tiny_llama
+from tests.engine.fault_runner import FaultInjectingRunner
 
 MARKER = 7  # the fault token; ordinary prompts avoid it
 DEVICE = {"device": "cpu", "dtype": "float32"}
@@ -41,11 +43,14 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model_path: Path, fault: int | None = MARKER) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(model=str(model_path), fault_token_id=fault, **DEVICE),
+    engine = LLMEngine(
+        EngineConfig(model=str(model_path), **DEVICE),
         KVPoolConfig(num_blocks=40, block_size=4),
         SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48),
     )
+    if fault is not None:
+        engine.runner = FaultInjectingRunner(engine.runner, fault)
+    return engine
 
 
 def run(engine: LLMEngine, requests: dict[str, list[int]], max_tokens: int) -> dict[str, tuple]:

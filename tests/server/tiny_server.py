@@ -81,11 +81,15 @@ class TinyServer:
 
 
 @contextlib.contextmanager
-def tiny_server(model_dir: Path, log: Path, *args: str) -> Iterator[TinyServer]:
-    """Start the server on a free port with ``args`` added; stop it (SIGKILL if needed)."""
+def tiny_server(
+    model_dir: Path, log: Path, *args: str, module: str = "server"
+) -> Iterator[TinyServer]:
+    """Start ``python -m <module>`` (the server, or a test entry point that wraps it, such as
+    tests.server.fault_server) on a free port with ``args`` added; stop it (SIGKILL if needed).
+    """
     port = free_port()
     argv = [
-        sys.executable, "-m", "server",
+        sys.executable, "-m", module,
         "--model", str(model_dir),
         "--device", "cpu",
         "--dtype", "float32",

@@ -1,7 +1,7 @@
 """Faults with the FakeEngine behind the real app: each one fails what it must and no more.
 
 The real engine's per-request isolation (a row that raises inside a step) is tested in
-tests/engine/test_faults.py and end to end in test_faults_server.py; here the engine fails
+tests/engine/test_faults.py and end to end in test_resilience_server.py; here the engine fails
 as a whole, or the server fails on one request's output, or the loop dies.
 """
 

@@ -1,7 +1,8 @@
 """Overload, chaos and SIGTERM against the real server (`python -m server` subprocess).
 
 The server serves a tiny random Llama (tests/server/tiny_server.py) so that hundreds of
-requests take seconds on 2 CPU cores; everything else is the production path. Greedy
+requests take seconds on 2 CPU cores; everything else is the production path (the chaos
+server adds only the test-only fault injector, through tests/server/fault_server.py). Greedy
 references are the server's own answers for each prompt run alone (one request at a time),
 taken before the load: under load every request must get exactly those tokens.
 """
@@ -23,7 +24,7 @@ import pytest
 
 from tests.server.tiny_server import TinyServer, make_tiny_model_dir, tiny_server
 
-MARKER = 5  # --test-fault-token-id: prompts holding it fail inside the engine step
+MARKER = 5  # --fault-token-id of tests.server.fault_server: prompts holding it fail in a step
 FIRST_TOKEN = 10  # ordinary prompts use ids from here on (no specials, never the marker)
 MAX_TOKENS = 12
 
@@ -161,8 +162,9 @@ def chaos_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "--max-waiting-requests", "64",
         "--num-kv-blocks", "48",
         "--block-size", "4",
-        "--test-fault-token-id", str(MARKER),
+        "--fault-token-id", str(MARKER),
         "--check-integrity", "true",
+        module="tests.server.fault_server",
     ) as server:  # fmt: skip
         yield server
 
