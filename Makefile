@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python -m engine.bench $(ARGS)
+	$(BIN)/python -m benchmarks.offline $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff mypy

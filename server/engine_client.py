@@ -26,7 +26,7 @@ Why a thread and not a process. The model's forward pass runs inside torch ops t
 the GIL, so the event loop gets the GIL for most of a step; only the engine's Python-side work
 (scheduling, building the batch) competes with HTTP handling. A process would remove that
 contention but adds an IPC hop for every step's token stream (vLLM's ZMQ front end) and a
-second copy of the tokenizer. ``python -m server.bench`` measures both sides; on the 2-core
+second copy of the tokenizer. ``python -m benchmarks.engine_thread`` measures both sides; on the 2-core
 CPU build box (default model, 32 greedy requests x 32 tokens, OMP_NUM_THREADS=1, other jobs
 running) it gave: engine alone 73.9 tokens/s (433 ms/step); engine thread + asyncio consumers
 detokenizing every stream 72.7 tokens/s (440 ms/step, -1.6%), event-loop lag p50 0.16 ms,
