@@ -26,7 +26,8 @@ from engine.outputs import RequestOutput
 from loadtest.stats import percentile  # the load generator's definition, one for both
 from scheduler.request import SamplingParams
 from server.detokenizer import IncrementalDetokenizer
-from server.engine_client import AsyncEngineClient, EngineRequest
+from server.engine_client import AsyncEngineClient
+from server.engine_types import EngineRequest
 
 
 def _prompts(tokenizer: Any, num: int) -> list[list[int]]:

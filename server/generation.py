@@ -33,12 +33,8 @@ from typing import Any
 from engine.outputs import RequestOutput, TokenLogprob
 from scheduler.request import SamplingParams
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from server.engine_client import (
-    AsyncEngineClient,
-    EngineRequest,
-    EngineUnavailableError,
-    Submission,
-)
+from server.engine_client import AsyncEngineClient
+from server.engine_types import EngineRequest, EngineUnavailableError, Submission
 from server.errors import (
     engine_failed,
     engine_unavailable,

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from server.engine_client import AsyncEngineClient, EngineHealth, EngineUnavailableError
+from server.engine_client import AsyncEngineClient
+from server.engine_types import EngineHealth, EngineUnavailableError
 from server.generation import IncrementalDetokenizer
 from tests.server.server_fakes import FakeEngine, tiny_tokenizer
 from tests.server.test_streaming import split_frames
@@ -158,7 +159,7 @@ async def test_an_add_racing_the_loop_death_fails_instead_of_waiting_forever() -
     # Pretend the health check ran just before the crash.
     client.health = lambda: EngineHealth(True, None, 0.0, client.snapshot)  # type: ignore[method-assign]
     from scheduler.request import SamplingParams
-    from server.engine_client import EngineRequest
+    from server.engine_types import EngineRequest
 
     request = EngineRequest("late", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(EngineUnavailableError, match="MemoryError"):
