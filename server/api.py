@@ -35,9 +35,8 @@ from server.config import ServingConfig
 from server.context import ServingContext
 from server.engine_client import AsyncEngineClient
 from server.errors import install_error_handlers, invalid
-from server.http_metrics import HTTPMetricsMiddleware
 from server.limits import BodySizeLimitMiddleware
-from server.metrics import ServerMetrics, config_info
+from server.metrics import HTTPMetricsMiddleware, ServerMetrics, config_info
 from server.prompts import chat_prompt, check_token_ids, encode
 from server.protocol import (
     ChatCompletionRequest,
