@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from kvpool.config import DEFAULT_BLOCK_SIZE, KVPoolConfig
-from scheduler.config import ADMISSION_MODES, BATCHING_MODES, SchedulerConfig
+from scheduler.config import BATCHING_MODES, BLOCK_ALLOCATION_MODES, SchedulerConfig
 from server.flags import Option, build_arg_parser, optional, parse_bool, parse_list, parse_size
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -51,7 +51,7 @@ class ServerConfig:
         peak_tflops: peak TFLOP/s in the serving dtype that MFU divides by; None as above.
         max_waiting_requests: engine requests (prompts x n) that may wait behind the
             ``max_num_seqs`` running ones; past it new requests get 503 + Retry-After before
-            they are tokenized (server/admission.py).
+            they are tokenized (server/backpressure.py).
         max_prompt_tokens: longest prompt accepted (400 above); None = the context length.
         max_output_tokens: largest ``max_tokens`` accepted (400 above); a request without
             ``max_tokens`` gets at most this many. None = up to the context length.
@@ -225,9 +225,9 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--batching", "scheduler", "batching", str, _P.batching,
            "continuous (iteration-level), static or dynamic",
            BATCHING_MODES),
-    Option("--admission", "scheduler", "admission", str, _P.admission,
+    Option("--block-allocation", "scheduler", "block_allocation", str, _P.block_allocation,
            "optimistic (preempt by recompute later) or reserve (prompt + max_tokens up front)",
-           ADMISSION_MODES),
+           BLOCK_ALLOCATION_MODES),
     Option("--batch-wait-ms", "scheduler", "batch_wait_ms", float, _P.batch_wait_ms,
            "dynamic batching: longest wait for a full batch"),
     Option("--static-finished", "scheduler", "static_finished", str, _P.static_finished,

@@ -174,7 +174,7 @@ class AsyncEngineClient:
         self, requests: Sequence[EngineRequest], arrival_time: float | None = None
     ) -> Submission:
         """Queue requests as one unit, synchronously: from here on ``num_unfinished`` counts
-        them (admission control relies on that). ``confirm`` waits for the engine's answer.
+        them (backpressure relies on that). ``confirm`` waits for the engine's answer.
 
         Raises:
             ValueError: duplicate request ids.

@@ -370,7 +370,7 @@ def config_info(config: ServingConfig, **resolved: str) -> dict[str, str]:
     scheduler, kvpool = config.scheduler, config.kvpool
     return {
         "batching": scheduler.batching,
-        "admission": scheduler.admission,
+        "block_allocation": scheduler.block_allocation,
         "max_num_seqs": str(scheduler.max_num_seqs),
         "max_num_batched_tokens": str(scheduler.max_num_batched_tokens),
         "prefill_chunk_tokens": str(scheduler.prefill_chunk_tokens),
@@ -384,7 +384,7 @@ class HTTPMetricsMiddleware:
     """Counts every HTTP response by route template and status code (plain ASGI).
 
     Install it outermost (added last) so it also sees the answers of the other middleware
-    (413 body limit, 401, 429/503 admission). A request that fails before a response starts
+    (413 body limit, 401, 503 backpressure). A request that fails before a response starts
     counts as 500 (what Starlette's error middleware answers), or 499 if it was cancelled
     because the client went away. Paths that match no route count as ``other``, so random
     URLs cannot grow the label set.

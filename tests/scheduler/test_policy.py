@@ -4,7 +4,7 @@
 - static takes a batch when none is running and never admits mid-batch; with
   ``static_finished="compute"`` early finishers stay as padding rows until the batch ends;
 - dynamic waits for ``max_num_seqs`` requests or the ``batch_wait_ms`` window;
-- reserve admission never preempts; optimistic preempts and still finishes every request
+- reserve block allocation never preempts; optimistic preempts and still finishes every request
   with its solo tokens.
 
 ``check_integrity()`` runs after every schedule and update (tests/scheduler/fake_runner.py).
@@ -259,8 +259,8 @@ WORKLOAD = [(6, 10), (10, 6), (3, 12), (8, 8), (12, 4), (5, 9)]  # (prompt, max_
 def test_reserve_never_preempts_and_holds_every_block_from_admission(batching: str) -> None:
     # 12 blocks of 4 tokens; every request reserves 4 (prompt + max_tokens <= 16 tokens).
     sched = make_scheduler(
-        num_blocks=12, block_size=4, max_num_seqs=4, batching=batching, admission="reserve",
-        clock=FakeClock(now=100.0),
+        num_blocks=12, block_size=4, max_num_seqs=4, batching=batching,
+        block_allocation="reserve", clock=FakeClock(now=100.0),
     )  # fmt: skip
     requests = [req(f"r{i}", p, m) for i, (p, m) in enumerate(WORKLOAD)]
     max_running: list[int] = []
@@ -281,8 +281,8 @@ def test_reserve_never_preempts_and_holds_every_block_from_admission(batching: s
 @pytest.mark.parametrize("batching", ["continuous", "static", "dynamic"])
 def test_optimistic_preempts_and_still_finishes_every_request(batching: str) -> None:
     sched = make_scheduler(
-        num_blocks=12, block_size=4, max_num_seqs=4, batching=batching, admission="optimistic",
-        clock=FakeClock(now=100.0),
+        num_blocks=12, block_size=4, max_num_seqs=4, batching=batching,
+        block_allocation="optimistic", clock=FakeClock(now=100.0),
     )  # fmt: skip
     requests = [req(f"r{i}", p, m) for i, (p, m) in enumerate(WORKLOAD)]
     max_running: list[int] = []

@@ -1,23 +1,57 @@
-"""Request values -> engine ``SamplingParams``: range checks, unsupported parameters, limits.
+"""Request validation: every check an HTTP request passes before (and while) it becomes
+engine requests, and the translation of its values into the engine's ``SamplingParams``.
 
-Every check raises a 400 ``APIError`` naming the parameter (``param``), so a client learns
-exactly what to change; nothing is silently clamped or ignored. Types were already enforced
-by the strict pydantic schemas (422).
+In the order a request meets them:
+
+1. **Body size** (``BodySizeLimitMiddleware``, 413): plain ASGI, before anything is parsed.
+2. **Types and shapes**: the strict pydantic schemas of server/protocol.py (422).
+3. **Values** (``check_completion_request`` / ``check_chat_request``, 400): model name,
+   unrecognised fields, ranges, unsupported parameters; nothing that needs the prompt.
+4. **Deadline** (``request_deadline``): ``--request-timeout`` and the ``X-Request-Timeout``
+   header, 400 when the header is not a positive number.
+5. **Prompts** (``check_chat_messages``, ``check_text``, ``check_token_ids``), as
+   server/prompts.py renders and tokenizes them, after backpressure has held room.
+6. **Lengths** (``resolve_max_tokens``): the prompt against ``--max-prompt-tokens`` and the
+   context, ``max_tokens`` against ``--max-output-tokens``.
+
+Every check raises an OpenAI-shaped ``APIError`` naming the parameter (``param``), so a client
+learns exactly what to change; nothing is silently clamped or ignored. How many requests the
+server holds (503) is backpressure, not validation: server/backpressure.py.
+
+Deadlines run from the request's arrival (so time spent waiting in the queue counts, as a
+client measures it). The effective timeout is the smaller of the server's and the header's:
+a client may ask for less time than the server allows, never more. When it passes,
+``GenerationRun`` aborts the request's engine requests (their blocks are freed within one
+step) and the client gets a 504 ``request_timeout`` error, or, on a stream that already
+started, that error as an in-band event followed by ``[DONE]``. Partial output is not
+returned as a normal completion: a ``length`` finish would read as "max_tokens reached".
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from scheduler.request import SamplingParams
-from server.errors import APIError, invalid, model_not_found, unsupported
+from server.errors import (
+    INVALID_REQUEST,
+    APIError,
+    error_body,
+    invalid,
+    model_not_found,
+    unsupported,
+)
 from server.protocol import (
     IGNORED_OPENAI_FIELDS,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
 )
 
@@ -25,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 64
 MAX_SEED = 2**63 - 1  # the sampler seeds torch generators, which take 64-bit seeds
+CHAT_ROLES = ("system", "user", "assistant")
+TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,3 +302,191 @@ def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
     if req.max_completion_tokens is not None:
         return req.max_completion_tokens, "max_completion_tokens"
     return req.max_tokens, "max_tokens"
+
+
+# ------------------------------------------------------------------------------------ chat messages
+
+
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's content as text; only text parts are supported."""
+    param = f"messages[{index}].content"
+    content = message.content
+    if content is None:
+        if message.role == "assistant":
+            return ""
+        raise invalid(f"'{param}' is required for role '{message.role}'", param)
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text":
+            raise unsupported(
+                [f"{param}[{j}].type={kind!r}"],
+                "is not supported: pagedserve serves text-only models",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"'{param}[{j}].text' must be a string", f"{param}[{j}].text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def check_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Validate chat messages and turn them into the dicts a chat template reads."""
+    if not messages:
+        raise invalid("'messages' must contain at least one message", "messages")
+    rendered = []
+    for i, message in enumerate(messages):
+        role = "system" if message.role == "developer" else message.role  # OpenAI's new name
+        if role not in CHAT_ROLES:
+            if role in ("tool", "function"):
+                raise unsupported(
+                    [f"messages[{i}].role={role!r}"],
+                    "is not supported: pagedserve has no tool calling",
+                )
+            raise invalid(
+                f"'messages[{i}].role' must be one of system, developer, user, "
+                f"assistant; got {message.role!r}",
+                f"messages[{i}].role",
+            )
+        if message.tool_calls:
+            raise unsupported([f"messages[{i}].tool_calls"], "is not supported: no tool calling")
+        text = message_text(message, i)
+        check_text(text, f"messages[{i}].content")
+        rendered.append({"role": role, "content": text})
+    return rendered
+
+
+# ------------------------------------------------------------------------------ prompt text and ids
+
+
+def check_text(text: str, param: str) -> None:
+    """400 unless ``text`` can be encoded (tokenizers raise on lone surrogates)."""
+    # A JSON "\udc80" escape is valid JSON but not encodable text; tokenizers would raise.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(
+            f"'{param}' is not valid Unicode: {exc.reason} at index {exc.start}", param
+        ) from None
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """400 unless every id is in the vocabulary."""
+    for i, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise invalid(
+                f"'{param}' contains token id {token_id} at index {i}, outside the "
+                f"vocabulary [0, {vocab_size})",
+                param,
+            )
+
+
+# ---------------------------------------------------------------------------------------- deadlines
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    at: float  # time.monotonic() when the request expires
+    timeout_s: float  # the effective timeout, for the error message
+
+
+def request_deadline(
+    headers: Mapping[str, str], server_timeout_s: float | None, arrival_time: float
+) -> Deadline | None:
+    """The request's deadline, or None when neither the server nor the client sets one.
+
+    Raises:
+        APIError: 400 when the header is not a positive number of seconds.
+    """
+    raw = headers.get(TIMEOUT_HEADER.lower())
+    timeout_s = server_timeout_s
+    if raw is not None:
+        try:
+            requested = float(raw)
+        except ValueError:
+            requested = math.nan
+        if not (requested > 0 and math.isfinite(requested)):
+            raise invalid(
+                f"The {TIMEOUT_HEADER} header must be a positive number of seconds, got {raw!r}.",
+                TIMEOUT_HEADER,
+                "invalid_timeout",
+            )
+        timeout_s = requested if timeout_s is None else min(timeout_s, requested)
+    if timeout_s is None:
+        return None
+    return Deadline(arrival_time + timeout_s, timeout_s)
+
+
+# ---------------------------------------------------------------------------------------- body size
+
+
+class BodySizeLimitMiddleware:
+    """The request-body size limit (``--max-body-size``), enforced before any parsing (413).
+
+    Plain ASGI so it sees the body before FastAPI reads it: a ``Content-Length`` above the
+    limit is answered 413 at once, and a chunked body is counted as it arrives and cut off
+    with a 413 as soon as it passes the limit. Bodies under the limit are replayed to the app
+    unchanged; later ``receive()`` calls (disconnect detection) go straight to the server.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await self._reject(send, declared)
+            return
+        # Read the whole body (bounded) before the app runs, then replay it.
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break  # a disconnect: let the app see it
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                await self._reject(send, size)
+                return
+            if not message.get("more_body", False):
+                break
+        replay = iter(messages)
+
+        async def replay_receive() -> Message:
+            message = next(replay, None)
+            return message if message is not None else await receive()
+
+        await self.app(scope, replay_receive, send)
+
+    async def _reject(self, send: Send, size: int) -> None:
+        body = error_body(
+            f"Request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes "
+            "(--max-body-size).",
+            type=INVALID_REQUEST,
+            code="request_too_large",
+        )
+        payload = json.dumps(body).encode()
+        headers: list[Any] = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

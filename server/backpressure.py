@@ -8,7 +8,7 @@ before its prompt is tokenized or templated, so a burst costs the server almost 
 all of it). Two checks, both on the event loop:
 
 * **in flight** (exact, synchronous): engine requests the engine client holds (queued,
-  waiting, running, or aborted and not yet confirmed) plus the ones admitted here and still
+  waiting, running, or aborted and not yet confirmed) plus the ones held here and still
   being tokenized must stay within ``max_num_seqs + max_waiting_requests``. This one is what
   a burst meets: it does not depend on when the engine last stepped.
 * **waiting** (as of the last step): when KV memory, not ``max_num_seqs``, limits the batch,
@@ -38,8 +38,9 @@ def count_prompts(prompt: object) -> int:
     return 1
 
 
-class Admission:
-    """Admits requests while the server has room; one per app, used on the event loop only.
+class Backpressure:
+    """Holds room for requests while the server has it; one per app, used on the event loop
+    only.
 
     Args:
         client: the engine client whose in-flight requests count.
@@ -53,14 +54,14 @@ class Admission:
         self._client = client
         self.max_waiting_requests = max_waiting_requests
         self.capacity = max_num_seqs + max_waiting_requests
-        self._num_reserved = 0  # admitted here, not yet handed to the engine client
+        self._num_reserved = 0  # held here, not yet handed to the engine client
 
     @property
     def num_in_flight(self) -> int:
         return self._client.num_unfinished + self._num_reserved
 
     @contextlib.contextmanager
-    def admit(self, num_requests: int) -> Iterator[None]:
+    def hold(self, num_requests: int) -> Iterator[None]:
         """Hold room for ``num_requests`` engine requests while the body runs (tokenize,
         then ``GenerationRun.start``); once started, the engine client counts them.
 
