@@ -52,30 +52,30 @@ def describe(exc: BaseException) -> str:
 
 
 def execute_isolating(
-    runner: Runner, plan: SchedulerOutput, error: BaseException
+    runner: Runner, out: SchedulerOutput, error: BaseException
 ) -> tuple[ModelRunnerOutput, dict[str, str]]:
-    """Re-run a step whose ``runner.execute(plan)`` raised, in halves, to find the failing rows.
+    """Re-run a step whose ``runner.execute(out)`` raised, in halves, to find the failing rows.
 
     Args:
         runner: the runner that raised.
-        plan: the step's plan, as ``schedule()`` returned it.
-        error: what ``runner.execute(plan)`` raised (the error of a step of one row).
+        out: the step's ``SchedulerOutput``, as ``schedule()`` returned it.
+        error: what ``runner.execute(out)`` raised (the error of a step of one row).
     Returns:
         The merged output of every sub-run that succeeded, and request id -> error message
         for the requests whose row raised when computed alone.
     """
-    rows = [item for item in plan.scheduled if not item.padding]
+    rows = [item for item in out.scheduled if not item.padding]
     merged = ModelRunnerOutput([], [], [])
     failed: dict[str, str] = {}
-    copies = list(plan.blocks_to_copy)
+    copies = list(out.blocks_to_copy)
 
     def run(group: Sequence[ScheduledRequest], known_error: BaseException | None) -> None:
         nonlocal copies
         error = known_error
         if error is None:
             try:
-                sub_plan = SchedulerOutput(scheduled=list(group), blocks_to_copy=copies)
-                result = runner.execute(sub_plan)
+                sub_out = SchedulerOutput(scheduled=list(group), blocks_to_copy=copies)
+                result = runner.execute(sub_out)
             except Exception as exc:  # noqa: BLE001 - any failure of the rows is the request's
                 error = exc
             else:
@@ -95,7 +95,7 @@ def execute_isolating(
         # Without padding, these rows are exactly what failed: split them (or, if there is
         # one, it is the culprit) without running them again. With padding, the padding may
         # have been the cause, so the live rows are tried once more on their own first.
-        run(rows, error if len(rows) == len(plan.scheduled) else None)
+        run(rows, error if len(rows) == len(out.scheduled) else None)
     return merged, failed
 
 

@@ -170,7 +170,7 @@ class Scheduler:
     def next_admission_time(self) -> float | None:
         """The engine thread's sleep hint while dynamic batching holds requests back.
 
-        ``schedule()`` returns an empty plan while waiting requests sit out dynamic
+        ``schedule()`` returns an empty ``SchedulerOutput`` while waiting requests sit out dynamic
         batching's window, so an engine loop that steps whenever requests are unfinished
         would spin. The engine thread should instead, when this returns a time ``t``, wait
         for new requests (which can fill a batch early) with a timeout of
@@ -228,7 +228,7 @@ class Scheduler:
         """Advance every scheduled request, append sampled tokens, apply stop conditions.
 
         Args:
-            out: the plan ``schedule()`` returned for this step.
+            out: what ``schedule()`` returned for this step.
             sampled: request id -> the token sampled for it (requests whose chunk reached
                 their last token).
         Returns:

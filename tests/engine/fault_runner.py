@@ -24,7 +24,7 @@ class InjectedFault(RuntimeError):
 
 
 class FaultInjectingRunner:
-    """A runner that raises ``InjectedFault`` from ``execute`` when the plan computes any
+    """A runner that raises ``InjectedFault`` from ``execute`` when the step computes any
     request whose prompt contains ``token_id``; otherwise it defers to the wrapped runner."""
 
     def __init__(self, runner: Runner, token_id: int) -> None:

@@ -116,8 +116,8 @@ def test_a_fault_that_every_row_hits_fails_every_row(model_path: Path) -> None:
     real_execute = engine.runner.execute
     calls = []
 
-    def broken(plan):  # noqa: ANN001, ANN202 - the runner's own signature
-        calls.append(len(plan.scheduled))
+    def broken(out):  # noqa: ANN001, ANN202 - the runner's own signature
+        calls.append(len(out.scheduled))
         raise RuntimeError("device lost")
 
     engine.runner.execute = broken  # type: ignore[method-assign]
@@ -142,8 +142,8 @@ def test_isolation_runs_copy_on_write_once(model_path: Path) -> None:
     engine = make_engine(model_path, fault=None)
     for i in range(4):
         engine.add_request(f"r{i}", [40 + i] * 5, SamplingParams(max_tokens=2, temperature=0))
-    plan = engine.scheduler.schedule()
-    plan.blocks_to_copy = [(1, 2)]
+    out = engine.scheduler.schedule()
+    out.blocks_to_copy = [(1, 2)]
     seen: list[tuple[list[str], list]] = []
 
     class Runner:
@@ -154,7 +154,7 @@ def test_isolation_runs_copy_on_write_once(model_path: Path) -> None:
                 raise ValueError("poisoned")
             return ModelRunnerOutput(ids, [0] * len(ids), [None] * len(ids))
 
-    merged, failed = execute_isolating(Runner(), plan, ValueError("poisoned"))  # type: ignore[arg-type]
+    merged, failed = execute_isolating(Runner(), out, ValueError("poisoned"))  # type: ignore[arg-type]
     assert failed == {"r0": "ValueError: poisoned"}
     assert sorted(merged.request_ids) == ["r1", "r2", "r3"]
     # [r0 r1] fails (copies carried), [r0] fails alone (the culprit), [r1] succeeds carrying
