@@ -8,14 +8,13 @@ BATCHING_MODES = ("continuous", "static", "dynamic")
 BLOCK_ALLOCATION_MODES = ("optimistic", "reserve")
 
 # The default step token budget, and the chunk size when the prefill work waiting does not
-# fit in one step. A burst whose prompts all fit in the budget (16 of 128 tokens here) is
+# fit in one step. A burst whose prompts all fit in the budget (16 of 128 tokens) is
 # prefilled in one step and then decodes together, with no later prefill chunk landing
-# between its tokens: with a flat 512, the 16-request burst went in 4 prompts per step and
-# inter-token p99 at concurrency 16 was 650 ms on 2 CPU cores, against 96 ms this way. A
-# queue deeper than one step (64 such prompts) drains in 512-token chunks instead: each
-# request starts as soon as its own chunk is done rather than a 2048-token step later, and
-# running decodes wait one short step between tokens (concurrency 64: TTFT p50 4.1-4.8 s and
-# inter-token p99 ~1 s, against 4.1-5.8 s and ~2.5 s with 2048-token steps).
+# between its tokens; with a flat 512 such a burst went in 4 prompts per step, each landing
+# between the earlier ones' tokens, and its inter-token p99 was several times higher. A queue
+# deeper than one step (64 such prompts) drains in 512-token chunks instead: each request
+# starts as soon as its own chunk is done rather than a 2048-token step later, and running
+# decodes wait one short step between tokens (figures: benchmarks/RESULTS.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 

@@ -3,8 +3,8 @@
 Precedence is flag > ``PAGEDSERVE_*`` environment variable > default. Each setting is declared
 once in ``_OPTIONS`` (flag, env var, type, default, help, destination), so the flag list, the env
 var list and ``--help`` cannot drift apart; ``server/flags.py`` builds the parser from that
-table. The result is a frozen ``ServingConfig`` composing the per-package configs (STYLE 12):
-each component is handed only its own sub-config.
+table. The result is a frozen ``ServingConfig`` that composes the per-package configs (it
+does not inherit them): each component is handed only its own sub-config.
 """
 
 from __future__ import annotations

@@ -452,11 +452,10 @@ class EngineLoop:
             )
             self.heartbeat = time.monotonic()
             # Delivered now, though the event loop then usually takes the GIL first and this
-            # thread waits for it ("between_steps": ~0.5 ms a token at batch 1 on 2 cores).
-            # Posting instead when the next step's forward starts (torch ops release the GIL)
-            # cut that to 0.02 ms but the event loop's work then ran beside the forward's two
-            # threads: TPOT p50 5.34-5.77 -> 5.46-6.21 ms (default model, concurrency 1,
-            # three alternating rounds).
+            # thread waits for it (the "between_steps" phase). Posting instead when the next
+            # step's forward starts (torch ops release the GIL) shrinks that wait, but the
+            # event loop's work then runs beside the forward's threads, and batch-1 TPOT got
+            # worse, not better (benchmarks/RESULTS.md).
             if outputs or stats is not None:
                 self._post(self._deliver, outputs, stats)
 

@@ -1,4 +1,5 @@
-"""Pydantic schemas of the HTTP API: the only pydantic in the repo (STYLE 14).
+"""Pydantic schemas of the HTTP API, the only pydantic in the repo: it stays at the HTTP
+edge, and everything behind the server reads plain frozen dataclasses.
 
 Requests are parsed in *strict* mode: a field of the wrong JSON type (``"max_tokens": "16"``,
 ``"temperature": true``) is a 422, as FastAPI reports schema errors. Types only live here;

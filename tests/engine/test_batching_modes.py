@@ -40,7 +40,7 @@ STOP_AT = {1: 10, 5: 7, 8: 15}  # request -> the output index whose token become
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread() -> Iterator[None]:
     # Tiny matmuls gain nothing from threads, and on a shared 2-core machine intra-op
-    # threads contend: one thread runs these tests ~30x faster there.
+    # threads contend: one thread runs these tests many times faster there.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -98,7 +98,7 @@ def tiny_server(
         "--stats-log-interval", "0",
         *args,
     ]  # fmt: skip
-    # One torch thread: see real_server.py (oversubscribed cores make steps ~10x slower).
+    # One torch thread: see real_server.py (oversubscribed cores make steps many times slower).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     server = ServerProcess(argv, port, log, env=env, cwd=REPO)
     server.start()
