@@ -30,10 +30,10 @@ GPU_PYTHON ?= $(BIN)/python
 test-gpu: $(if $(filter $(BIN)/python,$(GPU_PYTHON)),$(STAMP))
 	$(GPU_PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: this torch ($(GPU_PYTHON)) sees no CUDA device; pass GPU_PYTHON=<a CUDA build>')"
 	$(GPU_PYTHON) -m pytest -q -m gpu $(ARGS)
-	$(GPU_PYTHON) -m kernels.bench --targets --fused
+	$(GPU_PYTHON) -m benchmarks.kernels --targets --fused
 
 bench: $(STAMP)
-	$(BIN)/python -m engine.bench $(ARGS)
+	$(BIN)/python -m benchmarks.offline $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff mypy

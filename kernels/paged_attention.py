@@ -46,7 +46,7 @@ SPLIT_BELOW_WAVES = 2
 # Split grids aim at this many programs per SM: a decode program streams its K/V tiles
 # one after another, so an SM needs several resident to keep enough loads in flight.
 TARGET_WAVES = 4
-# Launch parameters of the decode kernel (Triton's defaults; kernels/bench.py --warps and
+# Launch parameters of the decode kernel (Triton's defaults; benchmarks/kernels.py --warps and
 # --stages sweep them).
 NUM_WARPS = 4
 NUM_STAGES = 3

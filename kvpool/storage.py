@@ -57,7 +57,7 @@ def kv_bytes_per_token(
     return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
-def plan_capacity(
+def size_kv_cache(
     config: KVPoolConfig,
     *,
     num_layers: int,
@@ -88,6 +88,11 @@ def plan_capacity(
             f"at {per_token} bytes/token"
         )
     return KVCapacity(num_blocks, config.block_size, per_token)
+
+
+# The old name, until engine/llm_engine.py imports ``size_kv_cache``: "plan" is the capacity
+# planner's word (planner/, ``pagedserve plan``). Remove once nothing imports it.
+plan_capacity = size_kv_cache
 
 
 class KVCacheStorage:

@@ -97,7 +97,7 @@ def measure_bandwidth(
     product's several streams per thread beat both with one thread here). A peak below what
     the model itself achieves would report an MBU above 1. For the same reason the tensors
     are on huge pages where the OS gives them, as the engine's weights and KV cache are
-    (``kvpool/host_memory.py``: x.sum() read 27-30 GB/s on 4 KiB pages, 31-33 on 2 MiB).
+    (``kvpool/host_memory.py``: a reduction reads faster on 2 MiB pages than on 4 KiB ones).
 
     Returns:
         (read bytes/s, copy bytes/s); copy counts the bytes read plus the bytes written.

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from planner import arithmetic as ar
+import planner.arithmetic as ar
 from planner.devices import Device
 from planner.dtypes import canonical_dtype, compute_dtype, dtype_bytes
 from planner.models import PlannedModel

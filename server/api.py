@@ -15,7 +15,7 @@ Routes::
 
 Middleware, outermost first: CORS (only with --cors-origins), drain (SIGTERM: 503 for new
 requests; server/shutdown.py), API keys (only with --api-key; server/auth.py), body size
-(413; server/limits.py). Each answers before the body is parsed.
+(413; server/validation.py). Each answers before the body is parsed.
 """
 
 from __future__ import annotations
@@ -35,10 +35,8 @@ from server.config import ServingConfig
 from server.context import ServingContext
 from server.engine_client import AsyncEngineClient
 from server.errors import install_error_handlers, invalid
-from server.http_metrics import HTTPMetricsMiddleware
-from server.limits import BodySizeLimitMiddleware
-from server.metrics import ServerMetrics, config_info
-from server.prompts import chat_prompt, check_token_ids, encode
+from server.metrics import HTTPMetricsMiddleware, ServerMetrics, config_info
+from server.prompts import chat_prompt, encode
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -52,8 +50,13 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.sampling import check_model, check_unknown_fields
 from server.shutdown import DrainMiddleware, DrainState
+from server.validation import (
+    BodySizeLimitMiddleware,
+    check_model,
+    check_token_ids,
+    check_unknown_fields,
+)
 
 
 def _version() -> str:
@@ -154,8 +157,8 @@ def create_app(
                 "integrity_checked_at_step": snap.integrity_checked_at_step,
             },
             "requests": {
-                "in_flight": ctx.admission.num_in_flight,
-                "capacity": ctx.admission.capacity,
+                "in_flight": ctx.backpressure.num_in_flight,
+                "capacity": ctx.backpressure.capacity,
             },
         }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)

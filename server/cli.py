@@ -43,8 +43,8 @@ def on_worker_thread(fn: Callable[..., T], *args: Any) -> T:
     threads, kept for the life of the process. A team created on the main thread while the
     model loads (or the CPU peaks are measured) leaves more OpenMP threads than cores once
     the engine thread has its own, and libgomp then stops spinning between parallel regions:
-    every matmul of a decode step pays a futex wake-up. On the 2-core CPU box that made a
-    batch-1 decode step 1.5-2x slower (45 -> 67-75 ms) than the same step on the main thread.
+    every matmul of a decode step pays a futex wake-up. On a 2-core CPU that made a batch-1
+    decode step markedly slower than the same step on the main thread.
     A team whose thread has exited is reused by the next thread that needs one.
     """
     # The executor's one worker thread exits at the end of the ``with``; exceptions are

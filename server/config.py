@@ -3,8 +3,8 @@
 Precedence is flag > ``PAGEDSERVE_*`` environment variable > default. Each setting is declared
 once in ``_OPTIONS`` (flag, env var, type, default, help, destination), so the flag list, the env
 var list and ``--help`` cannot drift apart; ``server/flags.py`` builds the parser from that
-table. The result is a frozen ``ServingConfig`` composing the per-package configs (STYLE 12):
-each component is handed only its own sub-config.
+table. The result is a frozen ``ServingConfig`` that composes the per-package configs (it
+does not inherit them): each component is handed only its own sub-config.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from kvpool.config import DEFAULT_BLOCK_SIZE, KVPoolConfig
-from scheduler.config import ADMISSION_MODES, BATCHING_MODES, SchedulerConfig
+from scheduler.config import BATCHING_MODES, BLOCK_ALLOCATION_MODES, SchedulerConfig
 from server.flags import (
     Option,
     build_arg_parser,
@@ -59,7 +59,7 @@ class ServerConfig:
         peak_tflops: peak TFLOP/s in the serving dtype that MFU divides by; None as above.
         max_waiting_requests: engine requests (prompts x n) that may wait behind the
             ``max_num_seqs`` running ones; past it new requests get 503 + Retry-After before
-            they are tokenized (server/admission.py).
+            they are tokenized (server/backpressure.py).
         max_prompt_tokens: longest prompt accepted (400 above); None = the context length.
         max_output_tokens: largest ``max_tokens`` accepted (400 above); a request without
             ``max_tokens`` gets at most this many. None = up to the context length.
@@ -223,10 +223,6 @@ _OPTIONS: tuple[Option, ...] = (
            _E.cuda_graph_sizes,
            "CUDA: decode batch sizes to capture a graph for, e.g. 1,2,4,8,16; auto = 1, 2, "
            "4, 8, then steps of 8 to 64 and of 16 to --max-num-seqs"),
-    Option("--test-fault-token-id", "engine", "fault_token_id", optional(int),
-           _E.fault_token_id,
-           "TEST ONLY, never in production: the engine fails every request whose prompt "
-           "holds this token id (fault injection for chaos tests)"),
     # kvpool
     Option("--block-size", "kvpool", "block_size", int, DEFAULT_BLOCK_SIZE,
            "tokens per KV block (a power of two)"),
@@ -250,9 +246,9 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--batching", "scheduler", "batching", str, _P.batching,
            "continuous (iteration-level), static or dynamic",
            BATCHING_MODES),
-    Option("--admission", "scheduler", "admission", str, _P.admission,
+    Option("--block-allocation", "scheduler", "block_allocation", str, _P.block_allocation,
            "optimistic (preempt by recompute later) or reserve (prompt + max_tokens up front)",
-           ADMISSION_MODES),
+           BLOCK_ALLOCATION_MODES),
     Option("--batch-wait-ms", "scheduler", "batch_wait_ms", float, _P.batch_wait_ms,
            "dynamic batching: longest wait for a full batch"),
     Option("--static-finished", "scheduler", "static_finished", str, _P.static_finished,

@@ -1,6 +1,6 @@
 """What crosses the engine client's boundary: the engine's interface, requests, snapshots,
-health, and the per-request output streams the event loop reads (server/engine_client.py
-and the engine thread it runs, server/engine_loop.py, sit between them).
+health, and the per-request output streams the event loop reads (server/engine_client.py,
+the client and its engine thread, sits between them).
 """
 
 from __future__ import annotations

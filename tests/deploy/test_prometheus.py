@@ -284,8 +284,8 @@ def test_mbu_at_batch_one_decode_is_plausible(sent: Sent) -> None:
     # The lone request's decode steps read every weight once (~120 MB of the checkpoint's
     # GGUF blocks for SmolLM2-135M) plus its KV cache. The peak is a 512 MB read, from
     # memory; a step's bytes can partly come from a large last-level cache instead, so the
-    # gauge may pass 1: 1.36 on a VM with 480 MiB of shared L3 (one thread, 22.3 against a
-    # 16.3 GB/s probe). The upper bound only catches a unit slip (a factor of 1,000).
+    # gauge may pass 1 on a machine with a large shared L3 (benchmarks/RESULTS.md). The upper
+    # bound only catches a unit slip (a factor of 1,000).
     print(
         f"batch-1 decode: {sent.bandwidth / 1e9:.2f} GB/s of {sent.peak_bandwidth / 1e9:.2f} "
         f"GB/s peak, MBU {sent.mbu:.3f}"

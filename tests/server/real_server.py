@@ -67,7 +67,7 @@ def running_server(log: Path) -> Iterator[RealServer]:
     ]  # fmt: skip
     # One torch thread: on a small shared CPU box, torch's default (one thread per core)
     # oversubscribes the cores with this test process and others, and OpenMP spin-waiting then
-    # makes every step ~10x slower. The server's behaviour under test does not depend on it.
+    # makes every step many times slower. The server's behaviour under test does not depend on it.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with ServerProcess(argv, port, log, env=env) as process:
         process.wait_healthy(STARTUP_TIMEOUT_S)
