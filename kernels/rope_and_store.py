@@ -76,6 +76,13 @@ def _rope_and_store_kernel(
     src = qkv_ptr + token * stride_qkv_token + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF_PAD]
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    # V of the K rows, issued with every other load: only the stores wait for the slot.
+    k_rows = mask & (offs_h >= NUM_HEADS)[:, None]
+    value = src + NUM_KV_HEADS * HEAD_DIM  # V head h sits KV heads past K head h
+    v1 = tl.load(value, mask=k_rows)
+    v2 = tl.load(value + HALF, mask=k_rows)
+    # int64 before any arithmetic: block_id * stride_cache_block passes 2**31 in a large pool.
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # torch: x * cos + cat(-x2, x1) * sin, each product rounded, then the sum.
     out1 = round_to(
         round_to(x1 * cos1, DTYPE, SOFT_BF16_ROUND) - round_to(x2 * sin1, DTYPE, SOFT_BF16_ROUND),
@@ -90,12 +97,10 @@ def _rope_and_store_kernel(
     tl.store(src, out1, mask=q_mask)
     tl.store(src + HALF, out2, mask=q_mask)
 
-    # int64 before any arithmetic: block_id * stride_cache_block passes 2**31 in a large pool.
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # K rows of a token with a slot; the others (Q rows, padding tokens) store nothing, and
     # their addresses (negative KV head, slot -1) are never dereferenced.
     has_slot = (tl.zeros([BLOCK_H], tl.int64) + slot) >= 0  # as a vector: masks are tensors
-    k_mask = mask & ((offs_h >= NUM_HEADS) & has_slot)[:, None]
+    k_mask = k_rows & has_slot[:, None]
     kv_head = offs_h - NUM_HEADS
     dst = (
         (slot // BLOCK_SIZE) * stride_cache_block
@@ -105,9 +110,8 @@ def _rope_and_store_kernel(
     )
     tl.store(key_cache_ptr + dst, out1, mask=k_mask)
     tl.store(key_cache_ptr + dst + HALF, out2, mask=k_mask)
-    value = src + NUM_KV_HEADS * HEAD_DIM  # V head h sits KV heads past K head h
-    tl.store(value_cache_ptr + dst, tl.load(value, mask=k_mask), mask=k_mask)
-    tl.store(value_cache_ptr + dst + HALF, tl.load(value + HALF, mask=k_mask), mask=k_mask)
+    tl.store(value_cache_ptr + dst, v1, mask=k_mask)
+    tl.store(value_cache_ptr + dst + HALF, v2, mask=k_mask)
 
 
 def rope_and_store_(
