@@ -371,7 +371,7 @@ def bench_config(
                 if skipped is not None and not any(w.startswith(name) for w in skipped):
                     skipped.append(f"{name}: {why}")
                 continue
-            fns = {id(i): f[k][1] for i, f in zip(sets, found)}
+            fns = {id(i): f[k][1] for i, f in zip(sets, found, strict=True)}
             add(name, 1, lambda i, fns=fns: fns[id(i)]())
     # The reference reads the longest context on the host: not capturable.
     add("reference", 1, lambda i: reference.paged_attention_decode(

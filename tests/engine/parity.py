@@ -112,8 +112,7 @@ def assert_parity(
                 f"ours: {ours}\nref:  {ref.token_ids}"
             )
             note = (
-                f"{label}: near-tie divergence at token {i} (margin {margin:.2e} {rule}), "
-                "accepted"
+                f"{label}: near-tie divergence at token {i} (margin {margin:.2e} {rule}), accepted"
             )
             print(note)
             return note

@@ -36,7 +36,8 @@ def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list,
         m.setattr(CpuLayerOps, "rows_per_pass", ONE_PASS)
         llm = LLM(
             str(path),
-            attention_backend="cpu", **DEVICE,
+            attention_backend="cpu",
+            **DEVICE,
             block_size=8,
             max_num_seqs=80,
             max_num_batched_tokens=budget,

@@ -19,7 +19,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "F
     "device",
     [
         pytest.param("cpu", marks=pytest.mark.skipif(
-            not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set without CUDA)"
+            not INTERPRET,
+            reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set without CUDA)",
         )),
         pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
             not torch.cuda.is_available() or INTERPRET,

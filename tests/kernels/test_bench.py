@@ -86,7 +86,8 @@ def test_fused_bytes_count_each_ops_reads_and_writes():
 
 
 def test_targets_are_the_issue_rows():
-    configs = sweep(argparse.Namespace(targets=True, dtype="bf16", quick=False), torch.device("cpu"))
+    args = argparse.Namespace(targets=True, dtype="bf16", quick=False)
+    configs = sweep(args, torch.device("cpu"))
     assert [(c.batch, c.context_len) for c in configs] == TARGET_ROWS
     assert {(c.num_heads, c.num_kv_heads, c.head_dim, c.block_size) for c in configs} == {
         (32, 8, 128, 16)
