@@ -1,4 +1,4 @@
-"""Attention kernels over the paged KV cache.
+"""Kernels over the paged KV cache, and the decoder layer's fused elementwise ops.
 
 Owns: no state. Every kernel exists twice with one signature:
 
@@ -8,6 +8,9 @@ Owns: no state. Every kernel exists twice with one signature:
       from kernels.store_kv import store_kv
       from kernels.paged_attention import paged_attention_decode  # + split-K, num_splits=
       from kernels.prefill_attention import paged_attention_prefill
+      from kernels.rms_norm import add_rms_norm_, rms_norm  # the decoder layer's fused ops
+      from kernels.rope_and_store import rope_and_store_
+      from kernels.silu_mul import silu_mul
 
 This module must not import triton, so CPU code paths never need it at import time. It
 re-exports only the reference *module*: re-exporting its functions would clash with the
