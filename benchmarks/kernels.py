@@ -146,6 +146,67 @@ def time_fn(fn: Callable[[], object], device: torch.device) -> float:
     return time_cpu(fn)
 
 
+# CUDA: each implementation is timed over this many bytes of independent inputs, captured in
+# one CUDA graph (see time_graph), so that a small case does not find its data in the L2
+# cache (50 MB on an H100) left there by the previous call.
+GRAPH_BYTES = 256 * 2**20
+MAX_INPUT_SETS = 64
+
+
+def num_input_sets(bytes_per_call: int, device: torch.device) -> int:
+    """How many independent input sets a case is timed over (1 off CUDA)."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(MAX_INPUT_SETS, -(-GRAPH_BYTES // max(1, bytes_per_call))))
+
+
+def time_graph(fns: list[Callable[[], object]], reps: int = 20) -> float:
+    """Seconds per call of ``fns`` (one call per input set) captured in one CUDA graph.
+
+    This is how a decode step runs in the engine (a graph, each layer on its own cache), so
+    it measures the kernels and not Python's launch overhead, which at a few microseconds a
+    launch exceeds a small case's whole GPU time (``do_bench`` then times the launches).
+    The median of ``reps`` replays, divided by the calls in one replay.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm the allocator outside the capture
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    # Replay for 25 ms first (do_bench's warm-up): an idle GPU's clocks take that long to
+    # rise, and the first case timed after a pause otherwise reads ~15% slow.
+    warm_until = time.perf_counter() + 0.025
+    while time.perf_counter() < warm_until:
+        graph.replay()
+        torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] / 1e3 / len(fns)
+
+
+def time_sets(
+    impl: Callable[[object], object], sets: list, device: torch.device, *, capturable: bool = True
+) -> float:
+    """Seconds per call of ``impl(input_set)``: a CUDA graph over every set on CUDA (do_bench
+    on the first set where the implementation cannot be captured, e.g. it reads a tensor on
+    the host), wall clock on the first set on CPU."""
+    if device.type == "cuda" and capturable:
+        return time_graph([lambda s=s: impl(s) for s in sets])
+    return time_fn(lambda: impl(sets[0]), device)
+
+
 @dataclass
 class Inputs:
     query: torch.Tensor  # [batch, num_heads, head_dim]
@@ -263,18 +324,31 @@ def bench_config(
     the heuristic split at these (num_warps, num_stages). ``externals``: FlashInfer and
     FlashAttention rows where importable (why not, appended to ``skipped``).
     """
-    x = make_inputs(cfg, device)
     scale = cfg.head_dim**-0.5
-    paged = (x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, scale)
-    expected = reference.paged_attention_decode(*paged).float()
+    sets = [make_inputs(cfg, device) for _ in range(num_input_sets(cfg.bytes_moved(), device))]
+    x = sets[0]
+    expected = reference.paged_attention_decode(
+        x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, scale
+    ).float()
     rows: list[tuple[str, int, float, float]] = []
 
     def error(out: torch.Tensor) -> float:
         return float((out.float().reshape(expected.shape) - expected).abs().max())
 
+    def add(name: str, num_splits: int, impl: Callable[[Inputs], torch.Tensor],
+            capturable: bool = True) -> None:  # fmt: skip
+        seconds = time_sets(impl, sets, device, capturable=capturable)
+        rows.append((name, num_splits, seconds, error(impl(x))))
+
     if triton_runs_on(device):
         import kernels.paged_attention as decode_module
         from kernels.paged_attention import choose_num_splits, paged_attention_decode
+
+        def triton_decode(n: int) -> Callable[[Inputs], torch.Tensor]:
+            return lambda i: paged_attention_decode(
+                i.query, i.key_cache, i.value_cache, i.block_tables, i.seq_lens, scale,
+                num_splits=n,
+            )  # fmt: skip
 
         chosen = choose_num_splits(
             cfg.batch, cfg.num_kv_heads, x.block_tables.shape[1] * cfg.block_size, device
@@ -282,35 +356,35 @@ def bench_config(
         candidates = [("triton", chosen)] + ([("triton-nosplit", 1)] if chosen > 1 else [])
         candidates += [(f"triton-split={n}", n) for n in splits or [] if n != chosen]
         for name, n in candidates:
-            fn = lambda n=n: paged_attention_decode(*paged, num_splits=n)  # noqa: E731
-            rows.append((name, n, time_fn(fn, device), error(fn())))
+            add(name, n, triton_decode(n))
         default = (decode_module.NUM_WARPS, decode_module.NUM_STAGES)
         for warps, stages in launch_params or []:
             decode_module.NUM_WARPS, decode_module.NUM_STAGES = warps, stages
             try:
-                fn = lambda: paged_attention_decode(*paged, num_splits=chosen)  # noqa: E731
-                rows.append((f"triton[w={warps},s={stages}]", chosen, time_fn(fn, device),
-                             error(fn())))  # fmt: skip
+                add(f"triton[w={warps},s={stages}]", chosen, triton_decode(chosen))
             finally:
                 decode_module.NUM_WARPS, decode_module.NUM_STAGES = default
     if externals:
-        for name, fn, why in external_decoders(x, cfg, scale):
+        found = [external_decoders(i, cfg, scale) for i in sets]
+        for k, (name, fn, why) in enumerate(found[0]):
             if fn is None:
                 if skipped is not None and not any(w.startswith(name) for w in skipped):
                     skipped.append(f"{name}: {why}")
                 continue
-            rows.append((name, 1, time_fn(fn, device), error(fn())))
-    rows.append(("reference", 1, time_fn(lambda: reference.paged_attention_decode(*paged), device),
-                 0.0))  # fmt: skip
-    rows.append(("sdpa", 1, time_fn(lambda: sdpa(x.query, x.key, x.value, scale), device),
-                 error(sdpa(x.query, x.key, x.value, scale))))  # fmt: skip
+            fns = {id(i): f[k][1] for i, f in zip(sets, found, strict=True)}
+            add(name, 1, lambda i, fns=fns: fns[id(i)]())
+    # The reference reads the longest context on the host: not capturable.
+    add("reference", 1, lambda i: reference.paged_attention_decode(
+        i.query, i.key_cache, i.value_cache, i.block_tables, i.seq_lens, scale
+    ), capturable=False)  # fmt: skip
+    add("sdpa", 1, lambda i: sdpa(i.query, i.key, i.value, scale))
 
-    def gather_then_sdpa() -> torch.Tensor:
-        key = gather(x.key_cache, x.block_tables, cfg.context_len)
-        value = gather(x.value_cache, x.block_tables, cfg.context_len)
-        return sdpa(x.query, key, value, scale)
+    def gather_then_sdpa(i: Inputs) -> torch.Tensor:
+        key = gather(i.key_cache, i.block_tables, cfg.context_len)
+        value = gather(i.value_cache, i.block_tables, cfg.context_len)
+        return sdpa(i.query, key, value, scale)
 
-    rows.append(("sdpa+gather", 1, time_fn(gather_then_sdpa, device), error(gather_then_sdpa())))
+    add("sdpa+gather", 1, gather_then_sdpa)
     return rows
 
 
@@ -348,62 +422,78 @@ FUSED_OPS = ("add_rms_norm_", "rms_norm", "silu_mul", "rope_and_store_")
 
 def bench_fused(cfg: FusedConfig, device: torch.device) -> list[tuple[str, str, float, float]]:
     """Rows of (op, implementation, seconds, max |output - torch twin's output|) for each of
-    ``FUSED_OPS``: ``triton`` (where Triton runs) and ``torch`` (``kernels.reference``, the
-    engine's ``TorchLayerOps`` arithmetic)."""
+    ``FUSED_OPS``: ``triton`` (where Triton runs) and ``torch``, the arithmetic of the
+    engine's ``TorchLayerOps`` (``kernels.reference``); on CUDA its RoPE stores K/V with the
+    Triton ``store_kv``, as the engine does there (the reference's store reads the slots on
+    the host, which no CUDA graph can hold)."""
     from kernels.rms_norm import add_rms_norm_, rms_norm
     from kernels.rope_and_store import rope_and_store_
     from kernels.silu_mul import silu_mul
 
     t, h, d = cfg.num_tokens, cfg.hidden_size, cfg.head_dim
     nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    num_blocks = -(-t // cfg.block_size) + 1
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device).to(cfg.dtype)
 
-    x, residual, weight = randn(t, h), randn(t, h), randn(h)
-    gate_up = randn(t, 2 * cfg.intermediate_size)
-    qkv = randn(t, (nh + 2 * nkv) * d)
-    angles = torch.rand(t, d, device=device) * 6.3
-    cos, sin = angles.cos().to(cfg.dtype), angles.sin().to(cfg.dtype)
-    num_blocks = -(-t // cfg.block_size) + 1
-    cache_shape = (num_blocks, cfg.block_size, nkv, d)
-    key_cache = torch.zeros(cache_shape, dtype=cfg.dtype, device=device)
-    value_cache = torch.zeros_like(key_cache)
-    slots = torch.randperm(num_blocks * cfg.block_size, device=device)[:t]
+    def make_set() -> dict[str, torch.Tensor]:
+        angles = torch.rand(t, d, device=device) * 6.3
+        key_cache = torch.zeros((num_blocks, cfg.block_size, nkv, d), dtype=cfg.dtype,
+                                device=device)  # fmt: skip
+        return dict(
+            x=randn(t, h), residual=randn(t, h), weight=randn(h),
+            gate_up=randn(t, 2 * cfg.intermediate_size), qkv=randn(t, (nh + 2 * nkv) * d),
+            cos=angles.cos().to(cfg.dtype), sin=angles.sin().to(cfg.dtype),
+            key_cache=key_cache, value_cache=torch.zeros_like(key_cache),
+            slots=torch.randperm(num_blocks * cfg.block_size, device=device)[:t],
+        )  # fmt: skip
 
-    def rope(impl: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        out = impl(q, cos, sin, k, v, slots, nh, nkv)
-        return torch.cat([out.flatten(), k.flatten(), v.flatten()])
+    if device.type == "cuda":
+        from kernels.store_kv import store_kv
+    else:
+        store_kv = reference.store_kv
 
-    cases: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor],
-                           Callable[[], tuple[torch.Tensor, ...]]]] = {
+    def torch_rope_and_store(qkv, cos, sin, key_cache, value_cache, slots, nh, nkv):
+        q_and_k = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d)
+        c, s_ = cos.view(t, 1, d), sin.view(t, 1, d)
+        half = d // 2
+        rotated = q_and_k * c + torch.cat((-q_and_k[..., half:], q_and_k[..., :half]), -1) * s_
+        value = qkv[:, (nh + nkv) * d :].view(t, nkv, d)
+        store_kv(rotated[:, nh:], value, key_cache, value_cache, slots)
+        return rotated[:, :nh]
+
+    def rope(impl: Callable[..., torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        q = impl(b["qkv"], b["cos"], b["sin"], b["key_cache"], b["value_cache"], b["slots"],
+                 nh, nkv)  # fmt: skip
+        return torch.cat([q.flatten(), b["key_cache"].flatten(), b["value_cache"].flatten()])
+
+    ops: dict[str, tuple[Callable[[dict], torch.Tensor], Callable[[dict], torch.Tensor]]] = {
         "add_rms_norm_": (
-            lambda a, r: add_rms_norm_(a, r, weight, 1e-5),
-            lambda a, r: reference.add_rms_norm_(a, r, weight, 1e-5),
-            lambda: (x, residual.clone()),
+            lambda b: add_rms_norm_(b["x"], b["residual"], b["weight"], 1e-5),
+            lambda b: reference.add_rms_norm_(b["x"], b["residual"], b["weight"], 1e-5),
         ),
         "rms_norm": (
-            lambda a: rms_norm(a, weight, 1e-5),
-            lambda a: reference.rms_norm(a, weight, 1e-5),
-            lambda: (x,),
+            lambda b: rms_norm(b["x"], b["weight"], 1e-5),
+            lambda b: reference.rms_norm(b["x"], b["weight"], 1e-5),
         ),
-        "silu_mul": (silu_mul, reference.silu_mul, lambda: (gate_up,)),
+        "silu_mul": (lambda b: silu_mul(b["gate_up"]), lambda b: reference.silu_mul(b["gate_up"])),
         "rope_and_store_": (
-            lambda *a: rope(rope_and_store_, *a),
-            lambda *a: rope(reference.rope_and_store_, *a),
-            lambda: (qkv.clone(), key_cache.clone(), value_cache.clone()),
+            lambda b: rope(rope_and_store_, b), lambda b: rope(torch_rope_and_store, b),
         ),
     }  # fmt: skip
+    per_call = max(cfg.bytes_moved(op) for op in FUSED_OPS)
+    sets = [make_set() for _ in range(num_input_sets(per_call, device))]
     rows: list[tuple[str, str, float, float]] = []
     for op in FUSED_OPS:
-        kernel, twin, fresh = cases[op]
-        expected = twin(*fresh()).float()
-        timed = fresh()  # in-place ops keep writing into these while timed
+        kernel, twin = ops[op]
+        # In-place ops: each compared call gets its own copy of the first set.
+        expected = twin({k: v.clone() for k, v in sets[0].items()}).float()
         if triton_runs_on(device):
-            err = float((kernel(*fresh()).float() - expected).abs().max())
-            rows.append((op, "triton", time_fn(lambda: kernel(*timed), device), err))
-        rows.append((op, "torch", time_fn(lambda: twin(*timed), device), 0.0))
+            out = kernel({k: v.clone() for k, v in sets[0].items()}).float()
+            rows.append((op, "triton", time_sets(kernel, sets, device),
+                         float((out - expected).abs().max())))  # fmt: skip
+        rows.append((op, "torch", time_sets(twin, sets, device), 0.0))
     return rows
 
 

@@ -169,7 +169,9 @@ def run(
         probe = lambda: max(measure_bandwidth(repeats=3, budget_s=0.25))  # noqa: E731
     results = []
     for weights in configs:
-        llm = LLM(model, matmul_weights=weights, attention_backend="cpu")
+        # The C++ kernels' fused stack is a float32 CPU path, on any machine.
+        llm = LLM(model, matmul_weights=weights, attention_backend="cpu", device="cpu",
+                  dtype="float32")  # fmt: skip
         if not llm.engine.model.ops.fuses_layers:
             raise SystemExit("the step profile needs the C++ cpu kernels' fused stack")
         vocab = llm.engine.model_config.vocab_size

@@ -10,6 +10,9 @@ Owns: no state. Two families:
       from kernels.store_kv import store_kv
       from kernels.paged_attention import paged_attention_decode  # + split-K, num_splits=
       from kernels.prefill_attention import paged_attention_prefill
+      from kernels.rms_norm import add_rms_norm_, rms_norm  # the decoder layer's fused ops
+      from kernels.rope_and_store import rope_and_store_
+      from kernels.silu_mul import silu_mul
 
 - The C++ CPU kernels, ``kernels.cpu``: paged decode attention, the fused layer elementwise
   ops, float32 matmuls on packed weight panels and on a GGUF file's quantized blocks, and

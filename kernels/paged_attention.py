@@ -39,7 +39,7 @@ _LOG2E = 1.4426950408889634
 # Split-K heuristic (see choose_num_splits). A split is at least one tile: shorter, a program
 # would mask most of its only tile.
 MIN_TOKENS_PER_SPLIT = 64
-MAX_SPLITS = 64
+MAX_SPLITS = 32
 # Below this many waves of programs (per SM) the plain grid is left unsplit only when it
 # already fills the device: batch >= 33 at 8 KV heads on 132 SMs keeps the one-kernel path.
 SPLIT_BELOW_WAVES = 2
@@ -200,7 +200,7 @@ def choose_num_splits(
 
     On an H100 (132 SMs), Llama-3-8B shape (8 KV heads): batch 1 x 512 -> 8 splits of 64
     tokens (64 programs: the context has no more tiles); 16 x 512 -> 4 of 128 (512
-    programs); 1 x 4,096 -> 64 of 64 (512); 64 x 4,096 and beyond -> 1 (unchanged).
+    programs); 1 x 4,096 -> 32 of 128 (256); 64 x 4,096 and beyond -> 1 (unchanged).
 
     ``max_context_len`` must come from shapes (a bucket of the batch's longest context), not
     from ``seq_lens`` read on the host. Off CUDA (the interpreter runs programs one after

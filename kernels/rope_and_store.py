@@ -13,8 +13,10 @@ slots of the paged cache and rotated Q back over Q's part of ``qkv``::
                rotated in place          rotated -> key_cache      copied -> value_cache
     rotate:   x * cos + rotate_half(x) * sin,  rotate_half(x) = [-x2, x1],  x = [x1, x2]
 
-Grid ``(num_tokens, num_heads + num_kv_heads)``: a program rotates one head of one token.
-Programs of K heads also copy the matching V head, and skip both stores at slot -1 (padding).
+Grid ``(num_tokens, cdiv(num_heads + num_kv_heads, BLOCK_H))``: a program rotates a tile of
+``BLOCK_H`` heads of one token (Q heads, then K heads; about 4,096 values), writes its Q rows
+back, and its K rows with the matching V heads to the token's slot; slot -1 (padding)
+stores nothing to the cache. All by masks: no branch depends on a value.
 Each product and the sum are rounded to the dtype as torch's op-by-op evaluation rounds them,
 and ``enable_fp_fusion=False`` stops the compiler from contracting them into an FMA, so the
 result is bitwise torch's in every dtype. The grid comes from shapes only (CUDA-graph safe).
@@ -50,56 +52,67 @@ def _rope_and_store_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,  # next power of two of HEAD_DIM // 2
+    BLOCK_H: tl.constexpr,  # Q/K heads per program, a power of two
     BLOCK_SIZE: tl.constexpr,
     DTYPE: tl.constexpr,
     SOFT_BF16_ROUND: tl.constexpr,  # see kernels/_triton_common.round_args
 ):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
-    offs = tl.arange(0, HALF_PAD)
-    mask = offs < HALF
+    # Rows of this program's tile: Q heads 0..NUM_HEADS-1, then K heads, BLOCK_H at a time.
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < HALF
+    mask = (offs_h < NUM_HEADS + NUM_KV_HEADS)[:, None] & d_mask[None, :]
 
-    cos = cos_ptr + token * stride_cos_token + offs
-    sin = sin_ptr + token * stride_sin_token + offs
+    cos = cos_ptr + token * stride_cos_token + offs_d
+    sin = sin_ptr + token * stride_sin_token + offs_d
     # Both halves of each table are read: the kernel assumes nothing of their contents.
-    cos1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos + HALF, mask=mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin + HALF, mask=mask, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
 
-    src = qkv_ptr + token * stride_qkv_token + head * HEAD_DIM + offs  # Q head, then K heads
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    src = qkv_ptr + token * stride_qkv_token + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF_PAD]
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    # V of the K rows, issued with every other load: only the stores wait for the slot.
+    k_rows = mask & (offs_h >= NUM_HEADS)[:, None]
+    value = src + NUM_KV_HEADS * HEAD_DIM  # V head h sits KV heads past K head h
+    v1 = tl.load(value, mask=k_rows)
+    v2 = tl.load(value + HALF, mask=k_rows)
+    # int64 before any arithmetic: block_id * stride_cache_block passes 2**31 in a large pool.
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # torch: x * cos + cat(-x2, x1) * sin, each product rounded, then the sum.
     out1 = round_to(
         round_to(x1 * cos1, DTYPE, SOFT_BF16_ROUND) - round_to(x2 * sin1, DTYPE, SOFT_BF16_ROUND),
         DTYPE, SOFT_BF16_ROUND,
-    )  # fmt: skip
+    ).to(DTYPE)  # fmt: skip
     out2 = round_to(
         round_to(x2 * cos2, DTYPE, SOFT_BF16_ROUND) + round_to(x1 * sin2, DTYPE, SOFT_BF16_ROUND),
         DTYPE, SOFT_BF16_ROUND,
-    )  # fmt: skip
+    ).to(DTYPE)  # fmt: skip
 
-    if head < NUM_HEADS:
-        tl.store(src, out1.to(DTYPE), mask=mask)
-        tl.store(src + HALF, out2.to(DTYPE), mask=mask)
-    else:
-        # int64 before any arithmetic: block_id * stride_cache_block passes 2**31 in a large pool.
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        if slot >= 0:
-            kv_head = head - NUM_HEADS
-            dst = (
-                (slot // BLOCK_SIZE) * stride_cache_block
-                + (slot % BLOCK_SIZE) * stride_cache_slot
-                + kv_head * stride_cache_head
-                + offs
-            )
-            tl.store(key_cache_ptr + dst, out1.to(DTYPE), mask=mask)
-            tl.store(key_cache_ptr + dst + HALF, out2.to(DTYPE), mask=mask)
-            value = src + NUM_KV_HEADS * HEAD_DIM  # V head kv_head sits KV heads past K's
-            tl.store(value_cache_ptr + dst, tl.load(value, mask=mask), mask=mask)
-            tl.store(value_cache_ptr + dst + HALF, tl.load(value + HALF, mask=mask), mask=mask)
+    q_mask = mask & (offs_h < NUM_HEADS)[:, None]
+    tl.store(src, out1, mask=q_mask)
+    tl.store(src + HALF, out2, mask=q_mask)
+
+    # K rows of a token with a slot; the others (Q rows, padding tokens) store nothing, and
+    # their addresses (negative KV head, slot -1) are never dereferenced.
+    has_slot = (tl.zeros([BLOCK_H], tl.int64) + slot) >= 0  # as a vector: masks are tensors
+    k_mask = k_rows & has_slot[:, None]
+    kv_head = offs_h - NUM_HEADS
+    dst = (
+        (slot // BLOCK_SIZE) * stride_cache_block
+        + (slot % BLOCK_SIZE) * stride_cache_slot
+        + kv_head[:, None] * stride_cache_head
+        + offs_d[None, :]
+    )
+    tl.store(key_cache_ptr + dst, out1, mask=k_mask)
+    tl.store(key_cache_ptr + dst + HALF, out2, mask=k_mask)
+    tl.store(value_cache_ptr + dst, v1, mask=k_mask)
+    tl.store(value_cache_ptr + dst + HALF, v2, mask=k_mask)
+
 
 def rope_and_store_(
     qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
@@ -138,13 +151,17 @@ def rope_and_store_(
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     if num_tokens == 0:
         return q
-    _rope_and_store_kernel[(num_tokens, num_heads + num_kv_heads)](
+    num_rows = num_heads + num_kv_heads
+    # About 4,096 values of Q/K a program (32 heads of 128): Llama-3-8B's 40 rows are two
+    # programs a token. Rows are heads, so a program never splits one.
+    block_h = min(next_power_of_2(num_rows), max(1, 4096 // head_dim))
+    _rope_and_store_kernel[(num_tokens, triton.cdiv(num_rows, block_h))](
         qkv, cos, sin, key_cache, value_cache, slot_mapping,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HALF_PAD=next_power_of_2(head_dim // 2), BLOCK_SIZE=block_size,
-        num_warps=1 if head_dim <= 128 else 2,
+        HALF_PAD=next_power_of_2(head_dim // 2), BLOCK_H=block_h, BLOCK_SIZE=block_size,
+        num_warps=4,
         enable_fp_fusion=False,  # x * cos + r * sin must not become an FMA (bitwise torch)
         **round_args(_rope_and_store_kernel, qkv.dtype),
     )  # fmt: skip

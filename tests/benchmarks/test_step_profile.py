@@ -10,6 +10,9 @@ from engine import LLM, SamplingParams
 from kernels import cpu as cpu_kernels
 from tests.engine.conftest import tiny_llama_cpu_shapes  # noqa: F401 - a fixture
 
+# float32 on the CPU wherever the suite runs: the C++ kernels are a CPU float32 path, and a
+# CUDA machine would otherwise build the engine on the GPU in bfloat16.
+DEVICE = {"device": "cpu", "dtype": "float32"}
 KERNELS = len(cpu_kernels.STEP_KERNELS)
 
 
@@ -25,7 +28,7 @@ def _generate(llm: LLM) -> list:
 
 
 def test_profile_times_every_kernel_of_every_layer_and_changes_nothing(ops, tiny):
-    llm = LLM(str(tiny), attention_backend="cpu")
+    llm = LLM(str(tiny), attention_backend="cpu", **DEVICE)
     layers = len(llm.engine.model.layers)
     ops.step_profile(False)
     plain = _generate(llm)
@@ -49,7 +52,7 @@ def test_profile_times_every_kernel_of_every_layer_and_changes_nothing(ops, tiny
 
 
 def test_stack_weights_object_is_made_once_and_again_when_the_model_list_changes(ops, tiny):
-    llm = LLM(str(tiny), attention_backend="cpu")
+    llm = LLM(str(tiny), attention_backend="cpu", **DEVICE)
     model, layer_ops = llm.engine.model, llm.engine.model.ops
     first = layer_ops.stack_weights(model)
     assert layer_ops.stack_weights(model) is first
@@ -79,7 +82,7 @@ def test_benchmark_round_accounts_for_the_step(ops, tiny):
     ]
     # The parts are the step, split: they add up to its wall time.
     assert sum(p.seconds for p in r.parts) == pytest.approx(r.step_s, rel=1e-6)
-    llm = LLM(str(tiny), attention_backend="cpu", matmul_weights="float32")
+    llm = LLM(str(tiny), attention_backend="cpu", **DEVICE, matmul_weights="float32")
     layers = llm.engine.model.layers
     qkv = next(p for p in r.parts if p.name == "qkv_proj")
     assert qkv.bytes == sum(read_bytes(layer.qkv_proj) for layer in layers)

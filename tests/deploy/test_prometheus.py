@@ -113,7 +113,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     server = _start(
         [sys.executable, "-m", "server", "--port", str(port), "--max-model-len", "256",
-         "--num-kv-blocks", str(NUM_KV_BLOCKS), "--stats-log-interval", "0"],
+         "--num-kv-blocks", str(NUM_KV_BLOCKS), "--stats-log-interval", "0",
+         "--device", "cpu", "--dtype", "float32"],
         server_log,
         env,
     )  # fmt: skip

@@ -12,6 +12,9 @@ from engine.layer_ops import CpuLayerOps
 from kernels import cpu as cpu_kernels
 from tests.engine.conftest import make_tiny_llama
 
+# float32 on the CPU wherever the suite runs: the C++ kernels are a CPU float32 path, and a
+# CUDA machine would otherwise build the engine on the GPU in bfloat16.
+DEVICE = {"device": "cpu", "dtype": "float32"}
 ONE_PASS = 1 << 30  # CpuLayerOps.rows_per_pass for a step in one call of the fused stack
 
 
@@ -34,6 +37,7 @@ def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list,
         llm = LLM(
             str(path),
             attention_backend="cpu",
+            **DEVICE,
             block_size=8,
             max_num_seqs=80,
             max_num_batched_tokens=budget,
@@ -96,7 +100,7 @@ def test_model_keeps_the_stacks_weight_list_until_a_matmul_changes(tmp_path):
     gets a new packed copy (or GGUF blocks): it must always list the tensors the Python
     layers would use."""
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
-    model = LLM(str(path), attention_backend="cpu").engine.model
+    model = LLM(str(path), attention_backend="cpu", **DEVICE).engine.model
     first = model.fused_weights()
     assert model.fused_weights() is first
     assert len(first) == 18 * len(model.layers) + 6  # then embedding, final norm, head
@@ -111,7 +115,7 @@ def test_cpu_backend_picks_greedy_tokens_with_the_kernels_argmax(tmp_path):
     """The sampler's greedy pick is the C++ argmax on the cpu backend; every call agrees
     with torch.argmax on the same logits."""
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=2, hidden_size=128, intermediate_size=256)
-    llm = LLM(str(path), attention_backend="cpu")
+    llm = LLM(str(path), attention_backend="cpu", **DEVICE)
     sampler = llm.engine.sampler
     kernel = sampler._argmax
     calls = 0
@@ -164,7 +168,7 @@ def test_step_in_passes_matches_the_step_in_one_pass(tmp_path, monkeypatch):
     def run(rows_per_pass):
         with monkeypatch.context() as m:
             m.setattr(CpuLayerOps, "rows_per_pass", rows_per_pass)
-            llm = LLM(str(path), attention_backend="cpu", block_size=8, max_num_seqs=80)
+            llm = LLM(str(path), attention_backend="cpu", **DEVICE, block_size=8, max_num_seqs=80)
             counting = _CountingOps(llm.engine.model.ops._ops)
             llm.engine.model.ops._ops = counting
             outs = llm.generate(prompts, params)
@@ -186,7 +190,7 @@ def test_passes_default_to_the_rows_the_panels_serve(tmp_path):
     """Without an override, a pass is as many rows as the packed panels serve (256), so no
     pass falls to the library."""
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
-    llm = LLM(str(path), attention_backend="cpu", block_size=8, max_num_seqs=80)
+    llm = LLM(str(path), attention_backend="cpu", **DEVICE, block_size=8, max_num_seqs=80)
     ops = llm.engine.model.ops
     counting = _CountingOps(ops._ops)
     ops._ops = counting

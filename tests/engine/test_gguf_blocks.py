@@ -29,6 +29,8 @@ PROMPTS = [
     "washed up on the rocks one stormy night, and what he decides to do about it.",
 ]
 KV_BLOCKS = 64  # the prompts need a few; the default pool would be 1 GiB per engine
+# GGUF blocks run on the C++ CPU kernels: float32 on the CPU, whatever else the machine has.
+DEVICE = {"device": "cpu", "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def _linears(llm: LLM) -> dict[str, Linear]:
 
 
 def _cpu_llm(matmul_weights: str) -> LLM:
-    llm = LLM("default", matmul_weights=matmul_weights, num_kv_blocks=KV_BLOCKS)
+    llm = LLM("default", matmul_weights=matmul_weights, num_kv_blocks=KV_BLOCKS, **DEVICE)
     if llm.engine.attention_backend != "cpu":
         pytest.skip(f"the default engine runs the {llm.engine.attention_backend} backend here")
     return llm

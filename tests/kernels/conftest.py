@@ -237,7 +237,7 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         "kernels.rope_and_store", "_rope_and_store_kernel",
         dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",
              value_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
-        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_SIZE=16,
+        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32, BLOCK_SIZE=16,
              DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
     ),
     "reduce_splits": (

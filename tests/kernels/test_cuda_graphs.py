@@ -53,7 +53,7 @@ def test_decode_step_kernels_replay_with_new_values(paged_kv):
 
     originals = [t.clone() for t in static_in]
     step()  # compile outside the capture
-    for t, o in zip(static_in, originals):
+    for t, o in zip(static_in, originals, strict=True):
         t.copy_(o)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -61,7 +61,7 @@ def test_decode_step_kernels_replay_with_new_values(paged_kv):
 
     for trial in range(2):
         new = [torch.randn_like(t.float()).to(t.dtype) for t in static_in[:3]]
-        for t, n in zip(static_in[:3], new):
+        for t, n in zip(static_in[:3], new, strict=True):
             t.copy_(n)
         new_lens = torch.tensor([1 + 300 * trial, 1000], dtype=torch.int32, device=device)
         new_slots = (block_tables[torch.arange(2), (new_lens - 1) // block_size].long()

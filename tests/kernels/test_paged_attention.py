@@ -171,7 +171,7 @@ def test_long_and_ragged_contexts_with_the_h100_split(paged_kv, close, device, m
     seq_lens = [1, 4100, 17]
     max_context_len = -(-4100 // 16) * 16 + 16  # block-table width (one padding column)
     num_splits = heuristic_splits(monkeypatch, len(seq_lens), 1, max_context_len)
-    assert num_splits == 64  # MAX_SPLITS: 3 programs want 176 splits
+    assert num_splits == MAX_SPLITS  # 3 programs want 176 splits
     run_case(paged_kv, close, device, seq_lens=seq_lens, block_size=16, num_kv_heads=1,
              group=group, head_dim=128, dtype=dtype, num_splits=num_splits)  # fmt: skip
 
@@ -215,12 +215,12 @@ class TestChooseNumSplits:
         cuda = torch.device("cuda")
         assert choose_num_splits(1, 8, 512, cuda) == 8  # every 64-token tile its own split
         assert choose_num_splits(16, 8, 512, cuda) == 5  # 128 programs -> 640 >= 4 waves
-        assert choose_num_splits(1, 8, 4096, cuda) == MAX_SPLITS
+        assert choose_num_splits(1, 8, 4096, cuda) == MAX_SPLITS == 32
 
     def test_few_long_sequences_split_to_fill_the_device(self):
-        num_splits = choose_num_splits(2, 8, 32768, torch.device("cuda"))
-        assert num_splits == 33  # ceil(4 * 132 / 16) programs per (sequence, KV head)
-        assert 2 * 8 * num_splits >= TARGET_WAVES * 132
+        num_splits = choose_num_splits(4, 8, 32768, torch.device("cuda"))
+        assert num_splits == 17  # ceil(4 * 132 / 32) programs per (sequence, KV head)
+        assert 4 * 8 * num_splits >= TARGET_WAVES * 132
 
     def test_splits_stay_long_and_bounded(self):
         assert choose_num_splits(1, 1, 4 * MIN_TOKENS_PER_SPLIT, torch.device("cuda")) == 4

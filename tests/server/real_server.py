@@ -60,6 +60,9 @@ def running_server(log: Path) -> Iterator[RealServer]:
         "--port", str(port),
         "--max-model-len", str(MAX_MODEL_LEN),
         "--num-kv-blocks", str(NUM_KV_BLOCKS),
+        # float32 on the CPU on any machine: the offline reference it is compared with runs
+        # there too (tests/server/test_integration.py), under the float32 near-tie rule.
+        "--device", "cpu", "--dtype", "float32",
         "--max-num-seqs", "32",
         "--max-body-size", str(MAX_BODY),
         "--stats-log-interval", "0",
