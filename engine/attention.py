@@ -4,7 +4,7 @@
 - ``cpu``: the C++ kernels of ``kernels.cpu`` (float32 on CPU): every query token, decode or
   prefill, is one row of the decode kernel with its own context length (causal attention is
   exactly that), reading K/V in place through the block tables; the cache write uses the
-  reference (the engine's fused layer ops write the cache themselves, ``engine/layer_ops.py``).
+  reference (the fused C++ stack writes the cache itself, ``engine/backends/cpu.py``).
 - ``triton``: the Triton kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``).
 
 ``auto`` picks Triton on CUDA, ``cpu`` for float32 on CPU when the C++ kernels build, and
@@ -118,7 +118,7 @@ class PagedAttention:
         """Per-step work shared by all layers (called once per forward)."""
         nd = meta.num_decodes
         if self.backend == "cpu":
-            return _per_token_plan(meta)
+            return per_token_plan(meta)
         if self.backend != "torch" or nd == 0:
             return AttentionPlan(meta)
         return AttentionPlan(
@@ -185,10 +185,10 @@ class PagedAttention:
 
 
 def _no_prefill_kernel(*args: object) -> torch.Tensor:
-    raise AssertionError("the cpu backend attends per token (see _per_token_plan)")
+    raise AssertionError("the cpu backend attends per token (see per_token_plan)")
 
 
-def _per_token_plan(meta: AttentionMetadata) -> AttentionPlan:
+def per_token_plan(meta: AttentionMetadata) -> AttentionPlan:
     """Query token ``j`` of a sequence's ``q_len`` this step sits at position
     ``seq_len - q_len + j`` and sees that many tokens plus itself (see
     ``kernels.reference.paged_attention_prefill``)."""

@@ -141,9 +141,6 @@ class EngineConfig:
             model; engine/gguf_blocks.py); "float32": always the float32 copy.
         max_model_len: longest prompt + output; None uses the model's max positions.
         seed: seed of the sampler's generator for requests that give no seed.
-        fault_token_id: TEST ONLY (fault injection, engine/faults.py): the step raises
-            whenever it computes a request whose prompt contains this token id. None (the
-            default) installs nothing.
     """
 
     model: str = "default"
@@ -153,7 +150,6 @@ class EngineConfig:
     matmul_weights: str = "gguf"
     max_model_len: int | None = None
     seed: int = 0
-    fault_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):

@@ -25,9 +25,9 @@ nobody fails) or reaches every row alone (then every row fails): the outcome is 
 way. A seeded sampled request in the failed batch may draw differently from its run alone,
 because the failed attempt may already have advanced its generator.
 
-``FaultInjectingRunner`` is for tests only (``EngineConfig.fault_token_id``, off by default):
-it makes the step raise whenever it computes a request whose prompt holds a marker token, so
-chaos tests can engineer per-request failures in a real engine.
+``FaultInjectingRunner`` is for tests only: wrapped around ``LLMEngine.runner`` after
+construction, it makes the step raise whenever it computes a request whose prompt holds a
+marker token, so chaos tests can engineer per-request failures in a real engine.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ class FaultInjectingRunner:
     """TEST ONLY. A ``ModelRunner`` that raises ``InjectedFault`` from ``execute`` when the
     plan computes any request whose prompt contains ``token_id``.
 
-    Installed by ``LLMEngine`` only when ``EngineConfig.fault_token_id`` is set (the
-    ``--test-fault-token-id`` flag); never set it in production.
+    Tests install it with ``engine.runner = FaultInjectingRunner(engine.runner, token_id)``;
+    the engine never does.
     """
 
     def __init__(self, runner: ModelRunner, token_id: int) -> None:

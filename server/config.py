@@ -202,10 +202,6 @@ _OPTIONS: tuple[Option, ...] = (
            "longest prompt + output in tokens; auto = the model's max positions"),
     Option("--seed", "engine", "seed", int, _E.seed,
            "seed of the sampler for requests that give none"),
-    Option("--test-fault-token-id", "engine", "fault_token_id", optional(int),
-           _E.fault_token_id,
-           "TEST ONLY, never in production: the engine fails every request whose prompt "
-           "holds this token id (fault injection for chaos tests)"),
     # kvpool
     Option("--block-size", "kvpool", "block_size", int, DEFAULT_BLOCK_SIZE,
            "tokens per KV block (a power of two)"),

@@ -1,10 +1,11 @@
 """Fault isolation in LLMEngine.step: a request whose computation raises fails alone.
 
-A tiny random Llama with the test-only fault injector (``EngineConfig.fault_token_id``):
-requests whose prompt holds the marker token raise inside ``ModelRunner.execute``. The step
-bisects, fails exactly those requests (``finish_reason="error"``, blocks freed), and every
-other request gets exactly the greedy tokens it gets when it runs alone. Prompts share a
-prefix so prefix caching (and its copy-on-write) is active while steps fail.
+A tiny random Llama with the test-only fault injector (``FaultInjectingRunner`` wrapped
+around ``engine.runner``): requests whose prompt holds the marker token raise inside
+``ModelRunner.execute``. The step bisects, fails exactly those requests
+(``finish_reason="error"``, blocks freed), and every other request gets exactly the greedy
+tokens it gets when it runs alone. Prompts share a prefix so prefix caching (and its
+copy-on-write) is active while steps fail.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.faults import execute_isolating
+from engine.faults import FaultInjectingRunner, execute_isolating
 from engine.llm_engine import LLMEngine
 from kvpool.config import KVPoolConfig
 from scheduler import SchedulerConfig
@@ -41,11 +42,14 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model_path: Path, fault: int | None = MARKER) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(model=str(model_path), fault_token_id=fault, **DEVICE),
+    engine = LLMEngine(
+        EngineConfig(model=str(model_path), **DEVICE),
         KVPoolConfig(num_blocks=40, block_size=4),
         SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48),
     )
+    if fault is not None:
+        engine.runner = FaultInjectingRunner(engine.runner, fault)
+    return engine
 
 
 def run(engine: LLMEngine, requests: dict[str, list[int]], max_tokens: int) -> dict[str, tuple]:

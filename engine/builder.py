@@ -1,0 +1,265 @@
+"""Assemble an engine from its three configs.
+
+``build_engine_parts`` picks the device and dtype, loads the model, hands it to the backend
+for its device (``engine/backends/``), sizes and allocates the KV cache, and wires the
+scheduler, sampler and runner; ``LLMEngine`` runs the step loop over what it returns. At the
+end it logs where the process's memory went (``MemoryReport``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention import PagedAttention, resolve_backend
+from engine.backends import ModelForward
+from engine.backends.cpu import build_cpu_forward
+from engine.config import EngineConfig, ModelConfig
+from engine.cost import StepCostModel
+from engine.llama import LlamaForCausalLM
+from engine.loader import load_state_dict, load_tokenizer, read_hf_config, resolve_model
+from engine.model_runner import ModelRunner
+from engine.rope import RotaryEmbedding
+from engine.sampler import Sampler
+from kernels import cpu as cpu_kernels
+from kvpool.config import KVPoolConfig
+from kvpool.manager import KVCacheManager
+from kvpool.storage import KVCacheStorage, KVCapacity, plan_capacity
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Where the process's resident memory went at start-up, in bytes.
+
+    ``rest`` is the resident set less the parts named: the Python interpreter, torch's and
+    the other libraries' code and allocator pools, the tokenizer, and any freed memory the
+    allocator has kept."""
+
+    rss: int  # VmRSS; 0 where /proc/self/status cannot be read
+    weights: int  # the model's parameters still held (float32 or the dtype in use)
+    packed: int  # the cpu backend's panel copies
+    blocks: int  # the cpu backend's GGUF blocks
+    kv_cache: int
+    dropped: int = 0  # plain weights the backend made unnecessary and freed
+
+    @property
+    def rest(self) -> int:
+        return self.rss - self.weights - self.packed - self.blocks - self.kv_cache
+
+    def describe(self) -> str:
+        mb = 1e6
+        parts = (
+            f"weights {self.weights / mb:.0f} MB, packed copies {self.packed / mb:.0f} MB, "
+            f"GGUF blocks {self.blocks / mb:.0f} MB, KV cache {self.kv_cache / mb:.0f} MB"
+        )
+        dropped = f"; {self.dropped / mb:.0f} MB of plain weights no step reads were freed"
+        if not self.rss:
+            return f"memory: {parts}" + (dropped if self.dropped else "")
+        return (
+            f"memory: resident {self.rss / mb:.0f} MB = {parts}, the rest {self.rest / mb:.0f} "
+            "MB (interpreter, libraries, allocator pools)" + (dropped if self.dropped else "")
+        )
+
+
+def release_freed_heap() -> None:
+    """Return the heap pages that start-up freed to the OS, where the C library can.
+
+    Loading makes temporary copies (the packed weights before they move into one buffer,
+    the plain weights the cpu backend drops: ~0.5 GB for the default model), and glibc's
+    malloc keeps freed blocks of that size in its heap for reuse instead of unmapping them:
+    the process would keep them resident for its whole life. ``malloc_trim`` hands them
+    back; elsewhere (no glibc) this does nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+def resident_bytes() -> int:
+    """This process's VmRSS, or 0 where ``/proc/self/status`` is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.M)
+    except OSError:
+        return 0
+    return int(match.group(1)) * 1024 if match else 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    """What ``LLMEngine`` runs: everything built from the configs, wired together."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model_id: str
+    model_config: ModelConfig
+    max_model_len: int
+    tokenizer: Any  # a transformers tokenizer, or None
+    eos_token_id: int | list[int] | None
+    attention_backend: str
+    model: LlamaForCausalLM
+    matmul_weights: str  # "gguf" when the cpu backend reads GGUF blocks, else "float32"
+    cost_model: StepCostModel
+    kv_capacity: KVCapacity
+    storage: KVCacheStorage
+    kv_manager: KVCacheManager
+    scheduler: Scheduler
+    sampler: Sampler
+    runner: ModelRunner
+    memory: MemoryReport
+
+
+def pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The configured device and dtype, or CUDA with bfloat16 when present, else the CPU
+    with float32."""
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[config.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    return device, dtype
+
+
+def load_model(
+    path: Path,
+    model_config: ModelConfig,
+    attention_backend: str,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LlamaForCausalLM:
+    """The plain model with the checkpoint at ``path`` loaded, in eval mode."""
+    attention = PagedAttention(attention_backend, scale=model_config.head_dim**-0.5)
+    rope = RotaryEmbedding(model_config, max_model_len, device)
+    # Built on the meta device, then materialised once: no time spent on random init.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config, attention, rope)
+    model = model.to_empty(device=device).to(dtype)
+    model.load_hf_state_dict(load_state_dict(path))
+    return model.eval()
+
+
+def build_engine_parts(
+    config: EngineConfig, kv_config: KVPoolConfig, scheduler_config: SchedulerConfig
+) -> EngineParts:
+    device, dtype = pick_device(config)
+    resolved = resolve_model(config.model)
+    mc = ModelConfig.from_hf(read_hf_config(resolved.path))
+    max_model_len = min(
+        mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings
+    )
+    tokenizer = load_tokenizer(resolved.path)
+    eos_token_id = mc.eos_token_id
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_token_id = tokenizer.eos_token_id
+
+    t0 = time.perf_counter()
+    backend = resolve_backend(config.attention_backend, device, dtype, mc)
+    model = load_model(resolved.path, mc, backend, max_model_len, device, dtype)
+    # The cpu attention backend brings the fused C++ stack along (engine/backends/cpu.py);
+    # every other one runs the model's own forward.
+    forward: ModelForward = model
+    cost_model = StepCostModel.from_config(mc, dtype.itemsize)
+    matmul_weights = "float32"
+    packed_bytes = block_bytes = dropped_bytes = 0
+    cpu_ops = cpu_kernels.load() if backend == "cpu" else None
+    if cpu_ops is not None:
+        gguf = resolved.gguf if config.matmul_weights == "gguf" else None
+        cpu = build_cpu_forward(model, cpu_ops, gguf_path=gguf)
+        forward = cpu
+        packed_bytes, block_bytes = cpu.memory.packed_bytes, cpu.memory.block_bytes
+        dropped_bytes = cpu.memory.dropped_bytes
+        if cpu.uses_blocks:
+            assert cpu.blocks is not None
+            matmul_weights = "gguf"
+            # What a step reads of those, from its plan (MBU/MFU; engine/cost.py).
+            cost_model = cost_model.with_blocks(
+                cpu_ops.max_quant_rows(),
+                body_saved_bytes=cpu.blocks.body_saved_bytes,
+                lm_head_block_bytes=cpu.blocks.lm_head_block_bytes,
+            )
+    logger.info(
+        "loaded %s from %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
+        resolved.model_id,
+        resolved.path,
+        mc.num_params / 1e6,
+        str(dtype).removeprefix("torch."),
+        device,
+        backend,
+        time.perf_counter() - t0,
+    )
+
+    capacity = plan_capacity(
+        kv_config,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    storage = KVCacheStorage(
+        capacity,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    kv_manager = KVCacheManager(
+        capacity.num_blocks,
+        capacity.block_size,
+        enable_prefix_caching=kv_config.enable_prefix_caching,
+    )
+    logger.info(
+        "prefix caching: %s",
+        "on (full blocks, sha256 hash chain, LRU eviction)"
+        if kv_config.enable_prefix_caching
+        else "off",
+    )
+    scheduler = Scheduler(scheduler_config, kv_manager, max_model_len)
+    sampler = Sampler(config.seed, device, cpu_ops.argmax_rows if cpu_ops is not None else None)
+    runner = ModelRunner(forward, storage, sampler, device)
+
+    release_freed_heap()
+    memory = MemoryReport(
+        rss=resident_bytes() if device.type == "cpu" else 0,  # else the parts are on the GPU
+        weights=sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta),
+        packed=packed_bytes,
+        blocks=block_bytes,
+        kv_cache=capacity.total_bytes,
+        dropped=dropped_bytes,
+    )
+    logger.info("%s", memory.describe())
+    return EngineParts(
+        config=config,
+        device=device,
+        dtype=dtype,
+        model_id=resolved.model_id,
+        model_config=mc,
+        max_model_len=max_model_len,
+        tokenizer=tokenizer,
+        eos_token_id=eos_token_id,
+        attention_backend=backend,
+        model=model,
+        matmul_weights=matmul_weights,
+        cost_model=cost_model,
+        kv_capacity=capacity,
+        storage=storage,
+        kv_manager=kv_manager,
+        scheduler=scheduler,
+        sampler=sampler,
+        runner=runner,
+        memory=memory,
+    )
