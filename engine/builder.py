@@ -110,7 +110,7 @@ class EngineParts:
     model_config: ModelConfig
     max_model_len: int
     tokenizer: Any  # a transformers tokenizer, or None
-    eos_token_id: int | list[int] | None
+    eos_token_id: int | None
     attention_backend: str
     model: LlamaForCausalLM
     matmul_weights: str  # "gguf" when the cpu backend reads GGUF blocks, else "float32"
@@ -177,7 +177,9 @@ def build_engine_parts(
     cpu_ops = cpu_kernels.load() if backend == "cpu" else None
     if cpu_ops is not None:
         gguf = resolved.gguf if config.matmul_weights == "gguf" else None
-        cpu = build_cpu_forward(model, cpu_ops, gguf_path=gguf)
+        cpu = build_cpu_forward(
+            model, cpu_ops, gguf_path=gguf, max_logit_rows=scheduler_config.max_num_seqs
+        )
         forward = cpu
         packed_bytes, block_bytes = cpu.memory.packed_bytes, cpu.memory.block_bytes
         dropped_bytes = cpu.memory.dropped_bytes

@@ -5,6 +5,13 @@ into the paged cache and reads the context back through block tables, for a flat
 mixes prefill chunks and decode tokens of many requests. Q/K/V and gate/up projections are
 fused into single matmuls (one weight read each instead of three and two), and every
 matmul weight is stored input-major (``Linear`` below).
+
+This file is the model's math and its checkpoint mapping (``checkpoint_sources``) only. A
+device's fast path (packed or quantized weight copies, fused kernels, CUDA graphs) is a
+backend in ``engine/backends/`` that transforms the loaded model from outside and runs in
+its place; nothing here knows about one. A family that differs in a few places (biases,
+RoPE scaling, tied embeddings) is a ``ModelConfig`` field read here and a name in
+``checkpoint_sources``.
 """
 
 from __future__ import annotations

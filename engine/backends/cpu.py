@@ -12,8 +12,9 @@ from outside and returns ``CpuForward``, which the runner calls in the model's p
    to ``max_quant_rows()`` rows read those, 6-9 bits a weight instead of 32;
 3. lays each kind of copy end to end in one buffer on huge pages, in forward order
    (``gather``);
-4. drops the decoder layers' plain float32 weights, which no step reads any more
-   (``CpuForward`` below runs every matmul of theirs on panels or blocks);
+4. drops the plain float32 weights that no step reads any more: the decoder layers'
+   (``CpuForward`` below runs every matmul of theirs on panels or blocks), and the head's
+   when no step can give it more rows than the panels serve;
 5. writes everything the fused stack reads into a ``StackSpec``: the weights in the order
    of the C++ enums ``Slot`` and ``HeadSlot`` (``kernels/cpu/csrc/decoder_layer.cpp``;
    checked against the source when the spec is made), eps, the softmax scale, the RoPE
@@ -166,8 +167,8 @@ class CpuForward:
         passes:  |<------- pass 0 ------->|<---- pass 1 ---->|
                   p0's last two rows (pass 1) read its first four from the cache.
 
-    ``rows_per_pass`` overrides the pass size (tests); a larger one keeps the layers' plain
-    weights, which the library's matmul of over 256 rows reads.
+    ``rows_per_pass`` overrides the pass size (tests); a larger one keeps the plain weights,
+    which the library's matmul of over 256 rows reads.
     """
 
     rows_per_pass: int | None = None
@@ -243,6 +244,7 @@ class CpuForward:
                 x[last].contiguous(), residual[last], head.final_norm, spec.final_eps
             )
         m = head.head
+        assert x.shape[0] <= self.panel_rows or m.w.stride() != (0, 0), "head weight dropped"
         return ops.linear(x, m.w, m.packed, m.quant, m.bias).float()
 
     def stack(
@@ -279,16 +281,23 @@ class CpuForward:
 
 
 def build_cpu_forward(
-    model: LlamaForCausalLM, ops: Any, *, gguf_path: Path | None = None
+    model: LlamaForCausalLM,
+    ops: Any,
+    *,
+    gguf_path: Path | None = None,
+    max_logit_rows: int | None = None,
 ) -> CpuForward:
     """Move a loaded float32 ``model`` onto the C++ kernels (module docstring, steps 1-5).
 
     Args:
-        model: loaded, on the CPU, float32; its layers' matmul weights are dropped here
-            (moved to the meta device) unless a test asked for passes past the panels.
+        model: loaded, on the CPU, float32; the matmul weights that no step will read are
+            dropped from it here (moved to the meta device, ``_drop_plain_weights``).
         ops: ``torch.ops.pagedserve_cpu`` (``kernels.cpu.load()``).
         gguf_path: the GGUF file ``model`` was converted from, to read its blocks; None
             for float32 matmuls only.
+        max_logit_rows: the most rows the head can get in one step (the scheduler's
+            ``max_num_seqs``: a step's logit rows are its sampling and padding rows, at
+            most one per sequence); None: unbounded.
     """
     check_slot_order()  # before any work: a mismatch is a build error, not a wrong answer
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}  # forward order
@@ -299,10 +308,11 @@ def build_cpu_forward(
         blocks, report = exact_gguf_blocks(model, gguf_path, ops)
     packed = gather(packed)
     blocks = gather(blocks)
+    panel_rows = int(ops.max_packed_rows())
     dropped = 0
-    pass_rows = CpuForward.rows_per_pass or int(ops.max_packed_rows())
-    if pass_rows <= int(ops.max_packed_rows()):
-        dropped = _drop_layer_weights(model)
+    if (CpuForward.rows_per_pass or panel_rows) <= panel_rows:
+        head_too = max_logit_rows is not None and max_logit_rows <= panel_rows
+        dropped = _drop_plain_weights(model, head=head_too)
 
     def matmul(name: str) -> Matmul:
         linear = linears[name]
@@ -371,19 +381,27 @@ def gather(copies: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return moved
 
 
-def _drop_layer_weights(model: LlamaForCausalLM) -> int:
-    """Move every decoder layer's matmul weight to the meta device; returns the bytes freed.
+def _drop_plain_weights(model: LlamaForCausalLM, *, head: bool) -> int:
+    """Move every decoder layer's matmul weight, and with ``head`` the head's, to the meta
+    device; returns the bytes freed.
 
-    Sound because the stack runs a layer's matmuls on its packed panels (every pass is at
-    most ``max_packed_rows()`` rows) or its GGUF blocks, never on the plain weight; the
-    head keeps its own, which a head over more than 256 rows reads. The model's Python
-    forward cannot run afterwards (a meta tensor fails loudly), and nothing calls it."""
+    Sound because a matmul of at most ``max_packed_rows()`` rows runs on its packed panels
+    or its GGUF blocks, never on the plain weight (gemm.cpp, ``pick``): every pass of the
+    stack is at most that many rows, and so is the head when the step's logit rows are
+    (``max_logit_rows``). The model's Python forward cannot run afterwards (a meta tensor
+    fails loudly), and nothing calls it."""
+    linears = [
+        linear
+        for layer in model.layers
+        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    ]
+    if head:
+        linears.append(model.lm_head)
     freed = 0
-    for layer in model.layers:
-        for linear in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            w = linear.weight
-            freed += _nbytes(w)
-            linear.weight = nn.Parameter(torch.empty(w.shape, device="meta"), requires_grad=False)
+    for linear in linears:
+        w = linear.weight
+        freed += _nbytes(w)
+        linear.weight = nn.Parameter(torch.empty(w.shape, device="meta"), requires_grad=False)
     return freed
 
 

@@ -65,33 +65,40 @@ def test_spec_weights_list_every_tensor_at_its_enum_slot(llm):
     assert spec.rope_cos is model.rope.cos and spec.rope_sin is model.rope.sin
 
 
-def test_layers_keep_panels_and_lose_their_plain_weights(llm):
-    """Every pass runs a layer's matmuls on the panels, so the plain copy is freed (moved to
-    the meta device); the head keeps its own. The memory report says what each copy costs."""
+def test_matmuls_keep_panels_and_lose_their_plain_weights(llm):
+    """Every pass runs a layer's matmuls on the panels, and the head gets at most
+    max_num_seqs (64) rows, so every plain copy is freed (moved to the meta device). The
+    memory report says what each copy costs."""
     model, forward = llm.engine.model, llm.engine.runner.model
     linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
-    assert all(m.weight.is_meta == (n != "lm_head") for n, m in linears.items())
+    assert all(m.weight.is_meta for m in linears.values())
     assert forward.pass_rows <= forward.panel_rows
-    for layer in forward.spec.layers:
-        for m in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            assert isinstance(m, Matmul)
-            assert m.w.stride() == (0, 0) and m.packed is not None
-    assert torch.equal(forward.spec.head.head.w, linears["lm_head"].weight)
-    dropped = sum(m.weight.numel() * 4 for n, m in linears.items() if n != "lm_head")
+    spec = forward.spec
+    matmuls = [m for layer in spec.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    matmuls.append(spec.head.head)
+    for m in matmuls:
+        assert isinstance(m, Matmul)
+        assert m.w.stride() == (0, 0) and m.packed is not None
+    dropped = sum(m.weight.numel() * 4 for m in linears.values())
     memory = llm.engine.memory
     assert memory.dropped == forward.memory.dropped_bytes == dropped
-    packed = [
-        m.packed
-        for layer in forward.spec.layers
-        for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-    ]
-    packed.append(forward.spec.head.head.packed)
-    assert memory.packed == sum(p.numel() * 4 for p in packed)
+    assert memory.packed == sum(m.packed.numel() * 4 for m in matmuls)
     assert memory.blocks == 0
     assert memory.weights == sum(p.numel() * 4 for p in model.parameters() if not p.is_meta)
     assert memory.kv_cache == llm.engine.kv_capacity.total_bytes
     assert memory.rss > memory.weights + memory.packed + memory.kv_cache
     assert "the rest" in memory.describe()
+
+
+def test_a_head_that_may_get_more_rows_than_the_panels_keeps_its_weight(tmp_path, ops):
+    """With more sequences than the panels' rows, a step's head can reach the library's
+    matmul, which reads the plain weight: the head keeps it, the layers still drop theirs."""
+    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
+    llm = LLM(str(path), attention_backend="cpu", num_kv_blocks=32, max_num_seqs=300)
+    model = llm.engine.model
+    assert not model.lm_head.weight.is_meta
+    assert all(layer.o_proj.weight.is_meta for layer in model.layers)
+    assert torch.equal(llm.engine.runner.model.spec.head.head.w, model.lm_head.weight)
 
 
 def test_passes_past_the_panels_keep_the_plain_weights(tmp_path, monkeypatch, ops):
