@@ -46,9 +46,11 @@ class MemoryReport:
 
     ``rest`` is the resident set less the parts named: the Python interpreter, torch's and
     the other libraries' code and allocator pools, the tokenizer, and any freed memory the
-    allocator has kept."""
+    allocator has kept. ``rss_before`` (the resident set when the build began: the
+    interpreter and the libraries imported so far) is most of it."""
 
     rss: int  # VmRSS; 0 where /proc/self/status cannot be read
+    rss_before: int  # VmRSS when the engine's build began
     weights: int  # the model's parameters still held (float32 or the dtype in use)
     packed: int  # the cpu backend's panel copies
     blocks: int  # the cpu backend's GGUF blocks
@@ -70,7 +72,9 @@ class MemoryReport:
             return f"memory: {parts}" + (dropped if self.dropped else "")
         return (
             f"memory: resident {self.rss / mb:.0f} MB = {parts}, the rest {self.rest / mb:.0f} "
-            "MB (interpreter, libraries, allocator pools)" + (dropped if self.dropped else "")
+            f"MB (interpreter, libraries, tokenizer, allocator pools; "
+            f"{self.rss_before / mb:.0f} MB were resident before loading)"
+            + (dropped if self.dropped else "")
         )
 
 
@@ -154,6 +158,7 @@ def load_model(
 def build_engine_parts(
     config: EngineConfig, kv_config: KVPoolConfig, scheduler_config: SchedulerConfig
 ) -> EngineParts:
+    rss_before = resident_bytes()
     device, dtype = pick_device(config)
     resolved = resolve_model(config.model)
     mc = ModelConfig.from_hf(read_hf_config(resolved.path))
@@ -237,6 +242,7 @@ def build_engine_parts(
     release_freed_heap()
     memory = MemoryReport(
         rss=resident_bytes() if device.type == "cpu" else 0,  # else the parts are on the GPU
+        rss_before=rss_before,
         weights=sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta),
         packed=packed_bytes,
         blocks=block_bytes,

@@ -87,7 +87,8 @@ def test_matmuls_keep_panels_and_lose_their_plain_weights(llm):
     assert memory.weights == sum(p.numel() * 4 for p in model.parameters() if not p.is_meta)
     assert memory.kv_cache == llm.engine.kv_capacity.total_bytes
     assert memory.rss > memory.weights + memory.packed + memory.kv_cache
-    assert "the rest" in memory.describe()
+    assert 0 < memory.rss_before < memory.rss
+    assert "the rest" in memory.describe() and "before loading" in memory.describe()
 
 
 def test_a_head_that_may_get_more_rows_than_the_panels_keeps_its_weight(tmp_path, ops):
