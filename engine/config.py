@@ -151,9 +151,6 @@ class EngineConfig:
             Python (engine/cuda_graphs.py).
         cuda_graph_sizes: the batch sizes to capture a decode graph for; None picks
             1, 2, 4, 8, then steps of 8 up to 64 and of 16 up to ``max_num_seqs``.
-        fault_token_id: TEST ONLY (fault injection, engine/faults.py): the step raises
-            whenever it computes a request whose prompt contains this token id. None (the
-            default) installs nothing.
     """
 
     model: str = "default"
@@ -163,7 +160,6 @@ class EngineConfig:
     matmul_weights: str = "gguf"
     max_model_len: int | None = None
     seed: int = 0
-    fault_token_id: int | None = None
     load_format: str = "auto"
     tokenizer: str | None = None
     enforce_eager: bool = False

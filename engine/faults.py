@@ -98,16 +98,3 @@ def execute_isolating(
         run(rows, error if len(rows) == len(out.scheduled) else None)
     return merged, failed
 
-
-class FaultInjectingRunner:
-    """Transitional: kept only so that engine/llm_engine.py, which still imports this name for
-    its ``EngineConfig.fault_token_id`` block, keeps importing until that block is deleted
-    (issue 32). Nothing sets ``fault_token_id`` any more; the injector is
-    tests/engine/fault_runner.py, installed by a test after the engine is built."""
-
-    def __init__(self, runner: Runner, token_id: int) -> None:
-        raise RuntimeError(
-            "EngineConfig.fault_token_id is no longer supported: wrap the built engine's runner "
-            "in a test instead (engine.runner = FaultInjectingRunner(engine.runner, token_id), "
-            "tests/engine/fault_runner.py)"
-        )

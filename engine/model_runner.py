@@ -11,9 +11,9 @@ import time
 
 import torch
 
+from engine.backends import ModelForward
 from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import InputBatch, build_input_batch
-from engine.llama import LlamaForCausalLM
 from engine.outputs import ModelRunnerOutput
 from engine.sampler import Sampler
 from kvpool.storage import KVCacheStorage
@@ -23,7 +23,7 @@ from scheduler.output import SchedulerOutput
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: ModelForward,
         storage: KVCacheStorage,
         sampler: Sampler,
         device: torch.device,

@@ -90,10 +90,6 @@ def size_kv_cache(
     return KVCapacity(num_blocks, config.block_size, per_token)
 
 
-# The old name, until engine/llm_engine.py imports ``size_kv_cache``: "plan" is the capacity
-# planner's word (planner/, ``pagedserve plan``). Remove once nothing imports it.
-plan_capacity = size_kv_cache
-
 
 class KVCacheStorage:
     """Per-layer K and V tensors, allocated once at start-up."""

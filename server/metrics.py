@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -52,6 +52,9 @@ from server.peaks import Peaks, resolve_peaks
 from server.stats_log import StatsLog
 from server.timings import RequestTimings
 from server.utilization import SMOOTHING_S, UtilizationTracker
+
+if TYPE_CHECKING:
+    from engine.protocol import ServingEngine
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +252,7 @@ class ServerMetrics:
         self._stats_log = StatsLog(log_interval_s, logger)
 
     @classmethod
-    def for_engine(cls, config: ServingConfig, engine: Any) -> ServerMetrics:
+    def for_engine(cls, config: ServingConfig, engine: ServingEngine) -> ServerMetrics:
         """Metrics for a loaded ``LLMEngine``: peaks resolved for its device and dtype."""
         dtype = str(engine.dtype).removeprefix("torch.")
         device = str(engine.device)
@@ -272,7 +275,7 @@ class ServerMetrics:
             info=info,
             max_model_len=engine.max_model_len,
             num_kv_blocks=engine.num_total_blocks,
-            decode_weight_bytes=engine.cost_model.step([(0, 1)], 1).weight_bytes,
+            decode_weight_bytes=engine.decode_step_weight_bytes,
             log_interval_s=config.server.stats_log_interval_s,
         )
 
