@@ -1,4 +1,5 @@
-"""``python -m benchmarks.engine_thread``: what the engine *thread* costs the HTTP event loop, and what an
+"""``python -m benchmarks.engine_thread``: what the engine *thread* costs the HTTP event loop,
+and what an
 engine *process* would cost instead. The figures back the choice in engine_client.py.
 
 Three measurements on the same requests (greedy, ``--num-requests`` at once):

@@ -47,7 +47,9 @@ GIGA = 1e9
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--model", default="llama-3-8b", help="a preset (with dummy weights) or a path")
     ap.add_argument("--load-format", default="dummy", choices=("auto", "dummy"))
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
@@ -131,7 +133,9 @@ def decode_steps(engine: LLMEngine, batch: int, context: int, steps: int, salt: 
     for i, rid in enumerate(ids):
         engine.add_request(rid, _prompt(context, vocab, salt * 1000 + i), params)
     # Prefill everyone (their first token), then time pure decode steps.
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
         engine.step()
     times = []
     for _ in range(steps):
@@ -156,7 +160,9 @@ def offline_throughput(llm: LLM, num: int, prompt_len: int, output_len: int) -> 
 # ---- HTTP --------------------------------------------------------------------------------
 
 
-def first_request_ttft(base_url: str, model: str, prompt_tokens: int, reps: int) -> tuple[float, float]:
+def first_request_ttft(
+    base_url: str, model: str, prompt_tokens: int, reps: int
+) -> tuple[float, float]:
     """TTFT of the first streamed request after start-up, and the median of ``reps`` more."""
     import random
 
@@ -181,12 +187,20 @@ def first_request_ttft(base_url: str, model: str, prompt_tokens: int, reps: int)
     return first, statistics.median(one(i) for i in range(1, reps + 1))
 
 
-def measure_http(args: argparse.Namespace, concurrencies: list[int], prompt: int, output: int) -> dict[str, Any]:
+def measure_http(
+    args: argparse.Namespace, concurrencies: list[int], prompt: int, output: int
+) -> dict[str, Any]:
     from benchmarks.servers import measure_server
     from loadtest.launcher import ServerProcess, build_command, free_port
 
-    flags = f"--model {args.model} --load-format {args.load_format} --max-num-seqs {max(concurrencies)}"
-    for flag, value in (("--dtype", args.dtype), ("--device", args.device), ("--tokenizer", args.tokenizer)):
+    flags = (
+        f"--model {args.model} --load-format {args.load_format} --max-num-seqs {max(concurrencies)}"
+    )
+    for flag, value in (
+        ("--dtype", args.dtype),
+        ("--device", args.device),
+        ("--tokenizer", args.tokenizer),
+    ):
         if value:
             flags += f" {flag} {value}"
     if args.enforce_eager:
@@ -195,15 +209,20 @@ def measure_http(args: argparse.Namespace, concurrencies: list[int], prompt: int
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-gpu-bench-"))
     # The first request after /health: its own server, so no earlier request warmed it.
     port = free_port()
-    server = ServerProcess(build_command(cmd, port=port, host="127.0.0.1"), port, log_dir / "first.log")
+    server = ServerProcess(
+        build_command(cmd, port=port, host="127.0.0.1"), port, log_dir / "first.log"
+    )
     server.start()
     try:
         startup = server.wait_healthy(timeout_s=900)
         first, steady = first_request_ttft(server.base_url, args.model, prompt, reps=5)
     finally:
         server.stop()
-    print(f"HTTP: healthy after {startup:.1f} s; first request TTFT {first * 1e3:.1f} ms, "
-          f"steady {steady * 1e3:.1f} ms ({first / steady:.2f}x)", flush=True)
+    print(
+        f"HTTP: healthy after {startup:.1f} s; first request TTFT {first * 1e3:.1f} ms, "
+        f"steady {steady * 1e3:.1f} ms ({first / steady:.2f}x)",
+        flush=True,
+    )
     result = measure_server(
         "pagedserve", cmd, Path("."), concurrencies, prompt, output,
         num_requests=max(32, 2 * max(concurrencies)), log_dir=log_dir, startup_timeout_s=900,
@@ -230,7 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     context = 32 if quick else 512
     tpot_tokens = 16 if quick else 128
 
-    table = device_for_cuda_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    table = (
+        device_for_cuda_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    )
     bw_meas, fl_meas = measured_peaks(device, dtype)
     if table is not None:
         key = "bf16" if dtype == torch.bfloat16 else "fp16" if dtype == torch.float16 else "tf32"
@@ -239,9 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         bandwidth, flops, source = bw_meas, fl_meas, "measured"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"device: {name}; {dtype_name}; peaks ({source}) {bandwidth / GIGA:.0f} GB/s, "
-          f"{flops / 1e12:.3g} TFLOP/s; measured copy {bw_meas / GIGA:.0f} GB/s, "
-          f"matmul {fl_meas / 1e12:.3g} TFLOP/s", flush=True)
+    print(
+        f"device: {name}; {dtype_name}; peaks ({source}) {bandwidth / GIGA:.0f} GB/s, "
+        f"{flops / 1e12:.3g} TFLOP/s; measured copy {bw_meas / GIGA:.0f} GB/s, "
+        f"matmul {fl_meas / 1e12:.3g} TFLOP/s",
+        flush=True,
+    )
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -250,8 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
     )  # fmt: skip
     engine = llm.engine
-    print(f"engine ready in {time.perf_counter() - t0:.1f} s "
-          f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'})", flush=True)
+    print(
+        f"engine ready in {time.perf_counter() - t0:.1f} s "
+        f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'})",
+        flush=True,
+    )
     mc = engine.model_config
     vocab = mc.vocab_size
     cost = engine.cost_model
@@ -268,19 +295,28 @@ def main(argv: list[str] | None = None) -> int:
     ttft, tpot = steady[0], statistics.median(steady[1:])
     floor = decode_weight_bytes / bandwidth
     out["batch1"] = {"ttft_s": ttft, "tpot_s": tpot, "floor_s": floor, "first_ttft_s": first[0]}
-    print(f"batch 1: TTFT {ttft * 1e3:.2f} ms (first request {first[0] * 1e3:.2f} ms, "
-          f"{first[0] / ttft:.2f}x), TPOT {tpot * 1e3:.3f} ms vs floor {floor * 1e3:.3f} ms "
-          f"({decode_weight_bytes / 1e9:.2f} GB): {tpot / floor:.2f}x floor, MBU {floor / tpot:.2f}, "
-          f"{1 / tpot:.0f} tok/s", flush=True)
+    print(
+        f"batch 1: TTFT {ttft * 1e3:.2f} ms (first request {first[0] * 1e3:.2f} ms, "
+        f"{first[0] / ttft:.2f}x), TPOT {tpot * 1e3:.3f} ms vs floor {floor * 1e3:.3f} ms "
+        f"({decode_weight_bytes / 1e9:.2f} GB): {tpot / floor:.2f}x floor, MBU {floor / tpot:.2f}, "
+        f"{1 / tpot:.0f} tok/s",
+        flush=True,
+    )
 
     out["prefill"] = {}
     for n in prefills if "prefill" in sections else ():
-        times = [_run_alone(engine, _prompt(n, vocab, 100 + n + r), 1, f"pf-{n}-{r}")[0] for r in range(3)]
+        times = [
+            _run_alone(engine, _prompt(n, vocab, 100 + n + r), 1, f"pf-{n}-{r}")[0]
+            for r in range(3)
+        ]
         t = statistics.median(times)
         floor = 2 * params * n / flops
         out["prefill"][n] = {"s": t, "floor_s": floor}
-        print(f"prefill {n:>5} tokens: {t * 1e3:8.2f} ms vs FLOP floor {floor * 1e3:7.2f} ms "
-              f"({t / floor:.2f}x, MFU {floor / t:.2f})", flush=True)
+        print(
+            f"prefill {n:>5} tokens: {t * 1e3:8.2f} ms vs FLOP floor {floor * 1e3:7.2f} ms "
+            f"({t / floor:.2f}x, MFU {floor / t:.2f})",
+            flush=True,
+        )
 
     out["decode"] = {}
     for b in batches if "decode" in sections else ():
@@ -288,14 +324,20 @@ def main(argv: list[str] | None = None) -> int:
         kv_bytes = b * (context + 2) * kv_per_token
         floor = (decode_weight_bytes + kv_bytes) / bandwidth
         out["decode"][b] = {"s": t, "floor_s": floor}
-        print(f"decode step, batch {b:>3} x {context}: {t * 1e3:7.3f} ms vs floor {floor * 1e3:6.3f} ms "
-              f"({t / floor:.2f}x, MBU {floor / t:.2f}; {b / t:.0f} tok/s)", flush=True)
+        print(
+            f"decode step, batch {b:>3} x {context}: {t * 1e3:7.3f} ms "
+            f"vs floor {floor * 1e3:6.3f} ms "
+            f"({t / floor:.2f}x, MBU {floor / t:.2f}; {b / t:.0f} tok/s)",
+            flush=True,
+        )
 
     num, pin, pout = (8, 32, 16) if quick else (max_seqs, 512, 256)
     if "offline" in sections:
         tput = offline_throughput(llm, num, pin, pout)
         out["offline_tok_s"] = tput
-        print(f"offline: {num} requests x {pin} in / {pout} out: {tput:.0f} output tok/s", flush=True)
+        print(
+            f"offline: {num} requests x {pin} in / {pout} out: {tput:.0f} output tok/s", flush=True
+        )
 
     if "http" in sections and not args.tokenizer and llm.tokenizer is None:
         print("HTTP part skipped: the model has no tokenizer (pass --tokenizer DIR)", flush=True)
@@ -307,10 +349,13 @@ def main(argv: list[str] | None = None) -> int:
         http = measure_http(args, concurrencies, 16 if quick else 128, 16 if quick else 128)
         out["http"] = http
         for c, row in http["points"].items():
-            print(f"HTTP c={c}: TPOT p50 {row['tpot_p50_s'] * 1e3:.2f} ms "
-                  f"(engine step at batch 1: {tpot * 1e3:.2f} ms -> "
-                  f"{row['tpot_p50_s'] / tpot:.2f}x), ITL p99 {row['itl_p99_s'] * 1e3:.1f} ms, "
-                  f"{row['output_tok_s']:.0f} tok/s", flush=True)
+            print(
+                f"HTTP c={c}: TPOT p50 {row['tpot_p50_s'] * 1e3:.2f} ms "
+                f"(engine step at batch 1: {tpot * 1e3:.2f} ms -> "
+                f"{row['tpot_p50_s'] / tpot:.2f}x), ITL p99 {row['itl_p99_s'] * 1e3:.1f} ms, "
+                f"{row['output_tok_s']:.0f} tok/s",
+                flush=True,
+            )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))

@@ -1,4 +1,7 @@
-"""Kernel benchmark: ``python -m benchmarks.kernels [--targets] [--fused] [--quick] [--peak-gbps N]``.
+"""Kernel benchmark.
+
+    python -m benchmarks.kernels [--targets] [--fused] [--quick] [--peak-gbps N]
+
 
 Decode paged attention. For each configuration (batch size x context length x GQA shape x
 block size) it times

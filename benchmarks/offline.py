@@ -81,7 +81,9 @@ def run_transformers(model, work: list[tuple[list[int], int]]) -> tuple[float, l
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.offline", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.offline", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--model", default="default")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument(

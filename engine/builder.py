@@ -24,9 +24,9 @@ from engine.backends import ModelForward
 from engine.backends.cpu import build_cpu_forward
 from engine.config import EngineConfig, ModelConfig
 from engine.cost import StepCostModel
-from engine.llama import LlamaForCausalLM
 from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
 from engine.gpu_memory import gpu_kv_budget
+from engine.llama import LlamaForCausalLM
 from engine.loader import (
     fill_dummy_weights,
     load_state_dict,

@@ -76,8 +76,6 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(max_bs, dtype=i64, device=device)  # [max_bs]
         self.positions = torch.zeros(max_bs, dtype=i64, device=device)  # [max_bs]
         self.slot_mapping = torch.full((max_bs,), -1, dtype=i64, device=device)  # [max_bs]
-        # [max_bs, max_blocks_per_seq]: graphs take views of the first columns (widths).
-        self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=i32, device=device)
         self.seq_lens = torch.ones(max_bs, dtype=i32, device=device)  # [max_bs]
         self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=device)
         self.logits_indices = torch.arange(max_bs, dtype=i64, device=device)
@@ -85,12 +83,22 @@ class DecodeGraphs:
         # Per batch bucket, its context buckets in blocks, narrowest first; the full width last.
         self.widths: dict[int, list[int]] = {
             size: sorted(
-                {-(-c // block_size) for c in SHORT_CONTEXTS if -(-c // block_size) < max_blocks_per_seq}
+                {
+                    -(-c // block_size)
+                    for c in SHORT_CONTEXTS
+                    if -(-c // block_size) < max_blocks_per_seq
+                }
                 if size <= SHORT_CONTEXT_MAX_BATCH
                 else set()
             )
             + [max_blocks_per_seq]
             for size in self.sizes
+        }
+        # Per context width, a [max_bs, width] table: contiguous rows of exactly that width,
+        # as every attention kernel expects of a block table.
+        self.block_tables = {
+            width: torch.zeros(max_bs, width, dtype=i32, device=device)
+            for width in {w for ws in self.widths.values() for w in ws}
         }
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
@@ -129,7 +137,7 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size],
             attn=AttentionMetadata(
                 num_decodes=size,
-                block_tables=self.block_tables[:size, :width],
+                block_tables=self.block_tables[width][:size],
                 seq_lens=self.seq_lens[:size],
                 query_start_loc=self.query_start_loc[: size + 1],
                 max_seq_len=width * self.storage.block_size,
@@ -187,11 +195,13 @@ class DecodeGraphs:
         size = self.bucket(n)
         assert size is not None and self.handles(batch)
         width = batch.attn.block_tables.shape[1]
+        key = (size, self.width(size, width))
+        tables = self.block_tables[key[1]]
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
         self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(batch.attn.seq_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(batch.attn.block_tables, non_blocking=True)
+        tables[:n, :width].copy_(batch.attn.block_tables, non_blocking=True)
         # Columns past a row's own blocks keep a previous step's ids: attention reads a
         # table only up to its row's context. Padding rows get context 1 over block 0.
         if size > n:
@@ -199,8 +209,7 @@ class DecodeGraphs:
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].fill_(1)
-            self.block_tables[n:size].zero_()
-        key = (size, self.width(size, width))
+            tables[n:size].zero_()
         captured = self._graphs.get(key)
         if captured is None:  # the stand-in
             return self._forward(*key)[:n]

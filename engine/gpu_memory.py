@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 KV_FRACTION = 0.9
 
 
-def _inert_batch(num_tokens: int, num_seqs: int, block_size: int, device: torch.device) -> InputBatch:
+def _inert_batch(
+    num_tokens: int, num_seqs: int, block_size: int, device: torch.device
+) -> InputBatch:
     """A batch that writes no K/V (slot -1) and attends over block 0 only: ``num_seqs``
     sequences, the first ``num_seqs - 1`` decodes and the last one a prefill of the rest."""
     i32, i64 = torch.int32, torch.int64

@@ -63,9 +63,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.outputs import RequestOutput, StepStats
+from engine.protocol import ServingEngine
 from server.engine_types import (
     EngineHealth,
-    EngineLike,
     EngineRequest,
     EngineSnapshot,
     EngineUnavailableError,
@@ -91,7 +91,7 @@ class AsyncEngineClient:
 
     def __init__(
         self,
-        engine: EngineLike,
+        engine: ServingEngine,
         *,
         stall_timeout_s: float = 60.0,
         check_integrity: bool = False,
@@ -286,7 +286,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: EngineLike,
+        engine: ServingEngine,
         *,
         check_integrity: bool,
         idle_wake_s: float,

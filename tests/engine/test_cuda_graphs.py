@@ -26,7 +26,7 @@ def test_default_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
 def _with_stand_in(llm: LLM, sizes: list[int]) -> DecodeGraphs:
     engine = llm.engine
     graphs = DecodeGraphs(
-        engine.model,
+        engine.runner.model,
         engine.storage,
         sizes,
         -(-engine.max_model_len // engine.storage.block_size),

@@ -39,13 +39,15 @@ def _prompts(vocab: int, count: int) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _hf_bf16_greedy(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float], list[float]]:
+def _hf_bf16_greedy(
+    model, prompt: list[int], max_new: int
+) -> tuple[list[int], list[float], list[float]]:
     ids = torch.tensor([prompt], device="cuda")
     out = model.generate(
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
         output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None,
     )  # fmt: skip
-    tokens = out.sequences[0, len(prompt):].tolist()
+    tokens = out.sequences[0, len(prompt) :].tolist()
     top2 = [step[0].float().topk(2).values for step in out.logits]
     return tokens, [float(t[0] - t[1]) for t in top2], [float(t[0]) for t in top2]
 
@@ -74,7 +76,9 @@ def test_bf16_agrees_with_transformers_bf16_up_to_near_ties(tiny_llama_gqa) -> N
 
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = _prompts(256, 9)
-    llm = LLM(str(tiny_llama_gqa), device="cuda", dtype="bfloat16", kv_cache_memory=KV, max_num_seqs=16)
+    llm = LLM(
+        str(tiny_llama_gqa), device="cuda", dtype="bfloat16", kv_cache_memory=KV, max_num_seqs=16
+    )
     ours = [o.token_ids for o in llm.generate(prompts, params)]
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_gqa, dtype=torch.bfloat16).cuda().eval()
     accepted = 0
@@ -87,8 +91,10 @@ def test_bf16_agrees_with_transformers_bf16_up_to_near_ties(tiny_llama_gqa) -> N
                     f"prompt {i} token {pos}: ours {a}, transformers bf16 {b}, margin "
                     f"{margins[pos]:.3e} > {BF16_ULPS} bf16 ulps ({bound:.3e}): a real mismatch"
                 )
-                print(f"prompt {i}: bf16 near-tie divergence at token {pos} "
-                      f"(margin {margins[pos]:.2e} <= {bound:.2e}), accepted")
+                print(
+                    f"prompt {i}: bf16 near-tie divergence at token {pos} "
+                    f"(margin {margins[pos]:.2e} <= {bound:.2e}), accepted"
+                )
                 accepted += 1
                 break
     assert accepted <= len(prompts) // 2, "near-ties should be the exception"

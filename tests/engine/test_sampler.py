@@ -21,7 +21,9 @@ VOCAB = 50
 def _item(request_id: str, params: SamplingParams, prompt=(1, 2, 3), output=()) -> ScheduledRequest:
     request = Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=params)
     request.output_token_ids.extend(output)
-    return ScheduledRequest(request, start=0, num_tokens=1, token_ids=[1], block_ids=(0,), samples=True)
+    return ScheduledRequest(
+        request, start=0, num_tokens=1, token_ids=[1], block_ids=(0,), samples=True
+    )
 
 
 def _ref_penalties(row: torch.Tensor, item: ScheduledRequest, p: SamplingParams) -> torch.Tensor:
@@ -87,11 +89,17 @@ def test_penalties_match_the_per_row_rule() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
     batched = apply_penalties(logits, items, params)
     for row in range(3):
-        torch.testing.assert_close(batched[row], _ref_penalties(logits[row], items[row], params[row]))
+        torch.testing.assert_close(
+            batched[row], _ref_penalties(logits[row], items[row], params[row])
+        )
 
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch() -> None:
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(top_k=1)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(top_k=1),
+    ]
     items = [_item(str(i), p) for i, p in enumerate(params)]
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
     tokens, logprobs = Sampler(0, torch.device("cpu"))(logits, items)
@@ -120,7 +128,9 @@ def test_seeded_rows_do_not_depend_on_the_batch() -> None:
     seeded = SamplingParams(temperature=1.0, seed=123)
     alone = Sampler(0, torch.device("cpu"))(logits[:1], [_item("s", seeded)])[0]
     others = [_item(str(i), SamplingParams(temperature=1.0)) for i in range(3)]
-    batched = Sampler(99, torch.device("cpu"))(logits[[1, 0, 2, 3]], [others[0], _item("s", seeded), others[1], others[2]])[0]
+    batched = Sampler(99, torch.device("cpu"))(
+        logits[[1, 0, 2, 3]], [others[0], _item("s", seeded), others[1], others[2]]
+    )[0]
     assert batched[1] == alone[0]
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine.layer_ops import TorchLayerOps
+
 from engine.llama import RMSNorm
 from kernels import reference
 from kernels.rms_norm import add_rms_norm_, rms_norm

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from engine.layer_ops import TorchLayerOps
+
 from kernels import reference
 from kernels.rope_and_store import rope_and_store_
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine.layer_ops import TorchLayerOps
+
 from kernels import reference
 from kernels.silu_mul import BLOCK, silu_mul
 

@@ -13,8 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import planner.cpu
 from engine.outputs import STEP_PHASES, StepStats
 from server.config import ServingConfig
-from server.metrics import token_buckets
-from server.metrics import ServerMetrics, config_info
+from server.metrics import ServerMetrics, config_info, token_buckets
 from server.peaks import Peaks, resolve_peaks
 from server.stats_log import overhead_summary
 from server.timings import RequestTimings
