@@ -103,7 +103,7 @@ class LLMEngine:
                 body_saved_bytes=blocks.body_saved_bytes,
                 lm_head_block_bytes=blocks.lm_head_block_bytes,
             )
-        self.matmul_weights = "gguf" if uses_blocks else "float32"
+        self.matmul_weights = "gguf" if uses_blocks else str(self.dtype).removeprefix("torch.")
         logger.info(
             "loaded %s from %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
             self.model_id,

@@ -123,6 +123,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "bench":
         from loadtest.cli import main as bench_main
 
-        return bench_main(rest)
+        return bench_main(rest, prog="pagedserve bench")
     print(f"pagedserve: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2

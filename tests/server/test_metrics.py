@@ -311,3 +311,31 @@ def test_series_with_a_second_label_bind_on_first_use() -> None:
     # Known values exist from the start, at zero.
     abort = {"model_name": "m", "finished_reason": "abort"}
     assert get("pagedserve_requests_finished_total", abort) == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_config_info_reports_the_dtype_the_matmuls_read(tmp_path, dtype: str) -> None:
+    """A float32 checkpoint served in bfloat16 multiplies by bfloat16 weights; the label must
+    not claim float32 (without GGUF blocks the matmul weights are the serving dtype's)."""
+    from engine.llm_engine import LLMEngine
+    from server.config import ServerConfig
+    from tests.server.tiny_server import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "tiny")
+    config = ServingConfig.from_cli(
+        [str(model), "--dtype", dtype, "--device", "cpu", "--num-kv-blocks", "8"], {}
+    )
+    engine = LLMEngine(config.engine, config.kvpool, config.scheduler)
+    assert engine.matmul_weights == dtype
+    # Given peaks: no CPU probe in a unit test.
+    given = ServingConfig(
+        engine=config.engine,
+        kvpool=config.kvpool,
+        scheduler=config.scheduler,
+        server=ServerConfig(stats_log_interval_s=0, peak_bandwidth_gbps=10, peak_tflops=1),
+    )
+    metrics = ServerMetrics.for_engine(given, engine)
+    text = metrics.exposition(None)[0].decode()
+    info = samples(text)
+    labels = next(dict(k[1]) for k in info if k[0] == "pagedserve_config_info")
+    assert labels["matmul_weights"] == dtype and labels["dtype"] == dtype
