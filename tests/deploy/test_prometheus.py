@@ -365,6 +365,6 @@ def test_a_skipped_check_is_named_in_the_summary_line(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED 2 checks: ")]
     assert len(lines) == 1, done.stdout
-    group = "test_tools.py::{test_needs_a_tool, test_needs_it_too} (the frob binary is not installed)"
-    assert group in lines[0], lines[0]
+    names = "test_tools.py::{test_needs_a_tool, test_needs_it_too}"
+    assert f"{names} (the frob binary is not installed)" in lines[0], lines[0]
     assert "test_runs" not in lines[0]
