@@ -410,6 +410,36 @@ def measure_cpu_peaks(
     )
 
 
+def l3_cache_bytes() -> int | None:
+    """The last-level (L3) cache this process's CPUs share, summed over the distinct caches
+    (one per socket or core complex), from ``/sys/devices/system/cpu``; None if unknown.
+
+    A step whose weights fit in it may read them faster than the DRAM bandwidth probe
+    (512 MB, far larger), so an MBU against that probe can exceed 1 at batch 1.
+    """
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 1))
+    seen: dict[str, int] = {}
+    units = {"K": 1024, "M": 1024**2, "G": 1024**3}
+    for cpu_id in cpus:
+        root = Path(f"/sys/devices/system/cpu/cpu{cpu_id}/cache")
+        for index in root.glob("index*"):
+            try:
+                if (index / "level").read_text().strip() != "3":
+                    continue
+                shared = (index / "shared_cpu_list").read_text().strip()
+                size = (index / "size").read_text().strip()
+            except OSError:
+                continue
+            scale = units.get(size[-1:].upper(), 1)
+            digits = size[:-1] if size[-1:].upper() in units else size
+            if digits.isdigit():
+                seen[shared] = int(digits) * scale
+    return sum(seen.values()) or None
+
+
 def cpu_device(dtypes: tuple[str, ...] = ("fp32",), *, refresh: bool = False) -> Device:
     """The ``cpu`` device built from measured (or cached) peaks and this machine's RAM."""
     peaks = measure_cpu_peaks(dtypes, refresh=refresh)

@@ -339,3 +339,20 @@ def test_config_info_reports_the_dtype_the_matmuls_read(tmp_path, dtype: str) ->
     info = samples(text)
     labels = next(dict(k[1]) for k in info if k[0] == "pagedserve_config_info")
     assert labels["matmul_weights"] == dtype and labels["dtype"] == dtype
+
+
+def test_cpu_peaks_are_logged_with_the_l3_size_and_a_warning_when_taken_under_load(
+    monkeypatch, caplog
+) -> None:
+    busy = planner.cpu.CpuPeaks(
+        14e9, {"fp32": 9e10}, 13.8e9, 14e9, "2026-11-26T10:00:00+00:00", True, 0.6
+    )
+    monkeypatch.setattr(planner.cpu, "measure_cpu_peaks", lambda dtypes: busy)
+    monkeypatch.setattr(planner.cpu, "l3_cache_bytes", lambda: 300 * 2**20)
+    with caplog.at_level(logging.INFO, logger="server.peaks"):
+        resolve_peaks("cpu", "float32")
+    text = caplog.text
+    assert "read 13.8 GB/s, copy 14.0 GB/s, fp32 matmul 90 GFLOP/s" in text
+    assert "L3 cache 300 MiB" in text and "MBU may exceed 1" in text
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "60%" in warnings[0].getMessage()
