@@ -410,6 +410,28 @@ def measure_cpu_peaks(
     )
 
 
+def max_quant_rows() -> int:
+    """The most rows a matmul multiplies by GGUF blocks on this machine, as the C++ kernels
+    built for it decide (``kMaxQuantRows``, kernels/cpu/csrc/gemm.cpp): 64 with VNNI, 12
+    with AVX-512 without it, else 8. Read from the CPU's flags and ``PAGEDSERVE_CPU_MARCH``
+    (an ``x86-64-v3`` build is AVX2 on any machine), without building the kernels."""
+    march = os.environ.get("PAGEDSERVE_CPU_MARCH", "").strip() or "native"
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    if march != "native":
+        return 8  # the portable targets the README names build AVX2 without VNNI
+    if "avx512f" in flags:
+        return 64 if "avx512_vnni" in flags else 12
+    return 64 if "avx_vnni" in flags else 8  # VNNI as the build's macros define it
+
+
 def l3_cache_bytes() -> int | None:
     """The last-level (L3) cache this process's CPUs share, summed over the distinct caches
     (one per socket or core complex), from ``/sys/devices/system/cpu``; None if unknown.
