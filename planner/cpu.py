@@ -178,7 +178,7 @@ QUIET_MAX_OTHERS_FRACTION = 0.10
 # How many probe records the cache keeps per machine, newest last (for the record only).
 PROBE_HISTORY = 8
 # The quick re-probe of every start that finds its figures cached: few passes, no time
-# budget (well under a second for the 512 MB probes); it can only raise a quiet figure.
+# budget; it replaces a figure taken under load when it is quiet, else can only raise one.
 QUICK_REPEATS = 2
 
 
@@ -337,11 +337,11 @@ def measure_cpu_peaks(
 
     Every figure (read and copy bandwidth, each dtype's matmul FLOP/s) is kept in the cache
     with when it was measured and how busy the rest of the machine was meanwhile
-    (``ProbeLoad``). A figure missing from the cache, or known only from a probe taken under
-    load, is measured in full (about a second each); a quiet cached figure gets a quick
-    re-probe (``QUICK_REPEATS`` passes, no time budget). A quiet probe replaces a figure
-    taken under load, and otherwise the higher figure stays: a busy moment can lower
-    nothing, and a later quiet start corrects a figure taken while the machine was busy.
+    (``ProbeLoad``). A figure missing from the cache is measured in full (about a second
+    each); a cached one gets a quick re-probe (``QUICK_REPEATS`` passes, no time budget),
+    cheap enough for every start. A quiet probe replaces a figure taken under load, and
+    otherwise the higher figure stays: a busy moment can lower nothing, and a later quiet
+    start corrects a figure taken while the machine was busy.
 
     Args:
         dtypes: matmul dtypes needed (``fp32``, ``bf16``, ``fp16``).
@@ -365,7 +365,7 @@ def measure_cpu_peaks(
     quick = {"repeats": QUICK_REPEATS, "budget_s": 0.0}
 
     def needs_full(*names: str) -> bool:
-        return any(name not in figures or not figures[name]["quiet"] for name in names)
+        return any(name not in figures for name in names)
 
     def record(kind: str, load: ProbeLoad, values: dict[str, float]) -> None:
         at = datetime.now(timezone.utc).isoformat(timespec="seconds")

@@ -116,10 +116,11 @@ def _lookup(device: str, flops_dtype: str) -> tuple[float | None, float | None, 
         if peaks.under_load:
             share = peaks.others_fraction
             logger.warning(
-                "CPU peaks: no quiet probe yet on this machine (other processes used %s of "
-                "the CPUs): the figures are likely low and MBU/MFU high; the next start on a "
-                "quieter machine replaces them",
-                f"{share:.0%}" if share is not None else "an unknown share",
+                "CPU peaks: no quiet probe yet on this machine (%s): the figures may be low "
+                "and MBU/MFU high; the next start on a quieter machine replaces them",
+                f"other processes used {share:.0%} of the CPUs"
+                if share is not None
+                else "figures cached before loads were recorded, or probes under load",
             )
         return peaks.bandwidth, flops, "measured", "cpu"
     return None, None, "unknown", device

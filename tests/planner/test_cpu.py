@@ -70,7 +70,7 @@ def test_a_figure_taken_under_load_is_flagged_and_replaced_by_the_next_quiet_pro
     fake_cpu.others_fraction = 0.0
     fake_cpu.read_bw = 12e9  # a quiet probe lower than the busy one still replaces it
     quiet = cpu.measure_cpu_peaks()
-    assert fake_cpu.probes[-2:] == ["full", "full"]  # busy figures are probed in full again
+    assert fake_cpu.probes[-2:] == ["quick", "quick"]  # cached, if busy: a quick probe
     assert quiet.read_bandwidth == 12e9 and not quiet.under_load
     fake_cpu.read_bw = 30e9
     assert cpu.measure_cpu_peaks().read_bandwidth == 30e9  # the higher quiet figure wins
@@ -133,7 +133,7 @@ def test_figures_cached_before_loads_were_recorded_count_as_taken_under_load(
     }
     (cache_dir / cpu.CACHE_FILE).write_text(json.dumps({cpu.cpu_fingerprint(): old}))
     peaks = cpu.measure_cpu_peaks()
-    assert fake_cpu.probes == ["full", "full"]
+    assert fake_cpu.probes == ["quick", "quick"]
     assert (peaks.read_bandwidth, peaks.flops["fp32"]) == (FAKE_READ_BW, FAKE_FLOPS)
     del old["read_probes_version"]
     (cache_dir / cpu.CACHE_FILE).write_text(json.dumps({cpu.cpu_fingerprint(): old}))
