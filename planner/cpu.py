@@ -339,7 +339,8 @@ def measure_cpu_peaks(
     with when it was measured and how busy the rest of the machine was meanwhile
     (``ProbeLoad``). A figure missing from the cache is measured in full (about a second
     each); a cached one gets a quick re-probe (``QUICK_REPEATS`` passes, no time budget),
-    cheap enough for every start. A quiet probe replaces a figure taken under load, and
+    skipped when every figure is quiet and the machine is busy now (``load_now``: such a
+    probe could change nothing). A quiet probe replaces a figure taken under load, and
     otherwise the higher figure stays: a busy moment can lower nothing, and a later quiet
     start corrects a figure taken while the machine was busy.
 
@@ -376,6 +377,13 @@ def measure_cpu_peaks(
              load.others_fraction, "loadavg_1m": load.loadavg_1m, **values}
         )  # fmt: skip
 
+    wanted = ["read", "copy", *(f"flops:{d}" for d in dtypes)]
+    if all(name in figures and figures[name]["quiet"] for name in wanted) and not (
+        load_now().quiet
+    ):
+        # Every figure is quiet and a probe now would be taken under load, so it could
+        # change nothing: skip it rather than slow a busy machine's start down.
+        return _peaks(figures, dtypes)
     kind = "full" if needs_full("read", "copy") else "quick"
     (read, copy), load = _timed_under_load(measure_bw, **({} if kind == "full" else quick))
     record(kind, load, {"read": read, "copy": copy})
@@ -392,6 +400,15 @@ def measure_cpu_peaks(
         "probes": history[-PROBE_HISTORY:],
     }
     _write_cache(path, cache)
+    return _peaks(figures, dtypes)
+
+
+def load_now(window_s: float = 0.2) -> ProbeLoad:
+    """The load of the rest of the machine over the next ``window_s`` seconds."""
+    return _timed_under_load(time.sleep, window_s)[1]
+
+
+def _peaks(figures: dict[str, dict[str, Any]], dtypes: tuple[str, ...]) -> CpuPeaks:
     bandwidth = max(figures["read"], figures["copy"], key=lambda f: f["value"])
     used = [figures["read"], figures["copy"], *(figures[f"flops:{d}"] for d in dtypes)]
     loaded = [f["others_fraction"] for f in used if not f["quiet"]]

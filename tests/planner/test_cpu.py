@@ -154,3 +154,15 @@ def test_real_measurements_are_positive_and_plausible() -> None:
     assert 1e8 < read < 1e13 and 1e8 < copy < 1e13
     flops = REAL_MEASURE_FLOPS("fp32", n=128, repeats=2, budget_s=0.0)
     assert 1e8 < flops < 1e14
+
+
+def test_no_re_probe_when_every_figure_is_quiet_and_the_machine_is_busy_now(
+    cache_dir: Path, fake_cpu: FakeCpu, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A probe under load could change no quiet figure: a busy start skips it."""
+    cpu.measure_cpu_peaks()
+    monkeypatch.setattr(cpu, "load_now", lambda: cpu.ProbeLoad(0.5, 3.0))
+    peaks = cpu.measure_cpu_peaks()
+    assert fake_cpu.probes == ["full", "full"] and peaks.read_bandwidth == FAKE_READ_BW
+    assert cpu.measure_cpu_peaks(("bf16",)).flops["bf16"] == FAKE_FLOPS  # a missing figure
+    assert fake_cpu.probes[-1] == "full"
