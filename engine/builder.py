@@ -201,7 +201,7 @@ def build_engine_parts(
     # every other one runs the model's own forward.
     forward: ModelForward = model
     cost_model = StepCostModel.from_config(mc, dtype.itemsize)
-    matmul_weights = "float32"
+    matmul_weights = str(dtype).removeprefix("torch.")  # "gguf" when GGUF blocks serve
     packed_bytes = block_bytes = dropped_bytes = 0
     cpu_ops = cpu_kernels.load() if backend == "cpu" else None
     if cpu_ops is not None:

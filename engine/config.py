@@ -20,8 +20,28 @@ def cache_dir() -> Path:
     return Path(root).expanduser()
 
 
+class ModelError(Exception):
+    """A ``--model`` the user must change (not found, not local, not supported): the
+    command line reports its message as one line, without a traceback."""
+
+
+class ModelNotFoundError(ModelError, FileNotFoundError):
+    """No local checkpoint at the given place (pagedserve never downloads one)."""
+
+
+class UnsupportedModelError(ModelError, ValueError):
+    """A checkpoint pagedserve cannot serve (architecture, rope scaling, file format)."""
+
+
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +80,16 @@ class ModelConfig:
         d: dict[str, Any] = hf if isinstance(hf, dict) else hf.to_dict()
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {model_type!r}; pagedserve serves "
-                f"{sorted(SUPPORTED_ARCHITECTURES)} models"
+            raise UnsupportedModelError(
+                f"unsupported architecture {model_type!r} (config.json model_type); "
+                f"pagedserve serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))} models: "
+                "pass a checkpoint of one of those families"
+            )
+        missing = [key for key in _REQUIRED_KEYS if key not in d]
+        if missing:
+            raise UnsupportedModelError(
+                f"config.json lacks {', '.join(missing)}, which every {model_type} config "
+                "has: pass a complete HF checkpoint"
             )
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
@@ -72,7 +99,10 @@ class ModelConfig:
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope scaling {rope_type!r}")
+            raise UnsupportedModelError(
+                f"unsupported rope scaling {rope_type!r} (config.json); pagedserve supports "
+                f"{', '.join(sorted(SUPPORTED_ROPE_TYPES))}"
+            )
         scaling = RopeScaling(
             rope_type=rope_type,
             factor=float(rope.get("factor", 1.0)),

@@ -5,6 +5,7 @@ Routes::
     POST /v1/completions        completions.create_completion
     POST /v1/chat/completions   chat.create_chat_completion
     GET  /v1/models             the one served model
+    GET  /v1/models/{id}        that model's card; 404 model_not_found for any other id
     GET  /health                200 while the engine loop is alive and iterating and the
                                 server is not draining, else 503; the body carries the KV
                                 pool figures (blocks used/free/total), the step of the last
@@ -67,7 +68,7 @@ def _version() -> str:
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 500, 503, 504)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 500, 503, 504)
 }
 # With "stream": true the 200 is an SSE stream of chunks (server/streaming.py), not JSON.
 _GENERATION: dict[int | str, dict[str, Any]] = {
@@ -125,15 +126,23 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(body, request, ctx)
 
-    @app.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
-        card = ModelCard(
+    def model_card() -> ModelCard:
+        return ModelCard(
             id=ctx.model_name,
             created=ctx.started_at,
             root=config.engine.model,
             max_model_len=ctx.limits.max_model_len,
         )
-        return ModelList(data=[card])
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    # ``:path``: a served name may hold slashes (``org/model``), as hub-style names do.
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        check_model(model_id, ctx.limits)
+        return model_card()
 
     @app.get("/health")
     async def health() -> Response:

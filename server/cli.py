@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from engine.config import ModelError
 from server.config import ServingConfig
 
 logger = logging.getLogger("pagedserve")
@@ -115,7 +116,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "serve":
-        return serve(ServingConfig.from_cli(rest))
+        config = ServingConfig.from_cli(rest)
+        try:
+            return serve(config)
+        except ModelError as exc:
+            # A --model the user must change: one line naming it and the fix, no traceback.
+            print(f"pagedserve serve: error: {exc}", file=sys.stderr)
+            return 2
     if command == "plan":
         from planner.cli import main as plan_main
 
@@ -123,6 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "bench":
         from loadtest.cli import main as bench_main
 
-        return bench_main(rest)
+        return bench_main(rest, prog="pagedserve bench")
     print(f"pagedserve: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2

@@ -159,7 +159,26 @@ class ServingConfig:
             SystemExit: on a bad flag or env value (argparse prints the usage line).
         """
         parser = build_arg_parser(_OPTIONS, environ if environ is not None else os.environ)
+        # ``pagedserve serve MODEL``, as ``vllm serve MODEL``: the positional is --model's
+        # other spelling. --model's default becomes a marker so that a flag given beside the
+        # positional can be told from an env var or the default (which the positional beats).
+        parser.add_argument(
+            "positional_model",
+            nargs="?",
+            metavar="MODEL",
+            help="the model, as --model takes it (give one or the other)",
+        )
+        model_default = parser.get_default("model")
+        parser.set_defaults(model=_UNSET)
         args = parser.parse_args(list(argv) if argv is not None else None)
+        positional = vars(args).pop("positional_model")
+        if args.model is _UNSET:
+            args.model = positional if positional is not None else model_default
+        elif positional is not None and positional != args.model:
+            parser.error(
+                f"the model is given twice and differs: MODEL {positional!r} and --model "
+                f"{args.model!r}; give only one"
+            )
         try:
             return cls.from_namespace(args)
         except ValueError as exc:  # a config's own __post_init__ check
@@ -185,6 +204,7 @@ class ServingConfig:
         )
 
 
+_UNSET = object()  # --model's parser default while the positional MODEL is resolved
 _S, _E, _K, _P = ServerConfig(), EngineConfig(), KVPoolConfig(), SchedulerConfig()
 # fmt: off
 _OPTIONS: tuple[Option, ...] = (

@@ -123,6 +123,14 @@ class _ExtendList(argparse.Action):
         setattr(namespace, self.dest, (*current, *values))
 
 
+def _metavar(option: Option) -> str:
+    """How ``--help`` shows the value: BOOL for switches and booleans (never the last word
+    of the field, "--no-prefix-caching [CACHING]"), else the field's last word."""
+    if option.negate or option.parse is parse_bool:
+        return "BOOL"
+    return option.dest.split("_")[-1].upper()
+
+
 def build_arg_parser(
     options: Sequence[Option], environ: Mapping[str, str]
 ) -> argparse.ArgumentParser:
@@ -161,7 +169,7 @@ def build_arg_parser(
             type=option.parse,
             default=default,
             choices=option.choices,
-            metavar=None if option.choices else option.dest.split("_")[-1].upper(),
+            metavar=None if option.choices else _metavar(option),
             help=f"{option.help} [env {option.env}; default {option.default!r}]",
             # A boolean given alone means true (--enforce-eager), as argparse switches do.
             nargs="?" if option.negate or option.parse is parse_bool else None,

@@ -345,3 +345,27 @@ def test_client_abort_is_counted(stack: Stack, sent: Sent) -> None:
         aborts.replace("$__rate_interval", RATE_WINDOW).replace("$model_name", ".*")
     )
     assert share == pytest.approx(1 / 6, rel=0.05)  # 1 abort of 6 finished requests
+
+
+def test_a_skipped_check_is_named_in_the_summary_line(tmp_path: Path) -> None:
+    """Without the prometheus binary the checks above skip; a plain ``make test`` (``-q``,
+    which hides skip reasons) must still say so in one line of its summary
+    (tests/conftest.py's ``pytest_terminal_summary``)."""
+    (tmp_path / "test_tools.py").write_text(
+        "import pytest\n\n"
+        "def test_needs_a_tool():\n    pytest.skip('the frob binary is not installed')\n\n"
+        "def test_needs_it_too():\n    pytest.skip('the frob binary is not installed')\n\n"
+        "def test_runs():\n    pass\n",
+        encoding="utf-8",
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "--rootdir", str(tmp_path),
+         "-c", os.devnull, str(tmp_path / "test_tools.py")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED 2 checks: ")]
+    assert len(lines) == 1, done.stdout
+    names = "test_tools.py::{test_needs_a_tool, test_needs_it_too}"
+    assert f"{names} (the frob binary is not installed)" in lines[0], lines[0]
+    assert "test_runs" not in lines[0]
