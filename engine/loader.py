@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelNotFoundError, UnsupportedModelError, cache_dir
+from engine.presets import preset
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,11 @@ def _not_a_model(spec: str, path: Path) -> str:
         "pass an HF directory (config.json + *.safetensors), a .gguf file, or 'default' "
         "(pagedserve never downloads weights)"
     )
+    if not path.exists() and preset(spec) is not None:
+        return (
+            f"model {spec!r} is a shape preset, which has no weights: add --load-format dummy "
+            "to serve it with random weights, or pass a checkpoint"
+        )
     if not path.exists() and _looks_like_hub_id(spec):
         return (
             f"model {spec!r} is not a local path; it looks like a Hugging Face hub id, and "

@@ -33,8 +33,12 @@ def install(token_id: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.server.fault_server")
-    parser.add_argument("--fault-token-id", type=int, required=True,
-                        help="requests whose prompt holds this token id fail in the engine step")  # fmt: skip
+    parser.add_argument(
+        "--fault-token-id",
+        type=int,
+        required=True,
+        help="requests whose prompt holds this token id fail in the engine step",
+    )
     args, serve_argv = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     install(args.fault_token_id)
     return pagedserve_main(["serve", *serve_argv])
