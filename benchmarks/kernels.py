@@ -426,7 +426,7 @@ FUSED_OPS = ("add_rms_norm_", "rms_norm", "silu_mul", "rope_and_store_")
 def bench_fused(cfg: FusedConfig, device: torch.device) -> list[tuple[str, str, float, float]]:
     """Rows of (op, implementation, seconds, max |output - torch twin's output|) for each of
     ``FUSED_OPS``: ``triton`` (where Triton runs) and ``torch``, the arithmetic of the
-    engine's ``TorchLayerOps`` (``kernels.reference``); on CUDA its RoPE stores K/V with the
+    engine's plain ops (``kernels.reference``); on CUDA its RoPE stores K/V with the
     Triton ``store_kv``, as the engine does there (the reference's store reads the slots on
     the host, which no CUDA graph can hold)."""
     from kernels.rms_norm import add_rms_norm_, rms_norm

@@ -14,8 +14,9 @@ A slot is ``block_id * block_size + offset``; a slot of -1 is padding and is ski
 Softmax is computed in float32 whatever the input dtype, and the output has the query's dtype.
 
 The decoder layer's elementwise ops (``rms_norm``, ``add_rms_norm_``, ``silu_mul``,
-``rope_and_store_``) are written op by op as the engine's ``TorchLayerOps`` evaluates them,
-so their Triton kernels can be held to the same rounding.
+``rope_and_store_``) are written op by op as the engine's plain model evaluates them
+(``engine/llama.py``, ``PagedAttention.rope_and_store``), so their Triton kernels can be held
+to the same rounding.
 """
 
 from __future__ import annotations

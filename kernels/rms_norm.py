@@ -5,7 +5,7 @@ Import the launchers explicitly (``kernels/__init__.py`` never imports triton)::
     from kernels.rms_norm import add_rms_norm_, rms_norm
 
 Same signatures and semantics as ``kernels.reference.rms_norm`` / ``add_rms_norm_``, which
-are the engine's ``RMSNorm.forward`` and ``TorchLayerOps.add_rms_norm_``: the statistics in
+are the engine's ``RMSNorm.forward`` and ``RMSNorm.add_norm_``: the statistics in
 float32 whatever the dtype, the normalised row cast back to the dtype *before* it is
 multiplied by the weight (as transformers' ``LlamaRMSNorm`` does)::
 

@@ -5,7 +5,7 @@ Import the launcher explicitly (``kernels/__init__.py`` never imports triton)::
     from kernels.rope_and_store import rope_and_store_
 
 Same signature and semantics as ``kernels.reference.rope_and_store_`` (the engine's
-``TorchLayerOps.rope_and_store`` with ``store_kv``): one kernel reads the qkv projection's
+``PagedAttention.rope_and_store`` with ``store_kv``): one kernel reads the qkv projection's
 output, rotates Q and K (Llama's "rotate_half" convention), writes rotated K and V to their
 slots of the paged cache and rotated Q back over Q's part of ``qkv``::
 

@@ -5,7 +5,7 @@ Import the launcher explicitly (``kernels/__init__.py`` never imports triton)::
     from kernels.silu_mul import silu_mul
 
 Same signature and semantics as ``kernels.reference.silu_mul``, which is the engine's
-``TorchLayerOps.silu_mul``: ``gate_up = [gate | up]`` along the last dimension, and
+``SiluAndMul`` (engine/llama.py): ``gate_up = [gate | up]`` along the last dimension, and
 ``out = silu(gate) * up`` with torch's rounding in a half dtype (``silu`` computed in
 float32 and rounded to the dtype, then the product rounded again).
 

@@ -1,5 +1,5 @@
 """Triton ``rms_norm`` / ``add_rms_norm_`` vs their twins in ``kernels.reference``, and the
-twins vs the engine's own ``RMSNorm`` and ``TorchLayerOps.add_rms_norm_``.
+twins vs the engine's own ``RMSNorm`` and ``RMSNorm.add_norm_``.
 
 CPU: under TRITON_INTERPRET=1 (set by conftest.py before this import). CUDA: compiled.
 Tolerance: the residual stream is compared bit for bit (one rounded add). The normed output
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine.layer_ops import TorchLayerOps
 
 from engine.llama import RMSNorm
 from kernels import reference
@@ -83,14 +82,14 @@ def test_rejects_mismatched_weight(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_is_the_engine_norm(dtype):
-    """The twin computes what the engine's RMSNorm and TorchLayerOps compute, bit for bit."""
+    """The twin computes what the engine's RMSNorm and RMSNorm.add_norm_ compute, bit for bit."""
     x, residual, weight = inputs(4, 96, dtype, torch.device("cpu"))
     norm = RMSNorm(96, EPS).to(dtype)
     norm.weight.data.copy_(weight)
     with torch.no_grad():
         assert torch.equal(reference.rms_norm(x, weight, EPS), norm(x))
         engine_residual, ref_residual = residual.clone(), residual.clone()
-        engine_out = TorchLayerOps().add_rms_norm_(x, engine_residual, norm)
+        engine_out = norm.add_norm_(x, engine_residual)
         ref_out = reference.add_rms_norm_(x, ref_residual, weight, EPS)
     assert torch.equal(ref_out, engine_out) and torch.equal(ref_residual, engine_residual)
 

@@ -1,5 +1,5 @@
 """Triton ``rope_and_store_`` vs ``kernels.reference.rope_and_store_``, and the twin vs the
-engine's ``TorchLayerOps.rope_and_store`` (RoPE, then ``store_kv``).
+engine's ``PagedAttention.rope_and_store`` (RoPE, then ``store_kv``).
 
 CPU: under TRITON_INTERPRET=1 (set by conftest.py before this import). CUDA: compiled.
 Tolerance: none. The kernel rounds each product and the sum to the dtype as torch's op by
@@ -10,12 +10,10 @@ bit for bit in every dtype.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from engine.layer_ops import TorchLayerOps
 
+from engine.attention import PagedAttention
 from kernels import reference
 from kernels.rope_and_store import rope_and_store_
 
@@ -114,12 +112,11 @@ def test_rejects_wrong_qkv_width(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_is_the_engine_op(dtype):
-    """The twin computes what TorchLayerOps.rope_and_store computes, bit for bit."""
+    """The twin computes what PagedAttention.rope_and_store computes (torch backend), bitwise."""
     qkv, cos, sin, key_cache, value_cache, slots = case(6, 8, 2, 64, dtype, torch.device("cpu"))
     engine_k, engine_v = key_cache.clone(), value_cache.clone()
-    store = SimpleNamespace(store=reference.store_kv)  # the attention's store, torch backend
-    engine_q = TorchLayerOps().rope_and_store(
-        qkv.clone(), (cos, sin), store, engine_k, engine_v, slots, 8, 2
+    engine_q = PagedAttention("torch", scale=1.0).rope_and_store(
+        qkv.clone(), (cos, sin), engine_k, engine_v, slots, 8, 2
     )
     ref_q = reference.rope_and_store_(qkv, cos, sin, key_cache, value_cache, slots, 8, 2)
     assert torch.equal(ref_q, engine_q)

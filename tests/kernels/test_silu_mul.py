@@ -1,5 +1,5 @@
 """Triton ``silu_mul`` vs ``kernels.reference.silu_mul``, and the twin vs the engine's
-``TorchLayerOps.silu_mul``.
+``SiluAndMul``.
 
 CPU: under TRITON_INTERPRET=1 (set by conftest.py before this import). CUDA: compiled.
 Tolerance: the kernel's exp is not torch's (compiled Triton uses the fast ex2), so silu may
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine.layer_ops import TorchLayerOps
 
+from engine.llama import SiluAndMul
 from kernels import reference
 from kernels.silu_mul import BLOCK, silu_mul
 
@@ -51,7 +51,7 @@ def test_rejects_odd_width(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_is_the_engine_op(dtype):
     gate_up = torch.randn(3, 2 * 40).to(dtype)
-    assert torch.equal(reference.silu_mul(gate_up), TorchLayerOps().silu_mul(gate_up))
+    assert torch.equal(reference.silu_mul(gate_up), SiluAndMul()(gate_up))
 
 
 @pytest.mark.parametrize("build", ["silu_mul"])
