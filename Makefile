@@ -6,7 +6,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: serve test bench lint clean
+.PHONY: serve test test-gpu bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,8 +22,18 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
+# On a CUDA machine: the GPU-marked tests (compiled Triton kernels, CUDA graphs, CUDA bf16
+# parity) and the kernel bench's table. .venv holds the CPU build of torch, so point
+# GPU_PYTHON at an environment with a CUDA build and this project's dependencies:
+#   make test-gpu GPU_PYTHON=python3
+GPU_PYTHON ?= $(BIN)/python
+test-gpu: $(if $(filter $(BIN)/python,$(GPU_PYTHON)),$(STAMP))
+	$(GPU_PYTHON) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: this torch ($(GPU_PYTHON)) sees no CUDA device; pass GPU_PYTHON=<a CUDA build>')"
+	$(GPU_PYTHON) -m pytest -q -m gpu $(ARGS)
+	$(GPU_PYTHON) -m benchmarks.kernels --targets --fused
+
 bench: $(STAMP)
-	$(BIN)/python -m engine.bench $(ARGS)
+	$(BIN)/python -m benchmarks.offline $(ARGS)
 
 lint: $(STAMP)
 	$(BIN)/pip install -q ruff mypy

@@ -1,1 +1,1 @@
-"""Benchmarks that span packages: serving speed against the machine floors and other servers."""
+"""Every benchmark entry point (benchmarks/README.md lists them); figures in RESULTS.md."""

@@ -13,7 +13,7 @@ matmuls at the row counts it uses them for: the float32 panels, and the GGUF blo
 layers, a Q8_0 lm_head, as the default checkpoint ships them; the same float32 FLOPs from
 4.8x fewer bytes). The best of them is the ceiling at that row count. Measured against the
 library alone at the concurrency's row count, a server whose own kernels beat the library
-read an MFU of 317% at c=16: a ceiling the machine demonstrably exceeds says nothing about
+read an MFU far above 100%: a ceiling the machine demonstrably exceeds says nothing about
 how much compute is left.
 """
 

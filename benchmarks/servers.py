@@ -60,7 +60,7 @@ def server_mbu(
     """The server's own MBU gauge (its last step's figure) as a dashboard shows it over the
     point: the median of the scrapes taken during the point, or the one after it when there
     were fewer than 3. A single read is one step, the point's last, which shares the cores
-    with the end of every stream: 0.48 in a run where the load generator's TPOT gave 0.75."""
+    with the end of every stream, and reads well below what the point's TPOT implies."""
 
     def gauge(metrics: Mapping[str, float] | None) -> float | None:
         for key, value in (metrics or {}).items():
@@ -95,10 +95,9 @@ def server_decode_bytes(metrics: Mapping[str, float] | None) -> float | None:
 
 # The concurrency-1 point is run again (at most this many times in all) while the bandwidth
 # probed right before and right after it differs by more than STEADY_SPREAD: the machine's
-# bandwidth moves between a slow and a fast level (here ~31-38 and ~51-63 GB/s) from one
-# minute to the next, and a point that straddles a change has no single floor to be judged
-# by. Either probe alone would flatter or wrong it: a point run mostly in a slow period read
-# 19.3 ms a token with probes of 36.1 before and 61.8 GB/s after.
+# bandwidth can move between a slow and a fast level (the fast one nearly twice the slow)
+# from one minute to the next, and a point that straddles a change has no single floor to be
+# judged by. Either probe alone would flatter or wrong it.
 STEADY_ATTEMPTS = 3
 STEADY_SPREAD = 0.15
 
@@ -159,17 +158,16 @@ def measure_server(
                 progress=False,
                 warmup_requests=2,
                 # The MBU gauge is one step's figure, read by each scrape: at the load
-                # generator's 2 s a c=1 point (~6 s) gets 3 scrapes, whose median read 0.69
-                # in one run and 0.99 in the next of the same code, with TPOT 4.5 and 4.6 ms.
+                # generator's 2 s a c=1 point of a few seconds gets 3 scrapes, and their
+                # median swung widely between runs of the same code at the same TPOT.
                 metrics_interval_s=0.5,
             )
             attempts = STEADY_ATTEMPTS if probe is not None else 1
             for attempt in range(1, attempts + 1):
                 probes = [probe()] if probe is not None else []
                 # Prompts no earlier point or attempt sent to this server: a prefix cache
-                # would answer repeated ones without their prefills (a run at fc4f673 re-ran
-                # the c=1 point with the same prompts: TTFT 13 ms, against 165 with fresh
-                # ones; and every point's first requests were the previous point's).
+                # would answer repeated ones without their prefills, and TTFT would measure
+                # cache hits.
                 sweep = run_sweep(replace(config, prompt_salt=f"c{c}-attempt{attempt}"))
                 if probe is not None:
                     probes.append(probe())

@@ -27,8 +27,8 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
+from engine.backends.cpu import CpuForward, Matmul
 from engine.cost import StepCostModel
 from engine.llm import LLM
 from kernels import cpu as cpu_kernels
@@ -37,6 +37,8 @@ from scheduler.request import SamplingParams
 
 # The STEP_KERNELS entries that are matmuls: each is also its DecoderLayer attribute.
 MATMULS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# The cpu backend's LayerSlots field of each (engine/backends/cpu.py).
+_SLOTS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}
 
 
 @dataclass
@@ -60,10 +62,10 @@ class Round:
     parts: list[Part] = field(default_factory=list)
 
 
-def read_bytes(linear: Any) -> int:
-    """Bytes a one-row matmul of ``linear`` reads: its GGUF blocks when it has them (the
-    cpu kernels use them for 1 row), else its packed panels, else its plain weight."""
-    for t in (linear.quantized, linear.packed, linear.weight):
+def read_bytes(matmul: Matmul) -> int:
+    """Bytes a one-row matmul reads: its GGUF blocks when it has them (the cpu kernels use
+    them for 1 row), else its packed panels, else its plain weight."""
+    for t in (matmul.quant, matmul.packed, matmul.w):
         if t is not None:
             return t.numel() * t.element_size()
     raise ValueError("a Linear without weights")
@@ -82,7 +84,7 @@ def profile_round(
     llm: LLM, prompt: list[int], output_tokens: int, bandwidth: float, tag: str
 ) -> Round:
     engine = llm.engine
-    model = engine.model
+    forward = engine.runner.model
     ops = cpu_kernels.load()
     engine.add_request(
         tag, prompt, SamplingParams(max_tokens=output_tokens, temperature=0, ignore_eos=True)
@@ -105,12 +107,12 @@ def profile_round(
         ops.step_profile(False)
     n = len(cpu_kernels.STEP_KERNELS)
     kernel_s, stack_s = kernels[:n], kernels[n]
-    layers = model.layers
+    layers = forward.spec.layers
     weight_bytes = {
-        name: sum(read_bytes(getattr(layer, name)) for layer in layers) for name in MATMULS
+        name: sum(read_bytes(getattr(layer, _SLOTS[name])) for layer in layers) for name in MATMULS
     }
     # A decode step's stack ends with the final norm and the head (decoder_layer.cpp).
-    weight_bytes["head"] = read_bytes(model.lm_head)
+    weight_bytes["head"] = read_bytes(forward.spec.head.head)
     kv = kv_bytes_per_step(llm, len(prompt), output_tokens) * len(layers)
     parts = [
         Part(name, seconds / steps, weight_bytes.get(name, kv if name == "attention" else None))
@@ -169,8 +171,10 @@ def run(
         probe = lambda: max(measure_bandwidth(repeats=3, budget_s=0.25))  # noqa: E731
     results = []
     for weights in configs:
-        llm = LLM(model, matmul_weights=weights, attention_backend="cpu")
-        if not llm.engine.model.ops.fuses_layers:
+        # The C++ kernels' fused stack is a float32 CPU path, on any machine.
+        llm = LLM(model, matmul_weights=weights, attention_backend="cpu", device="cpu",
+                  dtype="float32")  # fmt: skip
+        if not isinstance(llm.engine.runner.model, CpuForward):
             raise SystemExit("the step profile needs the C++ cpu kernels' fused stack")
         vocab = llm.engine.model_config.vocab_size
         prompt = [(1000 + 7 * i) % vocab for i in range(prompt_tokens)]

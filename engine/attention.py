@@ -4,7 +4,7 @@
 - ``cpu``: the C++ kernels of ``kernels.cpu`` (float32 on CPU): every query token, decode or
   prefill, is one row of the decode kernel with its own context length (causal attention is
   exactly that), reading K/V in place through the block tables; the cache write uses the
-  reference (the engine's fused layer ops write the cache themselves, ``engine/layer_ops.py``).
+  reference (the fused C++ stack writes the cache itself, ``engine/backends/cpu.py``).
 - ``triton``: the Triton kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``).
 
 ``auto`` picks Triton on CUDA, ``cpu`` for float32 on CPU when the C++ kernels build, and
@@ -21,6 +21,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.input_batch import AttentionMetadata
+from engine.rope import apply_rope
 from kernels import cpu as cpu_kernels
 from kernels.reference import DecodeContext, decode_context, decode_over_context
 
@@ -69,7 +70,8 @@ class AttentionPlan:
 
 
 class PagedAttention:
-    """Writes a step's new K/V into the cache and attends over it through block tables."""
+    """Writes a step's new K/V into the cache (rotating K on the way) and attends over it
+    through block tables."""
 
     def __init__(self, backend: str, scale: float) -> None:
         """Args:
@@ -81,10 +83,15 @@ class PagedAttention:
         self._store_kv: Callable[..., None]
         self._decode: Callable[..., torch.Tensor]
         self._prefill: Callable[..., torch.Tensor]
+        # RoPE on Q and K fused with the K/V store: one Triton kernel, bitwise the reference.
+        self._rope_and_store_: Callable[..., torch.Tensor] | None = None
         if backend == "triton":
             from kernels.paged_attention import paged_attention_decode
             from kernels.prefill_attention import paged_attention_prefill
+            from kernels.rope_and_store import rope_and_store_
             from kernels.store_kv import store_kv
+
+            self._rope_and_store_ = rope_and_store_
         elif backend == "torch":
             from kernels.reference import (
                 paged_attention_decode,
@@ -114,11 +121,35 @@ class PagedAttention:
     ) -> None:
         self._store_kv(key, value, key_cache, value_cache, slot_mapping)
 
+    def rope_and_store(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [num_tokens, 1, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens]
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:  # rotated queries [num_tokens, num_heads, head_dim]
+        """Rotate Q and K by their positions and store K and V at ``slot_mapping``."""
+        cos, sin = rope
+        if self._rope_and_store_ is not None:
+            return self._rope_and_store_(
+                qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads
+            )
+        t, head_dim = qkv.shape[0], key_cache.shape[-1]
+        qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], -1)
+        # Q and K heads rotate together: one set of elementwise ops instead of two.
+        qk = apply_rope(qk.view(t, num_heads + num_kv_heads, head_dim), cos, sin)
+        q, k = qk.split([num_heads, num_kv_heads], dim=1)
+        self.store(k, v.view(t, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping)
+        return q
+
     def plan(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int) -> AttentionPlan:
         """Per-step work shared by all layers (called once per forward)."""
         nd = meta.num_decodes
         if self.backend == "cpu":
-            return _per_token_plan(meta)
+            return per_token_plan(meta)
         if self.backend != "torch" or nd == 0:
             return AttentionPlan(meta)
         return AttentionPlan(
@@ -185,10 +216,10 @@ class PagedAttention:
 
 
 def _no_prefill_kernel(*args: object) -> torch.Tensor:
-    raise AssertionError("the cpu backend attends per token (see _per_token_plan)")
+    raise AssertionError("the cpu backend attends per token (see per_token_plan)")
 
 
-def _per_token_plan(meta: AttentionMetadata) -> AttentionPlan:
+def per_token_plan(meta: AttentionMetadata) -> AttentionPlan:
     """Query token ``j`` of a sequence's ``q_len`` this step sits at position
     ``seq_len - q_len + j`` and sees that many tokens plus itself (see
     ``kernels.reference.paged_attention_prefill``)."""

@@ -20,8 +20,28 @@ def cache_dir() -> Path:
     return Path(root).expanduser()
 
 
+class ModelError(Exception):
+    """A ``--model`` the user must change (not found, not local, not supported): the
+    command line reports its message as one line, without a traceback."""
+
+
+class ModelNotFoundError(ModelError, FileNotFoundError):
+    """No local checkpoint at the given place (pagedserve never downloads one)."""
+
+
+class UnsupportedModelError(ModelError, ValueError):
+    """A checkpoint pagedserve cannot serve (architecture, rope scaling, file format)."""
+
+
 SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +80,16 @@ class ModelConfig:
         d: dict[str, Any] = hf if isinstance(hf, dict) else hf.to_dict()
         model_type = d.get("model_type", "llama")
         if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {model_type!r}; pagedserve serves "
-                f"{sorted(SUPPORTED_ARCHITECTURES)} models"
+            raise UnsupportedModelError(
+                f"unsupported architecture {model_type!r} (config.json model_type); "
+                f"pagedserve serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))} models: "
+                "pass a checkpoint of one of those families"
+            )
+        missing = [key for key in _REQUIRED_KEYS if key not in d]
+        if missing:
+            raise UnsupportedModelError(
+                f"config.json lacks {', '.join(missing)}, which every {model_type} config "
+                "has: pass a complete HF checkpoint"
             )
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
@@ -72,7 +99,10 @@ class ModelConfig:
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope scaling {rope_type!r}")
+            raise UnsupportedModelError(
+                f"unsupported rope scaling {rope_type!r} (config.json); pagedserve supports "
+                f"{', '.join(sorted(SUPPORTED_ROPE_TYPES))}"
+            )
         scaling = RopeScaling(
             rope_type=rope_type,
             factor=float(rope.get("factor", 1.0)),
@@ -141,9 +171,16 @@ class EngineConfig:
             model; engine/gguf_blocks.py); "float32": always the float32 copy.
         max_model_len: longest prompt + output; None uses the model's max positions.
         seed: seed of the sampler's generator for requests that give no seed.
-        fault_token_id: TEST ONLY (fault injection, engine/faults.py): the step raises
-            whenever it computes a request whose prompt contains this token id. None (the
-            default) installs nothing.
+        load_format: "auto" reads the checkpoint; "dummy" fills the model with random
+            weights of the right shapes and dtype (benchmarks where no weights can be
+            fetched). With "dummy", ``model`` may also name a shape preset
+            (engine/presets.py: "llama-3-8b", "llama-3.2-1b", "qwen2.5-7b", ...).
+        tokenizer: a directory holding a tokenizer to use instead of the model's own
+            (a dummy preset has none: without one it takes token-id prompts only).
+        enforce_eager: never capture CUDA graphs; every step launches its kernels from
+            Python (engine/cuda_graphs.py).
+        cuda_graph_sizes: the batch sizes to capture a decode graph for; None picks
+            1, 2, 4, 8, then steps of 8 up to 64 and of 16 up to ``max_num_seqs``.
     """
 
     model: str = "default"
@@ -153,13 +190,24 @@ class EngineConfig:
     matmul_weights: str = "gguf"
     max_model_len: int | None = None
     seed: int = 0
-    fault_token_id: int | None = None
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.matmul_weights not in ("gguf", "float32"):
             raise ValueError(f"matmul_weights must be gguf or float32, got {self.matmul_weights!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1
+        ):
+            raise ValueError(
+                f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes!r}"
+            )
         if self.attention_backend not in ("auto", "triton", "cpu", "torch"):
             raise ValueError(
                 "attention_backend must be auto, triton, cpu or torch, "

@@ -1,4 +1,5 @@
-"""StepCostModel: the bytes of weights a step reads and the FLOPs it does, from its plan.
+"""StepCostModel: the bytes of weights a step reads and the FLOPs it does, from its
+``SchedulerOutput``.
 
 These are analytic figures for MBU and MFU (``server/utilization.py``, exported by
 ``server/metrics.py``), derived from what this runner actually executes (``engine/llama.py``),

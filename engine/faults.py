@@ -1,4 +1,4 @@
-"""Fault isolation inside one engine step, and the test-only fault injector.
+"""Fault isolation inside one engine step.
 
 A step computes every scheduled request in one forward pass, so an exception from
 ``ModelRunner.execute`` does not say *which* request caused it. ``execute_isolating`` finds out
@@ -25,28 +25,26 @@ nobody fails) or reaches every row alone (then every row fails): the outcome is 
 way. A seeded sampled request in the failed batch may draw differently from its run alone,
 because the failed attempt may already have advanced its generator.
 
-``FaultInjectingRunner`` is for tests only (``EngineConfig.fault_token_id``, off by default):
-it makes the step raise whenever it computes a request whose prompt holds a marker token, so
-chaos tests can engineer per-request failures in a real engine.
+Tests engineer per-request failures with tests/engine/fault_runner.py, which wraps a built
+engine's runner; nothing in the serving path injects faults.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.outputs import ModelRunnerOutput
 from scheduler.output import ScheduledRequest, SchedulerOutput
 
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-
 logger = logging.getLogger(__name__)
 
 
-class InjectedFault(RuntimeError):
-    """Raised by ``FaultInjectingRunner``: a test asked for this failure."""
+class Runner(Protocol):
+    """What fault isolation needs of a runner: ``ModelRunner``, or a test's wrapper of it."""
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
 def describe(exc: BaseException) -> str:
@@ -54,30 +52,30 @@ def describe(exc: BaseException) -> str:
 
 
 def execute_isolating(
-    runner: ModelRunner | FaultInjectingRunner, plan: SchedulerOutput, error: BaseException
+    runner: Runner, out: SchedulerOutput, error: BaseException
 ) -> tuple[ModelRunnerOutput, dict[str, str]]:
-    """Re-run a step whose ``runner.execute(plan)`` raised, in halves, to find the failing rows.
+    """Re-run a step whose ``runner.execute(out)`` raised, in halves, to find the failing rows.
 
     Args:
         runner: the runner that raised.
-        plan: the step's plan, as ``schedule()`` returned it.
-        error: what ``runner.execute(plan)`` raised (the error of a step of one row).
+        out: the step's ``SchedulerOutput``, as ``schedule()`` returned it.
+        error: what ``runner.execute(out)`` raised (the error of a step of one row).
     Returns:
         The merged output of every sub-run that succeeded, and request id -> error message
         for the requests whose row raised when computed alone.
     """
-    rows = [item for item in plan.scheduled if not item.padding]
+    rows = [item for item in out.scheduled if not item.padding]
     merged = ModelRunnerOutput([], [], [])
     failed: dict[str, str] = {}
-    copies = list(plan.blocks_to_copy)
+    copies = list(out.blocks_to_copy)
 
     def run(group: Sequence[ScheduledRequest], known_error: BaseException | None) -> None:
         nonlocal copies
         error = known_error
         if error is None:
             try:
-                sub_plan = SchedulerOutput(scheduled=list(group), blocks_to_copy=copies)
-                result = runner.execute(sub_plan)
+                sub_out = SchedulerOutput(scheduled=list(group), blocks_to_copy=copies)
+                result = runner.execute(sub_out)
             except Exception as exc:  # noqa: BLE001 - any failure of the rows is the request's
                 error = exc
             else:
@@ -97,25 +95,6 @@ def execute_isolating(
         # Without padding, these rows are exactly what failed: split them (or, if there is
         # one, it is the culprit) without running them again. With padding, the padding may
         # have been the cause, so the live rows are tried once more on their own first.
-        run(rows, error if len(rows) == len(plan.scheduled) else None)
+        run(rows, error if len(rows) == len(out.scheduled) else None)
     return merged, failed
 
-
-class FaultInjectingRunner:
-    """TEST ONLY. A ``ModelRunner`` that raises ``InjectedFault`` from ``execute`` when the
-    plan computes any request whose prompt contains ``token_id``.
-
-    Installed by ``LLMEngine`` only when ``EngineConfig.fault_token_id`` is set (the
-    ``--test-fault-token-id`` flag); never set it in production.
-    """
-
-    def __init__(self, runner: ModelRunner, token_id: int) -> None:
-        self.runner = runner
-        self.token_id = token_id
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for item in out.scheduled:
-            if not item.padding and self.token_id in item.request.prompt_token_ids:
-                # The message names the marker, never the prompt.
-                raise InjectedFault(f"injected fault for test marker token {self.token_id}")
-        return self.runner.execute(out)

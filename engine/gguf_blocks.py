@@ -2,7 +2,9 @@
 reproduce its float32 weights exactly.
 
 Owns: the mapping from each ``Linear`` of ``engine/llama.py`` (fused q/k/v and gate/up
-included) to the GGUF tensors it came from, and the check that makes the fast path safe.
+included, through ``checkpoint_sources``) to the GGUF tensors it came from, and the check
+that makes the fast path safe. The cpu backend (``engine/backends/cpu.py``) asks for the
+blocks and keeps them beside the model; the model itself never holds them.
 
 Why: the engine runs on the float32 values ``transformers`` de-quantizes a GGUF file to
 (``engine/loader.py``), so a one-row decode step streams 32 bits a weight. The file's blocks
@@ -31,7 +33,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
+
+from engine.config import ModelConfig
+from engine.llama import Linear, LlamaForCausalLM, checkpoint_sources
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,7 @@ SUPPORTED_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
 @dataclass(slots=True)
 class BlocksReport:
-    """What ``attach_gguf_blocks`` did, for the load log and tests."""
+    """What ``exact_gguf_blocks`` found, for the load log and tests."""
 
     attached: Counter[str] = field(default_factory=Counter)  # ggml type name -> matmuls
     skipped: dict[str, str] = field(default_factory=dict)  # matmul name -> why float32
@@ -145,17 +149,13 @@ def read_tensor_index(path: Path) -> tuple[str, dict[str, _TensorInfo]]:
     return str(meta["general.architecture"]), index
 
 
-def _sources(model: nn.Module) -> dict[str, list[str]]:
-    """Each Linear's module name -> the HF tensor names concatenated (in order) into it."""
-    tied = model.config.tie_word_embeddings
-    out = {"lm_head": ["model.embed_tokens" if tied else "lm_head"]}
-    for i in range(model.config.num_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        out[f"layers.{i}.qkv_proj"] = [a + "q_proj", a + "k_proj", a + "v_proj"]
-        out[f"layers.{i}.o_proj"] = [a + "o_proj"]
-        out[f"layers.{i}.gate_up_proj"] = [m + "gate_proj", m + "up_proj"]
-        out[f"layers.{i}.down_proj"] = [m + "down_proj"]
-    return out
+def _sources(config: ModelConfig, linears: list[str]) -> dict[str, list[str]]:
+    """Each matmul's module name -> the HF tensor names (without ``.weight``) concatenated,
+    in order, into its weight (the model's own checkpoint mapping)."""
+    sources = checkpoint_sources(config)
+    return {
+        name: [s.removesuffix(".weight") for s in sources[f"{name}.weight"]] for name in linears
+    }
 
 
 def _row_order(raw: np.ndarray, qtype: int, target: torch.Tensor) -> np.ndarray | None:
@@ -182,27 +182,28 @@ def _exact_panels(
     return panels if torch.equal(ops.dequantize_panels(panels, weight.shape[1]), weight) else None
 
 
-def attach_gguf_blocks(model: nn.Module, gguf_path: Path, ops: Any) -> BlocksReport:
-    """Give every ``Linear`` of ``model`` whose GGUF source blocks are exact its packed blocks.
+def exact_gguf_blocks(
+    model: LlamaForCausalLM, gguf_path: Path, ops: Any
+) -> tuple[dict[str, torch.Tensor], BlocksReport]:
+    """Every matmul of ``model`` whose GGUF source blocks are exact, with its packed blocks.
 
-    ``model`` is a float32 ``LlamaForCausalLM`` already loaded (and packed for the cpu ops)
-    from the checkpoint ``transformers`` converted ``gguf_path`` to.
+    ``model`` is a float32 ``LlamaForCausalLM`` already loaded from the checkpoint
+    ``transformers`` converted ``gguf_path`` to; it is read, not changed.
+
+    Returns:
+        Matmul module name (``layers.0.qkv_proj``, ``lm_head``) -> its blocks packed for
+        ``ops.quant_linear``, for the matmuls that passed the check; and the report.
     """
     import gguf
-
-    from engine.llama import (
-        Linear,  # the model's module, imported late: engine.llama imports us not
-    )
 
     arch_name, tensors = read_tensor_index(gguf_path)
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch_name]
     names = gguf.get_tensor_name_map(arch, model.config.num_layers)
-    modules = dict(model.named_modules())
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
     report = BlocksReport()
-    for name, parts in _sources(model).items():
-        linear = modules[name]
-        assert isinstance(linear, Linear)
-        weight = linear.weight.detach()  # [in, out]
+    found: dict[str, torch.Tensor] = {}
+    for name, parts in _sources(model.config, list(linears)).items():
+        weight = linears[name].weight.detach()  # [in, out]
         in_features = weight.shape[0]
         raws, types, why = [], set(), None
         for part in parts:
@@ -245,7 +246,7 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: Path, ops: Any) -> BlocksRep
             if panels is None:
                 report.skipped[name] = "packed blocks differ from the float32 weight"
                 continue
-        linear.use_quantized_panels(panels)
+        found[name] = panels
         report.attached[SUPPORTED_TYPES[qtype]] += 1
         if name == "lm_head":
             report.lm_head_block_bytes = panels.numel()
@@ -254,4 +255,4 @@ def attach_gguf_blocks(model: nn.Module, gguf_path: Path, ops: Any) -> BlocksRep
             report.body_float32_bytes += weight.numel() * weight.element_size()
             report.body_block_bytes += panels.numel()
     log.info("%s", report.summary())
-    return report
+    return found, report

@@ -57,10 +57,14 @@ class LLM:
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
         batching: str = "continuous",
-        admission: str = "optimistic",
+        block_allocation: str = "optimistic",
         batch_wait_ms: float = 50.0,
         static_finished: str = "compute",
         enable_prefix_caching: bool = True,
+        load_format: str = "auto",
+        tokenizer: str | None = None,
+        enforce_eager: bool = False,
+        cuda_graph_sizes: tuple[int, ...] | None = None,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -71,6 +75,10 @@ class LLM:
                 matmul_weights=matmul_weights,
                 max_model_len=max_model_len,
                 seed=seed,
+                load_format=load_format,
+                tokenizer=tokenizer,
+                enforce_eager=enforce_eager,
+                cuda_graph_sizes=cuda_graph_sizes,
             ),
             KVPoolConfig(
                 block_size=block_size,
@@ -83,7 +91,7 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 prefill_chunk_tokens=prefill_chunk_tokens,
                 batching=batching,
-                admission=admission,
+                block_allocation=block_allocation,
                 batch_wait_ms=batch_wait_ms,
                 static_finished=static_finished,
             ),

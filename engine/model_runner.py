@@ -1,7 +1,8 @@
 """ModelRunner: turns a step's plan into tensors, runs the model, samples.
 
-Owns: the model weights on their device, the sampler, and a reference to the KV storage
-(whose tensors only the attention's ``store`` writes).
+Owns: the model weights on their device, the sampler, a reference to the KV storage
+(whose tensors only the attention's ``store`` writes), and the decode graphs, if any
+(``engine/cuda_graphs.py``): a decode-only step replays one instead of running the model.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import time
 
 import torch
 
+from engine.backends import ModelForward
+from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import InputBatch, build_input_batch
-from engine.llama import LlamaForCausalLM
 from engine.outputs import ModelRunnerOutput
 from engine.sampler import Sampler
 from kvpool.storage import KVCacheStorage
@@ -21,7 +23,7 @@ from scheduler.output import SchedulerOutput
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: ModelForward,
         storage: KVCacheStorage,
         sampler: Sampler,
         device: torch.device,
@@ -30,6 +32,7 @@ class ModelRunner:
         self.storage = storage
         self.sampler = sampler
         self.device = device
+        self.graphs: DecodeGraphs | None = None
 
     def prepare(self, out: SchedulerOutput) -> InputBatch:
         return build_input_batch(out, self.storage.block_size, self.device)
@@ -44,11 +47,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         batch = self.prepare(out)
         t1 = time.perf_counter()
-        logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
-        if self.device.type == "cuda":
-            # Kernels run asynchronously: without this the sampler's first read would be
-            # billed the forward's time. The sampler syncs right after anyway.
-            torch.cuda.synchronize(self.device)
+        if self.graphs is not None and self.graphs.handles(batch):
+            logits = self.graphs.run(batch)
+        else:
+            logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
+        # No synchronisation here: on CUDA the kernels run on while the sampler queues its
+        # work, and the sampler's read of the chosen tokens is the step's one wait. So on
+        # CUDA "forward" is the time to launch the step and "sample" includes the GPU's.
         t2 = time.perf_counter()
         if not batch.sampling:
             return ModelRunnerOutput([], [], [], {"prepare": t1 - t0, "forward": t2 - t1})

@@ -1,16 +1,17 @@
-"""Launcher helpers that need triton (the attention kernel files import this)."""
+"""Launcher and device helpers that need triton (the kernel files import this)."""
 
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._common import dot_precision
 
-__all__ = ["dot_args"]
+__all__ = ["TL_DTYPES", "dot_args", "round_args", "round_to"]
 
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def dot_args(kernel: object, dtype: torch.dtype) -> dict[str, object]:
@@ -25,4 +26,33 @@ def dot_args(kernel: object, dtype: torch.dtype) -> dict[str, object]:
     """
     if isinstance(kernel, InterpretedFunction) and dtype == torch.bfloat16:
         return {"DOT_DTYPE": tl.float32, "DOT_PRECISION": "ieee"}
-    return {"DOT_DTYPE": _TL_DTYPES[dtype], "DOT_PRECISION": dot_precision(dtype)}
+    return {"DOT_DTYPE": TL_DTYPES[dtype], "DOT_PRECISION": dot_precision(dtype)}
+
+
+def round_args(kernel: object, dtype: torch.dtype) -> dict[str, object]:
+    """The ``DTYPE`` and ``SOFT_BF16_ROUND`` constexprs of a kernel that calls ``round_to``.
+
+    Triton 3.x's interpreter converts fp32 to bf16 by truncation, compiled code (and torch)
+    round to nearest even. Kernels whose every intermediate rounding must match torch's
+    op-by-op rounding then round in software under the interpreter, so that CPU tests can
+    compare them bit for bit; compiled kernels use the hardware conversion.
+    """
+    soft = isinstance(kernel, InterpretedFunction) and dtype == torch.bfloat16
+    return {"DTYPE": TL_DTYPES[dtype], "SOFT_BF16_ROUND": soft}
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr, SOFT_BF16_ROUND: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (nearest even, as torch's ``.to()``), returned as fp32.
+
+    What a torch elementwise op in a half dtype stores: it computes in fp32 and rounds once.
+    A value returned here converts to ``DTYPE`` exactly, so a later store's cast (even the
+    interpreter's truncating one) does not round again. NaN and inf are not handled in the
+    software path (interpreter only).
+    """
+    if SOFT_BF16_ROUND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)

@@ -14,9 +14,12 @@ block id is looked up in the block table, so tiles and blocks need not line up (
 size works). Softmax is online (running max and sum) in float32, in base 2: that loop is
 ``kernels/_online_softmax.attend_context``, shared with the prefill kernel.
 
-Split-K (flash-decoding): with few sequences and long contexts, ``num_seqs * num_kv_heads``
-programs cannot fill the GPU, so the context is cut into ``num_splits`` ranges, each program
-writes a partial output and its log-sum-exp, and ``_reduce_splits_kernel`` merges them.
+Split-K (flash-decoding): with few sequences, ``num_seqs * num_kv_heads`` programs cannot
+fill the GPU (batch 1 of a Llama-3-8B shape is 8 programs on 132 SMs), so the context is cut
+into ``num_splits`` ranges, each program writes a partial output and its log-sum-exp, and
+``_reduce_splits_kernel`` merges them. The split count comes from shapes only (batch size,
+KV heads, and a context bound: the block tables' width or a caller's bucket), never from
+``seq_lens`` on the host, so one CUDA graph per (batch size, context bucket) stays valid.
 """
 
 from __future__ import annotations
@@ -33,9 +36,20 @@ __all__ = ["paged_attention_decode", "choose_num_splits"]
 
 # log2(e): scores are kept in base 2 so the kernel uses exp2 (one MUFU op) instead of exp.
 _LOG2E = 1.4426950408889634
-# A split shorter than this costs more in partial-output traffic than it wins in parallelism.
-MIN_TOKENS_PER_SPLIT = 512
-MAX_SPLITS = 64
+# Split-K heuristic (see choose_num_splits). A split is at least one tile: shorter, a program
+# would mask most of its only tile.
+MIN_TOKENS_PER_SPLIT = 64
+MAX_SPLITS = 32
+# Below this many waves of programs (per SM) the plain grid is left unsplit only when it
+# already fills the device: batch >= 33 at 8 KV heads on 132 SMs keeps the one-kernel path.
+SPLIT_BELOW_WAVES = 2
+# Split grids aim at this many programs per SM: a decode program streams its K/V tiles
+# one after another, so an SM needs several resident to keep enough loads in flight.
+TARGET_WAVES = 4
+# Launch parameters of the decode kernel (Triton's defaults; benchmarks/kernels.py --warps and
+# --stages sweep them).
+NUM_WARPS = 4
+NUM_STAGES = 3
 TILE_N = 64  # context tokens per loop iteration
 
 
@@ -79,7 +93,10 @@ def _paged_attention_decode_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_start = split * tokens_per_split
-    ctx_end = tl.minimum(seq_len, ctx_start + tokens_per_split)
+    # The last split runs to the end of the context, so a context longer than the bound the
+    # splits were sized for is still attended to in full.
+    last = split == tl.num_programs(2) - 1
+    ctx_end = tl.where(last, seq_len, tl.minimum(seq_len, ctx_start + tokens_per_split))
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -174,19 +191,28 @@ def choose_num_splits(
 ) -> int:
     """Split-K heuristic: split only when the plain grid underfills the device.
 
-    The plain grid has ``num_seqs * num_kv_heads`` programs. When that is below two waves of
-    the device's SMs and the context is long, split each context so the grid reaches about
-    two waves, keeping every split at least ``MIN_TOKENS_PER_SPLIT`` tokens long (shorter
-    splits spend more on writing partial outputs than they save). Off CUDA (the interpreter
-    runs programs one after another) splitting only adds work, so this returns 1.
+    The plain grid has ``num_seqs * num_kv_heads`` programs. At ``SPLIT_BELOW_WAVES`` waves
+    of the device's SMs or more it is left as it is (the large-batch path streams K/V near
+    HBM peak unsplit, and splitting would only add the partial outputs' traffic). Below,
+    each context is cut so the grid reaches about ``TARGET_WAVES`` programs per SM, keeping
+    every split at least ``MIN_TOKENS_PER_SPLIT`` tokens (one tile) and at most
+    ``MAX_SPLITS`` splits (each adds one fp32 partial row per query head to write and merge).
+
+    On an H100 (132 SMs), Llama-3-8B shape (8 KV heads): batch 1 x 512 -> 8 splits of 64
+    tokens (64 programs: the context has no more tiles); 16 x 512 -> 4 of 128 (512
+    programs); 1 x 4,096 -> 32 of 128 (256); 64 x 4,096 and beyond -> 1 (unchanged).
+
+    ``max_context_len`` must come from shapes (a bucket of the batch's longest context), not
+    from ``seq_lens`` read on the host. Off CUDA (the interpreter runs programs one after
+    another) splitting only adds work, so this returns 1.
     """
     if device.type != "cuda":
         return 1
-    num_programs = num_seqs * num_kv_heads
-    target = 2 * num_compute_units(device)
-    if num_programs >= target or max_context_len < 2 * MIN_TOKENS_PER_SPLIT:
+    num_programs = max(1, num_seqs * num_kv_heads)
+    sms = num_compute_units(device)
+    if num_programs >= SPLIT_BELOW_WAVES * sms:
         return 1
-    by_parallelism = triton.cdiv(target, num_programs)
+    by_parallelism = triton.cdiv(TARGET_WAVES * sms, num_programs)
     by_length = max_context_len // MIN_TOKENS_PER_SPLIT
     return max(1, min(by_parallelism, by_length, MAX_SPLITS))
 
@@ -200,15 +226,20 @@ def paged_attention_decode(
     scale: float,
     *,
     num_splits: int | None = None,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens.
 
     Requires ``seq_lens[i] <= block_tables.shape[1] * block_size`` (every context token has
     a block). ``num_splits`` forces the split-K factor (1 = no split); ``None`` lets
-    ``choose_num_splits`` decide. The context bound used to size splits is
-    ``block_tables.shape[1] * block_size``, so the launcher never reads ``seq_lens`` on the
-    host (no device sync, CUDA-graph friendly); pass block tables trimmed to the batch's
-    longest sequence for the best split sizes.
+    ``choose_num_splits`` decide. Splits are sized for contexts up to ``max_context_len``
+    (default ``block_tables.shape[1] * block_size``); the launcher never reads ``seq_lens``
+    on the host (no device sync), and grid and scratch buffers depend only on shapes and
+    these two integers, so the call can be captured in a CUDA graph (the partial outputs
+    are then allocated from the graph's pool). A captured graph padded to a fixed
+    block-table width should pass its context bucket as ``max_context_len``; a sequence
+    longer than that is still attended to in full (the last split runs to the end of its
+    context), only with less parallelism.
     """
     check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = query.shape
@@ -218,7 +249,8 @@ def paged_attention_decode(
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    max_context_len = block_tables.shape[1] * block_size
+    if max_context_len is None:
+        max_context_len = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, query.device)
     assert num_splits >= 1, num_splits
@@ -250,7 +282,7 @@ def paged_attention_decode(
             0, 0,
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             block_tables.stride(0),
-            SPLIT=False, **consts,
+            SPLIT=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **consts,
         )  # fmt: skip
         return out
 
@@ -266,7 +298,7 @@ def paged_attention_decode(
         lse.stride(0), lse.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
-        SPLIT=True, **consts,
+        SPLIT=True, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **consts,
     )  # fmt: skip
     _reduce_splits_kernel[(num_seqs, num_heads)](
         out, partial, lse,

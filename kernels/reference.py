@@ -12,6 +12,11 @@ Shapes used throughout (names follow vLLM):
 
 A slot is ``block_id * block_size + offset``; a slot of -1 is padding and is skipped.
 Softmax is computed in float32 whatever the input dtype, and the output has the query's dtype.
+
+The decoder layer's elementwise ops (``rms_norm``, ``add_rms_norm_``, ``silu_mul``,
+``rope_and_store_``) are written op by op as the engine's plain model evaluates them
+(``engine/llama.py``, ``PagedAttention.rope_and_store``), so their Triton kernels can be held
+to the same rounding.
 """
 
 from __future__ import annotations
@@ -19,8 +24,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["store_kv", "paged_attention_decode", "paged_attention_prefill"]
+__all__ = [
+    "store_kv",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "rms_norm",
+    "add_rms_norm_",
+    "silu_mul",
+    "rope_and_store_",
+]
 
 
 def store_kv(
@@ -187,3 +201,63 @@ def paged_attention_prefill(
             o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)
         )
     return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    weight: torch.Tensor,  # [hidden_size], x's dtype
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, hidden_size]
+    """``weight * rms_normalised(x)``: statistics in float32, the normalised row cast back to
+    the dtype before the weight multiplies it (transformers' ``LlamaRMSNorm``)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    residual: torch.Tensor,  # [num_tokens, hidden_size], updated in place
+    weight: torch.Tensor,  # [hidden_size], x's dtype
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, hidden_size]
+    """``residual += x`` in place, then ``rms_norm(residual, weight, eps)``."""
+    residual.add_(x)
+    return rms_norm(residual, weight, eps)
+
+
+def silu_mul(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate_size]
+) -> torch.Tensor:  # [num_tokens, intermediate_size]
+    """``silu(gate) * up`` of ``gate_up = [gate | up]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_and_store_(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    cos: torch.Tensor,  # [num_tokens, head_dim] (or [num_tokens, 1, head_dim]), qkv's dtype
+    sin: torch.Tensor,  # [num_tokens, head_dim] (or [num_tokens, 1, head_dim]), qkv's dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:  # rotated queries [num_tokens, num_heads, head_dim], a view of qkv
+    """Rotary embedding (Llama's rotate_half) on Q and K; rotated Q overwrites Q's part of
+    ``qkv`` and is returned as a view, rotated K and the unchanged V go to their slots."""
+    num_tokens, head_dim = qkv.shape[0], key_cache.shape[-1]
+    half = head_dim // 2
+    cos = cos.view(num_tokens, 1, head_dim)
+    sin = sin.view(num_tokens, 1, head_dim)
+    qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(
+        num_tokens, num_heads + num_kv_heads, head_dim
+    )
+    rotated = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    q.copy_(rotated[:, :num_heads])
+    value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+    store_kv(rotated[:, num_heads:], value, key_cache, value_cache, slot_mapping)
+    return q

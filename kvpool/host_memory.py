@@ -5,14 +5,10 @@ Owns nothing after it returns: a tensor it makes keeps its own memory alive.
 Why: with 4 KiB pages, a CPU decode step that streams the weights and walks the KV cache
 through scattered blocks misses the TLB on every page it touches, and in a virtual machine
 each miss is a two-level page walk. On 2 MiB pages the same reads need 512x fewer
-translations. Measured on a 2-core KVM guest (this project's CI machine kind), same process,
-both kinds of memory side by side:
-
-- paged attention at batch 1 over 160 positions, 30 layers' caches cold: 13.5-14.5 ->
-  8.9-10.7 us a layer; at batch 64: 1.04 -> 0.82-0.88 ms a layer;
-- the 120 one-row float32 matmuls of a decode step: 1.05-1.08x, within the bandwidth noise;
-- the bandwidth probe's ``x.sum()`` over 256 MB: 27-30 -> 31-33 GB/s, which is why the probe
-  (``planner.cpu``) reads huge pages too: the floor it sets is what the memory gives.
+translations. Paged attention over cold caches gains the most; streaming matmuls gain little;
+a plain reduction reads measurably faster, which is why the bandwidth probe
+(``planner.cpu``) reads huge pages too: the floor it sets is what the memory gives
+(figures: benchmarks/RESULTS.md).
 
 Linux only hands huge pages to an anonymous mapping advised with ``MADV_HUGEPAGE`` *before*
 its pages are first touched (``/sys/kernel/mm/transparent_hugepage/enabled`` set to
@@ -46,8 +42,7 @@ def zeros(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
     Its pages are faulted in here, as ``torch.zeros`` does by writing them: a huge page's
     first touch zeroes 2 MiB (and may compact memory to find it), a cost that belongs to
-    start-up, not to the first requests that would reach those pages (an engine run of 128
-    requests took 35-37 s against 34.6-35.0 with the KV cache left untouched until used)."""
+    start-up, not to the first requests that would reach those pages."""
     numel = 1
     for n in shape:
         numel *= int(n)

@@ -14,7 +14,8 @@ Prefix caching (``enable_prefix_caching``), one request's life::
     commit_computed()     register the hashes of blocks that became full and computed
     free()                ref - 1; ownerless hashed blocks stay cached, evictable (LRU)
 
-Beside it: ``CachedPrefix`` (kvpool/prefix_cache.py), the integrity check (kvpool/integrity.py).
+Beside it: ``CachedPrefix`` (kvpool/prefix_cache.py). ``check_integrity()`` asserts the
+invariants listed on ``KVCacheManager``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.block_pool import BlockPool
-from kvpool.integrity import check_block_tables
 from kvpool.prefix_cache import BlockHash, CachedPrefix, TokenSource, extend_chain
 from kvpool.stats import KVCacheStats
 
@@ -386,14 +386,39 @@ class KVCacheManager:
         """Raise AssertionError unless: the pool is consistent (free + evictable + used ==
         total, every hashed block mapped once); no request owns a block twice; every used
         block's ref count equals its owners; shared blocks are cached; every block a request
-        may still write is private and unhashed; and live slots add up."""
-        self.pool.check_integrity()
-        assert not self.pool.num_cached or self.enable_prefix_caching, "hashes with caching off"
-        check_block_tables(
-            self.pool,
-            self.block_size,
-            self._block_tables,
-            self._num_live,
-            self._num_hashed,
-            num_live_slots=self.stats().num_live_slots,
-        )
+        may still write is private and unhashed; and live slots add up.
+
+        Reads the tables and the pool; changes nothing. Tests call it after every step.
+        """
+        pool, bs = self.pool, self.block_size
+        pool.check_integrity()
+        assert not pool.num_cached or self.enable_prefix_caching, "hashes with caching off"
+        owners = [0] * pool.num_blocks
+        live_per_block = [0] * pool.num_blocks
+        for request_id, table in self._block_tables.items():
+            assert len(set(table)) == len(table), f"{request_id} owns a block twice"
+            assert request_id in self._num_live, f"{request_id} has no live-token count"
+            live = self._num_live[request_id]
+            assert 0 <= live <= len(table) * bs, f"{request_id}: {live} live tokens"
+            assert self._num_hashed[request_id] <= len(table)
+            for i, block_id in enumerate(table):
+                owners[block_id] += 1
+                filled = min(bs, max(0, live - i * bs))
+                live_per_block[block_id] = max(live_per_block[block_id], filled)
+        for block_id, count in enumerate(owners):
+            assert count == pool.ref_count(block_id), (
+                f"block {block_id}: {count} owners, ref count {pool.ref_count(block_id)}"
+            )
+            if count > 1:
+                assert pool.cache.hash_of(block_id) is not None, f"shared block {block_id}"
+        for request_id, table in self._block_tables.items():
+            for block_id in table[self._num_live[request_id] // bs :]:
+                assert pool.ref_count(block_id) == 1, (
+                    f"{request_id} may write block {block_id}, which is shared"
+                )
+                assert pool.cache.hash_of(block_id) is None, (
+                    f"{request_id} may write block {block_id}, which is cached"
+                )
+        # The live slots the stats report must equal the slots the tables fill, each block
+        # counted once.
+        assert self.stats().num_live_slots == sum(live_per_block), "live slots do not add up"

@@ -57,7 +57,7 @@ def kv_bytes_per_token(
     return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
-def plan_capacity(
+def size_kv_cache(
     config: KVPoolConfig,
     *,
     num_layers: int,
@@ -88,6 +88,7 @@ def plan_capacity(
             f"at {per_token} bytes/token"
         )
     return KVCapacity(num_blocks, config.block_size, per_token)
+
 
 
 class KVCacheStorage:

@@ -171,9 +171,10 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code."""
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = "python -m loadtest") -> int:
+    """Entry point; returns the process exit code. ``prog`` names the command in usage
+    lines."""
+    parser = build_parser(prog)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     try:

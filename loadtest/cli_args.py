@@ -67,9 +67,11 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
+    """The parser; ``prog`` is the command the usage lines name (``pagedserve bench`` when
+    run through the console script)."""
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest",
+        prog=prog,
         description="Load generator for OpenAI-compatible servers (HTTP only).",
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -22,7 +22,7 @@ from planner.devices import (
 )
 from planner.dtypes import KV_DTYPES, WEIGHT_DTYPES, canonical_dtype, compute_dtype
 from planner.measured import Measured, load_measured
-from planner.models import PRESETS, PlannedModel, load_model
+from planner.models import PRESETS, PlannedModel, gguf_blocks, load_model
 from planner.plan import Plan, Workload, default_dtype, make_plan
 from planner.report import render_comparison, render_plan
 
@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="peak TFLOP/s of the matmul dtype, overriding the table or measurement",
+    )
+    p.add_argument(
+        "--matmul-weights",
+        choices=("gguf", "float32"),
+        default="gguf",
+        help="cpu, a GGUF model (default included): gguf (as the server by default) plans "
+        "small batches on the file's Q4/Q8 blocks; float32 on the float32 weights",
     )
     p.add_argument(
         "--remeasure",
@@ -254,8 +261,25 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         else []
     )
 
+    blocks, block_rows, cache_bytes = None, 0, None
+    if device.name == "cpu":
+        from planner.cpu import l3_cache_bytes, max_quant_rows
+
+        cache_bytes = l3_cache_bytes()
+        if model.gguf is not None and args.matmul_weights == "gguf":
+            blocks, block_rows = gguf_blocks(model.gguf, model.config), max_quant_rows()
+
     def plan_for(measured: Measured | None) -> Plan:
-        return make_plan(model, device, _workload(args, measured), args.dtype, args.kv_dtype)
+        return make_plan(
+            model,
+            device,
+            _workload(args, measured),
+            args.dtype,
+            args.kv_dtype,
+            blocks=blocks,
+            block_rows=block_rows,
+            cache_bytes=cache_bytes,
+        )
 
     plan = plan_for(points[0] if points else None)
     out: dict[str, Any] = plan.to_dict()

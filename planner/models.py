@@ -9,6 +9,7 @@ uses the SmolLM2 preset instead of the slow GGUF conversion the server does once
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,12 +67,96 @@ PRESETS["default"] = PRESETS["smollm2-135m"]
 
 
 @dataclass(frozen=True, slots=True)
+class GgufBlocks:
+    """What the server's default CPU path reads instead of float32 for small batches: the
+    GGUF file's own Q4/Q8 blocks (``engine/gguf_blocks.py``; ``--matmul-weights gguf``).
+
+    Attributes:
+        path: the GGUF file.
+        body_block_bytes / body_float32_bytes: the decoder layers' matmuls that get blocks
+            (a fused q/k/v or gate/up only when its parts share one supported type), packed
+            as the kernel reads them (6 bits a weight for Q4_0/Q4_1, 9 for Q8_0), and the
+            float32 bytes they replace.
+        lm_head_block_bytes / lm_head_float32_bytes: the same for the LM head (the tied
+            embedding table for the default model); None when it stays float32.
+    """
+
+    path: str
+    body_block_bytes: int
+    body_float32_bytes: int
+    lm_head_block_bytes: int | None
+    lm_head_float32_bytes: int
+
+    @property
+    def body_saved_bytes(self) -> int:
+        return self.body_float32_bytes - self.body_block_bytes
+
+    @property
+    def lm_head_saved_bytes(self) -> int:
+        if self.lm_head_block_bytes is None:
+            return 0
+        return self.lm_head_float32_bytes - self.lm_head_block_bytes
+
+
+# Packed bits a weight of each ggml block type the C++ kernels read (kernels/cpu/csrc/gemm_q.cpp
+# packs Q4 blocks with float32 scales at 6 bits a weight, Q8 ones at 9).
+_PACKED_BITS = {2: 6, 3: 6, 8: 9}  # Q4_0, Q4_1, Q8_0
+# The server's fused matmuls and the GGUF tensors each is made of (engine/gguf_blocks.py).
+_FUSED = (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",))
+
+
+def gguf_blocks(path: str | Path, config: ModelConfig) -> GgufBlocks:
+    """The block bytes the server's small batches read for the GGUF file at ``path``, from
+    its tensor directory only (milliseconds; no weight is read)."""
+    from engine.gguf_blocks import read_tensor_index
+
+    _, tensors = read_tensor_index(Path(path))
+
+    def packed(names: list[str]) -> tuple[int, int] | None:
+        """(block bytes, float32 bytes) of one fused matmul, or None if it stays float32."""
+        infos = [tensors.get(f"{name}.weight") for name in names]
+        if any(i is None or i.qtype not in _PACKED_BITS for i in infos):
+            return None
+        if len({i.qtype for i in infos if i is not None}) != 1:
+            return None
+        numel = sum(math.prod(i.shape) for i in infos if i is not None)
+        return numel * _PACKED_BITS[infos[0].qtype] // 8, numel * 4  # type: ignore[union-attr]
+
+    body_blocks = body_float32 = 0
+    for layer in range(config.num_layers):
+        for parts in _FUSED:
+            got = packed([f"blk.{layer}.{part}" for part in parts])
+            if got is not None:
+                body_blocks += got[0]
+                body_float32 += got[1]
+    head = packed(["output" if "output.weight" in tensors else "token_embd"])
+    head_float32 = config.vocab_size * config.hidden_size * 4
+    return GgufBlocks(
+        str(path), body_blocks, body_float32, head[0] if head else None, head_float32
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class PlannedModel:
-    """A model config and where it came from (for the report)."""
+    """A model config and where it came from (for the report).
+
+    ``gguf`` is the GGUF file the server would read blocks from (``--model default``: the
+    embedded model's, when its package is installed; a ``.gguf`` path: that file)."""
 
     name: str
     source: str
     config: ModelConfig
+    gguf: str | None = None
+
+
+def _default_gguf() -> str | None:
+    from engine.config import ModelNotFoundError
+    from engine.loader import default_model_gguf
+
+    try:
+        return str(default_model_gguf())
+    except ModelNotFoundError:
+        return None
 
 
 def load_model(spec: str) -> PlannedModel:
@@ -83,7 +168,8 @@ def load_model(spec: str) -> PlannedModel:
     key = spec.strip().lower()
     if key in PRESETS:
         name = "smollm2-135m" if key == "default" else key
-        return PlannedModel(name, "preset", ModelConfig.from_hf(dict(PRESETS[key])))
+        gguf = _default_gguf() if key == "default" else None
+        return PlannedModel(name, "preset", ModelConfig.from_hf(dict(PRESETS[key])), gguf)
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         path = path / "config.json"
@@ -91,7 +177,8 @@ def load_model(spec: str) -> PlannedModel:
         hf = json.loads(path.read_text(encoding="utf-8"))
         return PlannedModel(path.parent.name or str(path), str(path), ModelConfig.from_hf(hf))
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return PlannedModel(path.stem, str(path), ModelConfig.from_hf(gguf_to_hf_config(path)))
+        config = ModelConfig.from_hf(gguf_to_hf_config(path))
+        return PlannedModel(path.stem, str(path), config, str(path))
     raise ValueError(
         f"--model {spec!r} is not a preset ({', '.join(sorted(PRESETS))}), an HF directory "
         "with a config.json, or a .gguf file"

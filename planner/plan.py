@@ -10,10 +10,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from planner import arithmetic as ar
+import planner.arithmetic as ar
 from planner.devices import Device
 from planner.dtypes import canonical_dtype, compute_dtype, dtype_bytes
-from planner.models import PlannedModel
+from planner.models import GgufBlocks, PlannedModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,7 @@ class Plan:
     generation: dict[str, Any]
     cost: dict[str, Any] | None
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         # inf (decode never compute-bound) is not JSON; None says "never" there.
@@ -87,6 +88,10 @@ def make_plan(
     workload: Workload,
     dtype: str | None = None,
     kv_dtype: str | None = None,
+    *,
+    blocks: GgufBlocks | None = None,
+    block_rows: int = 0,
+    cache_bytes: int | None = None,
 ) -> Plan:
     """Compute the plan.
 
@@ -96,6 +101,11 @@ def make_plan(
         workload: prompt/output tokens, batch, context.
         dtype: weight dtype; None is the server's default for the device.
         kv_dtype: KV cache dtype; None follows the weights (16-bit for quantized weights).
+        blocks: the GGUF blocks the server reads on CPU in float32 (its default,
+            ``--matmul-weights gguf``): a step of at most ``block_rows`` rows reads them
+            instead of the float32 matmul weights, a larger one the float32 panels.
+        block_rows: that row limit (``planner.cpu.max_quant_rows()``); 0: no blocks.
+        cache_bytes: the CPU's L3 size; a note says when a step's weights fit in it.
     """
     cfg = model.config
     w_dtype = canonical_dtype(dtype) if dtype else default_dtype(device)
@@ -113,6 +123,18 @@ def make_plan(
     n_streamed = ar.streamed_param_count(cfg)
     w_total = ar.weight_bytes(n_params, dtype_bytes(w_dtype))
     w_streamed = ar.weight_bytes(n_streamed, dtype_bytes(w_dtype))
+    uses_blocks = blocks is not None and block_rows > 0 and device.name == "cpu"
+    uses_blocks = uses_blocks and w_dtype == "fp32"
+
+    def weights_read(body_rows: int, head_rows: int) -> float:
+        """Weight bytes a step of ``body_rows`` tokens and ``head_rows`` logit rows reads:
+        the GGUF blocks for the matmuls of at most ``block_rows`` rows, else float32."""
+        if not uses_blocks:
+            return w_streamed
+        assert blocks is not None
+        saved = blocks.body_saved_bytes if body_rows <= block_rows else 0
+        saved += blocks.lm_head_saved_bytes if head_rows <= block_rows else 0
+        return w_streamed - saved
     k = ar.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes(k_dtype))
     L, H, d = cfg.num_layers, cfg.num_heads, cfg.head_dim
     n_in, n_out, b = workload.prompt_tokens, workload.output_tokens, workload.batch
@@ -143,7 +165,7 @@ def make_plan(
 
     # Prefill of one prompt: the TTFT lower bound.
     pf_flops = ar.prefill_flops(n_streamed, n_in, L, H, d)
-    pf_bytes = ar.prefill_bytes(w_streamed, n_in, k)
+    pf_bytes = ar.prefill_bytes(weights_read(n_in, 1), n_in, k)
     pf_time = ar.roofline_time_s(pf_bytes, pf_flops, bw, flops_peak)
     pf_intensity = ar.arithmetic_intensity(pf_flops, pf_bytes)
 
@@ -151,25 +173,42 @@ def make_plan(
     mean_ctx = n_in + (n_out + 1) / 2
     attn = ar.attention_flops_per_token(L, H, d, mean_ctx)
     dec_flops = ar.decode_step_flops(n_streamed, b, attn)
-    dec_bytes = ar.decode_step_bytes(w_streamed, b, mean_ctx, k)
+    w_decode = weights_read(b, b)
+    dec_bytes = ar.decode_step_bytes(w_decode, b, mean_ctx, k)
     dec_time = ar.roofline_time_s(dec_bytes, dec_flops, bw, flops_peak)
     dec_intensity = ar.arithmetic_intensity(dec_flops, dec_bytes)
 
     # The whole batch: b prompts prefilled together, then O steps at a growing context.
     batch_pf = ar.roofline_time_s(
-        ar.prefill_bytes(w_streamed, b * n_in, k), b * pf_flops, bw, flops_peak
+        ar.prefill_bytes(weights_read(b * n_in, b), b * n_in, k), b * pf_flops, bw, flops_peak
     )
     decode_total = 0.0
     for i in range(1, n_out + 1):
         ctx = n_in + i
         decode_total += ar.roofline_time_s(
-            ar.decode_step_bytes(w_streamed, b, ctx, k),
+            ar.decode_step_bytes(w_decode, b, ctx, k),
             ar.decode_step_flops(n_streamed, b, ar.attention_flops_per_token(L, H, d, ctx)),
             bw,
             flops_peak,
         )
     total = batch_pf + decode_total
     out_tps = b * n_out / total
+
+    notes: list[str] = []
+    if uses_blocks:
+        notes.append(
+            f"weights as the server reads them by default on CPU (--matmul-weights gguf): "
+            f"steps of up to {block_rows} rows read the GGUF file's blocks "
+            f"({fmt_mb(weights_read(1, 1))} a step), larger ones the float32 weights "
+            f"({fmt_mb(w_streamed)})"
+        )
+    if device.name == "cpu" and cache_bytes and cache_bytes >= w_decode:
+        notes.append(
+            f"the L3 cache ({fmt_mb(cache_bytes)}) is larger than the {fmt_mb(w_decode)} of "
+            f"weights a decode step reads: steps may read them from cache, faster than the "
+            f"{bw / 1e9:.1f} GB/s DRAM bandwidth measured, so an implied MBU above 1 is "
+            "possible and the TPOT bound may be beaten"
+        )
 
     cost: dict[str, Any] | None = None
     if device.price_per_hour is not None:
@@ -190,6 +229,11 @@ def make_plan(
             "streamed_params": n_streamed,
             "weight_bytes": w_total,
             "streamed_weight_bytes": w_streamed,
+            "gguf_blocks": (
+                {"path": blocks.path, "block_rows": block_rows,
+                 "weight_bytes_per_small_step": weights_read(1, 1)}
+                if uses_blocks and blocks is not None else None
+            ),  # fmt: skip
             "num_layers": L,
             "num_heads": H,
             "num_kv_heads": cfg.num_kv_heads,
@@ -242,13 +286,17 @@ def make_plan(
             "memory_time_s": ar.memory_time_s(dec_bytes, bw),
             "compute_time_s": ar.compute_time_s(dec_flops, flops_peak),
             "time_per_token_s": dec_time,
-            "weights_only_time_per_token_s": ar.memory_time_s(w_total, bw),
+            # The guide's rule counts every weight; GGUF blocks shrink what a step reads.
+            "weights_only_time_per_token_s": ar.memory_time_s(
+                w_total - (w_streamed - w_decode), bw
+            ),
+            "weight_bytes_per_step": w_decode,
             "output_tokens_per_s": b / dec_time,
             "bound": ar.bound_by(dec_intensity, ratio),
             "critical_batch": ar.critical_batch_size(
-                ratio, w_streamed, n_streamed, attn, mean_ctx, k
+                ratio, w_decode, n_streamed, attn, mean_ctx, k
             ),
-            "critical_batch_no_kv": ar.critical_batch_size(ratio, w_streamed, n_streamed),
+            "critical_batch_no_kv": ar.critical_batch_size(ratio, w_decode, n_streamed),
         },
         generation={
             "prefill_time_s": batch_pf,
@@ -258,4 +306,9 @@ def make_plan(
         },
         cost=cost,
         warnings=warnings,
+        notes=notes,
     )
+
+
+def fmt_mb(num_bytes: float) -> str:
+    return f"{num_bytes / 1e6:,.0f} MB"

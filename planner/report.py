@@ -43,8 +43,11 @@ def fmt_count(n: float) -> str:
 
 
 def _row(label: str, value: str, formula: str = "") -> str:
-    line = f"  {label:<{_LABEL_WIDTH}}{value:<{_VALUE_WIDTH}}{formula}"
-    return line.rstrip()
+    """One ``label  value  formula`` row; a label or value wider than its column keeps two
+    spaces before the next one rather than running into it."""
+    label_cell = f"{label:<{_LABEL_WIDTH - 2}}  "
+    value_cell = f"{value:<{_VALUE_WIDTH - 2}}  "
+    return f"  {label_cell}{value_cell}{formula}".rstrip()
 
 
 def render_plan(plan: Plan) -> str:
@@ -138,6 +141,11 @@ def render_plan(plan: Plan) -> str:
             "W / BW",
         ),
         _row(
+            f"  weights read per step, b={b}",
+            fmt_bytes(dec["weight_bytes_per_step"]),
+            "W_s (GGUF blocks up to the row limit)" if m.get("gguf_blocks") else "W_s",
+        ),
+        _row(
             f"decode throughput, b={b}", f"{dec['output_tokens_per_s']:,.1f} tok/s", "b / t_decode"
         ),
         _row(
@@ -155,6 +163,8 @@ def render_plan(plan: Plan) -> str:
             _row("per 1M output tokens", f"${c['per_million_output_tokens']:.2f}"),
             _row("per 1M prompt + output tokens", f"${c['per_million_total_tokens']:.2f}"),
         ]
+    if plan.notes:
+        lines += ["", "notes", *(f"  - {note}" for note in plan.notes)]
     if plan.warnings:
         lines += ["", "warnings", *(f"  ! {warning}" for warning in plan.warnings)]
     return "\n".join(lines)

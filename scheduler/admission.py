@@ -121,7 +121,7 @@ class StepAdmission:
         filling: set[BlockHash] | None,
     ) -> None:
         """Args:
-        config: the admission mode (``optimistic`` or ``reserve``).
+        config: its ``block_allocation`` (``optimistic`` or ``reserve``) is read.
         kv: the block tables admissions allocate through.
         max_model_len: most tokens a request may reach (caps a reservation).
         budget: tokens left in this step.
@@ -161,7 +161,7 @@ class StepAdmission:
         if num_new == 0 and not self.admits_without_budget:
             return Refusal.STOP
         reserve_to = cached.num_computed_tokens + num_new
-        if self.config.admission == "reserve":
+        if self.config.block_allocation == "reserve":
             # Room for the whole prompt and every token it may generate, so it never
             # needs a block later and is never preempted.
             reserve_to = min(

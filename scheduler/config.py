@@ -5,17 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BATCHING_MODES = ("continuous", "static", "dynamic")
-ADMISSION_MODES = ("optimistic", "reserve")
+BLOCK_ALLOCATION_MODES = ("optimistic", "reserve")
 
 # The default step token budget, and the chunk size when the prefill work waiting does not
-# fit in one step. A burst whose prompts all fit in the budget (16 of 128 tokens here) is
+# fit in one step. A burst whose prompts all fit in the budget (16 of 128 tokens) is
 # prefilled in one step and then decodes together, with no later prefill chunk landing
-# between its tokens: with a flat 512, the 16-request burst went in 4 prompts per step and
-# inter-token p99 at concurrency 16 was 650 ms on 2 CPU cores, against 96 ms this way. A
-# queue deeper than one step (64 such prompts) drains in 512-token chunks instead: each
-# request starts as soon as its own chunk is done rather than a 2048-token step later, and
-# running decodes wait one short step between tokens (concurrency 64: TTFT p50 4.1-4.8 s and
-# inter-token p99 ~1 s, against 4.1-5.8 s and ~2.5 s with 2048-token steps).
+# between its tokens; with a flat 512 such a burst went in 4 prompts per step, each landing
+# between the earlier ones' tokens, and its inter-token p99 was several times higher. A queue
+# deeper than one step (64 such prompts) drains in 512-token chunks instead: each request
+# starts as soon as its own chunk is done rather than a 2048-token step later, and running
+# decodes wait one short step between tokens (figures: benchmarks/RESULTS.md).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
@@ -32,8 +31,10 @@ class SchedulerConfig:
         queues proceed in chunks of this size.
     batching: "continuous" (iteration-level), "static" or "dynamic" (run a batch to
         completion before taking the next).
-    admission: "optimistic" admits what fits now and preempts by recompute later;
-        "reserve" admits only when prompt + max_tokens fit, and never preempts.
+    block_allocation: how many KV blocks a request gets when it is admitted. "optimistic":
+        what its first chunk needs now, more as it grows, preempting by recompute when the
+        pool runs out; "reserve": room for prompt + max_tokens up front, so it never
+        preempts.
     batch_wait_ms: dynamic batching forms a batch when max_num_seqs requests wait or the
         oldest has waited this long.
     static_finished: in static/dynamic mode, whether finished sequences keep being computed
@@ -44,7 +45,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     batching: str = "continuous"
-    admission: str = "optimistic"
+    block_allocation: str = "optimistic"
     batch_wait_ms: float = 50.0
     static_finished: str = "compute"
 
@@ -61,8 +62,11 @@ class SchedulerConfig:
             )
         if self.batching not in BATCHING_MODES:
             raise ValueError(f"batching must be one of {BATCHING_MODES}, got {self.batching!r}")
-        if self.admission not in ADMISSION_MODES:
-            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
+        if self.block_allocation not in BLOCK_ALLOCATION_MODES:
+            raise ValueError(
+                f"block_allocation must be one of {BLOCK_ALLOCATION_MODES}, "
+                f"got {self.block_allocation!r}"
+            )
         if self.static_finished not in ("compute", "skip"):
             raise ValueError(
                 f"static_finished must be compute or skip, got {self.static_finished!r}"

@@ -1,5 +1,5 @@
-"""The scheduler's contracts: ``SchedulerOutput``, the plan of one step handed to the model
-runner, and ``SchedulerUpdate``, what ``update_from_output`` changed, handed to the engine."""
+"""The scheduler's contracts: ``SchedulerOutput``, what one step computes, handed to the
+model runner, and ``SchedulerUpdate``, what ``update_from_output`` changed, handed to the engine."""
 
 from __future__ import annotations
 

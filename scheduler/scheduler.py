@@ -16,9 +16,9 @@ The batch ends when none of its members is running; the padding's blocks are the
 the next batch is admitted in the same ``schedule()`` call.
 
 Helpers, each in its own module: admission decisions and intake size checks
-(scheduler/admission.py), the step's token budgets (scheduler/step_budget.py), stop
-conditions (scheduler/stopping.py), the integrity check (scheduler/integrity.py). They
-change no scheduler state; every queue and status change happens here.
+(scheduler/admission.py), the step's token budgets (scheduler/step_budget.py) and stop
+conditions (scheduler/stopping.py). They change no scheduler state; every queue and status
+change happens here, and ``check_integrity()`` asserts the invariants listed on ``Scheduler``.
 
 Dynamic batching holds waiting requests back until its window ends; the engine thread must
 not spin on empty steps meanwhile: see ``next_admission_time()``.
@@ -45,7 +45,6 @@ from scheduler.admission import (
     hashes_filled_by,
 )
 from scheduler.config import SchedulerConfig
-from scheduler.integrity import check_queues
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerUpdate
 from scheduler.padding import BatchPadding
 from scheduler.policy import BatchPolicy, make_policy
@@ -171,7 +170,7 @@ class Scheduler:
     def next_admission_time(self) -> float | None:
         """The engine thread's sleep hint while dynamic batching holds requests back.
 
-        ``schedule()`` returns an empty plan while waiting requests sit out dynamic
+        ``schedule()`` returns an empty ``SchedulerOutput`` while waiting requests sit out dynamic
         batching's window, so an engine loop that steps whenever requests are unfinished
         would spin. The engine thread should instead, when this returns a time ``t``, wait
         for new requests (which can fill a batch early) with a timeout of
@@ -229,7 +228,7 @@ class Scheduler:
         """Advance every scheduled request, append sampled tokens, apply stop conditions.
 
         Args:
-            out: the plan ``schedule()`` returned for this step.
+            out: what ``schedule()`` returned for this step.
             sampled: request id -> the token sampled for it (requests whose chunk reached
                 their last token).
         Returns:
@@ -389,12 +388,32 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the queues, statuses or block ownership disagree (the
-        invariants listed on this class; scheduler/integrity.py)."""
-        check_queues(
-            self.kv,
-            self.running,
-            self.waiting,
-            self._requests.keys(),
-            self.padding,
-            keeps_padding=self.keeps_padding,
+        invariants listed on this class). Checks kvpool first; reads the queues and asks
+        kvpool what each request holds; changes nothing. Tests call it after every step."""
+        kv = self.kv
+        kv.check_integrity()
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running), "a request is running twice"
+        assert len(waiting_ids) == len(self.waiting), "a request is waiting twice"
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == set(self._requests), "untracked request"
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+            held = len(kv.block_ids(request.request_id)) * kv.block_size
+            assert held >= request.num_computed_tokens, f"{request.request_id} lost blocks"
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not kv.has_request(request.request_id), (
+                f"waiting {request.request_id} holds blocks"
+            )
+        assert not self.padding or (self.keeps_padding and self.running), (
+            "padding outlived its batch"
         )
+        self.padding.check_integrity(kv, running_ids | waiting_ids)
+        for request in [*self.running, *self.padding.requests]:
+            live = kv.num_live_tokens(request.request_id)
+            assert live == request.num_computed_tokens, (
+                f"{request.request_id}: kvpool counts {live} live tokens, "
+                f"{request.num_computed_tokens} computed"
+            )

@@ -5,6 +5,7 @@ Routes::
     POST /v1/completions        completions.create_completion
     POST /v1/chat/completions   chat.create_chat_completion
     GET  /v1/models             the one served model
+    GET  /v1/models/{id}        that model's card; 404 model_not_found for any other id
     GET  /health                200 while the engine loop is alive and iterating and the
                                 server is not draining, else 503; the body carries the KV
                                 pool figures (blocks used/free/total), the step of the last
@@ -15,7 +16,7 @@ Routes::
 
 Middleware, outermost first: CORS (only with --cors-origins), drain (SIGTERM: 503 for new
 requests; server/shutdown.py), API keys (only with --api-key; server/auth.py), body size
-(413; server/limits.py). Each answers before the body is parsed.
+(413; server/validation.py). Each answers before the body is parsed.
 """
 
 from __future__ import annotations
@@ -35,10 +36,8 @@ from server.config import ServingConfig
 from server.context import ServingContext
 from server.engine_client import AsyncEngineClient
 from server.errors import install_error_handlers, invalid
-from server.http_metrics import HTTPMetricsMiddleware
-from server.limits import BodySizeLimitMiddleware
-from server.metrics import ServerMetrics, config_info
-from server.prompts import chat_prompt, check_token_ids, encode
+from server.metrics import HTTPMetricsMiddleware, ServerMetrics, config_info
+from server.prompts import chat_prompt, encode
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -52,8 +51,13 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from server.sampling import check_model, check_unknown_fields
 from server.shutdown import DrainMiddleware, DrainState
+from server.validation import (
+    BodySizeLimitMiddleware,
+    check_model,
+    check_token_ids,
+    check_unknown_fields,
+)
 
 
 def _version() -> str:
@@ -64,7 +68,7 @@ def _version() -> str:
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 422, 500, 503, 504)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 500, 503, 504)
 }
 # With "stream": true the 200 is an SSE stream of chunks (server/streaming.py), not JSON.
 _GENERATION: dict[int | str, dict[str, Any]] = {
@@ -122,15 +126,23 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await create_chat_completion(body, request, ctx)
 
-    @app.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
-        card = ModelCard(
+    def model_card() -> ModelCard:
+        return ModelCard(
             id=ctx.model_name,
             created=ctx.started_at,
             root=config.engine.model,
             max_model_len=ctx.limits.max_model_len,
         )
-        return ModelList(data=[card])
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    # ``:path``: a served name may hold slashes (``org/model``), as hub-style names do.
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        check_model(model_id, ctx.limits)
+        return model_card()
 
     @app.get("/health")
     async def health() -> Response:
@@ -154,8 +166,8 @@ def create_app(
                 "integrity_checked_at_step": snap.integrity_checked_at_step,
             },
             "requests": {
-                "in_flight": ctx.admission.num_in_flight,
-                "capacity": ctx.admission.capacity,
+                "in_flight": ctx.backpressure.num_in_flight,
+                "capacity": ctx.backpressure.capacity,
             },
         }
         return JSONResponse(body, status_code=200 if status == "ok" else 503)

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the tokenizer's chat template, then the same run as completions.
+"""POST /v1/chat/completions: the tokenizer's chat template and the chat response shapes; the
+path every generation request takes is server/generation_endpoint.py.
 
 Streaming follows OpenAI's chunk sequence per choice: a first chunk with
 ``delta: {"role": "assistant", "content": ""}``, content chunks, then a chunk with an empty
@@ -7,15 +8,16 @@ Streaming follows OpenAI's chunk sequence per choice: a first chunk with
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
+from pydantic import BaseModel
 
-from server.completions import CLIENT_CLOSED_REQUEST
-from server.context import ServingContext, new_request_id
+from scheduler.request import SamplingParams
+from server.context import ServingContext
 from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
-from server.prompts import chat_prompt
+from server.generation_endpoint import GenerationEndpoint, serve_generation
+from server.prompts import Prompt, chat_prompt
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -30,16 +32,14 @@ from server.protocol import (
     UsageInfo,
     finish_reason,
 )
-from server.sampling import (
+from server.streaming import sse_frame, stream_run
+from server.validation import (
     chat_logprobs,
     chat_max_tokens,
     check_chat_request,
     choice_params,
     resolve_max_tokens,
-    stop_strings,
 )
-from server.streaming import run_to_end, sse_frame, sse_response, stream_run
-from server.timeouts import request_deadline
 
 
 def _bytes(text: str) -> list[int]:
@@ -61,48 +61,29 @@ def chat_logprobs_body(entries: list[LogprobEntry]) -> ChatLogprobs:
     )
 
 
-async def create_chat_completion(
-    req: ChatCompletionRequest, raw_request: Request, ctx: ServingContext
-) -> Response | ChatCompletionResponse:
-    arrival_time = time.monotonic()
-    limits = ctx.limits
-    check_chat_request(req, limits)
-    server = ctx.config.server
-    deadline = request_deadline(raw_request.headers, server.request_timeout_s, arrival_time)
-    # Room is held before the chat template runs: a burst past the queue costs nothing.
-    with ctx.admission.admit(req.n):
-        prompt = chat_prompt(req.messages, ctx.client.tokenizer)
-        requested, param = chat_max_tokens(req)
-        max_tokens = resolve_max_tokens(
-            requested, len(prompt.token_ids), limits, param, prompt_param="messages"
-        )
-        logprobs = chat_logprobs(req)
-        params = [
-            choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i)
-            for i in range(req.n)
-        ]
-        request_id = new_request_id("chatcmpl")
-        run = GenerationRun(
-            ctx.client,
-            ctx.metrics,
-            request_id,
-            [prompt],
-            params,
-            stop_strings(req.stop),
-            req.n,
-            arrival_time,
-            ctx.token_texts,
-            deadline,
-        )
-        run.submit()
-    await run.start()
-    run.log_accepted(request_id, stream=req.stream, log_prompts=server.log_prompts)
-    created = int(time.time())
-    if req.stream:
-        return sse_response(_stream(req, raw_request, ctx, run, request_id, created))
+def _prepare(
+    req: ChatCompletionRequest, ctx: ServingContext
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    prompt = chat_prompt(req.messages, ctx.client.tokenizer)
+    requested, param = chat_max_tokens(req)
+    max_tokens = resolve_max_tokens(
+        requested, len(prompt.token_ids), ctx.limits, param, prompt_param="messages"
+    )
+    logprobs = chat_logprobs(req)
+    params = [
+        choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i)
+        for i in range(req.n)
+    ]
+    return [prompt], params
 
-    if not await run_to_end(raw_request, run):
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+def _response(
+    req: ChatCompletionRequest,
+    ctx: ServingContext,
+    run: GenerationRun,
+    request_id: str,
+    created: int,
+) -> ChatCompletionResponse:
     choices = [
         ChatChoice(
             index=c.index,
@@ -158,3 +139,19 @@ def _stream(
 
     usage_frame = (lambda: chunk([], run.usage())) if include_usage else None
     return stream_run(raw_request, run, opening, delta_frames, usage_frame)
+
+
+CHAT_COMPLETIONS: GenerationEndpoint[ChatCompletionRequest] = GenerationEndpoint(
+    id_prefix="chatcmpl",
+    check=check_chat_request,
+    num_sequences=lambda req: req.n,
+    prepare=_prepare,
+    response=_response,
+    stream=_stream,
+)
+
+
+async def create_chat_completion(
+    req: ChatCompletionRequest, raw_request: Request, ctx: ServingContext
+) -> Response | BaseModel:
+    return await serve_generation(CHAT_COMPLETIONS, req, raw_request, ctx)

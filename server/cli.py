@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from engine.config import ModelError
 from server.config import ServingConfig
 
 logger = logging.getLogger("pagedserve")
@@ -43,8 +44,8 @@ def on_worker_thread(fn: Callable[..., T], *args: Any) -> T:
     threads, kept for the life of the process. A team created on the main thread while the
     model loads (or the CPU peaks are measured) leaves more OpenMP threads than cores once
     the engine thread has its own, and libgomp then stops spinning between parallel regions:
-    every matmul of a decode step pays a futex wake-up. On the 2-core CPU box that made a
-    batch-1 decode step 1.5-2x slower (45 -> 67-75 ms) than the same step on the main thread.
+    every matmul of a decode step pays a futex wake-up. On a 2-core CPU that made a batch-1
+    decode step markedly slower than the same step on the main thread.
     A team whose thread has exited is reused by the next thread that needs one.
     """
     # The executor's one worker thread exits at the end of the ``with``; exceptions are
@@ -118,7 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if args else 2
     command, rest = args[0], args[1:]
     if command == "serve":
-        return serve(ServingConfig.from_cli(rest))
+        config = ServingConfig.from_cli(rest)
+        try:
+            return serve(config)
+        except ModelError as exc:
+            # A --model the user must change: one line naming it and the fix, no traceback.
+            print(f"pagedserve serve: error: {exc}", file=sys.stderr)
+            return 2
     if command == "plan":
         from planner.cli import main as plan_main
 
@@ -126,6 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "bench":
         from loadtest.cli import main as bench_main
 
-        return bench_main(rest)
+        return bench_main(rest, prog="pagedserve bench")
     print(f"pagedserve: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2

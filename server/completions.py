@@ -1,4 +1,5 @@
-"""POST /v1/completions: validate, tokenize, run, and answer as JSON or SSE.
+"""POST /v1/completions: its prompts and response shapes; the path every generation request
+takes is server/generation_endpoint.py.
 
 Choices are ordered prompt-major (choice ``p * n + i`` is sample i of prompt p) as OpenAI and
 vLLM order them; ``usage.prompt_tokens`` counts each prompt once however large ``n`` is.
@@ -6,14 +7,16 @@ vLLM order them; ``usage.prompt_tokens`` counts each prompt once however large `
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request, Response
+from pydantic import BaseModel
 
-from server.admission import count_prompts
-from server.context import ServingContext, new_request_id
+from scheduler.request import SamplingParams
+from server.backpressure import count_prompts
+from server.context import ServingContext
 from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
+from server.generation_endpoint import GenerationEndpoint, serve_generation
 from server.prompts import Prompt, completion_prompts
 from server.protocol import (
     CompletionChoice,
@@ -24,16 +27,8 @@ from server.protocol import (
     UsageInfo,
     finish_reason,
 )
-from server.sampling import (
-    check_completion_request,
-    choice_params,
-    resolve_max_tokens,
-    stop_strings,
-)
-from server.streaming import run_to_end, sse_frame, sse_response, stream_run
-from server.timeouts import request_deadline
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
+from server.streaming import sse_frame, stream_run
+from server.validation import check_completion_request, choice_params, resolve_max_tokens
 
 
 def completion_logprobs(entries: list[LogprobEntry], base_offset: int) -> CompletionLogprobs:
@@ -58,48 +53,25 @@ def _echo_text(prompt: Prompt, ctx: ServingContext) -> str:
     return str(ctx.client.tokenizer.decode(prompt.token_ids, skip_special_tokens=False))
 
 
-async def create_completion(
-    req: CompletionRequest, raw_request: Request, ctx: ServingContext
-) -> Response | CompletionResponse:
-    arrival_time = time.monotonic()
-    limits = ctx.limits
-    check_completion_request(req, limits)
-    server = ctx.config.server
-    deadline = request_deadline(raw_request.headers, server.request_timeout_s, arrival_time)
-    # Room is held before the prompts are tokenized: a burst past the queue costs nothing.
-    with ctx.admission.admit(count_prompts(req.prompt) * req.n):
-        prompts = completion_prompts(req.prompt, ctx.client.tokenizer, limits.vocab_size)
-        params = []
-        for prompt in prompts:
-            max_tokens = resolve_max_tokens(
-                req.max_tokens, len(prompt.token_ids), limits, "max_tokens"
-            )
-            for i in range(req.n):
-                params.append(
-                    choice_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=i)
-                )
-        request_id = new_request_id("cmpl")
-        run = GenerationRun(
-            ctx.client,
-            ctx.metrics,
-            request_id,
-            prompts,
-            params,
-            stop_strings(req.stop),
-            req.n,
-            arrival_time,
-            ctx.token_texts,
-            deadline,
+def _prepare(
+    req: CompletionRequest, ctx: ServingContext
+) -> tuple[list[Prompt], list[SamplingParams]]:
+    prompts = completion_prompts(req.prompt, ctx.client.tokenizer, ctx.limits.vocab_size)
+    params = []
+    for prompt in prompts:
+        max_tokens = resolve_max_tokens(
+            req.max_tokens, len(prompt.token_ids), ctx.limits, "max_tokens"
         )
-        run.submit()  # counted by the engine client from here: the room is no longer held
-    await run.start()  # a 400 / 503 / 504 here is still a proper HTTP error
-    run.log_accepted(request_id, stream=req.stream, log_prompts=server.log_prompts)
-    created = int(time.time())
-    if req.stream:
-        return sse_response(_stream(req, raw_request, ctx, run, request_id, created))
+        for i in range(req.n):
+            params.append(
+                choice_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=i)
+            )
+    return prompts, params
 
-    if not await run_to_end(raw_request, run):
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+def _response(
+    req: CompletionRequest, ctx: ServingContext, run: GenerationRun, request_id: str, created: int
+) -> CompletionResponse:
     choices = []
     for c in run.choices:
         echo = _echo_text(c.prompt, ctx) if req.echo else ""
@@ -168,3 +140,19 @@ def _stream(
 
     usage_frame = (lambda: chunk([], run.usage())) if include_usage else None
     return stream_run(raw_request, run, opening, delta_frames, usage_frame)
+
+
+COMPLETIONS: GenerationEndpoint[CompletionRequest] = GenerationEndpoint(
+    id_prefix="cmpl",
+    check=check_completion_request,
+    num_sequences=lambda req: count_prompts(req.prompt) * req.n,
+    prepare=_prepare,
+    response=_response,
+    stream=_stream,
+)
+
+
+async def create_completion(
+    req: CompletionRequest, raw_request: Request, ctx: ServingContext
+) -> Response | BaseModel:
+    return await serve_generation(COMPLETIONS, req, raw_request, ctx)

@@ -3,8 +3,8 @@
 Precedence is flag > ``PAGEDSERVE_*`` environment variable > default. Each setting is declared
 once in ``_OPTIONS`` (flag, env var, type, default, help, destination), so the flag list, the env
 var list and ``--help`` cannot drift apart; ``server/flags.py`` builds the parser from that
-table. The result is a frozen ``ServingConfig`` composing the per-package configs (STYLE 12):
-each component is handed only its own sub-config.
+table. The result is a frozen ``ServingConfig`` that composes the per-package configs (it
+does not inherit them): each component is handed only its own sub-config.
 """
 
 from __future__ import annotations
@@ -18,8 +18,16 @@ from typing import Any
 
 from engine.config import EngineConfig
 from kvpool.config import DEFAULT_BLOCK_SIZE, KVPoolConfig
-from scheduler.config import ADMISSION_MODES, BATCHING_MODES, SchedulerConfig
-from server.flags import Option, build_arg_parser, optional, parse_bool, parse_list, parse_size
+from scheduler.config import BATCHING_MODES, BLOCK_ALLOCATION_MODES, SchedulerConfig
+from server.flags import (
+    Option,
+    build_arg_parser,
+    optional,
+    parse_bool,
+    parse_int_list,
+    parse_list,
+    parse_size,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 UNKNOWN_FIELD_POLICIES = ("reject", "ignore")
@@ -51,7 +59,7 @@ class ServerConfig:
         peak_tflops: peak TFLOP/s in the serving dtype that MFU divides by; None as above.
         max_waiting_requests: engine requests (prompts x n) that may wait behind the
             ``max_num_seqs`` running ones; past it new requests get 503 + Retry-After before
-            they are tokenized (server/admission.py).
+            they are tokenized (server/backpressure.py).
         max_prompt_tokens: longest prompt accepted (400 above); None = the context length.
         max_output_tokens: largest ``max_tokens`` accepted (400 above); a request without
             ``max_tokens`` gets at most this many. None = up to the context length.
@@ -154,7 +162,26 @@ class ServingConfig:
             SystemExit: on a bad flag or env value (argparse prints the usage line).
         """
         parser = build_arg_parser(_OPTIONS, environ if environ is not None else os.environ)
+        # ``pagedserve serve MODEL``, as ``vllm serve MODEL``: the positional is --model's
+        # other spelling. --model's default becomes a marker so that a flag given beside the
+        # positional can be told from an env var or the default (which the positional beats).
+        parser.add_argument(
+            "positional_model",
+            nargs="?",
+            metavar="MODEL",
+            help="the model, as --model takes it (give one or the other)",
+        )
+        model_default = parser.get_default("model")
+        parser.set_defaults(model=_UNSET)
         args = parser.parse_args(list(argv) if argv is not None else None)
+        positional = vars(args).pop("positional_model")
+        if args.model is _UNSET:
+            args.model = positional if positional is not None else model_default
+        elif positional is not None and positional != args.model:
+            parser.error(
+                f"the model is given twice and differs: MODEL {positional!r} and --model "
+                f"{args.model!r}; give only one"
+            )
         try:
             return cls.from_namespace(args)
         except ValueError as exc:  # a config's own __post_init__ check
@@ -180,6 +207,7 @@ class ServingConfig:
         )
 
 
+_UNSET = object()  # --model's parser default while the positional MODEL is resolved
 _S, _E, _K, _P = ServerConfig(), EngineConfig(), KVPoolConfig(), SchedulerConfig()
 # fmt: off
 _OPTIONS: tuple[Option, ...] = (
@@ -205,10 +233,19 @@ _OPTIONS: tuple[Option, ...] = (
            "longest prompt + output in tokens; auto = the model's max positions"),
     Option("--seed", "engine", "seed", int, _E.seed,
            "seed of the sampler for requests that give none"),
-    Option("--test-fault-token-id", "engine", "fault_token_id", optional(int),
-           _E.fault_token_id,
-           "TEST ONLY, never in production: the engine fails every request whose prompt "
-           "holds this token id (fault injection for chaos tests)"),
+    Option("--load-format", "engine", "load_format", str, _E.load_format,
+           "auto (read the checkpoint) or dummy (random weights of the model's shapes; "
+           "--model may then name a preset: llama-3-8b, llama-3.1-8b, llama-3.2-1b, "
+           "qwen2.5-7b, smollm2-135m, tiny-llama)",
+           ("auto", "dummy")),
+    Option("--tokenizer", "engine", "tokenizer", optional(str), _E.tokenizer,
+           "directory of a tokenizer to use instead of the model's (a dummy preset has none)"),
+    Option("--enforce-eager", "engine", "enforce_eager", parse_bool, _E.enforce_eager,
+           "CUDA: never capture CUDA graphs; every step launches its kernels from Python"),
+    Option("--cuda-graph-sizes", "engine", "cuda_graph_sizes", optional(parse_int_list),
+           _E.cuda_graph_sizes,
+           "CUDA: decode batch sizes to capture a graph for, e.g. 1,2,4,8,16; auto = 1, 2, "
+           "4, 8, then steps of 8 to 64 and of 16 to --max-num-seqs"),
     # kvpool
     Option("--block-size", "kvpool", "block_size", int, DEFAULT_BLOCK_SIZE,
            "tokens per KV block (a power of two)"),
@@ -232,9 +269,9 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--batching", "scheduler", "batching", str, _P.batching,
            "continuous (iteration-level), static or dynamic",
            BATCHING_MODES),
-    Option("--admission", "scheduler", "admission", str, _P.admission,
+    Option("--block-allocation", "scheduler", "block_allocation", str, _P.block_allocation,
            "optimistic (preempt by recompute later) or reserve (prompt + max_tokens up front)",
-           ADMISSION_MODES),
+           BLOCK_ALLOCATION_MODES),
     Option("--batch-wait-ms", "scheduler", "batch_wait_ms", float, _P.batch_wait_ms,
            "dynamic batching: longest wait for a full batch"),
     Option("--static-finished", "scheduler", "static_finished", str, _P.static_finished,

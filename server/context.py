@@ -6,12 +6,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from server.admission import Admission
+from server.backpressure import Backpressure
 from server.config import ServingConfig
 from server.engine_client import AsyncEngineClient
 from server.generation import TokenTexts
 from server.metrics import ServerMetrics
-from server.sampling import RequestLimits
+from server.validation import RequestLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +22,7 @@ class ServingContext:
     limits: RequestLimits
     token_texts: TokenTexts
     started_at: int  # unix time, reported as the model's `created`
-    admission: Admission
+    backpressure: Backpressure
 
     @property
     def model_name(self) -> str:
@@ -43,7 +43,7 @@ class ServingContext:
             max_prompt_tokens=server.max_prompt_tokens,
             max_output_tokens=server.max_output_tokens,
         )
-        admission = Admission(
+        backpressure = Backpressure(
             client,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_waiting_requests=server.max_waiting_requests,
@@ -55,7 +55,7 @@ class ServingContext:
             limits,
             TokenTexts(client.tokenizer),
             int(time.time()),
-            admission,
+            backpressure,
         )
 
 

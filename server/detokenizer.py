@@ -64,9 +64,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         # A fast tokenizer's Rust backend, called directly: with clean-up off, transformers'
-        # decode() returns exactly backend.decode(ids, skip_special_tokens), after ~15 us of
-        # Python argument handling. That ran twice a token on the event loop, which at batch
-        # 1 shares the cores with the matmul threads.
+        # decode() returns exactly backend.decode(ids, skip_special_tokens), after Python
+        # argument handling that costs more than the decode itself. That ran twice a token on
+        # the event loop, which at batch 1 shares the cores with the matmul threads.
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend_decode = getattr(backend, "decode", None)
         # NOTE: invariant ids[:read_offset] has been emitted as text (the prompt context counts

@@ -1,50 +1,16 @@
 """What crosses the engine client's boundary: the engine's interface, requests, snapshots,
-health, and the per-request output streams the event loop reads (server/engine_client.py
-and the engine thread it runs, server/engine_loop.py, sit between them).
+health, and the per-request output streams the event loop reads (server/engine_client.py,
+the client and its engine thread, sits between them).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from engine.outputs import RequestOutput, StepStats
 from scheduler.request import SamplingParams
-
-
-class EngineLike(Protocol):
-    """The slice of ``engine.LLMEngine`` the client uses (tests substitute a fake)."""
-
-    @property
-    def tokenizer(self) -> Any: ...
-    @property
-    def model_id(self) -> str: ...
-    @property
-    def max_model_len(self) -> int: ...
-    @property
-    def eos_token_id(self) -> int | None: ...
-    @property
-    def model_config(self) -> Any: ...
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def num_total_blocks(self) -> int: ...
-    @property
-    def last_step_stats(self) -> StepStats | None: ...
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival_time: float | None = None,
-    ) -> None: ...
-    def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]: ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished_requests(self) -> bool: ...
-    def check_integrity(self) -> None: ...
 
 
 class EngineUnavailableError(RuntimeError):

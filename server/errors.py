@@ -11,6 +11,7 @@ Status policy (documented in the README's error table):
 404    unknown model name or unknown route
 405    wrong HTTP method on a known route
 413    request body above ``--max-body-size``
+415    a body sent without ``Content-Type: application/json``
 422    malformed JSON, bad UTF-8, or a field of the wrong type / a missing field
 500    the engine failed while computing the request, or the server failed while
        turning its tokens into text
@@ -199,6 +200,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     return f"Invalid type{where}: {first.get('msg', 'invalid value')}{more}.", param, "invalid_type"
 
 
+def _is_json(content_type: str | None) -> bool:
+    """``application/json`` or a ``+json`` type, with or without parameters."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
+def _body_not_an_object(exc: RequestValidationError) -> bool:
+    """The whole body failed as a value (it was read, but not as JSON); a missing body is
+    reported as missing."""
+    return any(
+        tuple(e.get("loc", ())) == ("body",) and e.get("type") != "missing" for e in exc.errors()
+    )
+
+
 _HTTP_CODES = {404: ("not_found", NOT_FOUND), 405: ("method_not_allowed", INVALID_REQUEST)}
 
 
@@ -223,6 +238,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        content_type = request.headers.get("content-type")
+        if not _is_json(content_type) and _body_not_an_object(exc):
+            # FastAPI parses a body as JSON only when the request says it is JSON; anything
+            # else arrives as raw bytes and fails as "not an object", which hides the cause.
+            message = (
+                f"Unsupported Content-Type {content_type or '(none)'!r}: send the body as JSON "
+                "with 'Content-Type: application/json'."
+            )
+            return JSONResponse(
+                error_body(message, type=INVALID_REQUEST, code="unsupported_media_type"),
+                status_code=415,
+            )
         message, param, code = _validation_message(exc)
         return JSONResponse(
             error_body(message, type=INVALID_REQUEST, param=param, code=code), status_code=422

@@ -67,6 +67,14 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """``1,2,4,8`` -> (1, 2, 4, 8)."""
+    try:
+        return tuple(int(item) for item in parse_list(text))
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """Accept ``none``/``auto`` as ``None`` (so an env var can restore a None default)."""
 
@@ -115,6 +123,14 @@ class _ExtendList(argparse.Action):
         setattr(namespace, self.dest, (*current, *values))
 
 
+def _metavar(option: Option) -> str:
+    """How ``--help`` shows the value: BOOL for switches and booleans (never the last word
+    of the field, "--no-prefix-caching [CACHING]"), else the field's last word."""
+    if option.negate or option.parse is parse_bool:
+        return "BOOL"
+    return option.dest.split("_")[-1].upper()
+
+
 def build_arg_parser(
     options: Sequence[Option], environ: Mapping[str, str]
 ) -> argparse.ArgumentParser:
@@ -153,9 +169,10 @@ def build_arg_parser(
             type=option.parse,
             default=default,
             choices=option.choices,
-            metavar=None if option.choices else option.dest.split("_")[-1].upper(),
+            metavar=None if option.choices else _metavar(option),
             help=f"{option.help} [env {option.env}; default {option.default!r}]",
-            nargs="?" if option.negate else None,
-            const=True if option.negate else None,
+            # A boolean given alone means true (--enforce-eager), as argparse switches do.
+            nargs="?" if option.negate or option.parse is parse_bool else None,
+            const=True if option.negate or option.parse is parse_bool else None,
         )
     return parser

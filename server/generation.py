@@ -3,7 +3,7 @@
 ``GenerationRun`` owns the choices of one completions/chat request (n samples × prompts, each
 one engine request ``f"{request_id}-{choice}"``) and turns the engine's ``RequestOutput``s into
 ``ChoiceDelta``s that ``completions.py`` / ``chat.py`` format as JSON or SSE. It is the only
-writer of a choice's text (STYLE 15: the server owns streams and detokenizer state).
+writer of a choice's text (the server owns streams and detokenizer state).
 
 Stop handling per generated token, in order::
 
@@ -17,7 +17,7 @@ string, and its text ends right before the stop string.
 
 Failures end only this run, never the server: an engine error output becomes a 500 (or a
 503 when the server is shutting down), an exception while turning tokens into text a 500
-``output_processing_error``, and a passed deadline (server/timeouts.py) a 504. Each aborts
+``output_processing_error``, and a passed deadline (server/validation.py) a 504. Each aborts
 whatever of the run is still in the engine, so its blocks come back.
 """
 
@@ -33,12 +33,8 @@ from typing import Any
 from engine.outputs import RequestOutput, TokenLogprob
 from scheduler.request import SamplingParams
 from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from server.engine_client import (
-    AsyncEngineClient,
-    EngineRequest,
-    EngineUnavailableError,
-    Submission,
-)
+from server.engine_client import AsyncEngineClient
+from server.engine_types import EngineRequest, EngineUnavailableError, Submission
 from server.errors import (
     engine_failed,
     engine_unavailable,
@@ -50,8 +46,8 @@ from server.errors import (
 from server.metrics import ServerMetrics
 from server.prompts import Prompt
 from server.protocol import UsageInfo
-from server.timeouts import Deadline
 from server.timings import RequestTimings
+from server.validation import Deadline
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +191,7 @@ class GenerationRun:
         self,
         client: AsyncEngineClient,
         metrics: ServerMetrics,
+        *,
         request_id: str,
         prompts: Sequence[Prompt],
         params: Sequence[SamplingParams],
@@ -241,7 +238,7 @@ class GenerationRun:
 
     def submit(self) -> None:
         """Hand the engine requests to the engine client, synchronously: from here on the
-        client counts them against the server's capacity (server/admission.py)."""
+        client counts them against the server's capacity (server/backpressure.py)."""
         try:
             self._submission = self._client.submit(self._requests, self._arrival_time)
         except EngineUnavailableError as exc:

@@ -1,6 +1,6 @@
 """Prometheus metrics (``GET /metrics``): the only module that imports ``prometheus_client``.
 
-Data flows in as plain values (STYLE 6), always on the event loop thread:
+Data flows in as plain values, always on the event loop thread:
 
 * ``record_step(StepStats)`` after every engine step (the engine client's ``on_step`` hook):
   queue gauges, KV pool gauges, tokens per step, preemptions, prefix-cache counters, the
@@ -10,25 +10,28 @@ Data flows in as plain values (STYLE 6), always on the event loop thread:
   throughput counters move while long requests run;
 * ``record_request(timings)`` once per choice when it ends, however it ends (``stop``,
   ``length``, ``abort``, ``error``): the finished counter and the per-request histograms;
-* ``record_http(handler, status)`` for every HTTP response, from
-  ``server.http_metrics.HTTPMetricsMiddleware``.
+* ``record_http(handler, status)`` for every HTTP response, from ``HTTPMetricsMiddleware``
+  (below).
 
 A *request* here is one engine request, i.e. one choice: an HTTP request with ``n=2`` or two
 prompts counts 2, each with its prompt's tokens (HTTP requests have their own counter).
 Latency histograms are observed for choices that finished on their own (not ``abort`` /
 ``error``, whose durations measure the client's patience or a failure).
 
-MBU and MFU per step, and their smoothed values, are computed in ``server/utilization.py``
-(the formulas are there); the bucket boundaries are in ``server/metric_buckets.py`` and the
-periodic summary log line in ``server/stats_log.py``. None of those import
-``prometheus_client``.
+This module owns the Prometheus exposition: the registry, every metric and its histogram
+buckets, and the middleware that counts HTTP responses. What it exports is computed
+elsewhere, without ``prometheus_client``: MBU and MFU per step and their smoothed values in
+``server/utilization.py`` (the formulas are there), per-request timestamps in
+``server/timings.py``, the device peaks in ``server/peaks.py``; the periodic summary log line
+is ``server/stats_log.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -41,23 +44,48 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.exposition import choose_encoder
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.outputs import STEP_PHASES, StepStats
 from server.config import ServingConfig
-from server.metric_buckets import (
-    ITL_BUCKETS,
-    PHASE_BUCKETS,
-    STEP_BUCKETS,
-    STEP_TOKEN_BUCKETS,
-    TTFT_BUCKETS,
-    token_buckets,
-)
 from server.peaks import Peaks, resolve_peaks
 from server.stats_log import StatsLog
 from server.timings import RequestTimings
 from server.utilization import SMOOTHING_S, UtilizationTracker
 
+if TYPE_CHECKING:
+    from engine.protocol import ServingEngine
+
 logger = logging.getLogger(__name__)
+
+# Histogram bucket boundaries. Latencies resolve small models: a 135M model decodes a token in
+# about a millisecond on an H100, so the inter-token buckets start at 1 ms (vLLM's at 10 ms) and
+# the request-phase ones at 1 ms (vLLM's at 300 ms). The tails reach hours, as vLLM's do since
+# vllm#15202.
+# fmt: off
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0,
+                 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+                 1920.0, 7680.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+# fmt: on
+STEP_TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+
+
+def token_buckets(max_len: int) -> tuple[float, ...]:
+    """1-2-5 buckets up to ``max_len`` (vLLM's request-length buckets)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_len:
+                return tuple(buckets)
+            buckets.append(float(m * scale))
+        scale *= 10
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -224,7 +252,7 @@ class ServerMetrics:
         self._stats_log = StatsLog(log_interval_s, logger)
 
     @classmethod
-    def for_engine(cls, config: ServingConfig, engine: Any) -> ServerMetrics:
+    def for_engine(cls, config: ServingConfig, engine: ServingEngine) -> ServerMetrics:
         """Metrics for a loaded ``LLMEngine``: peaks resolved for its device and dtype."""
         dtype = str(engine.dtype).removeprefix("torch.")
         device = str(engine.device)
@@ -247,7 +275,7 @@ class ServerMetrics:
             info=info,
             max_model_len=engine.max_model_len,
             num_kv_blocks=engine.num_total_blocks,
-            decode_weight_bytes=engine.cost_model.step([(0, 1)], 1).weight_bytes,
+            decode_weight_bytes=engine.decode_step_weight_bytes,
             log_interval_s=config.server.stats_log_interval_s,
         )
 
@@ -345,7 +373,7 @@ def config_info(config: ServingConfig, **resolved: str) -> dict[str, str]:
     scheduler, kvpool = config.scheduler, config.kvpool
     return {
         "batching": scheduler.batching,
-        "admission": scheduler.admission,
+        "block_allocation": scheduler.block_allocation,
         "max_num_seqs": str(scheduler.max_num_seqs),
         "max_num_batched_tokens": str(scheduler.max_num_batched_tokens),
         "prefill_chunk_tokens": str(scheduler.prefill_chunk_tokens),
@@ -353,3 +381,53 @@ def config_info(config: ServingConfig, **resolved: str) -> dict[str, str]:
         "prefix_caching": str(kvpool.enable_prefix_caching).lower(),
         **resolved,
     }
+
+
+class HTTPMetricsMiddleware:
+    """Counts every HTTP response by route template and status code (plain ASGI).
+
+    Install it outermost (added last) so it also sees the answers of the other middleware
+    (413 body limit, 401, 503 backpressure). A request that fails before a response starts
+    counts as 500 (what Starlette's error middleware answers), or 499 if it was cancelled
+    because the client went away. Paths that match no route count as ``other``, so random
+    URLs cannot grow the label set.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: int | None = None
+
+        async def send_counting(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        except asyncio.CancelledError:
+            status = status if status is not None else 499
+            raise
+        except Exception:
+            status = status if status is not None else 500
+            raise
+        finally:
+            self.metrics.record_http(_handler(scope), status if status is not None else 500)
+
+
+def _handler(scope: Scope) -> str:
+    route_path = getattr(scope.get("route"), "path", None)
+    if isinstance(route_path, str):
+        return route_path
+    # Answered before routing (e.g. a 413 from the body-size limit): the raw path if it is
+    # one of the app's routes.
+    app = scope.get("app")
+    paths = {getattr(r, "path", None) for r in getattr(app, "routes", ())}
+    path = scope.get("path", "")
+    return path if path in paths else "other"

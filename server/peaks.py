@@ -8,7 +8,10 @@ Where the figures come from, first match wins, per figure:
 3. on CPU, a short measurement (``planner/cpu.py``: a STREAM-like read and copy over 512 MB
    and a 1024² matmul, best of several runs, about 3 s) cached in
    ``$PAGEDSERVE_CACHE/cpu_peaks.json`` per CPU model, torch thread count and torch version,
-   so only the first start on a machine pays for it (source ``measured``);
+   with when and under what load each figure was taken. Later starts re-probe quickly and
+   keep the highest quiet figure; a probe taken while other processes used the machine
+   never replaces a quiet one (source ``measured``). The start-up log gives the figures and
+   the L3 cache size beside them;
 4. otherwise unknown: MBU / MFU are not exported, and a warning says which flag to pass.
 
 The table and the CPU measurement are the capacity planner's (``pagedserve plan``), reused
@@ -90,12 +93,34 @@ def _lookup(device: str, flops_dtype: str) -> tuple[float | None, float | None, 
             return None, None, "unknown", cuda_name
         return entry.memory_bandwidth, entry.peak_flops.get(flops_dtype), "table", entry.name
     if device == "cpu":
-        from planner.cpu import measure_cpu_peaks
+        from planner.cpu import l3_cache_bytes, measure_cpu_peaks
 
-        logger.info("CPU peaks: measuring (first start on this machine) or reading the cache")
+        logger.info("CPU peaks: probing (in full the first time on this machine, else quickly)")
         try:
             peaks = measure_cpu_peaks((flops_dtype,))
         except ValueError:  # a dtype the measurement does not cover: bandwidth only
             peaks = measure_cpu_peaks(())
-        return peaks.bandwidth, peaks.flops.get(flops_dtype), "measured", "cpu"
+        flops = peaks.flops.get(flops_dtype)
+        l3 = l3_cache_bytes()
+        logger.info(
+            "CPU peaks: read %.1f GB/s, copy %.1f GB/s, %s matmul %s (bandwidth measured %s); "
+            "L3 cache %s: a step whose weights fit in it can read faster than the DRAM "
+            "probe, so batch-1 MBU may exceed 1",
+            peaks.read_bandwidth / GIGA,
+            peaks.copy_bandwidth / GIGA,
+            flops_dtype,
+            f"{flops / GIGA:.0f} GFLOP/s" if flops else "not measured",
+            peaks.measured_at,
+            f"{l3 / 2**20:.0f} MiB" if l3 else "size unknown",
+        )
+        if peaks.under_load:
+            share = peaks.others_fraction
+            logger.warning(
+                "CPU peaks: no quiet probe yet on this machine (%s): the figures may be low "
+                "and MBU/MFU high; the next start on a quieter machine replaces them",
+                f"other processes used {share:.0%} of the CPUs"
+                if share is not None
+                else "figures cached before loads were recorded, or probes under load",
+            )
+        return peaks.bandwidth, flops, "measured", "cpu"
     return None, None, "unknown", device

@@ -1,4 +1,6 @@
-"""Turn request prompts into token ids: completions prompts, chat messages, /tokenize.
+"""Turn request prompts into token ids: completions prompts, chat messages rendered with the
+tokenizer's chat template, /tokenize. The checks on what comes in (text, token ids, messages)
+are server/validation.py's.
 
 Double-BOS guard (vLLM#2012, TGI#1594): chat prompts are rendered by the tokenizer's chat
 template, which already writes every special token it wants, and are then encoded with
@@ -12,10 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import invalid, unsupported
+from server.errors import invalid
 from server.protocol import ChatMessage
-
-CHAT_ROLES = ("system", "user", "assistant")
+from server.validation import check_chat_messages, check_text, check_token_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,29 +25,9 @@ class Prompt:
     text: str | None  # the prompt as the client sent it (for echo); None for token prompts
 
 
-def _check_text(text: str, param: str) -> None:
-    # A JSON "\udc80" escape is valid JSON but not encodable text; tokenizers would raise.
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise invalid(
-            f"'{param}' is not valid Unicode: {exc.reason} at index {exc.start}", param
-        ) from None
-
-
 def encode(tokenizer: Any, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
-    _check_text(text, param)
+    check_text(text, param)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-
-def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
-    for i, token_id in enumerate(token_ids):
-        if not 0 <= token_id < vocab_size:
-            raise invalid(
-                f"'{param}' contains token id {token_id} at index {i}, outside the "
-                f"vocabulary [0, {vocab_size})",
-                param,
-            )
 
 
 def completion_prompts(
@@ -75,57 +56,6 @@ def completion_prompts(
     return prompts
 
 
-def message_text(message: ChatMessage, index: int) -> str:
-    """A message's content as text; only text parts are supported."""
-    param = f"messages[{index}].content"
-    content = message.content
-    if content is None:
-        if message.role == "assistant":
-            return ""
-        raise invalid(f"'{param}' is required for role '{message.role}'", param)
-    if isinstance(content, str):
-        return content
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type")
-        if kind != "text":
-            raise unsupported(
-                [f"{param}[{j}].type={kind!r}"],
-                "is not supported: pagedserve serves text-only models",
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid(f"'{param}[{j}].text' must be a string", f"{param}[{j}].text")
-        texts.append(text)
-    return "".join(texts)
-
-
-def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Validate chat messages and turn them into the dicts a chat template reads."""
-    if not messages:
-        raise invalid("'messages' must contain at least one message", "messages")
-    rendered = []
-    for i, message in enumerate(messages):
-        role = "system" if message.role == "developer" else message.role  # OpenAI's new name
-        if role not in CHAT_ROLES:
-            if role in ("tool", "function"):
-                raise unsupported(
-                    [f"messages[{i}].role={role!r}"],
-                    "is not supported: pagedserve has no tool calling",
-                )
-            raise invalid(
-                f"'messages[{i}].role' must be one of system, developer, user, "
-                f"assistant; got {message.role!r}",
-                f"messages[{i}].role",
-            )
-        if message.tool_calls:
-            raise unsupported([f"messages[{i}].tool_calls"], "is not supported: no tool calling")
-        text = message_text(message, i)
-        _check_text(text, f"messages[{i}].content")
-        rendered.append({"role": role, "content": text})
-    return rendered
-
-
 def chat_prompt(
     messages: Sequence[ChatMessage], tokenizer: Any, add_generation_prompt: bool = True
 ) -> Prompt:
@@ -134,7 +64,7 @@ def chat_prompt(
         raise invalid(
             "this model has no chat template; use /v1/completions", "messages", "no_chat_template"
         )
-    rendered = chat_messages(messages)
+    rendered = check_chat_messages(messages)
     try:
         text = tokenizer.apply_chat_template(
             rendered, add_generation_prompt=add_generation_prompt, tokenize=False

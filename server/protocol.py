@@ -1,9 +1,10 @@
-"""Pydantic schemas of the HTTP API: the only pydantic in the repo (STYLE 14).
+"""Pydantic schemas of the HTTP API, the only pydantic in the repo: it stays at the HTTP
+edge, and everything behind the server reads plain frozen dataclasses.
 
 Requests are parsed in *strict* mode: a field of the wrong JSON type (``"max_tokens": "16"``,
 ``"temperature": true``) is a 422, as FastAPI reports schema errors. Types only live here;
 *values* (ranges, context length, unsupported-but-known parameters) are checked in
-``server/sampling.py`` and answered with a 400 that names the parameter.
+``server/validation.py`` and answered with a 400 that names the parameter.
 
 Unknown fields: requests keep them (``extra="allow"``) so the server can name them in a 400
 ("Unrecognized request argument supplied: foo", as OpenAI answers), or drop them with a warning

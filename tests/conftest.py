@@ -28,3 +28,34 @@ def ops():
     built = cpu.load()
     assert built is not None, "the C++ CPU kernels did not build (see the warning logged)"
     return built
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line naming every skipped check and why, even under ``-q`` (which hides skip
+    reasons): a missing tool (prometheus, docker compose, hadolint) must not pass for a
+    green run."""
+    reports = terminalreporter.stats.get("skipped", [])
+    by_reason: dict[str, list[str]] = {}
+    for report in reports:
+        longrepr = getattr(report, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        by_reason.setdefault(reason, []).append(report.nodeid)
+    if not by_reason:
+        return
+    groups = "; ".join(
+        f"{_by_file(nodeids)} ({reason})" for reason, nodeids in sorted(by_reason.items())
+    )
+    terminalreporter.write_line(f"SKIPPED {len(reports)} checks: {groups}", yellow=True)
+
+
+def _by_file(nodeids: list[str]) -> str:
+    """``a.py::{t1, t2}, b.py::t3``: each file once."""
+    names: dict[str, list[str]] = {}
+    for nodeid in nodeids:
+        path, _, name = nodeid.partition("::")
+        names.setdefault(path, []).append(name)
+    return ", ".join(
+        f"{path}::{tests[0]}" if len(tests) == 1 else f"{path}::{{{', '.join(tests)}}}"
+        for path, tests in names.items()
+    )

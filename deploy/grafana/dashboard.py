@@ -129,7 +129,14 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ("smoothed", f"pagedserve_mbu_smoothed{{{SEL}}}"),
             ("last step", f"pagedserve_mbu{{{SEL}}}"),
             ("window", _per_busy_second(BYTES, "pagedserve_peak_bandwidth_bytes_per_second")),
-        ), "(weight + KV bytes moved) / step time / peak bandwidth; idle time excluded.",
+        ), "(weight + KV bytes moved) / step time / peak bandwidth; idle time excluded. "
+           "Above 100% is possible at batch 1 on CPU: the peak is a DRAM read of 512 MB, far "
+           "larger than any cache, while a step reading less than the L3 cache holds (the "
+           "default model's GGUF blocks are about 112 MB; the start-up log gives the L3 "
+           "size beside the measured peaks) finds much of it in L3, which is faster than "
+           "DRAM. Such a reading is honest against DRAM bandwidth, not a wrong peak; a "
+           "reading far above 1 with weights larger than the L3 means the peak was measured "
+           "under load (see the start-up log's warning).",
             soft_max=1),
         PanelSpec("MFU (model FLOP/s utilization)", "percentunit", (
             ("smoothed", f"pagedserve_mfu_smoothed{{{SEL}}}"),

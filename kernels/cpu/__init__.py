@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,27 @@ def library_path() -> Path | None:
     with _lock:
         path: Path | None = _state.get("path")
         return path
+
+
+def stack_slots() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The fused stack's ``weights`` layout, read from the source the extension is built
+    from (``csrc/decoder_layer.cpp``): each layer's slots (``enum Slot``), then the model's
+    own after the last layer (``enum HeadSlot``), each name without its ``k`` and in snake
+    case (``kQkvPacked`` -> ``qkv_packed``). Callers assert that the list they build has
+    this order (``engine/backends/cpu.py``); the C++ side checks only the total count."""
+    text = (Path(__file__).parent / "csrc" / "decoder_layer.cpp").read_text()
+
+    def enum(name: str) -> tuple[str, ...]:
+        match = re.search(r"enum " + name + r"\s*\{(.*?)\}", text, re.S)
+        if match is None:
+            raise ValueError(f"decoder_layer.cpp has no enum {name}")
+        body = re.sub(r"//[^\n]*", "", match.group(1))
+        names = [n.strip() for n in body.split(",") if n.strip()]
+        if not names or not names[-1].startswith("kNum") or "=" in "".join(names):
+            raise ValueError(f"enum {name} is not a plain list ending in its count: {names}")
+        return tuple(re.sub(r"(?<!^)(?=[A-Z])", "_", n[1:]).lower() for n in names[:-1])
+
+    return enum("Slot"), enum("HeadSlot")
 
 
 def march_flag() -> str:

@@ -10,6 +10,9 @@ from engine import LLM, SamplingParams
 from kernels import cpu as cpu_kernels
 from tests.engine.conftest import tiny_llama_cpu_shapes  # noqa: F401 - a fixture
 
+# float32 on the CPU wherever the suite runs: the C++ kernels are a CPU float32 path, and a
+# CUDA machine would otherwise build the engine on the GPU in bfloat16.
+DEVICE = {"device": "cpu", "dtype": "float32"}
 KERNELS = len(cpu_kernels.STEP_KERNELS)
 
 
@@ -25,7 +28,7 @@ def _generate(llm: LLM) -> list:
 
 
 def test_profile_times_every_kernel_of_every_layer_and_changes_nothing(ops, tiny):
-    llm = LLM(str(tiny), attention_backend="cpu")
+    llm = LLM(str(tiny), attention_backend="cpu", **DEVICE)
     layers = len(llm.engine.model.layers)
     ops.step_profile(False)
     plain = _generate(llm)
@@ -48,16 +51,16 @@ def test_profile_times_every_kernel_of_every_layer_and_changes_nothing(ops, tiny
     assert again == [0.0] * (KERNELS + 2)  # a read resets
 
 
-def test_stack_weights_object_is_made_once_and_again_when_the_model_list_changes(ops, tiny):
-    llm = LLM(str(tiny), attention_backend="cpu")
-    model, layer_ops = llm.engine.model, llm.engine.model.ops
-    first = layer_ops.stack_weights(model)
-    assert layer_ops.stack_weights(model) is first
-    assert first.size() == 18 * len(model.layers) + 6  # then embedding, final norm, head
-    o_proj = model.layers[0].o_proj
-    o_proj.pack_for_cpu(o_proj._cpu_ops)  # a new packed copy: the model lists it anew
-    again = layer_ops.stack_weights(model)
-    assert again is not first and again.size() == first.size()
+def test_stack_objects_are_made_once(ops, tiny):
+    llm = LLM(str(tiny), attention_backend="cpu", **DEVICE)
+    forward = llm.engine.runner.model
+    first = forward.stack_weights
+    assert first.size() == 18 * len(llm.engine.model.layers) + 6  # then embed, final norm, head
+    _generate(llm)
+    assert forward.stack_weights is first
+    storage = llm.engine.storage
+    caches = forward.stack_caches(storage.key_caches, storage.value_caches)
+    assert forward.stack_caches(storage.key_caches, storage.value_caches) is caches
 
 
 def test_benchmark_round_accounts_for_the_step(ops, tiny):
@@ -79,12 +82,14 @@ def test_benchmark_round_accounts_for_the_step(ops, tiny):
     ]
     # The parts are the step, split: they add up to its wall time.
     assert sum(p.seconds for p in r.parts) == pytest.approx(r.step_s, rel=1e-6)
-    llm = LLM(str(tiny), attention_backend="cpu", matmul_weights="float32")
-    layers = llm.engine.model.layers
+    llm = LLM(str(tiny), attention_backend="cpu", **DEVICE, matmul_weights="float32")
+    spec = llm.engine.runner.model.spec
     qkv = next(p for p in r.parts if p.name == "qkv_proj")
-    assert qkv.bytes == sum(read_bytes(layer.qkv_proj) for layer in layers)
+    assert qkv.bytes == sum(read_bytes(layer.qkv) for layer in spec.layers)
+    # float32: the packed panels, which a one-row matmul reads
+    assert qkv.bytes == sum(layer.qkv.packed.numel() * 4 for layer in spec.layers)
     head = next(p for p in r.parts if p.name == "head")
-    assert head.bytes == read_bytes(llm.engine.model.lm_head) and head.seconds > 0
+    assert head.bytes == read_bytes(spec.head.head) and head.seconds > 0
     assert r.floor_s == pytest.approx((sum(p.bytes for p in r.parts if p.bytes)) / 10e9)
     text = format_round(r)
     assert "float32 weights, probe 10.0 GB/s, 4 decode steps" in text

@@ -84,3 +84,12 @@ def test_provisioning_points_at_the_dashboard() -> None:
     assert (
         f"./deploy/grafana/dashboards:{providers['providers'][0]['options']['path']}:ro" in mounts
     )
+
+
+def test_the_mbu_panel_explains_a_reading_above_one() -> None:
+    """Batch-1 MBU can read above 100% on a CPU whose L3 holds a step's weights; the panel
+    itself must say why, where the reader sees it."""
+    panels = [p for p in _dashboard()["panels"] if p.get("title", "").startswith("MBU")]
+    assert len(panels) == 1
+    description = panels[0]["description"]
+    assert "Above 100%" in description and "L3" in description and "DRAM" in description

@@ -1,9 +1,9 @@
-"""The three batching modes x both admission modes give the same greedy tokens, end to end.
+"""The three batching modes x both block-allocation modes give the same greedy tokens, end to end.
 
 Only the policy differs between modes (same model, pool and kernels), so every request must
 get exactly the tokens transformers' generate() gives it alone; a divergence is accepted only
 at a reference near-tie (tests/engine/parity.py). The pool is small enough that optimistic
-admission preempts; mixed max_tokens and a few stop tokens make members of a static batch
+block allocation preempts; mixed max_tokens and a few stop tokens make members of a static batch
 finish early, so static and dynamic batches carry padding.
 """
 
@@ -29,7 +29,7 @@ EOS = 2
 PROMPT_LENS = [1, 3, 8, 15, 16, 17, 30, 45, 60, 75, 90, 5]
 MAX_TOKENS = [12, 30, 5, 20, 1, 25, 16, 9, 28, 14, 22, 18]
 # 4 sequences, 64 tokens a step, 10 blocks of 16 tokens (160 tokens, the largest request
-# needs 112): optimistic admission must preempt, reserve admission must hold requests back.
+# needs 112): optimistic allocation must preempt, reserve allocation must hold requests back.
 POOL = {"block_size": 16, "num_kv_blocks": 10, "max_num_seqs": 4, "max_num_batched_tokens": 64}
 # float32 on CPU: the parity reference is transformers in float32, even where a GPU is lent.
 DEVICE = {"device": "cpu", "dtype": "float32"}
@@ -40,7 +40,7 @@ STOP_AT = {1: 10, 5: 7, 8: 15}  # request -> the output index whose token become
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread() -> Iterator[None]:
     # Tiny matmuls gain nothing from threads, and on a shared 2-core machine intra-op
-    # threads contend: one thread runs these tests ~30x faster there.
+    # threads contend: one thread runs these tests many times faster there.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -128,21 +128,23 @@ def _check(outputs: list[list[int]], references: list[Reference], label: str) ->
     return notes
 
 
-@pytest.mark.parametrize(("batching", "admission"), MODES)
+@pytest.mark.parametrize(("batching", "block_allocation"), MODES)
 def test_modes_return_identical_greedy_tokens(
     model_path: Path,
     prompts: list[list[int]],
     references: list[Reference],
     params: list[SamplingParams],
     batching: str,
-    admission: str,
+    block_allocation: str,
 ) -> None:
-    llm = LLM(str(model_path), batching=batching, admission=admission, **POOL, **DEVICE)  # type: ignore[arg-type]
+    llm = LLM(
+        str(model_path), batching=batching, block_allocation=block_allocation, **POOL, **DEVICE  # type: ignore[arg-type]
+    )
     recorder = PlanRecorder(llm.engine)
     outs = llm.generate(prompts, params)
     tokens = [o.token_ids for o in outs]
     # Identical to transformers alone (so identical across modes), but for reported near-ties.
-    notes = _check(tokens, references, f"{batching}/{admission}")
+    notes = _check(tokens, references, f"{batching}/{block_allocation}")
     if not notes:
         for out, ref, m in zip(outs, references, MAX_TOKENS, strict=True):
             assert out.finish_reason == _finish_reason(ref, m)
@@ -151,7 +153,7 @@ def test_modes_return_identical_greedy_tokens(
     scheduler = llm.engine.scheduler
     engine = llm.engine
     assert engine.num_free_blocks == engine.num_total_blocks
-    if admission == "reserve":
+    if block_allocation == "reserve":
         assert scheduler.num_preemptions_total == 0
     else:
         assert scheduler.num_preemptions_total > 0

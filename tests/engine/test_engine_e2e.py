@@ -16,6 +16,10 @@ from tests.engine.parity import Reference, assert_parity, hf_greedy
 
 PROMPT_LENS = [1, 5, 23, 64, 130, 260, 400, 530]
 MAX_TOKENS = 16
+# float32 on the CPU wherever the suite runs (a CUDA machine's default is bfloat16 on the GPU,
+# with 90% of free GPU memory for the KV cache); the default model's prompts here need ~100
+# blocks of 16 tokens, so 256 blocks (about 190 MB) instead of the CPU default's 1 GiB.
+DEVICE = {"device": "cpu", "dtype": "float32"}
 
 TEXT = """\
 The history of the printing press begins in the fifteenth century, when Johannes Gutenberg
@@ -43,7 +47,7 @@ steps; chords are built by stacking thirds; a cadence gives a phrase its sense o
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("default")
+    return LLM("default", num_kv_blocks=256, **DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +111,7 @@ def test_preemption_keeps_every_request_exact(prompts, references):
     # on is covered in tests/engine/test_prefix_caching.py.
     small = LLM(
         "default", block_size=block_size, num_kv_blocks=needed + 3, max_num_batched_tokens=128,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, **DEVICE,
     )  # fmt: skip
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     tokens = _drive(small.engine, prompts, {0: list(range(len(prompts)))}, params)

@@ -1,10 +1,11 @@
 """Fault isolation in LLMEngine.step: a request whose computation raises fails alone.
 
-A tiny random Llama with the test-only fault injector (``EngineConfig.fault_token_id``):
-requests whose prompt holds the marker token raise inside ``ModelRunner.execute``. The step
-bisects, fails exactly those requests (``finish_reason="error"``, blocks freed), and every
-other request gets exactly the greedy tokens it gets when it runs alone. Prompts share a
-prefix so prefix caching (and its copy-on-write) is active while steps fail.
+A tiny random Llama whose runner is wrapped in the test-only fault injector
+(tests/engine/fault_runner.py): requests whose prompt holds the marker token raise inside the
+runner's ``execute``. The step bisects, fails exactly those requests
+(``finish_reason="error"``, blocks freed), and every other request gets exactly the greedy
+tokens it gets when it runs alone. Prompts share a prefix so prefix caching (and its
+copy-on-write) is active while steps fail.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvpool.config import KVPoolConfig
 from scheduler import SchedulerConfig
 from scheduler.request import SamplingParams
 from tests.engine.conftest import make_tiny_llama
+from tests.engine.fault_runner import FaultInjectingRunner
 
 MARKER = 7  # the fault token; ordinary prompts avoid it
 DEVICE = {"device": "cpu", "dtype": "float32"}
@@ -41,11 +43,14 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_engine(model_path: Path, fault: int | None = MARKER) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(model=str(model_path), fault_token_id=fault, **DEVICE),
+    engine = LLMEngine(
+        EngineConfig(model=str(model_path), **DEVICE),
         KVPoolConfig(num_blocks=40, block_size=4),
         SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48),
     )
+    if fault is not None:
+        engine.runner = FaultInjectingRunner(engine.runner, fault)
+    return engine
 
 
 def run(engine: LLMEngine, requests: dict[str, list[int]], max_tokens: int) -> dict[str, tuple]:
@@ -111,8 +116,8 @@ def test_a_fault_that_every_row_hits_fails_every_row(model_path: Path) -> None:
     real_execute = engine.runner.execute
     calls = []
 
-    def broken(plan):  # noqa: ANN001, ANN202 - the runner's own signature
-        calls.append(len(plan.scheduled))
+    def broken(out):  # noqa: ANN001, ANN202 - the runner's own signature
+        calls.append(len(out.scheduled))
         raise RuntimeError("device lost")
 
     engine.runner.execute = broken  # type: ignore[method-assign]
@@ -137,8 +142,8 @@ def test_isolation_runs_copy_on_write_once(model_path: Path) -> None:
     engine = make_engine(model_path, fault=None)
     for i in range(4):
         engine.add_request(f"r{i}", [40 + i] * 5, SamplingParams(max_tokens=2, temperature=0))
-    plan = engine.scheduler.schedule()
-    plan.blocks_to_copy = [(1, 2)]
+    out = engine.scheduler.schedule()
+    out.blocks_to_copy = [(1, 2)]
     seen: list[tuple[list[str], list]] = []
 
     class Runner:
@@ -149,7 +154,7 @@ def test_isolation_runs_copy_on_write_once(model_path: Path) -> None:
                 raise ValueError("poisoned")
             return ModelRunnerOutput(ids, [0] * len(ids), [None] * len(ids))
 
-    merged, failed = execute_isolating(Runner(), plan, ValueError("poisoned"))  # type: ignore[arg-type]
+    merged, failed = execute_isolating(Runner(), out, ValueError("poisoned"))  # type: ignore[arg-type]
     assert failed == {"r0": "ValueError: poisoned"}
     assert sorted(merged.request_ids) == ["r1", "r2", "r3"]
     # [r0 r1] fails (copies carried), [r0] fails alone (the culprit), [r1] succeeds carrying

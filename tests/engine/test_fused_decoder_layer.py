@@ -1,6 +1,6 @@
 """The fused C++ decoder stack (cpu backend: every layer of a step in one call) against the
-Python layers it replaces: same kernels in the same order, so tokens and logprobs must be
-bitwise equal."""
+same C++ kernels called one at a time from Python, in the stack's order, on the same
+``StackSpec``: tokens and logprobs must be bitwise equal."""
 
 from __future__ import annotations
 
@@ -8,32 +8,77 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layer_ops import CpuLayerOps
+from engine.backends.cpu import CpuForward, Matmul
 from kernels import cpu as cpu_kernels
 from tests.engine.conftest import make_tiny_llama
 
-ONE_PASS = 1 << 30  # CpuLayerOps.rows_per_pass for a step in one call of the fused stack
+# float32 on the CPU wherever the suite runs: the C++ kernels are a CPU float32 path, and a
+# CUDA machine would otherwise build the engine on the GPU in bfloat16.
+DEVICE = {"device": "cpu", "dtype": "float32"}
+ONE_PASS = 1 << 30  # CpuForward.rows_per_pass for a step in one call of the fused stack
+
+
+def _linear(ops, x, m: Matmul):
+    return ops.linear(x, m.w, m.packed, m.quant, m.bias)
+
+
+def one_op_at_a_time(
+    self: CpuForward,
+    input_ids,
+    positions,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    key_caches,
+    value_caches,
+    *,
+    logits: bool,
+):
+    """``CpuForward.stack`` as its kernels called from Python, in decoder_layer.cpp's order."""
+    spec, ops = self.spec, self.ops
+    x = spec.head.embed.index_select(0, input_ids)
+    cos, sin = spec.rope_cos.index_select(0, positions), spec.rope_sin.index_select(0, positions)
+    t, nh = x.shape[0], spec.num_heads
+    residual, out = x, x
+    for i, (layer, kc, vc) in enumerate(zip(spec.layers, key_caches, value_caches, strict=True)):
+        if i == 0:
+            h = ops.rms_norm(x, layer.input_norm, spec.eps)
+        else:
+            h = ops.add_rms_norm_(out, residual, layer.input_norm, spec.eps)
+        qkv = _linear(ops, h, layer.qkv)
+        ops.rope_and_store_(qkv, cos, sin, kc, vc, slot_mapping, nh, spec.num_kv_heads)
+        d = kc.shape[-1]
+        q = qkv[:, : nh * d].view(t, nh, d)
+        attn = ops.paged_attention_decode(q, kc, vc, block_tables, seq_lens, spec.scale)
+        h = ops.add_rms_norm_(
+            _linear(ops, attn.reshape(t, nh * d), layer.o), residual, layer.post_norm, spec.eps
+        )
+        out = _linear(ops, ops.silu_mul(_linear(ops, h, layer.gate_up)), layer.down)
+    if logits:
+        h = ops.add_rms_norm_(out, residual, spec.head.final_norm, spec.eps)
+        out = _linear(ops, h, spec.head.head)
+    return out, residual
 
 
 def _run(path, prompts, *, fused: bool, monkeypatch, budget: int) -> tuple[list, int, int]:
     """(outputs, fused stack calls, most rows in one call)"""
     calls = rows = 0
-    original = CpuLayerOps.decoder_layers
+    original = CpuForward.stack
 
-    def counting(self, model, batch, *args, **kwargs):
+    def counting(self, input_ids, *args, **kwargs):
         nonlocal calls, rows
         calls += 1
-        rows = max(rows, batch.input_ids.shape[0])
-        return original(self, model, batch, *args, **kwargs)
+        rows = max(rows, input_ids.shape[0])
+        return original(self, input_ids, *args, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(CpuLayerOps, "fuses_layers", fused)
-        m.setattr(CpuLayerOps, "decoder_layers", counting)
-        # One pass a step, as the Python layers take it (passes: test_step_in_passes_...).
-        m.setattr(CpuLayerOps, "rows_per_pass", ONE_PASS)
+        m.setattr(CpuForward, "stack", counting if fused else one_op_at_a_time)
+        # One pass a step (passes: test_step_in_passes_...).
+        m.setattr(CpuForward, "rows_per_pass", ONE_PASS)
         llm = LLM(
             str(path),
             attention_backend="cpu",
+            **DEVICE,
             block_size=8,
             max_num_seqs=80,
             max_num_batched_tokens=budget,
@@ -91,27 +136,11 @@ def test_fused_decoder_layer_is_bitwise_the_python_layer(
     assert fused == python
 
 
-def test_model_keeps_the_stacks_weight_list_until_a_matmul_changes(tmp_path):
-    """The flattened list the fused stack takes is gathered once, and again when a matmul
-    gets a new packed copy (or GGUF blocks): it must always list the tensors the Python
-    layers would use."""
-    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
-    model = LLM(str(path), attention_backend="cpu").engine.model
-    first = model.fused_weights()
-    assert model.fused_weights() is first
-    assert len(first) == 18 * len(model.layers) + 6  # then embedding, final norm, head
-    o_proj = model.layers[1].o_proj
-    assert first[18 + 7] is o_proj.packed  # layer 1, slot kOPacked
-    o_proj.pack_for_cpu(o_proj._cpu_ops)
-    again = model.fused_weights()
-    assert again is not first and again[18 + 7] is o_proj.packed
-
-
 def test_cpu_backend_picks_greedy_tokens_with_the_kernels_argmax(tmp_path):
     """The sampler's greedy pick is the C++ argmax on the cpu backend; every call agrees
     with torch.argmax on the same logits."""
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=2, hidden_size=128, intermediate_size=256)
-    llm = LLM(str(path), attention_backend="cpu")
+    llm = LLM(str(path), attention_backend="cpu", **DEVICE)
     sampler = llm.engine.sampler
     kernel = sampler._argmax
     calls = 0
@@ -163,10 +192,10 @@ def test_step_in_passes_matches_the_step_in_one_pass(tmp_path, monkeypatch):
 
     def run(rows_per_pass):
         with monkeypatch.context() as m:
-            m.setattr(CpuLayerOps, "rows_per_pass", rows_per_pass)
-            llm = LLM(str(path), attention_backend="cpu", block_size=8, max_num_seqs=80)
-            counting = _CountingOps(llm.engine.model.ops._ops)
-            llm.engine.model.ops._ops = counting
+            m.setattr(CpuForward, "rows_per_pass", rows_per_pass)
+            llm = LLM(str(path), attention_backend="cpu", **DEVICE, block_size=8, max_num_seqs=80)
+            forward = llm.engine.runner.model
+            counting = forward.ops = _CountingOps(forward.ops)
             outs = llm.generate(prompts, params)
         return outs, counting.stack_rows
 
@@ -186,10 +215,9 @@ def test_passes_default_to_the_rows_the_panels_serve(tmp_path):
     """Without an override, a pass is as many rows as the packed panels serve (256), so no
     pass falls to the library."""
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
-    llm = LLM(str(path), attention_backend="cpu", block_size=8, max_num_seqs=80)
-    ops = llm.engine.model.ops
-    counting = _CountingOps(ops._ops)
-    ops._ops = counting
+    llm = LLM(str(path), attention_backend="cpu", **DEVICE, block_size=8, max_num_seqs=80)
+    forward = llm.engine.runner.model
+    counting = forward.ops = _CountingOps(forward.ops)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 256, (30,), generator=g).tolist() for _ in range(40)]
     llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0))

@@ -14,9 +14,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from engine import LLM, SamplingParams
-from engine.gguf_blocks import BlocksReport, _row_order, attach_gguf_blocks, read_tensor_index
-from engine.llama import Linear
-from engine.loader import default_model_gguf
+from engine.backends.cpu import Matmul, gather
+from engine.builder import load_model
+from engine.config import ModelConfig
+from engine.gguf_blocks import BlocksReport, _row_order, exact_gguf_blocks, read_tensor_index
+from engine.llama import Linear, LlamaForCausalLM
+from engine.loader import default_model_gguf, read_hf_config, resolve_model
 
 NUM_LAYERS = 30  # SmolLM2-135M
 NUM_LINEARS = NUM_LAYERS * 4 + 1  # qkv, o, gate_up, down per layer + the tied lm_head
@@ -29,6 +32,8 @@ PROMPTS = [
     "washed up on the rocks one stormy night, and what he decides to do about it.",
 ]
 KV_BLOCKS = 64  # the prompts need a few; the default pool would be 1 GiB per engine
+# GGUF blocks run on the C++ CPU kernels: float32 on the CPU, whatever else the machine has.
+DEVICE = {"device": "cpu", "dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +49,26 @@ def reader(gguf_path) -> GGUFReader:
     return GGUFReader(gguf_path)  # slow to open (~5-8 s): once per module
 
 
-def _linears(llm: LLM) -> dict[str, Linear]:
-    return {n: m for n, m in llm.engine.model.named_modules() if isinstance(m, Linear)}
+def _matmuls(llm: LLM) -> dict[str, Matmul]:
+    """The cpu backend's matmuls by the model's module names, in forward order."""
+    spec = llm.engine.runner.model.spec
+    out = {}
+    for i, layer in enumerate(spec.layers):
+        out |= {
+            f"layers.{i}.qkv_proj": layer.qkv,
+            f"layers.{i}.o_proj": layer.o,
+            f"layers.{i}.gate_up_proj": layer.gate_up,
+            f"layers.{i}.down_proj": layer.down,
+        }
+    return out | {"lm_head": spec.head.head}
+
+
+def _linears(model: LlamaForCausalLM) -> dict[str, Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
 
 
 def _cpu_llm(matmul_weights: str) -> LLM:
-    llm = LLM("default", matmul_weights=matmul_weights, num_kv_blocks=KV_BLOCKS)
+    llm = LLM("default", matmul_weights=matmul_weights, num_kv_blocks=KV_BLOCKS, **DEVICE)
     if llm.engine.attention_backend != "cpu":
         pytest.skip(f"the default engine runs the {llm.engine.attention_backend} backend here")
     return llm
@@ -63,6 +82,14 @@ def llm_gguf(ops, gguf_path) -> LLM:
 @pytest.fixture(scope="module")
 def llm_float32(ops, gguf_path) -> LLM:
     return _cpu_llm("float32")
+
+
+@pytest.fixture(scope="module")
+def plain_model(gguf_path) -> LlamaForCausalLM:
+    """The default model as loaded, before any backend: its float32 weights all there."""
+    resolved = resolve_model("default")
+    config = ModelConfig.from_hf(read_hf_config(resolved.path))
+    return load_model(resolved.path, config, "torch", 64, torch.device("cpu"), torch.float32)
 
 
 # --- read_tensor_index --------------------------------------------------------------------
@@ -101,38 +128,38 @@ def test_read_tensor_index_rejects_a_non_gguf_file(tmp_path):
 
 @pytest.mark.slow
 def test_default_engine_reads_blocks_for_every_matmul(llm_gguf, ops):
-    linears = _linears(llm_gguf)
+    linears = _matmuls(llm_gguf)
     assert len(linears) == NUM_LINEARS
     assert llm_gguf.engine.matmul_weights == "gguf"
-    missing = [n for n, m in linears.items() if m.quantized is None]
+    missing = [n for n, m in linears.items() if m.quant is None]
     assert not missing, missing
     assert all(m.packed is not None for m in linears.values())
     # The tied lm_head comes from token_embd (Q8_0: 36 bytes a column in a panel block), the
     # rest Q4_1 (24 bytes a column).
-    assert linears["lm_head"].quantized.shape[2] == 36 * ops.quant_panel_width(8)
+    assert linears["lm_head"].quant.shape[2] == 36 * ops.quant_panel_width(8)
     q4_bytes = 24 * ops.quant_panel_width(3)
-    assert {m.quantized.shape[2] for n, m in linears.items() if n != "lm_head"} == {q4_bytes}
+    assert {m.quant.shape[2] for n, m in linears.items() if n != "lm_head"} == {q4_bytes}
 
 
 @pytest.mark.slow
 def test_float32_engine_reads_no_blocks(llm_float32):
-    linears = _linears(llm_float32)
+    linears = _matmuls(llm_float32)
     assert len(linears) == NUM_LINEARS
     assert llm_float32.engine.matmul_weights == "float32"
-    assert all(m.quantized is None for m in linears.values())
+    assert all(m.quant is None for m in linears.values())
     assert all(m.packed is not None for m in linears.values())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["llm_gguf", "llm_float32"])
 def test_matmul_copies_lie_in_one_buffer_in_forward_order(request, engine):
-    """Linear.gather_cpu_copies: each kind of copy (packed panels, GGUF blocks) is one buffer,
-    the matmuls' copies end to end in forward order (q/k/v, o, gate/up, down, layer after
-    layer, then the head), so a decode step reads it front to back."""
-    linears = list(_linears(request.getfixturevalue(engine)).values())
-    for attr in ("packed", "quantized"):
+    """gather: each kind of copy (packed panels, GGUF blocks) is one buffer, the matmuls'
+    copies end to end in forward order (q/k/v, o, gate/up, down, layer after layer, then the
+    head), so a decode step reads it front to back."""
+    linears = list(_matmuls(request.getfixturevalue(engine)).values())
+    for attr in ("packed", "quant"):
         copies = [getattr(m, attr) for m in linears if getattr(m, attr) is not None]
-        if attr == "quantized" and engine == "llm_float32":
+        if attr == "quant" and engine == "llm_float32":
             assert not copies
             continue
         assert len(copies) == NUM_LINEARS
@@ -145,39 +172,50 @@ def test_matmul_copies_lie_in_one_buffer_in_forward_order(request, engine):
         assert ends[-1] * copies[0].element_size() <= storage.nbytes()
 
 
-def test_gather_cpu_copies_keeps_every_value(ops):
+def test_gather_keeps_every_value(ops):
     """Moving the copies into one buffer changes where they live, nothing else: same values,
-    same products, and the fused stack's cached weight list is rebuilt (generation)."""
+    same products, in the order given."""
     g = torch.Generator().manual_seed(0)
-    linears = [Linear(64, n) for n in (96, 64, 200)]
-    for m in linears:
-        m.weight.data = torch.randn(64, m.weight.shape[1], generator=g)
-        m.pack_for_cpu(ops)
+    weights = {f"m{n}": torch.randn(64, n, generator=g) for n in (96, 64, 200)}
+    packed = {name: ops.pack_weight(w) for name, w in weights.items()}
     raw = quantize(torch.randn(96, 64, generator=g).numpy(), GGMLQuantizationType.Q4_1)
-    linears[0].use_quantized_panels(ops.pack_gguf(torch.from_numpy(raw), 3, 64))
-    before = [
-        (m.packed.clone(), None if m.quantized is None else m.quantized.clone()) for m in linears
-    ]
+    quant = {"m96": ops.pack_gguf(torch.from_numpy(raw), 3, 64)}
     x = torch.randn(3, 64, generator=g)
-    want = [m(x) for m in linears]
-    generation = Linear.generation
-    moved = Linear.gather_cpu_copies(linears)
-    assert Linear.generation > generation
-    assert moved == sum(p.numel() * 4 + (0 if q is None else q.numel()) for p, q in before)
-    for m, (packed, quant), y in zip(linears, before, want, strict=True):
-        assert torch.equal(m.packed, packed) and m.packed.storage_offset() >= 0
-        assert quant is None or torch.equal(m.quantized, quant)
-        assert torch.equal(m(x), y)
-    assert len({m.packed.untyped_storage().data_ptr() for m in linears}) == 1
+
+    def products(packed, quant):
+        return [ops.linear(x, w, packed[n], quant.get(n), None) for n, w in weights.items()]
+
+    want = products(packed, quant)
+    moved_packed, moved_quant = gather(packed), gather(quant)
+    assert list(moved_packed) == list(packed)
+    for name, t in packed.items():
+        assert torch.equal(moved_packed[name], t)
+    assert torch.equal(moved_quant["m96"], quant["m96"])
+    got = products(moved_packed, moved_quant)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert len({t.untyped_storage().data_ptr() for t in moved_packed.values()}) == 1
+    starts = [t.storage_offset() for t in moved_packed.values()]
+    ends = [s + t.numel() for s, t in zip(starts, moved_packed.values(), strict=True)]
+    assert starts[1:] == ends[:-1]
+    assert gather({}) == {}
 
 
 @pytest.mark.slow
-def test_blocks_and_float32_weights_are_bitwise_the_same(ops, llm_gguf, llm_float32):
-    theirs = _linears(llm_float32)
-    for name, linear in _linears(llm_gguf).items():
-        weight = linear.weight.detach()
-        assert torch.equal(weight, theirs[name].weight.detach()), name
-        assert torch.equal(ops.dequantize_panels(linear.quantized, weight.shape[1]), weight), name
+def test_blocks_are_bitwise_the_float32_weights(ops, llm_gguf, plain_model):
+    theirs = _linears(plain_model)
+    for name, m in _matmuls(llm_gguf).items():
+        weight = theirs[name].weight.detach()
+        assert torch.equal(ops.dequantize_panels(m.quant, weight.shape[1]), weight), name
+
+
+@pytest.mark.slow
+def test_the_engine_drops_the_plain_weights(llm_gguf, llm_float32, plain_model):
+    """No step reads a plain float32 matmul weight once the cpu backend has packed it (and
+    the head gets at most max_num_seqs rows): the engine keeps none of them."""
+    for llm in (llm_gguf, llm_float32):
+        assert all(linear.weight.is_meta for linear in _linears(llm.engine.model).values())
+        float32_bytes = sum(m.weight.numel() * 4 for m in _linears(plain_model).values())
+        assert llm.engine.memory.dropped == float32_bytes
 
 
 @pytest.mark.slow
@@ -193,31 +231,25 @@ def test_greedy_output_is_the_same_on_blocks_and_float32(llm_gguf, llm_float32):
 
 
 @pytest.mark.slow
-def test_a_weight_that_differs_from_its_blocks_stays_float32(ops, gguf_path, llm_float32):
-    """Runs on the float32 engine's model and puts it back as it was (weight, no blocks)."""
-    linears = _linears(llm_float32)
-    o_proj = linears["layers.0.o_proj"]
-    weight = o_proj.weight.data
+def test_a_weight_that_differs_from_its_blocks_stays_float32(ops, gguf_path, plain_model):
+    """Runs on the plain model and puts its weight back as it was."""
+    weight = plain_model.layers[0].o_proj.weight.data
     original = weight[5, 7].clone()
     try:
         weight[5, 7] += 1e-3
-        report = attach_gguf_blocks(llm_float32.engine.model, gguf_path, ops)
-        assert isinstance(report, BlocksReport)
-        assert set(report.skipped) == {"layers.0.o_proj"}, report.skipped
-        assert "do not de-quantize" in report.skipped["layers.0.o_proj"]
-        assert o_proj.quantized is None
-        assert all(m.quantized is not None for n, m in linears.items() if n != "layers.0.o_proj")
-        assert report.attached == {"Q4_1": NUM_LINEARS - 2, "Q8_0": 1}
-        assert 0 < report.body_block_bytes < report.body_float32_bytes
-        assert report.body_saved_bytes == report.body_float32_bytes - report.body_block_bytes
-        assert report.lm_head_block_bytes is not None
-        assert 0 < report.lm_head_block_bytes < report.lm_head_float32_bytes
-        assert "layers.0.o_proj" in report.summary()
+        found, report = exact_gguf_blocks(plain_model, gguf_path, ops)
     finally:
         weight[5, 7] = original
-        for m in linears.values():
-            m._quant = None  # back to a float32-only model for any later test
-    assert all(m.quantized is None for m in linears.values())
+    assert isinstance(report, BlocksReport)
+    assert set(report.skipped) == {"layers.0.o_proj"}, report.skipped
+    assert "do not de-quantize" in report.skipped["layers.0.o_proj"]
+    assert set(found) == set(_linears(plain_model)) - {"layers.0.o_proj"}
+    assert report.attached == {"Q4_1": NUM_LINEARS - 2, "Q8_0": 1}
+    assert 0 < report.body_block_bytes < report.body_float32_bytes
+    assert report.body_saved_bytes == report.body_float32_bytes - report.body_block_bytes
+    assert report.lm_head_block_bytes is not None
+    assert 0 < report.lm_head_block_bytes < report.lm_head_float32_bytes
+    assert "layers.0.o_proj" in report.summary()
 
 
 # --- _row_order -----------------------------------------------------------------------------

@@ -12,6 +12,11 @@ from tests.engine.parity import assert_parity, hf_greedy
 
 PROMPT_LENS = [1, 7, 15, 16, 17, 40, 100]
 MAX_TOKENS = 24
+# float32 on the CPU wherever the suite runs, against transformers in float32 on the CPU
+# (the float32 near-tie rule). A CUDA machine would otherwise build the engine on the GPU in
+# bfloat16; tests/engine/test_cuda_parity.py covers CUDA, in float32 and bfloat16. The
+# prompts' 364 tokens take at most ~60 blocks of 8: 256 blocks instead of the 1 GiB default.
+ENGINE = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 256}
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
@@ -34,7 +39,7 @@ def _check_against_hf(path, llm: LLM, prompts: list[list[int]]) -> None:
 def test_greedy_matches_transformers(request, fixture, block_size, budget):
     """All prompts in one generate() call; budget 16 forces chunked prefill."""
     path = request.getfixturevalue(fixture)
-    llm = LLM(str(path), block_size=block_size, max_num_batched_tokens=budget)
+    llm = LLM(str(path), block_size=block_size, max_num_batched_tokens=budget, **ENGINE)
     _check_against_hf(path, llm, _prompts(256))
 
 
@@ -58,7 +63,7 @@ def test_greedy_matches_transformers(request, fixture, block_size, budget):
 )
 def test_config_variants_match_transformers(tmp_path, overrides):
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=3, **overrides)
-    _check_against_hf(path, LLM(str(path)), _prompts(256, seed=1)[:5])
+    _check_against_hf(path, LLM(str(path), **ENGINE), _prompts(256, seed=1)[:5])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -70,6 +75,7 @@ def test_cpu_kernels_match_transformers(tiny_llama_cpu_shapes, tmp_path, backend
         attention_backend=backend,
         block_size=8,
         max_num_batched_tokens=24,
+        **ENGINE,
     )
     assert llm.engine.attention_backend == backend
     _check_against_hf(tiny_llama_cpu_shapes, llm, _prompts(256, seed=2))
@@ -83,22 +89,23 @@ def test_cpu_kernels_match_transformers(tiny_llama_cpu_shapes, tmp_path, backend
         attention_bias=True,
         mlp_bias=True,
     )
-    _check_against_hf(path, LLM(str(path), attention_backend=backend), _prompts(256, seed=3)[:5])
+    llm = LLM(str(path), attention_backend=backend, **ENGINE)
+    _check_against_hf(path, llm, _prompts(256, seed=3)[:5])
 
 
 def test_auto_backend_picks_cpu_kernels_only_for_shapes_they_cover(
     tiny_llama_cpu_shapes, tiny_llama_gqa
 ):
-    assert LLM(str(tiny_llama_cpu_shapes)).engine.attention_backend == "cpu"
-    assert LLM(str(tiny_llama_gqa)).engine.attention_backend == "torch"  # head_dim 16
+    assert LLM(str(tiny_llama_cpu_shapes), **ENGINE).engine.attention_backend == "cpu"
+    assert LLM(str(tiny_llama_gqa), **ENGINE).engine.attention_backend == "torch"  # head_dim 16
     with pytest.raises(ValueError, match="cpu attention backend"):
-        LLM(str(tiny_llama_gqa), attention_backend="cpu")
+        LLM(str(tiny_llama_gqa), attention_backend="cpu", **ENGINE)
 
 
 def test_logprobs_match_transformers_log_softmax(tiny_llama_gqa):
     """The chosen token's logprob and the top-5 are log_softmax of the model's logits."""
     prompt = _prompts(256)[4]
-    llm = LLM(str(tiny_llama_gqa))
+    llm = LLM(str(tiny_llama_gqa), **ENGINE)
     out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=5))[0]
     hf = LlamaForCausalLM.from_pretrained(tiny_llama_gqa).eval()
     with torch.inference_mode():

@@ -1,18 +1,39 @@
-"""The engine with the Triton kernels forced on (the interpreter on CPU) gives the same
-greedy tokens as the torch reference backend, through chunked prefill and mixed steps."""
+"""The engine with the Triton kernels forced on gives the same greedy tokens as the torch
+reference backend, through chunked prefill and mixed steps, in float32 on the same device:
+on the CPU under the interpreter (``TRITON_INTERPRET=1``, set by tests/conftest.py without
+CUDA), and on CUDA with the compiled kernels (``gpu``)."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
 
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
 
-def test_triton_backend_matches_torch_backend(tiny_llama_gqa):
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.skipif(
+            not INTERPRET,
+            reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set without CUDA)",
+        )),
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available() or INTERPRET,
+            reason="needs CUDA and compiled (not interpreted) Triton",
+        )]),
+    ],
+)  # fmt: skip
+def test_triton_backend_matches_torch_backend(tiny_llama_gqa, device):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 9, 17, 40)]
     params = SamplingParams(max_tokens=6, temperature=0)
-    kwargs = dict(block_size=8, max_num_batched_tokens=24)
+    kwargs = dict(block_size=8, max_num_batched_tokens=24, device=device, dtype="float32",
+                  num_kv_blocks=64)  # fmt: skip
     torch_out = LLM(str(tiny_llama_gqa), attention_backend="torch", **kwargs).generate(
         prompts, params
     )

@@ -218,6 +218,28 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         )
         for split in (False, True)
     },
+    **{
+        name: (
+            "kernels.rms_norm", "_rms_norm_kernel",
+            dict(out_ptr="*bf16", x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16",
+                 eps="fp32"),
+            dict(HIDDEN_SIZE=576, HIDDEN_PAD=1024, HAS_RESIDUAL=has_residual,
+                 DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
+        )
+        for name, has_residual in (("rms_norm", False), ("add_rms_norm", True))
+    },
+    "silu_mul": (
+        "kernels.silu_mul", "_silu_mul_kernel",
+        dict(out_ptr="*bf16", gate_up_ptr="*bf16"),
+        dict(INTERMEDIATE_SIZE=1536, BLOCK=1024, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
+    ),
+    "rope_and_store": (
+        "kernels.rope_and_store", "_rope_and_store_kernel",
+        dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",
+             value_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
+        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32, BLOCK_SIZE=16,
+             DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
+    ),
     "reduce_splits": (
         "kernels.paged_attention", "_reduce_splits_kernel",
         dict(out_ptr="*bf16", partial_out_ptr="*fp32", lse_ptr="*fp32"),

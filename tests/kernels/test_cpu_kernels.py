@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layer_ops import CpuLayerOps, TorchLayerOps
 from engine.llama import RMSNorm
-from kernels.reference import paged_attention_decode
+from engine.rope import apply_rope
+from kernels.reference import paged_attention_decode, store_kv
 
 
 def _paged_case(num_seqs, num_heads, num_kv_heads, head_dim, seq_lens, block_size=16, seed=0):
@@ -148,11 +148,10 @@ def _norm(hidden: int) -> RMSNorm:
 def test_norms_match_torch(ops, rows):
     norm = _norm(576)
     x, res = torch.randn(rows, 576), torch.randn(rows, 576)
-    cpu_ops, torch_ops = CpuLayerOps(ops), TorchLayerOps()
-    torch.testing.assert_close(cpu_ops.rms_norm(x, norm), torch_ops.rms_norm(x, norm))
+    torch.testing.assert_close(ops.rms_norm(x, norm.weight, norm.eps), norm(x))
     res_cpu, res_torch = res.clone(), res.clone()
-    got = cpu_ops.add_rms_norm_(x, res_cpu, norm)
-    want = torch_ops.add_rms_norm_(x, res_torch, norm)
+    got = ops.add_rms_norm_(x, res_cpu, norm.weight, norm.eps)
+    want = norm.add_norm_(x, res_torch)
     assert torch.equal(res_cpu, res_torch)  # the residual stream itself is bit-exact
     torch.testing.assert_close(got, want)
 
@@ -192,8 +191,6 @@ def test_argmax_rows_is_torch_argmax_including_ties_and_nan(ops, n):
 
 
 def test_rope_and_store_matches_torch(ops):
-    from engine.attention import PagedAttention
-
     num_heads, num_kv_heads, head_dim, tokens = 9, 3, 64, 6
     g = torch.Generator().manual_seed(3)
     qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=g)
@@ -202,13 +199,15 @@ def test_rope_and_store_matches_torch(ops):
     rope = (emb.cos(), emb.sin())
     slots = torch.tensor([5, 17, -1, 0, 31, 8])  # -1: padding, not stored
     caches = [torch.zeros(2, 16, num_kv_heads, head_dim) for _ in range(4)]
-    attention = PagedAttention("torch", scale=head_dim**-0.5)
-    q_torch = TorchLayerOps().rope_and_store(
-        qkv.clone(), rope, attention, caches[0], caches[1], slots, num_heads, num_kv_heads
-    )
-    q_cpu = CpuLayerOps(ops).rope_and_store(
-        qkv.clone(), rope, attention, caches[2], caches[3], slots, num_heads, num_kv_heads
-    )
+    # The model's own formula: Q and K heads rotated together, K/V stored by the reference.
+    qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], -1)
+    qk = apply_rope(qk.reshape(tokens, num_heads + num_kv_heads, head_dim), *rope)
+    q_torch, k = qk.split([num_heads, num_kv_heads], dim=1)
+    store_kv(k, v.reshape(tokens, num_kv_heads, head_dim), caches[0], caches[1], slots)
+    qkv_cpu = qkv.clone()
+    cos, sin = (r.view(tokens, head_dim) for r in rope)
+    ops.rope_and_store_(qkv_cpu, cos, sin, caches[2], caches[3], slots, num_heads, num_kv_heads)
+    q_cpu = qkv_cpu[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
     torch.testing.assert_close(q_cpu, q_torch)
     torch.testing.assert_close(caches[2], caches[0])
     torch.testing.assert_close(caches[3], caches[1])

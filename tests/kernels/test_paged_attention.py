@@ -15,6 +15,7 @@ from kernels import reference
 from kernels.paged_attention import (
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
+    TARGET_WAVES,
     choose_num_splits,
     paged_attention_decode,
 )
@@ -145,6 +146,53 @@ def test_rejects_mismatched_shapes(device):
                                block_tables.long(), seq_lens, 1.0)  # fmt: skip
 
 
+def heuristic_splits(monkeypatch, num_seqs, num_kv_heads, max_context_len) -> int:
+    """What ``choose_num_splits`` picks on a 132-SM GPU (an H100 SXM) for these shapes."""
+    monkeypatch.setattr(decode_module, "num_compute_units", lambda device: 132)
+    return choose_num_splits(num_seqs, num_kv_heads, max_context_len, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_short_contexts_with_the_h100_split(paged_kv, close, device, monkeypatch, group):
+    """Batch-1-like short contexts split as on an H100 (a split per 64-token tile)."""
+    seq_lens = [1, 63, 64, 65, 300]
+    num_splits = heuristic_splits(monkeypatch, len(seq_lens), 2, 320)
+    assert num_splits == 5  # by length: 320 // 64, the grid wants more
+    run_case(paged_kv, close, device, seq_lens=seq_lens, block_size=16, num_kv_heads=2,
+             group=group, head_dim=64, dtype=torch.float32, num_splits=num_splits)  # fmt: skip
+
+
+@pytest.mark.parametrize(("group", "dtype"), [(1, torch.float32), (4, torch.bfloat16),
+                                              (8, torch.float16)])  # fmt: skip
+def test_long_and_ragged_contexts_with_the_h100_split(paged_kv, close, device, monkeypatch,
+                                                      group, dtype):  # fmt: skip
+    """Contexts of 1 beside one past 4,096, at the split count the heuristic picks for them:
+    most splits of the short rows are empty, the long row's are all full."""
+    seq_lens = [1, 4100, 17]
+    max_context_len = -(-4100 // 16) * 16 + 16  # block-table width (one padding column)
+    num_splits = heuristic_splits(monkeypatch, len(seq_lens), 1, max_context_len)
+    assert num_splits == MAX_SPLITS  # 3 programs want 176 splits
+    run_case(paged_kv, close, device, seq_lens=seq_lens, block_size=16, num_kv_heads=1,
+             group=group, head_dim=128, dtype=dtype, num_splits=num_splits)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_splits", [None, 4])
+def test_context_bound_below_a_sequence_still_attends_to_all_of_it(paged_kv, close, device,
+                                                                    num_splits):  # fmt: skip
+    """A graph captured for a context bucket of 128 serving a 300-token sequence: the last
+    split runs to the end of the context, so nothing is dropped."""
+    kv = paged_kv([300, 5], block_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    query = torch.randn(2, 8, 64, device=device)
+    out = paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                 kv.seq_lens, 0.125, num_splits=num_splits,
+                                 max_context_len=128)  # fmt: skip
+    expected = reference.paged_attention_decode(
+        query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, kv.seq_lens, 0.125
+    )
+    close(out, expected)
+
+
 class TestChooseNumSplits:
     """The split-K heuristic, on a pretend 132-SM GPU (an H100 SXM)."""
 
@@ -155,16 +203,28 @@ class TestChooseNumSplits:
     def test_full_grid_does_not_split(self):
         assert choose_num_splits(64, 8, 4096, torch.device("cuda")) == 1
 
-    def test_short_context_does_not_split(self):
+    def test_a_single_tile_does_not_split(self):
         assert choose_num_splits(1, 8, 2 * MIN_TOKENS_PER_SPLIT - 1, torch.device("cuda")) == 1
 
+    def test_batch_33_at_8_kv_heads_keeps_the_unsplit_path(self):
+        assert choose_num_splits(33, 8, 32768, torch.device("cuda")) == 1
+        assert choose_num_splits(256, 8, 4096, torch.device("cuda")) == 1
+
+    def test_llama3_8b_short_contexts(self):
+        """The issue's rows: 32 query / 8 KV heads."""
+        cuda = torch.device("cuda")
+        assert choose_num_splits(1, 8, 512, cuda) == 8  # every 64-token tile its own split
+        assert choose_num_splits(16, 8, 512, cuda) == 5  # 128 programs -> 640 >= 4 waves
+        assert choose_num_splits(1, 8, 4096, cuda) == MAX_SPLITS == 32
+
     def test_few_long_sequences_split_to_fill_the_device(self):
-        num_splits = choose_num_splits(2, 8, 32768, torch.device("cuda"))
-        assert num_splits == 17  # ceil(2 * 132 / 16) programs per (sequence, KV head)
-        assert 2 * 8 * num_splits >= 2 * 132
+        num_splits = choose_num_splits(4, 8, 32768, torch.device("cuda"))
+        assert num_splits == 17  # ceil(4 * 132 / 32) programs per (sequence, KV head)
+        assert 4 * 8 * num_splits >= TARGET_WAVES * 132
 
     def test_splits_stay_long_and_bounded(self):
         assert choose_num_splits(1, 1, 4 * MIN_TOKENS_PER_SPLIT, torch.device("cuda")) == 4
+        assert choose_num_splits(1, 1, MIN_TOKENS_PER_SPLIT - 1, torch.device("cuda")) == 1
         assert choose_num_splits(1, 1, 10**7, torch.device("cuda")) == MAX_SPLITS
 
     def test_cpu_never_splits(self, monkeypatch):

@@ -26,7 +26,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     port = free_port()
     argv = build_command(
         "{python} -m server --host {host} --port {port} --max-num-seqs 4 --max-model-len 256 "
-        "--num-kv-blocks 64 --stats-log-interval 0",
+        "--num-kv-blocks 64 --stats-log-interval 0 --device cpu --dtype float32",
         python=sys.executable, host=HOST, port=port,
     )  # fmt: skip
     log = Path(tmp_path_factory.mktemp("pagedserve")) / "server.log"

@@ -67,8 +67,54 @@ def test_default_model_on_cpu_uses_the_measured_peaks(capsys: pytest.CaptureFixt
     assert out["device"]["memory_bandwidth"] == FAKE_READ_BW
     assert out["device"]["peak_flops"] == FAKE_FLOPS
     assert out["dtypes"]["weights"] == "fp32"  # the server's CPU default
-    # 134.5 M fp32 params = 538 MB read per token at 20 GB/s: about 27 ms.
-    assert out["decode"]["time_per_token_s"] == pytest.approx(0.0272, rel=0.03)
+    # --matmul-weights float32: 134.5 M fp32 params = 538 MB read per token at 20 GB/s,
+    # about 27 ms.
+    f32 = json.loads(
+        _run(capsys, "--model", "default", "--device", "cpu", "--matmul-weights", "float32",
+             "--json")
+    )  # fmt: skip
+    assert f32["decode"]["weight_bytes_per_step"] == pytest.approx(538e6, rel=0.01)
+    assert f32["decode"]["time_per_token_s"] == pytest.approx(0.0272, rel=0.03)
+
+
+def test_the_default_plan_reads_what_the_default_server_reads(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """By default the server multiplies batches of up to max_quant_rows() rows by the GGUF
+    file's own blocks (112 MB a step for the default model, not 538 MB of float32), so the
+    plan's TPOT bound and the implied MBU of a measured batch-1 run use those bytes."""
+    from engine.loader import default_model_gguf
+
+    try:
+        default_model_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    out = json.loads(_run(capsys, "--model", "default", "--device", "cpu", "--json"))
+    blocks = out["model"]["gguf_blocks"]
+    assert blocks["block_rows"] in (8, 12, 64)
+    # engine/gguf_blocks.py's figure for the same file: 112 MB instead of 538 MB.
+    assert blocks["weight_bytes_per_small_step"] == pytest.approx(111.5e6, rel=0.01)
+    assert out["decode"]["weight_bytes_per_step"] == blocks["weight_bytes_per_small_step"]
+    kv_read = 425.5 * 46080  # the mean context's cached tokens
+    assert out["decode"]["memory_time_s"] == pytest.approx((111.5e6 + kv_read) / FAKE_READ_BW,
+                                                           rel=0.01)  # fmt: skip
+    # A prefill's 350 rows are above the row limit: the layers' float32 weights; its one
+    # logit row reads the head's blocks (113 MB of float32 -> 32 MB).
+    head_saved = 113.2e6 - 31.9e6
+    prefill = 538.06e6 - head_saved + 350 * 46080
+    assert out["prefill"]["bytes"] == pytest.approx(prefill, rel=0.01)
+
+    # A batch-1 run at the bound's own pace reads as an implied MBU of 1, not 4.8.
+    result = _loadtest_result()
+    result["points"][0]["summary"]["tpot_p50_s"] = out["decode"]["memory_time_s"]
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    data = json.loads(
+        _run(capsys, "--model", "default", "--device", "cpu", "--measured", str(path),
+             "--point", "0", "--json")
+    )  # fmt: skip
+    rows = {r["quantity"]: r for r in data["comparisons"][0]["rows"]}
+    assert rows["TPOT"]["ratio"] == pytest.approx(1.0, rel=0.05)
 
 
 def test_cpu_flags_skip_the_measurement(

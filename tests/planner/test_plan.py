@@ -11,9 +11,10 @@ import math
 
 import pytest
 
-from planner.devices import get_device, with_overrides
+from planner.devices import Device, get_device, with_overrides
 from planner.models import load_model
 from planner.plan import Workload, make_plan
+from planner.report import render_plan
 
 LLAMA_2_7B = load_model("llama-2-7b")
 
@@ -109,3 +110,46 @@ def test_warnings_and_cost() -> None:
     total = priced.generation["total_time_s"]
     assert priced.cost["per_request"] == pytest.approx(0.001 * total)
     assert priced.cost["per_million_output_tokens"] == pytest.approx(0.001 * total / 150 * 1e6)
+
+
+def test_gguf_blocks_serve_steps_up_to_the_row_limit_and_float32_above() -> None:
+    from planner.models import GgufBlocks
+
+    model = load_model("default")
+    device = Device("cpu", "test", 20e9, 16e9, {"fp32": 100e9, "bf16": 50e9}, measured=True)
+    # 100 MB of layer matmuls and the 10 MB head on blocks instead of 400 + 40 MB.
+    blocks = GgufBlocks("x.gguf", 100_000_000, 400_000_000, 10_000_000, 40_000_000)
+    f32 = make_plan(model, device, Workload(batch=8))
+    small = make_plan(model, device, Workload(batch=8), blocks=blocks, block_rows=8)
+    large = make_plan(model, device, Workload(batch=9), blocks=blocks, block_rows=8)
+    w = f32.model["streamed_weight_bytes"]
+    assert f32.decode["weight_bytes_per_step"] == w
+    assert small.decode["weight_bytes_per_step"] == w - 300_000_000 - 30_000_000
+    assert large.decode["weight_bytes_per_step"] == w
+    assert small.decode["memory_time_s"] < f32.decode["memory_time_s"]
+    # Blocks are a float32 CPU path: not for bf16 weights, nor a GPU.
+    bf16 = make_plan(model, device, Workload(batch=8), "bf16", blocks=blocks, block_rows=8)
+    assert bf16.model["gguf_blocks"] is None and not bf16.notes
+
+
+def test_a_note_when_the_l3_cache_holds_what_a_step_reads() -> None:
+    model = load_model("default")
+    device = Device("cpu", "test", 20e9, 16e9, {"fp32": 100e9}, measured=True)
+    w = make_plan(model, device, Workload()).decode["weight_bytes_per_step"]
+    big = make_plan(model, device, Workload(), cache_bytes=int(w) + 1)
+    assert any("L3 cache" in note and "MBU above 1" in note for note in big.notes)
+    assert not make_plan(model, device, Workload(), cache_bytes=int(w) - 1).notes
+    assert "notes" in render_plan(big) and "L3 cache" in render_plan(big)
+
+
+def test_rows_never_run_into_each_other() -> None:
+    """A value wider than its column keeps two spaces before the formula (it used to read
+    "453.09 ms (compute ...)max(bytes / BW, ...")."""
+    plan = make_plan(
+        load_model("llama-2-7b"), get_device("a10"), Workload(prompt_tokens=4000, batch=64)
+    )
+    for line in render_plan(plan).splitlines():
+        assert ")max(" not in line and ")at context" not in line, line
+    from planner.report import _row
+
+    assert _row("x" * 40, "y" * 50, "formula") == "  " + "x" * 40 + "  " + "y" * 50 + "  formula"

@@ -1,7 +1,7 @@
 """A model-free runner for scheduler tests, and helpers that drive the step loop.
 
 ``FakeRunner`` keeps a fake KV cache (slot -> the token and position written there) and
-checks, every step, that the scheduler's plan is self-consistent: the token ids it hands over
+checks, every step, that the scheduler's output is self-consistent: the token ids it hands over
 are the request's, the slots come from its block table, and the context a sampling request
 attends to holds exactly its tokens. The "sampled" token is a deterministic function of that
 context read back from the cache, so a request recomputed after preemption produces the same
@@ -133,7 +133,7 @@ class Step:
     update: SchedulerUpdate
 
     @property
-    def plan(self) -> list[tuple[str, int]]:
+    def batch(self) -> list[tuple[str, int]]:
         """(request id, tokens) of live requests in batch order."""
         return [(s.request_id, s.num_tokens) for s in self.out.scheduled if not s.padding]
 

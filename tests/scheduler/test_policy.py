@@ -4,7 +4,7 @@
 - static takes a batch when none is running and never admits mid-batch; with
   ``static_finished="compute"`` early finishers stay as padding rows until the batch ends;
 - dynamic waits for ``max_num_seqs`` requests or the ``batch_wait_ms`` window;
-- reserve admission never preempts; optimistic preempts and still finishes every request
+- reserve block allocation never preempts; optimistic preempts and still finishes every request
   with its solo tokens.
 
 ``check_integrity()`` runs after every schedule and update (tests/scheduler/fake_runner.py).
@@ -30,19 +30,19 @@ Trace = tuple[list[list[tuple[str, int]]], list[list[str]], list[list[str]]]
 
 
 def _trace(sched: Scheduler, runner: FakeRunner, max_steps: int = 50) -> Trace:
-    """Step to the end; per step: live plan, padding ids, finished ids."""
-    plans: list[list[tuple[str, int]]] = []
+    """Step to the end; per step: live rows (the batch), padding ids, finished ids."""
+    batches: list[list[tuple[str, int]]] = []
     padding: list[list[str]] = []
     finished: list[list[str]] = []
     for _ in range(max_steps):
         if not sched.has_unfinished():
             break
         s = step(sched, runner)
-        plans.append(s.plan)
+        batches.append(s.batch)
         padding.append(s.padding_ids)
         finished.append(s.finished_ids)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
-    return plans, padding, finished
+    return batches, padding, finished
 
 
 def _five() -> list[Request]:
@@ -53,9 +53,9 @@ def test_continuous_admits_and_retires_every_step() -> None:
     sched = make_scheduler(max_num_seqs=2)
     for r in _five():
         sched.add_request(r)
-    plans, padding, finished = _trace(sched, FakeRunner(16))
+    batches, padding, finished = _trace(sched, FakeRunner(16))
     # Every step one request leaves and the next takes its seat at once.
-    assert plans == [
+    assert batches == [
         [("a", 4), ("b", 4)],
         [("b", 1), ("c", 4)],
         [("b", 1), ("d", 4)],
@@ -73,15 +73,15 @@ def test_static_runs_a_batch_to_completion_before_the_next(static_finished: str)
     for r in requests:
         sched.add_request(r)
     s0 = step(sched, runner)
-    assert s0.plan == [("a", 4), ("b", 4)]
+    assert s0.batch == [("a", 4), ("b", 4)]
     # a finished in step 0: its output is delivered now, whatever happens to its row.
     assert s0.finished_ids == ["a"] and requests[0].finish_reason == "length"
     assert sched.kv.has_request("a") == (static_finished == "compute")
     assert sched.num_padding == (1 if static_finished == "compute" else 0)
 
-    plans, padding, finished = _trace(sched, runner)
+    batches, padding, finished = _trace(sched, runner)
     # c waits though a's seat is free: no admission until b, the last member, finishes.
-    assert plans == [[("b", 1)]] * 3 + [[("c", 4), ("d", 4)], [("e", 4)]]
+    assert batches == [[("b", 1)]] * 3 + [[("c", 4), ("d", 4)], [("e", 4)]]
     assert finished == [[], [], ["b"], ["c", "d"], ["e"]]
     pad = ["a"] if static_finished == "compute" else []
     assert padding == [pad, pad, pad, [], []]
@@ -99,7 +99,7 @@ def test_static_never_admits_mid_batch_even_with_seats_budget_and_blocks() -> No
         sched.add_request(req("late", 4, 2))
         for i in range(1, 20):
             s = step(sched, runner)
-            if "late" in dict(s.plan):
+            if "late" in dict(s.batch):
                 first_step[batching] = i
                 break
     # Continuous takes it the very next step; static only after b's fifth token.
@@ -113,11 +113,11 @@ def test_static_takes_all_its_members_at_once_even_past_the_token_budget() -> No
         sched.add_request(req(name, 4, 3))
     sched.add_request(req("d", 4, 3))
     s = step(sched, runner)
-    assert s.plan == [("a", 4), ("b", 2)]
+    assert s.batch == [("a", 4), ("b", 2)]
     # c joined the batch with no tokens this step: it is a member, d is not.
     assert [r.request_id for r in sched.running] == ["a", "b", "c"]
     assert [r.request_id for r in sched.waiting] == ["d"]
-    assert step(sched, runner).plan == [("a", 1), ("b", 2), ("c", 3)]
+    assert step(sched, runner).batch == [("a", 1), ("b", 2), ("c", 3)]
     run_all(sched, runner)
 
 
@@ -150,8 +150,8 @@ def test_padding_takes_the_budget_live_requests_leave() -> None:
     runner = FakeRunner(16)
     for r in [req("a", 1, 1), req("b", 1, 1), req("c", 1, 4)]:
         sched.add_request(r)
-    plans, padding, _ = _trace(sched, runner)
-    assert plans == [[("a", 1), ("b", 1)], [("c", 1)], [("c", 1)], [("c", 1)], [("c", 1)]]
+    batches, padding, _ = _trace(sched, runner)
+    assert batches == [[("a", 1), ("b", 1)], [("c", 1)], [("c", 1)], [("c", 1)], [("c", 1)]]
     assert padding == [[], ["a"], ["a"], ["a"], ["a"]]
 
 
@@ -166,7 +166,7 @@ def test_aborting_the_last_running_member_ends_the_batch() -> None:
     sched.abort_requests(["b"])
     sched.check_integrity()
     assert sched.num_padding == 0 and sched.kv.num_used_blocks == 0
-    assert step(sched, runner).plan == [("c", 5)]  # the next batch
+    assert step(sched, runner).batch == [("c", 5)]  # the next batch
     run_all(sched, runner)
 
 
@@ -218,17 +218,17 @@ def test_dynamic_waits_for_the_window() -> None:
     assert step(sched, runner).out.is_empty
     clock.now = 0.1
     assert sched.next_admission_time() is None  # the next schedule() admits
-    assert step(sched, runner).plan == [("a", 4), ("b", 4)]
+    assert step(sched, runner).batch == [("a", 4), ("b", 4)]
     assert sched.next_admission_time() is None  # a batch runs: its steps are the clock
 
     # Requests arriving mid-batch wait for the batch, whatever their window says.
     clock.now = 0.5
     sched.add_request(req("c", 4, 1, arrival_time=0.2))
-    assert step(sched, runner).plan == [("a", 1), ("b", 1)]
+    assert step(sched, runner).batch == [("a", 1), ("b", 1)]
     assert sched.next_admission_time() is None
     assert [r.request_id for r in sched.waiting] == ["c"]
     # The batch has ended and c's window (0.2 + 0.1) passed long ago: admitted at once.
-    assert step(sched, runner).plan == [("c", 4)]
+    assert step(sched, runner).batch == [("c", 4)]
 
 
 def test_dynamic_forms_a_batch_as_soon_as_max_num_seqs_wait() -> None:
@@ -243,13 +243,13 @@ def test_dynamic_forms_a_batch_as_soon_as_max_num_seqs_wait() -> None:
     sched.add_request(req("d", 4, 1, arrival_time=10.0))
     assert sched.next_admission_time() is None
     s = step(sched, runner)  # no time passed: the size formed the batch
-    assert s.plan == [("a", 4), ("b", 4), ("c", 4)]
+    assert s.batch == [("a", 4), ("b", 4), ("c", 4)]
     assert s.finished_ids == ["a", "b", "c"]
     # d is alone now, with its window still open.
     assert step(sched, runner).out.is_empty
     assert sched.next_admission_time() == pytest.approx(11.0)
     clock.now = 11.0
-    assert step(sched, runner).plan == [("d", 4)]
+    assert step(sched, runner).batch == [("d", 4)]
 
 
 WORKLOAD = [(6, 10), (10, 6), (3, 12), (8, 8), (12, 4), (5, 9)]  # (prompt, max_tokens)
@@ -259,8 +259,8 @@ WORKLOAD = [(6, 10), (10, 6), (3, 12), (8, 8), (12, 4), (5, 9)]  # (prompt, max_
 def test_reserve_never_preempts_and_holds_every_block_from_admission(batching: str) -> None:
     # 12 blocks of 4 tokens; every request reserves 4 (prompt + max_tokens <= 16 tokens).
     sched = make_scheduler(
-        num_blocks=12, block_size=4, max_num_seqs=4, batching=batching, admission="reserve",
-        clock=FakeClock(now=100.0),
+        num_blocks=12, block_size=4, max_num_seqs=4, batching=batching,
+        block_allocation="reserve", clock=FakeClock(now=100.0),
     )  # fmt: skip
     requests = [req(f"r{i}", p, m) for i, (p, m) in enumerate(WORKLOAD)]
     max_running: list[int] = []
@@ -281,8 +281,8 @@ def test_reserve_never_preempts_and_holds_every_block_from_admission(batching: s
 @pytest.mark.parametrize("batching", ["continuous", "static", "dynamic"])
 def test_optimistic_preempts_and_still_finishes_every_request(batching: str) -> None:
     sched = make_scheduler(
-        num_blocks=12, block_size=4, max_num_seqs=4, batching=batching, admission="optimistic",
-        clock=FakeClock(now=100.0),
+        num_blocks=12, block_size=4, max_num_seqs=4, batching=batching,
+        block_allocation="optimistic", clock=FakeClock(now=100.0),
     )  # fmt: skip
     requests = [req(f"r{i}", p, m) for i, (p, m) in enumerate(WORKLOAD)]
     max_running: list[int] = []

@@ -66,7 +66,7 @@ def test_a_later_request_prefills_only_what_is_not_cached() -> None:
     b = request("b", SYSTEM + suffix(2, 7))
     sched.add_request(b)
     s = step(sched, runner)
-    assert s.plan == [("b", 7)]  # 48 cached tokens count as computed
+    assert s.batch == [("b", 7)]  # 48 cached tokens count as computed
     assert s.out.scheduled[0].start == 48
     # b shares the blocks a computed and left cached (evictable) when it finished.
     probe = sched.kv.get_cached_prefix("probe", 48, lambda i, j: SYSTEM[i:j])
@@ -84,9 +84,9 @@ def test_requests_submitted_together_compute_the_shared_prompt_once() -> None:
     sched, runner = make(), CopyingRunner(16)
     prompt = SYSTEM[:40]
     reqs = [request(name, prompt) for name in "abc"]
-    plans = []
-    outputs = run_all(sched, runner, reqs, on_step=lambda i, s: plans.append(s.plan))
-    assert plans[:2] == [[("a", 40)], [("a", 1), ("b", 8), ("c", 8)]]
+    batches = []
+    outputs = run_all(sched, runner, reqs, on_step=lambda i, s: batches.append(s.batch))
+    assert batches[:2] == [[("a", 40)], [("a", 1), ("b", 8), ("c", 8)]]
     assert runner.num_forward_tokens == 40 + 2 * 8 + 3 * 5  # prefills, then 5 decodes each
     expected = run_alone(reqs[0])
     assert outputs == {"a": expected, "b": expected, "c": expected}
@@ -99,9 +99,9 @@ def test_a_fully_cached_prompt_recomputes_one_token_into_a_copied_block() -> Non
     reqs = [request(name, prompt) for name in "abc"]
     for r in reqs:
         sched.add_request(r)
-    assert step(sched, runner).plan == [("a", 32)]
+    assert step(sched, runner).batch == [("a", 32)]
     s = step(sched, runner)
-    assert s.plan == [("a", 1), ("b", 1), ("c", 1)]
+    assert s.batch == [("a", 1), ("b", 1), ("c", 1)]
     a_blocks, b_blocks, c_blocks = (sched.kv.block_ids(r) for r in "abc")
     # b and c share a's block 0 and each write position 31 into a private copy of block 1.
     assert b_blocks[0] == c_blocks[0] == a_blocks[0]
@@ -122,9 +122,9 @@ def test_a_request_waiting_for_a_prefix_does_not_block_the_queue() -> None:
     for r in (a, b, c):
         sched.add_request(r)
     s0 = step(sched, runner)
-    assert s0.plan == [("a", 51), ("c", 20)]
+    assert s0.batch == [("a", 51), ("c", 20)]
     assert [r.request_id for r in sched.waiting] == ["b"]
-    assert step(sched, runner).plan == [("a", 1), ("c", 1), ("b", 3)]
+    assert step(sched, runner).batch == [("a", 1), ("c", 1), ("b", 3)]
     run_all(sched, runner)
     assert [r.output_token_ids for r in (a, b, c)] == [run_alone(r) for r in (a, b, c)]
 
@@ -134,9 +134,9 @@ def test_static_batches_do_not_wait_for_a_prefix() -> None:
     # batch, so same-prompt members each compute the prompt.
     sched, runner = make(batching="static", max_num_seqs=2), CopyingRunner(16)
     reqs = [request(name, SYSTEM[:40], 4) for name in "ab"]
-    plans = []
-    outputs = run_all(sched, runner, reqs, on_step=lambda i, s: plans.append(s.plan))
-    assert plans[0] == [("a", 40), ("b", 40)]
+    batches = []
+    outputs = run_all(sched, runner, reqs, on_step=lambda i, s: batches.append(s.batch))
+    assert batches[0] == [("a", 40), ("b", 40)]
     assert outputs["a"] == outputs["b"] == run_alone(reqs[0])
     assert all_idle(sched)
 

@@ -28,12 +28,12 @@ def test_fcfs_admission_under_max_num_seqs() -> None:
     runner = FakeRunner(16)
     for r in [req("a", 4, 3), req("b", 4, 5), req("c", 4, 2), req("d", 4, 2)]:
         sched.add_request(r)
-    plans, finished = [], []
+    batches, finished = [], []
     while sched.has_unfinished():
         s = step(sched, runner)
-        plans.append(s.plan)
+        batches.append(s.batch)
         finished.append(s.finished_ids)
-    assert plans == [
+    assert batches == [
         [("a", 4), ("b", 4)],
         [("a", 1), ("b", 1)],
         [("a", 1), ("b", 1)],  # a finishes here; c can only join next step
@@ -52,13 +52,13 @@ def test_admission_under_the_token_budget_chunks_the_last_prompt() -> None:
     for r in [req("a", 10), req("b", 10), req("c", 10)]:
         sched.add_request(r)
     s0 = step(sched, runner)
-    assert s0.plan == [("a", 10), ("b", 10), ("c", 5)]
+    assert s0.batch == [("a", 10), ("b", 10), ("c", 5)]
     assert [x.samples for x in s0.out.scheduled] == [True, True, False]
     assert [r.request_id for r, _ in s0.update.new_tokens] == ["a", "b"]
     s1 = step(sched, runner)
-    assert s1.plan == [("a", 1), ("b", 1), ("c", 5)]
+    assert s1.batch == [("a", 1), ("b", 1), ("c", 5)]
     assert [r.request_id for r, _ in s1.update.new_tokens] == ["a", "b", "c"]
-    assert step(sched, runner).plan == [("a", 1), ("b", 1), ("c", 1)]
+    assert step(sched, runner).batch == [("a", 1), ("b", 1), ("c", 1)]
 
 
 def test_admission_waits_for_free_blocks_and_nobody_jumps_the_queue() -> None:
@@ -68,12 +68,12 @@ def test_admission_waits_for_free_blocks_and_nobody_jumps_the_queue() -> None:
         sched.add_request(r)
     s = step(sched, runner)
     # a takes 3 of 4 blocks; b needs 2 and waits; c would fit in 1 but is behind b (FCFS).
-    assert s.plan == [("a", 40)]
+    assert s.batch == [("a", 40)]
     assert sched.kv.block_ids("a") == (0, 1, 2)
     assert [r.request_id for r in sched.waiting] == ["b", "c"]
-    assert [step(sched, runner).plan for _ in range(3)] == [[("a", 1)]] * 3
+    assert [step(sched, runner).batch for _ in range(3)] == [[("a", 1)]] * 3
     assert sched.kv.num_free_blocks == 4  # a finished in the last step and freed at once
-    assert step(sched, runner).plan == [("b", 30), ("c", 5)]
+    assert step(sched, runner).batch == [("b", 30), ("c", 5)]
     run_all(sched, runner)
 
 
@@ -102,11 +102,11 @@ def test_chunked_prefill_never_stalls_running_decodes() -> None:
     runner = FakeRunner(16)
     sched.add_request(req("d1", 3, 20))
     sched.add_request(req("d2", 3, 20))
-    assert step(sched, runner).plan == [("d1", 3), ("d2", 3)]
+    assert step(sched, runner).batch == [("d1", 3), ("d2", 3)]
     long = req("long", 100, 2)
     sched.add_request(long)
-    plans = [step(sched, runner).plan for _ in range(5)]
-    assert plans == [
+    batches = [step(sched, runner).batch for _ in range(5)]
+    assert batches == [
         [("d1", 1), ("d2", 1), ("long", 32)],
         [("d1", 1), ("d2", 1), ("long", 32)],
         [("d1", 1), ("d2", 1), ("long", 32)],
@@ -125,8 +125,8 @@ def test_a_burst_that_fits_the_budget_is_prefilled_in_one_step() -> None:
     runner = FakeRunner(16)
     for name in "abcd":
         sched.add_request(req(name, 16, 3))
-    assert step(sched, runner).plan == [("a", 16), ("b", 16), ("c", 16), ("d", 16)]
-    assert step(sched, runner).plan == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
+    assert step(sched, runner).batch == [("a", 16), ("b", 16), ("c", 16), ("d", 16)]
+    assert step(sched, runner).batch == [("a", 1), ("b", 1), ("c", 1), ("d", 1)]
 
 
 def test_a_queue_deeper_than_one_step_drains_in_prefill_chunks() -> None:
@@ -134,8 +134,8 @@ def test_a_queue_deeper_than_one_step_drains_in_prefill_chunks() -> None:
     runner = FakeRunner(16)
     for name in "abcde":
         sched.add_request(req(name, 16, 8))
-    plans = [step(sched, runner).plan for _ in range(3)]
-    assert plans == [
+    batches = [step(sched, runner).batch for _ in range(3)]
+    assert batches == [
         [("a", 16)],  # 80 tokens waiting > 64: one 16-token chunk
         [("a", 1), ("b", 16)],  # 1 decode + 64 waiting > 64: still chunked
         [("a", 1), ("b", 1), ("c", 16), ("d", 16), ("e", 16)],  # 50 fits: all at once
@@ -148,12 +148,12 @@ def test_prefill_chunks_never_cap_the_decodes() -> None:
     decoders = [req(f"d{i}", 2, 20) for i in range(12)]
     for r in decoders:
         sched.add_request(r)
-    assert len(step(sched, runner).plan) == 12  # 24 tokens: one step
+    assert len(step(sched, runner).batch) == 12  # 24 tokens: one step
     sched.add_request(req("long", 100, 2))
     # 12 decodes + 100 prompt tokens > 64: the 12 decodes, then an 8-token chunk.
     for start in range(0, 24, 8):
         s = step(sched, runner)
-        assert s.plan == [(r.request_id, 1) for r in decoders] + [("long", 8)]
+        assert s.batch == [(r.request_id, 1) for r in decoders] + [("long", 8)]
         assert s.out.scheduled[-1].start == start
 
 
@@ -185,7 +185,7 @@ def test_preemption_takes_the_newest_requeues_it_first_and_recomputes() -> None:
     s = step(sched, runner)
     collect(s)
     assert s.out.preempted_ids == ["c"]
-    assert s.plan == [("a", 1), ("b", 1)]
+    assert s.batch == [("a", 1), ("b", 1)]
     c = requests[2]
     assert c.status == RequestStatus.PREEMPTED
     assert c.num_computed_tokens == 0 and c.num_output_tokens == 3 and c.num_preemptions == 1
@@ -278,7 +278,7 @@ def test_abort_frees_blocks_at_once() -> None:
     assert [r.request_id for r in sched.abort_requests(["c", "nope", "a"])] == ["c"]
     sched.check_integrity()
     assert [r.request_id for r in sched.waiting] == []
-    assert step(sched, runner).plan == [("b", 1)]
+    assert step(sched, runner).batch == [("b", 1)]
 
 
 def test_abort_between_schedule_and_update() -> None:

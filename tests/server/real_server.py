@@ -60,6 +60,9 @@ def running_server(log: Path) -> Iterator[RealServer]:
         "--port", str(port),
         "--max-model-len", str(MAX_MODEL_LEN),
         "--num-kv-blocks", str(NUM_KV_BLOCKS),
+        # float32 on the CPU on any machine: the offline reference it is compared with runs
+        # there too (tests/server/test_integration.py), under the float32 near-tie rule.
+        "--device", "cpu", "--dtype", "float32",
         "--max-num-seqs", "32",
         "--max-body-size", str(MAX_BODY),
         "--stats-log-interval", "0",
@@ -67,7 +70,7 @@ def running_server(log: Path) -> Iterator[RealServer]:
     ]  # fmt: skip
     # One torch thread: on a small shared CPU box, torch's default (one thread per core)
     # oversubscribes the cores with this test process and others, and OpenMP spin-waiting then
-    # makes every step ~10x slower. The server's behaviour under test does not depend on it.
+    # makes every step many times slower. The server's behaviour under test does not depend on it.
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with ServerProcess(argv, port, log, env=env) as process:
         process.wait_healthy(STARTUP_TIMEOUT_S)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import openai
+import pytest
+
 from server.protocol import ModelList
 from tests.server.server_fakes import FakeEngine, tiny_tokenizer
 
@@ -21,6 +24,20 @@ async def test_models_lists_the_served_name(serve) -> None:
     assert r.status_code == 200 and r.json()["model"] == "my-model"
     r = await s.http.post("/v1/completions", json={"model": "fake-model", "prompt": "hi"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_the_official_client_retrieves_the_model_and_gets_404_for_another(serve) -> None:
+    s = await serve(served_model_name="org/my-model")
+    client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=s.http)
+    card = await client.models.retrieve("org/my-model")
+    assert (card.id, card.object, card.owned_by) == ("org/my-model", "model", "pagedserve")
+    assert card.model_dump()["max_model_len"] == 256
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.models.retrieve("gpt-4")
+    assert caught.value.status_code == 404
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "model_not_found", error
+    assert "gpt-4" in error["message"] and error["param"] == "model"
 
 
 async def test_health_reports_the_kv_pool(serve) -> None:
@@ -95,6 +112,7 @@ async def test_openapi_schema_documents_the_routes(serve) -> None:
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/models",
+        "/v1/models/{model_id}",
         "/health",
         "/tokenize",
         "/detokenize",

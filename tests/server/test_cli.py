@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
 from server import cli
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -16,7 +22,7 @@ from server import cli
 def test_plan_and_bench_dispatch_lazily(command: str, module: str, monkeypatch) -> None:
     seen: list[list[str]] = []
     fake = types.ModuleType(module)
-    fake.main = lambda argv: seen.append(argv) or 3  # type: ignore[attr-defined]
+    fake.main = lambda argv, **kwargs: seen.append(argv) or 3  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, module, fake)
     assert cli.main([command, "--x", "1"]) == 3
     assert seen == [["--x", "1"]]
@@ -35,3 +41,115 @@ def test_usage_and_unknown_command(capsys) -> None:
     assert "serve" in capsys.readouterr().out
     assert cli.main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_bench_help_names_the_pagedserve_command(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: pagedserve bench ") and "python -m" not in out
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "run", "--help"])
+    assert capsys.readouterr().out.startswith("usage: pagedserve bench run ")
+
+
+def test_serve_help_shows_boolean_values_as_bool(capsys) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "[--no-prefix-caching [BOOL]]" in usage
+    assert "[--check-integrity BOOL]" in usage and "[--log-prompts BOOL]" in usage
+    assert "[CACHING]" not in usage and "INTEGRITY " not in usage
+    assert "[MODEL]" in usage
+
+
+@pytest.mark.parametrize(
+    ("argv", "environ", "model"),
+    [
+        (["serve", "/models/x.gguf"], {}, "/models/x.gguf"),
+        (["serve", "/models/x.gguf", "--port", "9100"], {}, "/models/x.gguf"),
+        (["serve", "--port", "9100", "/models/x.gguf"], {}, "/models/x.gguf"),
+        (["serve", "--model", "/m", "/m"], {}, "/m"),  # the same model twice: no conflict
+        (["serve", "/m"], {"PAGEDSERVE_MODEL": "/env"}, "/m"),  # as a flag beats the env
+        (["serve"], {"PAGEDSERVE_MODEL": "/env"}, "/env"),
+        (["serve"], {}, "default"),
+    ],
+)
+def test_serve_takes_the_model_as_a_positional(
+    argv: list[str], environ: dict[str, str], model: str, monkeypatch
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    if not environ:
+        monkeypatch.delenv("PAGEDSERVE_MODEL", raising=False)
+    seen = []
+    monkeypatch.setattr(cli, "serve", lambda config: seen.append(config) or 0)
+    assert cli.main(argv) == 0
+    assert seen[0].engine.model == model
+
+
+def test_a_positional_model_that_differs_from_model_is_one_clear_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["serve", "/a", "--model", "/b"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "given twice" in err and "'/a'" in err and "'/b'" in err
+    assert "Traceback" not in err
+
+
+
+def _bad_model(case: str, tmp_path: Path) -> str:
+    """The ``--model`` value of each user-error case (files made under ``tmp_path``)."""
+    if case == "hub-id":
+        return "HuggingFaceTB/SmolLM2-135M-Instruct"
+    if case == "missing-file":
+        return str(tmp_path / "missing.gguf")
+    if case == "directory-without-config":
+        return str(tmp_path)
+    if case == "not-a-gguf":
+        (tmp_path / "x.gguf").write_bytes(b"\0" * 64)
+        return str(tmp_path / "x.gguf")
+    config = {
+        "unsupported-architecture": {"model_type": "gpt2", "n_embd": 8},
+        "incomplete-config": {"model_type": "llama", "vocab_size": 8},
+    }[case]
+    directory = tmp_path / case
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("hub-id", ["hub id", "never downloads", "huggingface-cli download", "--local-dir"]),
+        ("unsupported-architecture", ["unsupported architecture 'gpt2'", "llama"]),
+        ("missing-file", ["does not exist", ".gguf file"]),
+        ("directory-without-config", ["has no config.json", "HF directory"]),
+        ("incomplete-config", ["config.json lacks", "num_attention_heads"]),
+        ("not-a-gguf", ["as a GGUF model", "GGUF magic"]),
+    ],
+)
+def test_a_model_the_user_must_change_is_one_line_and_exit_2(
+    case: str, expected: list[str], tmp_path: Path
+) -> None:
+    """``pagedserve serve`` with a model it cannot serve: one line on stderr naming the problem
+    and the fix, exit status 2, no traceback, nothing fetched."""
+    model = _bad_model(case, tmp_path)
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    argv = ["--model", model, "--port", "0", "--log-level", "warning"]
+    done = subprocess.run(
+        [sys.executable, "-m", "server", *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedserve serve: error: "), done.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]

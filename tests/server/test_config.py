@@ -57,7 +57,7 @@ def test_every_flag_reaches_its_config() -> None:
         "64",
         "--batching",
         "dynamic",
-        "--admission",
+        "--block-allocation",
         "reserve",
         "--batch-wait-ms",
         "20",
@@ -107,7 +107,7 @@ def test_every_flag_reaches_its_config() -> None:
         c.scheduler.max_num_batched_tokens,
         c.scheduler.prefill_chunk_tokens,
         c.scheduler.batching,
-        c.scheduler.admission,
+        c.scheduler.block_allocation,
         c.scheduler.batch_wait_ms,
         c.scheduler.static_finished,
     ) == (3, 256, 64, "dynamic", "reserve", 20.0, "skip")

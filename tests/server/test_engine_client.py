@@ -9,7 +9,8 @@ import time
 import pytest
 
 from scheduler.request import SamplingParams
-from server.engine_client import AsyncEngineClient, EngineRequest, EngineUnavailableError
+from server.engine_client import AsyncEngineClient
+from server.engine_types import EngineRequest, EngineUnavailableError
 from tests.server.server_fakes import FakeEngine, tiny_tokenizer
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0)

@@ -189,6 +189,27 @@ async def test_server_keeps_serving_through_the_whole_table(serve) -> None:
     assert s.engine.added == [f"{good.json()['id']}-0"], "no bad request reached the engine"
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+async def test_a_json_body_without_the_json_content_type_is_told_so(
+    serve, content_type: str | None
+) -> None:
+    s = await serve()
+    # curl -d without -H sends application/x-www-form-urlencoded.
+    headers = {"content-type": content_type} if content_type else {}
+    r = await s.http.post(C, content=b'{"prompt": "hi", "max_tokens": 2}', headers=headers)
+    assert_openai_error(r, 415, None)
+    error = r.json()["error"]
+    assert error["code"] == "unsupported_media_type"
+    assert "Content-Type: application/json" in error["message"]
+    assert (content_type or "(none)") in error["message"]
+    ok = await s.http.post(
+        C,
+        content=b'{"prompt": "hi", "max_tokens": 2}',
+        headers={"content-type": "application/json; charset=utf-8"},
+    )
+    assert ok.status_code == 200, ok.text
+
+
 async def test_unknown_fields_can_be_ignored(serve) -> None:
     s = await serve(unknown_fields="ignore")
     r = await s.http.post(C, json={"prompt": "hi", "max_tokens": 2, "foo": 1})

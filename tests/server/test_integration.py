@@ -34,6 +34,9 @@ from tests.server.test_streaming import split_frames
 
 pytestmark = pytest.mark.slow
 
+# The server runs float32 on the CPU on any machine (real_server.py); so does its reference.
+DEVICE = {"device": "cpu", "dtype": "float32"}
+
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
@@ -45,7 +48,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealServer]:
 def reference() -> LLM:
     """The offline engine on the same model: each prompt is generated alone."""
     with torch_threads(1):
-        return LLM(model="default", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN)
+        return LLM(model="default", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, **DEVICE)
 
 
 # ------------------------------------------------------------------------------ tests

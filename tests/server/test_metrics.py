@@ -13,8 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import planner.cpu
 from engine.outputs import STEP_PHASES, StepStats
 from server.config import ServingConfig
-from server.metric_buckets import token_buckets
-from server.metrics import ServerMetrics, config_info
+from server.metrics import ServerMetrics, config_info, token_buckets
 from server.peaks import Peaks, resolve_peaks
 from server.stats_log import overhead_summary
 from server.timings import RequestTimings
@@ -311,3 +310,48 @@ def test_series_with_a_second_label_bind_on_first_use() -> None:
     # Known values exist from the start, at zero.
     abort = {"model_name": "m", "finished_reason": "abort"}
     assert get("pagedserve_requests_finished_total", abort) == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_config_info_reports_the_dtype_the_matmuls_read(tmp_path, dtype: str) -> None:
+    """A float32 checkpoint served in bfloat16 multiplies by bfloat16 weights; the label must
+    not claim float32 (without GGUF blocks the matmul weights are the serving dtype's)."""
+    from engine.llm_engine import LLMEngine
+    from server.config import ServerConfig
+    from tests.server.tiny_server import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "tiny")
+    config = ServingConfig.from_cli(
+        [str(model), "--dtype", dtype, "--device", "cpu", "--num-kv-blocks", "8"], {}
+    )
+    engine = LLMEngine(config.engine, config.kvpool, config.scheduler)
+    assert engine.matmul_weights == dtype
+    # Given peaks: no CPU probe in a unit test.
+    given = ServingConfig(
+        engine=config.engine,
+        kvpool=config.kvpool,
+        scheduler=config.scheduler,
+        server=ServerConfig(stats_log_interval_s=0, peak_bandwidth_gbps=10, peak_tflops=1),
+    )
+    metrics = ServerMetrics.for_engine(given, engine)
+    text = metrics.exposition(None)[0].decode()
+    info = samples(text)
+    labels = next(dict(k[1]) for k in info if k[0] == "pagedserve_config_info")
+    assert labels["matmul_weights"] == dtype and labels["dtype"] == dtype
+
+
+def test_cpu_peaks_are_logged_with_the_l3_size_and_a_warning_when_taken_under_load(
+    monkeypatch, caplog
+) -> None:
+    busy = planner.cpu.CpuPeaks(
+        14e9, {"fp32": 9e10}, 13.8e9, 14e9, "2026-11-26T10:00:00+00:00", True, 0.6
+    )
+    monkeypatch.setattr(planner.cpu, "measure_cpu_peaks", lambda dtypes: busy)
+    monkeypatch.setattr(planner.cpu, "l3_cache_bytes", lambda: 300 * 2**20)
+    with caplog.at_level(logging.INFO, logger="server.peaks"):
+        resolve_peaks("cpu", "float32")
+    text = caplog.text
+    assert "read 13.8 GB/s, copy 14.0 GB/s, fp32 matmul 90 GFLOP/s" in text
+    assert "L3 cache 300 MiB" in text and "MBU may exceed 1" in text
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "60%" in warnings[0].getMessage()

@@ -1,5 +1,5 @@
 """Draining: new requests 503 while in-flight ones finish; past the drain timeout they are cut
-off with a 503. The SIGTERM -> exit 0 path of the real process is in test_faults_server.py."""
+off with a 503. The SIGTERM -> exit 0 path of the real process is in test_resilience_server.py."""
 
 from __future__ import annotations
 

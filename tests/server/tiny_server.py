@@ -81,11 +81,15 @@ class TinyServer:
 
 
 @contextlib.contextmanager
-def tiny_server(model_dir: Path, log: Path, *args: str) -> Iterator[TinyServer]:
-    """Start the server on a free port with ``args`` added; stop it (SIGKILL if needed)."""
+def tiny_server(
+    model_dir: Path, log: Path, *args: str, module: str = "server"
+) -> Iterator[TinyServer]:
+    """Start ``python -m <module>`` (the server, or a test entry point that wraps it, such as
+    tests.server.fault_server) on a free port with ``args`` added; stop it (SIGKILL if needed).
+    """
     port = free_port()
     argv = [
-        sys.executable, "-m", "server",
+        sys.executable, "-m", module,
         "--model", str(model_dir),
         "--device", "cpu",
         "--dtype", "float32",
@@ -94,7 +98,7 @@ def tiny_server(model_dir: Path, log: Path, *args: str) -> Iterator[TinyServer]:
         "--stats-log-interval", "0",
         *args,
     ]  # fmt: skip
-    # One torch thread: see real_server.py (oversubscribed cores make steps ~10x slower).
+    # One torch thread: see real_server.py (oversubscribed cores make steps many times slower).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     server = ServerProcess(argv, port, log, env=env, cwd=REPO)
     server.start()

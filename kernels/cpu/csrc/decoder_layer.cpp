@@ -73,8 +73,9 @@ class Laps {
   std::chrono::steady_clock::time_point last_;
 };
 
-// The order of each layer's slots in the `weights` list (engine/llama.py: DecoderLayer.fused_weights
-// lists one layer's, LlamaForCausalLM.fused_weights all of them, layer after layer).
+// The order of each layer's slots in the `weights` list, layer after layer (engine/backends/cpu.py:
+// LayerSlots, whose field order is asserted against this enum, read by kernels.cpu.stack_slots()).
+// Keep both enums plain lists that end in their count: that reader parses them.
 enum Slot {
   kInputNorm, kPostNorm,
   kQkvW, kQkvPacked, kQkvQuant, kQkvBias,
@@ -83,7 +84,7 @@ enum Slot {
   kDownW, kDownPacked, kDownQuant, kDownBias,
   kNumSlots
 };
-// After the layers' slots, the model's own (LlamaForCausalLM.fused_weights).
+// After the layers' slots, the model's own (engine/backends/cpu.py: HeadSlots).
 enum HeadSlot { kEmbed, kFinalNorm, kHeadW, kHeadPacked, kHeadQuant, kHeadBias, kNumHeadSlots };
 
 // A step's activations, allocated once per call and reused by every layer: the kernels write

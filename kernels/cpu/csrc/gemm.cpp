@@ -73,7 +73,7 @@ static inline void micro(const float* __restrict x, int64_t ldx, const float* __
 }
 
 // Panels one row walks in lockstep: 2, each a sequential stream. Since each thread reads one
-// contiguous share of a matmul (one_row_shared) from one buffer (Linear.gather_cpu_copies),
+// contiguous share of a matmul (one_row_shared) from one buffer (engine/backends/cpu.py, gather),
 // fewer streams read faster than the 4 (AVX-512) or 6 (AVX2) that fit the registers. The
 // model's 121 one-row matmuls chained from one buffer, 2 threads, one process, rounds
 // classified by an x.sum() probe, medians, streams 1 / 2 / 4 (/ 6): AVX-512 10.84 / 10.96 /
@@ -287,7 +287,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // 24 rows 0.97, 12 rows 0.99): the integer path is cheaper for one row and dearer per extra
 // row, so it crosses over earlier.
 constexpr int64_t kMaxQuantRows = kVnni ? 64 : kRegs == 32 ? 12 : 8;
-// Batches over 256 rows go to the library; the engine never sends any (engine/layer_ops.py
+// Batches over 256 rows go to the library; the engine never sends any (engine/backends/cpu.py
 // runs a larger step in passes of max_packed_rows() rows, so its matmuls stay here). AVX2
 // builds served 64 rows and handed 128 and 256 to the library, on a run that found the two
 // even at 16-64 rows and the library 1.07-1.10x ahead at 128-256. Measured again with the

@@ -331,7 +331,7 @@ struct Rows {
 // hide that latency. 450 MB of Q4 blocks, which L3 cannot hold, read 28.2 -> 31.6 GB/s
 // (the probe's rate). Into L1: an L2-only hint measured the same. A prefetch past the end of
 // a stream lands in the next one (the thread's other stream, the next thread's share, or the
-// next matmul: Linear.gather_cpu_copies lays them end to end), and one past the buffer is
+// next matmul: engine/backends/cpu.py's gather lays them end to end), and one past the buffer is
 // dropped, as prefetches never fault.
 constexpr int64_t kStreamAhead = 4096;
 

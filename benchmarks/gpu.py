@@ -1,0 +1,366 @@
+"""GPU serving speed against its floors, in one run, on any model shape.
+
+    python -m benchmarks.gpu --model llama-3-8b --load-format dummy
+    python -m benchmarks.gpu --model llama-3-8b --load-format dummy --enforce-eager   # no graphs
+    python -m benchmarks.gpu --model tiny-llama --load-format dummy --device cpu --quick  # smoke
+
+One engine (``LLM``, prefix caching off so every prompt is computed) measures:
+
+- batch 1: TTFT of a 128-token prompt and TPOT over 128 output tokens, against the
+  weight-bytes floor (weights a decode step reads / peak bandwidth): MBU = floor / TPOT;
+- prefill steps of 128, 512 and 2,048 tokens against the FLOP floor (2 x parameters x tokens
+  / peak FLOP/s, attention's own FLOPs left out);
+- decode steps at batch 16, 64 and 256 over 512-token contexts, against their memory floor
+  (weights + every sequence's K/V);
+- offline throughput: 256 requests of 512 prompt tokens and 256 output tokens at once;
+- the first request after start-up against the steady TTFT (the warm-up's job);
+
+then, unless ``--skip-http``, the same model through the HTTP server (a subprocess on
+127.0.0.1) at concurrency 1, 16 and 64: TPOT, inter-token p50/p99 and throughput, and the
+first request after ``/health`` turned 200 against the steady TTFT.
+
+Peaks come from the known-device table (``planner/devices.py``) and are also measured here
+(a device-to-device copy and a square matmul) and printed beside it; the floors use the
+table's figures where the device is in it, else the measured ones. On CPU the same code
+runs with measured peaks only (a smoke test of the benchmark, not a speed figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
+from planner.devices import device_for_cuda_name
+
+GIGA = 1e9
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--model", default="llama-3-8b", help="a preset (with dummy weights) or a path")
+    ap.add_argument("--load-format", default="dummy", choices=("auto", "dummy"))
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--tokenizer", default=None, help="tokenizer directory (for the HTTP part)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not figures")
+    ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument(
+        "--sections", default="batch1,prefill,decode,offline,http",
+        help="comma-separated subset of batch1,prefill,decode,offline,http",
+    )  # fmt: skip
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    return ap.parse_args(argv)
+
+
+# ---- peaks -------------------------------------------------------------------------------
+
+
+def measured_peaks(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(bytes/s, FLOP/s): a device copy of 1 GiB (read + write) and a square matmul."""
+    size = 2**30 if device.type == "cuda" else 2**26
+    src = torch.empty(size // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    n = 8192 if device.type == "cuda" else 512
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def best(fn, reps: int = 10) -> float:
+        fn()
+        _sync(device)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    copy_s = best(lambda: dst.copy_(src))
+    mm_s = best(lambda: a @ b)
+    return 2 * size / copy_s, 2 * n**3 / mm_s
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---- engine measurements -----------------------------------------------------------------
+
+
+def _prompt(n: int, vocab: int, salt: int) -> list[int]:
+    return [(salt * 7919 + 31 * j) % (vocab - 10) + 5 for j in range(n)]
+
+
+def _run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int, tag: str) -> list[float]:
+    """Per-step wall times of one request served alone: [TTFT, decode step, ...]."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine.add_request(tag, prompt, params)
+    times = []
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    return times
+
+
+def decode_steps(engine: LLMEngine, batch: int, context: int, steps: int, salt: int) -> float:
+    """Median wall time of a decode step of ``batch`` sequences at ``context`` tokens."""
+    # Enough tokens that nobody finishes while the others prefill (chunked prefill decodes
+    # the early ones meanwhile); everyone is aborted after the timed steps.
+    max_tokens = engine.max_model_len - context - 1
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    ids = [f"dec-{salt}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, _prompt(context, vocab, salt * 1000 + i), params)
+    # Prefill everyone (their first token), then time pure decode steps.
+    while (
+        any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        assert len(engine.scheduler.running) == batch, "a sequence left the batch"
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    engine.abort_request(ids)
+    return statistics.median(times)
+
+
+def offline_throughput(llm: LLM, num: int, prompt_len: int, output_len: int) -> float:
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [_prompt(prompt_len, vocab, 50_000 + i) for i in range(num)]
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+# ---- HTTP --------------------------------------------------------------------------------
+
+
+def first_request_ttft(
+    base_url: str, model: str, prompt_tokens: int, reps: int
+) -> tuple[float, float]:
+    """TTFT of the first streamed request after start-up, and the median of ``reps`` more."""
+    import random
+
+    from loadtest.workloads import make_prompt
+
+    body: dict[str, Any] = {"model": model, "max_tokens": 2, "temperature": 0, "stream": True}
+
+    def one(salt: int) -> float:
+        # Fresh words every time: a prefix cache must not answer the prompt.
+        body["prompt"] = make_prompt(prompt_tokens, random.Random(f"first-ttft:{salt}"))
+        t0 = time.perf_counter()
+        with httpx.Client(base_url=base_url, timeout=120, trust_env=False) as http:
+            with http.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    raise RuntimeError(f"{resp.status_code}: {resp.read().decode()[:300]}")
+                for line in resp.iter_lines():
+                    if line.startswith("data: ") and '"text"' in line:
+                        return time.perf_counter() - t0
+        raise RuntimeError("no token streamed")
+
+    first = one(0)
+    return first, statistics.median(one(i) for i in range(1, reps + 1))
+
+
+def measure_http(
+    args: argparse.Namespace, concurrencies: list[int], prompt: int, output: int
+) -> dict[str, Any]:
+    from benchmarks.servers import measure_server
+    from loadtest.launcher import ServerProcess, build_command, free_port
+
+    flags = (
+        f"--model {args.model} --load-format {args.load_format} --max-num-seqs {max(concurrencies)}"
+    )
+    for flag, value in (
+        ("--dtype", args.dtype),
+        ("--device", args.device),
+        ("--tokenizer", args.tokenizer),
+    ):
+        if value:
+            flags += f" {flag} {value}"
+    if args.enforce_eager:
+        flags += " --enforce-eager"
+    cmd = f"{sys.executable} -m server --host {{host}} --port {{port}} {flags}"
+    log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-gpu-bench-"))
+    # The first request after /health: its own server, so no earlier request warmed it.
+    port = free_port()
+    server = ServerProcess(
+        build_command(cmd, port=port, host="127.0.0.1"), port, log_dir / "first.log"
+    )
+    server.start()
+    try:
+        startup = server.wait_healthy(timeout_s=900)
+        first, steady = first_request_ttft(server.base_url, args.model, prompt, reps=5)
+    finally:
+        server.stop()
+    print(
+        f"HTTP: healthy after {startup:.1f} s; first request TTFT {first * 1e3:.1f} ms, "
+        f"steady {steady * 1e3:.1f} ms ({first / steady:.2f}x)",
+        flush=True,
+    )
+    result = measure_server(
+        "pagedserve", cmd, Path("."), concurrencies, prompt, output,
+        num_requests=max(32, 2 * max(concurrencies)), log_dir=log_dir, startup_timeout_s=900,
+    )  # fmt: skip
+    result["first_ttft_s"], result["steady_ttft_s"], result["health_s"] = first, steady, startup
+    return result
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sections = set(args.sections.split(","))
+    if args.skip_http:
+        sections.discard("http")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    quick = args.quick
+    max_seqs = 16 if quick else args.max_num_seqs
+    batches = [b for b in ((2, 4) if quick else (16, 64, 256)) if b <= max_seqs]
+    prefills = (16, 64) if quick else (128, 512, 2048)
+    context = 32 if quick else 512
+    tpot_tokens = 16 if quick else 128
+
+    table = (
+        device_for_cuda_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    )
+    bw_meas, fl_meas = measured_peaks(device, dtype)
+    if table is not None:
+        key = "bf16" if dtype == torch.bfloat16 else "fp16" if dtype == torch.float16 else "tf32"
+        bandwidth, flops = table.memory_bandwidth, table.peak_flops[key]
+        source = f"table: {table.description}"
+    else:
+        bandwidth, flops, source = bw_meas, fl_meas, "measured"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(
+        f"device: {name}; {dtype_name}; peaks ({source}) {bandwidth / GIGA:.0f} GB/s, "
+        f"{flops / 1e12:.3g} TFLOP/s; measured copy {bw_meas / GIGA:.0f} GB/s, "
+        f"matmul {fl_meas / 1e12:.3g} TFLOP/s",
+        flush=True,
+    )
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model, load_format=args.load_format, dtype=dtype_name, device=str(device),
+        tokenizer=args.tokenizer, enforce_eager=args.enforce_eager, max_num_seqs=max_seqs,
+        max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
+    )  # fmt: skip
+    engine = llm.engine
+    print(
+        f"engine ready in {time.perf_counter() - t0:.1f} s "
+        f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'})",
+        flush=True,
+    )
+    mc = engine.model_config
+    vocab = mc.vocab_size
+    cost = engine.cost_model
+    decode_weight_bytes = cost.body_weight_bytes + cost.lm_head_bytes
+    kv_per_token = engine.kv_capacity.bytes_per_token
+    params = decode_weight_bytes // dtype.itemsize
+    out: dict[str, Any] = {"device": name, "dtype": dtype_name, "model": args.model,
+                           "graphs": not args.enforce_eager and device.type == "cuda",
+                           "bandwidth": bandwidth, "flops": flops}  # fmt: skip
+
+    # Batch 1: the first request after the engine is ready, then a steady one.
+    first = _run_alone(engine, _prompt(128, vocab, 1), 2, "first")
+    steady = _run_alone(engine, _prompt(128, vocab, 2), tpot_tokens + 1, "steady")
+    ttft, tpot = steady[0], statistics.median(steady[1:])
+    floor = decode_weight_bytes / bandwidth
+    out["batch1"] = {"ttft_s": ttft, "tpot_s": tpot, "floor_s": floor, "first_ttft_s": first[0]}
+    print(
+        f"batch 1: TTFT {ttft * 1e3:.2f} ms (first request {first[0] * 1e3:.2f} ms, "
+        f"{first[0] / ttft:.2f}x), TPOT {tpot * 1e3:.3f} ms vs floor {floor * 1e3:.3f} ms "
+        f"({decode_weight_bytes / 1e9:.2f} GB): {tpot / floor:.2f}x floor, MBU {floor / tpot:.2f}, "
+        f"{1 / tpot:.0f} tok/s",
+        flush=True,
+    )
+
+    out["prefill"] = {}
+    for n in prefills if "prefill" in sections else ():
+        times = [
+            _run_alone(engine, _prompt(n, vocab, 100 + n + r), 1, f"pf-{n}-{r}")[0]
+            for r in range(3)
+        ]
+        t = statistics.median(times)
+        floor = 2 * params * n / flops
+        out["prefill"][n] = {"s": t, "floor_s": floor}
+        print(
+            f"prefill {n:>5} tokens: {t * 1e3:8.2f} ms vs FLOP floor {floor * 1e3:7.2f} ms "
+            f"({t / floor:.2f}x, MFU {floor / t:.2f})",
+            flush=True,
+        )
+
+    out["decode"] = {}
+    for b in batches if "decode" in sections else ():
+        t = decode_steps(engine, b, context, steps=8 if quick else 16, salt=b)
+        kv_bytes = b * (context + 2) * kv_per_token
+        floor = (decode_weight_bytes + kv_bytes) / bandwidth
+        out["decode"][b] = {"s": t, "floor_s": floor}
+        print(
+            f"decode step, batch {b:>3} x {context}: {t * 1e3:7.3f} ms "
+            f"vs floor {floor * 1e3:6.3f} ms "
+            f"({t / floor:.2f}x, MBU {floor / t:.2f}; {b / t:.0f} tok/s)",
+            flush=True,
+        )
+
+    num, pin, pout = (8, 32, 16) if quick else (max_seqs, 512, 256)
+    if "offline" in sections:
+        tput = offline_throughput(llm, num, pin, pout)
+        out["offline_tok_s"] = tput
+        print(
+            f"offline: {num} requests x {pin} in / {pout} out: {tput:.0f} output tok/s", flush=True
+        )
+
+    if "http" in sections and not args.tokenizer and llm.tokenizer is None:
+        print("HTTP part skipped: the model has no tokenizer (pass --tokenizer DIR)", flush=True)
+    elif "http" in sections:
+        del llm, engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        http = measure_http(args, concurrencies, 16 if quick else 128, 16 if quick else 128)
+        out["http"] = http
+        for c, row in http["points"].items():
+            print(
+                f"HTTP c={c}: TPOT p50 {row['tpot_p50_s'] * 1e3:.2f} ms "
+                f"(engine step at batch 1: {tpot * 1e3:.2f} ms -> "
+                f"{row['tpot_p50_s'] / tpot:.2f}x), ITL p99 {row['itl_p99_s'] * 1e3:.1f} ms, "
+                f"{row['output_tok_s']:.0f} tok/s",
+                flush=True,
+            )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,648 @@
+"""Kernel benchmark.
+
+    python -m benchmarks.kernels [--targets] [--fused] [--quick] [--peak-gbps N]
+
+
+Decode paged attention. For each configuration (batch size x context length x GQA shape x
+block size) it times
+
+- ``triton``        the Triton decode kernel, split-K chosen by its heuristic (GPU only),
+- ``triton-nosplit``  the same with ``num_splits=1``, printed when the heuristic split,
+- ``triton-split=N``  the same with ``num_splits=N`` for each N of ``--splits`` (tuning),
+- ``triton[w=W,s=S]`` the heuristic split at ``num_warps=W``, ``num_stages=S`` for each pair
+                    of ``--warps`` x ``--stages`` (tuning),
+- ``flashinfer``, ``flash-attn``  their paged decode on the same cache, where importable,
+- ``reference``     ``kernels.reference.paged_attention_decode`` (gather + matmuls in fp32),
+- ``sdpa``          ``scaled_dot_product_attention`` on K/V already contiguous per sequence,
+- ``sdpa+gather``   the same plus gathering the paged K/V into that contiguous layout,
+
+and prints the time, the achieved bandwidth (bytes of K/V + Q + O + block tables that a
+decode step must move, divided by the time; the same byte count for every implementation so
+rows compare) and its fraction of the device's peak memory bandwidth. ``--targets`` runs the
+issue's rows (Llama-3-8B shape, 32 query / 8 KV heads, head_dim 128, block 16: batch x
+context 1 x 512, 16 x 512, 1 x 4,096, 64 x 4,096, 256 x 4,096).
+
+Fused layer ops (``--fused``): ``add_rms_norm_``, ``rms_norm``, ``silu_mul`` and
+``rope_and_store_`` of a Llama-3-8B layer (hidden 4,096, intermediate 14,336) at several
+token counts, Triton against the PyTorch twin, bandwidth counted on each op's own bytes.
+
+On CUDA the timer is ``triton.testing.do_bench`` (median, L2 flushed between runs). On CPU
+the Triton kernels only run under ``TRITON_INTERPRET=1`` (numpy, orders of magnitude slower,
+meaningless to time), so the CPU bench compares the reference with SDPA, against a peak
+bandwidth measured with a large tensor copy unless ``--peak-gbps`` is given; with
+``TRITON_INTERPRET=1`` set it adds the interpreted Triton rows, for their ``max_err`` only.
+Every row checks its output against the reference (``max_err``), so a fast wrong kernel shows.
+
+The issue's figures on an H100/H200 (``make test-gpu`` runs this)::
+
+    python -m benchmarks.kernels --targets --fused
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import reference
+
+# Peak memory bandwidth in GB/s (1e9 bytes/s), matched by substring of the CUDA device name,
+# first match wins (so the more specific names come first). Vendor datasheet figures.
+PEAK_GBPS: list[tuple[str, float]] = [
+    ("H200", 4800.0),
+    ("H100 NVL", 3900.0),
+    ("H100 PCIe", 2000.0),
+    ("H100", 3350.0),  # SXM5 80GB HBM3
+    ("GH200", 4000.0),
+    ("B200", 8000.0),
+    ("A100-SXM4-80GB", 2039.0),
+    ("A100 80GB PCIe", 1935.0),
+    ("A100", 1555.0),  # 40GB, SXM4 and PCIe
+    ("L40S", 864.0),
+    ("L40", 864.0),
+    ("A10G", 600.0),
+    ("A10", 600.0),
+    ("L4", 300.0),
+    ("RTX 4090", 1008.0),
+    ("RTX 3090", 936.0),
+    ("V100", 900.0),
+    ("T4", 320.0),
+]
+
+
+@dataclass(frozen=True)
+class Config:
+    batch: int
+    context_len: int
+    num_heads: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def bytes_moved(self) -> int:
+        """Bytes one decode step must move: K and V of every context token, Q in, O out,
+        and the block tables (int32)."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        kv = 2 * self.batch * self.context_len * self.num_kv_heads * self.head_dim * elem
+        q_and_o = 2 * self.batch * self.num_heads * self.head_dim * elem
+        tables = self.batch * math.ceil(self.context_len / self.block_size) * 4
+        return kv + q_and_o + tables
+
+    def kv_gib(self) -> float:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.batch * self.context_len * self.num_kv_heads * self.head_dim * elem / 2**30
+
+
+def peak_bandwidth(device: torch.device, override: float | None) -> tuple[float | None, str]:
+    """(GB/s, where it came from)."""
+    if override is not None:
+        return override, "--peak-gbps"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, gbps in PEAK_GBPS:
+            if key in name:
+                return gbps, f"table entry {key!r}"
+        return None, f"unknown device {name!r}: pass --peak-gbps"
+    return measure_copy_bandwidth(), "measured (256 MiB tensor copy, read + write)"
+
+
+def measure_copy_bandwidth() -> float:
+    """CPU stand-in for a datasheet figure: GB/s of a large copy, counting read and write."""
+    src = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, well past any cache
+    dst = torch.empty_like(src)
+    seconds = time_cpu(lambda: dst.copy_(src), min_seconds=0.3)
+    return 2 * src.numel() * src.element_size() / seconds / 1e9
+
+
+def time_cpu(fn: Callable[[], object], min_seconds: float = 0.2, max_reps: int = 50) -> float:
+    """Fastest of repeated calls after one warm-up call, in seconds.
+
+    The minimum, not the median: build machines are shared, and the least-disturbed run is
+    the best estimate of the code's own cost.
+    """
+    fn()
+    samples: list[float] = []
+    start = time.perf_counter()
+    while len(samples) < max_reps and (
+        len(samples) < 3 or time.perf_counter() - start < min_seconds
+    ):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return min(samples)
+
+
+def time_fn(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds per call: do_bench on CUDA (median, L2 flushed), wall clock on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
+    return time_cpu(fn)
+
+
+# CUDA: each implementation is timed over this many bytes of independent inputs, captured in
+# one CUDA graph (see time_graph), so that a small case does not find its data in the L2
+# cache (50 MB on an H100) left there by the previous call.
+GRAPH_BYTES = 256 * 2**20
+MAX_INPUT_SETS = 64
+
+
+def num_input_sets(bytes_per_call: int, device: torch.device) -> int:
+    """How many independent input sets a case is timed over (1 off CUDA)."""
+    if device.type != "cuda":
+        return 1
+    return max(1, min(MAX_INPUT_SETS, -(-GRAPH_BYTES // max(1, bytes_per_call))))
+
+
+def time_graph(fns: list[Callable[[], object]], reps: int = 20) -> float:
+    """Seconds per call of ``fns`` (one call per input set) captured in one CUDA graph.
+
+    This is how a decode step runs in the engine (a graph, each layer on its own cache), so
+    it measures the kernels and not Python's launch overhead, which at a few microseconds a
+    launch exceeds a small case's whole GPU time (``do_bench`` then times the launches).
+    The median of ``reps`` replays, divided by the calls in one replay.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm the allocator outside the capture
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    # Replay for 25 ms first (do_bench's warm-up): an idle GPU's clocks take that long to
+    # rise, and the first case timed after a pause otherwise reads ~15% slow.
+    warm_until = time.perf_counter() + 0.025
+    while time.perf_counter() < warm_until:
+        graph.replay()
+        torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2] / 1e3 / len(fns)
+
+
+def time_sets(
+    impl: Callable[[object], object], sets: list, device: torch.device, *, capturable: bool = True
+) -> float:
+    """Seconds per call of ``impl(input_set)``: a CUDA graph over every set on CUDA (do_bench
+    on the first set where the implementation cannot be captured, e.g. it reads a tensor on
+    the host), wall clock on the first set on CPU."""
+    if device.type == "cuda" and capturable:
+        return time_graph([lambda s=s: impl(s) for s in sets])
+    return time_fn(lambda: impl(sets[0]), device)
+
+
+@dataclass
+class Inputs:
+    query: torch.Tensor  # [batch, num_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor  # [batch, blocks_per_seq] int32, shuffled
+    seq_lens: torch.Tensor  # [batch] int32, all context_len
+    key: torch.Tensor  # [batch, num_kv_heads, context_len, head_dim] contiguous, for SDPA
+    value: torch.Tensor  # [batch, num_kv_heads, context_len, head_dim]
+
+
+def make_inputs(cfg: Config, device: torch.device) -> Inputs:
+    blocks_per_seq = math.ceil(cfg.context_len / cfg.block_size)
+    num_blocks = cfg.batch * blocks_per_seq
+    shape = (num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+    key_cache = torch.randn(shape, dtype=cfg.dtype, device=device)
+    value_cache = torch.randn(shape, dtype=cfg.dtype, device=device)
+    # Shuffled block ids: a realistic pool after many allocations and frees.
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    block_tables = perm.view(cfg.batch, blocks_per_seq)
+    seq_lens = torch.full((cfg.batch,), cfg.context_len, dtype=torch.int32, device=device)
+    query = torch.randn(cfg.batch, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
+    return Inputs(
+        query, key_cache, value_cache, block_tables, seq_lens,
+        gather(key_cache, block_tables, cfg.context_len),
+        gather(value_cache, block_tables, cfg.context_len),
+    )  # fmt: skip
+
+
+def gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [batch, blocks_per_seq] int32
+    context_len: int,
+) -> torch.Tensor:  # [batch, num_kv_heads, context_len, head_dim] contiguous
+    batch = block_tables.shape[0]
+    blocks = cache.index_select(0, block_tables.flatten().long())
+    flat = blocks.view(batch, -1, cache.shape[2], cache.shape[3])[:, :context_len]
+    return flat.transpose(1, 2).contiguous()
+
+
+def sdpa(
+    query: torch.Tensor,  # [batch, num_heads, head_dim]
+    key: torch.Tensor,  # [batch, num_kv_heads, context_len, head_dim]
+    value: torch.Tensor,  # [batch, num_kv_heads, context_len, head_dim]
+    scale: float,
+) -> torch.Tensor:  # [batch, num_heads, 1, head_dim]
+    q = query.unsqueeze(2)  # [batch, num_heads, 1, head_dim]
+    if key.shape[1] != query.shape[1]:
+        try:
+            return F.scaled_dot_product_attention(q, key, value, scale=scale, enable_gqa=True)
+        except TypeError:  # torch < 2.5: no enable_gqa, expand the KV heads instead
+            group = query.shape[1] // key.shape[1]
+            key = key.repeat_interleave(group, dim=1)
+            value = value.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, key, value, scale=scale)
+
+
+def external_decoders(
+    x: Inputs, cfg: Config, scale: float
+) -> list[tuple[str, Callable[[], torch.Tensor] | None, str]]:
+    """FlashInfer's and FlashAttention's paged decode on the same cache, where importable:
+    (name, callable or None, why not). Both read the ``[num_blocks, block_size,
+    num_kv_heads, head_dim]`` layout ("NHD") through the same block tables."""
+    found: list[tuple[str, Callable[[], torch.Tensor] | None, str]] = []
+    device = x.query.device
+    try:
+        import flashinfer
+
+        workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device=device)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        blocks_per_seq = x.block_tables.shape[1]
+        indptr = torch.arange(cfg.batch + 1, dtype=torch.int32, device=device) * blocks_per_seq
+        last = (cfg.context_len - 1) % cfg.block_size + 1
+        last_page_len = torch.full((cfg.batch,), last, dtype=torch.int32, device=device)
+        wrapper.plan(indptr, x.block_tables.flatten(), last_page_len, cfg.num_heads,
+                     cfg.num_kv_heads, cfg.head_dim, cfg.block_size, data_type=cfg.dtype,
+                     sm_scale=scale)  # fmt: skip
+        found.append(("flashinfer", lambda: wrapper.run(x.query, (x.key_cache, x.value_cache)),
+                      ""))  # fmt: skip
+    except Exception as e:  # ImportError, or a version whose API or build does not fit
+        found.append(("flashinfer", None, f"{type(e).__name__}: {e}"[:120]))
+    try:
+        from flash_attn import flash_attn_with_kvcache
+
+        def flash() -> torch.Tensor:
+            return flash_attn_with_kvcache(
+                x.query.unsqueeze(1), x.key_cache, x.value_cache, cache_seqlens=x.seq_lens,
+                block_table=x.block_tables, softmax_scale=scale,
+            )  # fmt: skip
+
+        flash()  # FlashAttention 2 wants blocks of a multiple of 256 tokens: fail here
+        found.append(("flash-attn", flash, ""))
+    except Exception as e:
+        found.append(("flash-attn", None, f"{type(e).__name__}: {e}"[:120]))
+    return found
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Compiled Triton needs CUDA; on CPU only the interpreter runs the kernels."""
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def bench_config(
+    cfg: Config,
+    device: torch.device,
+    *,
+    splits: list[int] | None = None,
+    launch_params: list[tuple[int, int]] | None = None,
+    externals: bool = False,
+    skipped: list[str] | None = None,
+) -> list[tuple[str, int, float, float]]:
+    """Rows of (implementation, num_splits, seconds, max |output - reference output|).
+
+    ``splits``: extra rows at these forced split counts. ``launch_params``: extra rows of
+    the heuristic split at these (num_warps, num_stages). ``externals``: FlashInfer and
+    FlashAttention rows where importable (why not, appended to ``skipped``).
+    """
+    scale = cfg.head_dim**-0.5
+    sets = [make_inputs(cfg, device) for _ in range(num_input_sets(cfg.bytes_moved(), device))]
+    x = sets[0]
+    expected = reference.paged_attention_decode(
+        x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, scale
+    ).float()
+    rows: list[tuple[str, int, float, float]] = []
+
+    def error(out: torch.Tensor) -> float:
+        return float((out.float().reshape(expected.shape) - expected).abs().max())
+
+    def add(name: str, num_splits: int, impl: Callable[[Inputs], torch.Tensor],
+            capturable: bool = True) -> None:  # fmt: skip
+        seconds = time_sets(impl, sets, device, capturable=capturable)
+        rows.append((name, num_splits, seconds, error(impl(x))))
+
+    if triton_runs_on(device):
+        import kernels.paged_attention as decode_module
+        from kernels.paged_attention import choose_num_splits, paged_attention_decode
+
+        def triton_decode(n: int) -> Callable[[Inputs], torch.Tensor]:
+            return lambda i: paged_attention_decode(
+                i.query, i.key_cache, i.value_cache, i.block_tables, i.seq_lens, scale,
+                num_splits=n,
+            )  # fmt: skip
+
+        chosen = choose_num_splits(
+            cfg.batch, cfg.num_kv_heads, x.block_tables.shape[1] * cfg.block_size, device
+        )
+        candidates = [("triton", chosen)] + ([("triton-nosplit", 1)] if chosen > 1 else [])
+        candidates += [(f"triton-split={n}", n) for n in splits or [] if n != chosen]
+        for name, n in candidates:
+            add(name, n, triton_decode(n))
+        default = (decode_module.NUM_WARPS, decode_module.NUM_STAGES)
+        for warps, stages in launch_params or []:
+            decode_module.NUM_WARPS, decode_module.NUM_STAGES = warps, stages
+            try:
+                add(f"triton[w={warps},s={stages}]", chosen, triton_decode(chosen))
+            finally:
+                decode_module.NUM_WARPS, decode_module.NUM_STAGES = default
+    if externals:
+        found = [external_decoders(i, cfg, scale) for i in sets]
+        for k, (name, fn, why) in enumerate(found[0]):
+            if fn is None:
+                if skipped is not None and not any(w.startswith(name) for w in skipped):
+                    skipped.append(f"{name}: {why}")
+                continue
+            fns = {id(i): f[k][1] for i, f in zip(sets, found, strict=True)}
+            add(name, 1, lambda i, fns=fns: fns[id(i)]())
+    # The reference reads the longest context on the host: not capturable.
+    add("reference", 1, lambda i: reference.paged_attention_decode(
+        i.query, i.key_cache, i.value_cache, i.block_tables, i.seq_lens, scale
+    ), capturable=False)  # fmt: skip
+    add("sdpa", 1, lambda i: sdpa(i.query, i.key, i.value, scale))
+
+    def gather_then_sdpa(i: Inputs) -> torch.Tensor:
+        key = gather(i.key_cache, i.block_tables, cfg.context_len)
+        value = gather(i.value_cache, i.block_tables, cfg.context_len)
+        return sdpa(i.query, key, value, scale)
+
+    add("sdpa+gather", 1, gather_then_sdpa)
+    return rows
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """One decoder layer's elementwise ops at ``num_tokens`` rows (default: Llama-3-8B)."""
+
+    num_tokens: int
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+    def bytes_moved(self, op: str) -> int:
+        """Bytes an op must read and write (weights, tables and slots included)."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        t, h = self.num_tokens, self.hidden_size
+        if op == "add_rms_norm_":  # x, residual in; residual, out; the weight
+            return (4 * t * h + h) * elem
+        if op == "rms_norm":
+            return (2 * t * h + h) * elem
+        if op == "silu_mul":  # gate and up in, out
+            return 3 * t * self.intermediate_size * elem
+        if op == "rope_and_store_":  # the qkv row in; Q back, K and V to the cache; cos, sin
+            qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            return (2 * t * qkv + 2 * t * self.head_dim) * elem + 8 * t
+        raise ValueError(op)
+
+
+FUSED_OPS = ("add_rms_norm_", "rms_norm", "silu_mul", "rope_and_store_")
+
+
+def bench_fused(cfg: FusedConfig, device: torch.device) -> list[tuple[str, str, float, float]]:
+    """Rows of (op, implementation, seconds, max |output - torch twin's output|) for each of
+    ``FUSED_OPS``: ``triton`` (where Triton runs) and ``torch``, the arithmetic of the
+    engine's plain ops (``kernels.reference``); on CUDA its RoPE stores K/V with the
+    Triton ``store_kv``, as the engine does there (the reference's store reads the slots on
+    the host, which no CUDA graph can hold)."""
+    from kernels.rms_norm import add_rms_norm_, rms_norm
+    from kernels.rope_and_store import rope_and_store_
+    from kernels.silu_mul import silu_mul
+
+    t, h, d = cfg.num_tokens, cfg.hidden_size, cfg.head_dim
+    nh, nkv = cfg.num_heads, cfg.num_kv_heads
+    num_blocks = -(-t // cfg.block_size) + 1
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device).to(cfg.dtype)
+
+    def make_set() -> dict[str, torch.Tensor]:
+        angles = torch.rand(t, d, device=device) * 6.3
+        key_cache = torch.zeros((num_blocks, cfg.block_size, nkv, d), dtype=cfg.dtype,
+                                device=device)  # fmt: skip
+        return dict(
+            x=randn(t, h), residual=randn(t, h), weight=randn(h),
+            gate_up=randn(t, 2 * cfg.intermediate_size), qkv=randn(t, (nh + 2 * nkv) * d),
+            cos=angles.cos().to(cfg.dtype), sin=angles.sin().to(cfg.dtype),
+            key_cache=key_cache, value_cache=torch.zeros_like(key_cache),
+            slots=torch.randperm(num_blocks * cfg.block_size, device=device)[:t],
+        )  # fmt: skip
+
+    if device.type == "cuda":
+        from kernels.store_kv import store_kv
+    else:
+        store_kv = reference.store_kv
+
+    def torch_rope_and_store(qkv, cos, sin, key_cache, value_cache, slots, nh, nkv):
+        q_and_k = qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d)
+        c, s_ = cos.view(t, 1, d), sin.view(t, 1, d)
+        half = d // 2
+        rotated = q_and_k * c + torch.cat((-q_and_k[..., half:], q_and_k[..., :half]), -1) * s_
+        value = qkv[:, (nh + nkv) * d :].view(t, nkv, d)
+        store_kv(rotated[:, nh:], value, key_cache, value_cache, slots)
+        return rotated[:, :nh]
+
+    def rope(impl: Callable[..., torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+        q = impl(b["qkv"], b["cos"], b["sin"], b["key_cache"], b["value_cache"], b["slots"],
+                 nh, nkv)  # fmt: skip
+        return torch.cat([q.flatten(), b["key_cache"].flatten(), b["value_cache"].flatten()])
+
+    ops: dict[str, tuple[Callable[[dict], torch.Tensor], Callable[[dict], torch.Tensor]]] = {
+        "add_rms_norm_": (
+            lambda b: add_rms_norm_(b["x"], b["residual"], b["weight"], 1e-5),
+            lambda b: reference.add_rms_norm_(b["x"], b["residual"], b["weight"], 1e-5),
+        ),
+        "rms_norm": (
+            lambda b: rms_norm(b["x"], b["weight"], 1e-5),
+            lambda b: reference.rms_norm(b["x"], b["weight"], 1e-5),
+        ),
+        "silu_mul": (lambda b: silu_mul(b["gate_up"]), lambda b: reference.silu_mul(b["gate_up"])),
+        "rope_and_store_": (
+            lambda b: rope(rope_and_store_, b), lambda b: rope(torch_rope_and_store, b),
+        ),
+    }  # fmt: skip
+    per_call = max(cfg.bytes_moved(op) for op in FUSED_OPS)
+    sets = [make_set() for _ in range(num_input_sets(per_call, device))]
+    rows: list[tuple[str, str, float, float]] = []
+    for op in FUSED_OPS:
+        kernel, twin = ops[op]
+        # In-place ops: each compared call gets its own copy of the first set.
+        expected = twin({k: v.clone() for k, v in sets[0].items()}).float()
+        if triton_runs_on(device):
+            out = kernel({k: v.clone() for k, v in sets[0].items()}).float()
+            rows.append((op, "triton", time_sets(kernel, sets, device),
+                         float((out - expected).abs().max())))  # fmt: skip
+        rows.append((op, "torch", time_sets(twin, sets, device), 0.0))
+    return rows
+
+
+def print_fused(tokens: list[int], dtype: torch.dtype, device: torch.device,
+                peak: float | None) -> None:  # fmt: skip
+    print()
+    print("# fused layer ops, Llama-3-8B layer (hidden 4096, intermediate 14336, 32/8 heads "
+          "x 128); GB/s on each op's own bytes")  # fmt: skip
+    print(f"{'tokens':>6} {'op':<16} {'impl':<7} {'time_us':>10} {'GB/s':>8} {'%peak':>6} "
+          f"{'vs_torch':>8} {'max_err':>8}")  # fmt: skip
+    for t in tokens:
+        cfg = FusedConfig(t, dtype=dtype)
+        rows = bench_fused(cfg, device)
+        for op, impl, seconds, err in rows:
+            torch_s = next(sec for o, i, sec, _ in rows if o == op and i == "torch")
+            gbps = cfg.bytes_moved(op) / seconds / 1e9
+            pct = f"{100 * gbps / peak:5.1f}%" if peak else "   n/a"
+            print(f"{t:>6} {op:<16} {impl:<7} {seconds * 1e6:>10.1f} {gbps:>8.1f} {pct:>6} "
+                  f"{torch_s / seconds:>7.2f}x {err:>8.1e}")  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+# The issue's decode rows: (batch, context), Llama-3-8B shape, block 16.
+TARGET_ROWS = [(1, 512), (16, 512), (1, 4096), (64, 4096), (256, 4096)]
+
+
+def sweep(args: argparse.Namespace, device: torch.device) -> list[Config]:
+    """The configurations to run: a default grid per device, narrowed by any list flag."""
+    if args.quick:
+        batches, contexts = [1, 4], [256, 1024]
+        shapes, block_sizes = [(9, 3)], [16]
+    elif device.type == "cuda":
+        batches, contexts = [1, 16, 64, 128], [1024, 4096, 16384]
+        shapes, block_sizes = [(32, 32), (32, 8), (9, 3), (64, 8)], [16, 32]
+    else:
+        batches, contexts = [1, 8, 32], [512, 2048]
+        shapes, block_sizes = [(9, 3), (32, 8)], [16]
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    if args.targets:
+        return [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in TARGET_ROWS]
+    batches = args.batches or batches
+    contexts = args.contexts or contexts
+    shapes = args.shapes or shapes
+    block_sizes = args.block_sizes or block_sizes
+    configs = [
+        Config(b, ctx, h, kvh, bs, args.head_dim if (h, kvh) != (9, 3) else 64, dtype)
+        for b in batches
+        for ctx in contexts
+        for h, kvh in shapes
+        for bs in block_sizes
+    ]
+    return [c for c in configs if c.kv_gib() <= args.max_kv_gib]
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _shape_list(text: str) -> list[tuple[int, int]]:
+    pairs = [x.split("/") for x in text.split(",")]
+    return [(int(q), int(kv)) for q, kv in pairs]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quick", action="store_true", help="a small sweep (CPU CI smoke run)")
+    parser.add_argument("--peak-gbps", type=float, default=None, help="peak bandwidth, GB/s")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
+                        help="default: bf16 on CUDA, fp32 on CPU")  # fmt: skip
+    parser.add_argument("--head-dim", type=int, default=128,
+                        help="head dim of the non-SmolLM2 shapes (9/3 heads use 64)")  # fmt: skip
+    parser.add_argument("--max-kv-gib", type=float, default=4.0,
+                        help="skip configurations whose K+V cache exceeds this")  # fmt: skip
+    parser.add_argument("--batches", type=_int_list, help="e.g. 1,64 (overrides the sweep)")
+    parser.add_argument("--contexts", type=_int_list, help="context lengths, e.g. 4096")
+    parser.add_argument("--block-sizes", type=_int_list, help="e.g. 16,32")
+    parser.add_argument("--shapes", type=_shape_list,
+                        help="query/KV heads, e.g. 32/8,9/3 (GQA ratio = q/kv)")  # fmt: skip
+    parser.add_argument("--targets", action="store_true",
+                        help="the issue's decode rows (32/8 heads x 128, block 16): 1x512, "
+                             "16x512, 1x4096, 64x4096, 256x4096")  # fmt: skip
+    parser.add_argument("--splits", type=_int_list, help="also time these forced split counts")
+    parser.add_argument("--warps", type=_int_list, help="also time these num_warps (decode)")
+    parser.add_argument("--stages", type=_int_list, help="also time these num_stages (decode)")
+    parser.add_argument("--fused", action="store_true",
+                        help="also bench the fused layer ops (Triton runs on CUDA or under "
+                             "TRITON_INTERPRET=1)")  # fmt: skip
+    parser.add_argument("--fused-tokens", type=_int_list, default=[1, 64, 256, 2048],
+                        help="token counts of the fused-op rows")  # fmt: skip
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.dtype is None:
+        args.dtype = "bf16" if device.type == "cuda" else "fp32"
+    torch.manual_seed(0)
+
+    peak, source = peak_bandwidth(device, args.peak_gbps)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"# python -m benchmarks.kernels {' '.join(argv if argv is not None else sys.argv[1:])}")
+    print(f"# device: {name}; torch {torch.__version__}; dtype {args.dtype}")
+    print(f"# peak bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown'} ({source})")
+    if device.type != "cuda":
+        print("# CPU: the Triton kernels run here only under TRITON_INTERPRET=1 (numpy, not")
+        print("#   worth timing); benching the PyTorch reference against SDPA instead.")
+        if triton_runs_on(device):
+            print("# TRITON_INTERPRET=1: triton rows are interpreter timings, read max_err only.")
+    header = (
+        f"{'batch':>5} {'ctx':>6} {'heads':>7} {'bs':>3} {'impl':<15} {'splits':>6} "
+        f"{'time_us':>10} {'GB/s':>8} {'%peak':>6} {'vs_gather':>9} {'max_err':>8}"
+    )
+    launch_params = None
+    if args.warps or args.stages:
+        from kernels import paged_attention
+
+        launch_params = [
+            (w, st)
+            for w in args.warps or [paged_attention.NUM_WARPS]
+            for st in args.stages or [paged_attention.NUM_STAGES]
+        ]
+    skipped: list[str] = []
+    if not args.no_decode:
+        print(header)
+    for cfg in [] if args.no_decode else sweep(args, device):
+        rows = bench_config(cfg, device, splits=args.splits, launch_params=launch_params,
+                            externals=device.type == "cuda", skipped=skipped)  # fmt: skip
+        baseline = next(seconds for impl, _, seconds, _ in rows if impl == "sdpa+gather")
+        for impl, splits, seconds, err in rows:
+            gbps = cfg.bytes_moved() / seconds / 1e9
+            pct = f"{100 * gbps / peak:5.1f}%" if peak else "   n/a"
+            print(f"{cfg.batch:>5} {cfg.context_len:>6} {cfg.num_heads:>3}/{cfg.num_kv_heads:<3} "
+                  f"{cfg.block_size:>3} {impl:<15} {splits:>6} {seconds * 1e6:>10.1f} "
+                  f"{gbps:>8.1f} {pct:>6} {baseline / seconds:>8.2f}x {err:>8.1e}")  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for why in skipped:
+        print(f"# not benched: {why}")
+    if args.fused and (triton_runs_on(device) or device.type == "cpu"):
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+        print_fused(args.fused_tokens, dtype, device, peak)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""Assemble an engine from its three configs.
+
+``build_engine_parts`` picks the device and dtype, loads the model, hands it to the backend
+for its device (``engine/backends/``), sizes and allocates the KV cache, and wires the
+scheduler, sampler and runner; ``LLMEngine`` runs the step loop over what it returns. At the
+end it logs where the process's memory went (``MemoryReport``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention import PagedAttention, resolve_backend
+from engine.backends import ModelForward
+from engine.backends.cpu import build_cpu_forward
+from engine.config import EngineConfig, ModelConfig
+from engine.cost import StepCostModel
+from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
+from engine.gpu_memory import gpu_kv_budget
+from engine.llama import LlamaForCausalLM
+from engine.loader import (
+    fill_dummy_weights,
+    load_state_dict,
+    load_tokenizer,
+    read_hf_config,
+    resolve_model,
+)
+from engine.model_runner import ModelRunner
+from engine.presets import preset
+from engine.rope import RotaryEmbedding
+from engine.sampler import Sampler
+from kernels import cpu as cpu_kernels
+from kvpool.config import KVPoolConfig
+from kvpool.manager import KVCacheManager
+from kvpool.storage import KVCacheStorage, KVCapacity, size_kv_cache
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Where the process's resident memory went at start-up, in bytes.
+
+    ``rest`` is the resident set less the parts named: the Python interpreter, torch's and
+    the other libraries' code and allocator pools, the tokenizer, and any freed memory the
+    allocator has kept. ``rss_before`` (the resident set when the build began: the
+    interpreter and the libraries imported so far) is most of it."""
+
+    rss: int  # VmRSS; 0 where /proc/self/status cannot be read
+    rss_before: int  # VmRSS when the engine's build began
+    weights: int  # the model's parameters still held (float32 or the dtype in use)
+    packed: int  # the cpu backend's panel copies
+    blocks: int  # the cpu backend's GGUF blocks
+    kv_cache: int
+    dropped: int = 0  # plain weights the backend made unnecessary and freed
+
+    @property
+    def rest(self) -> int:
+        return self.rss - self.weights - self.packed - self.blocks - self.kv_cache
+
+    def describe(self) -> str:
+        mb = 1e6
+        parts = (
+            f"weights {self.weights / mb:.0f} MB, packed copies {self.packed / mb:.0f} MB, "
+            f"GGUF blocks {self.blocks / mb:.0f} MB, KV cache {self.kv_cache / mb:.0f} MB"
+        )
+        dropped = f"; {self.dropped / mb:.0f} MB of plain weights no step reads were freed"
+        if not self.rss:
+            return f"memory: {parts}" + (dropped if self.dropped else "")
+        return (
+            f"memory: resident {self.rss / mb:.0f} MB = {parts}, the rest {self.rest / mb:.0f} "
+            f"MB (interpreter, libraries, tokenizer, allocator pools; "
+            f"{self.rss_before / mb:.0f} MB were resident before loading)"
+            + (dropped if self.dropped else "")
+        )
+
+
+def release_freed_heap() -> None:
+    """Return the heap pages that start-up freed to the OS, where the C library can.
+
+    Loading makes temporary copies (the packed weights before they move into one buffer,
+    the plain weights the cpu backend drops: ~0.5 GB for the default model), and glibc's
+    malloc keeps freed blocks of that size in its heap for reuse instead of unmapping them:
+    the process would keep them resident for its whole life. ``malloc_trim`` hands them
+    back; elsewhere (no glibc) this does nothing."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
+def resident_bytes() -> int:
+    """This process's VmRSS, or 0 where ``/proc/self/status`` is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.M)
+    except OSError:
+        return 0
+    return int(match.group(1)) * 1024 if match else 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    """What ``LLMEngine`` runs: everything built from the configs, wired together."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model_id: str
+    model_config: ModelConfig
+    max_model_len: int
+    tokenizer: Any  # a transformers tokenizer, or None
+    eos_token_id: int | None
+    attention_backend: str
+    model: LlamaForCausalLM
+    matmul_weights: str  # "gguf" when the cpu backend reads GGUF blocks, else "float32"
+    cost_model: StepCostModel
+    kv_capacity: KVCapacity
+    storage: KVCacheStorage
+    kv_manager: KVCacheManager
+    scheduler: Scheduler
+    sampler: Sampler
+    runner: ModelRunner
+    memory: MemoryReport
+    max_num_batched_tokens: int  # the largest step the scheduler plans (the warm-up's)
+
+
+def pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The configured device and dtype, or CUDA with bfloat16 when present, else the CPU
+    with float32."""
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[config.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    return device, dtype
+
+
+def load_model(
+    path: Path | None,
+    model_config: ModelConfig,
+    attention_backend: str,
+    max_model_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """The plain model with the checkpoint at ``path`` loaded, in eval mode; with no path,
+    random weights (``--load-format dummy``, ``fill_dummy_weights``)."""
+    attention = PagedAttention(attention_backend, scale=model_config.head_dim**-0.5)
+    rope = RotaryEmbedding(model_config, max_model_len, device)
+    # Built on the meta device, cast there, then materialised once in the serving dtype: no
+    # time spent on random init, and no float32 copy of a bf16 model on the way.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config, attention, rope)
+    model = model.to(dtype).to_empty(device=device)
+    if path is None:
+        fill_dummy_weights(model, seed)
+    else:
+        model.load_hf_state_dict(load_state_dict(path))
+    return model.eval()
+
+
+def build_engine_parts(
+    config: EngineConfig, kv_config: KVPoolConfig, scheduler_config: SchedulerConfig
+) -> EngineParts:
+    rss_before = resident_bytes()
+    device, dtype = pick_device(config)
+    dummy = config.load_format == "dummy"
+    # With dummy weights --model may name a shape preset instead of a checkpoint.
+    shape = preset(config.model) if dummy else None
+    resolved = None if shape is not None else resolve_model(config.model)
+    model_id = config.model if resolved is None else resolved.model_id
+    mc = ModelConfig.from_hf(shape if resolved is None else read_hf_config(resolved.path))
+    max_model_len = min(
+        mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings
+    )
+    tokenizer_dir = config.tokenizer or (resolved.path if resolved is not None else None)
+    tokenizer = load_tokenizer(Path(tokenizer_dir)) if tokenizer_dir is not None else None
+    eos_token_id = mc.eos_token_id
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos_token_id = tokenizer.eos_token_id
+
+    t0 = time.perf_counter()
+    backend = resolve_backend(config.attention_backend, device, dtype, mc)
+    checkpoint = None if dummy or resolved is None else resolved.path
+    model = load_model(checkpoint, mc, backend, max_model_len, device, dtype, seed=config.seed)
+    # The cpu attention backend brings the fused C++ stack along (engine/backends/cpu.py);
+    # every other one runs the model's own forward.
+    forward: ModelForward = model
+    cost_model = StepCostModel.from_config(mc, dtype.itemsize)
+    matmul_weights = str(dtype).removeprefix("torch.")  # "gguf" when GGUF blocks serve
+    packed_bytes = block_bytes = dropped_bytes = 0
+    cpu_ops = cpu_kernels.load() if backend == "cpu" else None
+    if cpu_ops is not None:
+        gguf = None
+        if config.matmul_weights == "gguf" and checkpoint is not None and resolved is not None:
+            gguf = resolved.gguf
+        cpu = build_cpu_forward(
+            model, cpu_ops, gguf_path=gguf, max_logit_rows=scheduler_config.max_num_seqs
+        )
+        forward = cpu
+        packed_bytes, block_bytes = cpu.memory.packed_bytes, cpu.memory.block_bytes
+        dropped_bytes = cpu.memory.dropped_bytes
+        if cpu.uses_blocks:
+            assert cpu.blocks is not None
+            matmul_weights = "gguf"
+            # What a step reads of those, from its plan (MBU/MFU; engine/cost.py).
+            cost_model = cost_model.with_blocks(
+                cpu_ops.max_quant_rows(),
+                body_saved_bytes=cpu.blocks.body_saved_bytes,
+                lm_head_block_bytes=cpu.blocks.lm_head_block_bytes,
+            )
+    if device.type == "cuda" and backend == "triton":
+        from engine.backends.cuda import fuse_layer_ops
+
+        fuse_layer_ops(model)
+    logger.info(
+        "loaded %s from %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
+        model_id,
+        checkpoint or "random weights (--load-format dummy)",
+        mc.num_params / 1e6,
+        str(dtype).removeprefix("torch."),
+        device,
+        backend,
+        time.perf_counter() - t0,
+    )
+
+    use_graphs = device.type == "cuda" and not config.enforce_eager
+    graph_sizes = [
+        size
+        for size in config.cuda_graph_sizes or default_graph_sizes(scheduler_config.max_num_seqs)
+        if size <= scheduler_config.max_num_seqs
+    ] or [1]
+    if device.type == "cuda" and kv_config.memory_bytes is None and kv_config.num_blocks is None:
+        # The KV cache takes what is left after the largest step's activations and the
+        # decode graphs, measured here, so neither runs out of memory later.
+        budget = gpu_kv_budget(
+            model,
+            device,
+            max_tokens=scheduler_config.max_num_batched_tokens,
+            graph_sizes=graph_sizes if use_graphs else [],
+            vocab_size=mc.vocab_size,
+            block_size=kv_config.block_size,
+        )
+        kv_config = dataclasses.replace(kv_config, memory_bytes=budget)
+    capacity = size_kv_cache(
+        kv_config,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    storage = KVCacheStorage(
+        capacity,
+        num_layers=mc.num_layers,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        dtype=dtype,
+        device=device,
+    )
+    kv_manager = KVCacheManager(
+        capacity.num_blocks,
+        capacity.block_size,
+        enable_prefix_caching=kv_config.enable_prefix_caching,
+    )
+    logger.info(
+        "prefix caching: %s",
+        "on (full blocks, sha256 hash chain, LRU eviction)"
+        if kv_config.enable_prefix_caching
+        else "off",
+    )
+    scheduler = Scheduler(scheduler_config, kv_manager, max_model_len)
+    sampler = Sampler(config.seed, device, cpu_ops.argmax_rows if cpu_ops is not None else None)
+    runner = ModelRunner(forward, storage, sampler, device)
+    if use_graphs:
+        runner.graphs = DecodeGraphs(
+            forward,
+            storage,
+            graph_sizes,
+            -(-max_model_len // capacity.block_size),
+            device,
+            capture=True,
+        )
+        runner.graphs.capture_all()
+
+    release_freed_heap()
+    memory = MemoryReport(
+        rss=resident_bytes() if device.type == "cpu" else 0,  # else the parts are on the GPU
+        rss_before=rss_before,
+        weights=sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta),
+        packed=packed_bytes,
+        blocks=block_bytes,
+        kv_cache=capacity.total_bytes,
+        dropped=dropped_bytes,
+    )
+    logger.info("%s", memory.describe())
+    return EngineParts(
+        config=config,
+        device=device,
+        dtype=dtype,
+        model_id=model_id,
+        model_config=mc,
+        max_model_len=max_model_len,
+        tokenizer=tokenizer,
+        eos_token_id=eos_token_id,
+        attention_backend=backend,
+        model=model,
+        matmul_weights=matmul_weights,
+        cost_model=cost_model,
+        kv_capacity=capacity,
+        storage=storage,
+        kv_manager=kv_manager,
+        scheduler=scheduler,
+        sampler=sampler,
+        runner=runner,
+        memory=memory,
+        max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+    )

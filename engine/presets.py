@@ -1,0 +1,123 @@
+"""Shape presets: config.json contents of well-known models, for ``--load-format dummy``.
+
+With dummy weights no checkpoint is read, so ``--model`` may name a preset instead of a
+directory: the engine then builds the model of that shape with random weights. The shapes
+(vocabulary, heads, KV heads, intermediate size, RoPE) are those the real models publish in
+their ``config.json``, so benchmarks on a preset read and compute what the real model would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "llama-3.1-8b": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": _LLAMA3_ROPE,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "llama-3.2-1b": {
+        "model_type": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {**_LLAMA3_ROPE, "factor": 32.0},
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+    "qwen2.5-7b": {
+        "model_type": "qwen2",
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+    },
+    # SmolLM2-135M's shape: the default model, for dummy runs without its GGUF.
+    "smollm2-135m": {
+        "model_type": "llama",
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # A few-MB Llama for smoke tests of the benchmarks and the dummy path on CPU.
+    "tiny-llama": {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
+
+
+def preset(name: str) -> dict[str, Any] | None:
+    """The config.json dict of preset ``name`` (a copy), or None if there is none."""
+    found = PRESETS.get(name.lower())
+    return dict(found) if found is not None else None

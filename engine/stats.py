@@ -1,0 +1,69 @@
+"""StepStatsRecorder: one ``StepStats`` per engine step, from the step's plan.
+
+Owns: the prefix cache's cumulative counters at the last step (to report per-step deltas).
+Reads the scheduler's and kvpool's counts, and prices the step with the engine's
+``StepCostModel`` (``engine/cost.py``); writes nothing back.
+"""
+
+from __future__ import annotations
+
+from engine.cost import StepCostModel
+from engine.outputs import StepStats
+from kvpool.manager import KVCacheManager
+from kvpool.storage import KVCapacity
+from scheduler.output import SchedulerOutput
+from scheduler.scheduler import Scheduler
+
+
+class StepStatsRecorder:
+    def __init__(self, cost_model: StepCostModel, kv_capacity: KVCapacity) -> None:
+        self.cost_model = cost_model
+        self.kv_capacity = kv_capacity
+        self._prefix_totals = (0, 0)  # (queries, hits) at the last step
+
+    def record(
+        self,
+        plan: SchedulerOutput,
+        scheduler: Scheduler,
+        kv_manager: KVCacheManager,
+        step_time_s: float,
+        phase_s: dict[str, float],
+    ) -> StepStats:
+        """The stats of the step that ran ``plan``, taken after the scheduler's update."""
+        # Static-batch padding rows are computed and read KV, but are nobody's output and
+        # write nothing: they count in the bytes read, not as decode tokens or writes.
+        padding = plan.num_padding_tokens
+        decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and not s.padding)
+        kv_tokens_read = sum(s.seq_len for s in plan.scheduled)
+        per_token = self.kv_capacity.bytes_per_token
+        # Copy-on-write block copies read and write a whole block each.
+        copied = len(plan.blocks_to_copy) * self.kv_capacity.block_size * per_token
+        num_logit_rows = sum(1 for s in plan.scheduled if s.samples or s.padding)
+        cost = self.cost_model.step(
+            ((s.start, s.num_tokens) for s in plan.scheduled), num_logit_rows
+        )
+        kv = kv_manager.stats()
+        last_queries, last_hits = self._prefix_totals
+        self._prefix_totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
+        return StepStats(
+            step_time_s=step_time_s,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_prefill_tokens=plan.num_scheduled_tokens - decode - padding,
+            num_decode_tokens=decode,
+            num_preemptions=scheduler.last_step_preemptions,
+            num_kv_blocks_used=kv_manager.num_used_blocks,
+            num_kv_blocks_total=kv_manager.num_blocks,
+            weight_bytes=cost.weight_bytes,
+            kv_bytes_read=kv_tokens_read * per_token + copied,
+            kv_bytes_written=(plan.num_scheduled_tokens - padding) * per_token + copied,
+            flops=cost.flops,
+            num_padding_tokens=padding,
+            prefix_cache_queries=kv.prefix_cache_queries - last_queries,
+            prefix_cache_hits=kv.prefix_cache_hits - last_hits,
+            num_kv_blocks_cached=kv.num_cached_blocks,
+            num_kv_blocks_evictable=kv.num_evictable_blocks,
+            num_kv_slots_allocated=kv.num_allocated_slots,
+            num_kv_slots_live=kv.num_live_slots,
+            phase_s=phase_s,
+        )

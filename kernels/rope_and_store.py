@@ -1,0 +1,168 @@
+"""Triton RoPE on Q and K fused with the KV-cache store.
+
+Import the launcher explicitly (``kernels/__init__.py`` never imports triton)::
+
+    from kernels.rope_and_store import rope_and_store_
+
+Same signature and semantics as ``kernels.reference.rope_and_store_`` (the engine's
+``PagedAttention.rope_and_store`` with ``store_kv``): one kernel reads the qkv projection's
+output, rotates Q and K (Llama's "rotate_half" convention), writes rotated K and V to their
+slots of the paged cache and rotated Q back over Q's part of ``qkv``::
+
+    qkv row:  | q head 0 .. q head H-1 | k head 0 .. k head KV-1 | v head 0 .. v head KV-1 |
+               rotated in place          rotated -> key_cache      copied -> value_cache
+    rotate:   x * cos + rotate_half(x) * sin,  rotate_half(x) = [-x2, x1],  x = [x1, x2]
+
+Grid ``(num_tokens, cdiv(num_heads + num_kv_heads, BLOCK_H))``: a program rotates a tile of
+``BLOCK_H`` heads of one token (Q heads, then K heads; about 4,096 values), writes its Q rows
+back, and its K rows with the matching V heads to the token's slot; slot -1 (padding)
+stores nothing to the cache. All by masks: no branch depends on a value.
+Each product and the sum are rounded to the dtype as torch's op-by-op evaluation rounds them,
+and ``enable_fp_fusion=False`` stops the compiler from contracting them into an FMA, so the
+result is bitwise torch's in every dtype. The grid comes from shapes only (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import SUPPORTED_DTYPES, check_kv_cache, next_power_of_2
+from kernels._triton_common import round_args, round_to
+
+__all__ = ["rope_and_store_"]
+
+
+@triton.jit
+def _rope_and_store_kernel(
+    qkv_ptr,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]; Q rotated in place
+    cos_ptr,  # [num_tokens, head_dim]
+    sin_ptr,  # [num_tokens, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int32/int64, -1 = skip
+    stride_qkv_token: tl.int64,
+    stride_cos_token: tl.int64,
+    stride_sin_token: tl.int64,
+    stride_cache_block: tl.int64,
+    stride_cache_slot: tl.int64,
+    stride_cache_head: tl.int64,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # next power of two of HEAD_DIM // 2
+    BLOCK_H: tl.constexpr,  # Q/K heads per program, a power of two
+    BLOCK_SIZE: tl.constexpr,
+    DTYPE: tl.constexpr,
+    SOFT_BF16_ROUND: tl.constexpr,  # see kernels/_triton_common.round_args
+):
+    token = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    # Rows of this program's tile: Q heads 0..NUM_HEADS-1, then K heads, BLOCK_H at a time.
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HALF_PAD)
+    d_mask = offs_d < HALF
+    mask = (offs_h < NUM_HEADS + NUM_KV_HEADS)[:, None] & d_mask[None, :]
+
+    cos = cos_ptr + token * stride_cos_token + offs_d
+    sin = sin_ptr + token * stride_sin_token + offs_d
+    # Both halves of each table are read: the kernel assumes nothing of their contents.
+    cos1 = tl.load(cos, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+
+    src = qkv_ptr + token * stride_qkv_token + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF_PAD]
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    # V of the K rows, issued with every other load: only the stores wait for the slot.
+    k_rows = mask & (offs_h >= NUM_HEADS)[:, None]
+    value = src + NUM_KV_HEADS * HEAD_DIM  # V head h sits KV heads past K head h
+    v1 = tl.load(value, mask=k_rows)
+    v2 = tl.load(value + HALF, mask=k_rows)
+    # int64 before any arithmetic: block_id * stride_cache_block passes 2**31 in a large pool.
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    # torch: x * cos + cat(-x2, x1) * sin, each product rounded, then the sum.
+    out1 = round_to(
+        round_to(x1 * cos1, DTYPE, SOFT_BF16_ROUND) - round_to(x2 * sin1, DTYPE, SOFT_BF16_ROUND),
+        DTYPE, SOFT_BF16_ROUND,
+    ).to(DTYPE)  # fmt: skip
+    out2 = round_to(
+        round_to(x2 * cos2, DTYPE, SOFT_BF16_ROUND) + round_to(x1 * sin2, DTYPE, SOFT_BF16_ROUND),
+        DTYPE, SOFT_BF16_ROUND,
+    ).to(DTYPE)  # fmt: skip
+
+    q_mask = mask & (offs_h < NUM_HEADS)[:, None]
+    tl.store(src, out1, mask=q_mask)
+    tl.store(src + HALF, out2, mask=q_mask)
+
+    # K rows of a token with a slot; the others (Q rows, padding tokens) store nothing, and
+    # their addresses (negative KV head, slot -1) are never dereferenced.
+    has_slot = (tl.zeros([BLOCK_H], tl.int64) + slot) >= 0  # as a vector: masks are tensors
+    k_mask = k_rows & has_slot[:, None]
+    kv_head = offs_h - NUM_HEADS
+    dst = (
+        (slot // BLOCK_SIZE) * stride_cache_block
+        + (slot % BLOCK_SIZE) * stride_cache_slot
+        + kv_head[:, None] * stride_cache_head
+        + offs_d[None, :]
+    )
+    tl.store(key_cache_ptr + dst, out1, mask=k_mask)
+    tl.store(key_cache_ptr + dst + HALF, out2, mask=k_mask)
+    tl.store(value_cache_ptr + dst, v1, mask=k_mask)
+    tl.store(value_cache_ptr + dst + HALF, v2, mask=k_mask)
+
+
+def rope_and_store_(
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    cos: torch.Tensor,  # [num_tokens, head_dim] (or [num_tokens, 1, head_dim]), qkv's dtype
+    sin: torch.Tensor,  # [num_tokens, head_dim] (or [num_tokens, 1, head_dim]), qkv's dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 (int32 accepted), -1 = skip
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:  # rotated queries [num_tokens, num_heads, head_dim], a view of qkv
+    """Rotate Q (in place in ``qkv``) and K, store rotated K and V at ``slot_mapping``.
+
+    Returns Q's part of ``qkv`` viewed as ``[num_tokens, num_heads, head_dim]``. K's part of
+    ``qkv`` is left unrotated (only the cache holds rotated K). The cache must have the
+    dtype of ``qkv`` (K and V are stored as computed, no further rounding).
+    """
+    check_kv_cache(key_cache, value_cache)
+    num_blocks, block_size, cache_kv_heads, head_dim = key_cache.shape
+    assert cache_kv_heads == num_kv_heads, (key_cache.shape, num_kv_heads)
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    assert head_dim % 2 == 0, head_dim
+    assert qkv.dim() == 2, tuple(qkv.shape)
+    num_tokens = qkv.shape[0]
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, (qkv.shape, head_dim)
+    assert qkv.dtype in SUPPORTED_DTYPES and qkv.dtype == key_cache.dtype, (qkv, key_cache)
+    assert qkv.stride(1) == 1, "rows of qkv must be contiguous"
+    cos = cos.view(num_tokens, head_dim)
+    sin = sin.view(num_tokens, head_dim)
+    assert cos.dtype == sin.dtype == qkv.dtype, (cos.dtype, sin.dtype, qkv.dtype)
+    assert cos.stride(1) == 1 and sin.stride(1) == 1
+    assert slot_mapping.shape == (num_tokens,), (slot_mapping.shape, num_tokens)
+    assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
+    assert slot_mapping.is_contiguous()
+    assert qkv.device == cos.device == sin.device == key_cache.device == slot_mapping.device
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    if num_tokens == 0:
+        return q
+    num_rows = num_heads + num_kv_heads
+    # About 4,096 values of Q/K a program (32 heads of 128): Llama-3-8B's 40 rows are two
+    # programs a token. Rows are heads, so a program never splits one.
+    block_h = min(next_power_of_2(num_rows), max(1, 4096 // head_dim))
+    _rope_and_store_kernel[(num_tokens, triton.cdiv(num_rows, block_h))](
+        qkv, cos, sin, key_cache, value_cache, slot_mapping,
+        qkv.stride(0), cos.stride(0), sin.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HALF_PAD=next_power_of_2(head_dim // 2), BLOCK_H=block_h, BLOCK_SIZE=block_size,
+        num_warps=4,
+        enable_fp_fusion=False,  # x * cos + r * sin must not become an FMA (bitwise torch)
+        **round_args(_rope_and_store_kernel, qkv.dtype),
+    )  # fmt: skip
+    return q

@@ -1,0 +1,492 @@
+"""Request validation: every check an HTTP request passes before (and while) it becomes
+engine requests, and the translation of its values into the engine's ``SamplingParams``.
+
+In the order a request meets them:
+
+1. **Body size** (``BodySizeLimitMiddleware``, 413): plain ASGI, before anything is parsed.
+2. **Types and shapes**: the strict pydantic schemas of server/protocol.py (422).
+3. **Values** (``check_completion_request`` / ``check_chat_request``, 400): model name,
+   unrecognised fields, ranges, unsupported parameters; nothing that needs the prompt.
+4. **Deadline** (``request_deadline``): ``--request-timeout`` and the ``X-Request-Timeout``
+   header, 400 when the header is not a positive number.
+5. **Prompts** (``check_chat_messages``, ``check_text``, ``check_token_ids``), as
+   server/prompts.py renders and tokenizes them, after backpressure has held room.
+6. **Lengths** (``resolve_max_tokens``): the prompt against ``--max-prompt-tokens`` and the
+   context, ``max_tokens`` against ``--max-output-tokens``.
+
+Every check raises an OpenAI-shaped ``APIError`` naming the parameter (``param``), so a client
+learns exactly what to change; nothing is silently clamped or ignored. How many requests the
+server holds (503) is backpressure, not validation: server/backpressure.py.
+
+Deadlines run from the request's arrival (so time spent waiting in the queue counts, as a
+client measures it). The effective timeout is the smaller of the server's and the header's:
+a client may ask for less time than the server allows, never more. When it passes,
+``GenerationRun`` aborts the request's engine requests (their blocks are freed within one
+step) and the client gets a 504 ``request_timeout`` error, or, on a stream that already
+started, that error as an in-band event followed by ``[DONE]``. Partial output is not
+returned as a normal completion: a ``length`` finish would read as "max_tokens reached".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from scheduler.request import SamplingParams
+from server.errors import (
+    INVALID_REQUEST,
+    APIError,
+    error_body,
+    invalid,
+    model_not_found,
+    unsupported,
+)
+from server.protocol import (
+    IGNORED_OPENAI_FIELDS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 64
+MAX_SEED = 2**63 - 1  # the sampler seeds torch generators, which take 64-bit seeds
+CHAT_ROLES = ("system", "user", "assistant")
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """The server-wide settings the checks need (from ``ServerConfig`` and the engine)."""
+
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_n: int = 16
+    max_logprobs: int = 20
+    reject_unknown_fields: bool = True
+    max_prompt_tokens: int | None = None  # None: only the context length bounds a prompt
+    max_output_tokens: int | None = None  # None: only the context length bounds max_tokens
+
+
+def check_model(requested: str | None, limits: RequestLimits) -> None:
+    if requested is not None and requested != limits.served_model_name:
+        raise model_not_found(requested)
+
+
+def check_unknown_fields(body: BaseModel, limits: RequestLimits) -> list[str]:
+    """Reject (or, under ``--unknown-fields ignore``, return) unrecognised top-level fields."""
+    extra = sorted(set(body.model_extra or {}) - IGNORED_OPENAI_FIELDS)
+    options = getattr(body, "stream_options", None)
+    if isinstance(options, BaseModel):  # e.g. vLLM's continuous_usage_stats: not supported
+        extra += [f"stream_options.{name}" for name in sorted(options.model_extra or {})]
+    if extra and limits.reject_unknown_fields:
+        raise APIError(
+            400,
+            f"Unrecognized request argument supplied: {', '.join(extra)}",
+            param=extra[0],
+            code="unrecognized_argument",
+        )
+    if extra:
+        logger.warning("ignoring unrecognized request fields: %s", ", ".join(extra))
+    return extra
+
+
+def _finite(value: float, param: str) -> None:
+    if not math.isfinite(value):
+        raise invalid(f"'{param}' must be a finite number, got {value}", param)
+
+
+def _in_range(value: float, low: float, high: float, param: str) -> None:
+    _finite(value, param)
+    if not low <= value <= high:
+        raise invalid(f"'{param}' must be in [{low}, {high}], got {value}", param)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    items = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(items) > MAX_STOP_STRINGS:
+        raise invalid(
+            f"'stop' has {len(items)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop"
+        )
+    for s in items:
+        if not s:
+            raise invalid("'stop' strings must be non-empty", "stop")
+    return items
+
+
+def _common_checks(req: CompletionRequest | ChatCompletionRequest, limits: RequestLimits) -> None:
+    check_model(req.model, limits)
+    check_unknown_fields(req, limits)
+    if not 1 <= req.n <= limits.max_n:
+        raise invalid(f"'n' must be in [1, {limits.max_n}], got {req.n}", "n")
+    if req.temperature is not None:
+        _finite(req.temperature, "temperature")
+        if req.temperature < 0:
+            raise invalid(f"'temperature' must be >= 0, got {req.temperature}", "temperature")
+    if req.top_p is not None:
+        _finite(req.top_p, "top_p")
+        if not 0 < req.top_p <= 1:
+            raise invalid(f"'top_p' must be in (0, 1], got {req.top_p}", "top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise invalid(f"'top_k' must be -1 or 0 (disabled) or positive, got {req.top_k}", "top_k")
+    if req.min_p is not None:
+        _in_range(req.min_p, 0.0, 1.0, "min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            _in_range(value, -2.0, 2.0, name)
+    if req.repetition_penalty is not None:
+        _finite(req.repetition_penalty, "repetition_penalty")
+        if req.repetition_penalty <= 0:
+            raise invalid(
+                f"'repetition_penalty' must be > 0, got {req.repetition_penalty}",
+                "repetition_penalty",
+            )
+    if req.seed is not None and not 0 <= req.seed <= MAX_SEED - req.n:
+        raise invalid(f"'seed' must be in [0, 2**63 - 1 - n], got {req.seed}", "seed")
+    for token_id in req.stop_token_ids or []:
+        if not 0 <= token_id < limits.vocab_size:
+            raise invalid(
+                f"'stop_token_ids' contains {token_id}, outside the vocabulary "
+                f"[0, {limits.vocab_size})",
+                "stop_token_ids",
+            )
+    stop_strings(req.stop)
+    if req.logit_bias:
+        raise unsupported(["logit_bias"])
+    if req.stream_options is not None and not req.stream:
+        raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+
+def check_completion_request(req: CompletionRequest, limits: RequestLimits) -> None:
+    """All value checks of a completions request that do not need the prompt's length."""
+    _common_checks(req, limits)
+    if req.suffix:
+        raise unsupported(["suffix"])
+    if req.best_of is not None and req.best_of != req.n:
+        if req.best_of < req.n:
+            raise invalid(f"'best_of' ({req.best_of}) must be >= n ({req.n})", "best_of")
+        raise unsupported(
+            ["best_of"],
+            "> n is not supported by pagedserve (it returns every sampled sequence; use n)",
+        )
+    if req.logprobs is not None and not 0 <= req.logprobs <= limits.max_logprobs:
+        raise invalid(
+            f"'logprobs' must be in [0, {limits.max_logprobs}], got {req.logprobs}", "logprobs"
+        )
+    if req.echo and req.logprobs is not None:
+        raise unsupported(
+            ["echo", "logprobs"],
+            "together are not supported: pagedserve does not compute prompt logprobs",
+        )
+
+
+def check_chat_request(req: ChatCompletionRequest, limits: RequestLimits) -> None:
+    """All value checks of a chat request that do not need the prompt's length."""
+    _common_checks(req, limits)
+    active = []
+    if req.tools:
+        active.append("tools")
+    if req.tool_choice not in (None, "none"):
+        active.append("tool_choice")
+    if req.functions:
+        active.append("functions")
+    if req.function_call not in (None, "none"):
+        active.append("function_call")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        active.append("response_format")
+    if req.modalities not in (None, ["text"]):
+        active.append("modalities")
+    for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+        if getattr(req, name) is not None:
+            active.append(name)
+    if active:
+        raise unsupported(active)
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise invalid("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= limits.max_logprobs:
+            raise invalid(
+                f"'top_logprobs' must be in [0, {limits.max_logprobs}], got {req.top_logprobs}",
+                "top_logprobs",
+            )
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    num_prompt_tokens: int,
+    limits: RequestLimits,
+    param: str,
+    prompt_param: str = "prompt",
+) -> int:
+    """The output budget of one prompt; ``None`` means "up to the context length", capped
+    by ``--max-output-tokens``. A prompt above ``--max-prompt-tokens`` or an explicit
+    ``max_tokens`` above ``--max-output-tokens`` is a 400, never silently shortened."""
+    if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
+        raise invalid(
+            f"The prompt has {num_prompt_tokens} tokens; this server accepts at most "
+            f"{limits.max_prompt_tokens} (--max-prompt-tokens).",
+            prompt_param,
+            "prompt_too_long",
+        )
+    room = limits.max_model_len - num_prompt_tokens
+    if requested is not None and requested < 1:
+        raise invalid(f"'{param}' must be at least 1, got {requested}", param)
+    cap = limits.max_output_tokens
+    if requested is not None and cap is not None and requested > cap:
+        raise invalid(
+            f"'{param}' is {requested}; this server generates at most {cap} tokens per "
+            "request (--max-output-tokens).",
+            param,
+            "max_tokens_exceeded",
+        )
+    if room < 1 or (requested is not None and requested > room):
+        wanted = num_prompt_tokens + (requested if requested is not None else 1)
+        raise invalid(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+            f"you requested {wanted} tokens ({num_prompt_tokens} in the prompt, "
+            f"{requested if requested is not None else 1} for the completion). Please reduce "
+            "the length of the prompt or completion.",
+            param if requested is not None and room >= 1 else prompt_param,
+            "context_length_exceeded",
+        )
+    if requested is not None:
+        return requested
+    return room if cap is None else min(room, cap)
+
+
+def choice_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    choice: int,
+) -> SamplingParams:
+    """``SamplingParams`` of one choice; a seeded request gives choice i the seed ``seed + i``,
+    so the n completions differ from each other and each is reproducible."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=None if req.seed is None else req.seed + choice,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:  # SamplingParams' own checks; ours above should catch first
+        raise invalid(str(exc)) from None
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    if not req.logprobs:
+        return None
+    return req.top_logprobs or 0
+
+
+def chat_max_tokens(req: ChatCompletionRequest) -> tuple[int | None, str]:
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+# ------------------------------------------------------------------------------------ chat messages
+
+
+def message_text(message: ChatMessage, index: int) -> str:
+    """A message's content as text; only text parts are supported."""
+    param = f"messages[{index}].content"
+    content = message.content
+    if content is None:
+        if message.role == "assistant":
+            return ""
+        raise invalid(f"'{param}' is required for role '{message.role}'", param)
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type")
+        if kind != "text":
+            raise unsupported(
+                [f"{param}[{j}].type={kind!r}"],
+                "is not supported: pagedserve serves text-only models",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"'{param}[{j}].text' must be a string", f"{param}[{j}].text")
+        texts.append(text)
+    return "".join(texts)
+
+
+def check_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Validate chat messages and turn them into the dicts a chat template reads."""
+    if not messages:
+        raise invalid("'messages' must contain at least one message", "messages")
+    rendered = []
+    for i, message in enumerate(messages):
+        role = "system" if message.role == "developer" else message.role  # OpenAI's new name
+        if role not in CHAT_ROLES:
+            if role in ("tool", "function"):
+                raise unsupported(
+                    [f"messages[{i}].role={role!r}"],
+                    "is not supported: pagedserve has no tool calling",
+                )
+            raise invalid(
+                f"'messages[{i}].role' must be one of system, developer, user, "
+                f"assistant; got {message.role!r}",
+                f"messages[{i}].role",
+            )
+        if message.tool_calls:
+            raise unsupported([f"messages[{i}].tool_calls"], "is not supported: no tool calling")
+        text = message_text(message, i)
+        check_text(text, f"messages[{i}].content")
+        rendered.append({"role": role, "content": text})
+    return rendered
+
+
+# ------------------------------------------------------------------------------ prompt text and ids
+
+
+def check_text(text: str, param: str) -> None:
+    """400 unless ``text`` can be encoded (tokenizers raise on lone surrogates)."""
+    # A JSON "\udc80" escape is valid JSON but not encodable text; tokenizers would raise.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(
+            f"'{param}' is not valid Unicode: {exc.reason} at index {exc.start}", param
+        ) from None
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """400 unless every id is in the vocabulary."""
+    for i, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise invalid(
+                f"'{param}' contains token id {token_id} at index {i}, outside the "
+                f"vocabulary [0, {vocab_size})",
+                param,
+            )
+
+
+# ---------------------------------------------------------------------------------------- deadlines
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    at: float  # time.monotonic() when the request expires
+    timeout_s: float  # the effective timeout, for the error message
+
+
+def request_deadline(
+    headers: Mapping[str, str], server_timeout_s: float | None, arrival_time: float
+) -> Deadline | None:
+    """The request's deadline, or None when neither the server nor the client sets one.
+
+    Raises:
+        APIError: 400 when the header is not a positive number of seconds.
+    """
+    raw = headers.get(TIMEOUT_HEADER.lower())
+    timeout_s = server_timeout_s
+    if raw is not None:
+        try:
+            requested = float(raw)
+        except ValueError:
+            requested = math.nan
+        if not (requested > 0 and math.isfinite(requested)):
+            raise invalid(
+                f"The {TIMEOUT_HEADER} header must be a positive number of seconds, got {raw!r}.",
+                TIMEOUT_HEADER,
+                "invalid_timeout",
+            )
+        timeout_s = requested if timeout_s is None else min(timeout_s, requested)
+    if timeout_s is None:
+        return None
+    return Deadline(arrival_time + timeout_s, timeout_s)
+
+
+# ---------------------------------------------------------------------------------------- body size
+
+
+class BodySizeLimitMiddleware:
+    """The request-body size limit (``--max-body-size``), enforced before any parsing (413).
+
+    Plain ASGI so it sees the body before FastAPI reads it: a ``Content-Length`` above the
+    limit is answered 413 at once, and a chunked body is counted as it arrives and cut off
+    with a 413 as soon as it passes the limit. Bodies under the limit are replayed to the app
+    unchanged; later ``receive()`` calls (disconnect detection) go straight to the server.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_body_bytes:
+            await self._reject(send, declared)
+            return
+        # Read the whole body (bounded) before the app runs, then replay it.
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break  # a disconnect: let the app see it
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                await self._reject(send, size)
+                return
+            if not message.get("more_body", False):
+                break
+        replay = iter(messages)
+
+        async def replay_receive() -> Message:
+            message = next(replay, None)
+            return message if message is not None else await receive()
+
+        await self.app(scope, replay_receive, send)
+
+    async def _reject(self, send: Send, size: int) -> None:
+        body = error_body(
+            f"Request body of {size} bytes exceeds the limit of {self.max_body_bytes} bytes "
+            "(--max-body-size).",
+            type=INVALID_REQUEST,
+            code="request_too_large",
+        )
+        payload = json.dumps(body).encode()
+        headers: list[Any] = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode()),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

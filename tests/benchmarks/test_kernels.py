@@ -1,0 +1,94 @@
+"""Smoke test of ``python -m benchmarks.kernels``: it runs, and every implementation it times
+computes the same attention as the reference (the bench's ``max_err`` column).
+
+CPU: the Triton rows run under the interpreter (conftest.py sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.kernels import (
+    FUSED_OPS,
+    TARGET_ROWS,
+    Config,
+    FusedConfig,
+    bench_config,
+    bench_fused,
+    main,
+    sweep,
+)
+
+
+def test_every_benched_implementation_matches_the_reference(device):
+    cfg = Config(batch=2, context_len=40, num_heads=9, num_kv_heads=3, block_size=16,
+                 head_dim=64, dtype=torch.float32)  # fmt: skip
+    rows = bench_config(cfg, device)
+    names = [impl for impl, _, _, _ in rows]
+    assert names == ["triton", "reference", "sdpa", "sdpa+gather"]
+    for impl, _, seconds, err in rows:
+        assert seconds > 0, impl
+        assert err < 1e-4, (impl, err)
+
+
+def test_bytes_moved_counts_kv_q_o_and_tables():
+    cfg = Config(batch=2, context_len=40, num_heads=8, num_kv_heads=2, block_size=16,
+                 head_dim=64, dtype=torch.bfloat16)  # fmt: skip
+    kv = 2 * 2 * 40 * 2 * 64 * 2  # K and V, batch, ctx, kv heads, head dim, 2 bytes
+    q_and_o = 2 * 2 * 8 * 64 * 2
+    tables = 2 * 3 * 4  # 3 blocks of 16 per sequence, int32
+    assert cfg.bytes_moved() == kv + q_and_o + tables
+
+
+def test_cli_prints_a_row_per_implementation(device, capsys):
+    main(["--device", device.type, "--batches", "1", "--contexts", "24", "--shapes", "4/2",
+          "--block-sizes", "8", "--peak-gbps", "100"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "peak bandwidth: 100 GB/s (--peak-gbps)" in out
+    for impl in ("triton", "reference", "sdpa", "sdpa+gather"):
+        assert f" {impl} " in out, out
+
+
+def test_forced_splits_and_launch_params_add_rows(device):
+    cfg = Config(batch=1, context_len=130, num_heads=4, num_kv_heads=1, block_size=16,
+                 head_dim=64, dtype=torch.float32)  # fmt: skip
+    rows = bench_config(cfg, device, splits=[2, 3], launch_params=[(2, 2)])
+    # (on CUDA the heuristic splits 130 tokens in 2 and adds the unsplit row)
+    forced = [(impl, n) for impl, n, _, _ in rows if impl.startswith("triton-split")]
+    assert forced == [("triton-split=2", 2), ("triton-split=3", 3)] or forced == [
+        ("triton-split=3", 3)
+    ]
+    assert "triton[w=2,s=2]" in [impl for impl, _, _, _ in rows]
+    for impl, _, _, err in rows:
+        assert err < 1e-4, (impl, err)
+
+
+def test_fused_ops_match_their_twins(device):
+    cfg = FusedConfig(num_tokens=3, hidden_size=64, intermediate_size=96, num_heads=4,
+                      num_kv_heads=2, head_dim=64, dtype=torch.float32)  # fmt: skip
+    rows = bench_fused(cfg, device)
+    assert [(op, impl) for op, impl, _, _ in rows] == [
+        (op, impl) for op in FUSED_OPS for impl in ("triton", "torch")
+    ]
+    for op, impl, seconds, err in rows:
+        assert seconds > 0 and err < 1e-5, (op, impl, err)
+
+
+def test_fused_bytes_count_each_ops_reads_and_writes():
+    cfg = FusedConfig(num_tokens=2, hidden_size=8, intermediate_size=5, num_heads=4,
+                      num_kv_heads=2, head_dim=4, dtype=torch.bfloat16)  # fmt: skip
+    assert cfg.bytes_moved("add_rms_norm_") == (4 * 2 * 8 + 8) * 2
+    assert cfg.bytes_moved("silu_mul") == 3 * 2 * 5 * 2
+    qkv = (4 + 2 * 2) * 4  # a token's Q, K and V row, read once and written once
+    assert cfg.bytes_moved("rope_and_store_") == (2 * 2 * qkv + 2 * 2 * 4) * 2 + 8 * 2
+
+
+def test_targets_are_the_issue_rows():
+    args = argparse.Namespace(targets=True, dtype="bf16", quick=False)
+    configs = sweep(args, torch.device("cpu"))
+    assert [(c.batch, c.context_len) for c in configs] == TARGET_ROWS
+    assert {(c.num_heads, c.num_kv_heads, c.head_dim, c.block_size) for c in configs} == {
+        (32, 8, 128, 16)
+    }

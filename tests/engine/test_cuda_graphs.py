@@ -1,0 +1,109 @@
+"""Decode graphs' plumbing (engine/cuda_graphs.py), tested on CPU with the eager stand-in.
+
+The stand-in runs the same persistent buffers, bucketing and padding as a CUDA replay, with
+an eager forward in place of ``graph.replay()``: greedy tokens through it must match
+transformers (the near-tie rule) and the engine without graphs, for batches that pad to
+every kind of bucket, including after larger batches left stale rows in the buffers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
+from tests.engine.parity import assert_parity, hf_greedy
+
+
+def test_default_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
+    assert default_graph_sizes(256)[:12] == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80]
+    assert default_graph_sizes(256)[-1] == 256
+    assert default_graph_sizes(5) == [1, 2, 4, 5]
+    assert default_graph_sizes(100)[-2:] == [96, 100]
+
+
+def _with_stand_in(llm: LLM, sizes: list[int]) -> DecodeGraphs:
+    engine = llm.engine
+    graphs = DecodeGraphs(
+        engine.runner.model,
+        engine.storage,
+        sizes,
+        -(-engine.max_model_len // engine.storage.block_size),
+        engine.device,
+        capture=False,
+    )
+    engine.runner.graphs = graphs
+    return graphs
+
+
+def _prompts(vocab: int, count: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [
+        torch.randint(3, vocab, (int(n),), generator=g).tolist()
+        for n in torch.randint(1, 40, (count,), generator=g)
+    ]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_gqa", "tiny_llama_cpu_shapes"])
+def test_stand_in_replay_matches_transformers_and_eager(request, fixture, monkeypatch) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from engine import cuda_graphs
+
+    # Context buckets of 2 and 8 blocks below the full 32: the prompts (1..40 tokens, +12
+    # generated) move from one bucket to the next as they grow.
+    monkeypatch.setattr(cuda_graphs, "SHORT_CONTEXTS", (32, 128))
+
+    path = request.getfixturevalue(fixture)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = _prompts(256, 11)
+    eager = [o.token_ids for o in LLM(str(path), max_num_seqs=16).generate(prompts, params)]
+
+    llm = LLM(str(path), max_num_seqs=16)
+    graphs = _with_stand_in(llm, [1, 2, 4, 8, 16])
+    assert graphs.widths[16] == [2, 8, 32]
+    calls = []
+    widths = set()
+    run = graphs.run
+
+    def counting(batch):
+        calls.append(batch.num_tokens)
+        widths.add(graphs.width(graphs.bucket(batch.num_tokens), batch.attn.block_tables.shape[1]))
+        return run(batch)
+
+    graphs.run = counting  # type: ignore[method-assign]
+    # 11 at once (bucket 16, 5 padding rows), then alone: the buffers' rows 1..15 hold the
+    # previous steps' values and must be made inert again.
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    alone = [o.token_ids for o in llm.generate(prompts[:1], params)]
+    assert calls and max(calls) == 11 and 1 in calls
+    assert widths == {2, 8}, widths
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        ref = hf_greedy(hf, prompt, 12, None)
+        assert_parity(together[i], ref, f"prompt {i} with graphs")
+        assert_parity(eager[i], ref, f"prompt {i} eager")
+    assert_parity(alone[0], hf_greedy(hf, prompts[0], 12, None), "alone with graphs")
+
+
+def test_steps_the_graphs_do_not_take_run_eagerly(tiny_llama_gqa) -> None:
+    """Prefill and mixed steps, and decode batches above the largest bucket, bypass them."""
+    llm = LLM(str(tiny_llama_gqa), max_num_seqs=8)
+    graphs = _with_stand_in(llm, [1, 2])
+    sizes = []
+    run = graphs.run
+    graphs.run = lambda batch: sizes.append(batch.num_tokens) or run(batch)  # type: ignore[method-assign]
+    llm.generate(_prompts(256, 5), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert sizes == [], "a 5-request decode step has no bucket among [1, 2]"
+    llm.generate(_prompts(256, 2), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert sizes and set(sizes) <= {1, 2}
+
+
+def test_dummy_preset_runs_without_a_checkpoint() -> None:
+    llm = LLM("tiny-llama", load_format="dummy")
+    assert llm.engine.model_config.vocab_size == 512 and llm.tokenizer is None
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 5
+    weights = llm.engine.model.layers[0].qkv_proj.weight
+    assert 0.01 < float(weights.detach().float().std()) < 0.03  # N(0, 0.02): not left uninitialised

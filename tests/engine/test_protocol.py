@@ -1,0 +1,25 @@
+"""engine/protocol.py: LLMEngine is a ServingEngine, member for member."""
+
+from __future__ import annotations
+
+import inspect
+
+from engine import LLM
+from engine.llm_engine import LLMEngine
+from engine.protocol import ServingEngine
+
+
+def _members(cls: type) -> set[str]:
+    return {n for n in vars(cls) if not n.startswith("_")}
+
+
+def test_every_protocol_member_exists_on_the_engine(tiny_llama_gqa):
+    engine = LLM(str(tiny_llama_gqa), attention_backend="torch", num_kv_blocks=16).engine
+    for name in _members(ServingEngine):
+        assert hasattr(engine, name), name
+        if inspect.isfunction(getattr(ServingEngine, name)):
+            want = inspect.signature(getattr(ServingEngine, name))
+            got = inspect.signature(getattr(LLMEngine, name))
+            assert list(got.parameters) == list(want.parameters), name
+    weights = engine.cost_model.step([(0, 1)], 1).weight_bytes
+    assert engine.decode_step_weight_bytes == weights > 0
