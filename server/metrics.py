@@ -84,7 +84,6 @@ def token_buckets(max_len: int) -> tuple[float, ...]:
             buckets.append(float(m * scale))
         scale *= 10
 
-
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
