@@ -65,6 +65,7 @@ class Backpressure:
         self._client = client
         self.max_waiting_requests = max_waiting_requests
         self.max_queue_time_s = max_queue_time_s
+        self.max_num_seqs = max_num_seqs
         self.capacity = max_num_seqs + max_waiting_requests
         self._num_reserved = 0  # held here, not yet handed to the engine client
 
@@ -95,9 +96,10 @@ class Backpressure:
         ):
             raise server_overloaded(in_flight, self.capacity)
         if self.max_queue_time_s is not None:
-            wait_s = self._client.estimated_wait_s(
-                self._num_waiting_after(in_flight + num_requests)
-            )
+            # Beyond max_num_seqs everything waits, even before a step has seen it (a burst).
+            after = in_flight + num_requests
+            num_waiting = max(self._num_waiting_after(after), after - self.max_num_seqs)
+            wait_s = self._client.estimated_wait_s(num_waiting)
             if wait_s is not None and wait_s > self.max_queue_time_s:
                 raise queue_too_long(wait_s, self.max_queue_time_s, waited=False)
         self._num_reserved += num_requests

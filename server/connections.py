@@ -4,34 +4,40 @@ uvicorn (h11) bounds an idle keep-alive connection (``timeout_keep_alive``) but 
 a client that sends a byte of its headers every few seconds (slowloris), or that stops
 reading a response, holds its socket for as long as it likes, and enough of them exhaust the
 file descriptors, after which asyncio logs every failed ``accept()``. ``BoundedH11Protocol``
-is uvicorn's own protocol with four bounds added::
+is uvicorn's own protocol with these bounds added::
 
-    connection opens ──> over --max-connections? ──yes──> 503 too_many_connections, closed
-           │ no                                           (lingers at most 1 s for the client
-           ▼                                               to read it)
+    connection opens ──> over --max-connections? ──yes──> 503 too_many_connections; closed
+           │ no                                           once its request is read (at most
+           ▼                                              1 s later)
     request read timer (--header-timeout), armed on opening and on a new request's first
     byte ──> headers and body all arrived: disarmed
           ──> fired before that: 408 request_read_timeout (or, once the app has the request,
               a disconnect it sees), connection closed
-    response: the transport pauses the writer when its buffer is full (the client stopped
-    reading) ──> a stall timer (--stream-send-timeout) ──> resumed: disarmed
-                                                      ──> fired: connection aborted; the app
-                                                          sees a disconnect, which aborts the
-                                                          engine request (server/streaming.py)
+    response: the transport pauses its writer when its buffer and the socket's (bounded at
+    SEND_BUFFER_BYTES) are full, i.e. the client stopped reading
+          ──> stall timer (--stream-send-timeout) ──> writer resumed: disarmed
+                                                  ──> fired: connection aborted; the app sees
+                                                      a disconnect, which aborts the engine
+                                                      request (server/streaming.py)
 
-``AcceptErrorLog`` replaces asyncio's log line per failed ``accept()`` (Python's selector loop
-retries up to 100 times per tick, each logged with a traceback) with one line per interval
-and a count. ``raise_fd_limit`` lifts the soft ``RLIMIT_NOFILE`` to the hard one at start.
+``AcceptErrorLog`` replaces asyncio's log line per failed ``accept()`` with one line per
+interval and a count: out of file descriptors, Python's selector loop goes on calling
+``accept()`` up to the listen backlog times per tick, logging each failure with a traceback
+(hundreds of MB of log a minute). It also shortens the loop's pause after such a failure, so
+descriptors freed meanwhile are used at once. ``raise_fd_limit`` lifts the soft
+``RLIMIT_NOFILE`` to the hard one at start.
 """
 
 from __future__ import annotations
 
 import asyncio
+import asyncio.constants as asyncio_constants
 import http
 import json
 import logging
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +51,12 @@ logger = logging.getLogger(__name__)
 
 ACCEPT_ERROR_MESSAGE = "socket.accept() out of system resource"
 REJECT_LINGER_S = 1.0  # how long a refused connection stays open for its client to read the 503
+# The kernel's send buffer per connection (Linux doubles it). Left to autotuning it grows to
+# tcp_wmem's maximum (4 MiB by default), which a client that stops reading keeps filled, and
+# the stall (the transport pausing its writer) shows only once all of it is full. 128 KiB
+# still carries 2.5 MB/s at a 100 ms round trip, far above any token stream.
+SEND_BUFFER_BYTES = 128 * 1024
+ACCEPT_RETRY_DELAY_S = 0.1  # after accept() failed for want of fds
 LOG_INTERVAL_S = 10.0  # at most one line per kind of event per interval
 
 
@@ -98,6 +110,10 @@ class AcceptErrorLog:
 
     def install(self, loop: asyncio.AbstractEventLoop) -> None:
         loop.set_exception_handler(self)
+        # After a failed accept() the selector loop stops accepting for this long. At its
+        # default of 1 s, connections freed meanwhile sit unused while new clients wait in
+        # the backlog; a failed round costs a few milliseconds with the log above.
+        asyncio_constants.ACCEPT_RETRY_DELAY = ACCEPT_RETRY_DELAY_S
 
 
 def raise_fd_limit() -> int:
@@ -179,6 +195,9 @@ def bounded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             if len(self.connections) > limits.max_connections:
                 self._refuse()
                 return
@@ -188,14 +207,16 @@ def bounded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             self._refused = True
             refused.note(f"client {self.client}")
             self.transport.write(_raw_response(too_many_connections(limits.max_connections)))
-            # Half-close and linger: closing at once with the request unread would send a
-            # reset, which can destroy the 503 before the client reads it.
+            # Half-close, and close once the request has been read (data_received) or after
+            # a short linger: closing with the request unread would send a reset, which can
+            # destroy the 503 before the client reads it.
             if self.transport.can_write_eof():
                 self.transport.write_eof()
             self._read_timer = self.loop.call_later(REJECT_LINGER_S, self.transport.abort)
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
+                self.transport.close()  # its request is read: the fd is free at once
                 return
             if self._read_timer is None and self.conn.their_state is h11.IDLE:
                 self._arm_read_timer()  # the first byte of a request on a kept-alive connection

@@ -113,9 +113,7 @@ def test_opt_out_parses_control_strings_in_content(name: str) -> None:
     trusted = chat_prompt(raw, tok, allow_special_tokens_in_content=True)
     assert trusted.token_ids == tok.encode(trusted.text, add_special_tokens=False)
     default = chat_prompt(raw, tok)
-    num_specials = [
-        sum(i in special_ids(tok) for i in p.token_ids) for p in (default, trusted)
-    ]
+    num_specials = [sum(i in special_ids(tok) for i in p.token_ids) for p in (default, trusted)]
     assert num_specials[1] > num_specials[0]
 
 
