@@ -76,8 +76,9 @@ class ServerConfig:
             content as special tokens (off: they stay text, so content cannot forge turns;
             server/prompts.py).
         header_timeout_s: seconds a connection has to deliver a whole request, headers and
-            body, counted from its opening or from the previous response's end; past it the
-            connection gets a 408 and is closed (server/connections.py).
+            body, counted from its opening (or, on a kept-alive connection, from the next
+            request's first byte); past it the connection gets a 408 and is closed
+            (server/connections.py).
         max_connections: open connections beyond this get a 503 and are closed at once;
             None = derived from the file-descriptor limit at start.
         stream_send_timeout_s: a response whose client has not read for this long (the

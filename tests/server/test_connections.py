@@ -43,6 +43,19 @@ def open_slowloris(port: int) -> socket.socket:
     return sock
 
 
+def get_health(sock: socket.socket) -> bytes:
+    """GET /health on a kept-alive connection; the whole response."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
 class Canary(threading.Thread):
     """GET /health on a fresh connection every 0.2 s: (seconds, status or error name)."""
 
@@ -109,8 +122,13 @@ def test_slowloris_under_a_low_fd_limit(model_dir: Path, tmp_path: Path) -> None
         time.sleep(1.0)  # the canary, once the attack is gone
         canary.stop.set()
         canary.join(timeout=5)
-        # The server is healthy afterwards.
+        # The server is healthy afterwards, and the read timer spares an ordinary client
+        # that keeps its connection idle between requests for longer than the timeout.
         assert server.health()[0] == 200
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            assert get_health(sock).startswith(b"HTTP/1.1 200")
+            time.sleep(HEADER_TIMEOUT_S + 0.5)
+            assert get_health(sock).startswith(b"HTTP/1.1 200")  # the same connection
     assert still_open == 0, f"{still_open} slow connections were never closed"
     # Connections the server took were cut at the header timeout (408); those past its
     # connection cap got a 503 at once. None outlived the timeout by much.
