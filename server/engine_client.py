@@ -85,9 +85,12 @@ class DrainRate:
     the engine was idle, and the window starts over, so idle time never counts as slowness.
     """
 
-    def __init__(self, window_s: float = 30.0, idle_gap_s: float = 5.0) -> None:
+    def __init__(
+        self, window_s: float = 30.0, idle_gap_s: float = 5.0, min_finished: int = 4
+    ) -> None:
         self.window_s = window_s
         self.idle_gap_s = idle_gap_s
+        self.min_finished = min_finished
         self._steps: deque[tuple[float, int]] = deque()
 
     def on_step(self, now: float, num_finished: int) -> None:
@@ -99,13 +102,17 @@ class DrainRate:
             steps.popleft()
 
     def rate(self) -> float | None:
-        """Requests per second, or None while the window spans under a second."""
+        """Requests per second; None until the window holds ``min_finished`` finishes or
+        spans a second (a burst on an idle engine is judged as soon as a few finish)."""
         steps = self._steps
-        if len(steps) < 2 or steps[-1][0] - steps[0][0] < 1.0:
+        if len(steps) < 2:
             return None
+        span = steps[-1][0] - steps[0][0]
         # The first step opens the window; the finishes counted are the ones after it.
         num_finished = sum(n for _, n in steps) - steps[0][1]
-        return num_finished / (steps[-1][0] - steps[0][0])
+        if span <= 0 or (span < 1.0 and num_finished < self.min_finished):
+            return None
+        return num_finished / span
 
 
 class AsyncEngineClient:

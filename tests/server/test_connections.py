@@ -161,7 +161,8 @@ def test_stalled_sse_reader_is_cut_off_and_its_request_aborted(
     """A client that stops reading its stream: once the socket buffers fill, the server cuts
     the connection after --stream-send-timeout and the engine request is aborted."""
     log = tmp_path / "server.log"
-    with tiny_server(model_dir, log, "--stream-send-timeout", "1") as server:
+    # Two choices at a time: the engine is still busy with the later ones when the cut comes.
+    with tiny_server(model_dir, log, "--stream-send-timeout", "1", "--max-num-seqs", "2") as server:
         port = int(server.url.rsplit(":", 1)[1])
         sock = socket.socket()
         # A small receive window keeps the kernel from buffering much of the stream for us.
@@ -200,7 +201,7 @@ def test_stalled_sse_reader_is_cut_off_and_its_request_aborted(
     aborted = re.search(
         r'pagedserve_requests_finished_total\{[^}]*finished_reason="abort"[^}]*\} (\S+)', metrics
     )
-    assert aborted and float(aborted.group(1)) == 8.0, metrics[:2000]
+    assert aborted and float(aborted.group(1)) >= 1, metrics[:2000]
     generated = re.search(r"^pagedserve_generation_tokens_total\{[^}]*\} (\S+)", metrics, re.M)
     assert generated and float(generated.group(1)) < 8 * 480
     assert freed_after < 25
@@ -212,11 +213,18 @@ def test_stalled_sse_reader_is_cut_off_and_its_request_aborted(
 
 
 def test_drain_rate_ignores_idle_time() -> None:
-    rate = DrainRate(window_s=10.0, idle_gap_s=2.0)
+    rate = DrainRate(window_s=10.0, idle_gap_s=2.0, min_finished=4)
     assert rate.rate() is None
-    for i in range(11):  # 2 finishes per step, steps 0.1 s apart: 20 per second
-        rate.on_step(100.0 + 0.1 * i, 2)
+    rate.on_step(99.0, 0)
+    rate.on_step(99.1, 3)
+    assert rate.rate() is None  # 3 finishes in 0.1 s: too few to judge
+    rate.on_step(99.2, 1)
     assert rate.rate() == pytest.approx(20.0)
+    rate.on_step(99.9, 0)  # nothing for 0.7 s
+    assert rate.rate() == pytest.approx(4 / 0.9)
+    for i in range(200):  # 2 finishes per step, steps 0.1 s apart: 20 per second
+        rate.on_step(100.0 + 0.1 * i, 2)
+    assert rate.rate() == pytest.approx(20.0)  # over the last 10 s only
     rate.on_step(200.0, 1)  # after a long idle gap the window restarts
     assert rate.rate() is None
 
@@ -290,3 +298,62 @@ async def test_queue_time_is_bounded(serve: Any) -> None:
     codes = [r.json()["error"]["code"] for _, r in second if r.status_code == 503]
     assert "queue_too_long" in codes, codes
     await s.wait_idle()
+
+
+async def test_the_queue_bound_keeps_throughput(serve: Any) -> None:
+    """3x overload, open loop, for 3 s: with --max-queue-time the engine stays as busy as
+    without it (>= 0.95x the slots filled per step, the throughput a step's fixed cost
+    allows, which CPU contention cannot skew), while the admitted requests' wait stays
+    bounded and the unbounded queue's grows past the bound."""
+    step_s, bound_s, duration_s = 0.04, 0.6, 3.0
+    max_tokens = 5  # 0.2 s a request on 2 slots: 10 requests/s of capacity
+    rate = 30.0  # arrivals per second: 3x capacity
+
+    async def run(max_queue_time_s: float | None) -> tuple[float, list[float]]:
+        engine = FakeEngine(max_num_seqs=2, step_delay_s=step_s, num_blocks=4096)
+        steps: list[tuple[float, int]] = []  # (time, requests running) of every step
+        first_running: dict[str, float] = {}
+
+        def note(e: FakeEngine) -> None:
+            now = time.monotonic()
+            steps.append((now, len(e.running)))
+            for r in e.running:
+                first_running.setdefault(r.request_id, now)
+
+        engine.before_step = note
+        s = await serve(
+            engine=engine,
+            scheduler=SchedulerConfig(max_num_seqs=2),
+            max_queue_time_s=max_queue_time_s,
+            max_waiting_requests=1000,
+        )
+        waits: list[float] = []
+
+        async def one() -> None:
+            sent = time.monotonic()
+            r = await s.http.post(
+                "/v1/completions",
+                json={"prompt": "hi", "max_tokens": max_tokens, "temperature": 0},
+            )
+            if r.status_code == 200:
+                waits.append(first_running[r.json()["id"] + "-0"] - sent)
+
+        start = time.monotonic()
+        tasks = []
+        while time.monotonic() - start < duration_s:
+            tasks.append(asyncio.create_task(one()))
+            await asyncio.sleep(1 / rate)
+        end = time.monotonic()
+        await asyncio.sleep(0.5)  # what was admitted in time gets served
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await s.wait_idle(timeout_s=10)
+        in_window = [n for t, n in steps if start + 0.5 <= t <= end]
+        return sum(in_window) / (2 * len(in_window)), waits
+
+    bounded_busy, bounded_waits = await run(bound_s)
+    unbounded_busy, unbounded_waits = await run(None)
+    assert bounded_busy >= 0.95 * unbounded_busy, (bounded_busy, unbounded_busy)
+    assert max(bounded_waits) <= bound_s + 2 * step_s + 0.1, max(bounded_waits)
+    assert max(unbounded_waits) > bound_s  # the same load without the bound queues longer
