@@ -130,7 +130,7 @@ def _control_tokens(tokenizer: Any) -> _ControlTokens:
                 int(i),
                 bool(getattr(tok, "lstrip", False)),
                 bool(getattr(tok, "rstrip", False)),
-            )  # fmt: skip
+            )
             for i, tok in added.items()
             if getattr(tok, "special", False) and str(tok.content)
         )

@@ -357,3 +357,29 @@ async def test_the_queue_bound_keeps_throughput(serve: Any) -> None:
     assert bounded_busy >= 0.95 * unbounded_busy, (bounded_busy, unbounded_busy)
     assert max(bounded_waits) <= bound_s + 2 * step_s + 0.1, max(bounded_waits)
     assert max(unbounded_waits) > bound_s  # the same load without the bound queues longer
+
+
+def test_the_bound_flags_reach_the_config() -> None:
+    from server.config import ServingConfig
+
+    c = ServingConfig.from_cli(
+        [
+            "--header-timeout", "5", "--max-connections", "100", "--stream-send-timeout",
+            "7", "--max-queue-time", "30", "--allow-special-tokens-in-content",
+        ],
+        {},
+    )  # fmt: skip
+    server = c.server
+    assert (server.header_timeout_s, server.max_connections, server.stream_send_timeout_s) == (
+        5.0,
+        100,
+        7.0,
+    )
+    assert server.max_queue_time_s == 30.0 and server.allow_special_tokens_in_content
+    defaults = ServingConfig.from_cli([], {}).server
+    assert defaults.max_queue_time_s is None and defaults.max_connections is None
+    assert not defaults.allow_special_tokens_in_content
+    for bad in (["--header-timeout", "0"], ["--max-queue-time", "-1"], ["--max-connections", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            ServingConfig.from_cli(bad, {})
+        assert exc.value.code == 2
