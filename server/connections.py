@@ -83,14 +83,21 @@ class RateLimitedLog:
         now = time.monotonic()
         if now - self._last_logged < self.interval_s:
             return
-        logger.warning(
-            "%s: %d in the last %s (%s); at most one such line per %g s",
-            self.what,
-            self._num_unlogged,
-            "moment" if self._last_logged == -float("inf") else f"{now - self._last_logged:.0f} s",
-            detail,
-            self.interval_s,
-        )
+        if self._last_logged == -float("inf"):
+            logger.warning(
+                "%s (%s); more are counted and logged at most once per %g s",
+                self.what,
+                detail,
+                self.interval_s,
+            )
+        else:
+            logger.warning(
+                "%s: %d in the last %.0f s (latest: %s)",
+                self.what,
+                self._num_unlogged,
+                now - self._last_logged,
+                detail,
+            )
         self._num_unlogged = 0
         self._last_logged = now
 
@@ -119,12 +126,16 @@ class AcceptErrorLog:
 def raise_fd_limit() -> int:
     """Raise the soft limit on open files to the hard limit; return the soft limit in force."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft != hard:
+    # An unlimited hard limit still meets the kernel's per-process cap (fs.nr_open, 2^20).
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < target:
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
         except (ValueError, OSError) as exc:
-            logger.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+            logger.warning(
+                "could not raise the open-file limit from %d to %d: %s", soft, target, exc
+            )
     return soft
 
 
