@@ -153,7 +153,7 @@ def test_slowloris_under_a_low_fd_limit(model_dir: Path, tmp_path: Path) -> None
     assert after and all(a == 200 for a in after), after
     print(
         f"{len(first_bytes)} slow connections answered "
-        f"({sum(b.endswith(b'408') for b in first_bytes)} x 408), all closed within "
+        f"({sum(b.startswith(b'HTTP/1.1 408') for b in first_bytes)} x 408), all closed within "
         f"{max(closed_after):.2f} s; canary: {len(answers)} answers, slowest "
         f"{max(s for _, s, _ in answers):.2f} s, statuses {sorted({a for *_, a in answers})}; "
         f"log {log.stat().st_size} bytes"
