@@ -188,7 +188,12 @@ def create_app(
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of 'prompt' and 'messages'", "prompt")
         if body.messages is not None:
-            ids = chat_prompt(body.messages, client.tokenizer, body.add_generation_prompt)
+            ids = chat_prompt(
+                body.messages,
+                client.tokenizer,
+                body.add_generation_prompt,
+                allow_special_tokens_in_content=config.server.allow_special_tokens_in_content,
+            )
             tokens = ids.token_ids
         else:
             assert body.prompt is not None

@@ -16,6 +16,12 @@ all of it). Two checks, both on the event loop:
   flight beyond the requests it ran is waiting, and that must stay within
   ``max_waiting_requests`` too. The running count lags by at most one step.
 
+* **queue time** (``--max-queue-time``): the requests that would wait ahead of a newcomer,
+  over the engine's recent drain rate (requests finished per second while it worked), is
+  the newcomer's estimated wait; past the bound it gets 503 + Retry-After at once. The
+  estimate is a forecast, so ``GenerationRun`` also enforces the bound: a request still
+  without its first token when the bound expires is aborted with the same 503.
+
 A request that needs more engine requests than the server can ever hold (``n`` x prompts
 above ``max_num_seqs + max_waiting_requests``) is a 400: retrying could never help.
 """
@@ -26,7 +32,7 @@ import contextlib
 from collections.abc import Iterator
 
 from server.engine_client import AsyncEngineClient
-from server.errors import invalid, server_overloaded
+from server.errors import invalid, queue_too_long, server_overloaded
 
 
 def count_prompts(prompt: object) -> int:
@@ -49,10 +55,17 @@ class Backpressure:
     """
 
     def __init__(
-        self, client: AsyncEngineClient, *, max_num_seqs: int, max_waiting_requests: int
+        self,
+        client: AsyncEngineClient,
+        *,
+        max_num_seqs: int,
+        max_waiting_requests: int,
+        max_queue_time_s: float | None = None,
     ) -> None:
         self._client = client
         self.max_waiting_requests = max_waiting_requests
+        self.max_queue_time_s = max_queue_time_s
+        self.max_num_seqs = max_num_seqs
         self.capacity = max_num_seqs + max_waiting_requests
         self._num_reserved = 0  # held here, not yet handed to the engine client
 
@@ -82,6 +95,13 @@ class Backpressure:
             self._num_waiting_after(in_flight + num_requests) > self.max_waiting_requests
         ):
             raise server_overloaded(in_flight, self.capacity)
+        if self.max_queue_time_s is not None:
+            # Beyond max_num_seqs everything waits, even before a step has seen it (a burst).
+            after = in_flight + num_requests
+            num_waiting = max(self._num_waiting_after(after), after - self.max_num_seqs)
+            wait_s = self._client.estimated_wait_s(num_waiting)
+            if wait_s is not None and wait_s > self.max_queue_time_s:
+                raise queue_too_long(wait_s, self.max_queue_time_s, waited=False)
         self._num_reserved += num_requests
         try:
             yield

@@ -64,15 +64,18 @@ def chat_logprobs_body(entries: list[LogprobEntry]) -> ChatLogprobs:
 def _prepare(
     req: ChatCompletionRequest, ctx: ServingContext
 ) -> tuple[list[Prompt], list[SamplingParams]]:
-    prompt = chat_prompt(req.messages, ctx.client.tokenizer)
+    prompt = chat_prompt(
+        req.messages,
+        ctx.client.tokenizer,
+        allow_special_tokens_in_content=ctx.config.server.allow_special_tokens_in_content,
+    )
     requested, param = chat_max_tokens(req)
     max_tokens = resolve_max_tokens(
         requested, len(prompt.token_ids), ctx.limits, param, prompt_param="messages"
     )
     logprobs = chat_logprobs(req)
     params = [
-        choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i)
-        for i in range(req.n)
+        choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i) for i in range(req.n)
     ]
     return [prompt], params
 

@@ -74,6 +74,20 @@ class ServerConfig:
         log_prompts: log each request's prompt (off: logs carry ids and sizes only).
         num_threads: threads for CPU compute (torch's and the C++ kernels' team); None = the
             CPUs the process may use (affinity, cgroup quota; engine/threads.py).
+        allow_special_tokens_in_content: parse control-token strings inside chat message
+            content as special tokens (off: they stay text, so content cannot forge turns;
+            server/prompts.py).
+        header_timeout_s: seconds a connection has to deliver a whole request, headers and
+            body, counted from its opening (or, on a kept-alive connection, from the next
+            request's first byte); past it the connection gets a 408 and is closed
+            (server/connections.py).
+        max_connections: open connections beyond this get a 503 and are closed at once;
+            None = derived from the file-descriptor limit at start.
+        stream_send_timeout_s: a response whose client has not read for this long (the
+            socket buffers full) is cut off, and its request aborted.
+        max_queue_time_s: a request that would wait longer than this for the engine, judged
+            from the queue depth and the recent drain rate, gets 503 + Retry-After; one that
+            still waits this long is aborted with the same 503. None = no bound.
     """
 
     host: str = "127.0.0.1"
@@ -99,6 +113,11 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     log_prompts: bool = False
     num_threads: int | None = None
+    allow_special_tokens_in_content: bool = False
+    header_timeout_s: float = 30.0
+    max_connections: int | None = None
+    stream_send_timeout_s: float = 60.0
+    max_queue_time_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -138,6 +157,12 @@ class ServerConfig:
                 raise ValueError(
                     f"API key #{i + 1} must be non-empty printable ASCII without spaces"
                 )
+        for name in ("header_timeout_s", "stream_send_timeout_s", "max_queue_time_s"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be positive, got {self.max_connections}")
         for path in self.public_paths:
             if not path.startswith("/"):
                 raise ValueError(f"public paths must start with '/', got {path!r}")
@@ -339,6 +364,22 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--num-threads", "server", "num_threads", optional(int), _S.num_threads,
            "threads for CPU compute; auto = the CPUs this process may use (affinity mask, "
            "cgroup CPU quota), or OMP_NUM_THREADS when set"),
+    Option("--allow-special-tokens-in-content", "server", "allow_special_tokens_in_content",
+           parse_bool, _S.allow_special_tokens_in_content,
+           "parse control-token strings in chat message content as special tokens (trusted "
+           "clients only; off, they stay text and cannot forge turns)"),
+    Option("--header-timeout", "server", "header_timeout_s", float, _S.header_timeout_s,
+           "seconds a connection has to send a whole request (headers and body); 408 after"),
+    Option("--max-connections", "server", "max_connections", optional(int),
+           _S.max_connections,
+           "open connections allowed (503 past it); auto = the fd limit less those in use"),
+    Option("--stream-send-timeout", "server", "stream_send_timeout_s", float,
+           _S.stream_send_timeout_s,
+           "seconds a client may stop reading a response before it is cut off and aborted"),
+    Option("--max-queue-time", "server", "max_queue_time_s", optional(float),
+           _S.max_queue_time_s,
+           "seconds a request may wait for the engine (503 + Retry-After past it, estimated "
+           "from the drain rate); none = unbounded"),
 )
 # fmt: on
 

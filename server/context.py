@@ -47,6 +47,7 @@ class ServingContext:
             client,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_waiting_requests=server.max_waiting_requests,
+            max_queue_time_s=server.max_queue_time_s,
         )
         return cls(
             config,

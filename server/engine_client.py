@@ -76,6 +76,45 @@ from server.engine_types import (
 logger = logging.getLogger(__name__)
 
 
+class DrainRate:
+    """Requests the engine finished per second recently, while it had work: what a new
+    request's wait in the queue is estimated from (``--max-queue-time``).
+
+    Each delivered step adds ``(time, requests finished)``. The window holds the last
+    ``window_s`` seconds of steps; a gap longer than ``idle_gap_s`` between two steps means
+    the engine was idle, and the window starts over, so idle time never counts as slowness.
+    """
+
+    def __init__(
+        self, window_s: float = 30.0, idle_gap_s: float = 5.0, min_finished: int = 4
+    ) -> None:
+        self.window_s = window_s
+        self.idle_gap_s = idle_gap_s
+        self.min_finished = min_finished
+        self._steps: deque[tuple[float, int]] = deque()
+
+    def on_step(self, now: float, num_finished: int) -> None:
+        steps = self._steps
+        if steps and now - steps[-1][0] > self.idle_gap_s:
+            steps.clear()
+        steps.append((now, num_finished))
+        while now - steps[0][0] > self.window_s:
+            steps.popleft()
+
+    def rate(self) -> float | None:
+        """Requests per second; None until the window holds ``min_finished`` finishes or
+        spans a second (a burst on an idle engine is judged as soon as a few finish)."""
+        steps = self._steps
+        if len(steps) < 2:
+            return None
+        span = steps[-1][0] - steps[0][0]
+        # The first step opens the window; the finishes counted are the ones after it.
+        num_finished = sum(n for _, n in steps) - steps[0][1]
+        if span <= 0 or (span < 1.0 and num_finished < self.min_finished):
+            return None
+        return num_finished / span
+
+
 class AsyncEngineClient:
     """Runs one engine on one thread and bridges it to asyncio.
 
@@ -115,6 +154,7 @@ class AsyncEngineClient:
         )
         # Event-loop only: request id -> its stream.
         self._streams: dict[str, RequestStream] = {}
+        self.drain_rate = DrainRate()  # event loop only
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume outputs.
@@ -147,6 +187,16 @@ class AsyncEngineClient:
         (queued, waiting, running, or aborted and not yet confirmed): what occupies the
         engine, as the event loop sees it."""
         return len(self._streams)
+
+    def estimated_wait_s(self, num_waiting: int) -> float | None:
+        """Seconds until ``num_waiting`` requests ahead in the queue have drained at the
+        recent drain rate; None while no rate is known yet."""
+        if num_waiting <= 0:
+            return 0.0
+        rate = self.drain_rate.rate()
+        if rate is None:
+            return None
+        return num_waiting / rate if rate > 0 else float("inf")
 
     @property
     def is_stopping(self) -> bool:
@@ -235,13 +285,18 @@ class AsyncEngineClient:
 
     def _deliver(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         """Event loop: route outputs to their streams (runs via call_soon_threadsafe)."""
+        num_finished = 0
         for output in outputs:
+            # Aborts and failures say nothing about how fast the engine serves.
+            num_finished += output.finished and output.finish_reason not in ("abort", "error")
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
             stream._put(output)
             if output.finished:
                 del self._streams[output.request_id]
+        if stats is not None:
+            self.drain_rate.on_step(time.monotonic(), num_finished)
         if stats is not None and self.on_step is not None:
             try:
                 self.on_step(stats)

@@ -28,6 +28,7 @@ into a 500 in the same shape, so no response ever leaves in FastAPI's ``{"detail
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,6 +134,31 @@ def server_overloaded(num_in_flight: int, capacity: int) -> APIError:
         type=UNAVAILABLE,
         code="server_overloaded",
         headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+def queue_too_long(wait_s: float | None, max_queue_time_s: float, *, waited: bool) -> APIError:
+    """503 for a request that would wait (or did wait) past ``--max-queue-time``.
+
+    Retry-After is when the queue should be back within the bound: the estimated wait less
+    the bound (at least 1 s); the bound itself when no estimate is known.
+    """
+    if wait_s is None or not math.isfinite(wait_s):
+        retry_after = math.ceil(max_queue_time_s)
+    else:
+        retry_after = max(1, math.ceil(wait_s - max_queue_time_s))
+    what = (
+        f"waited {max_queue_time_s:g} s for the engine without being served"
+        if waited
+        else f"would wait about {wait_s:.0f} s for the engine"
+    )
+    return APIError(
+        503,
+        f"The server is overloaded: this request {what}, longer than its bound of "
+        f"{max_queue_time_s:g} s (--max-queue-time). Retry after {retry_after} s.",
+        type=UNAVAILABLE,
+        code="queue_timeout" if waited else "queue_too_long",
+        headers={"Retry-After": str(retry_after)},
     )
 
 

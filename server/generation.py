@@ -40,6 +40,7 @@ from server.errors import (
     engine_unavailable,
     invalid,
     output_failed,
+    queue_too_long,
     request_timed_out,
     server_shutting_down,
 )
@@ -200,8 +201,14 @@ class GenerationRun:
         arrival_time: float,
         token_texts: TokenTexts,
         deadline: Deadline | None = None,
+        max_queue_time_s: float | None = None,
     ) -> None:
-        """``params[p * n + i]`` are the SamplingParams of choice i of prompt p."""
+        """``params[p * n + i]`` are the SamplingParams of choice i of prompt p.
+
+        With ``max_queue_time_s``, ``start`` also waits for the run's first output: a run
+        still without one that long after its arrival is aborted with a 503 (the engine
+        has not served it; its prefill counts as part of the wait).
+        """
         self._client = client
         self._metrics = metrics
         self.prompts = list(prompts)
@@ -220,6 +227,8 @@ class GenerationRun:
         self._by_id = {c.request_id: c for c in self.choices}
         self._arrival_time = arrival_time
         self._deadline = deadline
+        self._max_queue_time_s = max_queue_time_s
+        self._first_outputs: list[RequestOutput] | None = None  # taken by start()
         self._submission: Submission | None = None
         self._stream: Any = None
         self.aborted = False  # the engine aborted a choice we did not finish (client gone)
@@ -255,13 +264,35 @@ class GenerationRun:
             raise invalid(str(exc), code="request_not_servable") from None
         except EngineUnavailableError as exc:
             raise engine_unavailable(str(exc)) from None
+        if self._max_queue_time_s is not None:
+            self._first_outputs = await self._until_served(self._max_queue_time_s)
+
+    async def _until_served(self, max_queue_time_s: float) -> list[RequestOutput]:
+        """The run's first outputs, awaited until ``max_queue_time_s`` after arrival; past
+        that, the run is aborted and a 503 raised (the request deadline still applies)."""
+        assert self._stream is not None
+        queue_deadline = self._arrival_time + max_queue_time_s
+        request_deadline = self._deadline.at if self._deadline is not None else float("inf")
+        try:
+            timeout = max(0.0, min(queue_deadline, request_deadline) - time.monotonic())
+            return list(await asyncio.wait_for(self._stream.get(), timeout))
+        except asyncio.TimeoutError:
+            self.close()
+            if self._deadline is not None and request_deadline <= queue_deadline:
+                raise request_timed_out(self._deadline.timeout_s, 0) from None
+            waiting = self._client.snapshot.last_step_stats
+            wait_s = self._client.estimated_wait_s(waiting.num_waiting if waiting else 0)
+            raise queue_too_long(wait_s, max_queue_time_s, waited=True) from None
 
     async def deltas(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Batches of deltas until every choice finished; raises an ``APIError`` 500 on an
         engine failure."""
         assert self._stream is not None, "start() first"
         while not all(c.finished for c in self.choices):
-            outputs = await self._before_deadline(self._stream.get())
+            if self._first_outputs is not None:
+                outputs, self._first_outputs = self._first_outputs, None
+            else:
+                outputs = await self._before_deadline(self._stream.get())
             if not outputs:
                 break
             now = time.monotonic()

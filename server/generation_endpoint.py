@@ -4,7 +4,8 @@ Every generation request goes through ``serve_generation``, in this order::
 
     check values (400) ──> deadline ──> hold room (503, before any tokenizing) ──>
     prompts (tokenize / chat template) ──> SamplingParams per choice ──> submit ──>
-    start (400/503/504 while the status line can still say so) ──> SSE stream or JSON
+    start (400/503/504 while the status line can still say so; with --max-queue-time, until
+    the first token) ──> SSE stream or JSON
 
 An endpoint supplies only what differs (``GenerationEndpoint``): its value checks, how its
 prompts and per-choice parameters are built, and its response shapes, JSON and SSE
@@ -54,9 +55,7 @@ class GenerationEndpoint(Generic[Req]):
     num_sequences: Callable[[Req], int]
     prepare: Callable[[Req, ServingContext], tuple[list[Prompt], list[SamplingParams]]]
     response: Callable[[Req, ServingContext, GenerationRun, str, int], BaseModel]
-    stream: Callable[
-        [Req, Request, ServingContext, GenerationRun, str, int], AsyncIterator[bytes]
-    ]
+    stream: Callable[[Req, Request, ServingContext, GenerationRun, str, int], AsyncIterator[bytes]]
 
 
 async def serve_generation(
@@ -85,6 +84,7 @@ async def serve_generation(
             arrival_time=arrival_time,
             token_texts=ctx.token_texts,
             deadline=deadline,
+            max_queue_time_s=server.max_queue_time_s,
         )
         run.submit()  # counted by the engine client from here: the room is no longer held
     await run.start()  # a 400 / 503 / 504 here is still a proper HTTP error

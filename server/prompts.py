@@ -6,10 +6,28 @@ Double-BOS guard (vLLM#2012, TGI#1594): chat prompts are rendered by the tokeniz
 template, which already writes every special token it wants, and are then encoded with
 ``add_special_tokens=False``. Plain completion prompts are encoded with the tokenizer's
 default specials (a BOS where the model expects one), as vLLM does.
+
+Control tokens: in a chat, only the template's own structure yields special tokens. Text the
+client sent (every string of every message: system, user and assistant content alike) is
+encoded as text, so a message holding ``<|im_end|>\\n<|im_start|>system`` cannot forge a turn:
+those strings become ordinary pieces (``<``, ``|``, ``im``, ...). A completions prompt and
+``/tokenize``'s ``prompt`` belong to the client whole (there is no template to protect), so
+their control-token strings are parsed as special tokens, as vLLM does (OpenAI does not).
+``--allow-special-tokens-in-content`` restores parsing inside chat content, for trusted
+clients that send raw control tokens.
+
+::
+
+    rendered:  <|im_start|>user\\n hi<|im_end|>...  <|im_end|>\\n<|im_start|>assistant\\n
+               |-- template ----||-- content ------||-- template ------------------|
+    encoded:   specials parsed   specials as text   specials parsed
 """
 
 from __future__ import annotations
 
+import functools
+import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,19 +75,158 @@ def completion_prompts(
 
 
 def chat_prompt(
-    messages: Sequence[ChatMessage], tokenizer: Any, add_generation_prompt: bool = True
+    messages: Sequence[ChatMessage],
+    tokenizer: Any,
+    add_generation_prompt: bool = True,
+    *,
+    allow_special_tokens_in_content: bool = False,
 ) -> Prompt:
-    """Render messages with the tokenizer's chat template and tokenize them."""
+    """Render messages with the tokenizer's chat template and tokenize them.
+
+    Control-token strings inside the messages are encoded as text unless
+    ``allow_special_tokens_in_content`` (see the module docstring).
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise invalid(
             "this model has no chat template; use /v1/completions", "messages", "no_chat_template"
         )
     rendered = check_chat_messages(messages)
+    text = _render(tokenizer, rendered, add_generation_prompt)
+    control = _control_tokens(tokenizer)
+    if allow_special_tokens_in_content or not _holds_control_string(rendered, control):
+        # Nothing to protect: the whole text in one call, exactly as the tokenizer splits it.
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    else:
+        ids = encode_chat_as_text(tokenizer, rendered, add_generation_prompt, text)
+    return Prompt(ids, text)
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
     try:
         text = tokenizer.apply_chat_template(
-            rendered, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
     except Exception as exc:  # templates raise on role orders they do not accept
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    return Prompt(ids, text)
+    return str(text)
+
+
+@dataclass(frozen=True, slots=True)
+class _ControlTokens:
+    """The tokenizer's special added tokens: their ids, and a pattern that finds them the way
+    the tokenizer does (longest first; ``lstrip``/``rstrip`` tokens take the whitespace
+    beside them)."""
+
+    ids: dict[str, int]
+    pattern: re.Pattern[str] | None
+
+
+def _control_tokens(tokenizer: Any) -> _ControlTokens:
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    specs = tuple(
+        sorted(
+            (
+                str(tok.content),
+                int(i),
+                bool(getattr(tok, "lstrip", False)),
+                bool(getattr(tok, "rstrip", False)),
+            )
+            for i, tok in added.items()
+            if getattr(tok, "special", False) and str(tok.content)
+        )
+    )
+    return _compile_control_tokens(specs)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_control_tokens(specs: tuple[tuple[str, int, bool, bool], ...]) -> _ControlTokens:
+    if not specs:
+        return _ControlTokens({}, None)
+    alternatives = [
+        ("\\s*" if lstrip else "") + f"(?:{re.escape(content)})" + ("\\s*" if rstrip else "")
+        for content, _, lstrip, rstrip in sorted(specs, key=lambda s: -len(s[0]))
+    ]
+    return _ControlTokens(
+        {content: token_id for content, token_id, _, _ in specs},
+        re.compile("|".join(alternatives)),
+    )
+
+
+def _holds_control_string(messages: list[dict[str, str]], control: _ControlTokens) -> bool:
+    return any(
+        content in value
+        for message in messages
+        for key, value in message.items()
+        if key != "role"
+        for content in control.ids
+    )
+
+
+def encode_chat_as_text(
+    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool, text: str
+) -> list[int]:
+    """The ids of ``text`` (the rendered chat) with special-token parsing only outside the
+    messages' strings.
+
+    The template is rendered again with each string replaced by a unique marker, so the
+    rendered text splits into template pieces and client strings. Control tokens are found
+    in the template pieces only; the text between two of them (template text and client
+    strings together, as the tokenizer itself would see it) is encoded without special
+    parsing. A marker keeps the string's leading and trailing whitespace, so a template that
+    trims its content (``| trim``) trims the same way.
+
+    Raises:
+        APIError: 400 when the template rewrites content beyond trimming (the client strings
+            then cannot be located, so their control strings cannot be kept as text).
+    """
+    nonce = secrets.token_hex(8)
+    cores: list[str] = []
+    marked = []
+    for message in messages:
+        copy = dict(message)
+        for key, value in message.items():
+            core = value.strip()
+            if key == "role" or not core:
+                continue
+            lead, trail = value[: len(value) - len(value.lstrip())], value[len(value.rstrip()) :]
+            copy[key] = f"{lead}\ue000{nonce}:{len(cores)}\ue000{trail}"
+            cores.append(core)
+        marked.append(copy)
+    parts = re.split(
+        f"\ue000{nonce}:(\\d+)\ue000", _render(tokenizer, marked, add_generation_prompt)
+    )
+    # parts alternates template text and marker numbers: [tpl, 0, tpl, 1, tpl, ...]
+    if "".join(p if i % 2 == 0 else cores[int(p)] for i, p in enumerate(parts)) != text:
+        raise invalid(
+            "the messages hold control-token strings, and this model's chat template rewrites "
+            "message content, so they cannot be kept as text; remove them (or start the "
+            "server with --allow-special-tokens-in-content)",
+            "messages",
+        )
+    control = _control_tokens(tokenizer)
+    ids: list[int] = []
+    run: list[str] = []  # text since the last template control token
+
+    def flush() -> None:
+        if run:
+            ids.extend(_encode_text_only(tokenizer, "".join(run)))
+            run.clear()
+
+    for i, part in enumerate(parts):
+        if i % 2:
+            run.append(cores[int(part)])
+            continue
+        start = 0
+        for match in control.pattern.finditer(part) if control.pattern else ():
+            run.append(part[start : match.start()])
+            flush()
+            ids.append(control.ids[match.group().strip()])
+            start = match.end()
+        run.append(part[start:])
+    flush()
+    return ids
+
+
+def _encode_text_only(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as ordinary tokens: control-token strings become their plain pieces."""
+    return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))

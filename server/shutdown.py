@@ -34,6 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server.connections import (
+    AcceptErrorLog,
+    ConnectionLimits,
+    bounded_protocol,
+    default_max_connections,
+    raise_fd_limit,
+)
 from server.errors import server_shutting_down
 
 if TYPE_CHECKING:
@@ -106,6 +113,7 @@ def make_server(
 
         async def startup(self, sockets: Any = None) -> None:
             self._loop = asyncio.get_running_loop()
+            AcceptErrorLog().install(self._loop)
             await super().startup(sockets=sockets)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -148,14 +156,32 @@ def make_server(
 def serve_until_drained(
     app: Any, *, host: str, port: int, log_level: str, drain_timeout_s: float
 ) -> None:
-    """Run uvicorn on ``app`` (built by ``create_app``) until a signal drains it."""
+    """Run uvicorn on ``app`` (built by ``create_app``) until a signal drains it, with the
+    connection bounds of its config (server/connections.py)."""
     import uvicorn
 
+    server_config = app.state.ctx.config.server
+    fd_limit = raise_fd_limit()
+    max_connections = server_config.max_connections or default_max_connections(fd_limit)
+    logger.info(
+        "open-file limit %d; at most %d connections, %g s to send a request, %g s a client may "
+        "stop reading",
+        fd_limit,
+        max_connections,
+        server_config.header_timeout_s,
+        server_config.stream_send_timeout_s,
+    )
+    limits = ConnectionLimits(
+        max_connections=max_connections,
+        header_timeout_s=server_config.header_timeout_s,
+        stream_send_timeout_s=server_config.stream_send_timeout_s,
+    )
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
+        http=bounded_protocol(limits),
         # After the drain, only idle or cut-off connections remain: close them quickly.
         timeout_graceful_shutdown=5,
     )

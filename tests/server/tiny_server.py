@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +82,19 @@ class TinyServer:
 
 @contextlib.contextmanager
 def tiny_server(
-    model_dir: Path, log: Path, *args: str, module: str = "server"
+    model_dir: Path,
+    log: Path,
+    *args: str,
+    module: str = "server",
+    wrapper: Sequence[str] = (),
 ) -> Iterator[TinyServer]:
     """Start ``python -m <module>`` (the server, or a test entry point that wraps it, such as
     tests.server.fault_server) on a free port with ``args`` added; stop it (SIGKILL if needed).
+    ``wrapper`` goes before the command (e.g. ``prlimit --nofile=200:200 --``).
     """
     port = free_port()
     argv = [
+        *wrapper,
         sys.executable, "-m", module,
         "--model", str(model_dir),
         "--device", "cpu",
