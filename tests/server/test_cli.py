@@ -58,8 +58,9 @@ def test_serve_help_shows_boolean_values_as_bool(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     usage = " ".join(capsys.readouterr().out.split())
-    assert "[--no-prefix-caching [BOOL]]" in usage
-    assert "[--check-integrity BOOL]" in usage and "[--log-prompts BOOL]" in usage
+    # A boolean may be given alone (true), as a switch: --enforce-eager, --check-integrity.
+    assert "[--no-prefix-caching [BOOL]]" in usage and "[--enforce-eager [BOOL]]" in usage
+    assert "[--check-integrity [BOOL]]" in usage and "[--log-prompts [BOOL]]" in usage
     assert "[CACHING]" not in usage and "INTEGRITY " not in usage
     assert "[MODEL]" in usage
 
