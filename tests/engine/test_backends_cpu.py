@@ -86,7 +86,9 @@ def test_matmuls_keep_panels_and_lose_their_plain_weights(llm):
     assert memory.blocks == 0
     assert memory.weights == sum(p.numel() * 4 for p in model.parameters() if not p.is_meta)
     assert memory.kv_cache == llm.engine.kv_capacity.total_bytes
-    assert memory.rss > memory.weights + memory.packed + memory.kv_cache
+    # The KV cache's pages may not be resident yet (zero pages, touched on first write):
+    # only the copies the load wrote are surely in the resident set.
+    assert memory.rss > memory.weights + memory.packed
     assert 0 < memory.rss_before < memory.rss
     assert "the rest" in memory.describe() and "before loading" in memory.describe()
 
