@@ -88,7 +88,13 @@ def _build() -> Any | None:
             cflags=["-O3", f"-march={march}", "-fopenmp", "-std=c++17"],
             ldflags=["-fopenmp"],
         )
-        return torch.ops.pagedserve_cpu
+        ops = torch.ops.pagedserve_cpu
+        # After team steps whose thread 0 kept waiting on a descheduled worker, this many
+        # steps run on thread 0 alone (decoder_layer.cpp); unset or 0 keeps the team.
+        solo = os.environ.get("PAGEDSERVE_CPU_SOLO_STEPS")
+        if solo is not None:
+            ops.set_stack_solo_after_stall(int(solo))
+        return ops
     except BuildUnavailable as exc:
         log.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference", exc)
     except Exception as exc:  # noqa: BLE001 - any load failure means "use the reference"

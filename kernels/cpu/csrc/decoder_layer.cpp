@@ -159,8 +159,14 @@ std::atomic<int64_t> g_team_rows{16};
 // Steps left to run solo (team.h): a team call whose thread 0 stalled on a worker sets it, so
 // a server beside a busy process runs at one thread's speed instead of waiting, a time
 // slice at a time, for a worker that shares its core; then the team is tried again.
-constexpr int64_t kSoloSteps = 16;
+// How many: set_stack_solo_after_stall (PAGEDSERVE_CPU_SOLO_STEPS). 0 by default, never
+// solo: in a quiet server at 16 rows the HTTP event loop keeps stalling a worker, and solo
+// steps there were slower than the team that claims the late worker's chunks; beside a
+// busy neighbour (a shared host) solo steps bound the slowdown, so such hosts set it.
+std::atomic<int64_t> g_solo_after_stall{0};
 std::atomic<int64_t> g_solo_steps{0};
+constexpr int64_t kStallsBeforeSolo = 3;
+std::atomic<int64_t> g_stalls_in_a_row{0};
 
 // The stack itself: decoder_layers below runs it on its thread 0, in a team or not.
 std::tuple<at::Tensor, at::Tensor> run_stack(
@@ -252,7 +258,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
         team.serve(tid);
       }
     }
-    if (team.stalls() > 0) g_solo_steps.store(kSoloSteps, std::memory_order_relaxed);
+    // Only a stall in kStallsBeforeSolo team steps in a row means a worker keeps losing its
+    // core (a busy neighbour); a server's own event loop takes a core now and then, and
+    // going solo for that cost a quiet server's 16-row steps a quarter of their speed.
+    if (team.stalls() == 0) {
+      g_stalls_in_a_row.store(0, std::memory_order_relaxed);
+    } else if (g_stalls_in_a_row.fetch_add(1, std::memory_order_relaxed) + 1 >= kStallsBeforeSolo) {
+      g_stalls_in_a_row.store(0, std::memory_order_relaxed);
+      g_solo_steps.store(g_solo_after_stall.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    }
     if (error) std::rethrow_exception(error);
   } else {
     result = run();
@@ -270,6 +284,8 @@ Team*& current_team() {
 int64_t set_stack_team_rows(int64_t rows) { return g_team_rows.exchange(rows); }
 
 int64_t set_stack_solo_steps(int64_t steps) { return g_solo_steps.exchange(steps); }
+
+int64_t set_stack_solo_after_stall(int64_t steps) { return g_solo_after_stall.exchange(steps); }
 
 void step_profile(bool on) { g_profile = StepProfile{on}; }
 

@@ -88,5 +88,6 @@ int64_t set_stack_team_rows(int64_t rows);
 // Steps the fused stack runs solo (team.h) from now on, unless a stall sets more; returns
 // the previous count.
 int64_t set_stack_solo_steps(int64_t steps);
+int64_t set_stack_solo_after_stall(int64_t steps);
 
 }  // namespace pagedserve_cpu
