@@ -252,7 +252,6 @@ def build_engine_parts(
             device,
             max_tokens=scheduler_config.max_num_batched_tokens,
             graph_sizes=graph_sizes if use_graphs else [],
-            vocab_size=mc.vocab_size,
             block_size=kv_config.block_size,
         )
         kv_config = dataclasses.replace(kv_config, memory_bytes=budget)

@@ -69,7 +69,6 @@ def gpu_kv_budget(
     *,
     max_tokens: int,
     graph_sizes: Sequence[int],
-    vocab_size: int,
     block_size: int = 16,
 ) -> int:
     """Bytes the KV cache may take on ``device``; runs the largest prefill step and the
@@ -88,7 +87,7 @@ def gpu_kv_budget(
         decode = _peak_bytes(model, _inert_batch(largest, largest, block_size, device), caches)
     # Each graph keeps its [size, vocab] float32 logits; the pool's scratch is the largest
     # bucket's activations.
-    graphs = sum(graph_sizes) * vocab_size * 4 + decode if graph_sizes else 0
+    graphs = sum(graph_sizes) * model.config.vocab_size * 4 + decode if graph_sizes else 0
     del caches
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)

@@ -34,22 +34,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
-    "llama-3.1-8b": {
-        "model_type": "llama",
-        "vocab_size": 128256,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": _LLAMA3_ROPE,
-        "max_position_embeddings": 131072,
-        "tie_word_embeddings": False,
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
-    },
     "llama-3.2-1b": {
         "model_type": "llama",
         "vocab_size": 128256,
@@ -114,6 +98,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+}
+
+
+# Llama 3.1 is Llama 3's shape with llama3 RoPE scaling to a 128k context.
+PRESETS["llama-3.1-8b"] = {
+    **PRESETS["llama-3-8b"],
+    "rope_scaling": _LLAMA3_ROPE,
+    "max_position_embeddings": 131072,
 }
 
 
