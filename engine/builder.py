@@ -25,6 +25,12 @@ from engine.backends.cpu import build_cpu_forward
 from engine.config import EngineConfig, ModelConfig
 from engine.cost import StepCostModel
 from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
+from engine.generation_config import (
+    SamplingDefaults,
+    eos_token_ids,
+    read_generation_config,
+    sampling_defaults,
+)
 from engine.gpu_memory import gpu_kv_budget
 from engine.llama import LlamaForCausalLM
 from engine.loader import (
@@ -125,6 +131,8 @@ class EngineParts:
     max_model_len: int
     tokenizer: Any  # a transformers tokenizer, or None
     eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]  # every id a request stops at (eos_token_id among them)
+    sampling_defaults: SamplingDefaults  # for fields a request leaves unset
     attention_backend: str
     model: LlamaForCausalLM
     matmul_weights: str  # "gguf" when the cpu backend reads GGUF blocks, else "float32"
@@ -183,7 +191,8 @@ def build_engine_parts(
     shape = preset(config.model) if dummy else None
     resolved = None if shape is not None else resolve_model(config.model)
     model_id = config.model if resolved is None else resolved.model_id
-    mc = ModelConfig.from_hf(shape if resolved is None else read_hf_config(resolved.path))
+    hf_config = shape if resolved is None else read_hf_config(resolved.path)
+    mc = ModelConfig.from_hf(hf_config)
     max_model_len = min(
         mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings
     )
@@ -192,6 +201,16 @@ def build_engine_parts(
     eos_token_id = mc.eos_token_id
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_token_id = tokenizer.eos_token_id
+    generation = read_generation_config(resolved.path if resolved is not None else None)
+    stop_ids = eos_token_ids(hf_config, generation, tokenizer)
+    if eos_token_id is None and stop_ids:
+        eos_token_id = stop_ids[0]
+    defaults = sampling_defaults(generation, config.generation_config)
+    logger.info(
+        "EOS ids %s; sampling defaults from generation_config.json: %s",
+        list(stop_ids),
+        defaults.as_dict() or "none",
+    )
 
     t0 = time.perf_counter()
     backend = resolve_backend(config.attention_backend, device, dtype, mc)
@@ -316,6 +335,8 @@ def build_engine_parts(
         max_model_len=max_model_len,
         tokenizer=tokenizer,
         eos_token_id=eos_token_id,
+        eos_token_ids=stop_ids,
+        sampling_defaults=defaults,
         attention_backend=backend,
         model=model,
         matmul_weights=matmul_weights,

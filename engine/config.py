@@ -181,6 +181,10 @@ class EngineConfig:
             Python (engine/cuda_graphs.py).
         cuda_graph_sizes: the batch sizes to capture a decode graph for; None picks
             1, 2, 4, 8, then steps of 8 up to 64 and of 16 up to ``max_num_seqs``.
+        generation_config: "auto": the checkpoint's generation_config.json sampling
+            fields (temperature, top_p, top_k, min_p, repetition_penalty) are the defaults
+            of requests that leave them unset; "none": pagedserve's own defaults
+            (engine/generation_config.py). EOS ids are read from the checkpoint either way.
     """
 
     model: str = "default"
@@ -194,8 +198,13 @@ class EngineConfig:
     tokenizer: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(
+                f"generation_config must be auto or none, got {self.generation_config!r}"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.matmul_weights not in ("gguf", "float32"):

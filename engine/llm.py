@@ -11,6 +11,7 @@ the server uses.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -65,6 +66,7 @@ class LLM:
         tokenizer: str | None = None,
         enforce_eager: bool = False,
         cuda_graph_sizes: tuple[int, ...] | None = None,
+        generation_config: str = "auto",
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -79,6 +81,7 @@ class LLM:
                 tokenizer=tokenizer,
                 enforce_eager=enforce_eager,
                 cuda_graph_sizes=cuda_graph_sizes,
+                generation_config=generation_config,
             ),
             KVPoolConfig(
                 block_size=block_size,
@@ -102,6 +105,11 @@ class LLM:
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer, or None
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the checkpoint's generation_config.json defaults
+        (``generation_config="auto"``; engine/generation_config.py), as vLLM's."""
+        return dataclasses.replace(SamplingParams(), **self.engine.sampling_defaults.as_dict())
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.engine.tokenizer is None:
@@ -116,7 +124,7 @@ class LLM:
     ) -> list[CompletionOutput]:
         """Generate for every prompt, together; return outputs in prompt order."""
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")

@@ -51,6 +51,8 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.tokenizer: Any = parts.tokenizer
         self.eos_token_id = parts.eos_token_id
+        self.eos_token_ids = parts.eos_token_ids
+        self.sampling_defaults = parts.sampling_defaults
         self.attention_backend = parts.attention_backend
         self.model = parts.model
         self.matmul_weights = parts.matmul_weights
@@ -118,6 +120,7 @@ class LLMEngine:
             prompt_token_ids=list(prompt_token_ids),
             sampling_params=params,
             eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.config import ModelConfig
+from engine.generation_config import SamplingDefaults
 from engine.outputs import RequestOutput, StepStats
 from scheduler.request import SamplingParams
 
@@ -29,6 +30,8 @@ class ServingEngine(Protocol):
     def tokenizer(self) -> Any: ...  # a transformers tokenizer, or None
     @property
     def eos_token_id(self) -> int | None: ...
+    @property
+    def sampling_defaults(self) -> SamplingDefaults: ...  # generation_config.json's
     @property
     def max_model_len(self) -> int: ...
     @property

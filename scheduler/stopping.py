@@ -19,7 +19,9 @@ def stop_status(request: Request, token_id: int, max_model_len: int) -> RequestS
         ``max_tokens`` or the model's context reached: length), or None to keep running.
     """
     params = request.sampling_params
-    if not params.ignore_eos and token_id == request.eos_token_id:
+    if not params.ignore_eos and (
+        token_id == request.eos_token_id or token_id in request.eos_token_ids
+    ):
         return RequestStatus.FINISHED_STOPPED
     if token_id in params.stop_token_ids:
         return RequestStatus.FINISHED_STOPPED

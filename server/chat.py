@@ -75,7 +75,14 @@ def _prepare(
     )
     logprobs = chat_logprobs(req)
     params = [
-        choice_params(req, max_tokens=max_tokens, logprobs=logprobs, choice=i) for i in range(req.n)
+        choice_params(
+            req,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            choice=i,
+            defaults=ctx.limits.sampling_defaults,
+        )
+        for i in range(req.n)
     ]
     return [prompt], params
 

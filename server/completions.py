@@ -64,7 +64,13 @@ def _prepare(
         )
         for i in range(req.n):
             params.append(
-                choice_params(req, max_tokens=max_tokens, logprobs=req.logprobs, choice=i)
+                choice_params(
+                    req,
+                    max_tokens=max_tokens,
+                    logprobs=req.logprobs,
+                    choice=i,
+                    defaults=ctx.limits.sampling_defaults,
+                )
             )
     return prompts, params
 

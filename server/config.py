@@ -263,6 +263,12 @@ _OPTIONS: tuple[Option, ...] = (
            "--model may then name a preset: llama-3-8b, llama-3.1-8b, llama-3.2-1b, "
            "qwen2.5-7b, smollm2-135m, tiny-llama)",
            ("auto", "dummy")),
+    Option("--generation-config", "engine", "generation_config", str, _E.generation_config,
+           "auto (the checkpoint's generation_config.json temperature, top_p, top_k, min_p "
+           "and repetition_penalty are the defaults of requests that leave them unset, as "
+           "vLLM's --generation-config auto) or none (pagedserve's own defaults); EOS ids "
+           "are read from the checkpoint either way",
+           ("auto", "none")),
     Option("--tokenizer", "engine", "tokenizer", optional(str), _E.tokenizer,
            "directory of a tokenizer to use instead of the model's (a dummy preset has none)"),
     Option("--enforce-eager", "engine", "enforce_eager", parse_bool, _E.enforce_eager,

@@ -42,6 +42,7 @@ class ServingContext:
             reject_unknown_fields=server.unknown_fields == "reject",
             max_prompt_tokens=server.max_prompt_tokens,
             max_output_tokens=server.max_output_tokens,
+            sampling_defaults=client.sampling_defaults,
         )
         backpressure = Backpressure(
             client,

@@ -62,6 +62,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.generation_config import SamplingDefaults
 from engine.outputs import RequestOutput, StepStats
 from engine.protocol import ServingEngine
 from server.engine_types import (
@@ -142,6 +143,7 @@ class AsyncEngineClient:
         self.model_id: str = engine.model_id
         self.max_model_len: int = engine.max_model_len
         self.eos_token_id: int | None = engine.eos_token_id
+        self.sampling_defaults: SamplingDefaults = engine.sampling_defaults
         self.vocab_size: int = int(engine.model_config.vocab_size)
         self._stall_timeout_s = stall_timeout_s
         self.on_step: Callable[[StepStats], None] | None = None

@@ -39,6 +39,7 @@ from typing import Any
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.generation_config import SamplingDefaults
 from scheduler.request import SamplingParams
 from server.errors import (
     INVALID_REQUEST,
@@ -75,6 +76,9 @@ class RequestLimits:
     reject_unknown_fields: bool = True
     max_prompt_tokens: int | None = None  # None: only the context length bounds a prompt
     max_output_tokens: int | None = None  # None: only the context length bounds max_tokens
+    # The checkpoint's generation_config.json values for fields a request leaves unset
+    # (--generation-config auto); empty: pagedserve's own defaults.
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
 
 def check_model(requested: str | None, limits: RequestLimits) -> None:
@@ -270,22 +274,30 @@ def choice_params(
     max_tokens: int,
     logprobs: int | None,
     choice: int,
+    defaults: SamplingDefaults = SamplingDefaults(),
 ) -> SamplingParams:
     """``SamplingParams`` of one choice; a seeded request gives choice i the seed ``seed + i``,
-    so the n completions differ from each other and each is reproducible."""
+    so the n completions differ from each other and each is reproducible. A field the
+    request leaves unset takes ``defaults`` (the checkpoint's), else pagedserve's own."""
+
+    def pick(value: Any, default: Any, own: float) -> Any:
+        if value is not None:
+            return value
+        return own if default is None else default
+
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            temperature=pick(req.temperature, defaults.temperature, 1.0),
+            top_p=pick(req.top_p, defaults.top_p, 1.0),
+            top_k=pick(req.top_k, defaults.top_k, 0),
+            min_p=pick(req.min_p, defaults.min_p, 0.0),
             seed=None if req.seed is None else req.seed + choice,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty, 1.0),
             logprobs=logprobs,
         )
     except ValueError as exc:  # SamplingParams' own checks; ours above should catch first

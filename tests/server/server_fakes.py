@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.generation_config import SamplingDefaults
 from engine.outputs import RequestOutput, StepStats, TokenLogprob
 from scheduler.request import SamplingParams
 
@@ -99,6 +100,7 @@ class FakeEngine:
         self.model_config = FakeModelConfig(vocab_size=len(self.tokenizer))
         self.max_model_len = max_model_len
         self.eos_token_id: int | None = self.tokenizer.eos_token_id
+        self.sampling_defaults = SamplingDefaults()
         self.continuation_ids: list[int] = self.tokenizer.encode(continuation)
         self.eos_after = eos_after
         self.block_size = block_size
