@@ -15,6 +15,7 @@ Triton is imported only when it is chosen.
 from __future__ import annotations
 
 from collections.abc import Callable
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from engine.input_batch import AttentionMetadata
 from engine.rope import apply_rope
 from kernels import cpu as cpu_kernels
 from kernels.reference import DecodeContext, decode_context, decode_over_context
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, model: ModelConfig) -> str:
@@ -36,15 +39,45 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, model: 
             intermediate_size=model.intermediate_size,
         )
     )
+    # The fused C++ stack computes Llama's layer exactly (engine/backends/cpu.py): another
+    # family's variations run on the reference.
+    family_fits_cpu = model.is_plain_llama
+    # The Triton kernels take a sliding window but no soft-capped scores.
+    family_fits_triton = model.attn_logit_softcap is None
     if name == "auto":
         if device.type == "cuda":
+            if not family_fits_triton:
+                logger.info(
+                    "%s soft-caps attention scores, which the Triton kernels do not: "
+                    "attention runs on the torch reference",
+                    model.model_type,
+                )
+                return "torch"
             return "triton"
+        if fits_cpu and not family_fits_cpu:
+            logger.info(
+                "the C++ CPU stack computes Llama's layer; %s differs (%s): the model runs "
+                "on the torch reference",
+                model.model_type,
+                model.family_differences(),
+            )
+            return "torch"
         return "cpu" if fits_cpu and cpu_kernels.load() is not None else "torch"
+    if name == "triton" and not family_fits_triton:
+        raise ValueError(
+            f"the triton attention backend has no attention soft-capping, which "
+            f"{model.model_type} uses: use --attention-backend torch"
+        )
     if name == "cpu":
         if not fits_cpu:
             raise ValueError(
                 "the cpu attention backend needs float32 on the CPU, head_dim 32/64/96/128/256 "
                 "and hidden and intermediate sizes that are multiples of 16"
+            )
+        if not family_fits_cpu:
+            raise ValueError(
+                f"the cpu attention backend computes Llama's layer; {model.model_type} differs "
+                f"({model.family_differences()}): use --attention-backend torch"
             )
         if cpu_kernels.load() is None:
             raise RuntimeError("the C++ CPU kernels could not be built (see the log)")
@@ -65,6 +98,7 @@ class AttentionPlan:
 
     meta: AttentionMetadata
     decode_context: DecodeContext | None = None
+    sliding_decode_context: DecodeContext | None = None  # the same, for sliding layers
     row_block_tables: torch.Tensor | None = None  # [num_tokens, max_num_blocks] int32
     row_seq_lens: torch.Tensor | None = None  # [num_tokens] int32
 
@@ -73,13 +107,26 @@ class PagedAttention:
     """Writes a step's new K/V into the cache (rotating K on the way) and attends over it
     through block tables."""
 
-    def __init__(self, backend: str, scale: float) -> None:
+    def __init__(
+        self,
+        backend: str,
+        scale: float,
+        *,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> None:
         """Args:
         backend: "torch", "cpu" or "triton" (already resolved from "auto").
         scale: softmax scale, usually head_dim ** -0.5.
+        softcap: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2); torch only.
+        sliding_window: the keys a query of a sliding layer sees (itself included); a
+            layer asks for it with ``sliding=True``.
         """
         self.backend = backend
         self.scale = scale
+        self.softcap = softcap
+        self.sliding_window = sliding_window
+        assert softcap is None or backend == "torch", "soft-capping runs on the reference"
         self._store_kv: Callable[..., None]
         self._decode: Callable[..., torch.Tensor]
         self._prefill: Callable[..., torch.Tensor]
@@ -152,9 +199,13 @@ class PagedAttention:
             return per_token_plan(meta)
         if self.backend != "torch" or nd == 0:
             return AttentionPlan(meta)
+        tables, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
         return AttentionPlan(
             meta,
-            decode_context(meta.block_tables[:nd], meta.seq_lens[:nd], block_size, num_kv_heads),
+            decode_context(tables, lens, block_size, num_kv_heads),
+            None
+            if self.sliding_window is None
+            else decode_context(tables, lens, block_size, num_kv_heads, self.sliding_window),
         )
 
     def _attend_decode(
@@ -163,16 +214,34 @@ class PagedAttention:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         plan: AttentionPlan,
+        window: int | None,
     ) -> torch.Tensor:
-        if plan.decode_context is not None:
+        context = plan.decode_context if window is None else plan.sliding_decode_context
+        if context is not None:
             return decode_over_context(
-                query, key_cache, value_cache, plan.decode_context, self.scale
+                query, key_cache, value_cache, context, self.scale, self.softcap
             )
         nd = plan.meta.num_decodes
         meta = plan.meta
         return self._decode(
-            query, key_cache, value_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables[:nd],
+            meta.seq_lens[:nd],
+            self.scale,
+            **self._extras(window),
         )
+
+    def _extras(self, window: int | None) -> dict[str, object]:
+        """The keyword arguments only some layers need: a kernel without them keeps its
+        plain signature."""
+        extras: dict[str, object] = {}
+        if window is not None:
+            extras["sliding_window"] = window
+        if self.softcap is not None:
+            extras["softcap"] = self.softcap
+        return extras
 
     def __call__(
         self,
@@ -180,16 +249,27 @@ class PagedAttention:
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         value_cache: torch.Tensor,
         plan: AttentionPlan,
+        *,
+        sliding: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """``sliding``: the layer attends through the sliding window (``sliding_window``)."""
         meta = plan.meta
+        window = self.sliding_window if sliding else None
+        extras = self._extras(window)
         if plan.row_seq_lens is not None:
             return self._decode(
-                query, key_cache, value_cache, plan.row_block_tables, plan.row_seq_lens, self.scale
+                query,
+                key_cache,
+                value_cache,
+                plan.row_block_tables,
+                plan.row_seq_lens,
+                self.scale,
+                **extras,
             )
         nd = meta.num_decodes
         num_seqs = meta.seq_lens.shape[0]
         if nd == num_seqs:
-            return self._attend_decode(query, key_cache, value_cache, plan)
+            return self._attend_decode(query, key_cache, value_cache, plan, window)
         if nd == 0:
             return self._prefill(
                 query,
@@ -199,10 +279,11 @@ class PagedAttention:
                 meta.query_start_loc,
                 meta.seq_lens,
                 self.scale,
+                **extras,
             )
         # Mixed step: decodes are the first nd tokens (see engine/input_batch.py).
         out = torch.empty_like(query)
-        out[:nd] = self._attend_decode(query[:nd], key_cache, value_cache, plan)
+        out[:nd] = self._attend_decode(query[:nd], key_cache, value_cache, plan, window)
         out[nd:] = self._prefill(
             query[nd:],
             key_cache,
@@ -211,6 +292,7 @@ class PagedAttention:
             meta.query_start_loc[nd:] - nd,
             meta.seq_lens[nd:],
             self.scale,
+            **extras,
         )
         return out
 

@@ -167,12 +167,20 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The plain model with the checkpoint at ``path`` loaded, in eval mode; with no path,
     random weights (``--load-format dummy``, ``fill_dummy_weights``)."""
-    attention = PagedAttention(attention_backend, scale=model_config.head_dim**-0.5)
+    attention = PagedAttention(
+        attention_backend,
+        scale=model_config.softmax_scale,
+        softcap=model_config.attn_logit_softcap,
+        sliding_window=model_config.sliding_window,
+    )
     rope = RotaryEmbedding(model_config, max_model_len, device)
+    sliding_rope = None
+    if model_config.sliding_rope_theta is not None:
+        sliding_rope = RotaryEmbedding(model_config, max_model_len, device, sliding=True)
     # Built on the meta device, cast there, then materialised once in the serving dtype: no
     # time spent on random init, and no float32 copy of a bf16 model on the way.
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config, attention, rope)
+        model = LlamaForCausalLM(model_config, attention, rope, sliding_rope)
     model = model.to(dtype).to_empty(device=device)
     if path is None:
         fill_dummy_weights(model, seed)

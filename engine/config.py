@@ -7,6 +7,7 @@ handled here, once.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,54 @@ class UnsupportedModelError(ModelError, ValueError):
     """A checkpoint pagedserve cannot serve (architecture, rope scaling, file format)."""
 
 
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2"}
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What a ``model_type`` changes in the shared decoder (``engine/llama.py``), where its
+    config.json does not say so itself. Every field is read once by ``ModelConfig.from_hf``.
+
+    - ``qkv_bias``: q/k/v projections carry biases (Qwen2).
+    - ``qk_norm``: each query and key head is RMS-normed before RoPE (Qwen3, Gemma 3).
+    - ``sandwich_norms``: the attention and MLP outputs are normed before their residual
+      adds too (Gemma 2/3's post-attention and post-feedforward norms).
+    - ``norm_offset``: norms multiply by ``offset + weight`` (Gemma's ``1 + w``).
+    - ``scale_embeddings``: embeddings are multiplied by ``sqrt(hidden_size)`` (Gemma).
+    - ``hidden_act``: the MLP's gate activation when config.json names none.
+    - ``fused_checkpoint``: the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3).
+    - ``sliding_pattern``: every n-th layer is global, the others slide (Gemma 2: 2,
+      Gemma 3: 6), when config.json has no ``layer_types``; 0: every layer slides when
+      config.json sets ``sliding_window`` (Mistral); None: sliding only by ``layer_types``.
+    - ``query_pre_attn_scalar``: softmax scale is ``query_pre_attn_scalar ** -0.5``.
+    """
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    norm_offset: float = 0.0
+    scale_embeddings: bool = False
+    hidden_act: str = "silu"
+    fused_checkpoint: bool = False
+    sliding_pattern: int | None = None
+    query_pre_attn_scalar: bool = False
+
+
+_GEMMA = Family(
+    sandwich_norms=True,
+    norm_offset=1.0,
+    scale_embeddings=True,
+    hidden_act="gelu_pytorch_tanh",
+    query_pre_attn_scalar=True,
+)
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(sliding_pattern=0),
+    "qwen2": Family(qkv_bias=True),
+    "qwen3": Family(qk_norm=True),
+    "gemma2": dataclasses.replace(_GEMMA, sliding_pattern=2),
+    "gemma3_text": dataclasses.replace(_GEMMA, qk_norm=True, sliding_pattern=6),
+    "phi3": Family(fused_checkpoint=True),
+}
+SUPPORTED_ARCHITECTURES = set(FAMILIES)
+ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
 _REQUIRED_KEYS = (
     "vocab_size",
@@ -73,18 +121,70 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # What differs between families (``Family``), resolved from config.json.
+    hidden_act: str = "silu"  # the MLP gate's: silu or gelu_pytorch_tanh (GeGLU)
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    norm_offset: float = 0.0  # norms multiply by (norm_offset + weight)
+    embed_scale: float = 1.0  # embeddings are multiplied by this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the logits
+    sliding_window: int | None = None  # a sliding layer's query sees this many keys
+    sliding_layers: tuple[bool, ...] = ()  # per layer: does it slide (empty: none does)
+    sliding_rope_theta: float | None = None  # sliding layers' own RoPE base (Gemma 3)
+    fused_checkpoint: bool = False  # qkv_proj / gate_up_proj stored fused (Phi-3)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer``, or None if it attends to all of its
+        context."""
+        if self.sliding_window is None or not self.sliding_layers:
+            return None
+        return self.sliding_window if self.sliding_layers[layer] else None
+
+    def family_differences(self) -> str:
+        """What this model computes beyond Llama's layer, in words ("" for none)."""
+        found = {
+            f"{self.hidden_act} MLP": self.hidden_act != "silu",
+            "q/k norms": self.qk_norm,
+            "norms on attention and MLP outputs": self.sandwich_norms,
+            "(1 + w) norms": self.norm_offset != 0.0,
+            "scaled embeddings": self.embed_scale != 1.0,
+            "query_pre_attn_scalar": self.attn_scale is not None,
+            "soft-capped scores": self.attn_logit_softcap is not None,
+            "soft-capped logits": self.final_logit_softcap is not None,
+            f"sliding window {self.sliding_window}": any(self.sliding_layers),
+        }
+        return ", ".join(name for name, differs in found.items() if differs)
+
+    @property
+    def is_plain_llama(self) -> bool:
+        """Whether the model is Llama's math exactly (biases and tied heads aside): what
+        the fused C++ stack (engine/backends/cpu.py) computes."""
+        return not self.family_differences()
 
     @classmethod
     def from_hf(cls, hf: Any) -> ModelConfig:
         """Translate a ``transformers`` config object (or its dict) once."""
         d: dict[str, Any] = hf if isinstance(hf, dict) else hf.to_dict()
         model_type = d.get("model_type", "llama")
+        if model_type == "gemma3" and isinstance(d.get("text_config"), dict):
+            raise UnsupportedModelError(
+                "unsupported architecture 'gemma3' (the multimodal Gemma3ForConditionalGeneration"
+                "); pagedserve serves its text-only form, model_type 'gemma3_text' "
+                "(Gemma3ForCausalLM): pass a text-only checkpoint"
+            )
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported architecture {model_type!r} (config.json model_type); "
                 f"pagedserve serves {', '.join(sorted(SUPPORTED_ARCHITECTURES))} models: "
                 "pass a checkpoint of one of those families"
             )
+        family = FAMILIES[model_type]
         missing = [key for key in _REQUIRED_KEYS if key not in d]
         if missing:
             raise UnsupportedModelError(
@@ -96,13 +196,44 @@ class ModelConfig:
         # transformers >= 5 folds rope_theta into rope_parameters; older versions keep both
         # rope_theta and an optional rope_scaling dict at the top level.
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        # Gemma 3 keeps one set of RoPE parameters per layer type.
+        sliding_rope = rope.get("sliding_attention") if "full_attention" in rope else None
+        if sliding_rope is not None:
+            rope = rope["full_attention"]
+            if _rope_type(sliding_rope) != "default":
+                raise UnsupportedModelError(
+                    f"unsupported rope scaling {_rope_type(sliding_rope)!r} on sliding layers "
+                    "(config.json rope_parameters.sliding_attention); pagedserve supports "
+                    "default RoPE there"
+                )
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        rope_type = _rope_type(rope)
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"unsupported rope scaling {rope_type!r} (config.json); pagedserve supports "
                 f"{', '.join(sorted(SUPPORTED_ROPE_TYPES))}"
             )
+        partial = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise UnsupportedModelError(
+                f"unsupported partial_rotary_factor {partial} (config.json): pagedserve "
+                "rotates whole heads only"
+            )
+        hidden_act = d.get("hidden_activation") or d.get("hidden_act") or family.hidden_act
+        if hidden_act in ("gelu_tanh", "gelu_new"):  # the same tanh approximation
+            hidden_act = "gelu_pytorch_tanh"
+        if hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"unsupported activation {hidden_act!r} (config.json hidden_act); pagedserve "
+                f"supports {', '.join(sorted(ACTIVATIONS))}"
+            )
+        num_layers = d["num_hidden_layers"]
+        window = d.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+            window = None
+        sliding = _sliding_layers(d, family, num_layers, window)
+        if not any(sliding):
+            sliding, window = (), None
         scaling = RopeScaling(
             rope_type=rope_type,
             factor=float(rope.get("factor", 1.0)),
@@ -120,7 +251,7 @@ class ModelConfig:
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
@@ -129,14 +260,32 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(d.get("attention_bias", family.qkv_bias)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
+            hidden_act=hidden_act,
+            qk_norm=family.qk_norm,
+            sandwich_norms=family.sandwich_norms,
+            norm_offset=family.norm_offset,
+            embed_scale=d["hidden_size"] ** 0.5 if family.scale_embeddings else 1.0,
+            attn_scale=(
+                float(d.get("query_pre_attn_scalar", head_dim)) ** -0.5
+                if family.query_pre_attn_scalar
+                else None
+            ),
+            attn_logit_softcap=_optional_float(d.get("attn_logit_softcapping")),
+            final_logit_softcap=_optional_float(d.get("final_logit_softcapping")),
+            sliding_window=int(window) if window is not None else None,
+            sliding_layers=sliding,
+            sliding_rope_theta=(
+                float(sliding_rope.get("rope_theta", 10000.0)) if sliding_rope is not None else None
+            ),
+            fused_checkpoint=family.fused_checkpoint,
         )
 
     @property
-    def num_params(self) -> int:
+    def num_params(self) -> int:  # the small per-head q/k and sandwich norms left out
         """Parameter count, counting tied embeddings once."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
@@ -150,6 +299,43 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) * layers * kv heads * head dim * bytes per element."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _rope_type(rope: dict[str, Any]) -> str:
+    return rope.get("rope_type", rope.get("type", "default")) or "default"
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _sliding_layers(
+    d: dict[str, Any], family: Family, num_layers: int, window: Any
+) -> tuple[bool, ...]:
+    """Per layer, whether it attends through the sliding window: config.json's
+    ``layer_types`` where it has them, else the family's pattern."""
+    if window is None:
+        return ()
+    types = d.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise UnsupportedModelError(
+                f"config.json lists {len(types)} layer_types for {num_layers} layers"
+            )
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise UnsupportedModelError(
+                f"unsupported layer types {sorted(unknown)} (config.json layer_types); "
+                "pagedserve supports sliding_attention and full_attention"
+            )
+        return tuple(t == "sliding_attention" for t in types)
+    pattern = family.sliding_pattern
+    if pattern is None:
+        return ()
+    if pattern == 0:
+        return (True,) * num_layers
+    pattern = int(d.get("sliding_window_pattern", pattern))
+    return tuple(bool((i + 1) % pattern) for i in range(num_layers))
 
 
 @dataclass(frozen=True, slots=True)

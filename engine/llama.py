@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) in plain PyTorch.
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3, SmolLM) in plain
+PyTorch.
 
 It differs from ``transformers``' model in one way only: attention writes each step's K/V
 into the paged cache and reads the context back through block tables, for a flat batch that
@@ -11,7 +12,19 @@ device's fast path (packed or quantized weight copies, fused kernels, CUDA graph
 backend in ``engine/backends/`` that transforms the loaded model from outside and runs in
 its place; nothing here knows about one. A family that differs in a few places (biases,
 RoPE scaling, tied embeddings) is a ``ModelConfig`` field read here and a name in
-``checkpoint_sources``.
+``checkpoint_sources``. What each family changes (``engine/config.py``, ``FAMILIES``)::
+
+    family    differs from Llama by
+    qwen2     q/k/v biases
+    qwen3     per-head RMSNorm of q and k before RoPE
+    mistral   a sliding window on every layer
+    phi3      fused qkv / gate_up in the checkpoint (split the way ours are fused)
+    gemma2    GeGLU (gelu-tanh), (1 + w) norms, norms on the attention and MLP outputs
+              too, embeddings times sqrt(hidden), softmax scale from
+              query_pre_attn_scalar, soft-capped attention scores and logits, every
+              other layer sliding
+    gemma3    gemma2 without soft-caps, with q/k norms, 5 sliding layers in 6, and its
+              own RoPE base on the sliding layers
 """
 
 from __future__ import annotations
@@ -85,8 +98,27 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluTanhAndMul(nn.Module):
+    """``gelu_tanh(gate) * up``: Gemma's GeGLU."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:  # [t, 2 * inter] -> [t, inter]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "silu": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+}
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(x / cap)``: Gemma 2's bound on attention scores and logits."""
+    return torch.tanh(x / cap) * cap
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads = config.num_heads
@@ -100,7 +132,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(h, config.rms_norm_eps)
         self.gate_up_proj = Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, h, bias=config.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = ACTIVATIONS[config.hidden_act]()
+        # The family's variations (engine/config.py); None where a family has none.
+        eps = config.rms_norm_eps
+        self.q_norm = RMSNorm(d, eps) if config.qk_norm else None  # per head, before RoPE
+        self.k_norm = RMSNorm(d, eps) if config.qk_norm else None
+        self.attn_out_norm = RMSNorm(h, eps) if config.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(h, eps) if config.sandwich_norms else None
+        self.sliding = config.layer_window(layer) is not None
 
     def forward(
         self,
@@ -121,31 +160,56 @@ class DecoderLayer(nn.Module):
         else:
             h = self.input_norm.add_norm_(x, residual)
         qkv = self.qkv_proj(h)  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv = self._norm_heads(qkv)
         # The chunk's own K/V must be in the cache before attention: its queries attend to
         # them through the block table like to any cached token.
         q = attention.rope_and_store(
             qkv, rope, key_cache, value_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads
         )
-        o = attention(q, key_cache, value_cache, plan)  # [num_tokens, num_heads, head_dim]
-        h = self.post_attention_norm.add_norm_(self.o_proj(o.reshape(t, self.q_size)), residual)
-        return self.down_proj(self.act(self.gate_up_proj(h))), residual
+        # [num_tokens, num_heads, head_dim]
+        o = attention(q, key_cache, value_cache, plan, sliding=self.sliding)
+        o = self.o_proj(o.reshape(t, self.q_size))
+        if self.attn_out_norm is not None:
+            o = self.attn_out_norm(o)
+        h = self.post_attention_norm.add_norm_(o, residual)
+        out = self.down_proj(self.act(self.gate_up_proj(h)))
+        if self.mlp_out_norm is not None:
+            out = self.mlp_out_norm(out)
+        return out, residual
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q and k RMS-normed per head (Qwen3, Gemma 3); v unchanged."""
+        assert self.q_norm is not None and self.k_norm is not None
+        t, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, self.q_size)
+        k = self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, self.kv_size)
+        return torch.cat((q, k, v), dim=-1)
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, attention: PagedAttention, rope: RotaryEmbedding
+        self,
+        config: ModelConfig,
+        attention: PagedAttention,
+        rope: RotaryEmbedding,
+        sliding_rope: RotaryEmbedding | None = None,
     ) -> None:
+        """``sliding_rope``: the sliding layers' own RoPE tables (Gemma 3); None: theirs
+        are ``rope``."""
         super().__init__()
         self.config = config
         self.attention = attention
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Never shares storage with the embedding, even for tied checkpoints: the embedding
         # is looked up by rows of [vocab, hidden], the head multiplies by [hidden, vocab]
         # (see Linear). A tied model pays one extra copy (vocab x hidden) of memory.
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = rope
+        self.sliding_rope = sliding_rope
 
     @torch.inference_mode()
     def forward(
@@ -159,13 +223,26 @@ class LlamaForCausalLM(nn.Module):
         _, block_size, num_kv_heads, _ = key_caches[0].shape
         plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        if self.config.embed_scale != 1.0:
+            # Rounded to the model's dtype first, as transformers' Gemma does.
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         rope = self.rope.lookup(batch.positions, x.dtype)
+        local_rope = rope
+        if self.sliding_rope is not None:
+            local_rope = self.sliding_rope.lookup(batch.positions, x.dtype)
         residual = None
         for layer, key_cache, value_cache in zip(
             self.layers, key_caches, value_caches, strict=True
         ):
             x, residual = layer(
-                x, residual, batch, rope, self.attention, plan, key_cache, value_cache
+                x,
+                residual,
+                batch,
+                local_rope if layer.sliding else rope,
+                self.attention,
+                plan,
+                key_cache,
+                value_cache,
             )
         assert residual is not None
         # Only the last token of each sampling request needs logits: a prefill chunk of 512
@@ -175,7 +252,10 @@ class LlamaForCausalLM(nn.Module):
         else:
             last = batch.logits_indices
             x = self.norm.add_norm_(x[last], residual[last])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.config.final_logit_softcap is not None:
+            logits = soft_cap(logits, self.config.final_logit_softcap)
+        return logits
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy an HF Llama checkpoint's tensors in (``checkpoint_sources``), fusing q/k/v
@@ -197,6 +277,10 @@ class LlamaForCausalLM(nn.Module):
                 tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
                 if name in linear_weights:
                     tensor = tensor.t()  # [out, in] -> [in, out]
+                elif name.endswith("norm.weight") and self.config.norm_offset:
+                    # Gemma's norms multiply by (1 + w): folded into the weight once, in
+                    # float32 as transformers adds it.
+                    tensor = tensor.float() + self.config.norm_offset
                 own[name].copy_(tensor.to(own[name].dtype))
 
 
@@ -215,7 +299,23 @@ def checkpoint_sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
         out[dst + "input_norm.weight"] = (src + "input_layernorm.weight",)
-        out[dst + "post_attention_norm.weight"] = (src + "post_attention_layernorm.weight",)
+        if config.sandwich_norms:
+            # Gemma: post_attention_layernorm norms the attention output; the MLP's input
+            # norm is pre_feedforward_layernorm (Llama's post_attention_layernorm).
+            out[dst + "attn_out_norm.weight"] = (src + "post_attention_layernorm.weight",)
+            out[dst + "post_attention_norm.weight"] = (src + "pre_feedforward_layernorm.weight",)
+            out[dst + "mlp_out_norm.weight"] = (src + "post_feedforward_layernorm.weight",)
+        else:
+            out[dst + "post_attention_norm.weight"] = (src + "post_attention_layernorm.weight",)
+        if config.qk_norm:
+            out[dst + "q_norm.weight"] = (attn + "q_norm.weight",)
+            out[dst + "k_norm.weight"] = (attn + "k_norm.weight",)
+        if config.fused_checkpoint:  # Phi-3: already [q | k | v] and [gate | up]
+            out[dst + "qkv_proj.weight"] = (attn + "qkv_proj.weight",)
+            out[dst + "o_proj.weight"] = (attn + "o_proj.weight",)
+            out[dst + "gate_up_proj.weight"] = (mlp + "gate_up_proj.weight",)
+            out[dst + "down_proj.weight"] = (mlp + "down_proj.weight",)
+            continue
         out[dst + "qkv_proj.weight"] = tuple(attn + f"{p}_proj.weight" for p in "qkv")
         if config.attention_bias:
             out[dst + "qkv_proj.bias"] = tuple(attn + f"{p}_proj.bias" for p in "qkv")

@@ -12,15 +12,20 @@ import math
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, RopeScaling
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2]
+def inverse_frequencies(
+    config: ModelConfig, *, sliding: bool = False
+) -> torch.Tensor:  # [head_dim // 2]
+    """The config's frequencies; with ``sliding``, the sliding layers' own (Gemma 3: their
+    own base, no scaling)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    scaling = config.rope_scaling
+    theta, scaling = config.rope_theta, config.rope_scaling
+    if sliding:
+        assert config.sliding_rope_theta is not None
+        theta, scaling = config.sliding_rope_theta, RopeScaling()
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
     elif scaling.rope_type == "llama3":
@@ -44,8 +49,15 @@ class RotaryEmbedding:
     """Precomputed cos/sin tables; plain tensors, not module buffers, so building the model
     on the meta device and materialising it never touches them."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, device: torch.device) -> None:
-        inv_freq = inverse_frequencies(config).to(device)
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        device: torch.device,
+        *,
+        sliding: bool = False,
+    ) -> None:
+        inv_freq = inverse_frequencies(config, sliding=sliding).to(device)
         positions = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]

@@ -77,15 +77,32 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One query token per sequence attending to all ``seq_lens[i]`` cached tokens.
+    """One query token per sequence attending to all ``seq_lens[i]`` cached tokens, or with
+    ``sliding_window`` to the last that many of them (``sliding_window_start``); with
+    ``softcap``, scores become ``softcap * tanh(scores / softcap)`` before the softmax.
 
     Vectorised over sequences: each cache is gathered with one ``index_select`` into a
     padded [num_seqs * num_kv_heads, max_len, head_dim] tensor and the padding is masked, so
     a decode step costs a handful of batched ops instead of a Python loop over sequences.
     """
-    context = decode_context(block_tables, seq_lens, key_cache.shape[1], key_cache.shape[2])
-    return decode_over_context(query, key_cache, value_cache, context, scale)
+    context = decode_context(
+        block_tables, seq_lens, key_cache.shape[1], key_cache.shape[2], sliding_window
+    )
+    return decode_over_context(query, key_cache, value_cache, context, scale, softcap)
+
+
+def sliding_window_start(seq_len: int, sliding_window: int | None) -> int:
+    """The first context position the *last* query of a ``seq_len`` context sees: a query
+    at position ``p`` sees keys ``p - sliding_window < k <= p`` (transformers' sliding
+    window: ``sliding_window`` keys, itself included)::
+
+        context:  0 ......... start ......... p = seq_len - 1
+                  |  hidden   |<- sliding_window ->|
+    """
+    return 0 if sliding_window is None else max(0, seq_len - sliding_window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +111,8 @@ class DecodeContext:
     the engine computes it once per step and reuses it (``decode_over_context``)."""
 
     rows: torch.Tensor  # [num_seqs * num_kv_heads * max_len] int64, see decode_context
-    bias: torch.Tensor  # [num_seqs, 1, max_len] float32: 0, or -inf on padding
+    bias: torch.Tensor  # [num_seqs, 1, max_len] float32: 0, or -inf on padding and
+    # on positions before the sliding window
     max_len: int
     num_kv_heads: int
 
@@ -104,6 +122,7 @@ def decode_context(
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     block_size: int,
     num_kv_heads: int,
+    sliding_window: int | None = None,
 ) -> DecodeContext:
     """Row indices into a cache viewed as ``[num_slots * num_kv_heads, head_dim]``, ordered
     (sequence, KV head, position), so that one gather yields each KV head's context as a
@@ -120,7 +139,10 @@ def decode_context(
     slots = slots.view(num_seqs, -1)[:, :max_len]  # [n, max_len]
     heads = torch.arange(num_kv_heads, device=device)
     rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # [n, kvh, max_len]
-    padding = torch.arange(max_len, device=device)[None, :] >= seq_lens[:, None]
+    pos = torch.arange(max_len, device=device)[None, :]
+    padding = pos >= seq_lens[:, None]
+    if sliding_window is not None:  # outside the window: masked like padding
+        padding |= pos < seq_lens[:, None] - sliding_window
     bias = torch.zeros(num_seqs, 1, max_len, device=device)
     bias.masked_fill_(padding[:, None, :], float("-inf"))
     return DecodeContext(rows.reshape(-1), bias, max_len, num_kv_heads)
@@ -132,6 +154,7 @@ def decode_over_context(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     context: DecodeContext,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = query.shape
     kvh, max_len = context.num_kv_heads, context.max_len
@@ -146,7 +169,10 @@ def decode_over_context(
     q = query if query.dtype == torch.float32 else query.float()
     # The group of query heads sharing a KV head is a [group, d] matrix against its [L, d].
     scores = torch.bmm(q.reshape(num_seqs * kvh, group, head_dim), k.transpose(1, 2))
-    scores = scores.view(num_seqs, num_heads, max_len).mul_(scale).add_(context.bias)
+    scores = scores.view(num_seqs, num_heads, max_len).mul_(scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.add_(context.bias)
     probs = torch.softmax(scores, dim=-1).view(num_seqs * kvh, group, max_len)
     out = torch.bmm(probs, v).view(num_seqs, num_heads, head_dim)
     return out if out.dtype == query.dtype else out.to(query.dtype)
@@ -160,6 +186,8 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """A chunk of query tokens per sequence, attending causally over its paged context.
 
@@ -171,7 +199,8 @@ def paged_attention_prefill(
                   0                   seq_len - q_len                     seq_len
 
     Query ``j`` of the chunk sits at position ``seq_len - q_len + j`` and sees positions
-    ``0 ..= seq_len - q_len + j``. A decode step is the case ``q_len == 1``.
+    ``0 ..= seq_len - q_len + j``, or with ``sliding_window`` only the last
+    ``sliding_window`` of those. A decode step is the case ``q_len == 1``.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
@@ -192,10 +221,14 @@ def paged_attention_prefill(
         k = k.permute(1, 0, 2).unsqueeze(1)
         v = v.permute(1, 0, 2).unsqueeze(1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [kvh, group, q_len, ctx]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
-        future = k_pos[None, :] > q_pos[:, None]  # [q_len, ctx]
-        scores.masked_fill_(future, float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]  # [q_len, ctx]: the future
+        if sliding_window is not None:  # and the past before the window
+            hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [kvh, group, q_len, d]
         out[q_start:q_end] = (
             o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(query.dtype)

@@ -1,0 +1,165 @@
+"""Each model family against transformers on the same tiny random weights (float32, CPU).
+
+A family is a tiny random config built with transformers and saved with save_pretrained;
+greedy output must equal transformers' generate() on those weights (the near-tie rule of
+tests/engine/parity.py): all prompts batched with chunked prefill, and again in a KV pool so
+small that requests are preempted and recomputed. Sliding-window families get prompts
+longer than their window, so the window decides what a query sees.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig, UnsupportedModelError
+from tests.engine.parity import assert_parity, hf_greedy
+
+MAX_TOKENS = 16
+WINDOW = 12  # shorter than most prompts below: the window decides what a query sees
+PROMPT_LENS = [1, 9, 23, 41]
+ENGINE = {"device": "cpu", "dtype": "float32"}
+
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+_GEMMA = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW)
+# family -> (transformers config class name, overrides)
+FAMILIES = {
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "qwen3-tied": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=True)),
+    "mistral-sliding": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "gemma2": (
+        "Gemma2Config",
+        dict(_GEMMA, attn_logit_softcapping=20.0, final_logit_softcapping=15.0),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            _GEMMA,
+            num_hidden_layers=3,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
+    ),
+    "phi3": ("Phi3Config", dict(pad_token_id=0)),
+}
+
+
+def make_tiny(path, family: str, seed: int = 0):
+    """A random tiny ``family`` checkpoint at ``path``; returns (path, transformers model)."""
+    import transformers
+
+    config_name, overrides = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**_COMMON, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = model.float().eval()
+    with torch.no_grad():
+        # Random init leaves logits nearly flat: a sharper head makes greedy decisive.
+        if not config.tie_word_embeddings:
+            model.lm_head.weight.mul_(8.0)
+        # Random norm weights, so that a (1 + w) norm is told apart from a w norm.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5) if "gemma" in family else param.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path, model
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    path, hf = make_tiny(tmp_path_factory.mktemp(request.param), request.param)
+    prompts = _prompts(256)
+    refs = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=2) for p in prompts]
+    return request.param, path, prompts, refs
+
+
+def _check(llm: LLM, prompts, refs, label: str) -> None:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+    for prompt, out, ref in zip(prompts, outs, refs, strict=True):
+        assert_parity(out.token_ids, ref, label=f"{label}, prompt of {len(prompt)} tokens")
+
+
+def test_family_batched_with_chunked_prefill(family):
+    name, path, prompts, refs = family
+    llm = LLM(str(path), block_size=8, max_num_batched_tokens=16, num_kv_blocks=64, **ENGINE)
+    assert llm.engine.model_config.model_type in name.replace("-", "_") + "_text"
+    _check(llm, prompts, refs, f"{name} batched, chunked")
+
+
+def test_family_alone_and_preempted(family):
+    name, path, prompts, refs = family
+    needed = -(-(max(PROMPT_LENS) + MAX_TOKENS) // 4)
+    llm = LLM(
+        str(path),
+        block_size=4,
+        num_kv_blocks=needed,  # the longest request alone: the others preempt
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        **ENGINE,
+    )
+    _check(llm, prompts[-1:], refs[-1:], f"{name} alone")
+    _check(llm, prompts, refs, f"{name} preempted")
+    assert llm.engine.scheduler.num_preemptions_total > 0
+
+
+def test_family_configs_read_what_differs():
+    import transformers
+
+    def config(family: str) -> ModelConfig:
+        name, overrides = FAMILIES[family]
+        return ModelConfig.from_hf(getattr(transformers, name)(**{**_COMMON, **overrides}))
+
+    gemma2 = config("gemma2")
+    assert gemma2.sliding_layers == (True, False)
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (20.0, 15.0)
+    assert gemma2.attn_scale == 24**-0.5 and gemma2.embed_scale == 8.0
+    assert gemma2.hidden_act == "gelu_pytorch_tanh" and gemma2.norm_offset == 1.0
+    gemma3 = config("gemma3")
+    assert gemma3.qk_norm and gemma3.sliding_rope_theta == 10_000.0
+    assert gemma3.rope_theta == 1_000_000.0
+    assert config("mistral-sliding").sliding_layers == (True, True)
+    assert config("qwen3").qk_norm and not config("qwen3").attention_bias
+    assert config("phi3").fused_checkpoint and config("phi3").is_plain_llama
+    assert "q/k norms" in config("qwen3").family_differences()
+
+
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        ({"model_type": "falcon"}, "'falcon'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+        (
+            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+            "'longrope'",
+        ),
+        ({"hidden_act": "relu"}, "'relu'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
+def test_unsupported_architecture_or_rope_is_one_clear_error(overrides, named):
+    config = {**_COMMON, "model_type": "llama", **overrides}
+    with pytest.raises(UnsupportedModelError, match=named):
+        ModelConfig.from_hf(config)
