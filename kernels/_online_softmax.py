@@ -31,6 +31,7 @@ def attend_context(
     start,  # first context position to attend to
     end,  # one past the last
     qk_scale,  # softmax scale * log2(e)
+    sliding_window,  # CAUSAL only: row r also needs n > q_pos[r] - sliding_window (>= 1)
     stride_cache_block: tl.int64,
     stride_cache_slot: tl.int64,
     M: tl.constexpr,  # rows of q
@@ -46,10 +47,9 @@ def attend_context(
     the unnormalised output ``[M, HEAD_DIM_PAD]``, all float32. A row that saw no position
     (an empty range) has ``l_i == 0`` and ``m_i == -inf``.
 
-    NOTE: the caller guarantees that every row sees at least one position of the first tile
-    (decode: every tile holds a valid position; prefill: position 0 is visible to every
-    row, even masked ones, whose ``q_pos`` lies past the context), so after the first tile
-    ``m_i`` is finite and exp2 never computes ``-inf - -inf``.
+    NOTE: a row that has seen no visible position yet (a sliding window starting past
+    this tile) keeps ``m_i == -inf``; the tile's max is then taken as 0 for the exponents,
+    so they are exp2(-inf) = 0 and never exp2(-inf - -inf) = NaN.
     """
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_t = tl.arange(0, TILE_N)
@@ -76,12 +76,14 @@ def attend_context(
         s = s * qk_scale  # [M, TILE_N]
         if CAUSAL:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
             s = tl.where(visible, s, float("-inf"))
         else:
             s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(

@@ -51,6 +51,8 @@ TARGET_WAVES = 4
 NUM_WARPS = 4
 NUM_STAGES = 3
 TILE_N = 64  # context tokens per loop iteration
+# The window of a layer without one: more keys than any context holds (int32 positions).
+NO_WINDOW = 2**30
 
 
 @triton.jit
@@ -66,6 +68,7 @@ def _paged_attention_decode_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     qk_scale,  # softmax scale * log2(e)
     tokens_per_split,  # context tokens per split, a multiple of TILE_N
+    sliding_window,  # keys a query sees (itself included); larger than any context: all
     stride_query_seq: tl.int64,
     stride_query_head: tl.int64,
     stride_out_seq: tl.int64,
@@ -97,6 +100,8 @@ def _paged_attention_decode_kernel(
     # splits were sized for is still attended to in full.
     last = split == tl.num_programs(2) - 1
     ctx_end = tl.where(last, seq_len, tl.minimum(seq_len, ctx_start + tokens_per_split))
+    # The sliding window moves the start of the keys: a split wholly before it is empty.
+    ctx_start = tl.maximum(ctx_start, seq_len - sliding_window)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -115,7 +120,7 @@ def _paged_attention_decode_kernel(
     # (offs_g stands in for q_pos, which only a causal walk reads.)
     m_i, l_i, acc = attend_context(
         q, offs_g, key_cache_ptr, value_cache_ptr, block_table, head_offset,
-        ctx_start, ctx_end, qk_scale, stride_cache_block, stride_cache_slot,
+        ctx_start, ctx_end, qk_scale, 0, stride_cache_block, stride_cache_slot,
         M=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE,
         TILE_N=TILE_N, CAUSAL=False, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
@@ -224,11 +229,13 @@ def paged_attention_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, >= 1
     scale: float,
+    sliding_window: int | None = None,
     *,
     num_splits: int | None = None,
     max_context_len: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """One query token per sequence attending to all ``seq_lens[i]`` cached tokens.
+    """One query token per sequence attending to all ``seq_lens[i]`` cached tokens, or with
+    ``sliding_window`` to the last that many (``kernels.reference.sliding_window_start``).
 
     Requires ``seq_lens[i] <= block_tables.shape[1] * block_size`` (every context token has
     a block). ``num_splits`` forces the split-K factor (1 = no split); ``None`` lets
@@ -273,10 +280,12 @@ def paged_attention_decode(
         **dot_args(_paged_attention_decode_kernel, key_cache.dtype),
     )
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E)
+    window = NO_WINDOW if sliding_window is None else sliding_window
+    assert 1 <= window <= NO_WINDOW, sliding_window
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
         _paged_attention_decode_kernel[grid](
-            out, out, *common, tokens_per_split,
+            out, out, *common, tokens_per_split, window,
             query.stride(0), query.stride(1),
             out.stride(0), out.stride(1), 0,
             0, 0,
@@ -292,7 +301,7 @@ def paged_attention_decode(
     )
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     _paged_attention_decode_kernel[grid](
-        partial, lse, *common, tokens_per_split,
+        partial, lse, *common, tokens_per_split, window,
         query.stride(0), query.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),

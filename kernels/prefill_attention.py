@@ -43,6 +43,7 @@ __all__ = ["paged_attention_prefill"]
 _LOG2E = 1.4426950408889634  # scores in base 2, so the kernel uses exp2
 BLOCK_M = 64  # rows (query x grouped head) per program
 TILE_N = 64  # context tokens per loop iteration
+NO_WINDOW = 2**30  # the window of a layer without one: more keys than any context holds
 
 
 @triton.jit
@@ -76,6 +77,7 @@ def _paged_attention_prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
     qk_scale,  # softmax scale * log2(e)
+    sliding_window,  # keys a query sees (itself included); larger than any context: all
     num_seqs,
     stride_query_token: tl.int64,
     stride_query_head: tl.int64,
@@ -127,10 +129,12 @@ def _paged_attention_prefill_kernel(
     head_offset = kv_head.to(tl.int64) * stride_cache_head
     # Keys past the last query of this block are invisible to all its rows: stop there.
     kv_end = tl.minimum(seq_len, prefix_len + (q_block_local + 1) * BLOCK_Q)
-    # Position 0 is visible to every row (masked ones too), so no row ends with l_i == 0.
+    # Keys before the window of this block's first query are invisible to all its rows.
+    kv_start = tl.maximum(0, prefix_len + q_block_local * BLOCK_Q - sliding_window + 1)
+    # Every valid row sees itself; a masked row may see nothing (l_i == 0), never stored.
     m_i, l_i, acc = attend_context(
         q, q_pos, key_cache_ptr, value_cache_ptr, block_table, head_offset,
-        0, kv_end, qk_scale, stride_cache_block, stride_cache_slot,
+        kv_start, kv_end, qk_scale, sliding_window, stride_cache_block, stride_cache_slot,
         M=BLOCK_M, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE,
         TILE_N=TILE_N, CAUSAL=True, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
     )  # fmt: skip
@@ -152,8 +156,10 @@ def paged_attention_prefill(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """A chunk of query tokens per sequence, attending causally over its paged context.
+    """A chunk of query tokens per sequence, attending causally over its paged context (with
+    ``sliding_window``, each query over the last that many keys up to itself).
 
     Requires ``seq_lens[i] >= q_len_i``; sequences with ``q_len == 0`` are allowed and
     produce nothing. Query rows not covered by ``query_start_loc`` are left unwritten.
@@ -177,7 +183,7 @@ def paged_attention_prefill(
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        scale * _LOG2E, num_seqs,
+        scale * _LOG2E, NO_WINDOW if sliding_window is None else sliding_window, num_seqs,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

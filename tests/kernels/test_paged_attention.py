@@ -27,7 +27,7 @@ def ragged_lens(block_size: int) -> list[int]:
 
 
 def run_case(paged_kv, close, device, *, seq_lens, block_size, num_kv_heads, group, head_dim,
-             dtype, num_splits=None, num_blocks=None) -> None:  # fmt: skip
+             dtype, num_splits=None, num_blocks=None, sliding_window=None) -> None:  # fmt: skip
     kv = paged_kv(
         seq_lens,
         block_size=block_size,
@@ -41,10 +41,11 @@ def run_case(paged_kv, close, device, *, seq_lens, block_size, num_kv_heads, gro
     scale = head_dim**-0.5
     out = paged_attention_decode(
         query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale,
-        num_splits=num_splits,
+        sliding_window, num_splits=num_splits,
     )  # fmt: skip
     expected = reference.paged_attention_decode(
-        query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, kv.seq_lens, scale
+        query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, kv.seq_lens, scale,
+        sliding_window,
     )
     close(out, expected)
 
@@ -78,6 +79,16 @@ def test_split_k(paged_kv, close, device, num_splits, dtype):
     run_case(paged_kv, close, device, seq_lens=[1, 17, 300], block_size=16,
              num_kv_heads=2, group=4, head_dim=64, dtype=dtype,
              num_splits=num_splits)  # fmt: skip
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 70, 1000])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_sliding_window(paged_kv, close, device, sliding_window, num_splits):
+    # Windows shorter and longer than a block, a tile and the contexts; with splits, the
+    # ones wholly before the window are empty.
+    run_case(paged_kv, close, device, seq_lens=ragged_lens(16), block_size=16,
+             num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32,
+             num_splits=num_splits, sliding_window=sliding_window)  # fmt: skip
 
 
 def test_huge_pool_block_offsets_need_int64(paged_kv, close, device):

@@ -27,7 +27,7 @@ def chunks(block_size: int) -> list[tuple[int, int]]:
 
 
 def run_case(paged_kv, close, device, *, chunks, block_size, num_kv_heads, group, head_dim,
-             dtype, num_blocks=None) -> None:  # fmt: skip
+             dtype, num_blocks=None, sliding_window=None) -> None:  # fmt: skip
     seq_lens = [seq_len for seq_len, _ in chunks]
     q_lens = torch.tensor([q_len for _, q_len in chunks])
     query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32, device=device)
@@ -45,11 +45,12 @@ def run_case(paged_kv, close, device, *, chunks, block_size, num_kv_heads, group
     query = torch.randn(num_tokens, num_kv_heads * group, head_dim, dtype=dtype, device=device)
     scale = head_dim**-0.5
     out = paged_attention_prefill(
-        query, kv.key_cache, kv.value_cache, kv.block_tables, query_start_loc, kv.seq_lens, scale
-    )
+        query, kv.key_cache, kv.value_cache, kv.block_tables, query_start_loc, kv.seq_lens, scale,
+        sliding_window,
+    )  # fmt: skip
     expected = reference.paged_attention_prefill(
         query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, query_start_loc,
-        kv.seq_lens, scale,
+        kv.seq_lens, scale, sliding_window,
     )  # fmt: skip
     close(out, expected)
 
@@ -75,6 +76,16 @@ def test_long_group_fills_whole_program(paged_kv, close, device):
     # Group 16: one query per 16-row program block, so BLOCK_Q = 4 queries per program.
     run_case(paged_kv, close, device, chunks=[(40, 40), (33, 9)], block_size=16,
              num_kv_heads=1, group=16, head_dim=64, dtype=torch.float16)  # fmt: skip
+
+
+@pytest.mark.parametrize("sliding_window", [1, 7, 70])
+@pytest.mark.parametrize("group", [1, 4])
+def test_sliding_window(paged_kv, close, device, sliding_window, group):
+    # Group 1 puts 64 queries in a program: with a short window its later rows see nothing
+    # of the first tiles (their running max stays -inf there, and must not turn into NaN).
+    run_case(paged_kv, close, device, chunks=chunks(16), block_size=16, num_kv_heads=2,
+             group=group, head_dim=64, dtype=torch.float32,
+             sliding_window=sliding_window)  # fmt: skip
 
 
 def test_huge_pool_block_offsets_need_int64(paged_kv, close, device):
