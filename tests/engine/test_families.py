@@ -20,7 +20,7 @@ from tests.engine.parity import assert_parity, hf_greedy
 
 MAX_TOKENS = 16
 WINDOW = 12  # shorter than most prompts below: the window decides what a query sees
-PROMPT_LENS = [1, 23, 41]
+PROMPT_LENS = [1, 9, 23, 41]
 ENGINE = {"device": "cpu", "dtype": "float32"}
 
 _COMMON = dict(
