@@ -82,7 +82,10 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED_ARCHITECTURES = set(FAMILIES)
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "dynamic"}
+# Whose frequencies transformers changes with the batch's longest sequence: served exactly
+# only while every position stays within original_max_position_embeddings (engine/rope.py).
+LENGTH_DEPENDENT_ROPE_TYPES = {"longrope", "dynamic"}
 _REQUIRED_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -100,6 +103,16 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # yarn and longrope: cos/sin are multiplied by it; None: the variant's own formula
+    attention_factor: float | None = None
+    # longrope
+    short_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,9 +253,25 @@ class ModelConfig:
             low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
             high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(
-                rope.get("original_max_position_embeddings", d.get("max_position_embeddings", 8192))
+                rope.get("original_max_position_embeddings")
+                or d.get("original_max_position_embeddings")
+                or d.get("max_position_embeddings", 8192)
             ),
+            beta_fast=float(rope.get("beta_fast") or 32.0),
+            beta_slow=float(rope.get("beta_slow") or 1.0),
+            mscale=_optional_float(rope.get("mscale")),
+            mscale_all_dim=_optional_float(rope.get("mscale_all_dim")),
+            truncate=bool(rope.get("truncate", True)),
+            attention_factor=_optional_float(rope.get("attention_factor")),
+            short_factor=tuple(float(f) for f in rope.get("short_factor") or ()),
         )
+        if rope_type in ("longrope", "yarn") and rope.get("factor") is None:
+            # transformers' default: the ratio of the extended context to the original
+            scaling = dataclasses.replace(
+                scaling,
+                factor=d.get("max_position_embeddings", 2048)
+                / scaling.original_max_position_embeddings,
+            )
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None

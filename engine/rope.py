@@ -12,7 +12,12 @@ import math
 
 import torch
 
-from engine.config import ModelConfig, RopeScaling
+from engine.config import (
+    LENGTH_DEPENDENT_ROPE_TYPES,
+    ModelConfig,
+    RopeScaling,
+    UnsupportedModelError,
+)
 
 
 def inverse_frequencies(
@@ -42,7 +47,72 @@ def inverse_frequencies(
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif scaling.rope_type == "yarn":
+        inv_freq = _yarn(inv_freq, dim, theta, scaling)
+    elif scaling.rope_type == "longrope":
+        # The short factors: positions within original_max_position_embeddings (the
+        # builder refuses a longer context, see check_rope_length).
+        factors = torch.tensor(scaling.short_factor, dtype=torch.float32)
+        assert factors.shape == inv_freq.shape, "longrope short_factor: one per frequency"
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        inv_freq = 1.0 / (factors * theta**shape)
     return inv_freq
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than ``beta_slow`` times over the original context
+    are interpolated by ``factor``, those turning more than ``beta_fast`` times kept, with a
+    linear ramp between (transformers' ``_compute_yarn_parameters``)."""
+
+    def correction_dim(rotations: float) -> float:
+        old = scaling.original_max_position_embeddings
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    interpolation = 1.0 / (scaling.factor * (1.0 / inv_freq))  # 1 / (factor * theta^(i/d))
+    return interpolation * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def attention_factor(config: ModelConfig) -> float:
+    """What yarn and longrope multiply cos and sin by (1 for the other variants)."""
+    scaling = config.rope_scaling
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    factor = scaling.factor
+    if scaling.rope_type == "yarn":
+
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if scaling.mscale and scaling.mscale_all_dim:
+            return mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim)
+        return mscale(factor)
+    if scaling.rope_type == "longrope" and factor > 1.0:
+        old = scaling.original_max_position_embeddings
+        return math.sqrt(1 + math.log(factor) / math.log(old))
+    return 1.0
+
+
+def check_rope_length(config: ModelConfig, max_positions: int) -> None:
+    """Refuse a context where transformers would switch a length-dependent RoPE (longrope's
+    long factors, dynamic NTK) by the batch's longest sequence: the paged cache holds keys
+    rotated once, so no per-batch switch can be reproduced, and serving it otherwise would
+    be silently wrong."""
+    scaling = config.rope_scaling
+    old = scaling.original_max_position_embeddings
+    if scaling.rope_type in LENGTH_DEPENDENT_ROPE_TYPES and max_positions > old:
+        raise UnsupportedModelError(
+            f"rope scaling {scaling.rope_type!r} beyond original_max_position_embeddings "
+            f"({old}) is not supported (transformers switches its frequencies by the batch's "
+            f"longest sequence): pass --max-model-len {old} or less"
+        )
 
 
 class RotaryEmbedding:
@@ -57,12 +127,14 @@ class RotaryEmbedding:
         *,
         sliding: bool = False,
     ) -> None:
+        check_rope_length(config, max_positions)
         inv_freq = inverse_frequencies(config, sliding=sliding).to(device)
         positions = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        scale = 1.0 if sliding else attention_factor(config)
+        self.cos = emb.cos() if scale == 1.0 else emb.cos() * scale
+        self.sin = emb.sin() if scale == 1.0 else emb.sin() * scale
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype

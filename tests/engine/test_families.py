@@ -151,12 +151,7 @@ def test_family_configs_read_what_differs():
     "overrides,named",
     [
         ({"model_type": "falcon"}, "'falcon'"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),
-        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
-        (
-            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
-            "'longrope'",
-        ),
+        ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "'proportional'"),
         ({"hidden_act": "relu"}, "'relu'"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ],
