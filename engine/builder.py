@@ -266,6 +266,10 @@ def build_engine_parts(
     )
 
     use_graphs = device.type == "cuda" and not config.enforce_eager
+    if use_graphs and mc.num_experts:
+        # engine/moe.py splits a step by expert on the host: not capturable.
+        logger.info("a mixture of experts runs eagerly: no CUDA graphs")
+        use_graphs = False
     graph_sizes = [
         size
         for size in config.cuda_graph_sizes or default_graph_sizes(scheduler_config.max_num_seqs)
@@ -311,7 +315,13 @@ def build_engine_parts(
     )
     scheduler = Scheduler(scheduler_config, kv_manager, max_model_len)
     sampler = Sampler(config.seed, device, cpu_ops.argmax_rows if cpu_ops is not None else None)
-    runner = ModelRunner(forward, storage, sampler, device)
+    runner = ModelRunner(
+        forward,
+        storage,
+        sampler,
+        device,
+        experts_touched=model.experts_touched if mc.num_experts else None,
+    )
     if use_graphs:
         runner.graphs = DecodeGraphs(
             forward,

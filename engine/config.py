@@ -51,6 +51,8 @@ class Family:
       Gemma 3: 6), when config.json has no ``layer_types``; 0: every layer slides when
       config.json sets ``sliding_window`` (Mistral); None: sliding only by ``layer_types``.
     - ``query_pre_attn_scalar``: softmax scale is ``query_pre_attn_scalar ** -0.5``.
+    - ``norm_topk_prob``: a mixture of experts renormalises its top-k routing weights
+      whatever config.json says (Mixtral); False: as config.json's ``norm_topk_prob``.
     """
 
     qkv_bias: bool = False
@@ -62,6 +64,7 @@ class Family:
     fused_checkpoint: bool = False
     sliding_pattern: int | None = None
     query_pre_attn_scalar: bool = False
+    norm_topk_prob: bool = False
 
 
 _GEMMA = Family(
@@ -79,6 +82,9 @@ FAMILIES: dict[str, Family] = {
     "gemma2": dataclasses.replace(_GEMMA, sliding_pattern=2),
     "gemma3_text": dataclasses.replace(_GEMMA, qk_norm=True, sliding_pattern=6),
     "phi3": Family(fused_checkpoint=True),
+    # Mixtures of experts (engine/moe.py): the attention of mistral and qwen3.
+    "mixtral": Family(sliding_pattern=0, norm_topk_prob=True),
+    "qwen3_moe": Family(qk_norm=True),
 }
 SUPPORTED_ARCHITECTURES = set(FAMILIES)
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
@@ -147,6 +153,12 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] = ()  # per layer: does it slide (empty: none does)
     sliding_rope_theta: float | None = None  # sliding layers' own RoPE base (Gemma 3)
     fused_checkpoint: bool = False  # qkv_proj / gate_up_proj stored fused (Phi-3)
+    # A mixture of experts (engine/moe.py); num_experts 0: every layer's MLP is dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()  # per layer: is its MLP the mixture
 
     @property
     def softmax_scale(self) -> float:
@@ -171,6 +183,7 @@ class ModelConfig:
             "soft-capped scores": self.attn_logit_softcap is not None,
             "soft-capped logits": self.final_logit_softcap is not None,
             f"sliding window {self.sliding_window}": any(self.sliding_layers),
+            "mixture of experts": any(self.moe_layers),
         }
         return ", ".join(name for name, differs in found.items() if differs)
 
@@ -247,6 +260,14 @@ class ModelConfig:
         sliding = _sliding_layers(d, family, num_layers, window)
         if not any(sliding):
             sliding, window = (), None
+        num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+        moe_layers: tuple[bool, ...] = ()
+        if num_experts and model_type in ("mixtral", "qwen3_moe"):
+            step = int(d.get("decoder_sparse_step") or 1)
+            dense = set(d.get("mlp_only_layers") or ())
+            moe_layers = tuple(
+                i not in dense and (i + 1) % step == 0 for i in range(num_layers)
+            )
         scaling = RopeScaling(
             rope_type=rope_type,
             factor=float(rope.get("factor", 1.0)),
@@ -311,6 +332,15 @@ class ModelConfig:
                 float(sliding_rope.get("rope_theta", 10000.0)) if sliding_rope is not None else None
             ),
             fused_checkpoint=family.fused_checkpoint,
+            num_experts=num_experts if moe_layers else 0,
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if moe_layers else 0,
+            moe_intermediate_size=int(
+                d.get("moe_intermediate_size") or d["intermediate_size"]
+            )
+            if moe_layers
+            else 0,
+            norm_topk_prob=family.norm_topk_prob or bool(d.get("norm_topk_prob", False)),
+            moe_layers=moe_layers,
         )
 
     @property
@@ -321,9 +351,20 @@ class ModelConfig:
         kv = self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + 2 * h
+        moe = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
+        mlps = sum(moe if is_moe else mlp for is_moe in self.layer_is_moe())
         embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        return self.num_layers * per_layer + mlps + embed + h
+
+    def layer_is_moe(self) -> tuple[bool, ...]:
+        """Per layer, whether its MLP is the mixture of experts."""
+        return self.moe_layers or (False,) * self.num_layers
+
+    @property
+    def expert_params(self) -> int:
+        """Weights of one expert of one layer (gate, up and down)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) * layers * kv heads * head dim * bytes per element."""

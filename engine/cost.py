@@ -20,6 +20,11 @@ not from the parameter count alone:
   a larger one the float32 copy. ``with_blocks`` records both sizes; the layers switch on the
   step's token count, the LM head on its logit rows.
 
+* **A mixture of experts reads only the experts a step ran** (``engine/moe.py``): the
+  layers' bytes count every expert once per layer it ran in this step (``experts_touched``,
+  reported by the model), not all of them. Without that report (a step that failed and was
+  re-run in parts) the bound ``min(num_tokens x top_k, num_experts)`` per layer is used.
+
 FLOPs: ``2 x`` the matmul parameters of the decoder layers per token, ``2 x vocab x hidden``
 per LM-head row, and causal attention ``4 x num_heads x head_dim x num_layers`` per
 (query, key) pair (``QK^T`` and ``PV``, 2 FLOPs per multiply-add each). A chunk of ``q``
@@ -65,6 +70,12 @@ class StepCostModel:
     block_rows: int = 0
     body_block_bytes: int = 0
     lm_head_block_bytes: int = 0
+    # A mixture of experts: one expert's bytes in one layer, the experts in all layers
+    # (counted in body_weight_bytes), the mixture layers, and the experts a token runs.
+    expert_bytes: int = 0
+    num_experts: int = 0
+    num_moe_layers: int = 0
+    experts_per_token: int = 0
 
     def with_blocks(
         self, block_rows: int, body_saved_bytes: int, lm_head_block_bytes: int | None
@@ -85,7 +96,13 @@ class StepCostModel:
         h, v = config.hidden_size, config.vocab_size
         q = config.num_heads * config.head_dim
         kv = config.num_kv_heads * config.head_dim
-        matmul_per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size
+        attention = h * q + 2 * h * kv + q * h
+        dense = 3 * h * config.intermediate_size
+        # A token runs the router and its top-k experts on a mixture layer.
+        moe = h * config.num_experts + config.num_experts_per_tok * config.expert_params
+        matmul_params = sum(
+            attention + (moe if is_moe else dense) for is_moe in config.layer_is_moe()
+        )
         embedding = v * h * (1 if config.tie_word_embeddings else 2)
         # num_params counts tied embeddings once; what is left is the layers and the norm.
         body_params = config.num_params - embedding
@@ -93,18 +110,29 @@ class StepCostModel:
             body_weight_bytes=body_params * dtype_bytes,
             lm_head_bytes=v * h * dtype_bytes,
             embedding_row_bytes=h * dtype_bytes,
-            body_matmul_params=config.num_layers * matmul_per_layer,
+            body_matmul_params=matmul_params,
             lm_head_params=v * h,
             attention_flops_per_pair=4 * config.num_heads * config.head_dim * config.num_layers,
+            expert_bytes=config.expert_params * dtype_bytes,
+            num_experts=config.num_experts,
+            num_moe_layers=sum(config.layer_is_moe()),
+            experts_per_token=config.num_experts_per_tok,
         )
 
-    def step(self, chunks: Iterable[tuple[int, int]], num_logit_rows: int) -> StepCost:
+    def step(
+        self,
+        chunks: Iterable[tuple[int, int]],
+        num_logit_rows: int,
+        experts_touched: int | None = None,
+    ) -> StepCost:
         """The cost of one step.
 
         Args:
             chunks: ``(start, num_tokens)`` per scheduled row group: ``num_tokens`` new
                 tokens at positions ``[start, start + num_tokens)`` (padding rows included).
             num_logit_rows: rows the LM head runs on (sampling rows + padding rows).
+            experts_touched: a mixture's experts the step ran, summed over its layers;
+                None: the bound from the token count.
         """
         num_tokens = 0
         num_pairs = 0
@@ -116,6 +144,12 @@ class StepCostModel:
         if num_logit_rows > 0:
             head_bytes = self.lm_head_block_bytes if num_logit_rows <= small else self.lm_head_bytes
         body_bytes = self.body_block_bytes if 0 < num_tokens <= small else self.body_weight_bytes
+        if self.num_moe_layers:
+            if experts_touched is None:
+                per_layer = min(num_tokens * self.experts_per_token, self.num_experts)
+                experts_touched = per_layer * self.num_moe_layers
+            untouched = self.num_experts * self.num_moe_layers - experts_touched
+            body_bytes -= untouched * self.expert_bytes
         weight_bytes = body_bytes + head_bytes + num_tokens * self.embedding_row_bytes
         flops = (
             2 * self.body_matmul_params * num_tokens

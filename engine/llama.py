@@ -25,6 +25,8 @@ RoPE scaling, tied embeddings) is a ``ModelConfig`` field read here and a name i
               other layer sliding
     gemma3    gemma2 without soft-caps, with q/k norms, 5 sliding layers in 6, and its
               own RoPE base on the sliding layers
+    mixtral   mistral with a mixture of experts for its MLPs (engine/moe.py)
+    qwen3_moe qwen3 with a mixture of experts for its MLPs
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.moe import SparseMoe, expert_sources, stack_experts
 from engine.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -130,8 +133,15 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, h)
         self.post_attention_norm = RMSNorm(h, config.rms_norm_eps)
-        self.gate_up_proj = Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = Linear(config.intermediate_size, h, bias=config.mlp_bias)
+        # The MLP: dense, or on a mixture-of-experts layer the experts (engine/moe.py).
+        self.moe = None
+        self.gate_up_proj: Linear | None = None
+        self.down_proj: Linear | None = None
+        if config.layer_is_moe()[layer]:
+            self.moe = SparseMoe(config, ACTIVATIONS[config.hidden_act]())
+        else:
+            self.gate_up_proj = Linear(h, 2 * config.intermediate_size, bias=config.mlp_bias)
+            self.down_proj = Linear(config.intermediate_size, h, bias=config.mlp_bias)
         self.act = ACTIVATIONS[config.hidden_act]()
         # The family's variations (engine/config.py); None where a family has none.
         eps = config.rms_norm_eps
@@ -173,7 +183,11 @@ class DecoderLayer(nn.Module):
         if self.attn_out_norm is not None:
             o = self.attn_out_norm(o)
         h = self.post_attention_norm.add_norm_(o, residual)
-        out = self.down_proj(self.act(self.gate_up_proj(h)))
+        if self.moe is not None:
+            out = self.moe(h)
+        else:
+            assert self.gate_up_proj is not None and self.down_proj is not None
+            out = self.down_proj(self.act(self.gate_up_proj(h)))
         if self.mlp_out_norm is not None:
             out = self.mlp_out_norm(out)
         return out, residual
@@ -210,6 +224,11 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = rope
         self.sliding_rope = sliding_rope
+
+    def experts_touched(self) -> int | None:
+        """Experts the last forward ran, summed over the layers; None: no experts."""
+        counts = [layer.moe.experts_touched for layer in self.layers if layer.moe is not None]
+        return sum(counts) if counts else None
 
     @torch.inference_mode()
     def forward(
@@ -275,7 +294,11 @@ class LlamaForCausalLM(nn.Module):
             for name, names in sources.items():
                 parts = [state[n] for n in names]
                 tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
-                if name in linear_weights:
+                if own[name].dim() == 3:  # a mixture's experts, one after another
+                    tensor = stack_experts(parts, own[name].shape[0])
+                elif name.endswith("moe.router"):
+                    tensor = tensor.t()  # [experts, hidden] -> [hidden, experts]
+                elif name in linear_weights:
                     tensor = tensor.t()  # [out, in] -> [in, out]
                 elif name.endswith("norm.weight") and self.config.norm_offset:
                     # Gemma's norms multiply by (1 + w): folded into the weight once, in
@@ -320,6 +343,11 @@ def checkpoint_sources(config: ModelConfig) -> dict[str, tuple[str, ...]]:
         if config.attention_bias:
             out[dst + "qkv_proj.bias"] = tuple(attn + f"{p}_proj.bias" for p in "qkv")
         out[dst + "o_proj.weight"] = (attn + "o_proj.weight",)
+        if config.layer_is_moe()[i]:
+            router, gate_up, down = expert_sources(config, src)
+            out[dst + "moe.router"], out[dst + "moe.gate_up"] = router, gate_up
+            out[dst + "moe.down"] = down
+            continue
         out[dst + "gate_up_proj.weight"] = (mlp + "gate_proj.weight", mlp + "up_proj.weight")
         out[dst + "down_proj.weight"] = (mlp + "down_proj.weight",)
         if config.mlp_bias:

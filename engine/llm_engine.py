@@ -196,7 +196,7 @@ class LLMEngine:
         phase_s["schedule"] = scheduled - start
         # What the runner did not time (a failed step's re-runs, the update) is "update".
         phase_s["update"] = max(0.0, (end - scheduled) - sum(result.phase_s.values()))
-        self._record_stats(plan, end - start, phase_s)
+        self._record_stats(plan, end - start, phase_s, result.experts_touched)
         return outputs
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -226,10 +226,14 @@ class LLMEngine:
         return outputs
 
     def _record_stats(
-        self, plan: SchedulerOutput, step_time: float, phase_s: dict[str, float]
+        self,
+        plan: SchedulerOutput,
+        step_time: float,
+        phase_s: dict[str, float],
+        experts_touched: int | None = None,
     ) -> None:
         self.last_step_stats = self._stats.record(
-            plan, self.scheduler, self.kv_manager, step_time, phase_s
+            plan, self.scheduler, self.kv_manager, step_time, phase_s, experts_touched
         )
 
 

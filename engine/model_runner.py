@@ -8,6 +8,7 @@ Owns: the model weights on their device, the sampler, a reference to the KV stor
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -27,8 +28,12 @@ class ModelRunner:
         storage: KVCacheStorage,
         sampler: Sampler,
         device: torch.device,
+        experts_touched: Callable[[], int | None] | None = None,
     ) -> None:
+        """``experts_touched``: after a forward, the experts a mixture of experts ran
+        (``LlamaForCausalLM.experts_touched``); None for a dense model."""
         self.model = model
+        self.experts_touched = experts_touched
         self.storage = storage
         self.sampler = sampler
         self.device = device
@@ -55,11 +60,17 @@ class ModelRunner:
         # work, and the sampler's read of the chosen tokens is the step's one wait. So on
         # CUDA "forward" is the time to launch the step and "sample" includes the GPU's.
         t2 = time.perf_counter()
+        touched = self.experts_touched() if self.experts_touched is not None else None
         if not batch.sampling:
-            return ModelRunnerOutput([], [], [], {"prepare": t1 - t0, "forward": t2 - t1})
+            phases = {"prepare": t1 - t0, "forward": t2 - t1}
+            return ModelRunnerOutput([], [], [], phases, experts_touched=touched)
         # Rows past the sampling ones are static-batch padding: computed, then discarded.
         token_ids, logprobs = self.sampler(logits[: len(batch.sampling)], batch.sampling)
         phase_s = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
         return ModelRunnerOutput(
-            [s.request_id for s in batch.sampling], token_ids, logprobs, phase_s
+            [s.request_id for s in batch.sampling],
+            token_ids,
+            logprobs,
+            phase_s,
+            experts_touched=touched,
         )

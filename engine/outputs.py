@@ -30,6 +30,9 @@ class ModelRunnerOutput:
     logprobs: list[TokenLogprob | None]
     # Wall seconds of the runner's phases ("prepare", "forward", "sample"): StepStats.phase_s.
     phase_s: dict[str, float] = field(default_factory=dict)
+    # A mixture of experts' experts the step ran, summed over layers (engine/moe.py); None:
+    # no mixture, or not known.
+    experts_touched: int | None = None
 
 
 @dataclass(slots=True)

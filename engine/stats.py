@@ -28,6 +28,7 @@ class StepStatsRecorder:
         kv_manager: KVCacheManager,
         step_time_s: float,
         phase_s: dict[str, float],
+        experts_touched: int | None = None,
     ) -> StepStats:
         """The stats of the step that ran ``plan``, taken after the scheduler's update."""
         # Static-batch padding rows are computed and read KV, but are nobody's output and
@@ -40,7 +41,7 @@ class StepStatsRecorder:
         copied = len(plan.blocks_to_copy) * self.kv_capacity.block_size * per_token
         num_logit_rows = sum(1 for s in plan.scheduled if s.samples or s.padding)
         cost = self.cost_model.step(
-            ((s.start, s.num_tokens) for s in plan.scheduled), num_logit_rows
+            ((s.start, s.num_tokens) for s in plan.scheduled), num_logit_rows, experts_touched
         )
         kv = kv_manager.stats()
         last_queries, last_hits = self._prefix_totals

@@ -60,6 +60,22 @@ FAMILIES = {
         ),
     ),
     "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    # Mixtures of experts (engine/moe.py): 4 experts, 2 per token.
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW),
+    ),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],  # a dense layer among the mixtures
+        ),
+    ),
 }
 
 
@@ -194,3 +210,28 @@ def test_soft_capping_families_refuse_the_triton_backend(tmp_path):
     path, _ = make_tiny(tmp_path, "gemma2")
     with pytest.raises(ValueError, match="soft-capping"):
         LLM(str(path), attention_backend="triton", **ENGINE)
+
+
+def test_moe_step_bytes_count_only_the_experts_it_ran(tmp_path):
+    """MBU's byte model (engine/cost.py): a decode step of one request runs top_k experts
+    per mixture layer, and reads those experts' weights, not all of them."""
+    from engine.cost import StepCostModel
+
+    path, _ = make_tiny(tmp_path, "qwen3-moe")
+    llm = LLM(str(path), num_kv_blocks=16, **ENGINE)
+    mc = llm.engine.model_config
+    assert mc.layer_is_moe() == (True, False) and mc.num_experts == 4
+    cost = StepCostModel.from_config(mc, 4)
+    all_experts = cost.step([(5, 1)], 1, experts_touched=4).weight_bytes
+    two = cost.step([(5, 1)], 1, experts_touched=2).weight_bytes
+    assert all_experts - two == 2 * mc.expert_params * 4
+    assert cost.step([(5, 1)], 1).weight_bytes == two  # the bound: 1 token x top 2
+    assert cost.step([(0, 64)], 1).weight_bytes == cost.step([(0, 64)], 1, 4).weight_bytes
+    engine = llm.engine
+    engine.add_request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=3, temperature=0))
+    engine.step()  # the prefill
+    engine.step()  # a decode: one token, two experts of the mixture layer
+    stats = engine.last_step_stats
+    assert stats is not None and stats.num_decode_tokens == 1
+    assert engine.model.experts_touched() == 2
+    assert stats.weight_bytes == cost.step([(5, 1)], 1, experts_touched=2).weight_bytes
