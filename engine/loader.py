@@ -156,7 +156,8 @@ def convert_gguf(gguf: Path) -> Path:
         except ValueError as exc:  # not GGUF, or an architecture transformers cannot read
             raise UnsupportedModelError(
                 f"could not read {str(gguf)!r} as a GGUF model ({exc}): pass a GGUF file of "
-                "a llama, mistral or qwen2 model, or an HF directory"
+                "an architecture transformers reads (llama, mistral, qwen2, qwen3, phi3, "
+                "gemma2, gemma3...), or an HF directory"
             ) from exc
         # The de-quantized weights are plain float32 now; drop the GGUF quantizer so the
         # checkpoint saves and reloads as an ordinary one.
@@ -187,11 +188,39 @@ def read_hf_config(path: Path) -> dict[str, Any]:
     return config
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of an HF checkpoint: the shards its index names
+    (``model.safetensors.index.json``'s ``weight_map``) when it has one, else every
+    ``*.safetensors`` file. With an index, other files beside the shards (Mistral's
+    ``consolidated.safetensors``, the same weights under other names) are never read."""
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UnsupportedModelError(
+                f"{str(index)!r} is not a safetensors index ({exc!r}): fix or remove it"
+            ) from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f.name) for f in files if not f.is_file()]
+        if missing:
+            raise ModelNotFoundError(
+                f"{str(path)!r} lacks the shards its {SAFETENSORS_INDEX} names: "
+                f"{', '.join(missing[:5])}"
+            )
+        return files
+    return sorted(path.glob("*.safetensors"))
+
+
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint (single file or sharded ``*.safetensors``)."""
+    """All tensors of an HF checkpoint (single file, or the shards of its index), in the
+    checkpoint's own dtype (the model casts each as it copies it in)."""
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    files = checkpoint_files(path)
     if not files:
         raise ModelNotFoundError(
             f"no *.safetensors files in {str(path)!r}: pagedserve reads safetensors weights "
