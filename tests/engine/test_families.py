@@ -206,6 +206,46 @@ def test_sliding_window_family_on_the_triton_kernels(tmp_path):
         assert_parity(out.token_ids, ref, label=f"{name} triton, prompt of {len(prompt)}")
 
 
+def test_phi3_on_the_cpu_kernels(tmp_path):
+    """Phi-3 is Llama's layer once its fused checkpoint is loaded: the C++ CPU stack runs
+    it (head_dim 32, the smallest shapes the kernels take)."""
+    import transformers
+
+    config = transformers.Phi3Config(
+        **{**_COMMON, "hidden_size": 128, "intermediate_size": 256, "pad_token_id": 0}
+    )
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(8.0)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), attention_backend="cpu", block_size=8, max_num_batched_tokens=16,
+              num_kv_blocks=64, **ENGINE)  # fmt: skip
+    assert llm.engine.attention_backend == "cpu"
+    prompts = _prompts(256, seed=4)
+    refs = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=2) for p in prompts]
+    _check(llm, prompts, refs, "phi3 cpu")
+
+
+def test_families_beyond_llama_fall_back_from_the_cpu_kernels(caplog):
+    """Shapes the C++ stack takes, math it does not: auto picks the reference and says why
+    in one log line; asking for the cpu backend is one clear error."""
+    import logging
+
+    import transformers
+
+    from engine.attention import resolve_backend
+
+    shapes = {**_COMMON, "hidden_size": 128, "intermediate_size": 256}
+    mc = ModelConfig.from_hf(transformers.MistralConfig(**shapes, sliding_window=WINDOW))
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="engine.attention"):
+        assert resolve_backend("auto", cpu, torch.float32, mc) == "torch"
+    assert [r.message for r in caplog.records if "sliding window 12" in r.message]
+    with pytest.raises(ValueError, match="sliding window 12.*--attention-backend torch"):
+        resolve_backend("cpu", cpu, torch.float32, mc)
+
+
 def test_soft_capping_families_refuse_the_triton_backend(tmp_path):
     path, _ = make_tiny(tmp_path, "gemma2")
     with pytest.raises(ValueError, match="soft-capping"):
