@@ -14,8 +14,8 @@ Triton is imported only when it is chosen.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch

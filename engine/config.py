@@ -265,9 +265,7 @@ class ModelConfig:
         if num_experts and model_type in ("mixtral", "qwen3_moe"):
             step = int(d.get("decoder_sparse_step") or 1)
             dense = set(d.get("mlp_only_layers") or ())
-            moe_layers = tuple(
-                i not in dense and (i + 1) % step == 0 for i in range(num_layers)
-            )
+            moe_layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
         scaling = RopeScaling(
             rope_type=rope_type,
             factor=float(rope.get("factor", 1.0)),
@@ -334,9 +332,7 @@ class ModelConfig:
             fused_checkpoint=family.fused_checkpoint,
             num_experts=num_experts if moe_layers else 0,
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if moe_layers else 0,
-            moe_intermediate_size=int(
-                d.get("moe_intermediate_size") or d["intermediate_size"]
-            )
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"])
             if moe_layers
             else 0,
             norm_topk_prob=family.norm_topk_prob or bool(d.get("norm_topk_prob", False)),

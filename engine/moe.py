@@ -81,9 +81,7 @@ def expert_sources(
     else:
         moe = layer_prefix + "mlp."
         gate, up, down = "gate_proj", "up_proj", "down_proj"
-    gate_up = tuple(
-        f"{moe}experts.{j}.{name}.weight" for j in range(e) for name in (gate, up)
-    )
+    gate_up = tuple(f"{moe}experts.{j}.{name}.weight" for j in range(e) for name in (gate, up))
     downs = tuple(f"{moe}experts.{j}.{down}.weight" for j in range(e))
     return (moe + "gate.weight",), gate_up, downs
 

@@ -268,13 +268,16 @@ def resolve_max_tokens(
     return room if cap is None else min(room, cap)
 
 
+NO_DEFAULTS = SamplingDefaults()  # pagedserve's own defaults for every field
+
+
 def choice_params(
     req: CompletionRequest | ChatCompletionRequest,
     *,
     max_tokens: int,
     logprobs: int | None,
     choice: int,
-    defaults: SamplingDefaults = SamplingDefaults(),
+    defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
     """``SamplingParams`` of one choice; a seeded request gives choice i the seed ``seed + i``,
     so the n completions differ from each other and each is reproducible. A field the
