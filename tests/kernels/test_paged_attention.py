@@ -46,7 +46,7 @@ def run_case(paged_kv, close, device, *, seq_lens, block_size, num_kv_heads, gro
     expected = reference.paged_attention_decode(
         query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, kv.seq_lens, scale,
         sliding_window,
-    )
+    )  # fmt: skip
     close(out, expected)
 
 
