@@ -261,7 +261,8 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--load-format", "engine", "load_format", str, _E.load_format,
            "auto (read the checkpoint) or dummy (random weights of the model's shapes; "
            "--model may then name a preset: llama-3-8b, llama-3.1-8b, llama-3.2-1b, "
-           "qwen2.5-7b, smollm2-135m, tiny-llama)",
+           "qwen2.5-7b, qwen3-8b, gemma-2-9b, mixtral-8x7b, qwen3-30b-a3b, smollm2-135m, "
+           "tiny-llama)",
            ("auto", "dummy")),
     Option("--generation-config", "engine", "generation_config", str, _E.generation_config,
            "auto (the checkpoint's generation_config.json temperature, top_p, top_k, min_p "

@@ -275,3 +275,14 @@ def test_moe_step_bytes_count_only_the_experts_it_ran(tmp_path):
     assert stats is not None and stats.num_decode_tokens == 1
     assert engine.model.experts_touched() == 2
     assert stats.weight_bytes == cost.step([(5, 1)], 1, experts_touched=2).weight_bytes
+
+
+@pytest.mark.parametrize(
+    "name,billions",
+    [("qwen3-8b", 8.19), ("gemma-2-9b", 9.24), ("mixtral-8x7b", 46.7), ("qwen3-30b-a3b", 30.5)],
+)
+def test_family_presets_have_the_published_parameter_counts(name, billions):
+    from engine.presets import preset
+
+    config = ModelConfig.from_hf(preset(name))
+    assert config.num_params / 1e9 == pytest.approx(billions, abs=0.01)
