@@ -8,7 +8,10 @@
 - ``triton``: the Triton kernels (CUDA, or the CPU interpreter under ``TRITON_INTERPRET=1``).
 
 ``auto`` picks Triton on CUDA, ``cpu`` for float32 on CPU when the C++ kernels build, and
-the reference otherwise. The choice is a constructor argument, never a global switch, and
+the reference otherwise; a family whose attention soft-caps its scores (Gemma 2) takes the
+reference everywhere. With ``cpu``, a Llama-layer model runs on the fused C++ stack
+(``engine/backends/cpu.py``); another family runs its own forward with the C++ attention
+kernel (sliding windows included). The choice is a constructor argument, never a global switch, and
 Triton is imported only when it is chosen.
 """
 
@@ -39,33 +42,32 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, model: 
             intermediate_size=model.intermediate_size,
         )
     )
-    # The fused C++ stack computes Llama's layer exactly (engine/backends/cpu.py): another
-    # family's variations run on the reference.
-    family_fits_cpu = model.is_plain_llama
-    # The Triton kernels take a sliding window but no soft-capped scores.
-    family_fits_triton = model.attn_logit_softcap is None
+    # The C++ attention kernel takes a sliding window but no soft-capped scores, as the
+    # Triton kernels; the fused C++ stack (engine/backends/cpu.py) computes Llama's layer
+    # only, so another family runs its own forward around the C++ attention.
+    family_fits_kernels = model.attn_logit_softcap is None
     if name == "auto":
-        if device.type == "cuda":
-            if not family_fits_triton:
-                logger.info(
-                    "%s soft-caps attention scores, which the Triton kernels do not: "
-                    "attention runs on the torch reference",
-                    model.model_type,
-                )
-                return "torch"
-            return "triton"
-        if fits_cpu and not family_fits_cpu:
+        if not family_fits_kernels:
             logger.info(
-                "the C++ CPU stack computes Llama's layer; %s differs (%s): the model runs "
-                "on the torch reference",
+                "%s soft-caps attention scores, which the C++ and Triton kernels do not: "
+                "attention runs on the torch reference",
+                model.model_type,
+            )
+            return "torch"
+        if device.type == "cuda":
+            return "triton"
+        backend = "cpu" if fits_cpu and cpu_kernels.load() is not None else "torch"
+        if backend == "cpu" and not model.is_plain_llama:
+            logger.info(
+                "the fused C++ stack computes Llama's layer; %s differs (%s): its own "
+                "forward runs in torch around the C++ attention kernel",
                 model.model_type,
                 model.family_differences(),
             )
-            return "torch"
-        return "cpu" if fits_cpu and cpu_kernels.load() is not None else "torch"
-    if name == "triton" and not family_fits_triton:
+        return backend
+    if name in ("cpu", "triton") and not family_fits_kernels:
         raise ValueError(
-            f"the triton attention backend has no attention soft-capping, which "
+            f"the {name} attention backend has no attention soft-capping, which "
             f"{model.model_type} uses: use --attention-backend torch"
         )
     if name == "cpu":
@@ -73,11 +75,6 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, model: 
             raise ValueError(
                 "the cpu attention backend needs float32 on the CPU, head_dim 32/64/96/128/256 "
                 "and hidden and intermediate sizes that are multiples of 16"
-            )
-        if not family_fits_cpu:
-            raise ValueError(
-                f"the cpu attention backend computes Llama's layer; {model.model_type} differs "
-                f"({model.family_differences()}): use --attention-backend torch"
             )
         if cpu_kernels.load() is None:
             raise RuntimeError("the C++ CPU kernels could not be built (see the log)")
@@ -119,6 +116,7 @@ class PagedAttention:
         backend: "torch", "cpu" or "triton" (already resolved from "auto").
         scale: softmax scale, usually head_dim ** -0.5.
         softcap: scores become ``softcap * tanh(scores / softcap)`` (Gemma 2); torch only.
+        (The cpu and triton kernels take ``sliding_window`` as a keyword argument.)
         sliding_window: the keys a query of a sliding layer sees (itself included); a
             layer asks for it with ``sliding=True``.
         """

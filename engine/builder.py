@@ -231,7 +231,9 @@ def build_engine_parts(
     matmul_weights = str(dtype).removeprefix("torch.")  # "gguf" when GGUF blocks serve
     packed_bytes = block_bytes = dropped_bytes = 0
     cpu_ops = cpu_kernels.load() if backend == "cpu" else None
-    if cpu_ops is not None:
+    # The fused stack computes Llama's layer; another family runs its own forward with the
+    # C++ attention kernel (engine/attention.py).
+    if cpu_ops is not None and mc.is_plain_llama:
         gguf = None
         if config.matmul_weights == "gguf" and checkpoint is not None and resolved is not None:
             gguf = resolved.gguf

@@ -79,12 +79,13 @@ FAMILIES = {
 }
 
 
-def make_tiny(path, family: str, seed: int = 0):
-    """A random tiny ``family`` checkpoint at ``path``; returns (path, transformers model)."""
+def make_tiny(path, family: str, seed: int = 0, **shape):
+    """A random tiny ``family`` checkpoint at ``path`` (``shape`` overrides its config);
+    returns (path, transformers model)."""
     import transformers
 
     config_name, overrides = FAMILIES[family]
-    config = getattr(transformers, config_name)(**{**_COMMON, **overrides})
+    config = getattr(transformers, config_name)(**{**_COMMON, **overrides, **shape})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model = model.float().eval()
@@ -227,22 +228,44 @@ def test_phi3_on_the_cpu_kernels(tmp_path):
     _check(llm, prompts, refs, "phi3 cpu")
 
 
-def test_families_beyond_llama_fall_back_from_the_cpu_kernels(caplog):
-    """Shapes the C++ stack takes, math it does not: auto picks the reference and says why
-    in one log line; asking for the cpu backend is one clear error."""
+# head_dim 32: the smallest shapes the C++ CPU kernels take.
+CPU_SHAPES = dict(hidden_size=128, intermediate_size=256, head_dim=32)
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding"])
+def test_sliding_window_families_on_the_cpu_attention_kernel(name, tmp_path, caplog):
+    """Families the fused C++ stack does not compute run their own forward around the C++
+    attention kernel (auto picks it, and says so in one log line), its sliding window
+    included: batched with chunked prefill, then preempted in a pool that holds one request."""
     import logging
 
+    path, hf = make_tiny(tmp_path, name, seed=5, **CPU_SHAPES)
+    prompts = _prompts(256, seed=5)
+    refs = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=2) for p in prompts]
+    with caplog.at_level(logging.INFO, logger="engine.attention"):
+        llm = LLM(str(path), block_size=8, max_num_batched_tokens=16, num_kv_blocks=64, **ENGINE)
+    assert llm.engine.attention_backend == "cpu"
+    assert [r for r in caplog.records if "around the C++ attention kernel" in r.message]
+    _check(llm, prompts, refs, f"{name} cpu, chunked")
+    needed = -(-(max(PROMPT_LENS) + MAX_TOKENS) // 4)
+    small = LLM(str(path), block_size=4, num_kv_blocks=needed, enable_prefix_caching=False,
+                **ENGINE)  # fmt: skip
+    _check(small, prompts, refs, f"{name} cpu, preempted")
+    assert small.engine.scheduler.num_preemptions_total > 0
+
+
+def test_soft_capping_families_refuse_the_kernels():
     import transformers
 
     from engine.attention import resolve_backend
 
-    shapes = {**_COMMON, "hidden_size": 128, "intermediate_size": 256}
-    mc = ModelConfig.from_hf(transformers.MistralConfig(**shapes, sliding_window=WINDOW))
+    name, overrides = FAMILIES["gemma2"]
+    mc = ModelConfig.from_hf(
+        getattr(transformers, name)(**{**_COMMON, **overrides, **CPU_SHAPES})
+    )
     cpu = torch.device("cpu")
-    with caplog.at_level(logging.INFO, logger="engine.attention"):
-        assert resolve_backend("auto", cpu, torch.float32, mc) == "torch"
-    assert [r.message for r in caplog.records if "sliding window 12" in r.message]
-    with pytest.raises(ValueError, match="sliding window 12.*--attention-backend torch"):
+    assert resolve_backend("auto", cpu, torch.float32, mc) == "torch"
+    with pytest.raises(ValueError, match="cpu attention backend has no attention soft-capping"):
         resolve_backend("cpu", cpu, torch.float32, mc)
 
 

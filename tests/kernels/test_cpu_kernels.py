@@ -120,6 +120,22 @@ def test_decode_attention_matches_reference_on_prefill_rows(
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("sliding_window", [1, 7, 40, 1000])
+def test_sliding_window_matches_reference(ops, threads, num_threads, sliding_window):
+    """The window moves each row's first key: decodes (split into spans at batch 1 with 2
+    threads) and runs of prefill rows, against the reference."""
+    threads(num_threads)
+    q, kc, vc, tables, lens = _paged_case(1, 9, 3, 64, [180])
+    want = paged_attention_decode(q, kc, vc, tables, lens, 0.125, sliding_window)
+    got = ops.paged_attention_decode(q, kc, vc, tables, lens, 0.125, sliding_window=sliding_window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    q, kc, vc, tables, lens = _prefill_rows_case([(0, 70), (40, 17), (200, 1)], 8, 2, 32)
+    want = paged_attention_decode(q, kc, vc, tables, lens, 0.2, sliding_window)
+    got = ops.paged_attention_decode(q, kc, vc, tables, lens, 0.2, sliding_window=sliding_window)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_attention_reads_strided_queries(ops):
     # The engine passes Q as a view of the fused QKV projection (rows longer than Q).
     q, kc, vc, tables, lens = _paged_case(3, 9, 3, 64, [7, 20, 33])

@@ -15,16 +15,19 @@ namespace pagedserve_cpu {
 // the allocator's and the dispatcher's code and data from the caches, so each allocation
 // there cost several microseconds of cache misses.
 
+// sliding_window: each query row sees only the last that many keys of its context.
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache,
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale);
+                                  const at::Tensor& seq_lens, double scale,
+                                  c10::optional<int64_t> sliding_window = c10::nullopt);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
 void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, double scale, at::Tensor& out);
+                                 const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                                 int64_t sliding_window = 0);
 void rms_norm_into(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 void add_rms_norm_into(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
                        at::Tensor& out);

@@ -10,6 +10,10 @@
 // context once into a transposed K and scores several rows' query vectors together, one
 // position per vector lane, with no horizontal sum per score: 128-token prefill attention
 // ~2x faster than row by row.
+//
+// A sliding window (sliding_window > 0) moves the start of each row's keys to
+// max(0, len - sliding_window): a decode's spans cover only that range, and a run's rows
+// mask the positions before their own start (window_start below).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -265,12 +269,17 @@ inline int64_t rows_per_tile(int group) { return std::max(1, kTileQ / group); }
 // into a transposed K; rows_per_tile rows at a time are scored against it (score_tile), each
 // scored row position past a row's own context is discarded by softmax_rows.
 // scores: [rows_per_tile(group) * group, row_stride] scratch.
+// The first context position a row of a len-position context sees (0 without a window).
+inline int64_t window_start(int64_t len, int64_t sliding_window) {
+  return sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+}
+
 template <int D>
 void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int group, int64_t rows,
                 const float* key_cache, const float* value_cache, const int32_t* block_table,
                 int64_t seq_len0, int64_t block_size, int64_t slot_stride, float scale,
                 float* scores, int64_t row_stride, std::vector<float>& kt_buf, float* out,
-                int64_t out_row_stride, int64_t out_stride) {
+                int64_t out_row_stride, int64_t out_stride, int64_t sliding_window) {
   constexpr int64_t head_dim = D * kVec;
   const int64_t ctx = seq_len0 + rows - 1;  // the last row's context
   const int64_t ldk = (ctx + kVec - 1) / kVec * kVec;
@@ -302,11 +311,13 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
       score_vectors(m, qv, sv, kt, ldk, head_dim, padded, scale);
     }
     for (int64_t i = 0; i < nr; ++i) {
-      const int64_t len = seq_len0 + r0 + i;
+      const int64_t len = seq_len0 + r0 + i, start = window_start(len, sliding_window);
       float* si = scores + i * group * row_stride;
+      for (int j = 0; j < group; ++j)  // before the window: weight exp(-inf) = 0
+        std::fill_n(si + j * row_stride, start, -std::numeric_limits<float>::infinity());
       softmax_rows(si, group, row_stride, len);
-      weighted_values<D>(si, group, row_stride, value_cache, block_table, 0, len, block_size, slot_stride,
-                         out + (r0 + i) * out_row_stride, out_stride);
+      weighted_values<D>(si + start, group, row_stride, value_cache, block_table, start, len, block_size,
+                         slot_stride, out + (r0 + i) * out_row_stride, out_stride);
     }
   }
 }
@@ -314,7 +325,7 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
 template <int D>
 void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                at::Tensor& out) {
+                at::Tensor& out, int64_t sliding_window) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t head_dim = key_cache.size(3);
@@ -423,10 +434,12 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
         attend_run<D>(q + i * q_seq_stride + h * group * q_head_stride, q_seq_stride, q_head_stride, group, rows,
                       kc + h * head_dim, vc + h * head_dim, bt + i * bt_stride, lens[i], block_size, slot_stride,
                       float(scale), scores.data(), row_stride, kt, o + (i * num_heads + h * group) * head_dim,
-                      num_heads * head_dim, head_dim);
+                      num_heads * head_dim, head_dim, sliding_window);
         continue;
       }
-      const int64_t len = lens[i], t0 = len * it.span / spans, t1 = len * (it.span + 1) / spans;
+      // The spans cut the window [lo, len) of the context.
+      const int64_t len = lens[i], lo = window_start(len, sliding_window);
+      const int64_t t0 = lo + (len - lo) * it.span / spans, t1 = lo + (len - lo) * (it.span + 1) / spans;
       const bool whole_context = spans == 1;
       float* pm = whole_context ? m.data() : part_m.data() + (i * spans + it.span) * num_heads;
       float* pl = whole_context ? l.data() : part_l.data() + (i * spans + it.span) * num_heads;
@@ -474,15 +487,19 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
 at::Tensor paged_attention_decode(const at::Tensor& query,  // [num_seqs, num_heads, head_dim]
                                   const at::Tensor& key_cache,  // [blocks, block_size, kv_heads, head_dim]
                                   const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale) {
+                                  const at::Tensor& seq_lens, double scale,
+                                  c10::optional<int64_t> sliding_window) {
   auto out = at::empty({query.size(0), query.size(1), query.size(2)}, query.options());
-  paged_attention_decode_into(query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+  TORCH_CHECK(!sliding_window || *sliding_window >= 1, "paged_attention_decode: sliding_window must be >= 1");
+  paged_attention_decode_into(query, key_cache, value_cache, block_tables, seq_lens, scale, out,
+                              sliding_window.value_or(0));
   return out;
 }
 
 void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
-                                 const at::Tensor& seq_lens, double scale, at::Tensor& out) {
+                                 const at::Tensor& seq_lens, double scale, at::Tensor& out,
+                                 int64_t sliding_window) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
                   value_cache.scalar_type() == at::kFloat,
               "paged_attention_decode: float32 only");
@@ -497,11 +514,11 @@ void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_
               "paged_attention_decode_into: out must be contiguous float32 [num_seqs, num_heads, head_dim]");
   switch (head_dim) {
     // decode_all<head_dim / kVec>: vectors per head row
-    case 64: decode_all<64 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 128: decode_all<128 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 32: decode_all<32 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 96: decode_all<96 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 256: decode_all<256 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case 64: decode_all<64 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out, sliding_window); break;
+    case 128: decode_all<128 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out, sliding_window); break;
+    case 32: decode_all<32 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out, sliding_window); break;
+    case 96: decode_all<96 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out, sliding_window); break;
+    case 256: decode_all<256 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out, sliding_window); break;
     default: TORCH_CHECK(false, "paged_attention_decode: unsupported head_dim ", head_dim);
   }
 }

@@ -6,7 +6,7 @@
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor seq_lens, float scale, int? sliding_window=None) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
