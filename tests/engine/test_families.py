@@ -260,9 +260,7 @@ def test_soft_capping_families_refuse_the_kernels():
     from engine.attention import resolve_backend
 
     name, overrides = FAMILIES["gemma2"]
-    mc = ModelConfig.from_hf(
-        getattr(transformers, name)(**{**_COMMON, **overrides, **CPU_SHAPES})
-    )
+    mc = ModelConfig.from_hf(getattr(transformers, name)(**{**_COMMON, **overrides, **CPU_SHAPES}))
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu, torch.float32, mc) == "torch"
     with pytest.raises(ValueError, match="cpu attention backend has no attention soft-capping"):
