@@ -197,8 +197,9 @@ class DecoderLayer(nn.Module):
         assert self.q_norm is not None and self.k_norm is not None
         t, d = qkv.shape[0], self.head_dim
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(t, self.num_heads, d)).reshape(t, self.q_size)
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, d)).reshape(t, self.kv_size)
+        # One row per head: [t * heads, head_dim] (the fused norm kernels take 2-D rows).
+        q = self.q_norm(q.reshape(t * self.num_heads, d)).reshape(t, self.q_size)
+        k = self.k_norm(k.reshape(t * self.num_kv_heads, d)).reshape(t, self.kv_size)
         return torch.cat((q, k, v), dim=-1)
 
 
