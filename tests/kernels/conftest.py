@@ -200,6 +200,7 @@ _BF16_ATTENTION_ARGS = dict(
     block_tables_ptr="*i32",
     seq_lens_ptr="*i32",
     qk_scale="fp32",
+    sliding_window="i32",
 )
 SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
     "store_kv": (
