@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.builder import build_engine_parts
 from engine.config import EngineConfig
-from engine.faults import describe, execute_isolating
+from engine.faults import EngineFatalError, describe, execute_isolating
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
 from engine.stats import StepStatsRecorder
 from kvpool.config import KVPoolConfig
@@ -37,11 +37,16 @@ class LLMEngine:
         config: EngineConfig | None = None,
         kv_config: KVPoolConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        *,
+        exit_on_tp_failure: bool = False,
     ) -> None:
+        """``exit_on_tp_failure``: a broken tensor-parallel group exits the process with
+        status 1 (the server); otherwise the next step raises ``EngineFatalError``."""
         parts = build_engine_parts(
             config or EngineConfig(),
             kv_config or KVPoolConfig(),
             scheduler_config or SchedulerConfig(),
+            exit_on_tp_failure=exit_on_tp_failure,
         )
         self.config = parts.config
         self.device = parts.device
@@ -62,6 +67,7 @@ class LLMEngine:
         self.sampler = parts.sampler
         self.runner: Any = parts.runner
         self.memory = parts.memory
+        self.tp = parts.tp  # the tensor-parallel group, or None
         self._stats = StepStatsRecorder(parts.cost_model, parts.kv_capacity)
         self.last_step_stats: StepStats | None = None
         if self.device.type == "cuda":
@@ -129,6 +135,11 @@ class LLMEngine:
             self.sampler.forget(request.request_id)
         return [_output(request, [], None) for request in aborted]
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -173,6 +184,8 @@ class LLMEngine:
         try:
             result = self.runner.execute(plan)
             failed: dict[str, str] = {}
+        except EngineFatalError:
+            raise
         except Exception as exc:
             logger.error(
                 "a step of %d requests failed (%s); re-running it in parts to isolate the "

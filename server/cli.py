@@ -7,6 +7,7 @@ torch through the server.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -67,8 +68,16 @@ def serve(config: ServingConfig) -> int:
     configure_logging(config.server.log_level)
     threads, source = configure_threads(config.server.num_threads)
     logger.info("CPU threads: %d (%s)", threads, source)
+    worker_status = serve_tensor_parallel_worker(config)
+    if worker_status is not None:
+        return worker_status
     logger.info("loading model %r (%s)", config.engine.model, config.engine)
-    engine = on_worker_thread(LLMEngine, config.engine, config.kvpool, config.scheduler)
+    engine = on_worker_thread(
+        functools.partial(LLMEngine, exit_on_tp_failure=True),
+        config.engine,
+        config.kvpool,
+        config.scheduler,
+    )
     block_size = config.kvpool.block_size
     num_tokens = engine.num_total_blocks * block_size
     logger.info(
@@ -110,6 +119,22 @@ def serve(config: ServingConfig) -> int:
         drain_timeout_s=config.server.drain_timeout_s,
     )
     return 0
+
+
+def serve_tensor_parallel_worker(config: ServingConfig) -> int | None:
+    """A process that only runs tensor-parallel ranks and serves no HTTP: a host other than
+    node 0 (``--node-rank`` > 0), or a torchrun rank other than 0. Returns its exit status;
+    None for the process that serves."""
+    from engine.tp_workers import run_worker, serve_worker_node, torchrun_rendezvous
+
+    engine = config.engine
+    rendezvous = torchrun_rendezvous() if engine.tensor_parallel_size > 1 else None
+    if rendezvous is not None and rendezvous.rank != 0:
+        logger.info("torchrun rank %d: following rank 0", rendezvous.rank)
+        return run_worker(rendezvous, engine, config.kvpool, config.scheduler)
+    if engine.node_rank > 0:
+        return serve_worker_node(engine, config.kvpool, config.scheduler)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
