@@ -39,7 +39,7 @@ from engine.presets import preset
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
 from engine.tensor_parallel import TPLayout, check_shardable, shard_model
-from engine.tp_workers import TensorParallelGroup, TensorParallelRunner, launch
+from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
 from kvpool.manager import KVCacheManager
@@ -183,13 +183,9 @@ def build_engine_parts(
     scheduler_config: SchedulerConfig,
     *,
     tp: TensorParallelGroup | None = None,
-    exit_on_tp_failure: bool = False,
 ) -> EngineParts:
-    """Args (beyond the configs):
-    tp: a worker rank's group (engine/tp_workers.py); None on rank 0, which launches the
-        group itself when ``config.tensor_parallel_size`` > 1.
-    exit_on_tp_failure: a failed tensor-parallel group exits the process (the server).
-    """
+    """``tp``: this process's tensor-parallel group, joined (engine/tp_launch.py); the model
+    is sharded to its rank. Needed when ``config.tensor_parallel_size`` > 1."""
     rss_before = resident_bytes()
     device, dtype = pick_device(config)
     dummy = config.load_format == "dummy"
@@ -209,12 +205,10 @@ def build_engine_parts(
 
     t0 = time.perf_counter()
     backend = resolve_backend(config.attention_backend, device, dtype, mc)
-    if config.tensor_parallel_size > 1:
+    if config.tensor_parallel_size > 1 or tp is not None:
         check_shardable(mc)
         if tp is None:
-            # Rank 0, with the model resolved (a GGUF converted) and the C++ kernels built
-            # before any other rank starts: those happen once, not once per rank.
-            tp = launch(config, kv_config, scheduler_config, exit_on_failure=exit_on_tp_failure)
+            raise ValueError("tensor_parallel_size > 1 needs the group: engine/tp_launch.py")
         if device.type == "cuda":
             device = torch.device("cuda", tp.local_rank)
             torch.cuda.set_device(device)
@@ -351,7 +345,7 @@ def build_engine_parts(
 
     if tp is not None:
         # Every rank is built once this returns; from then on an idle rank 0 sends
-        # heartbeats (engine/tp_workers.py).
+        # heartbeats (engine/tp_group.py).
         torch.distributed.barrier(group=tp.plan_group)
         if tp.rank == 0:
             tp.start_heartbeat()

@@ -183,7 +183,7 @@ class EngineConfig:
             1, 2, 4, 8, then steps of 8 up to 64 and of 16 up to ``max_num_seqs``.
         tensor_parallel_size: ranks each layer is sharded over (engine/tensor_parallel.py);
             rank 0 schedules and samples, the others follow its step plan
-            (engine/tp_workers.py). 1: no sharding, no process group.
+            (engine/tp_group.py, engine/tp_launch.py). 1: no sharding, no process group.
         nnodes, node_rank, master_addr, master_port: the torch.distributed rendezvous of a
             tensor-parallel group over several hosts (each host runs
             ``tensor_parallel_size // nnodes`` ranks; node 0 serves HTTP). On one host

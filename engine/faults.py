@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 class EngineFatalError(RuntimeError):
     """A failure that is nobody's request: the engine cannot run another step (a
-    tensor-parallel rank is gone, engine/tp_workers.py). Never isolated nor retried; it
+    tensor-parallel rank is gone, engine/tp_group.py). Never isolated nor retried; it
     propagates out of ``LLMEngine.step()`` and stops the engine loop."""
 
 

@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from engine.faults import EngineFatalError, describe, execute_isolating
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
 from engine.stats import StepStatsRecorder
+from engine.tp_launch import launch
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
@@ -42,12 +43,13 @@ class LLMEngine:
     ) -> None:
         """``exit_on_tp_failure``: a broken tensor-parallel group exits the process with
         status 1 (the server); otherwise the next step raises ``EngineFatalError``."""
-        parts = build_engine_parts(
-            config or EngineConfig(),
-            kv_config or KVPoolConfig(),
-            scheduler_config or SchedulerConfig(),
-            exit_on_tp_failure=exit_on_tp_failure,
-        )
+        config = config or EngineConfig()
+        kv_config = kv_config or KVPoolConfig()
+        scheduler_config = scheduler_config or SchedulerConfig()
+        tp = None
+        if config.tensor_parallel_size > 1:  # rank 0: start the other ranks, join them
+            tp = launch(config, kv_config, scheduler_config, exit_on_failure=exit_on_tp_failure)
+        parts = build_engine_parts(config, kv_config, scheduler_config, tp=tp)
         self.config = parts.config
         self.device = parts.device
         self.dtype = parts.dtype

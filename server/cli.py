@@ -125,7 +125,7 @@ def serve_tensor_parallel_worker(config: ServingConfig) -> int | None:
     """A process that only runs tensor-parallel ranks and serves no HTTP: a host other than
     node 0 (``--node-rank`` > 0), or a torchrun rank other than 0. Returns its exit status;
     None for the process that serves."""
-    from engine.tp_workers import run_worker, serve_worker_node, torchrun_rendezvous
+    from engine.tp_launch import run_worker, serve_worker_node, torchrun_rendezvous
 
     engine = config.engine
     rendezvous = torchrun_rendezvous() if engine.tensor_parallel_size > 1 else None

@@ -17,7 +17,10 @@ from engine.tensor_parallel import TPLayout, check_shardable
 from tests.engine.conftest import make_tiny_llama
 from tests.engine.parity import assert_parity, hf_greedy
 
-PROMPTS = [[1, 17, 42, 99, 7], [1, 200, 3, 3, 150, 11, 64, 90, 21, 5, 8, 13, 34, 55, 89, 144, 33, 2]]
+PROMPTS = [
+    [1, 17, 42, 99, 7],
+    [1, 200, 3, 3, 150, 11, 64, 90, 21, 5, 8, 13, 34, 55, 89, 144, 33, 2],
+]
 MAX_TOKENS = 12
 
 
