@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from loadtest.launcher import HOST, ServerProcess, free_port
+from server.config import ServingConfig
 from tests.engine.parity import assert_parity, hf_greedy
 
 STARTUP_TIMEOUT_S = 300  # the first start on a machine converts the GGUF
@@ -45,6 +46,38 @@ def tp_server(tmp_path_factory):
         yield server
     finally:
         server.stop(grace_s=10)
+
+
+def test_tp_flags_reach_the_engine_config() -> None:
+    argv = ["--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
+            "--master-addr", "10.0.0.1", "--master-port", "29500"]  # fmt: skip
+    e = ServingConfig.from_cli(argv, {}).engine
+    assert (e.tensor_parallel_size, e.nnodes, e.node_rank, e.master_addr, e.master_port) == (
+        4, 2, 1, "10.0.0.1", 29500,
+    )  # fmt: skip
+    assert (
+        ServingConfig.from_cli(
+            [], {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "2"}
+        ).engine.tensor_parallel_size
+        == 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tensor-parallel-size", "0"], "tensor_parallel_size must be at least 1"),
+        (["--tensor-parallel-size", "3", "--nnodes", "2", "--master-port", "1"], "nnodes must"),
+        (["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "2"], "node_rank"),
+        (["--tensor-parallel-size", "2", "--nnodes", "2"], "needs --master-port"),
+    ],
+)
+def test_bad_tp_flags_exit_with_one_line(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        ServingConfig.from_cli(argv, {})
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err.splitlines()[-1], err
 
 
 def _children(pid: int) -> list[int]:
