@@ -86,7 +86,8 @@ def start_router(
     if binary is None:
         raise FileNotFoundError(f"{ROUTER} is not installed (pip install {ROUTER})")
     port = free_port()
-    process = ServerProcess(router_command(binary, worker_urls, port, policy=policy), port, log_path)
+    argv = router_command(binary, worker_urls, port, policy=policy)
+    process = ServerProcess(argv, port, log_path)
     process.start()
     try:
         process.wait_healthy(ROUTER_STARTUP_TIMEOUT_S)

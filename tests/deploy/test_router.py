@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -99,7 +99,12 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
         yield r
 
 
-def _per_replica(before: list[dict[str, float]], after: list[dict[str, float]], read) -> list[float]:  # type: ignore[no-untyped-def]
+Scrape = dict[str, float]
+
+
+def _per_replica(
+    before: list[Scrape], after: list[Scrape], read: Callable[[Scrape], float]
+) -> list[float]:
     return [read(a) - read(b) for b, a in zip(before, after, strict=True)]
 
 
