@@ -18,9 +18,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.launcher import HOST, ServerProcess, free_port
+from loadtest.probe import parse_prometheus_text
 
 ROUTER = "vllm-router"
 ROUTER_STARTUP_TIMEOUT_S = 60.0
@@ -101,9 +101,9 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> dict[str, float]:
     """A server's ``/metrics`` as ``{sample name: value}``, summed over label sets."""
     text = httpx.get(f"{base_url}/metrics", timeout=timeout_s, trust_env=False).text
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values[sample.name] = values.get(sample.name, 0.0) + float(sample.value)
+    for key, value in parse_prometheus_text(text).items():
+        name = key.split("{", 1)[0]
+        values[name] = values.get(name, 0.0) + value
     return values
 
 
