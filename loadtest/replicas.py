@@ -47,8 +47,12 @@ def router_command(
     """The router's argv: ``worker_urls`` behind ``HOST:port`` with ``policy``.
 
     A worker is marked down after one failed health check and up after one success, so a
-    killed replica leaves the rotation within ``health_check_interval_s``; requests sent to
-    it in between are retried on another worker (the router's default retry policy).
+    killed replica leaves the rotation within ``health_check_interval_s``. A request the
+    router sends it in between fails to connect and is retried; the retries (6 attempts in
+    all) back off 0.2, 0.4, 0.8, 1.6, 1.6 s, 4.6 s in all, well over a health-check period,
+    so a later one picks a worker after the dead one is out. The router's default backoff
+    (tens of milliseconds) spends every retry on the dead worker: ``cache_aware`` keeps
+    choosing the replica that holds the prompt's prefix.
     """
     return [
         binary,
@@ -60,6 +64,10 @@ def router_command(
         "--health-check-interval-secs", str(health_check_interval_s),
         "--health-failure-threshold", "1",
         "--health-success-threshold", "1",
+        "--retry-max-retries", "6",
+        "--retry-initial-backoff-ms", "200",
+        "--retry-backoff-multiplier", "2",
+        "--retry-max-backoff-ms", "1600",
         "--prometheus-host", HOST,
         "--prometheus-port", str(free_port()),
         "--log-level", "warning",

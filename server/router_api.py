@@ -22,12 +22,20 @@ route                           who calls it                what it answers here
 ``GET /health_generate``        proxied from the router's   200 once one token was generated
                                 ``/health_generate``        through the engine, else 503
 ``GET /v1/models``              proxied                     server/api.py
+``POST /v1/.../render``         vllm-router, before every   the prompt's token ids and
+(completions, chat/completions) request, on each worker     sampling parameters (vLLM's shape)
+``POST /tokenize``              vllm-router, where render   server/api.py
+                                answers 404
 ==============================  ==========================  ==================================
 
-``vllm-router`` also posts each request to ``/v1/completions/render`` (vLLM's prompt
-renderer) for token-level routing; a 404 there makes it route on the text, which
-``cache_aware`` does anyway, so that route is not served. ``/flush_cache`` (a router admin
-call) is not served either: the prefix cache here evicts on its own and has no flush.
+``vllm-router`` also posts every request to ``/v1/completions/render`` or
+``/v1/chat/completions/render`` (vLLM's renderer endpoints) on each worker before routing it,
+to route on token ids. Where that answers 404 (vLLM's own default: its renderer routes are
+opt-in) it falls back to ``POST /tokenize``; both are served here, the render routes in
+vLLM's shape (a list of ``GenerateRequest``: request id, prompt token ids, sampling
+parameters, model), so a routed request costs no 404 and no second round trip.
+``/flush_cache`` (a router admin call) is not served: the prefix cache here evicts on its own
+and has no flush.
 
 Both routers also add their own sampling fields to every body they forward (see
 server/router_fields.py); at their neutral values those are accepted, not rejected as
@@ -38,14 +46,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from scheduler.request import SamplingParams
+from server.chat import CHAT_COMPLETIONS
+from server.completions import COMPLETIONS
 from server.context import ServingContext, new_request_id
 from server.engine_types import EngineRequest
+from server.generation_endpoint import GenerationEndpoint, Req
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.validation import stop_strings
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +114,44 @@ def add_router_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def get_load() -> list[dict[str, int]]:
         return [load(ctx)]
 
+    @app.post("/v1/completions/render", include_in_schema=False)
+    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
+        return render(COMPLETIONS, body, ctx)
+
+    @app.post("/v1/chat/completions/render", include_in_schema=False)
+    async def render_chat(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+        return render(CHAT_COMPLETIONS, body, ctx)
+
     @app.get("/health_generate", include_in_schema=False)
     async def health_generate() -> JSONResponse:
         reason = await generate_one_token(ctx)
         if reason is None:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+
+def render(
+    endpoint: GenerationEndpoint[Req], req: Req, ctx: ServingContext
+) -> list[dict[str, Any]]:
+    """What the endpoint would submit, without submitting it: vLLM's renderer response.
+
+    The same checks (400s) and the same prompt building (chat template, tokenizer) as the
+    endpoint itself, so the token ids are exactly those the request will be prefilled with;
+    one entry per prompt, with the sampling parameters of its first choice.
+    """
+    endpoint.check(req, ctx.limits)
+    prompts, params = endpoint.prepare(req, ctx)
+    stop = stop_strings(req.stop)
+    return [
+        {
+            "request_id": new_request_id(endpoint.id_prefix),
+            "token_ids": prompt.token_ids,
+            "sampling_params": {**asdict(params[index * req.n]), "stop": stop},
+            "model": ctx.model_name,
+            "stream": bool(req.stream),
+        }
+        for index, prompt in enumerate(prompts)
+    ]
 
 
 def load(ctx: ServingContext) -> dict[str, int]:

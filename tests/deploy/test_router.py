@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from loadtest.launcher import ServerProcess, free_port
+from loadtest.probe import parse_prometheus_text
 from loadtest.replicas import (
     finished_requests,
     prefix_cache_hits,
@@ -125,6 +126,23 @@ def test_replicas_expose_router_endpoints_and_vllm_gauges(replicas: Replicas) ->
     # The router proxies the model list and server info from its workers.
     assert replicas.http.get("/v1/models").status_code == 200
     assert replicas.http.get("/get_server_info").status_code == 200
+
+
+def test_the_router_renders_prompts_on_the_replicas(replicas: Replicas) -> None:
+    # vllm-router asks each worker's renderer for the prompt's token ids before routing; it
+    # gets them (200), so it never falls back to /tokenize, and no route answers 404.
+    r = replicas.complete("render me:")
+    assert r.status_code == 200, r.text
+    renders = tokenizes = not_found = 0.0
+    for server in replicas.servers:
+        text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        for key, value in parse_prometheus_text(text).items():
+            if not key.startswith("pagedserve_http_requests_total{"):
+                continue
+            renders += value if 'handler="/v1/completions/render",' in key else 0
+            tokenizes += value if 'handler="/tokenize"' in key else 0
+            not_found += value if 'status="404"' in key else 0
+    assert renders >= 1 and tokenizes == 0 and not_found == 0
 
 
 def test_requests_sharing_a_prefix_land_on_one_replica(replicas: Replicas) -> None:

@@ -184,3 +184,31 @@ def test_neutral_fields_compare_booleans_by_identity() -> None:
     assert neutral_router_fields({"skip_special_tokens": 1}) == set()
     assert neutral_router_fields({"no_stop_trim": 0}) == set()
     assert neutral_router_fields(None) == set()
+
+
+async def test_render_gives_the_tokens_the_request_will_be_prefilled_with(serve) -> None:
+    s = await serve()
+    tokenized = (await s.http.post("/tokenize", json={"prompt": "hello there"})).json()
+    r = await s.http.post("/v1/completions/render", json=VLLM_ROUTER_COMPLETION)
+    assert r.status_code == 200, r.text
+    [entry] = r.json()
+    assert entry["token_ids"] == tokenized["tokens"]
+    assert entry["model"] == "fake-model" and entry["request_id"].startswith("cmpl-")
+    assert entry["sampling_params"]["max_tokens"] == 3
+    assert entry["sampling_params"]["stop"] == []
+    # Two prompts: one entry each.
+    two = {"prompt": ["a", "b c"], "max_tokens": 2, "stop": "x"}
+    entries = (await s.http.post("/v1/completions/render", json=two)).json()
+    assert [e["sampling_params"]["stop"] for e in entries] == [["x"], ["x"]]
+    assert len(entries) == 2
+    # Chat: the templated prompt, as /tokenize renders it.
+    chat_tokens = (
+        await s.http.post("/tokenize", json={"messages": SGLANG_ROUTER_CHAT["messages"]})
+    ).json()["tokens"]
+    r = await s.http.post("/v1/chat/completions/render", json=SGLANG_ROUTER_CHAT)
+    assert r.status_code == 200, r.text
+    assert r.json()[0]["token_ids"] == chat_tokens
+    # Nothing was submitted to the engine, and a bad body gets the endpoint's own 400.
+    assert s.engine.added == []
+    bad = await s.http.post("/v1/completions/render", json={"prompt": "a", "max_tokens": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
