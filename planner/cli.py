@@ -306,6 +306,9 @@ def _list_text() -> str:
             f"  {price:>9}  TFLOP/s: {peaks}"
         )
     lines.append("  cpu             measured on this machine (cached; --bandwidth-gbps/--tflops)")
+    lines.append("links (tensor-parallel all-reduces; GB/s each way):")
+    for link in LINKS.values():
+        lines.append(f"  {link.name:<19}{link.bandwidth / 1e9:>6,.1f}  {link.description}")
     lines.append("model presets: " + ", ".join(sorted(PRESETS)))
     return "\n".join(lines)
 
