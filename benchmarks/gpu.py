@@ -41,6 +41,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.outputs import StepStats
 from planner.devices import device_for_cuda_name
 
 GIGA = 1e9
@@ -62,7 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument(
         "--sections", default="batch1,prefill,decode,offline,http",
-        help="comma-separated subset of batch1,prefill,decode,offline,http",
+        help="comma-separated subset of batch1,prefill,decode,offline,http,profile "
+        "(profile: where a batch-1 step's time goes, and the offline run step by step)",
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     return ap.parse_args(argv)
@@ -155,6 +157,88 @@ def offline_throughput(llm: LLM, num: int, prompt_len: int, output_len: int) -> 
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def _phase_means(stats: list[StepStats]) -> str:
+    keys = sorted({k for st in stats for k in st.phase_s})
+    return ", ".join(
+        f"{k} {1e3 * sum(st.phase_s.get(k, 0.0) for st in stats) / len(stats):.2f}" for k in keys
+    )
+
+
+def profile_batch1(engine: LLMEngine, steps: int) -> dict[str, Any]:
+    """Host time per decode step against the time the GPU was busy, and the top ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    engine.add_request("profile-b1", _prompt(128, vocab, 77), params)
+    for _ in range(4):
+        engine.step()
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    stats = []
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+            stats.append(engine.last_step_stats)
+        _sync(engine.device)
+        wall = time.perf_counter() - t0
+    engine.abort_request(["profile-b1"])
+    events = prof.key_averages()
+    busy_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    print(
+        f"profile batch 1: host {1e3 * wall / steps:.3f} ms/step, device busy "
+        f"{busy_us / 1e3 / steps:.3f} ms/step; phases (ms) {_phase_means(stats)}",
+        flush=True,
+    )
+    for key in ("self_device_time_total", "self_cpu_time_total"):
+        top = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:12]
+        print(f"  top by {key}:", flush=True)
+        for e in top:
+            per_step_ms = getattr(e, key, 0.0) / 1e3 / steps
+            print(f"    {e.key[:70]:<70} n={e.count:<5} {per_step_ms:.3f} ms/step", flush=True)
+    return {"host_s": wall / steps, "device_busy_s": busy_us / 1e6 / steps}
+
+
+def profile_offline(llm: LLM, num: int, prompt_len: int, output_len: int) -> dict[str, Any]:
+    """The offline run step by step: how many steps of each kind, and what each cost."""
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for i in range(num):
+        engine.add_request(f"prof-off-{i}", _prompt(prompt_len, vocab, 60_000 + i), params)
+    kinds: dict[str, list[StepStats]] = {"prefill-only": [], "mixed": [], "decode-only": []}
+    t0 = time.perf_counter()
+    tokens = 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        st = engine.last_step_stats
+        if st is None:
+            continue
+        kind = (
+            "decode-only" if st.num_prefill_tokens == 0
+            else "prefill-only" if st.num_decode_tokens == 0 else "mixed"
+        )  # fmt: skip
+        kinds[kind].append(st)
+    wall = time.perf_counter() - t0
+    print(f"profile offline: {tokens / wall:.0f} output tok/s over {wall:.2f} s", flush=True)
+    out = {}
+    for kind, stats in kinds.items():
+        if not stats:
+            continue
+        total = sum(st.step_time_s for st in stats)
+        rows = statistics.mean(st.num_decode_tokens + st.num_prefill_tokens for st in stats)
+        out[kind] = {"steps": len(stats), "s": total}
+        print(
+            f"  {kind:<12} {len(stats):>4} steps, {total:6.2f} s ({100 * total / wall:4.1f}%), "
+            f"{1e3 * total / len(stats):7.2f} ms/step, {rows:6.0f} tokens/step; "
+            f"phases (ms) {_phase_means(stats)}",
+            flush=True,
+        )
+    return out
 
 
 # ---- HTTP --------------------------------------------------------------------------------
@@ -338,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"offline: {num} requests x {pin} in / {pout} out: {tput:.0f} output tok/s", flush=True
         )
+
+    if "profile" in sections:
+        out["profile"] = {
+            "batch1": profile_batch1(engine, 32),
+            "offline": profile_offline(llm, num, pin, pout),
+        }
 
     if "http" in sections and not args.tokenizer and llm.tokenizer is None:
         print("HTTP part skipped: the model has no tokenizer (pass --tokenizer DIR)", flush=True)
