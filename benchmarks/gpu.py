@@ -28,6 +28,7 @@ runs with measured peaks only (a smoke test of the benchmark, not a speed figure
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -166,14 +167,21 @@ def _phase_means(stats: list[StepStats]) -> str:
     )
 
 
-def profile_batch1(engine: LLMEngine, steps: int) -> dict[str, Any]:
-    """Host time per decode step against the time the GPU was busy, and the top ops."""
+def profile_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> dict[str, Any]:
+    """Host time per decode step of ``batch`` sequences against the time the device was
+    busy, the runner's phases, and the top ops by device and by host time."""
     from torch.profiler import ProfilerActivity, profile
 
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    engine.add_request("profile-b1", _prompt(128, vocab, 77), params)
-    for _ in range(4):
+    ids = [f"profile-{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, _prompt(context, vocab, 70_000 + batch * 1000 + i), params)
+    while (
+        any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
+        engine.step()
+    for _ in range(2):
         engine.step()
     activities = [ProfilerActivity.CPU]
     if engine.device.type == "cuda":
@@ -186,12 +194,12 @@ def profile_batch1(engine: LLMEngine, steps: int) -> dict[str, Any]:
             stats.append(engine.last_step_stats)
         _sync(engine.device)
         wall = time.perf_counter() - t0
-    engine.abort_request(["profile-b1"])
+    engine.abort_request(ids)
     events = prof.key_averages()
     busy_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
     print(
-        f"profile batch 1: host {1e3 * wall / steps:.3f} ms/step, device busy "
-        f"{busy_us / 1e3 / steps:.3f} ms/step; phases (ms) {_phase_means(stats)}",
+        f"profile decode, batch {batch} x {context}: host {1e3 * wall / steps:.3f} ms/step, "
+        f"device busy {busy_us / 1e3 / steps:.3f} ms/step; phases (ms) {_phase_means(stats)}",
         flush=True,
     )
     for key in ("self_device_time_total", "self_cpu_time_total"):
@@ -201,6 +209,53 @@ def profile_batch1(engine: LLMEngine, steps: int) -> dict[str, Any]:
             per_step_ms = getattr(e, key, 0.0) / 1e3 / steps
             print(f"    {e.key[:70]:<70} n={e.count:<5} {per_step_ms:.3f} ms/step", flush=True)
     return {"host_s": wall / steps, "device_busy_s": busy_us / 1e6 / steps}
+
+
+def profile_closed_loop(
+    engine: LLMEngine, concurrency: int, prompt_len: int, output_len: int, num: int
+) -> dict[str, Any]:
+    """The engine alone under a closed loop of ``concurrency`` requests (a new one as each
+    finishes, as a load generator does): step-time percentiles, and every step slower than
+    4x the median with its shape, so a stall can be told from the HTTP side's."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        prompt = _prompt(prompt_len, vocab, 90_000 + added)
+        engine.add_request(f"loop-{added}", prompt, params)
+        added += 1
+
+    for _ in range(min(concurrency, num)):
+        add()
+    steps: list[tuple[float, StepStats]] = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        if engine.last_step_stats is not None:
+            steps.append((dt, engine.last_step_stats))
+        for o in outs:
+            if o.finished and added < num:
+                add()
+    times = sorted(dt for dt, _ in steps)
+    p50, p99 = times[len(times) // 2], times[int(0.99 * (len(times) - 1))]
+    print(
+        f"closed loop c={concurrency}, {num} x {prompt_len} in / {output_len} out: "
+        f"{len(steps)} steps, step p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, "
+        f"max {times[-1] * 1e3:.2f} ms",
+        flush=True,
+    )
+    for i, (dt, st) in enumerate(steps):
+        if dt > 4 * p50:
+            print(
+                f"  slow step {i}: {dt * 1e3:.1f} ms, {st.num_prefill_tokens} prefill + "
+                f"{st.num_decode_tokens} decode tokens, {st.num_running} running; "
+                f"phases (ms) {_phase_means([st])}",
+                flush=True,
+            )
+    return {"step_p50_s": p50, "step_p99_s": p99, "step_max_s": times[-1]}
 
 
 def profile_offline(llm: LLM, num: int, prompt_len: int, output_len: int) -> dict[str, Any]:
@@ -424,10 +479,24 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     if "profile" in sections:
-        out["profile"] = {
-            "batch1": profile_batch1(engine, 32),
-            "offline": profile_offline(llm, num, pin, pout),
-        }
+        prof: dict[str, Any] = {"batch1": profile_decode(engine, 1, 128, 32)}
+        if max_seqs >= 256:
+            prof["batch256"] = profile_decode(engine, 256, context, 8)
+        prof["closed_loop"] = profile_closed_loop(
+            engine, min(64, max_seqs), 128, tpot_tokens, 3 * min(64, max_seqs)
+        )
+        prof["offline"] = profile_offline(llm, num, pin, pout)
+        # The same engine (graphs captured, kernels compiled) with the chunk limit lifted:
+        # every step may prefill up to max_num_batched_tokens.
+        sched = engine.scheduler
+        chunk = sched.config.prefill_chunk_tokens
+        sched.config = dataclasses.replace(
+            sched.config, prefill_chunk_tokens=sched.config.max_num_batched_tokens
+        )
+        print(f"offline again, prefill chunk {chunk} -> {sched.config.prefill_chunk_tokens}:")
+        prof["offline_full_chunks"] = profile_offline(llm, num, pin, pout)
+        sched.config = dataclasses.replace(sched.config, prefill_chunk_tokens=chunk)
+        out["profile"] = prof
 
     if "http" in sections and not args.tokenizer and llm.tokenizer is None:
         print("HTTP part skipped: the model has no tokenizer (pass --tokenizer DIR)", flush=True)
