@@ -173,7 +173,10 @@ def profile_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> d
     from torch.profiler import ProfilerActivity, profile
 
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    # As in decode_steps: nobody may finish while the others prefill.
+    params = SamplingParams(
+        max_tokens=engine.max_model_len - context - 1, temperature=0, ignore_eos=True
+    )
     ids = [f"profile-{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, _prompt(context, vocab, 70_000 + batch * 1000 + i), params)
@@ -190,6 +193,7 @@ def profile_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> d
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
+            assert len(engine.scheduler.running) == batch, "a sequence left the batch"
             engine.step()
             stats.append(engine.last_step_stats)
         _sync(engine.device)
