@@ -87,6 +87,7 @@ def token_buckets(max_len: int) -> tuple[float, ...]:
             buckets.append(float(m * scale))
         scale *= 10
 
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
