@@ -6,7 +6,7 @@ sends requests through the router and reads where they went from each replica's
 ``/metrics``: finished requests and the ``vllm:prefix_cache_hits_total`` counter. Requests
 are sent one at a time so the per-replica deltas belong to one group of requests.
 
-The module starts three processes once (~10 s on two cores) and sends a few dozen short
+The module starts three processes once (~10 s on a quiet 2-core machine) and sends a few dozen short
 requests.
 """
 
@@ -86,7 +86,11 @@ def replica_set(tmp: Path) -> Iterator[Replicas]:
         for server in servers:
             server.wait_healthy(STARTUP_TIMEOUT_S)
         router = start_router([s.base_url for s in servers], tmp / "router.log")
-        yield Replicas(servers, router)
+        replicas = Replicas(servers, router)
+        try:
+            yield replicas
+        finally:
+            replicas.http.close()
     finally:
         if router is not None:
             router.stop(grace_s=5)
