@@ -7,6 +7,7 @@ torch through the server.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import sys
@@ -78,6 +79,8 @@ def serve(config: ServingConfig) -> int:
         config.kvpool,
         config.scheduler,
     )
+    # The engine resolved the device's defaults (the prefill chunk): report those.
+    config = dataclasses.replace(config, scheduler=engine.scheduler.config)
     block_size = config.kvpool.block_size
     num_tokens = engine.num_total_blocks * block_size
     logger.info(
