@@ -150,6 +150,12 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.shutdown()
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can never step again (its tensor-parallel group failed), or None.
+        Set from another thread; the engine loop polls it while idle."""
+        return self.tp.failed if self.tp is not None else None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -452,6 +452,8 @@ class EngineLoop:
         while True:
             with self._cond:
                 while not self._intake and not self._stopping and not has_work:
+                    if engine.fatal_error is not None:  # e.g. a tensor-parallel rank died
+                        raise EngineFatalError(engine.fatal_error)
                     self.heartbeat = time.monotonic()
                     self._cond.wait(self._idle_wake_s)
                 if self._stopping:
