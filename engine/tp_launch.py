@@ -259,6 +259,7 @@ def serve_worker_node(
     while sentinels:
         for sentinel in multiprocessing.connection.wait(list(sentinels)):
             p = sentinels.pop(sentinel)  # type: ignore[call-overload]
+            p.join()  # reaped, so its exit code is known
             status = max(status, 0 if p.exitcode == 0 else 1)
             if p.exitcode != 0:
                 stop(signal.SIGTERM, None)
