@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -134,6 +135,10 @@ def serve_tensor_parallel_worker(config: ServingConfig) -> int | None:
     rendezvous = torchrun_rendezvous() if engine.tensor_parallel_size > 1 else None
     if rendezvous is not None and rendezvous.rank != 0:
         logger.info("torchrun rank %d: following rank 0", rendezvous.rank)
+        # torchrun signals every rank at once: this one stops when rank 0 has drained and
+        # sends STOP (or is gone), as a spawned worker does.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         return run_worker(rendezvous, engine, config.kvpool, config.scheduler)
     if engine.node_rank > 0:
         return serve_worker_node(engine, config.kvpool, config.scheduler)
