@@ -31,9 +31,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.builder import build_engine_parts
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.faults import EngineFatalError
-from engine.loader import resolve_model
+from engine.loader import read_hf_config, resolve_model
+from engine.presets import preset
+from engine.tensor_parallel import check_shardable
 from engine.tp_group import HEARTBEAT, STOP, Rendezvous, StepPlan, TensorParallelGroup
 from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
@@ -79,8 +81,9 @@ def launch(
     world = config.tensor_parallel_size
     # Once, here, before any other rank starts: converting a GGUF and compiling the C++
     # kernels (every rank then finds them cached).
-    if config.load_format != "dummy":
-        resolve_model(config.model)
+    shape = preset(config.model) if config.load_format == "dummy" else None
+    hf = shape if shape is not None else read_hf_config(resolve_model(config.model).path)
+    check_shardable(ModelConfig.from_hf(hf))  # before any rank starts: one line, no ranks
     if backend_for(config) == "gloo":
         cpu_kernels.load()
     rendezvous = torchrun_rendezvous()

@@ -68,6 +68,23 @@ def test_heads_that_are_not_whole_groups_are_refused():
         check_shardable(config)
 
 
+def test_llm_refuses_before_starting_any_rank(tmp_path):
+    """A shape TP cannot take is refused from the config alone, before a rank is spawned."""
+    import json
+
+    from transformers import LlamaConfig
+
+    LlamaConfig(**_hf_config(num_attention_heads=6, num_key_value_heads=4)).save_pretrained(
+        tmp_path
+    )
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: refused first
+    assert json.loads((tmp_path / "config.json").read_text())["num_key_value_heads"] == 4
+    start = time.monotonic()
+    with pytest.raises(UnsupportedModelError, match="multiple of num_kv_heads"):
+        LLM(str(tmp_path), tensor_parallel_size=2)
+    assert time.monotonic() - start < 10
+
+
 @pytest.fixture(scope="module")
 def padded_model(tmp_path_factory):
     """6 heads in 3 KV groups, vocabulary 251: at N=2 the KV heads pad to 4 (and the query
