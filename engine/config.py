@@ -437,6 +437,14 @@ class EngineConfig:
             fields (temperature, top_p, top_k, min_p, repetition_penalty) are the defaults
             of requests that leave them unset; "none": pagedserve's own defaults
             (engine/generation_config.py). EOS ids are read from the checkpoint either way.
+        tensor_parallel_size: ranks each layer is sharded over (engine/tensor_parallel.py);
+            rank 0 schedules and samples, the others follow its step plan
+            (engine/tp_group.py, engine/tp_launch.py). 1: no sharding, no process group.
+        nnodes, node_rank, master_addr, master_port: the torch.distributed rendezvous of a
+            tensor-parallel group over several hosts (each host runs
+            ``tensor_parallel_size // nnodes`` ranks; node 0 serves HTTP). On one host
+            master_port 0 picks a free port. torchrun's RANK/WORLD_SIZE/MASTER_ADDR/
+            MASTER_PORT, when set, take their place.
     """
 
     model: str = "default"
@@ -451,8 +459,26 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     generation_config: str = "auto"
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"nnodes must divide tensor_parallel_size ({self.tensor_parallel_size} ranks "
+                f"over {self.nnodes} nodes)"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("a tensor-parallel group over several nodes needs --master-port")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(
                 f"generation_config must be auto or none, got {self.generation_config!r}"
