@@ -80,6 +80,14 @@ def serve(config: ServingConfig) -> int:
         config.kvpool,
         config.scheduler,
     )
+    if engine.tokenizer is None:
+        # The HTTP API returns text, so it cannot serve a model without a tokenizer (a shape
+        # preset with dummy weights has none); the offline LLM takes token ids instead.
+        engine.shutdown()
+        raise ModelError(
+            f"model {config.engine.model!r} has no tokenizer to serve text with: pass "
+            "--tokenizer DIR (a directory with tokenizer.json / tokenizer_config.json)"
+        )
     # The engine resolved the device's defaults (the prefill chunk): report those.
     config = dataclasses.replace(config, scheduler=engine.scheduler.config)
     block_size = config.kvpool.block_size
