@@ -38,6 +38,7 @@ from engine.model_runner import ModelRunner
 from engine.presets import preset
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
+from engine.step_predictor import StepTimePredictor
 from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
 from kvpool.manager import KVCacheManager
@@ -137,6 +138,8 @@ class EngineParts:
     runner: ModelRunner
     memory: MemoryReport
     max_num_batched_tokens: int  # the largest step the scheduler plans (the warm-up's)
+    # The step-time model the latency targets ask; None without targets.
+    step_predictor: StepTimePredictor | None = None
 
 
 def pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -282,7 +285,12 @@ def build_engine_parts(
         if kv_config.enable_prefix_caching
         else "off",
     )
-    scheduler = Scheduler(scheduler_config, kv_manager, max_model_len)
+    step_predictor = None
+    if scheduler_config.has_latency_targets:
+        step_predictor = StepTimePredictor(cost_model, capacity.bytes_per_token)
+    scheduler = Scheduler(
+        scheduler_config, kv_manager, max_model_len, step_time_predictor=step_predictor
+    )
     sampler = Sampler(config.seed, device, cpu_ops.argmax_rows if cpu_ops is not None else None)
     runner = ModelRunner(forward, storage, sampler, device)
     if use_graphs:
@@ -328,4 +336,5 @@ def build_engine_parts(
         runner=runner,
         memory=memory,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+        step_predictor=step_predictor,
     )
