@@ -210,8 +210,9 @@ class ServingConfig:
         try:
             return cls.from_namespace(args)
         except ValueError as exc:  # a config's own __post_init__ check
-            parser.error(str(exc))
-            raise  # unreachable: parser.error exits
+            # One line naming the value: the flags parsed, so the usage would only bury it.
+            parser.exit(2, f"{parser.prog}: error: {exc}\n")
+            raise  # unreachable: parser.exit exits
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServingConfig:
