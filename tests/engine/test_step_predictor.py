@@ -73,8 +73,7 @@ def test_features_are_the_cost_models_figures_in_nominal_seconds() -> None:
     rows = [(0, 300, True), (40, 1, True), (100, 64, False), (7, 1, True)]
     plan = SchedulerOutput(
         scheduled=[
-            ScheduledRequest(request, start, n, [0] * n, (), samples)
-            for start, n, samples in rows
+            ScheduledRequest(request, start, n, [0] * n, (), samples) for start, n, samples in rows
         ]
     )
     fixed, weights, matmul, attention = predictor.plan_features(plan)
