@@ -50,7 +50,8 @@ def test_targets_in_the_plan_and_beside_a_measurement(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--model", "llama-3-8b", "--device", "a10", "--prompt-tokens", "128",
-            "--output-tokens", "64", "--target-itl-ms", "60", "--target-ttft-ms", "500"]  # fmt: skip
+            "--output-tokens", "64", "--target-itl-ms", "60",
+            "--target-ttft-ms", "500"]  # fmt: skip
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     targets = data["targets"]
