@@ -181,17 +181,40 @@ def machine() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.latency_targets", description=__doc__)
-    p.add_argument("--target-itl-ms", type=float, default=None,
-                   help="the target; default 3 x the untargeted c=64 ITL p50")
+    p.add_argument(
+        "--target-itl-ms",
+        type=float,
+        default=None,
+        help="the target; default 3 x the untargeted c=64 ITL p50",
+    )
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--num-requests", type=int, default=96, help="closed-loop requests")
     p.add_argument("--poisson-requests", type=int, default=48)
+    p.add_argument(
+        "--capacity-requests",
+        type=int,
+        default=32,
+        help="requests of the capacity run (closed loop at half the concurrency)",
+    )
     p.add_argument("--load", type=float, default=0.8, help="Poisson rate / capacity")
-    p.add_argument("--server-cmd", default=f"{sys.executable} -m server --host {{host}} "
-                   "--port {port} --stats-log-interval 0")
+    p.add_argument(
+        "--server-cmd",
+        default=f"{sys.executable} -m server --host {{host}} "
+        "--port {port} --stats-log-interval 0",
+    )
     p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--duration-limit", type=float, default=150.0,
-                   help="seconds a load may send requests (bounds the run)")
+    p.add_argument(
+        "--duration-limit",
+        type=float,
+        default=150.0,
+        help="seconds a load may send requests (bounds the run)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=300.0,
+        help="seconds requests in flight at the duration limit may still run",
+    )
     p.add_argument("--json", type=Path, default=ROOT / "results" / "latency_targets.json")
     args = p.parse_args(argv)
     if args.target_itl_ms is not None and not args.target_itl_ms > 0:
@@ -203,12 +226,14 @@ def main(argv: list[str] | None = None) -> int:
 
     common = dict(base_url="http://127.0.0.1:0", ignore_eos=True, temperature=0.0,
                   progress=False, warmup_requests=2, metrics_interval_s=0.0,
-                  duration_limit_s=args.duration_limit, drain_timeout_s=120.0)  # fmt: skip
+                  duration_limit_s=args.duration_limit,
+                  drain_timeout_s=args.drain_timeout)  # fmt: skip
     c64 = LoadTestConfig(concurrencies=(args.concurrency,), num_requests=args.num_requests,
                          prompt_len="fixed:128", output_len="fixed:64", prompt_salt="c64",
                          **common)  # type: ignore[arg-type]  # fmt: skip
     mixed = dict(prompt_len="uniform:64:1024", output_len="fixed:64", **common)
-    capacity = LoadTestConfig(concurrencies=(32,), num_requests=max(32, args.poisson_requests),
+    capacity = LoadTestConfig(concurrencies=(max(1, args.concurrency // 2),),
+                              num_requests=args.capacity_requests,
                               prompt_salt="capacity", **mixed)  # type: ignore[arg-type]  # fmt: skip
 
     results: dict[str, Any] = {"machine": before}

@@ -258,7 +258,7 @@ def _first_token_queue(
 
 
 def _head(waiting: Iterable[Request]) -> list[Request]:
-    head = []
+    head: list[Request] = []
     for request in waiting:
         if len(head) == TTFT_LOOKAHEAD:
             break
