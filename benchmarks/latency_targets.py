@@ -134,7 +134,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    if value is None:
+        return format("-", spec.split(".")[0])  # the same width, no precision
+    return format(value, spec)
 
 
 def table(results: dict[str, Any], target_s: float) -> str:
