@@ -26,7 +26,11 @@ GGUF blocks, kernel efficiency at each size). The fit:
 * keeps every coefficient >= 0 (a step never gets faster with more work), so the predicted
   time grows with the prompt tokens and the most that fit is found by bisection;
 * down-weights a step whose time is far from the prediction (a stall of another process,
-  a page fault storm) instead of letting it drag the fit.
+  a page fault storm) instead of letting it drag the fit;
+* multiplies the fit by a fast correction per step shape (decode-only steps, steps with
+  prompt tokens): the median of the last few such steps' measured / fitted ratios, since on
+  a shared machine the speed moves within seconds, faster than the fit forgets (a median,
+  so that one stalled step does not move it).
 
 Ownership: the fit's sums are this object's. The engine calls ``features``/``observe`` per
 step; the scheduler calls ``predict``/``prefill_tokens_within`` (it sees this object only
@@ -36,7 +40,7 @@ through the ``StepTimePredictor`` protocol of scheduler/latency_targets.py).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from engine.cost import StepCostModel
 from scheduler.latency_targets import DecodeLoad
@@ -60,8 +64,12 @@ HEADROOM_QUANTILE = 0.9
 HEADROOM_WINDOW = 128
 MAX_HEADROOM = 1.5
 
+# A shape's correction is the median measured / fitted ratio of its last this many steps.
+CORRECTION_WINDOW = 7
+
 NUM_FEATURES = 4
-Features = tuple[float, float, float, float]
+# The four features and the step's shape (0: decode-only, 1: with prompt tokens).
+Features = tuple[float, float, float, float, int]
 
 
 class StepTimePredictor:
@@ -84,11 +92,20 @@ class StepTimePredictor:
         # measured / predicted of recent steps, and the headroom factor they give.
         self._ratios: deque[float] = deque(maxlen=HEADROOM_WINDOW)
         self.headroom = 1.0
+        # Per shape: the last steps' measured / fitted ratios, and their median (1.0 until
+        # a step of the shape is seen).
+        self._shape_ratios = [deque(maxlen=CORRECTION_WINDOW) for _ in range(2)]
+        self.corrections = [1.0, 1.0]
 
     # ---- features -------------------------------------------------------------------------
 
     def features(
-        self, num_tokens: int, num_logit_rows: int, num_pairs: int, num_kv_tokens: int
+        self,
+        num_tokens: int,
+        num_logit_rows: int,
+        num_pairs: int,
+        num_kv_tokens: int,
+        num_prefill_tokens: int = 0,
     ) -> Features:
         """The feature vector of a step from its totals.
 
@@ -97,6 +114,7 @@ class StepTimePredictor:
             num_logit_rows: rows the LM head runs on.
             num_pairs: causal (query, key) pairs of its attention.
             num_kv_tokens: cached tokens its attention reads (each row's ``seq_len``).
+            num_prefill_tokens: of ``num_tokens``, prompt tokens (rows of more than one).
         """
         weight_bytes, matmul_flops, attention_flops = self.cost_model.parts(
             num_tokens, num_logit_rows, num_pairs
@@ -107,18 +125,20 @@ class StepTimePredictor:
             weight_bytes / NOMINAL_BANDWIDTH,
             matmul_flops / NOMINAL_FLOPS,
             attention_flops / NOMINAL_FLOPS + kv_bytes / NOMINAL_BANDWIDTH,
+            int(num_prefill_tokens > 0),
         )
 
     def plan_features(self, plan: SchedulerOutput) -> Features:
         """The features of a planned step, exactly from its rows."""
-        num_tokens = num_logit_rows = num_pairs = num_kv_tokens = 0
+        num_tokens = num_logit_rows = num_pairs = num_kv_tokens = num_prefill = 0
         for item in plan.scheduled:
             n, start = item.num_tokens, item.start
             num_tokens += n
+            num_prefill += n if n > 1 else 0
             num_logit_rows += item.samples or item.padding
             num_pairs += n * start + n * (n + 1) // 2
             num_kv_tokens += start + n
-        return self.features(num_tokens, num_logit_rows, num_pairs, num_kv_tokens)
+        return self.features(num_tokens, num_logit_rows, num_pairs, num_kv_tokens, num_prefill)
 
     def load_features(self, load: DecodeLoad, num_prefill_tokens: int) -> Features:
         """The features of a step with ``load``'s decodes and ``num_prefill_tokens`` prompt
@@ -132,6 +152,7 @@ class StepTimePredictor:
             load.num_rows + prefill,
             load.num_context_tokens + p * s + p * (p + 1) // 2,
             load.num_context_tokens + (s + p if prefill else 0),
+            p,
         )
 
     # ---- the fit --------------------------------------------------------------------------
@@ -145,9 +166,17 @@ class StepTimePredictor:
         """
         if seconds <= 0:
             return
-        z = [x / seconds for x in features]  # relative-error regression: theta . z ~ 1
+        z = [x / seconds for x in features[:NUM_FEATURES]]  # relative error: theta . z ~ 1
         weight = 1.0
+        # What the scheduler was told before this step ran: the headroom and the outlier
+        # test judge that, then the shape's correction moves.
         predicted = self.predict_features(features)
+        fitted = self._fitted(features)
+        if fitted is not None and fitted > 0:
+            shape = features[NUM_FEATURES]
+            recent = self._shape_ratios[shape]
+            recent.append(seconds / fitted)
+            self.corrections[shape] = sorted(recent)[len(recent) // 2]
         if predicted is not None and predicted > 0:
             residual = abs(predicted / seconds - 1.0)
             if residual > OUTLIER:
@@ -203,11 +232,18 @@ class StepTimePredictor:
 
     # ---- predictions ----------------------------------------------------------------------
 
-    def predict_features(self, features: Sequence[float]) -> float | None:
+    def _fitted(self, features: Features) -> float | None:
+        """The fit alone, without the shape's correction."""
         theta = self.coefficients
         if theta is None:
             return None
-        return sum(c * x for c, x in zip(theta, features, strict=True))
+        return sum(c * x for c, x in zip(theta, features[:NUM_FEATURES], strict=True))
+
+    def predict_features(self, features: Features) -> float | None:
+        fitted = self._fitted(features)
+        if fitted is None:
+            return None
+        return fitted * self.corrections[features[NUM_FEATURES]]
 
     def predict_plan(self, plan: SchedulerOutput) -> float | None:
         return self.predict_features(self.plan_features(plan))

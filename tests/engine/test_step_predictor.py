@@ -35,7 +35,7 @@ TRUE = (3.0, 0.6, 1.7, 0.9)
 
 
 def machine(features, slowdown: float = 1.0) -> float:
-    return slowdown * sum(c * x for c, x in zip(TRUE, features, strict=True))
+    return slowdown * sum(c * x for c, x in zip(TRUE, features[:4], strict=True))
 
 
 def random_load(rng: random.Random) -> tuple[DecodeLoad, int]:
@@ -76,7 +76,8 @@ def test_features_are_the_cost_models_figures_in_nominal_seconds() -> None:
             ScheduledRequest(request, start, n, [0] * n, (), samples) for start, n, samples in rows
         ]
     )
-    fixed, weights, matmul, attention = predictor.plan_features(plan)
+    fixed, weights, matmul, attention, shape = predictor.plan_features(plan)
+    assert shape == 1  # it has prompt tokens
     cost = COST.step(((s, n) for s, n, _ in rows), num_logit_rows=3)
     kv_tokens = sum(s + n for s, n, _ in rows)
     attention_flops = COST.attention_flops_per_pair * sum(
@@ -155,3 +156,23 @@ def test_prefill_tokens_within_is_the_largest_count_that_fits() -> None:
     assert 0 < fit < 2048 and fits(fit) and not fits(fit + 1)
     assert predictor.prefill_tokens_within(load, decode_only / 2, 2048) == 0
     assert predictor.prefill_tokens_within(load, 100.0, 300) == 300
+
+
+def test_a_shapes_correction_follows_a_sudden_slowdown_within_a_few_steps() -> None:
+    """Another process takes part of the core: the next decode-only steps run 1.6x slower.
+    Their correction (the median of the last 7) follows within 4 steps, the other shape's
+    does not move, and one stalled step alone moves nothing."""
+    predictor = trained(300, noise=0.0)
+    load = DecodeLoad(num_rows=48, num_context_tokens=48 * 300)
+    decode = predictor.load_features(load, 0)
+    with_prompt = predictor.load_features(load, 200)
+    before = predictor.predict_features(with_prompt)
+    prompt_correction = predictor.corrections[1]
+    predictor.observe(decode, 5 * machine(decode))  # one stall
+    assert predictor.predict_features(decode) == pytest.approx(machine(decode), rel=0.02)
+    for _ in range(4):
+        predictor.observe(decode, 1.6 * machine(decode))
+    assert predictor.predict_features(decode) == pytest.approx(1.6 * machine(decode), rel=0.02)
+    # The slow fit moves a little with the slow steps; the other shape's correction not at all.
+    assert predictor.corrections[1] == prompt_correction
+    assert predictor.predict_features(with_prompt) == pytest.approx(before, rel=0.02)
