@@ -162,5 +162,7 @@ def test_latency_targets_leave_greedy_tokens_unchanged(prompts, references):
 
     engine.step = step_and_record
     _check(_drive(engine, prompts, arrivals, params), references)
-    assert capped and max(capped) <= 24, capped
+    # The first step prefills prompt 7 beside prompt 0, whose one token looks like a decode
+    # row; nobody was decoding when that step was planned, so it was not capped.
+    assert len(capped) > 10 and max(capped[1:]) <= 24, capped
     assert engine.step_predictor is not None and engine.step_predictor.num_observed > 20
