@@ -98,7 +98,7 @@ class Scheduler:
         Raises:
             ValueError: latency targets without a predictor.
         """
-        self.config = config
+        self.config = config.for_device("cpu")
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.clock = clock
