@@ -172,9 +172,11 @@ class Scheduler:
         """
         out = SchedulerOutput()
         self.last_step_preemptions = 0
+        chunk = self.config.prefill_chunk_tokens
+        assert chunk is not None  # resolved for a device in __init__
         step = StepBudget.for_step(
             self.config.max_num_batched_tokens,
-            self.config.prefill_chunk_tokens,
+            chunk,
             self.running,
             self._admissible(),
         )
