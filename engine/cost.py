@@ -140,17 +140,24 @@ class StepCostModel:
             num_tokens += n
             num_pairs += n * start + n * (n + 1) // 2
         weight_bytes, matmul_flops, attention_flops = self.parts(
-            num_tokens, num_logit_rows, num_pairs
+            num_tokens, num_logit_rows, num_pairs, experts_touched
         )
         return StepCost(weight_bytes=weight_bytes, flops=matmul_flops + attention_flops)
 
-    def parts(self, num_tokens: int, num_logit_rows: int, num_pairs: int) -> tuple[int, int, int]:
+    def parts(
+        self,
+        num_tokens: int,
+        num_logit_rows: int,
+        num_pairs: int,
+        experts_touched: int | None = None,
+    ) -> tuple[int, int, int]:
         """A step's cost from its totals: ``(weight bytes, matmul FLOPs, attention FLOPs)``.
 
         Args:
             num_tokens: tokens the step computes.
             num_logit_rows: rows the LM head runs on.
             num_pairs: causal (query, key) pairs its attention computes.
+            experts_touched: as in ``step``.
         """
         small = self.block_rows
         head_bytes = 0
