@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.spec_decode.config import SpeculativeConfig
+
 
 def cache_dir() -> Path:
     """Where converted models and measured machine peaks are cached:
@@ -181,6 +183,7 @@ class EngineConfig:
             Python (engine/cuda_graphs.py).
         cuda_graph_sizes: the batch sizes to capture a decode graph for; None picks
             1, 2, 4, 8, then steps of 8 up to 64 and of 16 up to ``max_num_seqs``.
+        speculative: speculative decoding (engine/spec_decode/config.py); None: off.
     """
 
     model: str = "default"
@@ -194,6 +197,7 @@ class EngineConfig:
     tokenizer: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
