@@ -86,8 +86,8 @@ def generate(llm: LLM, prompts, arrivals=None, params=None) -> tuple[dict[int, l
 
 
 def check(tokens: dict[int, list[int]], references: list[Reference], label: str) -> None:
-    for i, ref in tokens.items():
-        assert_parity(tokens[i], references[i], label=f"{label}, prompt {i}")
+    for i, ours in tokens.items():
+        assert_parity(ours, references[i], label=f"{label}, prompt {i}")
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
