@@ -320,8 +320,8 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--speculative-max-step-tokens", "speculative", "speculative_max_step_tokens",
            optional(int), _SPEC.max_step_tokens,
            "speculate only while a step's decodes and drafts stay within this many tokens; "
-           "auto = the device's (64/12/8 rows on the C++ CPU path with GGUF blocks, 16 on "
-           "other CPU paths, 128 on CUDA)"),
+           "auto = the device's (16 on the CPU, fewer where GGUF blocks stop sooner; 128 on "
+           "CUDA)"),
     # kvpool
     Option("--block-size", "kvpool", "block_size", int, DEFAULT_BLOCK_SIZE,
            "tokens per KV block (a power of two)"),

@@ -8,12 +8,12 @@ decodes plus their drafts stay within ``max_step_tokens``: each decoding request
 ``min(k, (max_step_tokens - num_running) // num_proposing)`` drafts, and none when that
 is below 1. The default for the device (``default_max_step_tokens``):
 
-* the C++ CPU path with GGUF blocks: the kernels' block-row limit (``max_quant_rows()``,
-  64 with AVX-512 VNNI, 12 with AVX-512, 8 with AVX2). Up to it a matmul reads the
-  checkpoint's 6-9 bit blocks, above it the float32 copy (about 4.8x the bytes), so
-  a larger verification step would cost several decode steps;
-* other CPU paths: 16 rows, where the float32 matmuls of this 2-core machine stop
-  being bandwidth-bound (benchmarks/RESULTS.md, speculative decoding);
+* the CPU: 16 rows. Measured on the 2-core AMD EPYC machine this project is built on
+  (default model, C++ kernels with GGUF blocks, benchmarks/RESULTS.md): a step of up to 16
+  rows costs about one decode step, one of 24 rows over 20 times more (the matmuls leave
+  their small-batch path there). A smaller GGUF block-row limit (``max_quant_rows()``: 12
+  with AVX-512, 8 with AVX2), above which a matmul reads the float32 copy (4.8x the
+  bytes), caps it further;
 * CUDA: 128 rows, well below the ridge point of a bf16 GPU matmul (H100:
   ~990 TFLOP/s / 3.35 TB/s, about 300 rows).
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 POOR_ACCEPTANCE = 0.3
 RESUME_SCORE = 0.5
-MIN_PAUSE = 4
+MIN_PAUSE = 8
 MAX_PAUSE = 64
-CPU_FLOAT32_STEP_TOKENS = 16
+CPU_STEP_TOKENS = 16
 CUDA_STEP_TOKENS = 128
 
 
@@ -47,13 +47,13 @@ def default_max_step_tokens(device_type: str, block_rows: int) -> int:
     if device_type == "cuda":
         return CUDA_STEP_TOKENS
     if block_rows > 0:
-        return block_rows
-    return CPU_FLOAT32_STEP_TOKENS
+        return min(block_rows, CPU_STEP_TOKENS)
+    return CPU_STEP_TOKENS
 
 
 @dataclass(slots=True)
 class _Backoff:
-    score: float = 1.0
+    score: float = RESUME_SCORE
     pause: int = MIN_PAUSE
     paused_until: int = 0  # step number at which it may propose again
 

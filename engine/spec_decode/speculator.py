@@ -137,6 +137,13 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         results = []
         offset = 0
+        # One argmax over every row for the greedy requests (a call per row costs a wake-up
+        # of the kernels' thread team each).
+        plain_greedy = any(
+            item.request.sampling_params.greedy and not item.request.sampling_params.needs_penalties
+            for item in items
+        )
+        argmax_ids = self.argmax(logits).tolist() if plain_greedy else None
         for item in items:
             rows = item.num_tokens
             k = len(item.draft_token_ids)
@@ -149,6 +156,7 @@ class SpeculativeDecoder:
                 argmax=self.argmax,
                 generator=self._generator(item.request, "verify"),
                 draft_probs=draft_probs,
+                argmax_ids=argmax_ids[offset : offset + rows] if argmax_ids is not None else None,
             )
             self._verified[item.request_id] = result
             results.append(result)

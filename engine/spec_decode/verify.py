@@ -139,6 +139,7 @@ def verify_row(
     argmax: Callable[[torch.Tensor], torch.Tensor],
     generator: torch.Generator,
     draft_probs: torch.Tensor | None,
+    argmax_ids: list[int] | None = None,
 ) -> Verification:
     """Verify one speculative row against its target logits.
 
@@ -148,6 +149,8 @@ def verify_row(
         argmax: the greedy pick, the sampler's own (same tie rule as plain decoding).
         generator: the request's random stream (sampled requests only).
         draft_probs: the draft distribution of each draft, or None (point masses).
+        argmax_ids: ``argmax(logits)`` per row if the caller has it (one batched call for
+            the step's rows); used by greedy requests without penalties.
     """
     params = item.request.sampling_params
     drafts = list(item.draft_token_ids)
@@ -156,7 +159,9 @@ def verify_row(
     if params.needs_penalties:
         scores = apply_penalties(logits, _row_views(item), [params] * (k + 1))  # type: ignore[arg-type]
     if params.greedy:
-        emitted = accept_greedy(argmax(scores).tolist(), drafts)
+        if argmax_ids is None or params.needs_penalties:
+            argmax_ids = argmax(scores).tolist()
+        emitted = accept_greedy(argmax_ids, drafts)
     else:
         probs = truncated_probs(scores, [params] * (k + 1))
         probs = probs / probs.sum(dim=-1, keepdim=True)

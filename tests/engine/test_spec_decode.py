@@ -254,8 +254,33 @@ def test_verify_row_samples_the_penalised_truncated_distribution():
     target = truncated_probs(penalised[None], [params])[0]
     target = target / target.sum()
     counts: dict[int, int] = {}
-    for _ in range(2000):
+    for _ in range(1500):
         result = verify_row(logits, item, argmax=lambda x: x.argmax(-1), generator=gen,
                             draft_probs=None)  # fmt: skip
         counts[result.token_ids[0]] = counts.get(result.token_ids[0], 0) + 1
     _chi_square(counts, target, "verify_row first token")
+
+
+def test_auto_disable_shrinks_k_with_the_batch_and_backoff_pauses_poor_requests():
+    from engine.spec_decode.policy import MIN_PAUSE, SpeculationPolicy, default_max_step_tokens
+
+    policy = SpeculationPolicy(num_speculative_tokens=4, max_step_tokens=16)
+    assert policy.drafts_per_request(1, 1) == 4
+    assert policy.drafts_per_request(4, 4) == 3  # 4 decodes + 12 drafts = 16
+    assert policy.drafts_per_request(8, 8) == 1
+    assert policy.drafts_per_request(9, 9) == 0  # more than half the budget: plain decodes
+    assert default_max_step_tokens("cpu", 8) == 8
+    assert default_max_step_tokens("cpu", 64) == 16
+    policy.begin_step()
+    policy.observe("good", 4, 3)
+    policy.observe("bad", 4, 0)  # a first verification that keeps nothing pauses
+    assert policy.may_propose("good") and not policy.may_propose("bad")
+    for _ in range(MIN_PAUSE):
+        policy.begin_step()
+    assert policy.may_propose("bad")
+    policy.observe("bad", 4, 0)  # still poor: the pause doubles
+    for _ in range(MIN_PAUSE):
+        policy.begin_step()
+    assert not policy.may_propose("bad")
+    policy.forget("bad")
+    assert policy.may_propose("bad")
