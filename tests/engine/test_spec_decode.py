@@ -284,3 +284,13 @@ def test_auto_disable_shrinks_k_with_the_batch_and_backoff_pauses_poor_requests(
     assert not policy.may_propose("bad")
     policy.forget("bad")
     assert policy.may_propose("bad")
+
+
+def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
+    from engine.config import UnsupportedModelError
+    from tests.engine.conftest import make_tiny_llama
+
+    other = make_tiny_llama(tmp_path / "vocab-300", num_kv_heads=2, vocab_size=300)
+    with pytest.raises(UnsupportedModelError, match="share the target's tokenizer"):
+        LLM(str(target), num_kv_blocks=16, speculative_method="draft",
+            speculative_model=str(other), **CPU)  # fmt: skip
