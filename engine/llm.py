@@ -28,7 +28,6 @@ from engine.spec_decode.config import (
 from kvpool.config import KVPoolConfig
 from scheduler.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_PREFILL_CHUNK_TOKENS,
     SchedulerConfig,
 )
 from scheduler.request import SamplingParams
@@ -61,7 +60,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        prefill_chunk_tokens: int | None = None,
         batching: str = "continuous",
         block_allocation: str = "optimistic",
         batch_wait_ms: float = 50.0,
@@ -71,6 +70,7 @@ class LLM:
         tokenizer: str | None = None,
         enforce_eager: bool = False,
         cuda_graph_sizes: tuple[int, ...] | None = None,
+        tensor_parallel_size: int = 1,
         speculative_method: str | None = None,
         num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
         ngram_min: int = DEFAULT_NGRAM_MIN,
@@ -105,6 +105,7 @@ class LLM:
                 tokenizer=tokenizer,
                 enforce_eager=enforce_eager,
                 cuda_graph_sizes=cuda_graph_sizes,
+                tensor_parallel_size=tensor_parallel_size,
                 speculative=speculative,
             ),
             KVPoolConfig(
@@ -124,6 +125,10 @@ class LLM:
             ),
         )
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now, not at interpreter exit."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer, or None

@@ -155,19 +155,31 @@ def test_a_model_the_user_must_change_is_one_line_and_exit_2(
         assert text in lines[0], lines[0]
 
 
-def test_speculative_flags_reach_the_engine_config_and_bad_ones_exit_2(monkeypatch, capsys) -> None:
+def test_serving_a_preset_without_a_tokenizer_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Dummy weights of a shape preset come without a tokenizer: the HTTP API, which returns
+    text, refuses them at start-up (naming --tokenizer) rather than 500 on every request."""
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    argv = ["--model", "tiny-llama", "--load-format", "dummy", "--port", "0",
+            "--log-level", "warning"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "server", *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedserve serve: error: "), done.stderr
+    assert "has no tokenizer" in lines[0] and "--tokenizer DIR" in lines[0], lines[0]
+
+
+def test_speculative_flags_reach_the_config_and_bad_ones_exit_2(monkeypatch, capsys) -> None:
     seen: list = []
     monkeypatch.setattr(cli, "serve", lambda config: seen.append(config) or 0)
     argv = ["serve", "--speculative-method", "ngram", "--num-speculative-tokens", "6",
             "--ngram-min", "1", "--ngram-max", "3"]  # fmt: skip
     assert cli.main(argv) == 0
     spec = seen[0].engine.speculative
-    assert (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max) == (
-        "ngram",
-        6,
-        1,
-        3,
-    )
+    got = (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+    assert got == ("ngram", 6, 1, 3)
     assert cli.main(["serve"]) == 0 and seen[1].engine.speculative is None
     for bad, message in [
         (["--speculative-method", "draft"], "needs a speculative model"),
