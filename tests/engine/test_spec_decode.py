@@ -12,6 +12,7 @@ with many draws on a peaked vocabulary against the target distribution (chi-squa
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -294,3 +295,34 @@ def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
     with pytest.raises(UnsupportedModelError, match="share the target's tokenizer"):
         LLM(str(target), num_kv_blocks=16, speculative_method="draft",
             speculative_model=str(other), **CPU)  # fmt: skip
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [
+        ("torch", "cpu"),
+        pytest.param("triton", "cpu", marks=pytest.mark.skipif(
+            not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")),
+        pytest.param("triton", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available() or INTERPRET,
+            reason="needs CUDA and compiled (not interpreted) Triton")]),
+    ],
+)  # fmt: skip
+def test_speculative_rows_on_every_attention_backend(tiny_llama_gqa, backend, device):
+    """Speculative rows are multi-token queries: the prefill kernels of each backend run
+    them. Greedy output with n-gram speculation equals the output without, on that backend."""
+    rng = random.Random(3)
+    prompts = [(span * 3)[:n] for n, span in
+               [(20, [rng.randrange(3, 256) for _ in range(7)]), (9, [5, 6, 7])]]  # fmt: skip
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kwargs = dict(block_size=8, device=device, dtype="float32", num_kv_blocks=64,
+                  attention_backend=backend)  # fmt: skip
+    plain = LLM(str(tiny_llama_gqa), **kwargs).generate(prompts, params)
+    spec = LLM(str(tiny_llama_gqa), speculative_method="ngram", ngram_min=1,
+               num_speculative_tokens=3, **kwargs)  # fmt: skip
+    tokens, accepted = generate(spec, prompts, params=params)
+    assert [tokens[i] for i in range(len(prompts))] == [out.token_ids for out in plain]
+    assert accepted > 0
