@@ -261,13 +261,17 @@ def build_engine_parts(
         gguf = None
         if config.matmul_weights == "gguf" and checkpoint is not None and resolved is not None:
             gguf = resolved.gguf
-        # A speculative row needs logits at each of its 1 + k positions.
-        rows_per_seq = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        # A speculative row needs logits at each of its 1 + k positions; the step's
+        # speculative rows hold at most the auto-disable rule's tokens (an upper bound of
+        # it: the device default without the GGUF cap, which is only known further down).
+        spec_rows = 0
+        if spec is not None:
+            spec_rows = spec.max_step_tokens or default_max_step_tokens(device.type, 0)
         cpu = build_cpu_forward(
             model,
             cpu_ops,
             gguf_path=gguf,
-            max_logit_rows=scheduler_config.max_num_seqs * rows_per_seq,
+            max_logit_rows=scheduler_config.max_num_seqs + spec_rows,
         )
         forward = cpu
         packed_bytes, block_bytes = cpu.memory.packed_bytes, cpu.memory.block_bytes

@@ -91,7 +91,7 @@ def check(tokens: dict[int, list[int]], references: list[Reference], label: str)
         assert_parity(ours, references[i], label=f"{label}, prompt {i}")
 
 
-@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("k", [1, 8])
 def test_ngram_greedy_together_matches_transformers(target, prompts, references, k):
     llm = LLM(str(target), num_kv_blocks=64, speculative_method="ngram",
               num_speculative_tokens=k, ngram_min=1, **CPU)  # fmt: skip
@@ -100,7 +100,7 @@ def test_ngram_greedy_together_matches_transformers(target, prompts, references,
     assert accepted > 0, "no draft was accepted: speculation did not run"
 
 
-@pytest.mark.parametrize("k", [2, 6])
+@pytest.mark.parametrize("k", [3])
 def test_truncated_draft_greedy_matches_transformers(
     target, truncated_draft, prompts, references, k
 ):
@@ -255,7 +255,7 @@ def test_verify_row_samples_the_penalised_truncated_distribution():
     target = truncated_probs(penalised[None], [params])[0]
     target = target / target.sum()
     counts: dict[int, int] = {}
-    for _ in range(1500):
+    for _ in range(800):
         result = verify_row(logits, item, argmax=lambda x: x.argmax(-1), generator=gen,
                             draft_probs=None)  # fmt: skip
         counts[result.token_ids[0]] = counts.get(result.token_ids[0], 0) + 1
@@ -317,7 +317,7 @@ def test_speculative_rows_on_every_attention_backend(tiny_llama_gqa, backend, de
     rng = random.Random(3)
     prompts = [(span * 3)[:n] for n, span in
                [(20, [rng.randrange(3, 256) for _ in range(7)]), (9, [5, 6, 7])]]  # fmt: skip
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     kwargs = dict(block_size=8, device=device, dtype="float32", num_kv_blocks=64,
                   attention_backend=backend)  # fmt: skip
     plain = LLM(str(tiny_llama_gqa), **kwargs).generate(prompts, params)
