@@ -160,7 +160,7 @@ def verify_row(
         scores = apply_penalties(logits, _row_views(item), [params] * (k + 1))  # type: ignore[arg-type]
     if params.greedy:
         if argmax_ids is None or params.needs_penalties:
-            argmax_ids = argmax(scores).tolist()
+            argmax_ids = [int(argmax(scores[j : j + 1])[0]) for j in range(k + 1)]
         emitted = accept_greedy(argmax_ids, drafts)
     else:
         probs = truncated_probs(scores, [params] * (k + 1))
