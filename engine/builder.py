@@ -42,6 +42,7 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.policy import default_max_step_tokens
 from engine.spec_decode.speculator import SpeculativeDecoder
+from engine.step_predictor import StepTimePredictor
 from engine.tensor_parallel import TPLayout, check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
@@ -148,6 +149,8 @@ class EngineParts:
     runner: ModelRunner
     memory: MemoryReport
     max_num_batched_tokens: int  # the largest step the scheduler plans (the warm-up's)
+    # The step-time model the latency targets ask; None without targets.
+    step_predictor: StepTimePredictor | None = None
     tp: TensorParallelGroup | None = None  # this process's tensor-parallel group
     tp_layout: TPLayout | None = None  # what each rank holds, with any padding
     speculator: SpeculativeDecoder | None = None  # speculative decoding, when configured
@@ -363,7 +366,12 @@ def build_engine_parts(
         if kv_config.enable_prefix_caching
         else "off",
     )
-    scheduler = Scheduler(scheduler_config, kv_manager, max_model_len)
+    step_predictor = None
+    if scheduler_config.has_latency_targets:
+        step_predictor = StepTimePredictor(cost_model, capacity.bytes_per_token)
+    scheduler = Scheduler(
+        scheduler_config, kv_manager, max_model_len, step_time_predictor=step_predictor
+    )
     sampler = Sampler(config.seed, device, cpu_ops.argmax_rows if cpu_ops is not None else None)
     runner = ModelRunner(forward, storage, sampler, device)
     if tp is not None and tp.rank == 0:
@@ -425,6 +433,7 @@ def build_engine_parts(
         runner=runner,
         memory=memory,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+        step_predictor=step_predictor,
         tp=tp,
         tp_layout=layout,
         speculator=speculator,
