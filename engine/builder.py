@@ -36,9 +36,11 @@ from engine.loader import (
 )
 from engine.model_runner import ModelRunner
 from engine.presets import preset
+from engine.quantization import QuantMatmul, check_supported, quantize_linears
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
 from kernels import cpu as cpu_kernels
+from kernels import reference
 from kvpool.config import KVPoolConfig
 from kvpool.manager import KVCacheManager
 from kvpool.storage import KVCacheStorage, KVCapacity, size_kv_cache
@@ -63,7 +65,7 @@ class MemoryReport:
     rss_before: int  # VmRSS when the engine's build began
     weights: int  # the model's parameters still held (float32 or the dtype in use)
     packed: int  # the cpu backend's panel copies
-    blocks: int  # the cpu backend's GGUF blocks
+    blocks: int  # the cpu backend's GGUF or int8 blocks
     kv_cache: int
     dropped: int = 0  # plain weights the backend made unnecessary and freed
 
@@ -75,7 +77,7 @@ class MemoryReport:
         mb = 1e6
         parts = (
             f"weights {self.weights / mb:.0f} MB, packed copies {self.packed / mb:.0f} MB, "
-            f"GGUF blocks {self.blocks / mb:.0f} MB, KV cache {self.kv_cache / mb:.0f} MB"
+            f"quantized blocks {self.blocks / mb:.0f} MB, KV cache {self.kv_cache / mb:.0f} MB"
         )
         dropped = f"; {self.dropped / mb:.0f} MB of plain weights no step reads were freed"
         if not self.rss:
@@ -127,7 +129,9 @@ class EngineParts:
     eos_token_id: int | None
     attention_backend: str
     model: LlamaForCausalLM
-    matmul_weights: str  # "gguf" when the cpu backend reads GGUF blocks, else "float32"
+    # "gguf" when the cpu backend reads GGUF blocks, "int8"/"fp8" with --quantization, else
+    # the serving dtype's name
+    matmul_weights: str
     cost_model: StepCostModel
     kv_capacity: KVCapacity
     storage: KVCacheStorage
@@ -196,7 +200,18 @@ def build_engine_parts(
     t0 = time.perf_counter()
     backend = resolve_backend(config.attention_backend, device, dtype, mc)
     checkpoint = None if dummy or resolved is None else resolved.path
+    if config.quantization is not None:
+        check_supported(config.quantization, device)  # before minutes of loading
     model = load_model(checkpoint, mc, backend, max_model_len, device, dtype, seed=config.seed)
+    quant = None
+    if config.quantization is not None:
+        # A transform of the loaded model (engine/quantization.py): its matmuls become
+        # QuantizedLinear, on CUDA multiplying through the Triton kernel.
+        matmul: QuantMatmul = reference.quant_matmul
+        if device.type == "cuda":
+            from kernels.quant_matmul import quant_matmul as matmul
+        quant = quantize_linears(model, config.quantization, matmul=matmul)
+        logger.info("%s", quant.summary(dtype))
     # The cpu attention backend brings the fused C++ stack along (engine/backends/cpu.py);
     # every other one runs the model's own forward.
     forward: ModelForward = model
@@ -206,7 +221,12 @@ def build_engine_parts(
     cpu_ops = cpu_kernels.load() if backend == "cpu" else None
     if cpu_ops is not None:
         gguf = None
-        if config.matmul_weights == "gguf" and checkpoint is not None and resolved is not None:
+        if (
+            config.matmul_weights == "gguf"
+            and quant is None  # quantized weights are no longer the file's
+            and checkpoint is not None
+            and resolved is not None
+        ):
             gguf = resolved.gguf
         cpu = build_cpu_forward(
             model, cpu_ops, gguf_path=gguf, max_logit_rows=scheduler_config.max_num_seqs
@@ -216,13 +236,21 @@ def build_engine_parts(
         dropped_bytes = cpu.memory.dropped_bytes
         if cpu.uses_blocks:
             assert cpu.blocks is not None
-            matmul_weights = "gguf"
+            matmul_weights = "gguf" if quant is None else quant.mode
             # What a step reads of those, from its plan (MBU/MFU; engine/cost.py).
             cost_model = cost_model.with_blocks(
                 cpu_ops.max_quant_rows(),
                 body_saved_bytes=cpu.blocks.body_saved_bytes,
                 lm_head_block_bytes=cpu.blocks.lm_head_block_bytes,
             )
+    if quant is not None and not (cpu_ops is not None and forward is not model):
+        # Every step reads the quantized weights (the Triton kernel or the reference).
+        matmul_weights = quant.mode
+        cost_model = cost_model.with_blocks(
+            2**62,
+            body_saved_bytes=quant.body_saved_bytes,
+            lm_head_block_bytes=quant.lm_head_quant_bytes,
+        )
     if device.type == "cuda" and backend == "triton":
         from engine.backends.cuda import fuse_layer_ops
 
