@@ -83,9 +83,7 @@ def _quant_matmul_kernel(
         if FP8:  # loaded as bytes: masked-off bytes are 0, which is e4m3's +0.0
             w = w.to(tl.float8e4nv, bitcast=True)
         # The weight's integer (or e4m3) values convert exactly to the dot's dtype.
-        acc = tl.dot(
-            x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION
-        )
+        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
     acc = acc * scale[None, :]
     if HAS_BIAS:

@@ -240,6 +240,16 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32, BLOCK_SIZE=16,
              DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
     ),
+    **{
+        f"quant_matmul_{mode}": (
+            "kernels.quant_matmul", "_quant_matmul_kernel",
+            dict(out_ptr="*bf16", x_ptr="*bf16", weight_ptr="*i8" if mode == "int8" else "*u8",
+                 scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K="i32"),
+            dict(HAS_BIAS=False, FP8=mode == "fp8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
+                 DTYPE="tl.bfloat16", DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32"),
+        )
+        for mode in ("int8", "fp8")
+    },
     "reduce_splits": (
         "kernels.paged_attention", "_reduce_splits_kernel",
         dict(out_ptr="*bf16", partial_out_ptr="*fp32", lse_ptr="*fp32"),
