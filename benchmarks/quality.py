@@ -172,10 +172,11 @@ def greedy(llm: LLM, prompts: tuple[str, ...], num_tokens: int) -> list[list[int
     return [out.token_ids for out in llm.generate(list(prompts), params)]
 
 
-def batch1_tpot_s(llm: LLM, num_tokens: int) -> float:
+def batch1_tpot_s(llm: LLM, num_tokens: int, *, warm_up: bool = True) -> float:
     """Median seconds between a lone request's tokens (decode steps at batch 1)."""
     params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
-    llm.generate([PROMPTS[0]], params)  # warm-up
+    if warm_up:
+        llm.generate([PROMPTS[0]], params)
     engine = llm.engine
     engine.add_request("quality-tpot", llm.encode(PROMPTS[1]), params)
     times = []
@@ -265,6 +266,22 @@ def run_mode(
     return result, (flat, top)
 
 
+def paired_tpot(modes: list[Mode], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Batch-1 TPOT (ms) of every mode, all engines built first and then measured in turn,
+    ``args.paired_tpot`` rounds: on a shared machine the load drifts by the minute, so
+    figures measured minutes apart (one mode after another) compare poorly, and rounds that
+    alternate do better. Returns each mode's per-round medians."""
+    llms = {m.name: LLM(args.model, max_num_seqs=1, kv_cache_memory=args.kv_cache_memory,
+                        **m.llm_kwargs) for m in modes if not missing_kwargs(m)}  # fmt: skip
+    for llm in llms.values():
+        batch1_tpot_s(llm, 8)
+    rounds: dict[str, list[float]] = {name: [] for name in llms}
+    for _ in range(args.paired_tpot):
+        for name, llm in llms.items():
+            rounds[name].append(1e3 * batch1_tpot_s(llm, args.tokens, warm_up=False))
+    return rounds
+
+
 def table(results: list[ModeResult], num_prompts: int) -> str:
     head = (
         "| mode | perplexity | vs ref | greedy agreement (first N) | prompts identical "
@@ -315,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-cache-memory", type=int, default=64 << 20, help="KV budget in bytes, every mode"
     )
+    parser.add_argument(
+        "--paired-tpot",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="only batch-1 TPOT: every mode's engine at once, measured in alternating rounds",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     by_name = {m.name: m for m in MODES}
@@ -327,6 +351,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in by_name]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {', '.join(by_name)}")
+    if args.paired_tpot:
+        rounds = paired_tpot([by_name[n] for n in names], args)
+        print(f"batch-1 TPOT, ms: median of {args.tokens - 1} gaps per round, {args.paired_tpot} "
+              "alternating rounds")  # fmt: skip
+        for name, values in rounds.items():
+            print(f"{name:16} median {statistics.median(values):7.2f}  rounds "
+                  + " ".join(f"{v:.2f}" for v in values))  # fmt: skip
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"model": args.model, "paired_tpot_ms": rounds}, f, indent=1)
+        return 0
     results: list[ModeResult] = []
     reference: ModeResult | None = None
     ref_scores: Scores | None = None

@@ -118,8 +118,8 @@ def quant_matmul(
     m, k = x.shape
     n = weight.shape[1]
     if m > LIBRARY_ROWS:
-        y = (x @ weight.to(x.dtype)) * scale.to(x.dtype)
-        return y if bias is None else y + bias
+        y = (x @ weight.to(x.dtype)).float() * scale
+        return (y if bias is None else y + bias.float()).to(x.dtype)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
