@@ -17,6 +17,7 @@ import pytest
 from benchmarks import quality
 from engine import LLM
 from scheduler.request import SamplingParams
+from tests.engine.conftest import make_tiny_llama
 
 MAX_PERPLEXITY_CHANGE = 0.03
 MIN_TOP1_AGREEMENT = 0.85
@@ -61,14 +62,18 @@ def test_int8_weights_stay_within_the_written_tolerances(report):
     assert kv["skipped"] is None or "kv_cache_dtype" in kv["skipped"]
 
 
-def test_scored_top_token_is_the_engines_greedy_choice(ops):
-    """prompt_logprobs runs the engine's own forward: the top token after a prefix is what
-    greedy generation picks there."""
-    llm = LLM("default", matmul_weights="float32", max_num_seqs=2, num_kv_blocks=64)
-    window = quality.corpus_windows(llm.tokenizer, 40)[0]
-    logprobs, top = quality.prompt_logprobs(llm, window)
-    assert logprobs.shape == top.shape == (39,) and (logprobs <= 0).all()
-    out = llm.generate([window[:-1]], SamplingParams(max_tokens=1, temperature=0))[0]
-    assert out.token_ids == [int(top[-1])]
+def test_scored_top_token_is_the_engines_greedy_choice(tmp_path, ops):
+    """prompt_logprobs runs the engine's own forward (here the C++ stack with int8 blocks):
+    the top token after each prefix is what greedy generation picks there, and the blocks it
+    borrowed are back in the pool."""
+    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=4, hidden_size=128,
+                           intermediate_size=256)  # fmt: skip
+    llm = LLM(str(path), quantization="int8", max_num_seqs=2, num_kv_blocks=16)
+    ids = [1, 40, 41, 7, 99, 250, 3, 3, 18, 64, 12, 200, 5, 77, 31, 9, 140, 2, 66, 8]
+    logprobs, top = quality.prompt_logprobs(llm, ids)
+    assert logprobs.shape == top.shape == (len(ids) - 1,) and (logprobs <= 0).all()
+    for cut in (3, 11, len(ids) - 1):
+        out = llm.generate([ids[:cut]], SamplingParams(max_tokens=1, temperature=0))[0]
+        assert out.token_ids == [int(top[cut - 1])], cut
     llm.engine.kv_manager.check_integrity()
     assert llm.engine.kv_manager.num_used_blocks == 0
