@@ -233,13 +233,6 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         dict(out_ptr="*bf16", gate_up_ptr="*bf16"),
         dict(INTERMEDIATE_SIZE=1536, BLOCK=1024, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
     ),
-    "rope_and_store": (
-        "kernels.rope_and_store", "_rope_and_store_kernel",
-        dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",
-             value_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
-        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32, BLOCK_SIZE=16,
-             DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
-    ),
     **{
         f"quant_matmul_{mode}": (
             "kernels.quant_matmul", "_quant_matmul_kernel",
@@ -250,6 +243,13 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         )
         for mode in ("int8", "fp8")
     },
+    "rope_and_store": (
+        "kernels.rope_and_store", "_rope_and_store_kernel",
+        dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",
+             value_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
+        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32, BLOCK_SIZE=16,
+             DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
+    ),
     "reduce_splits": (
         "kernels.paged_attention", "_reduce_splits_kernel",
         dict(out_ptr="*bf16", partial_out_ptr="*fp32", lse_ptr="*fp32"),
