@@ -36,11 +36,10 @@ from engine.loader import (
 )
 from engine.model_runner import ModelRunner
 from engine.presets import preset
-from engine.quantization import QuantMatmul, check_supported, quantize_linears
+from engine.quantization import check_supported, quantize_model
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
 from kernels import cpu as cpu_kernels
-from kernels import reference
 from kvpool.config import KVPoolConfig
 from kvpool.manager import KVCacheManager
 from kvpool.storage import KVCacheStorage, KVCapacity, size_kv_cache
@@ -197,37 +196,25 @@ def build_engine_parts(
     eos_token_id = mc.eos_token_id
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_token_id = tokenizer.eos_token_id
+    if config.quantization is not None:
+        check_supported(config.quantization, device)  # one clear line before the model loads
 
     t0 = time.perf_counter()
     backend = resolve_backend(config.attention_backend, device, dtype, mc)
     checkpoint = None if dummy or resolved is None else resolved.path
-    if config.quantization is not None:
-        check_supported(config.quantization, device)  # before minutes of loading
     model = load_model(checkpoint, mc, backend, max_model_len, device, dtype, seed=config.seed)
-    quant = None
-    if config.quantization is not None:
-        # A transform of the loaded model (engine/quantization.py): its matmuls become
-        # QuantizedLinear, on CUDA multiplying through the Triton kernel.
-        matmul: QuantMatmul = reference.quant_matmul
-        if device.type == "cuda":
-            from kernels.quant_matmul import quant_matmul as matmul
-        quant = quantize_linears(model, config.quantization, matmul=matmul)
-        logger.info("%s", quant.summary(dtype))
     # The cpu attention backend brings the fused C++ stack along (engine/backends/cpu.py);
     # every other one runs the model's own forward.
     forward: ModelForward = model
+    # --quantization: the model's matmuls become QuantizedLinear (engine/quantization.py).
+    quant = None if config.quantization is None else quantize_model(model, config.quantization)
     cost_model = StepCostModel.from_config(mc, dtype.itemsize)
     matmul_weights = str(dtype).removeprefix("torch.")  # "gguf" when GGUF blocks serve
     packed_bytes = block_bytes = dropped_bytes = 0
     cpu_ops = cpu_kernels.load() if backend == "cpu" else None
     if cpu_ops is not None:
         gguf = None
-        if (
-            config.matmul_weights == "gguf"
-            and quant is None  # quantized weights are no longer the file's
-            and checkpoint is not None
-            and resolved is not None
-        ):
+        if config.matmul_weights == "gguf" and checkpoint is not None and resolved is not None:
             gguf = resolved.gguf
         cpu = build_cpu_forward(
             model, cpu_ops, gguf_path=gguf, max_logit_rows=scheduler_config.max_num_seqs

@@ -160,6 +160,20 @@ class QuantReport:
         )
 
 
+def quantize_model(model: nn.Module, mode: str) -> QuantReport:
+    """``quantize_linears`` with the matmul for the model's device (the Triton kernel on
+    CUDA, the reference elsewhere; the C++ CPU backend then takes the int8 weights over,
+    ``engine/backends/cpu.py``), logging what it did."""
+    weight = next(model.parameters())
+    check_supported(mode, weight.device)
+    matmul: QuantMatmul = reference.quant_matmul
+    if weight.device.type == "cuda":
+        from kernels.quant_matmul import quant_matmul as matmul
+    report = quantize_linears(model, mode, matmul=matmul)
+    log.info("%s", report.summary(weight.dtype))
+    return report
+
+
 def quantize_linears(
     model: nn.Module, mode: str, *, matmul: QuantMatmul = reference.quant_matmul
 ) -> QuantReport:

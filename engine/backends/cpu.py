@@ -316,8 +316,7 @@ def build_cpu_forward(
     blocks: dict[str, torch.Tensor] = {}
     report = None
     quantized = {n: m for n, m in linears.items() if isinstance(m, QuantizedLinear)}
-    if quantized:
-        assert gguf_path is None, "a quantized model's weights are not its GGUF file's"
+    if quantized:  # --quantization: the weights are no longer the GGUF file's, if any
         blocks, report = _int8_blocks(quantized, weights, ops)
     elif gguf_path is not None:
         blocks, report = exact_gguf_blocks(model, gguf_path, ops)
