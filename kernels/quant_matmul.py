@@ -29,14 +29,12 @@ import triton.language as tl
 from kernels._common import SUPPORTED_DTYPES
 from kernels._triton_common import TL_DTYPES, dot_args
 
-__all__ = ["quant_matmul", "LIBRARY_ROWS", "WEIGHT_DTYPES"]
+__all__ = ["quant_matmul", "tile_shape", "LIBRARY_ROWS", "WEIGHT_DTYPES"]
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # Batches of more rows multiply on the library (cuBLAS) path; decode batches and CUDA graphs
 # stay within it.
 LIBRARY_ROWS = 256
-BLOCK_N = 64
-BLOCK_K = 64
 
 
 @triton.jit
@@ -95,8 +93,14 @@ def _quant_matmul_kernel(
     )
 
 
-def _block_m(rows: int) -> int:
-    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+def tile_shape(rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for a batch of ``rows``. Decode batches (<= 16 rows) take
+    narrow column strips so that a 4,096-column matmul is 128 programs, about one per SM of
+    an H100 (64-wide strips would leave half of them idle while the weights stream), and
+    long K steps. Not yet tuned on a GPU (benchmarks/RESULTS.md lists the run owed)."""
+    if rows <= 16:
+        return 16, 32, 128
+    return (32 if rows <= 32 else 64), 64, 64
 
 
 def quant_matmul(
@@ -123,13 +127,13 @@ def quant_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m = _block_m(m)
+    block_m, block_n, block_k = tile_shape(m)
     fp8 = weight.dtype == torch.float8_e4m3fn
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _quant_matmul_kernel[grid](
         out, x, weight.view(torch.uint8) if fp8 else weight, scale,
         bias if bias is not None else scale, m, n, k, x.stride(0),
-        HAS_BIAS=bias is not None, FP8=fp8, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        HAS_BIAS=bias is not None, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DTYPE=TL_DTYPES[x.dtype], **dot_args(_quant_matmul_kernel, x.dtype),
     )  # fmt: skip
     return out

@@ -238,10 +238,12 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
             "kernels.quant_matmul", "_quant_matmul_kernel",
             dict(out_ptr="*bf16", x_ptr="*bf16", weight_ptr="*i8" if mode == "int8" else "*u8",
                  scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K="i32"),
-            dict(HAS_BIAS=False, FP8=mode == "fp8", BLOCK_M=16, BLOCK_N=64, BLOCK_K=64,
-                 DTYPE="tl.bfloat16", DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32"),
+            dict(HAS_BIAS=bias, FP8=mode == "fp8", BLOCK_M=block[0], BLOCK_N=block[1],
+                 BLOCK_K=block[2], DTYPE="tl.bfloat16", DOT_DTYPE="tl.bfloat16",
+                 DOT_PRECISION="tf32"),
         )
-        for mode in ("int8", "fp8")
+        # the decode tiles (kernels.quant_matmul.tile_shape) and the larger batches'
+        for mode, bias, block in (("int8", False, (16, 32, 128)), ("fp8", True, (64, 64, 64)))
     },
     "rope_and_store": (
         "kernels.rope_and_store", "_rope_and_store_kernel",
