@@ -52,6 +52,7 @@ import torch
 from engine.input_batch import AttentionMetadata, InputBatch
 from engine.llm import LLM
 from scheduler.request import SamplingParams
+from server.flags import parse_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,11 @@ MODES: tuple[Mode, ...] = (
         "--quantization int8 --kv-cache-dtype int8",
     ),
     Mode("w-fp8", {"quantization": "fp8"}, "--quantization fp8 (CUDA only)"),
+    Mode(
+        "kv-fp8",
+        {"matmul_weights": "float32", "kv_cache_dtype": "fp8"},
+        "--kv-cache-dtype fp8 (e4m3)",
+    ),
 )
 
 # Greedy prompts: short openings of the kinds of text the model is asked for.
@@ -330,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-speed", action="store_true", help="skip the TPOT measurement")
     parser.add_argument(
-        "--kv-cache-memory", type=int, default=64 << 20, help="KV budget in bytes, every mode"
+        "--kv-cache-memory",
+        type=parse_size,
+        default=64 << 20,
+        help="KV budget of every mode, e.g. 64MiB (the default)",
     )
     parser.add_argument(
         "--paired-tpot",
