@@ -1,10 +1,11 @@
 """Weights quantized at load (``--quantization int8|fp8``): a transform of the loaded model.
 
-``quantize_linears(model, mode)`` swaps, from outside, every ``Linear`` of a loaded
-``LlamaForCausalLM`` (``engine/llama.py``: the fused q/k/v, o, gate/up and down projections
-of every layer, and the LM head) for a ``QuantizedLinear`` that holds the weight in one byte
-a value and one float32 scale per output channel, as gpt-fast's int8 handler does; the model
-definition knows nothing of it.
+``quantize_model(model, mode)`` (what the engine builder calls) swaps, from outside, every
+``Linear`` of a loaded ``LlamaForCausalLM`` (``engine/llama.py``: the fused q/k/v, o,
+gate/up and down projections of every layer, and the LM head) for a ``QuantizedLinear`` that
+holds the weight in one byte a value and one float32 scale per output channel, as gpt-fast's
+int8 handler does; the model definition knows nothing of it (``quantize_linears`` does the
+swap with a given matmul).
 
 The format, symmetric per output channel (``quantize_weight``): column ``n`` of a weight
 ``[in, out]`` gets ``scale[n] = max_k |w[k, n]| / QMAX`` and ``q[k, n] = w[k, n] / scale[n]``
@@ -46,7 +47,6 @@ from kernels import reference
 log = logging.getLogger(__name__)
 
 QUANTIZATION_MODES = ("int8", "fp8")
-STORAGE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 QMAX = {"int8": 127.0, "fp8": 448.0}
 
 QuantMatmul = Callable[
