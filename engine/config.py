@@ -233,6 +233,10 @@ class EngineConfig:
             raise ValueError(f"matmul_weights must be gguf or float32, got {self.matmul_weights!r}")
         if self.quantization not in (None, "int8", "fp8"):
             raise ValueError(f"quantization must be int8 or fp8, got {self.quantization!r}")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            # The sharded model's row-parallel matmuls and head are their own modules
+            # (engine/tensor_parallel.py), which the quantization transform does not know.
+            raise ValueError("--quantization does not combine with --tensor-parallel-size > 1 yet")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.cuda_graph_sizes is not None and (

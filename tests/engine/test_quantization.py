@@ -20,7 +20,7 @@ import torch
 from engine import LLM
 from engine.attention import PagedAttention
 from engine.backends.cpu import CpuForward
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.llama import Linear, LlamaForCausalLM
 from engine.quantization import (
     QuantizedLinear,
@@ -194,6 +194,13 @@ def test_int8_decode_step_reads_fewer_weight_bytes(ops, tiny_path):
 def test_unknown_quantization_is_a_value_error():
     with pytest.raises(ValueError, match="quantization must be int8 or fp8"):
         LLM("default", quantization="int4")
+
+
+def test_quantization_with_tensor_parallelism_is_refused():
+    """Not silently half-quantized: the sharded model's row-parallel matmuls and head are
+    modules the transform does not swap."""
+    with pytest.raises(ValueError, match="does not combine with --tensor-parallel-size"):
+        EngineConfig(quantization="int8", tensor_parallel_size=2)
 
 
 def test_an_unknown_mode_on_the_command_line_is_one_line(capsys):
