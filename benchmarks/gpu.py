@@ -500,15 +500,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         prof["offline"] = profile_offline(llm, num, pin, pout)
         # The same engine (graphs captured, kernels compiled) with the chunk limit lifted:
-        # every step may prefill up to max_num_batched_tokens.
+        # every step may prefill up to max_num_batched_tokens (already so on CUDA).
         sched = engine.scheduler
         chunk = sched.config.prefill_chunk_tokens
-        sched.config = dataclasses.replace(
-            sched.config, prefill_chunk_tokens=sched.config.max_num_batched_tokens
-        )
-        print(f"offline again, prefill chunk {chunk} -> {sched.config.prefill_chunk_tokens}:")
-        prof["offline_full_chunks"] = profile_offline(llm, num, pin, pout)
-        sched.config = dataclasses.replace(sched.config, prefill_chunk_tokens=chunk)
+        if chunk != sched.config.max_num_batched_tokens:
+            sched.config = dataclasses.replace(
+                sched.config, prefill_chunk_tokens=sched.config.max_num_batched_tokens
+            )
+            print(f"offline again, prefill chunk {chunk} -> {sched.config.prefill_chunk_tokens}:")
+            prof["offline_full_chunks"] = profile_offline(llm, num, pin, pout)
+            sched.config = dataclasses.replace(sched.config, prefill_chunk_tokens=chunk)
         out["profile"] = prof
 
     if "http" in sections and not args.tokenizer and llm.tokenizer is None:
