@@ -194,7 +194,7 @@ def build_engine_parts(
         eos_token_id = tokenizer.eos_token_id
 
     t0 = time.perf_counter()
-    backend = resolve_backend(config.attention_backend, device, dtype, mc)
+    backend = resolve_backend(config.attention_backend, device, dtype, mc, kv_config.cache_dtype)
     checkpoint = None if dummy or resolved is None else resolved.path
     model = load_model(checkpoint, mc, backend, max_model_len, device, dtype, seed=config.seed)
     # The cpu attention backend brings the fused C++ stack along (engine/backends/cpu.py);
