@@ -102,6 +102,18 @@ def test_int8_holds_at_least_3_5x_the_tokens_of_float32(model_path):
     assert sum(t.numel() * t.element_size() for t in storage.raw_caches) == capacity.total_bytes
 
 
+def test_step_stats_count_the_quantized_bytes(model_path, prompts):
+    """What the MBU gauge reads: a step's KV bytes at the int8 pool's bytes per token."""
+    llm = LLM(str(model_path), kv_cache_dtype="int8", num_kv_blocks=64, **DEVICE)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))
+    stats = llm.engine.last_step_stats  # the second token's decode step
+    assert stats is not None and stats.num_decode_tokens == 1
+    per_token = llm.engine.kv_capacity.bytes_per_token
+    assert per_token == 2 * 2 * 2 * (32 + 4)
+    assert stats.kv_bytes_read == (len(prompts[0]) + 1) * per_token
+    assert stats.kv_bytes_written == per_token
+
+
 def test_prefix_caching_and_preemption_work_unchanged(model_path, prompts, references):
     # Caching on, roomy pool: the shared system prompt is hit.
     llm, outs = run(model_path, prompts, kv_cache_dtype="int8")
