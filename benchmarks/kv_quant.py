@@ -167,7 +167,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def throughput(args: argparse.Namespace) -> list[ThroughputResult]:
     results = []
     for kv in ["auto", *args.dtypes]:
-        llm = make_llm(kv, args, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.num_requests)
+        llm = make_llm(
+            kv, args, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.num_requests
+        )
         g = torch.Generator().manual_seed(0)
         vocab = llm.engine.model_config.vocab_size
         prompts = [
@@ -205,7 +207,9 @@ def throughput(args: argparse.Namespace) -> list[ThroughputResult]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kv_quant", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.kv_quant", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--quality", action="store_true", help="perplexity and greedy agreement")
     p.add_argument("--throughput", action="store_true", help="KV-bound batch throughput")
     p.add_argument("--model", default="default")
@@ -228,26 +232,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.quality:
         q = quality(args)
         report["quality"] = [asdict(r) for r in q]
-        print("| KV dtype | bytes/token | perplexity | vs auto | mean abs Δ logprob | max | "
-              "greedy prefix agreement (first %d) | per prompt |" % args.tokens)
+        print(
+            "| KV dtype | bytes/token | perplexity | vs auto | mean abs Δ logprob | max | "
+            f"greedy prefix agreement (first {args.tokens}) | per prompt |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in q:
-            print(f"| {r.kv_cache_dtype} | {r.bytes_per_token} | {r.perplexity:.4f} | "
-                  f"{r.perplexity_change:+.3%} | {r.mean_abs_logprob_diff:.4f} | "
-                  f"{r.max_abs_logprob_diff:.3f} | {r.greedy_agreement:.1%} | "
-                  f"{' '.join(map(str, r.greedy_prefix))} |")
+            print(
+                f"| {r.kv_cache_dtype} | {r.bytes_per_token} | {r.perplexity:.4f} | "
+                f"{r.perplexity_change:+.3%} | {r.mean_abs_logprob_diff:.4f} | "
+                f"{r.max_abs_logprob_diff:.3f} | {r.greedy_agreement:.1%} | "
+                f"{' '.join(map(str, r.greedy_prefix))} |"
+            )
     if args.throughput:
         t = throughput(args)
         report["throughput"] = [asdict(r) for r in t]
         base = t[0].output_tokens_per_s
-        print("| KV dtype | pool tokens | wall s | output tok/s | vs auto | total tok/s | "
-              "mean running | max running | preemptions |")
+        print(
+            "| KV dtype | pool tokens | wall s | output tok/s | vs auto | total tok/s | "
+            "mean running | max running | preemptions |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
         for r in t:
-            print(f"| {r.kv_cache_dtype} | {r.kv_tokens} | {r.wall_s:.1f} | "
-                  f"{r.output_tokens_per_s:.1f} | {r.output_tokens_per_s / base:.2f}x | "
-                  f"{r.total_tokens_per_s:.0f} | {r.mean_running:.1f} | {r.max_running} | "
-                  f"{r.preemptions} |")
+            print(
+                f"| {r.kv_cache_dtype} | {r.kv_tokens} | {r.wall_s:.1f} | "
+                f"{r.output_tokens_per_s:.1f} | {r.output_tokens_per_s / base:.2f}x | "
+                f"{r.total_tokens_per_s:.0f} | {r.mean_running:.1f} | {r.max_running} | "
+                f"{r.preemptions} |"
+            )
     if args.json:
         print(json.dumps(report, indent=2))
     return 0

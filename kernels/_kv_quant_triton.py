@@ -72,9 +72,7 @@ def quantize_by(
 
 
 @triton.jit
-def quantize_rows(
-    x, QMAX: tl.constexpr, ROUND_TO_INT: tl.constexpr, SOFT_FP8_ROUND: tl.constexpr
-):
+def quantize_rows(x, QMAX: tl.constexpr, ROUND_TO_INT: tl.constexpr, SOFT_FP8_ROUND: tl.constexpr):
     """Symmetric absmax quantization of each row of ``x`` ([R, C] float32, masked columns
     0): ``(quantize_by(x, scale), scale)`` with ``scale = amax / QMAX`` [R]."""
     scale = tl.max(tl.abs(x), axis=1) / QMAX

@@ -81,7 +81,9 @@ def attend_context(
         k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         if QUANTIZED:
-            k_scale = tl.load(scale_ptrs(key_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0)
+            k_scale = tl.load(
+                scale_ptrs(key_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
+            )
             s = s * k_scale[None, :]
         s = s * qk_scale  # [M, TILE_N]
         if CAUSAL:
@@ -95,7 +97,9 @@ def attend_context(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if QUANTIZED:
-            v_scale = tl.load(scale_ptrs(value_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0)
+            v_scale = tl.load(
+                scale_ptrs(value_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
+            )
             pv = (p * v_scale[None, :]).to(DOT_DTYPE)
         else:
             pv = p.to(v.dtype).to(DOT_DTYPE)

@@ -72,7 +72,9 @@ def _store_kv_kernel(
     if QUANTIZED:
         k, k_scale = quantize_rows(k.to(tl.float32), QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
         v, v_scale = quantize_rows(v.to(tl.float32), QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
-        rows = block_id * stride_cache_block + offset * stride_cache_slot + offs_h * stride_cache_head
+        rows = (
+            block_id * stride_cache_block + offset * stride_cache_slot + offs_h * stride_cache_head
+        )
         h_mask = offs_h < NUM_KV_HEADS
         tl.store(scale_ptrs(key_cache_ptr + rows, HEAD_DIM), k_scale, mask=h_mask)
         tl.store(scale_ptrs(value_cache_ptr + rows, HEAD_DIM), v_scale, mask=h_mask)

@@ -136,6 +136,7 @@ def make_plan(
         saved = blocks.body_saved_bytes if body_rows <= block_rows else 0
         saved += blocks.lm_head_saved_bytes if head_rows <= block_rows else 0
         return w_streamed - saved
+
     # int8/fp8 count their per-row scales too, as the server's pool does (kvpool/kv_dtype.py).
     k = kv_bytes_per_token(
         cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, k_dtype, dtype_bytes(k_dtype)

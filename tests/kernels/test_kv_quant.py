@@ -47,7 +47,11 @@ def fill(key_cache, value_cache, seed=0):
     k[5] = 0.0  # a zero row: scale 0, values 0
     slots = torch.arange(nb * bs)
     reference.store_kv(
-        k.to(key_cache.device), v.to(key_cache.device), key_cache, value_cache, slots.to(key_cache.device)
+        k.to(key_cache.device),
+        v.to(key_cache.device),
+        key_cache,
+        value_cache,
+        slots.to(key_cache.device),
     )
 
 
@@ -104,7 +108,9 @@ def test_reference_attention_over_a_quantized_cache_is_attention_over_its_dequan
     seq_lens = torch.tensor([1, 17, 40], dtype=torch.int32)
     q = torch.randn(3, 6, 64)
     got = reference.paged_attention_decode(q, kc, vc, block_tables, seq_lens, 0.125)
-    assert torch.equal(got, reference.paged_attention_decode(q, fk, fv, block_tables, seq_lens, 0.125))
+    assert torch.equal(
+        got, reference.paged_attention_decode(q, fk, fv, block_tables, seq_lens, 0.125)
+    )
     qsl = torch.tensor([0, 1, 5, 12], dtype=torch.int32)
     qq = torch.randn(12, 6, 64)
     got = reference.paged_attention_prefill(qq, kc, vc, block_tables, qsl, seq_lens, 0.125)
@@ -149,7 +155,9 @@ def test_triton_rope_and_store_quantizes_like_the_reference(device, dtype, src_d
     slots[::4] = -1
     slots = slots.to(device)
     q = rope_and_store_(qkv.clone(), cos, sin, kc, vc, slots, num_heads, num_kv_heads)
-    want_q = reference.rope_and_store_(qkv.clone(), cos, sin, rk, rv, slots, num_heads, num_kv_heads)
+    want_q = reference.rope_and_store_(
+        qkv.clone(), cos, sin, rk, rv, slots, num_heads, num_kv_heads
+    )
     if device.type == "cpu":  # the rotation is bitwise torch's (test_rope_and_store.py)
         assert torch.equal(q, want_q)
     assert_same_cache(kc, rk, device)
@@ -244,7 +252,9 @@ def test_cpu_rope_and_store_quantizes_like_the_reference(ops):
     slots[::6] = -1
     got_qkv = qkv.clone()
     ops.rope_and_store_(got_qkv, cos, sin, kc, vc, slots, num_heads, num_kv_heads)
-    want_q = reference.rope_and_store_(qkv.clone(), cos, sin, rk, rv, slots, num_heads, num_kv_heads)
+    want_q = reference.rope_and_store_(
+        qkv.clone(), cos, sin, rk, rv, slots, num_heads, num_kv_heads
+    )
     q = got_qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
     torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)  # C++ may fuse multiply-adds
     for got, want in ((kc, rk), (vc, rv)):
