@@ -56,6 +56,9 @@ class QualityResult:
     max_abs_logprob_diff: float
     greedy_prefix: list[int]  # common-prefix length with auto, per prompt
     greedy_agreement: float  # mean prefix / tokens
+    # auto's top-2 log-probability margin where each diverging prompt diverged: a small one
+    # is a near-tie that any perturbation of the arithmetic may flip
+    divergence_margins: list[float]
 
 
 @dataclass(slots=True)
@@ -122,6 +125,7 @@ def target_logprobs(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
 
 def quality(args: argparse.Namespace) -> list[QualityResult]:
     runs: dict[str, tuple[torch.Tensor, list[list[int]], int]] = {}
+    margins: list[list[float]] = []  # auto's top-2 margin per prompt and position
     for kv in ["auto", *args.dtypes]:
         llm = make_llm(kv, args, num_kv_blocks=256)
         tok = llm.tokenizer
@@ -131,8 +135,12 @@ def quality(args: argparse.Namespace) -> list[QualityResult]:
             for t in PROMPT_TOPICS[: args.prompts]
         ]
         lp = target_logprobs(llm, passage, args.chunk)
-        params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=2
+        )
         outs = llm.generate(prompts, params)
+        if kv == "auto":
+            margins = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs]
         runs[kv] = (lp, [o.token_ids for o in outs], llm.engine.kv_capacity.bytes_per_token)
         print(f"# {kv}: backend {llm.engine.attention_backend}, {len(passage)} passage tokens")
     base_lp, base_tokens, _ = runs["auto"]
@@ -152,6 +160,9 @@ def quality(args: argparse.Namespace) -> list[QualityResult]:
                 max_abs_logprob_diff=float(diff.max()),
                 greedy_prefix=prefix,
                 greedy_agreement=sum(prefix) / (len(prefix) * args.tokens),
+                divergence_margins=[
+                    round(m[n], 4) for m, n in zip(margins, prefix, strict=True) if n < args.tokens
+                ],
             )
         )
     return results
@@ -234,15 +245,17 @@ def main(argv: list[str] | None = None) -> int:
         report["quality"] = [asdict(r) for r in q]
         print(
             "| KV dtype | bytes/token | perplexity | vs auto | mean abs Δ logprob | max | "
-            f"greedy prefix agreement (first {args.tokens}) | per prompt |"
+            f"greedy prefix agreement (first {args.tokens}) | per prompt | auto's top-2 margin "
+            "where they diverge |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in q:
             print(
                 f"| {r.kv_cache_dtype} | {r.bytes_per_token} | {r.perplexity:.4f} | "
                 f"{r.perplexity_change:+.3%} | {r.mean_abs_logprob_diff:.4f} | "
                 f"{r.max_abs_logprob_diff:.3f} | {r.greedy_agreement:.1%} | "
-                f"{' '.join(map(str, r.greedy_prefix))} |"
+                f"{' '.join(map(str, r.greedy_prefix))} | "
+                f"{' '.join(map(str, r.divergence_margins)) or '-'} |"
             )
     if args.throughput:
         t = throughput(args)
