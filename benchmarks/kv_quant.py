@@ -198,6 +198,12 @@ def throughput(args: argparse.Namespace) -> list[ThroughputResult]:
             for out in engine.step():
                 out_tokens += len(out.new_token_ids)
             running.append(len(engine.scheduler.running))
+            if args.progress and len(running) % 100 == 0:
+                print(
+                    f"# {kv}: step {len(running)}, {out_tokens} output tokens, "
+                    f"{time.perf_counter() - t0:.0f} s",
+                    flush=True,
+                )
         wall = time.perf_counter() - t0
         total = out_tokens + args.num_requests * args.prompt_tokens
         results.append(
@@ -234,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kv-cache-memory", type=int, default=300 * 2**20, help="bytes")
+    p.add_argument("--progress", action="store_true", help="a line every 100 steps")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
