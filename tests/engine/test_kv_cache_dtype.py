@@ -23,6 +23,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.llm import CompletionOutput
 from kvpool.config import KVPoolConfig
+from kvpool.storage import size_kv_cache
 from server.config import ServingConfig
 from tests.engine.conftest import make_tiny_llama
 from tests.engine.parity import Reference, assert_parity
@@ -100,6 +101,26 @@ def test_int8_holds_at_least_3_5x_the_tokens_of_float32(model_path):
     # the tensors hold what the capacity counts, scales included
     storage = int8.engine.storage
     assert sum(t.numel() * t.element_size() for t in storage.raw_caches) == capacity.total_bytes
+
+
+@pytest.mark.parametrize(("head_dim", "ratio"), [(64, 128 / 68), (128, 256 / 132)])
+def test_bf16_capacity_ratio(head_dim, ratio):
+    """The pool's sizing for a bf16 model (device-independent arithmetic): a 4-byte scale per
+    row costs 1.88x instead of 2x at head_dim 64 (SmolLM2), 1.94x at 128 (Llama 3 8B)."""
+    budget = 1 << 30
+    sizes = {
+        kv: size_kv_cache(
+            KVPoolConfig(memory_bytes=budget, cache_dtype=kv),
+            num_layers=32,
+            num_kv_heads=8,
+            head_dim=head_dim,
+            dtype=torch.bfloat16,
+            device=torch.device("cpu"),
+        )
+        for kv in ("auto", "int8", "fp8")
+    }
+    for kv in ("int8", "fp8"):
+        assert sizes[kv].num_tokens / sizes["auto"].num_tokens == pytest.approx(ratio, rel=1e-3)
 
 
 def test_step_stats_count_the_quantized_bytes(model_path, prompts):
