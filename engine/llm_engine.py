@@ -13,9 +13,10 @@ from typing import Any
 
 from engine.builder import build_engine_parts
 from engine.config import EngineConfig
-from engine.faults import describe, execute_isolating
+from engine.faults import EngineFatalError, describe, execute_isolating
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
 from engine.stats import StepStatsRecorder
+from engine.tp_launch import launch
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
@@ -37,12 +38,18 @@ class LLMEngine:
         config: EngineConfig | None = None,
         kv_config: KVPoolConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        *,
+        exit_on_tp_failure: bool = False,
     ) -> None:
-        parts = build_engine_parts(
-            config or EngineConfig(),
-            kv_config or KVPoolConfig(),
-            scheduler_config or SchedulerConfig(),
-        )
+        """``exit_on_tp_failure``: a broken tensor-parallel group exits the process with
+        status 1 (the server); otherwise the next step raises ``EngineFatalError``."""
+        config = config or EngineConfig()
+        kv_config = kv_config or KVPoolConfig()
+        scheduler_config = scheduler_config or SchedulerConfig()
+        tp = None
+        if config.tensor_parallel_size > 1:  # rank 0: start the other ranks, join them
+            tp = launch(config, kv_config, scheduler_config, exit_on_failure=exit_on_tp_failure)
+        parts = build_engine_parts(config, kv_config, scheduler_config, tp=tp)
         self.config = parts.config
         self.device = parts.device
         self.dtype = parts.dtype
@@ -62,8 +69,14 @@ class LLMEngine:
         self.sampler = parts.sampler
         self.runner: Any = parts.runner
         self.memory = parts.memory
+        self.tp = parts.tp  # the tensor-parallel group, or None
         self._stats = StepStatsRecorder(parts.cost_model, parts.kv_capacity)
         self.last_step_stats: StepStats | None = None
+        # With latency targets: the model the scheduler sizes prefill with, calibrated here.
+        self.step_predictor = parts.step_predictor
+        # perf_counter() at the end of the last step while requests remained (the engine
+        # loop's gap before the next step counts in its decodes' inter-token latency).
+        self._busy_end: float | None = None
         if self.device.type == "cuda":
             self.warm_up(parts.max_num_batched_tokens)
 
@@ -137,6 +150,17 @@ class LLMEngine:
             self.sampler.forget(request.request_id)
         return [_output(request, [], None) for request in aborted]
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can never step again (its tensor-parallel group failed), or None.
+        Set from another thread; the engine loop polls it while idle."""
+        return self.tp.failed if self.tp is not None else None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -174,13 +198,22 @@ class LLMEngine:
         (engine/faults.py). An exception from the scheduler itself propagates.
         """
         start = time.perf_counter()
+        gap_s = start - self._busy_end if self._busy_end is not None else None
+        self._busy_end = None
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         scheduled = time.perf_counter()
+        predictor = self.step_predictor
+        features = predicted_s = None
+        if predictor is not None:
+            features = predictor.plan_features(plan)
+            predicted_s = predictor.predict_features(features)
         try:
             result = self.runner.execute(plan)
             failed: dict[str, str] = {}
+        except EngineFatalError:
+            raise
         except Exception as exc:
             logger.error(
                 "a step of %d requests failed (%s); re-running it in parts to isolate the "
@@ -202,6 +235,13 @@ class LLMEngine:
         # What the runner did not time (a failed step's re-runs, the update) is "update".
         phase_s["update"] = max(0.0, (end - scheduled) - sum(result.phase_s.values()))
         self._record_stats(plan, end - start, phase_s)
+        if predictor is not None and features is not None:
+            had_decodes = any(s.num_tokens == 1 and not s.padding for s in plan.scheduled)
+            predictor.observe(features, end - start)
+            self.scheduler.observe_step(end - start, gap_s, had_decodes)
+            self._record_target(plan, end - start, gap_s, predicted_s, had_decodes)
+        if self.scheduler.has_unfinished():
+            self._busy_end = end
         return outputs
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -236,6 +276,26 @@ class LLMEngine:
         self.last_step_stats = self._stats.record(
             plan, self.scheduler, self.kv_manager, step_time, phase_s
         )
+
+    def _record_target(
+        self,
+        plan: SchedulerOutput,
+        step_s: float,
+        gap_s: float | None,
+        predicted_s: float | None,
+        had_decodes: bool,
+    ) -> None:
+        stats = self.last_step_stats
+        decision = plan.target
+        if stats is None or decision is None:
+            return
+        stats.predicted_step_s = predicted_s
+        stats.target_budget_s = decision.budget_s
+        stats.target_prefill_cap = decision.prefill_cap
+        stats.target_ttft_boost = decision.ttft_boost
+        stats.target_conflict = decision.conflict
+        if had_decodes:
+            stats.target_met = step_s + (gap_s or 0.0) <= decision.budget_s
 
 
 def _output(request: Request, new_token_ids: list[int], logprobs: Any) -> RequestOutput:

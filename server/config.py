@@ -216,8 +216,9 @@ class ServingConfig:
         try:
             return cls.from_namespace(args)
         except ValueError as exc:  # a config's own __post_init__ check
-            parser.error(str(exc))
-            raise  # unreachable: parser.error exits
+            # One line naming the value: the flags parsed, so the usage would only bury it.
+            parser.exit(2, f"{parser.prog}: error: {exc}\n")
+            raise  # unreachable: parser.exit exits
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServingConfig:
@@ -277,6 +278,19 @@ _OPTIONS: tuple[Option, ...] = (
            _E.cuda_graph_sizes,
            "CUDA: decode batch sizes to capture a graph for, e.g. 1,2,4,8,16; auto = 1, 2, "
            "4, 8, then steps of 8 to 64 and of 16 to --max-num-seqs"),
+    Option("--tensor-parallel-size", "engine", "tensor_parallel_size", int,
+           _E.tensor_parallel_size,
+           "shard every layer over N ranks (torch.distributed: NCCL on CUDA, gloo on CPU); "
+           "the server spawns the other ranks; heads, KV heads, MLP and vocabulary that N "
+           "does not divide are padded with zero weights"),
+    Option("--nnodes", "engine", "nnodes", int, _E.nnodes,
+           "tensor parallelism over several hosts: how many (each runs N / nnodes ranks)"),
+    Option("--node-rank", "engine", "node_rank", int, _E.node_rank,
+           "this host's place among --nnodes; 0 serves HTTP, the others only run ranks"),
+    Option("--master-addr", "engine", "master_addr", str, _E.master_addr,
+           "address of node 0 for the torch.distributed rendezvous"),
+    Option("--master-port", "engine", "master_port", int, _E.master_port,
+           "port of the rendezvous on --master-addr; 0 picks a free one (one host only)"),
     # kvpool
     Option("--block-size", "kvpool", "block_size", int, DEFAULT_BLOCK_SIZE,
            "tokens per KV block (a power of two)"),
@@ -303,6 +317,19 @@ _OPTIONS: tuple[Option, ...] = (
            _P.prefill_chunk_tokens,
            "most prompt tokens per step when the prefill waiting does not fit in one "
            "(default: 512 on CPU, --max-num-batched-tokens on a GPU)"),
+    Option("--target-itl-ms", "scheduler", "target_itl_ms", optional(float), _P.target_itl_ms,
+           "inter-token latency target: each step's prefill is sized so the predicted step "
+           "stays under it while requests decode; none = no target"),
+    Option("--target-tpot-ms", "scheduler", "target_tpot_ms", optional(float),
+           _P.target_tpot_ms,
+           "time-per-output-token target, kept on average over steps; none = no target"),
+    Option("--target-ttft-ms", "scheduler", "target_ttft_ms", optional(float),
+           _P.target_ttft_ms,
+           "time-to-first-token target: grows the prefill share (within --target-itl-ms) "
+           "when queued prompts would miss it; needs an ITL or TPOT target"),
+    Option("--min-prefill-chunk-tokens", "scheduler", "min_prefill_chunk_tokens", int,
+           _P.min_prefill_chunk_tokens,
+           "with a latency target: fewest prompt tokens per step while prompts wait"),
     Option("--batching", "scheduler", "batching", str, _P.batching,
            "continuous (iteration-level), static or dynamic",
            BATCHING_MODES),
