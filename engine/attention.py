@@ -160,7 +160,11 @@ class PagedAttention:
         return q
 
     def compile_variants(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        num_heads: int,
+        query_dtype: torch.dtype,
     ) -> int:
         """Compile the decode kernel's variants before traffic meets them (triton backend;
         the others compile nothing). Returns the number of kernel calls made."""
@@ -168,7 +172,7 @@ class PagedAttention:
             return 0
         from kernels.paged_attention import compile_variants
 
-        return compile_variants(key_cache, value_cache, num_heads, self.scale)
+        return compile_variants(key_cache, value_cache, num_heads, self.scale, query_dtype)
 
     def plan(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int) -> AttentionPlan:
         """Per-step work shared by all layers (called once per forward)."""

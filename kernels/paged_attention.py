@@ -342,13 +342,15 @@ def compile_variants(
     value_cache: torch.Tensor,
     num_heads: int,
     scale: float,
+    query_dtype: torch.dtype,
 ) -> int:
-    """Compile every variant ``paged_attention_decode`` can meet with these caches: unsplit,
+    """Compile every variant ``paged_attention_decode`` can meet with these caches and
+    queries of ``query_dtype`` (the model's dtype; the cache may hold 8-bit rows): unsplit,
     and split with each power-of-two bound on the split count. Runs one sequence of one
     token over block 0 (the caches are only read). Returns the number of calls made."""
     _, block_size, _, head_dim = key_cache.shape
     device = key_cache.device
-    query = torch.zeros((1, num_heads, head_dim), dtype=key_cache.dtype, device=device)
+    query = torch.zeros((1, num_heads, head_dim), dtype=query_dtype, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     # 1 (unsplit), then the least count of each power-of-two bound: 2, 3, 5, 9, 17.
     counts = [1] + [2**i // 2 + 1 for i in range(1, MAX_SPLITS.bit_length())]
