@@ -107,7 +107,10 @@ class LLMEngine:
         # Split counts follow the batch size and context width, which the prompts above
         # cover only in part.
         variants = self.model.attention.compile_variants(
-            self.storage.key_caches[0], self.storage.value_caches[0], self.model_config.num_heads
+            self.storage.key_caches[0],
+            self.storage.value_caches[0],
+            self.model_config.num_heads,
+            self.dtype,
         )
         self.last_step_stats = None
         elapsed = time.perf_counter() - start

@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_attention_inputs, next_power_of_2, num_compute_units
+from kernels import kv_quant
+from kernels._common import (
+    attention_dtype,
+    check_attention_inputs,
+    next_power_of_2,
+    num_compute_units,
+)
 from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
 
@@ -98,6 +104,7 @@ def _paged_attention_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -132,6 +139,7 @@ def _paged_attention_decode_kernel(
         ctx_start, ctx_end, qk_scale, 0, stride_cache_block, stride_cache_slot,
         M=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE,
         TILE_N=TILE_N, CAUSAL=False, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        QUANTIZED=QUANTIZED,
     )  # fmt: skip
 
     # An empty split (context shorter than this split's start) or seq_len == 0 has l_i == 0:
@@ -291,7 +299,9 @@ def paged_attention_decode(
         HEAD_DIM_PAD=max(16, head_dim_pad),
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
-        **dot_args(_paged_attention_decode_kernel, key_cache.dtype),
+        # A quantized cache's values multiply in the query's dtype (kernels/kv_quant.py).
+        **dot_args(_paged_attention_decode_kernel, attention_dtype(query, key_cache)),
+        QUANTIZED=kv_quant.is_quantized(key_cache),
     )
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E)
     window = NO_WINDOW if sliding_window is None else sliding_window
@@ -341,13 +351,15 @@ def compile_variants(
     value_cache: torch.Tensor,
     num_heads: int,
     scale: float,
+    query_dtype: torch.dtype,
 ) -> int:
-    """Compile every variant ``paged_attention_decode`` can meet with these caches: unsplit,
+    """Compile every variant ``paged_attention_decode`` can meet with these caches and
+    queries of ``query_dtype`` (the model's dtype; the cache may hold 8-bit rows): unsplit,
     and split with each power-of-two bound on the split count. Runs one sequence of one
     token over block 0 (the caches are only read). Returns the number of calls made."""
     _, block_size, _, head_dim = key_cache.shape
     device = key_cache.device
-    query = torch.zeros((1, num_heads, head_dim), dtype=key_cache.dtype, device=device)
+    query = torch.zeros((1, num_heads, head_dim), dtype=query_dtype, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     # 1 (unsplit), then the least count of each power-of-two bound: 2, 3, 5, 9, 17.
     counts = [1] + [2**i // 2 + 1 for i in range(1, MAX_SPLITS.bit_length())]

@@ -266,7 +266,7 @@ def test_compile_variants_leaves_nothing_for_traffic_to_compile(paged_kv, device
     # stalls a serving step by hundreds of milliseconds on a GPU).
     kv = paged_kv([1], block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                   device=device)  # fmt: skip
-    calls = decode_module.compile_variants(kv.key_cache, kv.value_cache, 8, 0.125)
+    calls = decode_module.compile_variants(kv.key_cache, kv.value_cache, 8, 0.125, torch.float32)
     assert calls == 1 + (MAX_SPLITS.bit_length() - 1)
     if device.type != "cuda":
         return  # the interpreter compiles nothing; the calls above checked they run

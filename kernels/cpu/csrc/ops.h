@@ -24,6 +24,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
+// An int8 KV cache in the quantized layout: the values view of [blocks, block_size, kv_heads,
+// head_dim + 4] rows, each followed by its float32 scale (kernels/kv_quant.py).
+bool is_quantized_cache(const at::Tensor& cache);
 void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double scale, at::Tensor& out,
@@ -45,6 +48,7 @@ at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
 at::Tensor pack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t in_features);
+at::Tensor pack_int8(const at::Tensor& weight, const at::Tensor& scale);
 at::Tensor dequantize_panels(const at::Tensor& panels, int64_t out_features);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                         const c10::optional<at::Tensor>& bias);
