@@ -118,7 +118,13 @@ BAD_REQUESTS = [
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         400,
     ),
-    case("chat-tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
+    case(
+        "chat-tool-without-function",
+        CHAT,
+        {"messages": MSG, "tools": [{"type": "function"}]},
+        400,
+        "tools[0].function",
+    ),
     case(
         "chat-json-mode",
         CHAT,
