@@ -17,8 +17,8 @@ class StructuredOutputParams:
 
     ``kind`` is one of ``json`` (``spec``: a JSON schema's text), ``regex``, ``choice``
     (``spec``: a JSON list of the allowed strings) or ``grammar`` (``spec``: EBNF). The pair
-    is the grammar cache's key, so equal schemas should be spelled alike (the server
-    serialises them with sorted keys).
+    is the grammar cache's key (the server writes schemas compactly, keys in the client's
+    order, which is the order the output lists them in).
     """
 
     kind: str

@@ -53,7 +53,7 @@ class Constraint:
 
 
 def schema_spec(schema: Any, param: str) -> str:
-    """A JSON schema as the grammar cache's key: canonical text (sorted keys, compact)."""
+    """A JSON schema as the grammar cache's key: compact text."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -61,7 +61,8 @@ def schema_spec(schema: Any, param: str) -> str:
             raise invalid(f"'{param}' is not valid JSON: {exc}", param) from None
     if not isinstance(schema, dict | bool):
         raise invalid(f"'{param}' must be a JSON schema (an object)", param)
-    return _bounded(json.dumps(schema, sort_keys=True, separators=(",", ":")), param)
+    # Key order kept: the output lists properties in the order the schema gives them.
+    return _bounded(json.dumps(schema, separators=(",", ":")), param)
 
 
 def _bounded(spec: str, param: str) -> str:

@@ -12,7 +12,9 @@ learn of them. ``tool_choice``:
   or several joined by ``;``, optionally after ``<|python_tag|>``);
 - ``required``: the output is constrained to a JSON array of one or more
   ``{"name", "arguments"}`` objects, each ``arguments`` following its function's
-  ``parameters`` schema;
+  ``parameters`` schema (one at most with ``parallel_tool_calls: false``). When
+  ``max_tokens`` cuts the array, the calls completed before the cut are still returned
+  (finish reason ``length``);
 - a named function: the output is constrained to that function's arguments object.
 
 So ``required`` and named choices always parse and their arguments always validate; they do
@@ -119,9 +121,10 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
     if choice in ("none", "auto"):
         return ToolPlan(tools, choice, None)
     if choice == "required":
-        schema = {
+        schema: dict[str, Any] = {
             "type": "array",
             "minItems": 1,
+            **({"maxItems": 1} if req.parallel_tool_calls is False else {}),
             "items": {
                 "anyOf": [
                     {
@@ -181,9 +184,8 @@ def parse_output(text: str, plan: ToolPlan, parser: str) -> ParsedOutput:
     if not plan.parses_calls:
         return ParsedOutput(text, [])
     if plan.choice == "required":
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError:  # cut short by max_tokens
+        items = _complete_items(text)
+        if not items:  # cut by max_tokens before the first call was complete
             return ParsedOutput(text, [])
         return ParsedOutput(None, [_call(item["name"], item["arguments"]) for item in items])
     if plan.choice != "auto":  # a named function: the text is its arguments
@@ -195,6 +197,25 @@ def parse_output(text: str, plan: ToolPlan, parser: str) -> ParsedOutput:
     if parser == "llama3_json":
         return _parse_llama3_json(text)
     return _parse_hermes(text)
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The complete elements of a JSON array, which may be cut anywhere after them."""
+    decoder = json.JSONDecoder()
+    position = text.find("[") + 1
+    if position == 0:
+        return []
+    items = []
+    while True:
+        while position < len(text) and text[position] in " \t\n,":
+            position += 1
+        if position >= len(text) or text[position] == "]":
+            return items
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
 
 
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)

@@ -85,6 +85,16 @@ def test_required_and_named_outputs_parse_without_a_parser() -> None:
     assert cut.tool_calls == [] and cut.content == '{"city": "Li'
 
 
+def test_required_keeps_the_calls_completed_before_a_cut() -> None:
+    plan = _plan(tools=[WEATHER], tool_choice="required")
+    one = '{"name": "get_weather", "arguments": {"city": "Lima"}}'
+    assert len(parse_output(f"[{one}, {one[:20]}", plan, "hermes").tool_calls) == 1
+    assert parse_output(f"[{one[:20]}", plan, "hermes").tool_calls == []
+    serial = _plan(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    assert serial.constraint is not None
+    assert json.loads(serial.constraint.params.spec)["maxItems"] == 1
+
+
 def test_tool_choice_none_and_no_tools_parse_nothing() -> None:
     assert parse_output(HERMES_CALL, _plan(tools=[WEATHER], tool_choice="none"), "hermes").content
     assert not _plan().parses_calls
