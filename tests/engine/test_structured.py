@@ -101,6 +101,20 @@ def test_hook_masks_constrained_rows_only(cache: GrammarCache) -> None:
     assert all(t < len(tok) for t in allowed)  # padding rows of the head never
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_mask_on_cuda_logits_equals_the_cpu_mask(cache: GrammarCache) -> None:
+    """The bitmask is copied to the logits' device and applied there (xgrammar's CUDA or
+    Triton kernel): the same rows get the same -inf entries as on the CPU."""
+    decoder = _decoder(cache, {"c": StructuredOutputParams("regex", "(quick|lazy) [a-z]+")})
+    requests = [_scheduled("a"), _scheduled("c"), _scheduled("b")]
+    cpu = torch.randn(3, cache.vocab_size)
+    cuda = cpu.to("cuda")
+    decoder.mask_logits(cpu, requests)
+    decoder.mask_logits(cuda, requests)
+    assert torch.equal(cuda.cpu(), cpu)
+
+
 @pytest.mark.parametrize(
     ("params", "check"),
     [
