@@ -219,6 +219,9 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.structured is not None:
+            live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
+            self.structured.check_integrity(live | set(self._awaiting_grammar))
 
     # ---- the step -------------------------------------------------------------------------
 

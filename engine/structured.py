@@ -201,6 +201,11 @@ class StructuredDecoder:
         if self._pending:
             wait_futures(list(self._pending.values()), timeout_s, "FIRST_COMPLETED")
 
+    def check_integrity(self, live_request_ids: set[str]) -> None:
+        """Every matcher and pending grammar belongs to a request still in the engine."""
+        stale = (set(self._matchers) | set(self._pending)) - live_request_ids
+        assert not stale, f"grammar state of finished requests: {sorted(stale)[:5]}"
+
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         self._pending.pop(request_id, None)

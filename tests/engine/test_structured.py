@@ -229,6 +229,7 @@ def test_a_request_waits_for_its_grammar_without_blocking_the_batch(tiny_llm: LL
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.finish_reason
+        engine.check_integrity()
     gate.result(), gate2.result()
     assert finished["plain"] == "length" and finished["parked"] in ("stop", "length")
     assert steps_while_parked >= 4  # "plain" ran to its end while "parked" waited
