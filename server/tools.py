@@ -245,8 +245,9 @@ def _parse_hermes(text: str) -> ParsedOutput:
         if call is None:  # a malformed block: the whole output stays content
             return ParsedOutput(text, [])
         calls.append(call)
-    content = text[:start].strip()
-    return ParsedOutput(content or None, calls)
+    # Only trailing space goes: a stream has already sent the content up to the call as is.
+    content = text[:start].rstrip()
+    return ParsedOutput(content if content.strip() else None, calls)
 
 
 def _parse_llama3_json(text: str) -> ParsedOutput:
