@@ -28,6 +28,7 @@ runs with measured peaks only (a smoke test of the benchmark, not a speed figure
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -41,6 +42,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.outputs import StepStats
 from planner.devices import device_for_cuda_name
 
 GIGA = 1e9
@@ -62,7 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument(
         "--sections", default="batch1,prefill,decode,offline,http",
-        help="comma-separated subset of batch1,prefill,decode,offline,http",
+        help="comma-separated subset of batch1,prefill,decode,offline,http,profile "
+        "(profile: where a batch-1 step's time goes, and the offline run step by step)",
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     return ap.parse_args(argv)
@@ -155,6 +158,146 @@ def offline_throughput(llm: LLM, num: int, prompt_len: int, output_len: int) -> 
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
     return sum(len(o.token_ids) for o in outs) / elapsed
+
+
+def _phase_means(stats: list[StepStats]) -> str:
+    keys = sorted({k for st in stats for k in st.phase_s})
+    return ", ".join(
+        f"{k} {1e3 * sum(st.phase_s.get(k, 0.0) for st in stats) / len(stats):.2f}" for k in keys
+    )
+
+
+def profile_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> dict[str, Any]:
+    """Host time per decode step of ``batch`` sequences against the time the device was
+    busy, the runner's phases, and the top ops by device and by host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = engine.model_config.vocab_size
+    # As in decode_steps: nobody may finish while the others prefill.
+    params = SamplingParams(
+        max_tokens=engine.max_model_len - context - 1, temperature=0, ignore_eos=True
+    )
+    ids = [f"profile-{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, _prompt(context, vocab, 70_000 + batch * 1000 + i), params)
+    while (
+        any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    activities = [ProfilerActivity.CPU]
+    if engine.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    stats = []
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            assert len(engine.scheduler.running) == batch, "a sequence left the batch"
+            engine.step()
+            stats.append(engine.last_step_stats)
+        _sync(engine.device)
+        wall = time.perf_counter() - t0
+    engine.abort_request(ids)
+    events = prof.key_averages()
+    busy_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events)
+    print(
+        f"profile decode, batch {batch} x {context}: host {1e3 * wall / steps:.3f} ms/step, "
+        f"device busy {busy_us / 1e3 / steps:.3f} ms/step; phases (ms) {_phase_means(stats)}",
+        flush=True,
+    )
+    for key in ("self_device_time_total", "self_cpu_time_total"):
+        top = sorted(events, key=lambda e: getattr(e, key, 0.0), reverse=True)[:12]
+        print(f"  top by {key}:", flush=True)
+        for e in top:
+            per_step_ms = getattr(e, key, 0.0) / 1e3 / steps
+            print(f"    {e.key[:70]:<70} n={e.count:<5} {per_step_ms:.3f} ms/step", flush=True)
+    return {"host_s": wall / steps, "device_busy_s": busy_us / 1e6 / steps}
+
+
+def profile_closed_loop(
+    engine: LLMEngine, concurrency: int, prompt_len: int, output_len: int, num: int
+) -> dict[str, Any]:
+    """The engine alone under a closed loop of ``concurrency`` requests (a new one as each
+    finishes, as a load generator does): step-time percentiles, and every step slower than
+    4x the median with its shape, so a stall can be told from the HTTP side's."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    added = 0
+
+    def add() -> None:
+        nonlocal added
+        prompt = _prompt(prompt_len, vocab, 90_000 + added)
+        engine.add_request(f"loop-{added}", prompt, params)
+        added += 1
+
+    for _ in range(min(concurrency, num)):
+        add()
+    steps: list[tuple[float, StepStats]] = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        if engine.last_step_stats is not None:
+            steps.append((dt, engine.last_step_stats))
+        for o in outs:
+            if o.finished and added < num:
+                add()
+    times = sorted(dt for dt, _ in steps)
+    p50, p99 = times[len(times) // 2], times[int(0.99 * (len(times) - 1))]
+    print(
+        f"closed loop c={concurrency}, {num} x {prompt_len} in / {output_len} out: "
+        f"{len(steps)} steps, step p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, "
+        f"max {times[-1] * 1e3:.2f} ms",
+        flush=True,
+    )
+    for i, (dt, st) in enumerate(steps):
+        if dt > 4 * p50:
+            print(
+                f"  slow step {i}: {dt * 1e3:.1f} ms, {st.num_prefill_tokens} prefill + "
+                f"{st.num_decode_tokens} decode tokens, {st.num_running} running; "
+                f"phases (ms) {_phase_means([st])}",
+                flush=True,
+            )
+    return {"step_p50_s": p50, "step_p99_s": p99, "step_max_s": times[-1]}
+
+
+def profile_offline(llm: LLM, num: int, prompt_len: int, output_len: int) -> dict[str, Any]:
+    """The offline run step by step: how many steps of each kind, and what each cost."""
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for i in range(num):
+        engine.add_request(f"prof-off-{i}", _prompt(prompt_len, vocab, 60_000 + i), params)
+    kinds: dict[str, list[StepStats]] = {"prefill-only": [], "mixed": [], "decode-only": []}
+    t0 = time.perf_counter()
+    tokens = 0
+    while engine.has_unfinished_requests():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        st = engine.last_step_stats
+        if st is None:
+            continue
+        kind = (
+            "decode-only" if st.num_prefill_tokens == 0
+            else "prefill-only" if st.num_decode_tokens == 0 else "mixed"
+        )  # fmt: skip
+        kinds[kind].append(st)
+    wall = time.perf_counter() - t0
+    print(f"profile offline: {tokens / wall:.0f} output tok/s over {wall:.2f} s", flush=True)
+    out = {}
+    for kind, stats in kinds.items():
+        if not stats:
+            continue
+        total = sum(st.step_time_s for st in stats)
+        rows = statistics.mean(st.num_decode_tokens + st.num_prefill_tokens for st in stats)
+        out[kind] = {"steps": len(stats), "s": total}
+        print(
+            f"  {kind:<12} {len(stats):>4} steps, {total:6.2f} s ({100 * total / wall:4.1f}%), "
+            f"{1e3 * total / len(stats):7.2f} ms/step, {rows:6.0f} tokens/step; "
+            f"phases (ms) {_phase_means(stats)}",
+            flush=True,
+        )
+    return out
 
 
 # ---- HTTP --------------------------------------------------------------------------------
@@ -338,6 +481,26 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"offline: {num} requests x {pin} in / {pout} out: {tput:.0f} output tok/s", flush=True
         )
+
+    if "profile" in sections:
+        prof: dict[str, Any] = {"batch1": profile_decode(engine, 1, 128, 32)}
+        if max_seqs >= 256:
+            prof["batch256"] = profile_decode(engine, 256, context, 8)
+        prof["closed_loop"] = profile_closed_loop(
+            engine, min(64, max_seqs), 128, tpot_tokens, 3 * min(64, max_seqs)
+        )
+        prof["offline"] = profile_offline(llm, num, pin, pout)
+        # The same engine (graphs captured, kernels compiled) with the chunk limit lifted:
+        # every step may prefill up to max_num_batched_tokens.
+        sched = engine.scheduler
+        chunk = sched.config.prefill_chunk_tokens
+        sched.config = dataclasses.replace(
+            sched.config, prefill_chunk_tokens=sched.config.max_num_batched_tokens
+        )
+        print(f"offline again, prefill chunk {chunk} -> {sched.config.prefill_chunk_tokens}:")
+        prof["offline_full_chunks"] = profile_offline(llm, num, pin, pout)
+        sched.config = dataclasses.replace(sched.config, prefill_chunk_tokens=chunk)
+        out["profile"] = prof
 
     if "http" in sections and not args.tokenizer and llm.tokenizer is None:
         print("HTTP part skipped: the model has no tokenizer (pass --tokenizer DIR)", flush=True)

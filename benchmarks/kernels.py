@@ -52,29 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import reference
-
-# Peak memory bandwidth in GB/s (1e9 bytes/s), matched by substring of the CUDA device name,
-# first match wins (so the more specific names come first). Vendor datasheet figures.
-PEAK_GBPS: list[tuple[str, float]] = [
-    ("H200", 4800.0),
-    ("H100 NVL", 3900.0),
-    ("H100 PCIe", 2000.0),
-    ("H100", 3350.0),  # SXM5 80GB HBM3
-    ("GH200", 4000.0),
-    ("B200", 8000.0),
-    ("A100-SXM4-80GB", 2039.0),
-    ("A100 80GB PCIe", 1935.0),
-    ("A100", 1555.0),  # 40GB, SXM4 and PCIe
-    ("L40S", 864.0),
-    ("L40", 864.0),
-    ("A10G", 600.0),
-    ("A10", 600.0),
-    ("L4", 300.0),
-    ("RTX 4090", 1008.0),
-    ("RTX 3090", 936.0),
-    ("V100", 900.0),
-    ("T4", 320.0),
-]
+from planner.devices import device_for_cuda_name
 
 
 @dataclass(frozen=True)
@@ -107,9 +85,9 @@ def peak_bandwidth(device: torch.device, override: float | None) -> tuple[float 
         return override, "--peak-gbps"
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, gbps in PEAK_GBPS:
-            if key in name:
-                return gbps, f"table entry {key!r}"
+        entry = device_for_cuda_name(name)
+        if entry is not None:
+            return entry.memory_bandwidth / 1e9, f"device table: {entry.description}"
         return None, f"unknown device {name!r}: pass --peak-gbps"
     return measure_copy_bandwidth(), "measured (256 MiB tensor copy, read + write)"
 

@@ -145,6 +145,17 @@ class PagedAttention:
         self.store(k, v.view(t, num_kv_heads, head_dim), key_cache, value_cache, slot_mapping)
         return q
 
+    def compile_variants(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int
+    ) -> int:
+        """Compile the decode kernel's variants before traffic meets them (triton backend;
+        the others compile nothing). Returns the number of kernel calls made."""
+        if self.backend != "triton":
+            return 0
+        from kernels.paged_attention import compile_variants
+
+        return compile_variants(key_cache, value_cache, num_heads, self.scale)
+
     def plan(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int) -> AttentionPlan:
         """Per-step work shared by all layers (called once per forward)."""
         nd = meta.num_decodes

@@ -178,6 +178,7 @@ def build_engine_parts(
 ) -> EngineParts:
     rss_before = resident_bytes()
     device, dtype = pick_device(config)
+    scheduler_config = scheduler_config.for_device(device.type)
     dummy = config.load_format == "dummy"
     # With dummy weights --model may name a shape preset instead of a checkpoint.
     shape = preset(config.model) if dummy else None

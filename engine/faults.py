@@ -97,4 +97,3 @@ def execute_isolating(
         # have been the cause, so the live rows are tried once more on their own first.
         run(rows, error if len(rows) == len(out.scheduled) else None)
     return merged, failed
-

@@ -22,7 +22,6 @@ from engine.outputs import TokenLogprob
 from kvpool.config import KVPoolConfig
 from scheduler.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    DEFAULT_PREFILL_CHUNK_TOKENS,
     SchedulerConfig,
 )
 from scheduler.request import SamplingParams
@@ -55,7 +54,7 @@ class LLM:
         num_kv_blocks: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
+        prefill_chunk_tokens: int | None = None,
         batching: str = "continuous",
         block_allocation: str = "optimistic",
         batch_wait_ms: float = 50.0,

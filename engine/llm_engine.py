@@ -101,9 +101,17 @@ class LLMEngine:
                 self.add_request(f"warmup-{g}-{i}", ids, params)
             while self.has_unfinished_requests():
                 self.step()
+        # Split counts follow the batch size and context width, which the prompts above
+        # cover only in part.
+        variants = self.model.attention.compile_variants(
+            self.storage.key_caches[0], self.storage.value_caches[0], self.model_config.num_heads
+        )
         self.last_step_stats = None
         elapsed = time.perf_counter() - start
-        logger.info("warm-up: %d prompts, alone and together, in %.1f s", len(lengths), elapsed)
+        logger.info(
+            "warm-up: %d prompts, alone and together, and %d attention variants, in %.1f s",
+            len(lengths), variants, elapsed,
+        )  # fmt: skip
         return elapsed
 
     # ---- requests -------------------------------------------------------------------------

@@ -53,7 +53,16 @@ NUM_STAGES = 3
 TILE_N = 64  # context tokens per loop iteration
 
 
-@triton.jit
+# Triton compiles a variant per value class (== 1, divisible by 16) of every integer argument
+# and per 16-byte alignment of every pointer. Arguments that change from step to step (the
+# split size, the strides of the split scratch, the block-table width) are not specialised:
+# otherwise a server meets new variants under load and stalls a step for each compile.
+@triton.jit(
+    do_not_specialize=(
+        "tokens_per_split", "stride_out_seq", "stride_out_head", "stride_out_split",
+        "stride_lse_seq", "stride_lse_head", "stride_block_tables_seq",
+    ),
+)  # fmt: skip
 def _paged_attention_decode_kernel(
     # no split: [num_seqs, num_heads, head_dim]
     # split:    [num_seqs, num_heads, num_splits, head_dim] fp32, normalised per split
@@ -135,7 +144,12 @@ def _paged_attention_decode_kernel(
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=(
+        "num_splits", "stride_partial_seq", "stride_partial_head", "stride_lse_seq",
+        "stride_lse_head",
+    ),
+)  # fmt: skip
 def _reduce_splits_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim]
     partial_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] fp32, normalised per split
@@ -147,8 +161,8 @@ def _reduce_splits_kernel(
     stride_partial_split: tl.int64,
     stride_lse_seq: tl.int64,
     stride_lse_head: tl.int64,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    num_splits,
+    SPLITS_PAD: tl.constexpr,  # next power of two of num_splits: one variant per power
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
 ):
@@ -156,7 +170,7 @@ def _reduce_splits_kernel(
     head = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
 
     lse = tl.load(
@@ -305,9 +319,35 @@ def paged_attention_decode(
         out.stride(0), out.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
-        NUM_SPLITS=num_splits,
+        num_splits,
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
     )  # fmt: skip
     return out
+
+
+def compile_variants(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    num_heads: int,
+    scale: float,
+) -> int:
+    """Compile every variant ``paged_attention_decode`` can meet with these caches: unsplit,
+    and split with each power-of-two bound on the split count. Runs one sequence of one
+    token over block 0 (the caches are only read). Returns the number of calls made."""
+    _, block_size, _, head_dim = key_cache.shape
+    device = key_cache.device
+    query = torch.zeros((1, num_heads, head_dim), dtype=key_cache.dtype, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    # 1 (unsplit), then the least count of each power-of-two bound: 2, 3, 5, 9, 17.
+    counts = [1] + [2**i // 2 + 1 for i in range(1, MAX_SPLITS.bit_length())]
+    for num_splits in counts:
+        context = num_splits * TILE_N
+        width = triton.cdiv(context, block_size)
+        tables = torch.zeros((1, width), dtype=torch.int32, device=device)
+        paged_attention_decode(
+            query, key_cache, value_cache, tables, seq_lens, scale,
+            num_splits=num_splits, max_context_len=context,
+        )  # fmt: skip
+    return len(counts)

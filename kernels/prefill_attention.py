@@ -66,7 +66,13 @@ def _find_seq(
     return lo - 1
 
 
-@triton.jit
+# Not specialised (see kernels/paged_attention.py): the batch's sequence count and
+# block-table width change every step, and a mixed step passes the prefill rows' block
+# tables and lengths as views at an offset whose alignment changes with the decode count.
+@triton.jit(
+    do_not_specialize=("num_seqs", "stride_block_tables_seq"),
+    do_not_specialize_on_alignment=("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"),
+)
 def _paged_attention_prefill_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]

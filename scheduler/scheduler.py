@@ -82,7 +82,7 @@ class Scheduler:
         clock: the time source of admission windows and timestamps; requests'
             ``arrival_time`` must be on the same clock (tests inject a fake one).
         """
-        self.config = config
+        self.config = config.for_device("cpu")
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.clock = clock

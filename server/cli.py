@@ -7,6 +7,7 @@ torch through the server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -69,6 +70,8 @@ def serve(config: ServingConfig) -> int:
     logger.info("CPU threads: %d (%s)", threads, source)
     logger.info("loading model %r (%s)", config.engine.model, config.engine)
     engine = on_worker_thread(LLMEngine, config.engine, config.kvpool, config.scheduler)
+    # The engine resolved the device's defaults (the prefill chunk): report those.
+    config = dataclasses.replace(config, scheduler=engine.scheduler.config)
     block_size = config.kvpool.block_size
     num_tokens = engine.num_total_blocks * block_size
     logger.info(

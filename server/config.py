@@ -304,7 +304,8 @@ _OPTIONS: tuple[Option, ...] = (
            "most tokens computed in one step; prefill work that fits goes in one step"),
     Option("--prefill-chunk-tokens", "scheduler", "prefill_chunk_tokens", int,
            _P.prefill_chunk_tokens,
-           "most prompt tokens per step when the prefill waiting does not fit in one"),
+           "most prompt tokens per step when the prefill waiting does not fit in one "
+           "(default: 512 on CPU, --max-num-batched-tokens on a GPU)"),
     Option("--batching", "scheduler", "batching", str, _P.batching,
            "continuous (iteration-level), static or dynamic",
            BATCHING_MODES),

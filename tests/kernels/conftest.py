@@ -242,22 +242,18 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
     ),
     "reduce_splits": (
         "kernels.paged_attention", "_reduce_splits_kernel",
-        dict(out_ptr="*bf16", partial_out_ptr="*fp32", lse_ptr="*fp32"),
-        dict(NUM_SPLITS=5, SPLITS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128),
+        dict(out_ptr="*bf16", partial_out_ptr="*fp32", lse_ptr="*fp32", num_splits="i32"),
+        dict(SPLITS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128),
     ),
-    # num_seqs == 1 is specialised by Triton to a constexpr, and it seeds a loop-carried
-    # variable of the binary search: build that variant too.
-    **{
-        f"prefill_num_seqs={num_seqs}": (
-            "kernels.prefill_attention", "_paged_attention_prefill_kernel",
-            dict(_BF16_ATTENTION_ARGS, out_ptr="*bf16", query_start_loc_ptr="*i32",
-                 **({"num_seqs": "i32"} if num_seqs is None else {})),
-            dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, HEAD_DIM=64,
-                 HEAD_DIM_PAD=64, BLOCK_SIZE=16, TILE_N=64, DOT_DTYPE="tl.bfloat16",
-                 DOT_PRECISION="tf32", **({} if num_seqs is None else {"num_seqs": num_seqs})),
-        )
-        for num_seqs in (None, 1)
-    },
+    # num_seqs is not specialised (kernels/prefill_attention.py), so one variant serves
+    # every batch, one sequence included.
+    "prefill": (
+        "kernels.prefill_attention", "_paged_attention_prefill_kernel",
+        dict(_BF16_ATTENTION_ARGS, out_ptr="*bf16", query_start_loc_ptr="*i32", num_seqs="i32"),
+        dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, HEAD_DIM=64,
+             HEAD_DIM_PAD=64, BLOCK_SIZE=16, TILE_N=64, DOT_DTYPE="tl.bfloat16",
+             DOT_PRECISION="tf32"),
+    ),
 }  # fmt: skip
 
 _COMPILE_SCRIPT = r"""

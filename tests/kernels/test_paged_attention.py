@@ -236,3 +236,35 @@ class TestChooseNumSplits:
 def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors[build] is None, sm90_build_errors[build]
+
+
+def _compiled_variants() -> int | None:
+    """Kernels Triton has compiled for the decode path so far (None: not visible)."""
+    total = 0
+    for fn in (decode_module._paged_attention_decode_kernel, decode_module._reduce_splits_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            return None
+        total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
+def test_compile_variants_leaves_nothing_for_traffic_to_compile(paged_kv, device):
+    # What the engine's warm-up runs: afterwards no split count, batch size, context width
+    # or split scratch shape a decode step can meet may compile a new kernel (each compile
+    # stalls a serving step by hundreds of milliseconds on a GPU).
+    kv = paged_kv([1], block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32,
+                  device=device)  # fmt: skip
+    calls = decode_module.compile_variants(kv.key_cache, kv.value_cache, 8, 0.125)
+    assert calls == 1 + (MAX_SPLITS.bit_length() - 1)
+    if device.type != "cuda":
+        return  # the interpreter compiles nothing; the calls above checked they run
+    before = _compiled_variants()
+    if before is None:
+        pytest.skip("this Triton does not expose its kernel caches")
+    for num_seqs, num_splits in [(1, 1), (3, 2), (5, 4), (2, 7), (7, 13), (4, 21), (1, 32)]:
+        lens = [1 + (37 * i) % (num_splits * decode_module.TILE_N) for i in range(num_seqs)]
+        run_case(paged_kv, lambda a, b: None, device, seq_lens=lens, block_size=16,
+                 num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32,
+                 num_splits=num_splits)  # fmt: skip
+    assert _compiled_variants() == before
