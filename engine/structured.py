@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -163,8 +164,17 @@ class StructuredDecoder:
     Not thread-safe: only the engine thread calls it.
     """
 
-    def __init__(self, cache: GrammarCache) -> None:
+    def __init__(self, cache: GrammarCache, fill_threads: int | None = None) -> None:
+        """Args:
+        fill_threads: threads that fill the rows' bitmasks in parallel (xgrammar's C++
+            threads, without the GIL); None = the CPUs this process may use. The fill runs
+            between forward passes, when the forward's threads are idle; a row's mask
+            inside a length-bounded string can take milliseconds, so rows in parallel keep
+            a step's grammar work near that of its slowest row.
+        """
         self.cache = cache
+        self._fill_threads = fill_threads or max(1, len(os.sched_getaffinity(0)))
+        self._batch_matcher: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
         self._matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
         self._pending: dict[str, Future[CompiledEntry]] = {}  # compiling, not yet matched
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, host
@@ -229,8 +239,14 @@ class StructuredDecoder:
             bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.cache.vocab_size)
             self._bitmask = bitmask
         bitmask = bitmask[:num_rows]
-        for row in rows:
-            self._matchers[requests[row].request_id].fill_next_token_bitmask(bitmask, row)
+        matchers = [self._matchers[requests[row].request_id] for row in rows]
+        if len(rows) == 1 or self._fill_threads == 1:
+            for row, matcher in zip(rows, matchers, strict=True):
+                matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher(self._fill_threads)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         if logits.device.type != "cpu":
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(

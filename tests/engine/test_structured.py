@@ -34,8 +34,10 @@ def _scheduled(request_id: str) -> ScheduledRequest:
     )
 
 
-def _decoder(cache: GrammarCache, grammars: dict[str, StructuredOutputParams]) -> StructuredDecoder:
-    decoder = StructuredDecoder(cache)
+def _decoder(
+    cache: GrammarCache, grammars: dict[str, StructuredOutputParams], fill_threads: int = 2
+) -> StructuredDecoder:
+    decoder = StructuredDecoder(cache, fill_threads)
     for request_id, params in grammars.items():
         decoder.add(request_id, params)
         deadline = time.monotonic() + 10
@@ -99,6 +101,22 @@ def test_hook_masks_constrained_rows_only(cache: GrammarCache) -> None:
         assert "hello".startswith(piece) or "world".startswith(piece), piece
     assert torch.equal(logits[1][allowed], before[1][allowed])
     assert all(t < len(tok) for t in allowed)  # padding rows of the head never
+
+
+def test_rows_filled_in_parallel_equal_rows_filled_one_by_one(cache: GrammarCache) -> None:
+    grammars = {
+        "x": StructuredOutputParams("choice", '["hello", "world"]'),
+        "y": StructuredOutputParams("regex", "(quick|lazy) [a-z]+"),
+        "z": StructuredOutputParams("json", '{"type": "object"}'),
+    }
+    requests = [_scheduled(r) for r in ("a", "x", "y", "b", "z")]
+    logits = torch.randn(5, cache.vocab_size)
+    masked = []
+    for fill_threads in (1, 3):
+        decoder = _decoder(cache, grammars, fill_threads)
+        masked.append(decoder.mask_logits(logits.clone(), requests))
+    assert torch.equal(masked[0], masked[1])
+    assert torch.equal(masked[0][[0, 3]], logits[[0, 3]])
 
 
 @pytest.mark.gpu
