@@ -126,11 +126,11 @@ BAD_REQUESTS = [
         "tools[0].function",
     ),
     case(
-        "chat-json-mode",
+        "chat-unknown-response-format",
         CHAT,
-        {"messages": MSG, "response_format": {"type": "json_object"}},
+        {"messages": MSG, "response_format": {"type": "xml"}},
         400,
-        "response_format",
+        "response_format.type",
     ),
     case(
         "chat-top-logprobs-without-logprobs",
