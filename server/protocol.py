@@ -10,7 +10,8 @@ Unknown fields: requests keep them (``extra="allow"``) so the server can name th
 ("Unrecognized request argument supplied: foo", as OpenAI answers), or drop them with a warning
 under ``--unknown-fields ignore`` (vLLM's behaviour). A few OpenAI fields that change nothing
 for a self-hosted server are accepted and ignored on purpose: ``user``, ``store``,
-``metadata``, ``service_tier``, ``parallel_tool_calls`` (without tools). The policy covers
+``metadata``, ``service_tier``, and ``parallel_tool_calls`` on completions (chat reads it:
+server/tools.py). The policy covers
 top-level fields and ``stream_options``; extra fields inside ``messages`` are ignored, because
 the openai SDK echoes assistant messages back with fields such as ``refusal``/``annotations``.
 """
