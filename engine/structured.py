@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
 import time
@@ -43,6 +42,7 @@ from typing import Any
 
 import torch
 
+from engine.threads import usable_cpus
 from scheduler.output import ScheduledRequest
 from scheduler.request import StructuredOutputParams
 
@@ -173,7 +173,7 @@ class StructuredDecoder:
             a step's grammar work near that of its slowest row.
         """
         self.cache = cache
-        self._fill_threads = fill_threads or max(1, len(os.sched_getaffinity(0)))
+        self._fill_threads = fill_threads or usable_cpus()[0]
         self._batch_matcher: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
         self._matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
         self._pending: dict[str, Future[CompiledEntry]] = {}  # compiling, not yet matched
@@ -248,6 +248,8 @@ class StructuredDecoder:
                 self._batch_matcher = xgr.BatchGrammarMatcher(self._fill_threads)
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         if logits.device.type != "cpu":
+            # From pageable memory the copy is staged before the call returns, so the host
+            # buffer may be refilled next step.
             bitmask = bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(
             logits, bitmask, vocab_size=self.cache.vocab_size, indices=rows
