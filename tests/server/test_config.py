@@ -143,6 +143,8 @@ def test_auto_restores_none() -> None:
         ([], {"PAGEDSERVE_BATCHING": "weird"}),
         (["--kv-cache-memory", "lots"], {}),
         (["--dtype", "float64"], {}),
+        (["--tool-call-parser", "mistral"], {}),
+        (["--chat-template", "/no/such/template.jinja"], {}),
     ],
 )
 def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys) -> None:
@@ -199,3 +201,13 @@ def test_prefix_caching_switch() -> None:
     assert not ServingConfig.from_cli([], env).kvpool.enable_prefix_caching
     flag_wins = ServingConfig.from_cli(["--no-prefix-caching", "false"], env)
     assert flag_wins.kvpool.enable_prefix_caching
+
+
+def test_tool_flags_reach_the_server_config(tmp_path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}{{ tools }}")
+    c = ServingConfig.from_cli(
+        ["--chat-template", str(template)], {"PAGEDSERVE_TOOL_CALL_PARSER": "llama3_json"}
+    )
+    assert (c.server.chat_template, c.server.tool_call_parser) == (str(template), "llama3_json")
+    assert ServingConfig.from_cli([], {}).server.tool_call_parser == "hermes"
