@@ -42,6 +42,10 @@ MAX_SPEC_CHARS = 256 * 1024
 VLLM_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 ANY_JSON_OBJECT = '{"type":"object"}'
+# Longer than any schema a client means to send takes (tens of milliseconds at most), short
+# enough that a pathological one (a maxLength of 10^5 takes seconds) cannot hold a request
+# open for long. The compilation itself goes on and is cached when it finishes.
+COMPILE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +162,9 @@ def request_constraint(req: CompletionRequest | ChatCompletionRequest) -> Constr
 KIND_NAMES = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
-async def compile_constraint(grammars: Any, constraint: Constraint) -> float | None:
+async def compile_constraint(
+    grammars: Any, constraint: Constraint, timeout_s: float = COMPILE_TIMEOUT_S
+) -> float | None:
     """Compile ``constraint`` in the grammar cache's threads and wait for it without
     blocking the event loop.
 
@@ -167,8 +173,8 @@ async def compile_constraint(grammars: Any, constraint: Constraint) -> float | N
         (or being compiled for another request).
 
     Raises:
-        APIError: 400 naming the field when the compiler rejects it; 400 when the engine
-            serves no structured output (no tokenizer).
+        APIError: 400 naming the field when the compiler rejects it or takes longer than
+            ``timeout_s``; 400 when the engine serves no structured output (no tokenizer).
     """
     if grammars is None:
         raise invalid(
@@ -177,7 +183,14 @@ async def compile_constraint(grammars: Any, constraint: Constraint) -> float | N
         )
     future, started = grammars.compile(constraint.params)
     try:
-        entry = await asyncio.wrap_future(future)
+        entry = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
+    except asyncio.TimeoutError:
+        raise invalid(
+            f"'{constraint.param}' did not compile within {timeout_s:g} s; simplify it "
+            "(large maxLength, minItems or repetition counts are the usual cause)",
+            constraint.param,
+            "grammar_too_complex",
+        ) from None
     except ValueError as exc:  # GrammarError
         what = KIND_NAMES.get(constraint.params.kind, constraint.params.kind)
         raise invalid(

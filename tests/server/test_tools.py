@@ -214,6 +214,23 @@ async def test_completions_reject_bad_grammars_too(serve) -> None:
     assert "Invalid regex" in response.json()["error"]["message"]
 
 
+async def test_a_grammar_that_compiles_too_long_is_a_400() -> None:
+    from concurrent.futures import Future
+
+    from scheduler.request import StructuredOutputParams
+    from server.errors import APIError
+    from server.structured import Constraint, compile_constraint
+
+    class NeverDone:
+        def compile(self, params: StructuredOutputParams) -> tuple[Future, bool]:
+            return Future(), True
+
+    constraint = Constraint(StructuredOutputParams("regex", "a+"), "guided_regex")
+    with pytest.raises(APIError) as info:
+        await compile_constraint(NeverDone(), constraint, timeout_s=0.05)
+    assert info.value.status_code == 400 and info.value.code == "grammar_too_complex"
+
+
 async def test_a_template_without_tools_is_a_400(serve) -> None:
     s = await serve(engine=GrammarFakeEngine())  # the fake tokenizer's template: no tools
     response = await s.http.post(CHAT, json={"messages": MSG, "tools": [WEATHER]})
