@@ -6,12 +6,13 @@ by ``max_tokens`` must be a valid prefix of its grammar (checked with xgrammar's
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import jsonschema
@@ -120,8 +121,6 @@ def url(tmp_path_factory) -> Iterator[str]:
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("structured") / "server.log"
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    import os
-
     with ServerProcess(argv, port, log, env={**os.environ, **env}) as process:
         process.wait_healthy(300)
         yield process.base_url
@@ -355,7 +354,9 @@ def test_tools_required_and_named_through_the_openai_client(url: str) -> None:
 class Person(pydantic.BaseModel):
     name: str = pydantic.Field(max_length=16)
     age: int = pydantic.Field(ge=0, le=120)
-    hobbies: list[str] = pydantic.Field(max_length=2)
+    hobbies: list[Annotated[str, pydantic.StringConstraints(max_length=12)]] = pydantic.Field(
+        max_length=2
+    )
 
 
 def test_openai_parse_with_a_pydantic_model(url: str) -> None:
