@@ -9,20 +9,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from planner.compare import compare, comparison_dict
 from planner.devices import (
     DEVICE_NAMES,
     DEVICES,
+    LINKS,
     Device,
+    Link,
+    default_link,
     get_device,
+    get_link,
     physical_memory_bytes,
     with_overrides,
 )
 from planner.dtypes import KV_DTYPES, WEIGHT_DTYPES, canonical_dtype, compute_dtype
 from planner.measured import Measured, load_measured
 from planner.models import PRESETS, PlannedModel, gguf_blocks, load_model
+from planner.parallel import DEFAULT_KV_TABLE_BATCHES
+from planner.parallel_report import parallel_section, render_parallel
 from planner.plan import Plan, Workload, default_dtype, make_plan
 from planner.report import render_comparison, render_plan
 
@@ -147,9 +154,61 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with a URL: scrape twice, SECONDS apart, to measure throughput",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="plan N GPUs sharing the model by tensor parallelism: weights and KV per GPU, "
+        "all-reduce traffic per token (the fewest GPUs that fit is printed as well)",
+    )
+    p.add_argument(
+        "--link",
+        default=None,
+        choices=tuple(LINKS),
+        help="the GPU-to-GPU link the all-reduces cross (default: the device's usual one)",
+    )
+    p.add_argument(
+        "--link-gbps",
+        type=float,
+        default=None,
+        help="link bandwidth in GB/s per direction, overriding --link's figure",
+    )
+    p.add_argument(
+        "--kv-table-batches",
+        type=_int_list,
+        default=DEFAULT_KV_TABLE_BATCHES,
+        metavar="B1,B2,...",
+        help="batch sizes of the KV cache table (default "
+        f"{','.join(map(str, DEFAULT_KV_TABLE_BATCHES))})",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--list", action="store_true", help="list devices and model presets, then exit")
     return p
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def resolve_link(args: argparse.Namespace, device: Device) -> Link | None:
+    """The link TP's all-reduces cross; None on the CPU (its ranks share memory)."""
+    if device.name == "cpu":
+        return None
+    link = get_link(args.link) if args.link else default_link(device.name)
+    if args.link_gbps is not None:
+        if args.link_gbps <= 0:
+            raise ValueError(f"--link-gbps must be positive, got {args.link_gbps}")
+        link = replace(link, bandwidth=args.link_gbps * 1e9)
+    return link
 
 
 def _detect_device() -> str:
@@ -247,6 +306,9 @@ def _list_text() -> str:
             f"  {price:>9}  TFLOP/s: {peaks}"
         )
     lines.append("  cpu             measured on this machine (cached; --bandwidth-gbps/--tflops)")
+    lines.append("links (tensor-parallel all-reduces; GB/s each way):")
+    for link in LINKS.values():
+        lines.append(f"  {link.name:<19}{link.bandwidth / 1e9:>6,.1f}  {link.description}")
     lines.append("model presets: " + ", ".join(sorted(PRESETS)))
     return "\n".join(lines)
 
@@ -284,6 +346,16 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     plan = plan_for(points[0] if points else None)
     out: dict[str, Any] = plan.to_dict()
     texts = [render_plan(plan)]
+    if args.tensor_parallel_size < 1:
+        raise ValueError(
+            f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}"
+        )
+    link = resolve_link(args, device)
+    section, tp, fewest, table = parallel_section(
+        plan, model.config, device, link, args.tensor_parallel_size, args.kv_table_batches
+    )
+    out["parallel"] = section
+    texts.append(render_parallel(device, tp, fewest, table, plan.dtypes["kv"]))
     if points:
         comparisons = []
         for measured in points:

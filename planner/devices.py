@@ -171,3 +171,70 @@ def with_overrides(
     if price_per_hour is not None:
         changes["price_per_hour"] = price_per_hour
     return replace(device, **changes) if changes else device  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- GPU-to-GPU links
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """The interconnect tensor parallelism's all-reduces cross.
+
+    Attributes:
+        name: the table key, e.g. ``nvlink4``.
+        description: what it is.
+        bandwidth: bytes/s one GPU can send while it receives as much (one direction; the
+            datasheets' "900 GB/s" for NVLink 4 counts both directions). NCCL's "bus
+            bandwidth" of a ring all-reduce approaches this figure, so
+            t >= 2 (N - 1) / N * S / bandwidth for an all-reduce of S bytes over N GPUs.
+    """
+
+    name: str
+    description: str
+    bandwidth: float
+
+
+# PCIe x16 per direction: lanes x transfer rate x 128/130 encoding / 8 bits.
+# fmt: off
+LINKS: dict[str, Link] = {link.name: link for link in [
+    Link("nvlink4", "NVLink 4 (H100/H200 SXM: 18 links, 900 GB/s both directions)",
+         450 * GIGA),
+    Link("nvlink3", "NVLink 3 (A100 SXM: 12 links, 600 GB/s both directions)", 300 * GIGA),
+    Link("nvlink-bridge-h100", "NVLink bridge between two H100 PCIe (600 GB/s both directions)",
+         300 * GIGA),
+    Link("infinity-fabric", "AMD Infinity Fabric (MI300X: 7 links, 896 GB/s both directions)",
+         448 * GIGA),
+    Link("pcie5", "PCIe 5.0 x16 (32 GT/s per lane)", 63 * GIGA),
+    Link("pcie4", "PCIe 4.0 x16 (16 GT/s per lane)", 31.5 * GIGA),
+    Link("pcie3", "PCIe 3.0 x16 (8 GT/s per lane)", 15.75 * GIGA),
+]}
+# fmt: on
+
+# The link GPUs of a table entry talk over in the usual server: SXM boards through NVLink
+# switches; PCIe cards through the PCIe bus of their generation (no bridge assumed).
+DEFAULT_LINKS: dict[str, str] = {
+    "t4": "pcie3",
+    "a10": "pcie4",
+    "a10g": "pcie4",
+    "l4": "pcie4",
+    "l40s": "pcie4",
+    "a100-40gb": "nvlink3",
+    "a100-80gb": "nvlink3",
+    "a100-80gb-pcie": "pcie4",
+    "h100-sxm": "nvlink4",
+    "h100-pcie": "pcie5",
+    "h200": "nvlink4",
+    "mi300x": "infinity-fabric",
+}
+
+
+def get_link(name: str) -> Link:
+    key = name.strip().lower()
+    if key not in LINKS:
+        raise ValueError(f"unknown link {name!r}; choose one of {', '.join(LINKS)}")
+    return LINKS[key]
+
+
+def default_link(device_name: str) -> Link:
+    """The link of ``device_name``'s usual server; PCIe 4.0 for devices not in the table."""
+    return LINKS[DEFAULT_LINKS.get(device_name, "pcie4")]

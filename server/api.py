@@ -12,6 +12,9 @@ Routes::
                                 idle integrity check, and requests in flight vs capacity
     GET  /metrics               Prometheus exposition (server/metrics.py; deploy/README.md)
     GET  /version
+    GET  /get_server_info, /get_model_info, /get_load, /health_generate (and the short
+         names /server_info, /model_info): what data-parallel routers poll on a worker
+         (server/router_api.py)
     POST /tokenize, /detokenize
 
 Middleware, outermost first: CORS (only with --cors-origins), drain (SIGTERM: 503 for new
@@ -51,6 +54,7 @@ from server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.router_api import add_router_routes
 from server.shutdown import DrainMiddleware, DrainState
 from server.validation import (
     BodySizeLimitMiddleware,
@@ -92,6 +96,7 @@ def create_app(
             max_model_len=client.max_model_len,
             num_kv_blocks=client.snapshot.num_total_blocks,
             log_interval_s=config.server.stats_log_interval_s,
+            vllm_names=config.server.vllm_metric_names,
         )
     ctx = ServingContext.build(config, client, metrics)
     client.on_step = metrics.record_step
@@ -180,6 +185,8 @@ def create_app(
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": _version()}
+
+    add_router_routes(app, ctx)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

@@ -53,6 +53,10 @@ class ServerConfig:
         engine_stall_timeout_s: ``/health`` turns 503 when the engine loop has not finished
             an iteration for this long (a step that hangs), not only when its thread died.
         stats_log_interval_s: period of the throughput / KV-usage log line; 0 disables it.
+        vllm_metric_names: also export the router-facing series under vLLM's names
+            (``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ...;
+            server/metrics.py ``VLLMNamedSeries``), which llm-d's endpoint picker,
+            production-stack and autoscalers read.
         check_integrity: run the engine's ``check_integrity()`` after every step (slow;
             for tests and debugging). A violation fails the engine loop loudly.
         peak_bandwidth_gbps: peak memory bandwidth (GB/s) that MBU divides by; None = the
@@ -105,6 +109,7 @@ class ServerConfig:
     unknown_fields: str = "reject"
     engine_stall_timeout_s: float = 60.0
     stats_log_interval_s: float = 10.0
+    vllm_metric_names: bool = True
     check_integrity: bool = False
     peak_bandwidth_gbps: float | None = None
     peak_tflops: float | None = None
@@ -343,6 +348,10 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--stats-log-interval", "server", "stats_log_interval_s", float,
            _S.stats_log_interval_s,
            "seconds between throughput log lines; 0 disables"),
+    Option("--no-vllm-metrics", "server", "vllm_metric_names", parse_bool,
+           not _S.vllm_metric_names,
+           "do not export the router gauges under vLLM's names (vllm:num_requests_waiting, "
+           "vllm:kv_cache_usage_perc, ...) beside the pagedserve_* ones", negate=True),
     Option("--check-integrity", "server", "check_integrity", parse_bool, _S.check_integrity,
            "debug: check kvpool/scheduler invariants after every step (true/false)"),
     Option("--peak-bandwidth-gbps", "server", "peak_bandwidth_gbps", optional(float),

@@ -112,6 +112,9 @@ class ServerMetrics:
         num_kv_blocks: the pool size, exported before the first step.
         decode_weight_bytes: weight bytes a one-token decode step reads (engine/cost.py).
         log_interval_s: period of the summary log line; 0 disables it.
+        vllm_names: also export the router-facing series under vLLM's names
+            (``VLLMNamedSeries``), so routers and autoscalers built for vLLM read this server
+            unchanged.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class ServerMetrics:
         num_kv_blocks: int | None = None,
         decode_weight_bytes: int | None = None,
         log_interval_s: float = 10.0,
+        vllm_names: bool = True,
     ) -> None:
         self.model_name = model_name
         self.peaks = peaks
@@ -266,6 +270,17 @@ class ServerMetrics:
             peak_bandwidth.set(peaks.bandwidth)
         if peaks is not None and has_flops:
             peak_flops.set(peaks.flops)
+        block_size = (info or {}).get("block_size")
+        self.vllm: VLLMNamedSeries | None = (
+            VLLMNamedSeries(
+                registry,
+                model_name,
+                block_size=int(block_size) if block_size is not None else None,
+                num_kv_blocks=num_kv_blocks,
+            )
+            if vllm_names
+            else None
+        )
         self._utilization = UtilizationTracker(peaks)
         self.last_mbu: float | None = None
         self._stats_log = StatsLog(log_interval_s, logger)
@@ -296,6 +311,7 @@ class ServerMetrics:
             num_kv_blocks=engine.num_total_blocks,
             decode_weight_bytes=engine.decode_step_weight_bytes,
             log_interval_s=config.server.stats_log_interval_s,
+            vllm_names=config.server.vllm_metric_names,
         )
 
     def exposition(self, accept: str | None) -> tuple[bytes, str]:
@@ -328,6 +344,8 @@ class ServerMetrics:
             self._series(self._step_phase, phase).inc(seconds)
         self._record_utilization(stats)
         self._stats_log.add(stats, self.last_mbu)
+        if self.vllm is not None:
+            self.vllm.record_step(stats)
 
     def _record_utilization(self, stats: StepStats) -> None:
         step = self._utilization.add(stats)
@@ -392,6 +410,87 @@ class ServerMetrics:
         if series is None:
             series = self._bound[key] = family.labels(self.model_name, *labels)
         return series
+
+
+class VLLMNamedSeries:
+    """The series routers and autoscalers read, under vLLM's names (``vllm:...``).
+
+    The Gateway API inference extension's endpoint picker (llm-d), vLLM's production-stack
+    router and KEDA/HPA examples scrape ``/metrics`` for the "model server protocol" gauges
+    under vLLM's names; ``vllm-router`` and ``sglang-router`` poll HTTP endpoints instead
+    (server/router_api.py). Each value here is the same figure as a ``pagedserve_*`` series,
+    set from the same ``StepStats`` in the same call, so the two names never disagree:
+
+    ==========================================  =============================================
+    ``vllm:num_requests_running``               ``pagedserve_num_requests_running``
+    ``vllm:num_requests_waiting``               ``pagedserve_num_requests_waiting``
+    ``vllm:kv_cache_usage_perc`` (0-1)          ``pagedserve_kv_cache_usage_ratio``
+    ``vllm:gpu_cache_usage_perc`` (0-1)         the same; vLLM's name before v0.10, still
+                                                read by older endpoint pickers and
+                                                production-stack
+    ``vllm:prefix_cache_queries_total``         ``pagedserve_prefix_cache_queries_total``
+    ``vllm:prefix_cache_hits_total``            ``pagedserve_prefix_cache_hits_total``
+    ``vllm:gpu_prefix_cache_{queries,hits}``    the same two counters under vLLM's older names
+    ``vllm:cache_config_info``                  labels ``block_size`` and ``num_gpu_blocks``
+                                                (the endpoint picker sizes its prefix index
+                                                with them), value 1
+    ==========================================  =============================================
+
+    Prometheus allows ``:`` in metric names (``[a-zA-Z_:][a-zA-Z0-9_:]*``); by convention it
+    marks recording rules, but vLLM exports these names from ``prometheus_client`` and the
+    consumers above match them literally, so they are exported as they are. Only these
+    series are mirrored, not the histograms: nothing routes on them, and every series
+    doubled is scrape and storage cost. ``--no-vllm-metrics`` turns them off.
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        *,
+        block_size: int | None,
+        num_kv_blocks: int | None,
+    ) -> None:
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"vllm:{name}", doc, label, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"vllm:{name}", doc, label, registry=registry).labels(model_name)
+
+        # fmt: off
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent")
+        self.gpu_kv_usage = gauge("gpu_cache_usage_perc", "KV-cache usage; 1 means 100 "
+                                  "percent (vLLM's name before v0.10)")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in "
+                                      "the prefix cache")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix "
+                                   "cache")
+        self.gpu_prefix_queries = counter("gpu_prefix_cache_queries", "Prompt tokens looked "
+                                          "up in the prefix cache (vLLM's older name)")
+        self.gpu_prefix_hits = counter("gpu_prefix_cache_hits", "Prompt tokens found in the "
+                                       "prefix cache (vLLM's older name)")
+        cache_info = Gauge("vllm:cache_config_info", "KV cache configuration",
+                           ["block_size", "num_gpu_blocks"], registry=registry)
+        # fmt: on
+        cache_info.labels(
+            str(block_size) if block_size is not None else "",
+            str(num_kv_blocks) if num_kv_blocks is not None else "",
+        ).set(1)
+
+    def record_step(self, stats: StepStats) -> None:
+        usage = stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(usage)
+        self.gpu_kv_usage.set(usage)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
+        self.gpu_prefix_queries.inc(stats.prefix_cache_queries)
+        self.gpu_prefix_hits.inc(stats.prefix_cache_hits)
 
 
 def config_info(config: ServingConfig, **resolved: str) -> dict[str, str]:

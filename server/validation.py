@@ -54,6 +54,7 @@ from server.protocol import (
     ChatMessage,
     CompletionRequest,
 )
+from server.router_fields import neutral_router_fields
 from server.tools import history_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,8 @@ def check_model(requested: str | None, limits: RequestLimits) -> None:
 
 def check_unknown_fields(body: BaseModel, limits: RequestLimits) -> list[str]:
     """Reject (or, under ``--unknown-fields ignore``, return) unrecognised top-level fields."""
-    extra = sorted(set(body.model_extra or {}) - IGNORED_OPENAI_FIELDS)
+    given = body.model_extra or {}
+    extra = sorted(set(given) - IGNORED_OPENAI_FIELDS - neutral_router_fields(given))
     options = getattr(body, "stream_options", None)
     if isinstance(options, BaseModel):  # e.g. vLLM's continuous_usage_stats: not supported
         extra += [f"stream_options.{name}" for name in sorted(options.model_extra or {})]

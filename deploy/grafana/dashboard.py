@@ -196,6 +196,25 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ("{{batching}} batching, {{dtype}} on {{device}}", f"pagedserve_config_info{{{SEL}}}"),
         ), "Batching mode, dtype and device (pagedserve_config_info).", kind="stat"),
     )),
+    # One series per scraped server (`instance`): how a router spreads the load over
+    # replicas (docker-compose.replicas.yml); a single server shows one line each.
+    ("Replicas", (
+        PanelSpec("Requests finished per replica", "reqps", (
+            ("{{instance}}", rate_sum("pagedserve_requests_finished_total", by="instance")),
+        ), "Requests finished per second on each replica.", width=6),
+        PanelSpec("Requests in each replica", "short", (
+            ("{{instance}}", f"sum by (instance) (pagedserve_num_requests_running{{{SEL}}} "
+                             f"+ pagedserve_num_requests_waiting{{{SEL}}})"),
+        ), "Running + waiting requests per replica: what a router balances.", width=6),
+        PanelSpec("KV cache usage per replica", "percentunit", (
+            ("{{instance}}", f"max by (instance) (pagedserve_kv_cache_usage_ratio{{{SEL}}})"),
+        ), width=6, soft_max=1),
+        PanelSpec("Prefix-cache hit rate per replica", "percentunit", (
+            ("{{instance}}", rate_sum("pagedserve_prefix_cache_hits_total", by="instance") + " / "
+                             + rate_sum("pagedserve_prefix_cache_queries_total", by="instance")),
+        ), "Prompt tokens found cached / looked up, per replica: a prefix-aware router keeps "
+           "requests that share a prefix on the replica that holds it.", width=6, soft_max=1),
+    )),
 )  # fmt: skip
 
 

