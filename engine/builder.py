@@ -38,6 +38,8 @@ from engine.model_runner import ModelRunner
 from engine.presets import preset
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
+from engine.tensor_parallel import TPLayout, check_shardable, shard_model
+from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
 from kvpool.manager import KVCacheManager
@@ -137,6 +139,8 @@ class EngineParts:
     runner: ModelRunner
     memory: MemoryReport
     max_num_batched_tokens: int  # the largest step the scheduler plans (the warm-up's)
+    tp: TensorParallelGroup | None = None  # this process's tensor-parallel group
+    tp_layout: TPLayout | None = None  # what each rank holds, with any padding
 
 
 def pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -174,8 +178,14 @@ def load_model(
 
 
 def build_engine_parts(
-    config: EngineConfig, kv_config: KVPoolConfig, scheduler_config: SchedulerConfig
+    config: EngineConfig,
+    kv_config: KVPoolConfig,
+    scheduler_config: SchedulerConfig,
+    *,
+    tp: TensorParallelGroup | None = None,
 ) -> EngineParts:
+    """``tp``: this process's tensor-parallel group, joined (engine/tp_launch.py); the model
+    is sharded to its rank. Needed when ``config.tensor_parallel_size`` > 1."""
     rss_before = resident_bytes()
     device, dtype = pick_device(config)
     scheduler_config = scheduler_config.for_device(device.type)
@@ -196,8 +206,29 @@ def build_engine_parts(
 
     t0 = time.perf_counter()
     backend = resolve_backend(config.attention_backend, device, dtype, mc)
+    if config.tensor_parallel_size > 1 or tp is not None:
+        check_shardable(mc)
+        if tp is None:
+            raise ValueError("tensor_parallel_size > 1 needs the group: engine/tp_launch.py")
+        if device.type == "cuda":
+            device = torch.device("cuda", tp.local_rank)
+            torch.cuda.set_device(device)
     checkpoint = None if dummy or resolved is None else resolved.path
-    model = load_model(checkpoint, mc, backend, max_model_len, device, dtype, seed=config.seed)
+    layout = None
+    num_kv_heads = mc.num_kv_heads
+    if tp is None:
+        model = load_model(checkpoint, mc, backend, max_model_len, device, dtype, seed=config.seed)
+    else:
+        # Loaded whole on the host, sharded, and only the shard moves to the device.
+        host = torch.device("cpu")
+        model = load_model(checkpoint, mc, backend, max_model_len, host, dtype, seed=config.seed)
+        layout = shard_model(model, tp.device_group)
+        if device.type != "cpu":
+            model = model.to(device)
+            model.rope = RotaryEmbedding(mc, max_model_len, device)
+        num_kv_heads = layout.num_local_kv_heads
+        if tp.rank == 0:
+            logger.info("%s", layout.describe())
     # The cpu attention backend brings the fused C++ stack along (engine/backends/cpu.py);
     # every other one runs the model's own forward.
     forward: ModelForward = model
@@ -205,7 +236,13 @@ def build_engine_parts(
     matmul_weights = str(dtype).removeprefix("torch.")  # "gguf" when GGUF blocks serve
     packed_bytes = block_bytes = dropped_bytes = 0
     cpu_ops = cpu_kernels.load() if backend == "cpu" else None
-    if cpu_ops is not None:
+    if cpu_ops is not None and tp is not None and tp.rank == 0:
+        logger.info(
+            "tensor parallel on the CPU: the fused C++ decoder stack runs a whole layer in "
+            "one call, with no point for the all-reduce between attention and MLP, so each "
+            "rank runs the model's own layers (torch matmuls, C++ paged attention)"
+        )
+    if cpu_ops is not None and tp is None:
         gguf = None
         if config.matmul_weights == "gguf" and checkpoint is not None and resolved is not None:
             gguf = resolved.gguf
@@ -239,7 +276,8 @@ def build_engine_parts(
         time.perf_counter() - t0,
     )
 
-    use_graphs = device.type == "cuda" and not config.enforce_eager
+    # Decode graphs would capture the collectives too; TP steps run eagerly for now.
+    use_graphs = device.type == "cuda" and not config.enforce_eager and tp is None
     graph_sizes = [
         size
         for size in config.cuda_graph_sizes or default_graph_sizes(scheduler_config.max_num_seqs)
@@ -259,15 +297,22 @@ def build_engine_parts(
     capacity = size_kv_cache(
         kv_config,
         num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=mc.head_dim,
         dtype=dtype,
         device=device,
     )
+    if tp is not None:
+        # Rank 0's scheduler hands out block ids for every rank's pool: all pools get the
+        # smallest count any rank can hold.
+        count = torch.tensor([capacity.num_blocks], dtype=torch.int64)
+        torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MIN, group=tp.plan_group)
+        if int(count) != capacity.num_blocks:
+            capacity = dataclasses.replace(capacity, num_blocks=int(count))
     storage = KVCacheStorage(
         capacity,
         num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=mc.head_dim,
         dtype=dtype,
         device=device,
@@ -286,6 +331,8 @@ def build_engine_parts(
     scheduler = Scheduler(scheduler_config, kv_manager, max_model_len)
     sampler = Sampler(config.seed, device, cpu_ops.argmax_rows if cpu_ops is not None else None)
     runner = ModelRunner(forward, storage, sampler, device)
+    if tp is not None and tp.rank == 0:
+        runner = TensorParallelRunner(runner, tp)
     if use_graphs:
         runner.graphs = DecodeGraphs(
             forward,
@@ -297,6 +344,12 @@ def build_engine_parts(
         )
         runner.graphs.capture_all()
 
+    if tp is not None:
+        # Every rank is built once this returns; from then on an idle rank 0 sends
+        # heartbeats (engine/tp_group.py).
+        torch.distributed.barrier(group=tp.plan_group)
+        if tp.rank == 0:
+            tp.start_heartbeat()
     release_freed_heap()
     memory = MemoryReport(
         rss=resident_bytes() if device.type == "cpu" else 0,  # else the parts are on the GPU
@@ -329,4 +382,6 @@ def build_engine_parts(
         runner=runner,
         memory=memory,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+        tp=tp,
+        tp_layout=layout,
     )

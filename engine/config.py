@@ -181,6 +181,14 @@ class EngineConfig:
             Python (engine/cuda_graphs.py).
         cuda_graph_sizes: the batch sizes to capture a decode graph for; None picks
             1, 2, 4, 8, then steps of 8 up to 64 and of 16 up to ``max_num_seqs``.
+        tensor_parallel_size: ranks each layer is sharded over (engine/tensor_parallel.py);
+            rank 0 schedules and samples, the others follow its step plan
+            (engine/tp_group.py, engine/tp_launch.py). 1: no sharding, no process group.
+        nnodes, node_rank, master_addr, master_port: the torch.distributed rendezvous of a
+            tensor-parallel group over several hosts (each host runs
+            ``tensor_parallel_size // nnodes`` ranks; node 0 serves HTTP). On one host
+            master_port 0 picks a free port. torchrun's RANK/WORLD_SIZE/MASTER_ADDR/
+            MASTER_PORT, when set, take their place.
     """
 
     model: str = "default"
@@ -194,8 +202,26 @@ class EngineConfig:
     tokenizer: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
+            )
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"nnodes must divide tensor_parallel_size ({self.tensor_parallel_size} ranks "
+                f"over {self.nnodes} nodes)"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("a tensor-parallel group over several nodes needs --master-port")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.matmul_weights not in ("gguf", "float32"):

@@ -41,6 +41,12 @@ from scheduler.output import ScheduledRequest, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+class EngineFatalError(RuntimeError):
+    """A failure that is nobody's request: the engine cannot run another step (a
+    tensor-parallel rank is gone, engine/tp_group.py). Never isolated nor retried; it
+    propagates out of ``LLMEngine.step()`` and stops the engine loop."""
+
+
 class Runner(Protocol):
     """What fault isolation needs of a runner: ``ModelRunner``, or a test's wrapper of it."""
 

@@ -64,6 +64,7 @@ class LLM:
         tokenizer: str | None = None,
         enforce_eager: bool = False,
         cuda_graph_sizes: tuple[int, ...] | None = None,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.engine = LLMEngine(
             EngineConfig(
@@ -78,6 +79,7 @@ class LLM:
                 tokenizer=tokenizer,
                 enforce_eager=enforce_eager,
                 cuda_graph_sizes=cuda_graph_sizes,
+                tensor_parallel_size=tensor_parallel_size,
             ),
             KVPoolConfig(
                 block_size=block_size,
@@ -96,6 +98,10 @@ class LLM:
             ),
         )
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now, not at interpreter exit."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer, or None

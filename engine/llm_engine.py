@@ -14,10 +14,11 @@ from typing import Any
 
 from engine.builder import build_engine_parts
 from engine.config import EngineConfig
-from engine.faults import describe, execute_isolating
+from engine.faults import EngineFatalError, describe, execute_isolating
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
 from engine.stats import StepStatsRecorder
 from engine.structured import GrammarCache, GrammarError, StructuredDecoder
+from engine.tp_launch import launch
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
@@ -39,12 +40,18 @@ class LLMEngine:
         config: EngineConfig | None = None,
         kv_config: KVPoolConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        *,
+        exit_on_tp_failure: bool = False,
     ) -> None:
-        parts = build_engine_parts(
-            config or EngineConfig(),
-            kv_config or KVPoolConfig(),
-            scheduler_config or SchedulerConfig(),
-        )
+        """``exit_on_tp_failure``: a broken tensor-parallel group exits the process with
+        status 1 (the server); otherwise the next step raises ``EngineFatalError``."""
+        config = config or EngineConfig()
+        kv_config = kv_config or KVPoolConfig()
+        scheduler_config = scheduler_config or SchedulerConfig()
+        tp = None
+        if config.tensor_parallel_size > 1:  # rank 0: start the other ranks, join them
+            tp = launch(config, kv_config, scheduler_config, exit_on_failure=exit_on_tp_failure)
+        parts = build_engine_parts(config, kv_config, scheduler_config, tp=tp)
         self.config = parts.config
         self.device = parts.device
         self.dtype = parts.dtype
@@ -64,6 +71,7 @@ class LLMEngine:
         self.sampler = parts.sampler
         self.runner: Any = parts.runner
         self.memory = parts.memory
+        self.tp = parts.tp  # the tensor-parallel group, or None
         self._stats = StepStatsRecorder(parts.cost_model, parts.kv_capacity)
         # Structured output (engine/structured.py): the grammar cache is shared with the
         # server, which compiles a request's grammar before queueing it; the decoder and the
@@ -201,6 +209,17 @@ class LLMEngine:
         if self.structured is not None:
             self.structured.remove(request_id)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can never step again (its tensor-parallel group failed), or None.
+        Set from another thread; the engine loop polls it while idle."""
+        return self.tp.failed if self.tp is not None else None
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._awaiting_grammar)
 
@@ -251,6 +270,8 @@ class LLMEngine:
         try:
             result = self.runner.execute(plan)
             failed: dict[str, str] = {}
+        except EngineFatalError:
+            raise
         except Exception as exc:
             logger.error(
                 "a step of %d requests failed (%s); re-running it in parts to isolate the "

@@ -8,7 +8,9 @@ torch through the server.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -68,8 +70,24 @@ def serve(config: ServingConfig) -> int:
     configure_logging(config.server.log_level)
     threads, source = configure_threads(config.server.num_threads)
     logger.info("CPU threads: %d (%s)", threads, source)
+    worker_status = serve_tensor_parallel_worker(config)
+    if worker_status is not None:
+        return worker_status
     logger.info("loading model %r (%s)", config.engine.model, config.engine)
-    engine = on_worker_thread(LLMEngine, config.engine, config.kvpool, config.scheduler)
+    engine = on_worker_thread(
+        functools.partial(LLMEngine, exit_on_tp_failure=True),
+        config.engine,
+        config.kvpool,
+        config.scheduler,
+    )
+    if engine.tokenizer is None:
+        # The HTTP API returns text, so it cannot serve a model without a tokenizer (a shape
+        # preset with dummy weights has none); the offline LLM takes token ids instead.
+        engine.shutdown()
+        raise ModelError(
+            f"model {config.engine.model!r} has no tokenizer to serve text with: pass "
+            "--tokenizer DIR (a directory with tokenizer.json / tokenizer_config.json)"
+        )
     # The engine resolved the device's defaults (the prefill chunk): report those.
     config = dataclasses.replace(config, scheduler=engine.scheduler.config)
     block_size = config.kvpool.block_size
@@ -113,6 +131,26 @@ def serve(config: ServingConfig) -> int:
         drain_timeout_s=config.server.drain_timeout_s,
     )
     return 0
+
+
+def serve_tensor_parallel_worker(config: ServingConfig) -> int | None:
+    """A process that only runs tensor-parallel ranks and serves no HTTP: a host other than
+    node 0 (``--node-rank`` > 0), or a torchrun rank other than 0. Returns its exit status;
+    None for the process that serves."""
+    from engine.tp_launch import run_worker, serve_worker_node, torchrun_rendezvous
+
+    engine = config.engine
+    rendezvous = torchrun_rendezvous() if engine.tensor_parallel_size > 1 else None
+    if rendezvous is not None and rendezvous.rank != 0:
+        logger.info("torchrun rank %d: following rank 0", rendezvous.rank)
+        # torchrun signals every rank at once: this one stops when rank 0 has drained and
+        # sends STOP (or is gone), as a spawned worker does.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return run_worker(rendezvous, engine, config.kvpool, config.scheduler)
+    if engine.node_rank > 0:
+        return serve_worker_node(engine, config.kvpool, config.scheduler)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -290,6 +290,19 @@ _OPTIONS: tuple[Option, ...] = (
            _E.cuda_graph_sizes,
            "CUDA: decode batch sizes to capture a graph for, e.g. 1,2,4,8,16; auto = 1, 2, "
            "4, 8, then steps of 8 to 64 and of 16 to --max-num-seqs"),
+    Option("--tensor-parallel-size", "engine", "tensor_parallel_size", int,
+           _E.tensor_parallel_size,
+           "shard every layer over N ranks (torch.distributed: NCCL on CUDA, gloo on CPU); "
+           "the server spawns the other ranks; heads, KV heads, MLP and vocabulary that N "
+           "does not divide are padded with zero weights"),
+    Option("--nnodes", "engine", "nnodes", int, _E.nnodes,
+           "tensor parallelism over several hosts: how many (each runs N / nnodes ranks)"),
+    Option("--node-rank", "engine", "node_rank", int, _E.node_rank,
+           "this host's place among --nnodes; 0 serves HTTP, the others only run ranks"),
+    Option("--master-addr", "engine", "master_addr", str, _E.master_addr,
+           "address of node 0 for the torch.distributed rendezvous"),
+    Option("--master-port", "engine", "master_port", int, _E.master_port,
+           "port of the rendezvous on --master-addr; 0 picks a free one (one host only)"),
     # kvpool
     Option("--block-size", "kvpool", "block_size", int, DEFAULT_BLOCK_SIZE,
            "tokens per KV block (a power of two)"),

@@ -62,6 +62,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.faults import EngineFatalError
 from engine.outputs import RequestOutput, StepStats
 from engine.protocol import ServingEngine
 from server.engine_types import (
@@ -453,6 +454,8 @@ class EngineLoop:
         while True:
             with self._cond:
                 while not self._intake and not self._stopping and not has_work:
+                    if engine.fatal_error is not None:  # e.g. a tensor-parallel rank died
+                        raise EngineFatalError(engine.fatal_error)
                     self.heartbeat = time.monotonic()
                     self._cond.wait(self._idle_wake_s)
                 if self._stopping:
@@ -472,6 +475,8 @@ class EngineLoop:
                     stats = engine.last_step_stats
                     if stats is not None and last_step_end is not None:
                         stats.phase_s["between_steps"] = step_start - last_step_end
+                except EngineFatalError:
+                    raise  # the engine cannot step again (a tensor-parallel rank is gone)
                 except Exception as exc:
                     logger.error(
                         "engine step failed; failing %d request(s) in flight:\n%s",

@@ -163,6 +163,8 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    fatal_error: str | None = None
+
     def check_integrity(self) -> None:
         used = sum(r.num_blocks for r in self.running)
         assert used + self._free_blocks == self._num_blocks, (used, self._free_blocks)

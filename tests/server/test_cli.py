@@ -154,3 +154,19 @@ def test_a_model_the_user_must_change_is_one_line_and_exit_2(
     assert len(lines) == 1 and lines[0].startswith("pagedserve serve: error: "), done.stderr
     for text in expected:
         assert text in lines[0], lines[0]
+
+
+def test_serving_a_preset_without_a_tokenizer_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Dummy weights of a shape preset come without a tokenizer: the HTTP API, which returns
+    text, refuses them at start-up (naming --tokenizer) rather than 500 on every request."""
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    argv = ["--model", "tiny-llama", "--load-format", "dummy", "--port", "0",
+            "--log-level", "warning"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "server", *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedserve serve: error: "), done.stderr
+    assert "has no tokenizer" in lines[0] and "--tokenizer DIR" in lines[0], lines[0]

@@ -1,0 +1,297 @@
+"""The tensor-parallel group: membership, the step plan, rank 0's runner, failure handling.
+
+Who owns what::
+
+    rank 0 (the server, or the offline LLM)             ranks 1..N-1 (worker processes)
+    ───────────────────────────────────────             ────────────────────────────────
+    scheduler, kvpool's block tables, sampler           the same model shard code, its own
+    TensorParallelRunner.execute(plan):                 KV pool (its own KV heads, the same
+      broadcast StepPlan ──────── gloo ───────────────>   block ids); run_worker() loop
+      copy blocks, build the batch, forward               (engine/tp_launch.py): receive the
+        (all-reduce / all-gather with every rank) <─────>  StepPlan, copy blocks, build the
+      sample on rank 0 only                                batch, forward; no sampling
+
+The step plan is decided once, by rank 0's scheduler: ``StepPlan`` carries each scheduled
+row's positions, token ids and block table and the step's copy-on-write copies, so every rank
+writes the same slots of the same blocks and builds the same ``InputBatch``. It travels over a
+gloo group (``broadcast_object_list``) even when the model's collectives run on NCCL, so it is
+plain host data on every device (vLLM keeps such a CPU group beside its NCCL one).
+
+Failure: never a hang.
+
+- Every collective has the group's timeout (``PAGEDSERVE_TP_TIMEOUT_S``, default 120 s;
+  also the longest a rank may take to load before the first collective).
+- An idle rank 0 sends a heartbeat plan every quarter of that, so a worker waiting for the
+  next step never reaches the timeout, and a worker whose rank 0 is gone hears it by then.
+- A watchdog thread on rank 0 polls the processes it spawned; a worker that exits, or a
+  collective that raises, fails the group: the step raises ``EngineFatalError`` (never
+  isolated or retried: the ranks no longer agree on where they are in the step), the
+  server's engine loop dies, and the server process exits with status 1 a moment later
+  after killing the remaining workers.
+- Workers stop when rank 0 stops: a STOP plan at its exit, or its death
+  (engine/tp_launch.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.faults import EngineFatalError
+from engine.model_runner import ModelRunner
+from engine.outputs import ModelRunnerOutput
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STOP = "stop"  # rank 0 exits: workers return
+HEARTBEAT = "heartbeat"  # rank 0 is idle and alive
+DEFAULT_TIMEOUT_S = 120.0
+EXIT_GRACE_S = 1.0  # between failing /health and exiting, so the failure is seen
+
+
+def collective_timeout_s() -> float:
+    return float(os.environ.get("PAGEDSERVE_TP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRow:
+    """One scheduled request's share of a step, as every rank needs it (no request state)."""
+
+    start: int
+    num_tokens: int
+    token_ids: list[int]
+    block_ids: tuple[int, ...]
+    samples: bool
+    padding: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What rank 0 broadcasts before each forward: the rows in the scheduler's order and the
+    copy-on-write block copies. Workers turn it back into a ``SchedulerOutput`` and build the
+    same ``InputBatch`` from it (``engine/input_batch.py``)."""
+
+    rows: list[PlanRow]
+    blocks_to_copy: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> StepPlan:
+        rows = [
+            PlanRow(s.start, s.num_tokens, s.token_ids, s.block_ids, s.samples, s.padding)
+            for s in out.scheduled
+        ]
+        return cls(rows, list(out.blocks_to_copy))
+
+    def to_output(self) -> SchedulerOutput:
+        # A worker never samples nor reads request state: every row names one placeholder.
+        placeholder = Request("tp-worker-row", [0], SamplingParams())
+        scheduled = [
+            ScheduledRequest(
+                placeholder,
+                r.start,
+                r.num_tokens,
+                r.token_ids,
+                r.block_ids,
+                r.samples,
+                r.padding,
+            )
+            for r in self.rows
+        ]
+        return SchedulerOutput(scheduled=scheduled, blocks_to_copy=self.blocks_to_copy)
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    """Where and how this process joins the group."""
+
+    rank: int
+    local_rank: int  # the rank on its host: picks the GPU
+    world_size: int
+    init_method: str  # tcp://addr:port, or env:// under torchrun
+
+
+class TensorParallelGroup:
+    """This process's membership of the tensor-parallel group (module docstring).
+
+    ``device_group`` runs the model's collectives (NCCL on CUDA, gloo on CPU), ``plan_group``
+    (gloo) the step plans. On rank 0, ``lock`` is held for a whole step (plan and forward)
+    and by the heartbeat, so the two never interleave their broadcasts.
+    """
+
+    def __init__(
+        self, rendezvous: Rendezvous, backend: str, *, exit_on_failure: bool = False
+    ) -> None:
+        self.rank = rendezvous.rank
+        self.local_rank = rendezvous.local_rank
+        self.world_size = rendezvous.world_size
+        self.backend = backend
+        self.timeout_s = collective_timeout_s()
+        self.exit_on_failure = exit_on_failure
+        self.processes: list[BaseProcess] = []  # the workers this process spawned
+        self.lock = threading.Lock()
+        self.failed: str | None = None
+        self.closed = False
+        self._last_send = time.monotonic()
+        self._rendezvous = rendezvous
+        self.device_group: Any = None
+        self.plan_group: Any = None
+
+    def join(self) -> None:
+        """Join the group (blocks until every rank has joined, up to the timeout)."""
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed group already exists in this process")
+        rendezvous, backend = self._rendezvous, self.backend
+        dist.init_process_group(
+            backend,
+            init_method=rendezvous.init_method,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        self.device_group = dist.group.WORLD
+        self.plan_group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+            if backend != "gloo"
+            else dist.group.WORLD
+        )
+
+    # ---- rank 0 ---------------------------------------------------------------------------
+
+    def send(self, message: StepPlan | str) -> None:
+        """Rank 0: broadcast a plan, HEARTBEAT or STOP (call with ``lock`` held)."""
+        dist.broadcast_object_list([message], src=0, group=self.plan_group)
+        self._last_send = time.monotonic()
+
+    def start_watchdog(self) -> None:
+        """Rank 0: watch the spawned workers, from before the group is joined (a worker that
+        fails to start must not leave rank 0 waiting for it)."""
+        threading.Thread(target=self._watch, name="pagedserve-tp-watchdog", daemon=True).start()
+
+    def start_heartbeat(self) -> None:
+        """Rank 0, once every rank has built its engine (they are all in ``run_worker``'s
+        loop): the idle heartbeat."""
+        threading.Thread(target=self._beat, name="pagedserve-tp-heartbeat", daemon=True).start()
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: p for p in self.processes}
+        while not self.closed and self.failed is None:
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
+            if self.closed:
+                return
+            for sentinel in ready:
+                p = sentinels[sentinel]
+                p.join(timeout=1.0)  # reaped, so its exit code is known
+                self.fail(f"tensor-parallel worker {p.name} (pid {p.pid}) exited with {p.exitcode}")
+                return
+
+    def _beat(self) -> None:
+        interval = self.timeout_s / 4
+        while not self.closed and self.failed is None:
+            time.sleep(min(interval, 1.0))
+            if time.monotonic() - self._last_send < interval:
+                continue
+            if not self.lock.acquire(timeout=interval):
+                continue  # a step is running: it is the heartbeat
+            try:
+                if not self.closed and self.failed is None:
+                    self.send(HEARTBEAT)
+            except Exception as exc:  # noqa: BLE001 - any failure of a collective is fatal
+                self.fail(f"heartbeat to the tensor-parallel workers failed: {exc}")
+            finally:
+                self.lock.release()
+
+    def fail(self, reason: str) -> None:
+        """The group is broken: record why, kill the local workers, and with
+        ``exit_on_failure`` (the server) exit the process with status 1 shortly after."""
+        if self.failed is not None or self.closed:
+            return
+        self.failed = reason
+        logger.critical("%s; the tensor-parallel group cannot go on", reason)
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        if self.exit_on_failure:
+
+            def exit_now() -> None:
+                time.sleep(EXIT_GRACE_S)
+                logger.critical("exiting with status 1: %s", reason)
+                logging.shutdown()
+                os._exit(1)
+
+            threading.Thread(target=exit_now, name="pagedserve-tp-exit", daemon=True).start()
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise EngineFatalError(f"tensor-parallel group failed: {self.failed}")
+
+    def shutdown(self) -> None:
+        """Rank 0: tell the workers to stop, wait for them briefly, then kill what is left."""
+        if self.closed:
+            return
+        if self.rank == 0 and self.failed is None and self.lock.acquire(timeout=5.0):
+            try:
+                self.send(STOP)
+            except Exception:  # noqa: BLE001 - stopping anyway
+                logger.warning("could not send STOP to the tensor-parallel workers")
+            finally:
+                self.lock.release()
+        self.closed = True
+        for p in self.processes:
+            p.join(timeout=10.0)
+            if p.is_alive():
+                logger.warning("tensor-parallel worker %s did not stop; killing it", p.name)
+                p.kill()
+                p.join(timeout=5.0)
+        if self.device_group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        logger.info("tensor-parallel group stopped")
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: broadcasts each step's plan, then runs the step like ``ModelRunner``.
+
+    A forward that raises under TP fails the group (``EngineFatalError``): the other ranks may
+    be waiting inside a collective of the same step, and no retry can line them up again.
+    Sampling runs after the step's last collective, so its errors stay per-request.
+    """
+
+    def __init__(self, base: ModelRunner, group: TensorParallelGroup) -> None:
+        super().__init__(_Guarded(base.model, group), base.storage, base.sampler, base.device)
+        self.group = group
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        with self.group.lock:
+            self.group.check()
+            try:
+                self.group.send(StepPlan.of(out))
+            except Exception as exc:
+                self.group.fail(f"sending the step plan failed: {exc}")
+                raise EngineFatalError(f"tensor-parallel group failed: {exc}") from exc
+            return super().execute(out)
+
+
+class _Guarded:
+    """The model forward, with any exception turned into a failure of the group."""
+
+    def __init__(self, forward: Any, group: TensorParallelGroup) -> None:
+        self.forward = forward
+        self.group = group
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        try:
+            return self.forward(*args)
+        except Exception as exc:
+            self.group.fail(f"a tensor-parallel forward failed: {type(exc).__name__}: {exc}")
+            raise EngineFatalError(f"tensor-parallel group failed: {exc}") from exc
