@@ -153,8 +153,10 @@ class LLMEngine:
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
-        if params.structured is not None and not self._grammar_ready(request_id):
-            # Parked here, not in the scheduler's queue: the batch runs on while it compiles.
+        if params.structured is not None:
+            # Parked here, not in the scheduler's queue, until the next step finds its grammar
+            # compiled: the batch runs on while it compiles, and a grammar that fails always
+            # fails the same way (an "error" output), however fast the compiler was.
             self._awaiting_grammar[request_id] = request
             return
         self.scheduler.add_request(request)
@@ -172,22 +174,16 @@ class LLMEngine:
             )
         return params
 
-    def _grammar_ready(self, request_id: str) -> bool:
-        assert self.structured is not None
-        try:
-            return self.structured.ready(request_id)
-        except GrammarError as exc:
-            raise ValueError(str(exc)) from None
-
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hand parked requests whose grammar is compiled to the scheduler; fail those whose
         grammar did not compile (the server checks first, so only offline use gets here)."""
+        assert self.structured is not None
         outputs = []
         for request_id, request in list(self._awaiting_grammar.items()):
             try:
-                if not self._grammar_ready(request_id):
+                if not self.structured.ready(request_id):
                     continue
-            except ValueError as exc:
+            except GrammarError as exc:
                 outputs.append(_parked_output(request, "error", str(exc)))
             else:
                 self.scheduler.add_request(request)
