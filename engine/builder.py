@@ -38,6 +38,7 @@ from engine.model_runner import ModelRunner
 from engine.presets import preset
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
+from engine.step_predictor import StepTimePredictor
 from engine.tensor_parallel import TPLayout, check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
@@ -139,6 +140,8 @@ class EngineParts:
     runner: ModelRunner
     memory: MemoryReport
     max_num_batched_tokens: int  # the largest step the scheduler plans (the warm-up's)
+    # The step-time model the latency targets ask; None without targets.
+    step_predictor: StepTimePredictor | None = None
     tp: TensorParallelGroup | None = None  # this process's tensor-parallel group
     tp_layout: TPLayout | None = None  # what each rank holds, with any padding
 
@@ -328,7 +331,12 @@ def build_engine_parts(
         if kv_config.enable_prefix_caching
         else "off",
     )
-    scheduler = Scheduler(scheduler_config, kv_manager, max_model_len)
+    step_predictor = None
+    if scheduler_config.has_latency_targets:
+        step_predictor = StepTimePredictor(cost_model, capacity.bytes_per_token)
+    scheduler = Scheduler(
+        scheduler_config, kv_manager, max_model_len, step_time_predictor=step_predictor
+    )
     sampler = Sampler(config.seed, device, cpu_ops.argmax_rows if cpu_ops is not None else None)
     runner = ModelRunner(forward, storage, sampler, device)
     if tp is not None and tp.rank == 0:
@@ -382,6 +390,7 @@ def build_engine_parts(
         runner=runner,
         memory=memory,
         max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
+        step_predictor=step_predictor,
         tp=tp,
         tp_layout=layout,
     )

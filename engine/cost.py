@@ -111,15 +111,26 @@ class StepCostModel:
         for start, n in chunks:
             num_tokens += n
             num_pairs += n * start + n * (n + 1) // 2
+        weight_bytes, matmul_flops, attention_flops = self.parts(
+            num_tokens, num_logit_rows, num_pairs
+        )
+        return StepCost(weight_bytes=weight_bytes, flops=matmul_flops + attention_flops)
+
+    def parts(self, num_tokens: int, num_logit_rows: int, num_pairs: int) -> tuple[int, int, int]:
+        """A step's cost from its totals: ``(weight bytes, matmul FLOPs, attention FLOPs)``.
+
+        Args:
+            num_tokens: tokens the step computes.
+            num_logit_rows: rows the LM head runs on.
+            num_pairs: causal (query, key) pairs its attention computes.
+        """
         small = self.block_rows
         head_bytes = 0
         if num_logit_rows > 0:
             head_bytes = self.lm_head_block_bytes if num_logit_rows <= small else self.lm_head_bytes
         body_bytes = self.body_block_bytes if 0 < num_tokens <= small else self.body_weight_bytes
         weight_bytes = body_bytes + head_bytes + num_tokens * self.embedding_row_bytes
-        flops = (
-            2 * self.body_matmul_params * num_tokens
-            + 2 * self.lm_head_params * num_logit_rows
-            + self.attention_flops_per_pair * num_pairs
+        matmul_flops = (
+            2 * self.body_matmul_params * num_tokens + 2 * self.lm_head_params * num_logit_rows
         )
-        return StepCost(weight_bytes=weight_bytes, flops=flops)
+        return weight_bytes, matmul_flops, self.attention_flops_per_pair * num_pairs

@@ -22,6 +22,7 @@ from engine.outputs import TokenLogprob
 from kvpool.config import KVPoolConfig
 from scheduler.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MIN_PREFILL_CHUNK_TOKENS,
     SchedulerConfig,
 )
 from scheduler.request import SamplingParams
@@ -59,6 +60,10 @@ class LLM:
         block_allocation: str = "optimistic",
         batch_wait_ms: float = 50.0,
         static_finished: str = "compute",
+        target_itl_ms: float | None = None,
+        target_tpot_ms: float | None = None,
+        target_ttft_ms: float | None = None,
+        min_prefill_chunk_tokens: int = DEFAULT_MIN_PREFILL_CHUNK_TOKENS,
         enable_prefix_caching: bool = True,
         load_format: str = "auto",
         tokenizer: str | None = None,
@@ -95,6 +100,10 @@ class LLM:
                 block_allocation=block_allocation,
                 batch_wait_ms=batch_wait_ms,
                 static_finished=static_finished,
+                target_itl_ms=target_itl_ms,
+                target_tpot_ms=target_tpot_ms,
+                target_ttft_ms=target_ttft_ms,
+                min_prefill_chunk_tokens=min_prefill_chunk_tokens,
             ),
         )
         self._ids = itertools.count()

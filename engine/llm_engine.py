@@ -86,6 +86,11 @@ class LLMEngine:
             self.structured = StructuredDecoder(self.grammars)
             self.sampler.logits_processor = self.structured.mask_logits
         self.last_step_stats: StepStats | None = None
+        # With latency targets: the model the scheduler sizes prefill with, calibrated here.
+        self.step_predictor = parts.step_predictor
+        # perf_counter() at the end of the last step while requests remained (the engine
+        # loop's gap before the next step counts in its decodes' inter-token latency).
+        self._busy_end: float | None = None
         if self.device.type == "cuda":
             self.warm_up(parts.max_num_batched_tokens)
 
@@ -256,6 +261,8 @@ class LLMEngine:
         (engine/faults.py). An exception from the scheduler itself propagates.
         """
         start = time.perf_counter()
+        gap_s = start - self._busy_end if self._busy_end is not None else None
+        self._busy_end = None
         parked_outputs = self._admit_compiled() if self._awaiting_grammar else []
         plan = self.scheduler.schedule()
         if plan.is_empty:
@@ -263,6 +270,11 @@ class LLMEngine:
                 self.structured.wait_any(0.05)  # nothing runs: wait for a grammar, not spin
             return parked_outputs
         scheduled = time.perf_counter()
+        predictor = self.step_predictor
+        features = predicted_s = None
+        if predictor is not None:
+            features = predictor.plan_features(plan)
+            predicted_s = predictor.predict_features(features)
         try:
             result = self.runner.execute(plan)
             failed: dict[str, str] = {}
@@ -291,6 +303,13 @@ class LLMEngine:
         # What the runner did not time (a failed step's re-runs, the update) is "update".
         phase_s["update"] = max(0.0, (end - scheduled) - sum(result.phase_s.values()))
         self._record_stats(plan, end - start, phase_s)
+        if predictor is not None and features is not None:
+            had_decodes = any(s.num_tokens == 1 and not s.padding for s in plan.scheduled)
+            predictor.observe(features, end - start)
+            self.scheduler.observe_step(end - start, gap_s, had_decodes)
+            self._record_target(plan, end - start, gap_s, predicted_s, had_decodes)
+        if self.scheduler.has_unfinished():
+            self._busy_end = end
         return outputs
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -325,6 +344,26 @@ class LLMEngine:
         self.last_step_stats = self._stats.record(
             plan, self.scheduler, self.kv_manager, step_time, phase_s
         )
+
+    def _record_target(
+        self,
+        plan: SchedulerOutput,
+        step_s: float,
+        gap_s: float | None,
+        predicted_s: float | None,
+        had_decodes: bool,
+    ) -> None:
+        stats = self.last_step_stats
+        decision = plan.target
+        if stats is None or decision is None:
+            return
+        stats.predicted_step_s = predicted_s
+        stats.target_budget_s = decision.budget_s
+        stats.target_prefill_cap = decision.prefill_cap
+        stats.target_ttft_boost = decision.ttft_boost
+        stats.target_conflict = decision.conflict
+        if had_decodes:
+            stats.target_met = step_s + (gap_s or 0.0) <= decision.budget_s
 
 
 def _output(request: Request, new_token_ids: list[int], logprobs: Any) -> RequestOutput:

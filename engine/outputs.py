@@ -92,6 +92,14 @@ class StepStats:
     num_kv_slots_live: int = 0  # of those, slots holding a computed token (shared ones once)
     # Seconds per phase of STEP_PHASES; the phases of engine.step() add up to step_time_s.
     phase_s: dict[str, float] = field(default_factory=dict)
+    # Latency targets (scheduler/latency_targets.py); None without targets.
+    predicted_step_s: float | None = None  # the step-time model's figure, before the step ran
+    target_budget_s: float | None = None  # iteration time its prompt tokens were sized for
+    target_prefill_cap: int | None = None  # prompt tokens it could compute
+    # For steps with decodes: whether the gap before it plus its time kept the budget.
+    target_met: bool | None = None
+    target_ttft_boost: bool = False  # the TTFT target grew the prefill share
+    target_conflict: bool = False  # the TTFT target is missed even at the largest share
 
     @property
     def kv_waste_fraction(self) -> float:

@@ -31,7 +31,8 @@ from planner.models import PRESETS, PlannedModel, gguf_blocks, load_model
 from planner.parallel import DEFAULT_KV_TABLE_BATCHES
 from planner.parallel_report import parallel_section, render_parallel
 from planner.plan import Plan, Workload, default_dtype, make_plan
-from planner.report import render_comparison, render_plan
+from planner.report import render_comparison, render_plan, render_targets_measured
+from planner.targets import Targets, measured_against
 
 _DEFAULT_PROMPT_TOKENS = 350
 _DEFAULT_OUTPUT_TOKENS = 150
@@ -154,6 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with a URL: scrape twice, SECONDS apart, to measure throughput",
     )
+    p.add_argument(
+        "--target-itl-ms",
+        type=float,
+        default=None,
+        help="inter-token latency target (as pagedserve serve takes it): the plan gives the "
+        "largest concurrency that keeps the targets",
+    )
+    p.add_argument("--target-tpot-ms", type=float, default=None, help="TPOT target")
+    p.add_argument("--target-ttft-ms", type=float, default=None, help="TTFT target")
     p.add_argument(
         "--tensor-parallel-size",
         type=int,
@@ -331,6 +341,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         if model.gguf is not None and args.matmul_weights == "gguf":
             blocks, block_rows = gguf_blocks(model.gguf, model.config), max_quant_rows()
 
+    targets = Targets.from_ms(args.target_itl_ms, args.target_tpot_ms, args.target_ttft_ms)
+
     def plan_for(measured: Measured | None) -> Plan:
         return make_plan(
             model,
@@ -341,6 +353,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             blocks=blocks,
             block_rows=block_rows,
             cache_bytes=cache_bytes,
+            targets=targets if targets.any else None,
         )
 
     plan = plan_for(points[0] if points else None)
@@ -361,8 +374,16 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         for measured in points:
             point_plan = plan if measured is points[0] else plan_for(measured)
             rows = compare(point_plan, measured)
-            comparisons.append(comparison_dict(point_plan, measured, rows))
-            texts.append(render_comparison(point_plan, measured, rows))
+            comparison = comparison_dict(point_plan, measured, rows)
+            text = render_comparison(point_plan, measured, rows)
+            if targets.any:
+                check = measured_against(
+                    targets, measured.tpot_s, measured.ttft_s, measured.concurrency
+                )
+                comparison["latency_targets"] = check
+                text += "\n" + render_targets_measured(check)
+            comparisons.append(comparison)
+            texts.append(text)
         out["comparisons"] = comparisons
     return out, "\n\n".join(texts)
 

@@ -14,6 +14,7 @@ import planner.arithmetic as ar
 from planner.devices import Device
 from planner.dtypes import canonical_dtype, compute_dtype, dtype_bytes
 from planner.models import GgufBlocks, PlannedModel
+from planner.targets import Targets, plan_targets
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,8 @@ class Plan:
     cost: dict[str, Any] | None
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # With latency targets: the largest concurrency that keeps them (planner/targets.py).
+    targets: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # inf (decode never compute-bound) is not JSON; None says "never" there.
@@ -92,6 +95,7 @@ def make_plan(
     blocks: GgufBlocks | None = None,
     block_rows: int = 0,
     cache_bytes: int | None = None,
+    targets: Targets | None = None,
 ) -> Plan:
     """Compute the plan.
 
@@ -106,6 +110,8 @@ def make_plan(
             instead of the float32 matmul weights, a larger one the float32 panels.
         block_rows: that row limit (``planner.cpu.max_quant_rows()``); 0: no blocks.
         cache_bytes: the CPU's L3 size; a note says when a step's weights fit in it.
+        targets: latency targets; the plan then gives the largest concurrency that keeps
+            them (planner/targets.py).
     """
     cfg = model.config
     w_dtype = canonical_dtype(dtype) if dtype else default_dtype(device)
@@ -193,6 +199,18 @@ def make_plan(
         )
     total = batch_pf + decode_total
     out_tps = b * n_out / total
+
+    def step_time(batch: int, prefill: float) -> float:
+        """A step of ``batch`` decodes at the mean context and ``prefill`` prompt tokens."""
+        chunk = math.ceil(prefill)
+        num_bytes = ar.decode_step_bytes(weights_read(batch + chunk, batch), batch, mean_ctx, k)
+        flops = ar.decode_step_flops(n_streamed, batch, attn)
+        flops += ar.prefill_flops(n_streamed, chunk, L, H, d)
+        return ar.roofline_time_s(num_bytes + chunk * k, flops, bw, flops_peak)
+
+    targets_plan = None
+    if targets is not None and targets.any:
+        targets_plan = plan_targets(step_time, targets, n_in, n_out, requests_fit)
 
     notes: list[str] = []
     if uses_blocks:
@@ -307,6 +325,7 @@ def make_plan(
         cost=cost,
         warnings=warnings,
         notes=notes,
+        targets=targets_plan,
     )
 
 

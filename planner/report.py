@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from planner.compare import ComparisonRow
 from planner.measured import Measured
@@ -154,6 +155,8 @@ def render_plan(plan: Plan) -> str:
             "t_prefill + sum of O decode steps",
         ),
     ]
+    if plan.targets is not None:
+        lines += ["", *_targets_lines(plan.targets, n_in, n_out)]
     if plan.cost is not None:
         c = plan.cost
         lines += [
@@ -168,6 +171,44 @@ def render_plan(plan: Plan) -> str:
     if plan.warnings:
         lines += ["", "warnings", *(f"  ! {warning}" for warning in plan.warnings)]
     return "\n".join(lines)
+
+
+def _targets_lines(targets: dict[str, Any], n_in: int, n_out: int) -> list[str]:
+    set_ = targets["targets"]
+    named = ", ".join(
+        f"{name} {fmt_time(set_[key])}"
+        for name, key in (("ITL", "itl_s"), ("TPOT", "tpot_s"), ("TTFT", "ttft_s"))
+        if set_[key] is not None
+    )
+    lines = [f"latency targets ({named}), steady state: each step also prefills b x P / O tokens"]
+    best, at = targets["max_concurrency"], targets["at_max"]
+    if not best or at is None:
+        lines.append(_row("largest concurrency", "none", "even b=1 misses a target"))
+        return lines
+    cap = {"memory": " (KV memory caps it)", "none": ""}.get(targets["limited_by"], "")
+    lines += [
+        _row("largest concurrency", f"{best:,}{cap}", "largest b with every target kept"),
+        _row(f"  step time = ITL = TPOT, b={best}", fmt_time(at["step_time_s"]),
+             f"roofline of b decodes + {at['prefill_tokens_per_step']:,.1f} prompt tokens"),
+        _row(f"  TTFT, b={best}", fmt_time(at["ttft_s"]), "ceil(P / (b P / O)) x t_step"),
+        _row(f"  output throughput, b={best}", f"{at['output_tokens_per_s']:,.1f} tok/s",
+             "b / t_step"),
+    ]  # fmt: skip
+    return lines
+
+
+def render_targets_measured(check: dict[str, Any]) -> str:
+    """Whether a measured point kept the targets."""
+    def word(held: bool | None) -> str:
+        return "no figure" if held is None else ("held" if held else "missed")
+
+    held = ", ".join(f"{name.upper()} {word(v)}" for name, v in check["held"].items())
+    c = check["concurrency"]
+    return (
+        f"  latency targets at the measured concurrency {c if c is not None else '?'}: {held} "
+        f"(TPOT {fmt_time(check['tpot_s'])}, TTFT {fmt_time(check['ttft_s'])}; the measured "
+        "TPOT stands for the ITL)"
+    )
 
 
 def _critical(dec: dict[str, float]) -> str:

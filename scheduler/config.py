@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 BATCHING_MODES = ("continuous", "static", "dynamic")
@@ -21,6 +22,9 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 512
 # hundreds, so a 512-token chunk beside the decodes costs about what the decodes cost alone,
 # and a deep queue drains fastest in steps as large as the budget: the chunk limit there is
 # the whole budget (benchmarks/RESULTS.md, GPU section: offline 1.45x in one run).
+# With latency targets: the fewest prompt tokens a step computes while prefill work waits,
+# however far over its target the step's decodes already are, so no prompt starves.
+DEFAULT_MIN_PREFILL_CHUNK_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,17 @@ class SchedulerConfig:
         oldest has waited this long.
     static_finished: in static/dynamic mode, whether finished sequences keep being computed
         as padding until the batch ends ("compute", as a fixed batch does) or not ("skip").
+    target_itl_ms: inter-token latency target: each step's prompt tokens are sized so that
+        the predicted step time (the step plus the engine loop's gap before it) stays
+        under it while requests decode (scheduler/latency_targets.py). None: no target.
+    target_tpot_ms: time-per-output-token target, kept on average: a step may run over it
+        by the time earlier steps ran under it (at most ``TPOT_CREDIT_STEPS`` steps'
+        worth). None: no target.
+    target_ttft_ms: time-to-first-token target: when queued prompts would miss it, a step
+        may grow its prefill share up to the ITL target (or, without one, the token
+        budget). Needs an ITL or TPOT target; None: no target.
+    min_prefill_chunk_tokens: with a target, the fewest prompt tokens a step computes while
+        prompts wait (no starvation under a target the decodes alone exceed).
     """
 
     max_num_seqs: int = 64
@@ -53,6 +68,15 @@ class SchedulerConfig:
     block_allocation: str = "optimistic"
     batch_wait_ms: float = 50.0
     static_finished: str = "compute"
+    target_itl_ms: float | None = None
+    target_tpot_ms: float | None = None
+    target_ttft_ms: float | None = None
+    min_prefill_chunk_tokens: int = DEFAULT_MIN_PREFILL_CHUNK_TOKENS
+
+    @property
+    def has_latency_targets(self) -> bool:
+        """Whether a step's prefill is sized by a latency target (ITL or TPOT)."""
+        return self.target_itl_ms is not None or self.target_tpot_ms is not None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -75,6 +99,19 @@ class SchedulerConfig:
         if self.static_finished not in ("compute", "skip"):
             raise ValueError(
                 f"static_finished must be compute or skip, got {self.static_finished!r}"
+            )
+        for name in ("target_itl_ms", "target_tpot_ms", "target_ttft_ms"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {value}")
+        if self.target_ttft_ms is not None and not self.has_latency_targets:
+            raise ValueError(
+                "target_ttft_ms needs target_itl_ms or target_tpot_ms: it grows the prefill "
+                "share within those"
+            )
+        if self.min_prefill_chunk_tokens < 1:
+            raise ValueError(
+                f"min_prefill_chunk_tokens must be positive, got {self.min_prefill_chunk_tokens}"
             )
 
     def for_device(self, device_type: str) -> SchedulerConfig:

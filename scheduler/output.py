@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.latency_targets import TargetDecision
 from scheduler.request import Request
 
 
@@ -51,11 +52,14 @@ class SchedulerOutput:
     ``blocks_to_copy`` are copy-on-write copies (``(src_block_id, dst_block_id)``) that
     kvpool queued while admitting requests whose tokens were all cached: the runner must copy
     those K/V blocks (``KVCacheStorage.copy_blocks``) before this step's forward pass.
+
+    ``target`` is what the latency targets decided for this step (None without targets).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    target: TargetDecision | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

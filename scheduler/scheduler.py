@@ -20,6 +20,11 @@ Helpers, each in its own module: admission decisions and intake size checks
 conditions (scheduler/stopping.py). They change no scheduler state; every queue and status
 change happens here, and ``check_integrity()`` asserts the invariants listed on ``Scheduler``.
 
+With latency targets (``SchedulerConfig.target_*_ms``) every step's prompt tokens are capped
+so that the engine's predicted step time keeps them (scheduler/latency_targets.py); the
+engine passes its ``StepTimePredictor`` in and reports each step's time (``observe_step``).
+Without targets nothing of this runs, and the schedules are those of the plain budgets.
+
 Dynamic batching holds waiting requests back until its window ends; the engine thread must
 not spin on empty steps meanwhile: see ``next_admission_time()``.
 
@@ -45,6 +50,12 @@ from scheduler.admission import (
     hashes_filled_by,
 )
 from scheduler.config import SchedulerConfig
+from scheduler.latency_targets import (
+    DecodeLoad,
+    LatencyTargets,
+    StepTimePredictor,
+    TargetDecision,
+)
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerUpdate
 from scheduler.padding import BatchPadding
 from scheduler.policy import BatchPolicy, make_policy
@@ -74,6 +85,7 @@ class Scheduler:
         max_model_len: int,
         *,
         clock: Callable[[], float] = time.monotonic,
+        step_time_predictor: StepTimePredictor | None = None,
     ) -> None:
         """Args:
         config: budgets and batching policy.
@@ -81,6 +93,10 @@ class Scheduler:
         max_model_len: most tokens (prompt + output) a request may reach.
         clock: the time source of admission windows and timestamps; requests'
             ``arrival_time`` must be on the same clock (tests inject a fake one).
+        step_time_predictor: the engine's step-time model; required when ``config`` has
+            latency targets, unused otherwise.
+        Raises:
+            ValueError: latency targets without a predictor.
         """
         self.config = config.for_device("cpu")
         self.kv = kv_manager
@@ -100,6 +116,11 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
         self.last_step_preemptions = 0
+        self.targets: LatencyTargets | None = None
+        if config.has_latency_targets:
+            if step_time_predictor is None:
+                raise ValueError("latency targets need the engine's step-time predictor")
+            self.targets = LatencyTargets(config, step_time_predictor)
 
     # ---- intake ---------------------------------------------------------------------------
 
@@ -151,12 +172,16 @@ class Scheduler:
         """
         out = SchedulerOutput()
         self.last_step_preemptions = 0
+        chunk = self.config.prefill_chunk_tokens
+        assert chunk is not None  # resolved for a device in __init__
         step = StepBudget.for_step(
             self.config.max_num_batched_tokens,
-            self.config.prefill_chunk_tokens,
+            chunk,
             self.running,
             self._admissible(),
         )
+        if self.targets is not None:
+            out.target = self._cap_prefill(step)
         self._schedule_running(out, step)
         # Padding needs no check for an ended batch here: preemption releases all padding
         # before it takes a live request, so a batch emptied by preemption has none left.
@@ -166,6 +191,18 @@ class Scheduler:
             self._admit(out, step)
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
         return out
+
+    def observe_step(self, step_s: float, gap_s: float | None, had_decodes: bool) -> None:
+        """The engine reports a step's measured time (only used with latency targets).
+
+        Args:
+            step_s: the step's wall time.
+            gap_s: the engine loop's time since the previous step ended, if it was busy
+                all along; None after an idle spell.
+            had_decodes: whether any request decoded in the step.
+        """
+        if self.targets is not None:
+            self.targets.observe(step_s, gap_s, had_decodes)
 
     def next_admission_time(self) -> float | None:
         """The engine thread's sleep hint while dynamic batching holds requests back.
@@ -195,6 +232,30 @@ class Scheduler:
             return ()
         limit = self.policy.admission_limit(self.config.max_num_seqs, len(self.running))
         return itertools.islice(self.waiting, limit)
+
+    def _cap_prefill(self, step: StepBudget) -> TargetDecision:
+        """Cap the step's prompt tokens by the latency targets (``step.prompt`` only shrinks;
+        decodes are never capped)."""
+        assert self.targets is not None
+        num_rows = len(self.padding)
+        num_context = sum(r.num_computed_tokens for r in self.padding.requests)
+        prefilling = []
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                num_rows += 1
+                num_context += request.num_computed_tokens + 1
+            else:
+                prefilling.append(request)
+        start = prefilling[0].num_computed_tokens if prefilling else 0
+        decision = self.targets.decide(
+            DecodeLoad(num_rows, num_context, start),
+            step.prompt,
+            prefilling,
+            self.waiting,
+            self.clock(),
+        )
+        step.prompt = min(step.prompt, decision.prefill_cap)
+        return decision
 
     def _schedule_running(self, out: SchedulerOutput, step: StepBudget) -> None:
         """Schedule running requests, oldest first, preempting the newest when blocks run

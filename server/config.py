@@ -229,8 +229,9 @@ class ServingConfig:
         try:
             return cls.from_namespace(args)
         except ValueError as exc:  # a config's own __post_init__ check
-            parser.error(str(exc))
-            raise  # unreachable: parser.error exits
+            # One line naming the value: the flags parsed, so the usage would only bury it.
+            parser.exit(2, f"{parser.prog}: error: {exc}\n")
+            raise  # unreachable: parser.exit exits
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> ServingConfig:
@@ -324,6 +325,19 @@ _OPTIONS: tuple[Option, ...] = (
            _P.prefill_chunk_tokens,
            "most prompt tokens per step when the prefill waiting does not fit in one "
            "(default: 512 on CPU, --max-num-batched-tokens on a GPU)"),
+    Option("--target-itl-ms", "scheduler", "target_itl_ms", optional(float), _P.target_itl_ms,
+           "inter-token latency target: each step's prefill is sized so the predicted step "
+           "stays under it while requests decode; none = no target"),
+    Option("--target-tpot-ms", "scheduler", "target_tpot_ms", optional(float),
+           _P.target_tpot_ms,
+           "time-per-output-token target, kept on average over steps; none = no target"),
+    Option("--target-ttft-ms", "scheduler", "target_ttft_ms", optional(float),
+           _P.target_ttft_ms,
+           "time-to-first-token target: grows the prefill share (within --target-itl-ms) "
+           "when queued prompts would miss it; needs an ITL or TPOT target"),
+    Option("--min-prefill-chunk-tokens", "scheduler", "min_prefill_chunk_tokens", int,
+           _P.min_prefill_chunk_tokens,
+           "with a latency target: fewest prompt tokens per step while prompts wait"),
     Option("--batching", "scheduler", "batching", str, _P.batching,
            "continuous (iteration-level), static or dynamic",
            BATCHING_MODES),

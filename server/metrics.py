@@ -84,6 +84,9 @@ GRAMMAR_COMPILE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 
                            0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # fmt: on
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # engine/structured.py's kinds
+# Predicted / measured step time: 0.8 and 1.2 are edges, so the share within +-20% is read
+# from two buckets.
+PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 4.0)
 
 
 def token_buckets(max_len: int) -> tuple[float, ...]:
@@ -112,6 +115,8 @@ class ServerMetrics:
         num_kv_blocks: the pool size, exported before the first step.
         decode_weight_bytes: weight bytes a one-token decode step reads (engine/cost.py).
         log_interval_s: period of the summary log line; 0 disables it.
+        latency_targets: the latency targets in force, seconds by name ("itl", "tpot",
+            "ttft"); each is exported as ``pagedserve_target_<name>_seconds``.
         vllm_names: also export the router-facing series under vLLM's names
             (``VLLMNamedSeries``), so routers and autoscalers built for vLLM read this server
             unchanged.
@@ -127,6 +132,7 @@ class ServerMetrics:
         num_kv_blocks: int | None = None,
         decode_weight_bytes: int | None = None,
         log_interval_s: float = 10.0,
+        latency_targets: Mapping[str, float] | None = None,
         vllm_names: bool = True,
     ) -> None:
         self.model_name = model_name
@@ -238,9 +244,27 @@ class ServerMetrics:
         peak_bandwidth = gauge("peak_bandwidth_bytes_per_second",
                                "Peak memory bandwidth MBU divides by", has_bandwidth)
         peak_flops = gauge("peak_flops_per_second", "Peak FLOP/s MFU divides by", has_flops)
+        # Latency targets (--target-itl-ms, ...: scheduler/latency_targets.py). Steps count
+        # when requests decoded in them: a prefill-only step delays nobody's next token.
+        self.prediction_ratio = histogram("step_time_prediction_ratio",
+                                          "Predicted / measured engine step time (latency "
+                                          "targets' step-time model)", PREDICTION_RATIO_BUCKETS)
+        self.target_steps = counter("target_steps", "Steps with decodes sized by a latency "
+                                    "target")
+        self.target_steps_met = counter("target_steps_met", "Of those, steps whose time (with "
+                                        "the engine loop's gap before it) kept the budget")
+        self.target_prefill_cap = histogram("target_prefill_cap_tokens", "Prompt tokens a "
+                                            "step could compute under the latency targets",
+                                            STEP_TOKEN_BUCKETS)
+        self.target_ttft_boosts = counter("target_ttft_boosts", "Steps whose prefill share "
+                                          "grew to keep the TTFT target")
+        self.target_conflicts = counter("target_conflicts", "Steps where queued prompts miss "
+                                        "the TTFT target even at the largest prefill share")
         config = Info("pagedserve_config", "Serving configuration (batching mode, device, ...)",
                       label, registry=registry)
         # fmt: on
+        for name, seconds in (latency_targets or {}).items():
+            gauge(f"target_{name}_seconds", f"The {name.upper()} latency target").set(seconds)
         config_labels = dict(info or {})
         if peaks is not None:
             config_labels.update(
@@ -311,6 +335,7 @@ class ServerMetrics:
             num_kv_blocks=engine.num_total_blocks,
             decode_weight_bytes=engine.decode_step_weight_bytes,
             log_interval_s=config.server.stats_log_interval_s,
+            latency_targets=latency_targets(config),
             vllm_names=config.server.vllm_metric_names,
         )
 
@@ -343,9 +368,24 @@ class ServerMetrics:
         for phase, seconds in stats.phase_s.items():
             self._series(self._step_phase, phase).inc(seconds)
         self._record_utilization(stats)
+        self._record_target(stats)
         self._stats_log.add(stats, self.last_mbu)
         if self.vllm is not None:
             self.vllm.record_step(stats)
+
+    def _record_target(self, stats: StepStats) -> None:
+        if stats.predicted_step_s is not None and stats.step_time_s > 0:
+            self.prediction_ratio.observe(stats.predicted_step_s / stats.step_time_s)
+        if stats.target_prefill_cap is not None:
+            self.target_prefill_cap.observe(stats.target_prefill_cap)
+        if stats.target_met is not None:
+            self.target_steps.inc()
+            if stats.target_met:
+                self.target_steps_met.inc()
+        if stats.target_ttft_boost:
+            self.target_ttft_boosts.inc()
+        if stats.target_conflict:
+            self.target_conflicts.inc()
 
     def _record_utilization(self, stats: StepStats) -> None:
         step = self._utilization.add(stats)
@@ -410,6 +450,17 @@ class ServerMetrics:
         if series is None:
             series = self._bound[key] = family.labels(self.model_name, *labels)
         return series
+
+
+def latency_targets(config: ServingConfig) -> dict[str, float]:
+    """The latency targets set, in seconds by name (``itl``, ``tpot``, ``ttft``)."""
+    scheduler = config.scheduler
+    targets = {
+        "itl": scheduler.target_itl_ms,
+        "tpot": scheduler.target_tpot_ms,
+        "ttft": scheduler.target_ttft_ms,
+    }
+    return {name: ms / 1000.0 for name, ms in targets.items() if ms is not None}
 
 
 class VLLMNamedSeries:

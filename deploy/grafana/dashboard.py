@@ -80,6 +80,8 @@ FINISHED = "pagedserve_requests_finished_total"
 HTTP = "pagedserve_http_requests_total"
 ERROR, ABORT = 'finished_reason="error"', 'finished_reason="abort"'
 HTTP_5XX, HTTP_4XX = 'status=~"5.."', 'status=~"4.."'
+PREDICTION = "pagedserve_step_time_prediction_ratio"
+LE_LOW, LE_HIGH = 'le="0.8"', 'le="1.2"'  # buckets of server/metrics.py's ratio histogram
 BYTES = (
     "pagedserve_weight_bytes_read_total",
     "pagedserve_kv_bytes_read_total",
@@ -160,6 +162,36 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ("compiles/s", rate_sum("pagedserve_grammar_compile_seconds_count")),
         ), "New grammars only (the cache answers repeats); compiled off the engine thread "
            "while the request waits before the queue."),
+    )),
+    ("Latency targets", (
+        PanelSpec("Steps within the latency targets", "percentunit", (
+            ("steps within budget", f"{rate_sum('pagedserve_target_steps_met_total')} / "
+                                    f"{rate_sum('pagedserve_target_steps_total')}"),
+            ("predictions within 20%",
+             f"({rate_sum(PREDICTION + '_bucket', LE_HIGH)} - "
+             f"{rate_sum(PREDICTION + '_bucket', LE_LOW)}) / "
+             f"{rate_sum(PREDICTION + '_count')}"),
+        ), "Share of steps with decodes whose time (with the engine loop's gap before it) kept "
+           "the budget --target-itl-ms / --target-tpot-ms gave them, and share of steps whose "
+           "predicted time was within 20% of the measured one.", soft_max=1),
+        PanelSpec("Inter-token latency vs target", "s", (
+            ("ITL p99", quantiles("pagedserve_inter_token_latency_seconds", (0.99,))[0][1]),
+            ("TPOT p50", quantiles("pagedserve_time_per_output_token_seconds", (0.5,))[0][1]),
+            ("ITL target", f"max(pagedserve_target_itl_seconds{{{SEL}}})"),
+            ("TPOT target", f"max(pagedserve_target_tpot_seconds{{{SEL}}})"),
+        ), "The latencies the targets keep, beside the targets set."),
+        PanelSpec("Step-time prediction (predicted / measured)", "none",
+                  quantiles(PREDICTION, (0.1, 0.5, 0.9)),
+                  "The latency targets' step-time model against the measured steps; 1 is "
+                  "exact.", soft_max=1.5),
+        PanelSpec("Prefill chunk chosen per step", "short", (
+            *quantiles("pagedserve_target_prefill_cap_tokens", (0.1, 0.5, 0.9)),
+        ), "Prompt tokens a step could compute under the targets."),
+        PanelSpec("TTFT target: boosts and conflicts", "short", (
+            ("prefill share grown for TTFT /s", rate_sum("pagedserve_target_ttft_boosts_total")),
+            ("TTFT missed even so /s", rate_sum("pagedserve_target_conflicts_total")),
+        ), "Steps whose prefill share grew (up to the ITL target) because queued prompts "
+           "would miss --target-ttft-ms, and steps where even that misses it."),
     )),
     ("Scheduler and KV cache", (
         PanelSpec("Running and waiting requests", "short", (

@@ -41,7 +41,11 @@ def test_committed_json_is_the_generators_output() -> None:
 
 
 def test_queries_name_only_exported_metrics() -> None:
-    metrics = ServerMetrics("m", peaks=Peaks("cpu", 1e10, 1e11, "flag", "flag"))
+    metrics = ServerMetrics(
+        "m",
+        peaks=Peaks("cpu", 1e10, 1e11, "flag", "flag"),
+        latency_targets={"itl": 0.4, "tpot": 0.2, "ttft": 2.0},
+    )
     # Series that appear with the first step and the first HTTP response.
     metrics.record_step(StepStats(0.1, 1, 0, 0, 1, 0, 1, 8, weight_bytes=1, flops=1))
     metrics.record_http("/health", 200)

@@ -114,7 +114,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     server = _start(
         [sys.executable, "-m", "server", "--port", str(port), "--max-model-len", "256",
          "--num-kv-blocks", str(NUM_KV_BLOCKS), "--stats-log-interval", "0",
-         "--device", "cpu", "--dtype", "float32"],
+         "--device", "cpu", "--dtype", "float32",
+         # Targets far above any step here: the latency-target panels get data while every
+         # step plans as it would without them (the whole budget fits).
+         "--target-itl-ms", "60000", "--target-tpot-ms", "60000", "--target-ttft-ms", "600000"],
         server_log,
         env,
     )  # fmt: skip

@@ -136,3 +136,33 @@ def test_step_phases_add_up_to_the_step(llm, prompts):
         assert sum(stats.phase_s.values()) == pytest.approx(stats.step_time_s, rel=1e-6)
         assert stats.phase_s["forward"] > 0
     assert seen == 3
+
+
+def test_latency_targets_leave_greedy_tokens_unchanged(prompts, references):
+    """An ITL target no step can keep (1 ms) caps every step's prompt tokens at the minimum
+    chunk while requests decode: prompts split at many more places than the plain budgets
+    split them, beside decodes. Arriving at different steps, tokens must still match
+    transformers."""
+    llm = LLM(
+        "default", num_kv_blocks=256, target_itl_ms=1.0, target_ttft_ms=50.0,
+        min_prefill_chunk_tokens=24, **DEVICE,
+    )  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    arrivals = {0: [7, 0], 2: [3], 3: [5, 1], 9: [6], 12: [2, 4]}
+    capped = []
+    original_step = engine.step
+
+    def step_and_record():
+        outputs = original_step()
+        stats = engine.last_step_stats
+        if stats is not None and stats.num_decode_tokens and stats.num_prefill_tokens:
+            capped.append(stats.num_prefill_tokens)
+        return outputs
+
+    engine.step = step_and_record
+    _check(_drive(engine, prompts, arrivals, params), references)
+    # The first step prefills prompt 7 beside prompt 0, whose one token looks like a decode
+    # row; nobody was decoding when that step was planned, so it was not capped.
+    assert len(capped) > 10 and max(capped[1:]) <= 24, capped
+    assert engine.step_predictor is not None and engine.step_predictor.num_observed > 20

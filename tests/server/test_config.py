@@ -137,12 +137,10 @@ def test_auto_restores_none() -> None:
     ("argv", "env"),
     [
         (["--batching", "weird"], {}),
-        (["--block-size", "12"], {}),  # not a power of two (KVPoolConfig's check)
         (["--port", "http"], {}),
         ([], {"PAGEDSERVE_PORT": "http"}),
         ([], {"PAGEDSERVE_BATCHING": "weird"}),
         (["--kv-cache-memory", "lots"], {}),
-        (["--dtype", "float64"], {}),
         (["--tool-call-parser", "mistral"], {}),
         (["--chat-template", "/no/such/template.jinja"], {}),
     ],
@@ -152,6 +150,40 @@ def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys
         ServingConfig.from_cli(argv, env)
     assert exc.value.code == 2
     assert "usage: pagedserve serve" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--block-size", "12"], "block_size"),  # not a power of two (KVPoolConfig's check)
+        (["--dtype", "float64"], "dtype must be float32, bfloat16 or float16"),
+        (["--target-itl-ms", "0"], "target_itl_ms must be a positive number"),
+        (["--target-tpot-ms", "-5"], "target_tpot_ms must be a positive number"),
+        (["--target-ttft-ms", "nan", "--target-itl-ms", "100"], "target_ttft_ms must be"),
+        (["--target-ttft-ms", "500"], "target_ttft_ms needs target_itl_ms or target_tpot_ms"),
+        (["--target-itl-ms", "100", "--min-prefill-chunk-tokens", "0"],
+         "min_prefill_chunk_tokens must be positive"),
+    ],
+)
+def test_a_value_a_config_refuses_is_one_error_line(argv: list[str], message: str, capsys) -> None:
+    """Flags that parse but that a config's own check refuses: one line naming the value,
+    exit status 2, no usage block and no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        ServingConfig.from_cli(argv, {})
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("pagedserve serve: error: ") and message in lines[0], lines[0]
+
+
+def test_latency_target_flags_reach_the_scheduler_config() -> None:
+    c = ServingConfig.from_cli(
+        ["--target-itl-ms", "400", "--target-ttft-ms", "2000"], {"PAGEDSERVE_TARGET_TPOT_MS": "150"}
+    )
+    assert (c.scheduler.target_itl_ms, c.scheduler.target_tpot_ms) == (400.0, 150.0)
+    assert c.scheduler.target_ttft_ms == 2000.0 and c.scheduler.has_latency_targets
+    plain = ServingConfig.from_cli([], {})
+    assert not plain.scheduler.has_latency_targets
 
 
 @pytest.mark.parametrize(

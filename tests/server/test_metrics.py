@@ -355,3 +355,28 @@ def test_cpu_peaks_are_logged_with_the_l3_size_and_a_warning_when_taken_under_lo
     assert "L3 cache 300 MiB" in text and "MBU may exceed 1" in text
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "60%" in warnings[0].getMessage()
+
+
+def test_latency_target_series_on_metrics() -> None:
+    metrics = ServerMetrics(M["model_name"], latency_targets={"itl": 0.4, "ttft": 2.0})
+    base = dict(num_kv_blocks_used=1, num_kv_blocks_total=8)
+    metrics.record_step(StepStats(0.30, 8, 2, 64, 8, 0, **base, predicted_step_s=0.27,
+                                  target_budget_s=0.4, target_prefill_cap=64, target_met=True))
+    metrics.record_step(StepStats(0.50, 8, 2, 32, 8, 0, **base, predicted_step_s=0.30,
+                                  target_budget_s=0.4, target_prefill_cap=32, target_met=False,
+                                  target_ttft_boost=True, target_conflict=True))
+    metrics.record_step(StepStats(0.10, 0, 1, 512, 0, 0, **base))  # no target data
+    text, _ = metrics.exposition(None)
+    text = text.decode()
+    assert value(text, "pagedserve_target_itl_seconds") == 0.4
+    assert value(text, "pagedserve_target_ttft_seconds") == 2.0
+    assert ("pagedserve_target_tpot_seconds", frozenset(M.items())) not in samples(text)
+    assert value(text, "pagedserve_target_steps_total") == 2
+    assert value(text, "pagedserve_target_steps_met_total") == 1
+    assert value(text, "pagedserve_target_ttft_boosts_total") == 1
+    assert value(text, "pagedserve_target_conflicts_total") == 1
+    assert value(text, "pagedserve_target_prefill_cap_tokens_sum") == 96
+    # 0.27 / 0.30 = 0.9 and 0.30 / 0.50 = 0.6: one within 20%, one not.
+    assert value(text, "pagedserve_step_time_prediction_ratio_count") == 2
+    assert value(text, "pagedserve_step_time_prediction_ratio_bucket", le="1.2") == 2
+    assert value(text, "pagedserve_step_time_prediction_ratio_bucket", le="0.8") == 1

@@ -1,0 +1,178 @@
+"""The latency targets' step-time model (engine/step_predictor.py) on synthetic step times:
+its features are the cost model's, the running fit converges to a known machine, follows it
+when it slows down, shrugs off outliers, and answers "how many prompt tokens fit" exactly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.cost import StepCostModel
+from engine.step_predictor import (
+    FIXED_S,
+    NOMINAL_BANDWIDTH,
+    NOMINAL_FLOPS,
+    StepTimePredictor,
+)
+from scheduler.latency_targets import DecodeLoad
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request, SamplingParams
+
+# SmolLM2-135M-like figures (float32); the values only need to be of a real model's scale.
+COST = StepCostModel(
+    body_weight_bytes=428_000_000,
+    lm_head_bytes=113_000_000,
+    embedding_row_bytes=2304,
+    body_matmul_params=106_000_000,
+    lm_head_params=28_300_000,
+    attention_flops_per_pair=69_120,
+)
+KV_BYTES_PER_TOKEN = 46_080
+# The "machine": seconds = TRUE . features (a fixed cost, and the three terms each off the
+# nominal peaks by its own factor).
+TRUE = (3.0, 0.6, 1.7, 0.9)
+
+
+def machine(features, slowdown: float = 1.0) -> float:
+    return slowdown * sum(c * x for c, x in zip(TRUE, features[:4], strict=True))
+
+
+def random_load(rng: random.Random) -> tuple[DecodeLoad, int]:
+    rows = rng.randint(0, 64)
+    context = rows * rng.randint(16, 600)
+    prefill = rng.choice([0, 0, rng.randint(1, 512)]) if rows else rng.randint(1, 512)
+    return DecodeLoad(rows, context, rng.choice([0, 0, rng.randint(0, 400)])), prefill
+
+
+def trained(steps: int, seed: int = 0, noise: float = 0.03) -> StepTimePredictor:
+    predictor = StepTimePredictor(COST, KV_BYTES_PER_TOKEN)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        load, prefill = random_load(rng)
+        features = predictor.load_features(load, prefill)
+        predictor.observe(features, machine(features) * rng.uniform(1 - noise, 1 + noise))
+    return predictor
+
+
+def relative_errors(predictor: StepTimePredictor, seed: int, slowdown: float = 1.0) -> list[float]:
+    rng = random.Random(seed)
+    errors = []
+    for _ in range(200):
+        load, prefill = random_load(rng)
+        features = predictor.load_features(load, prefill)
+        predicted = predictor.predict_features(features)
+        assert predicted is not None
+        errors.append(abs(predicted / machine(features, slowdown) - 1))
+    return errors
+
+
+def test_features_are_the_cost_models_figures_in_nominal_seconds() -> None:
+    predictor = StepTimePredictor(COST, KV_BYTES_PER_TOKEN)
+    request = Request("r", list(range(300)), SamplingParams(max_tokens=4))
+    rows = [(0, 300, True), (40, 1, True), (100, 64, False), (7, 1, True)]
+    plan = SchedulerOutput(
+        scheduled=[
+            ScheduledRequest(request, start, n, [0] * n, (), samples) for start, n, samples in rows
+        ]
+    )
+    fixed, weights, matmul, attention, shape = predictor.plan_features(plan)
+    assert shape == 1  # it has prompt tokens
+    cost = COST.step(((s, n) for s, n, _ in rows), num_logit_rows=3)
+    kv_tokens = sum(s + n for s, n, _ in rows)
+    attention_flops = COST.attention_flops_per_pair * sum(
+        n * s + n * (n + 1) // 2 for s, n, _ in rows
+    )
+    assert fixed == FIXED_S
+    assert weights * NOMINAL_BANDWIDTH == pytest.approx(cost.weight_bytes)
+    assert matmul * NOMINAL_FLOPS + attention_flops == pytest.approx(cost.flops)
+    assert attention == pytest.approx(
+        attention_flops / NOMINAL_FLOPS + kv_tokens * KV_BYTES_PER_TOKEN / NOMINAL_BANDWIDTH
+    )
+
+
+def test_one_step_calibrates_the_scale_and_nothing_is_predicted_before() -> None:
+    predictor = StepTimePredictor(COST, KV_BYTES_PER_TOKEN)
+    load = DecodeLoad(num_rows=16, num_context_tokens=16 * 200)
+    assert predictor.predict(load, 100) is None
+    assert predictor.prefill_tokens_within(load, 1.0, 512) == 0
+    features = predictor.load_features(load, 100)
+    predictor.observe(features, 0.25)
+    assert predictor.predict(load, 100) == pytest.approx(0.25)
+    # The cost model scaled by one factor: more work, more time.
+    assert predictor.predict(load, 400) > predictor.predict(load, 100)  # type: ignore[operator]
+
+
+def test_the_fit_converges_on_synthetic_step_times() -> None:
+    predictor = trained(300)
+    errors = relative_errors(predictor, seed=99)
+    # Within 20% for every step, and within 5% for nearly all, under 3% noise.
+    assert max(errors) < 0.2
+    assert sorted(errors)[int(0.95 * len(errors))] < 0.05
+    theta = predictor.coefficients
+    assert theta is not None and all(c >= 0 for c in theta)
+    # The terms that vary the most are learnt closely.
+    assert theta[2] == pytest.approx(TRUE[2], rel=0.1)
+    assert theta[3] == pytest.approx(TRUE[3], rel=0.2)
+
+
+def test_the_fit_follows_a_machine_that_slows_down() -> None:
+    predictor = trained(300)
+    rng = random.Random(5)
+    for _ in range(400):
+        load, prefill = random_load(rng)
+        features = predictor.load_features(load, prefill)
+        predictor.observe(features, machine(features, slowdown=1.5) * rng.uniform(0.97, 1.03))
+    errors = relative_errors(predictor, seed=7, slowdown=1.5)
+    assert sorted(errors)[int(0.9 * len(errors))] < 0.1
+
+
+def test_outliers_do_not_drag_the_fit() -> None:
+    predictor = StepTimePredictor(COST, KV_BYTES_PER_TOKEN)
+    rng = random.Random(3)
+    for i in range(400):
+        load, prefill = random_load(rng)
+        features = predictor.load_features(load, prefill)
+        stall = 5.0 if i % 20 == 19 else 1.0  # one step in 20 stalls (another process)
+        predictor.observe(features, stall * machine(features) * rng.uniform(0.97, 1.03))
+    errors = relative_errors(predictor, seed=11)
+    assert sorted(errors)[len(errors) // 2] < 0.1
+
+
+def test_prefill_tokens_within_is_the_largest_count_that_fits() -> None:
+    predictor = trained(200)
+    load = DecodeLoad(num_rows=32, num_context_tokens=32 * 300, prefill_start=64)
+    decode_only = predictor.predict(load, 0)
+    assert decode_only is not None
+    budget = 3 * decode_only
+    fit = predictor.prefill_tokens_within(load, budget, 2048)
+    headroom = predictor.headroom
+    assert 1.0 <= headroom <= 1.5
+
+    def fits(p: int) -> bool:
+        predicted = predictor.predict(load, p)
+        return predicted is not None and predicted * headroom <= budget
+
+    assert 0 < fit < 2048 and fits(fit) and not fits(fit + 1)
+    assert predictor.prefill_tokens_within(load, decode_only / 2, 2048) == 0
+    assert predictor.prefill_tokens_within(load, 100.0, 300) == 300
+
+
+def test_a_shapes_correction_follows_a_sudden_slowdown_within_a_few_steps() -> None:
+    """Another process takes part of the core: the next decode-only steps run 1.6x slower.
+    Their correction (the median of the last 7) follows within 4 steps, the other shape's
+    does not move, and one stalled step alone moves nothing."""
+    predictor = trained(300, noise=0.0)
+    load = DecodeLoad(num_rows=48, num_context_tokens=48 * 300)
+    decode = predictor.load_features(load, 0)
+    with_prompt = predictor.load_features(load, 200)
+    before = predictor.predict_features(with_prompt)
+    prompt_correction = predictor.corrections[1]
+    predictor.observe(decode, 5 * machine(decode))  # one stall
+    assert predictor.predict_features(decode) == pytest.approx(machine(decode), rel=0.02)
+    for _ in range(4):
+        predictor.observe(decode, 1.6 * machine(decode))
+    assert predictor.predict_features(decode) == pytest.approx(1.6 * machine(decode), rel=0.02)
+    # The slow fit moves a little with the slow steps; the other shape's correction not at all.
+    assert predictor.corrections[1] == prompt_correction
+    assert predictor.predict_features(with_prompt) == pytest.approx(before, rel=0.02)
