@@ -142,7 +142,6 @@ def test_auto_restores_none() -> None:
         ([], {"PAGEDSERVE_BATCHING": "weird"}),
         (["--kv-cache-memory", "lots"], {}),
         (["--tool-call-parser", "mistral"], {}),
-        (["--chat-template", "/no/such/template.jinja"], {}),
     ],
 )
 def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys) -> None:
@@ -163,6 +162,7 @@ def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys
         (["--target-ttft-ms", "500"], "target_ttft_ms needs target_itl_ms or target_tpot_ms"),
         (["--target-itl-ms", "100", "--min-prefill-chunk-tokens", "0"],
          "min_prefill_chunk_tokens must be positive"),
+        (["--chat-template", "/no/such/template.jinja"], "is not a readable file"),
     ],
 )
 def test_a_value_a_config_refuses_is_one_error_line(argv: list[str], message: str, capsys) -> None:
