@@ -238,10 +238,12 @@ def per_token_plan(meta: AttentionMetadata) -> AttentionPlan:
     if meta.num_decodes == num_seqs:  # one token per sequence already
         return AttentionPlan(meta, row_block_tables=meta.block_tables, row_seq_lens=meta.seq_lens)
     q_lens = meta.query_start_loc.diff()
-    seq_of_row = torch.repeat_interleave(
-        torch.arange(num_seqs, device=q_lens.device), q_lens.long()
-    )
-    row = torch.arange(seq_of_row.shape[0], device=q_lens.device)
+    num_rows = int(meta.query_start_loc[-1])
+    row = torch.arange(num_rows, device=q_lens.device, dtype=meta.query_start_loc.dtype)
+    # The sequence of each row: how many sequences end at or before it. (Not
+    # repeat_interleave, whose CPU kernel wakes the thread pool and took tens of ms per
+    # call on a busy 2-core machine: every speculative-decoding step comes here.)
+    seq_of_row = torch.searchsorted(meta.query_start_loc[1:], row, right=True)
     first = meta.query_start_loc[seq_of_row]
     lens = meta.seq_lens[seq_of_row] - q_lens[seq_of_row] + 1 + (row - first)
     return AttentionPlan(

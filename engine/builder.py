@@ -22,7 +22,7 @@ import torch
 from engine.attention import PagedAttention, resolve_backend
 from engine.backends import ModelForward
 from engine.backends.cpu import build_cpu_forward
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, UnsupportedModelError
 from engine.cost import StepCostModel
 from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
 from engine.gpu_memory import gpu_kv_budget
@@ -38,13 +38,22 @@ from engine.model_runner import ModelRunner
 from engine.presets import preset
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.draft_model import DraftModelProposer
+from engine.spec_decode.policy import default_max_step_tokens
+from engine.spec_decode.speculator import SpeculativeDecoder
 from engine.step_predictor import StepTimePredictor
 from engine.tensor_parallel import TPLayout, check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
 from kvpool.manager import KVCacheManager
-from kvpool.storage import KVCacheStorage, KVCapacity, size_kv_cache
+from kvpool.storage import (
+    DEFAULT_CPU_BUDGET_BYTES,
+    KVCacheStorage,
+    KVCapacity,
+    size_kv_cache,
+)
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler
 
@@ -144,6 +153,7 @@ class EngineParts:
     step_predictor: StepTimePredictor | None = None
     tp: TensorParallelGroup | None = None  # this process's tensor-parallel group
     tp_layout: TPLayout | None = None  # what each rank holds, with any padding
+    speculator: SpeculativeDecoder | None = None  # speculative decoding, when configured
 
 
 def pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -232,6 +242,11 @@ def build_engine_parts(
         num_kv_heads = layout.num_local_kv_heads
         if tp.rank == 0:
             logger.info("%s", layout.describe())
+    spec = config.speculative
+    draft = None
+    if spec is not None and spec.method == "draft":
+        # Before the KV cache is sized: its pool shares the budget, its weights the memory.
+        draft = load_draft(config, spec, mc, device, dtype, max_model_len, scheduler_config)
     # The cpu attention backend brings the fused C++ stack along (engine/backends/cpu.py);
     # every other one runs the model's own forward.
     forward: ModelForward = model
@@ -249,8 +264,17 @@ def build_engine_parts(
         gguf = None
         if config.matmul_weights == "gguf" and checkpoint is not None and resolved is not None:
             gguf = resolved.gguf
+        # A speculative row needs logits at each of its 1 + k positions; the step's
+        # speculative rows hold at most the auto-disable rule's tokens (an upper bound of
+        # it: the device default without the GGUF cap, which is only known further down).
+        spec_rows = 0
+        if spec is not None:
+            spec_rows = spec.max_step_tokens or default_max_step_tokens(device.type, 0)
         cpu = build_cpu_forward(
-            model, cpu_ops, gguf_path=gguf, max_logit_rows=scheduler_config.max_num_seqs
+            model,
+            cpu_ops,
+            gguf_path=gguf,
+            max_logit_rows=scheduler_config.max_num_seqs + spec_rows,
         )
         forward = cpu
         packed_bytes, block_bytes = cpu.memory.packed_bytes, cpu.memory.block_bytes
@@ -297,6 +321,17 @@ def build_engine_parts(
             block_size=kv_config.block_size,
         )
         kv_config = dataclasses.replace(kv_config, memory_bytes=budget)
+    if draft is not None and kv_config.num_blocks is None:
+        # Target and draft pools hold the same tokens and split the budget by bytes/token.
+        budget = kv_config.memory_bytes
+        if budget is None and device.type == "cpu":
+            budget = DEFAULT_CPU_BUDGET_BYTES
+        if budget is not None:
+            per_target = mc.kv_bytes_per_token(dtype.itemsize)
+            per_draft = draft.model_config.kv_bytes_per_token(dtype.itemsize)
+            kv_config = dataclasses.replace(
+                kv_config, memory_bytes=budget * per_target // (per_target + per_draft)
+            )
     capacity = size_kv_cache(
         kv_config,
         num_layers=mc.num_layers,
@@ -352,6 +387,14 @@ def build_engine_parts(
         )
         runner.graphs.capture_all()
 
+    speculator = None
+    if spec is not None:
+        argmax = cpu_ops.argmax_rows if cpu_ops is not None else None
+        speculator = build_speculator(
+            spec, draft, capacity, cost_model, device, dtype, config.seed, argmax
+        )
+        runner.speculator = speculator
+
     if tp is not None:
         # Every rank is built once this returns; from then on an idle rank 0 sends
         # heartbeats (engine/tp_group.py).
@@ -365,7 +408,7 @@ def build_engine_parts(
         weights=sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta),
         packed=packed_bytes,
         blocks=block_bytes,
-        kv_cache=capacity.total_bytes,
+        kv_cache=capacity.total_bytes + (speculator.draft_kv_bytes if speculator else 0),
         dropped=dropped_bytes,
     )
     logger.info("%s", memory.describe())
@@ -393,4 +436,118 @@ def build_engine_parts(
         step_predictor=step_predictor,
         tp=tp,
         tp_layout=layout,
+        speculator=speculator,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModel:
+    """The draft model of ``--speculative-method draft``, loaded and on its backend."""
+
+    model_config: ModelConfig
+    model: LlamaForCausalLM
+    forward: ModelForward
+    weight_bytes: int
+
+
+def load_draft(
+    config: EngineConfig,
+    spec: SpeculativeConfig,
+    target: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    scheduler_config: SchedulerConfig,
+) -> DraftModel:
+    """Load the draft model as the target is loaded: same dtype, device, attention backend
+    choice and (on the CPU) the C++ stack.
+
+    Raises:
+        UnsupportedModelError: its vocabulary differs from the target's.
+    """
+    assert spec.model is not None
+    dummy = spec.draft_load_format == "dummy"
+    shape = preset(spec.model) if dummy else None
+    resolved = None if shape is not None else resolve_model(spec.model)
+    dmc = ModelConfig.from_hf(shape if resolved is None else read_hf_config(resolved.path))
+    if dmc.vocab_size != target.vocab_size:
+        raise UnsupportedModelError(
+            f"the speculative model's vocabulary has {dmc.vocab_size} tokens and the "
+            f"target's {target.vocab_size}: a draft model must share the target's tokenizer"
+        )
+    backend = resolve_backend(config.attention_backend, device, dtype, dmc)
+    checkpoint = None if resolved is None else resolved.path
+    # Drafts reach k positions past the known tokens.
+    draft_len = max_model_len + spec.num_speculative_tokens
+    model = load_model(checkpoint, dmc, backend, draft_len, device, dtype, seed=config.seed + 1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    forward: ModelForward = model
+    cpu_ops = cpu_kernels.load() if backend == "cpu" else None
+    if cpu_ops is not None:
+        gguf = None
+        if config.matmul_weights == "gguf" and resolved is not None:
+            gguf = resolved.gguf
+        forward = build_cpu_forward(
+            model, cpu_ops, gguf_path=gguf, max_logit_rows=scheduler_config.max_num_seqs
+        )
+    logger.info(
+        "draft model %s: %.1fM parameters, %s attention",
+        spec.model,
+        dmc.num_params / 1e6,
+        backend,
+    )
+    return DraftModel(dmc, model, forward, weight_bytes)
+
+
+def build_speculator(
+    spec: SpeculativeConfig,
+    draft: DraftModel | None,
+    capacity: KVCapacity,
+    cost_model: StepCostModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int,
+    argmax: Any,
+) -> SpeculativeDecoder:
+    """The speculative decoder; for a draft model, its K/V pool holds as many tokens as the
+    target's (the budget was split between them before the target's pool was sized)."""
+    proposer = None
+    if draft is not None:
+        dmc = draft.model_config
+        draft_capacity = KVCapacity(
+            capacity.num_blocks, capacity.block_size, dmc.kv_bytes_per_token(dtype.itemsize)
+        )
+        logger.info("draft model's pool, beside the target's:")
+        storage = KVCacheStorage(
+            draft_capacity,
+            num_layers=dmc.num_layers,
+            num_kv_heads=dmc.num_kv_heads,
+            head_dim=dmc.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        proposer = DraftModelProposer(
+            draft.forward, storage, device, argmax if argmax is not None else _torch_argmax
+        )
+    max_step_tokens = spec.max_step_tokens or default_max_step_tokens(
+        device.type, cost_model.block_rows
+    )
+    logger.info(
+        "speculative decoding: %s, up to %d tokens per request, while a step's decodes and "
+        "drafts stay within %d tokens",
+        spec.method if draft is None else f"draft model {spec.model}",
+        spec.num_speculative_tokens,
+        max_step_tokens,
+    )
+    return SpeculativeDecoder(
+        spec,
+        max_step_tokens,
+        seed=seed,
+        device=device,
+        argmax=argmax if argmax is not None else _torch_argmax,
+        draft=proposer,
+    )
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.spec_decode.config import SpeculativeConfig
+
 
 def cache_dir() -> Path:
     """Where converted models and measured machine peaks are cached:
@@ -189,6 +191,7 @@ class EngineConfig:
             ``tensor_parallel_size // nnodes`` ranks; node 0 serves HTTP). On one host
             master_port 0 picks a free port. torchrun's RANK/WORLD_SIZE/MASTER_ADDR/
             MASTER_PORT, when set, take their place.
+        speculative: speculative decoding (engine/spec_decode/config.py); None: off.
     """
 
     model: str = "default"
@@ -207,8 +210,11 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding does not run with tensor parallelism yet")
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"

@@ -9,14 +9,17 @@ the batch and the prefill kernel on the tail::
 
 Padding rows (a finished member of a static batch, ``ScheduledRequest.padding``) are decodes
 whose slot is -1: the token's K/V is already cached, so nothing is written. Their logits are
-computed, as a fixed batch computes them, but sit after the sampling rows and are discarded::
+computed, as a fixed batch computes them, but sit after the sampling rows and are discarded.
+Speculative rows (``ScheduledRequest.draft_token_ids``) are multi-token queries like prefill
+chunks, and need logits at every position (engine/spec_decode/verify.py); those rows come
+after the sampling rows::
 
-    logits rows:  | sampling[0] ... sampling[n-1] | padding ... |
+    logits rows:  | sampling[0] ... sampling[n-1] | verifying: every position | padding ... |
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +49,8 @@ class InputBatch:
     # logits_indices is every row in order (a step of decodes only, none of them padding):
     # the model then takes the rows as they are instead of gathering them.
     logits_are_all_rows: bool = False
+    # Speculative rows, whose logits follow the sampling rows': num_tokens rows each.
+    verifying: list[ScheduledRequest] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +69,8 @@ def build_input_batch(out: SchedulerOutput, block_size: int, device: torch.devic
     logits_indices: list[int] = []
     padding_indices: list[int] = []
     sampling: list[ScheduledRequest] = []
+    verify_indices: list[int] = []
+    verifying: list[ScheduledRequest] = []
     for item in ordered:
         end = item.start + item.num_tokens
         input_ids.extend(item.token_ids)
@@ -74,13 +81,18 @@ def build_input_batch(out: SchedulerOutput, block_size: int, device: torch.devic
             padding_indices.append(len(input_ids) - 1)
             continue
         slots.extend(slots_for(item.block_ids, block_size, item.start, end))
-        if item.samples:
+        if item.draft_token_ids:
+            verify_indices.extend(range(len(input_ids) - item.num_tokens, len(input_ids)))
+            verifying.append(item)
+        elif item.samples:
             logits_indices.append(len(input_ids) - 1)
             sampling.append(item)
 
     max_blocks = max(len(item.block_ids) for item in ordered)
     tables = [list(item.block_ids) + [0] * (max_blocks - len(item.block_ids)) for item in ordered]
     seq_lens = [item.seq_len for item in ordered]
+
+    rows = logits_indices + verify_indices + padding_indices
 
     def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -96,9 +108,8 @@ def build_input_batch(out: SchedulerOutput, block_size: int, device: torch.devic
             query_start_loc=tensor(query_start_loc, torch.int32),
             max_seq_len=max(seq_lens),
         ),
-        logits_indices=tensor(logits_indices + padding_indices, torch.int64),
+        logits_indices=tensor(rows, torch.int64),
         sampling=sampling,
-        # Sampling rows are increasing token indices, one per request: as many as there
-        # are tokens, and no padding after them, means 0, 1, ..., num_tokens - 1.
-        logits_are_all_rows=not padding_indices and len(logits_indices) == len(input_ids),
+        logits_are_all_rows=rows == list(range(len(input_ids))),
+        verifying=verifying,
     )

@@ -19,6 +19,12 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenLogprob
+from engine.spec_decode.config import (
+    DEFAULT_NGRAM_MAX,
+    DEFAULT_NGRAM_MIN,
+    DEFAULT_NUM_SPECULATIVE_TOKENS,
+    SpeculativeConfig,
+)
 from kvpool.config import KVPoolConfig
 from scheduler.config import (
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -70,7 +76,27 @@ class LLM:
         enforce_eager: bool = False,
         cuda_graph_sizes: tuple[int, ...] | None = None,
         tensor_parallel_size: int = 1,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS,
+        ngram_min: int = DEFAULT_NGRAM_MIN,
+        ngram_max: int = DEFAULT_NGRAM_MAX,
+        speculative_model: str | None = None,
+        speculative_load_format: str = "auto",
+        speculative_max_step_tokens: int | None = None,
     ) -> None:
+        """Arguments mirror the server's flags (server/README.md). Speculative decoding
+        (engine/spec_decode/) is on when ``speculative_method`` is "ngram" or "draft"."""
+        speculative = None
+        if speculative_method is not None:
+            speculative = SpeculativeConfig(
+                method=speculative_method,
+                num_speculative_tokens=num_speculative_tokens,
+                ngram_min=ngram_min,
+                ngram_max=ngram_max,
+                model=speculative_model,
+                draft_load_format=speculative_load_format,
+                max_step_tokens=speculative_max_step_tokens,
+            )
         self.engine = LLMEngine(
             EngineConfig(
                 model=model,
@@ -85,6 +111,7 @@ class LLM:
                 enforce_eager=enforce_eager,
                 cuda_graph_sizes=cuda_graph_sizes,
                 tensor_parallel_size=tensor_parallel_size,
+                speculative=speculative,
             ),
             KVPoolConfig(
                 block_size=block_size,

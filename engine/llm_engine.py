@@ -70,6 +70,8 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.sampler = parts.sampler
         self.runner: Any = parts.runner
+        # Speculative decoding (engine/spec_decode/), None when off.
+        self.speculator = parts.speculator
         self.memory = parts.memory
         self.tp = parts.tp  # the tensor-parallel group, or None
         self._stats = StepStatsRecorder(parts.cost_model, parts.kv_capacity)
@@ -205,11 +207,6 @@ class LLMEngine:
             _parked_output(request, "abort") for request in parked
         ]
 
-    def _forget(self, request_id: str) -> None:
-        self.sampler.forget(request_id)
-        if self.structured is not None:
-            self.structured.remove(request_id)
-
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
         if self.tp is not None:
@@ -264,8 +261,18 @@ class LLMEngine:
         gap_s = start - self._busy_end if self._busy_end is not None else None
         self._busy_end = None
         parked_outputs = self._admit_compiled() if self._awaiting_grammar else []
-        plan = self.scheduler.schedule()
+        speculator = self.speculator
+        drafts = speculator.propose(self.scheduler) if speculator is not None else None
+        if drafts and self.structured is not None and self.structured.num_constrained:
+            # Constrained requests decode one token a step: a draft would have to be checked
+            # against the grammar and the matcher rolled back past rejected tokens.
+            drafts = {r: d for r, d in drafts.items() if not self.structured.constrains(r)}
+        plan = (
+            self.scheduler.schedule(draft_token_ids=drafts) if drafts else self.scheduler.schedule()
+        )
         if plan.is_empty:
+            if speculator is not None:
+                speculator.end_step(plan)
             if self.structured is not None and not parked_outputs:
                 self.structured.wait_any(0.05)  # nothing runs: wait for a grammar, not spin
             return parked_outputs
@@ -297,12 +304,20 @@ class LLMEngine:
             plan, dict(zip(result.request_ids, result.token_ids, strict=True))
         )
         outputs = error_outputs + self._make_outputs(update, result)
+        spec_stats = speculator.end_step(plan) if speculator is not None else None
         end = time.perf_counter()
         phase_s = dict(result.phase_s)
         phase_s["schedule"] = scheduled - start
         # What the runner did not time (a failed step's re-runs, the update) is "update".
         phase_s["update"] = max(0.0, (end - scheduled) - sum(result.phase_s.values()))
         self._record_stats(plan, end - start, phase_s)
+        if spec_stats is not None and self.last_step_stats is not None:
+            stats = self.last_step_stats
+            stats.num_draft_tokens = spec_stats.num_draft_tokens
+            stats.num_accepted_tokens = spec_stats.num_accepted_tokens
+            stats.num_spec_verifications = spec_stats.num_verified_rows
+            stats.spec_draft_s = spec_stats.draft_s
+            stats.spec_verify_s = spec_stats.verify_s
         if predictor is not None and features is not None:
             had_decodes = any(s.num_tokens == 1 and not s.padding for s in plan.scheduled)
             predictor.observe(features, end - start)
@@ -330,13 +345,26 @@ class LLMEngine:
         self, update: SchedulerUpdate, result: ModelRunnerOutput
     ) -> list[RequestOutput]:
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=False))
-        outputs = []
+        # A speculative row emits several tokens: one output per request, all its tokens.
+        new_tokens: dict[str, tuple[Request, list[int]]] = {}
         for request, token_id in update.new_tokens:
-            lp = logprobs.get(request.request_id)
-            outputs.append(_output(request, [token_id], [lp] if lp is not None else None))
+            new_tokens.setdefault(request.request_id, (request, []))[1].append(token_id)
+        outputs = []
+        for request_id, (request, token_ids) in new_tokens.items():
+            lp = logprobs.get(request_id)
+            lps = lp[: len(token_ids)] if isinstance(lp, list) else [lp] if lp is not None else None
+            outputs.append(_output(request, token_ids, lps))
         for request in update.finished:
             self._forget(request.request_id)
         return outputs
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a finished request's sampling (speculation, grammar) state."""
+        self.sampler.forget(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
+        if self.structured is not None:
+            self.structured.remove(request_id)
 
     def _record_stats(
         self, plan: SchedulerOutput, step_time: float, phase_s: dict[str, float]

@@ -14,8 +14,9 @@ import torch
 from engine.backends import ModelForward
 from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import InputBatch, build_input_batch
-from engine.outputs import ModelRunnerOutput
+from engine.outputs import ModelRunnerOutput, TokenLogprob
 from engine.sampler import Sampler
+from engine.spec_decode.speculator import SpeculativeDecoder
 from kvpool.storage import KVCacheStorage
 from scheduler.output import SchedulerOutput
 
@@ -33,6 +34,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.graphs: DecodeGraphs | None = None
+        # Verifies speculative rows (engine/spec_decode/); None without speculative decoding.
+        self.speculator: SpeculativeDecoder | None = None
 
     def prepare(self, out: SchedulerOutput) -> InputBatch:
         return build_input_batch(out, self.storage.block_size, self.device)
@@ -55,11 +58,26 @@ class ModelRunner:
         # work, and the sampler's read of the chosen tokens is the step's one wait. So on
         # CUDA "forward" is the time to launch the step and "sample" includes the GPU's.
         t2 = time.perf_counter()
-        if not batch.sampling:
+        if not batch.sampling and not batch.verifying:
             return ModelRunnerOutput([], [], [], {"prepare": t1 - t0, "forward": t2 - t1})
-        # Rows past the sampling ones are static-batch padding: computed, then discarded.
-        token_ids, logprobs = self.sampler(logits[: len(batch.sampling)], batch.sampling)
+        # Rows past the sampling and verifying ones are static-batch padding: discarded.
+        num_sampling = len(batch.sampling)
+        token_ids: list[int | list[int]] = []
+        logprobs: list[TokenLogprob | list[TokenLogprob] | None] = []
+        if batch.sampling:
+            sampled, sampled_lps = self.sampler(logits[:num_sampling], batch.sampling)
+            token_ids.extend(sampled)
+            logprobs.extend(sampled_lps)
+        if batch.verifying:
+            if self.speculator is None:
+                raise RuntimeError("a speculative row reached a runner without a speculator")
+            num_rows = sum(item.num_tokens for item in batch.verifying)
+            for result in self.speculator.verify(
+                logits[num_sampling : num_sampling + num_rows], batch.verifying
+            ):
+                token_ids.append(result.token_ids)
+                logprobs.append(result.logprobs)
         phase_s = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
         return ModelRunnerOutput(
-            [s.request_id for s in batch.sampling], token_ids, logprobs, phase_s
+            [s.request_id for s in batch.sampling + batch.verifying], token_ids, logprobs, phase_s
         )

@@ -23,11 +23,14 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    """One step's sampled tokens, aligned with the requests that sampled this step."""
+    """One step's sampled tokens, aligned with the requests that sampled this step.
+
+    A speculative row (engine/spec_decode/) emits a list of tokens, with a list of logprobs.
+    """
 
     request_ids: list[str]
-    token_ids: list[int]
-    logprobs: list[TokenLogprob | None]
+    token_ids: list[int | list[int]]
+    logprobs: list[TokenLogprob | list[TokenLogprob] | None]
     # Wall seconds of the runner's phases ("prepare", "forward", "sample"): StepStats.phase_s.
     phase_s: dict[str, float] = field(default_factory=dict)
 
@@ -90,6 +93,14 @@ class StepStats:
     num_kv_blocks_evictable: int = 0  # cached blocks no request owns (reused or evicted later)
     num_kv_slots_allocated: int = 0  # token slots of used blocks
     num_kv_slots_live: int = 0  # of those, slots holding a computed token (shared ones once)
+    # Speculative decoding (engine/spec_decode/): drafts verified this step, how many were
+    # accepted, speculative rows (each also emits the target's own token), and the seconds
+    # spent proposing and verifying (inside "schedule" and "sample" of phase_s).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_verifications: int = 0
+    spec_draft_s: float = 0.0
+    spec_verify_s: float = 0.0
     # Seconds per phase of STEP_PHASES; the phases of engine.step() add up to step_time_s.
     phase_s: dict[str, float] = field(default_factory=dict)
     # Latency targets (scheduler/latency_targets.py); None without targets.

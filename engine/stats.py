@@ -33,12 +33,21 @@ class StepStatsRecorder:
         # Static-batch padding rows are computed and read KV, but are nobody's output and
         # write nothing: they count in the bytes read, not as decode tokens or writes.
         padding = plan.num_padding_tokens
-        decode = sum(1 for s in plan.scheduled if s.num_tokens == 1 and not s.padding)
+        # A speculative row is a decode plus its drafts: all of them decode tokens.
+        decode = sum(
+            s.num_tokens
+            for s in plan.scheduled
+            if (s.num_tokens == 1 or s.draft_token_ids) and not s.padding
+        )
         kv_tokens_read = sum(s.seq_len for s in plan.scheduled)
         per_token = self.kv_capacity.bytes_per_token
         # Copy-on-write block copies read and write a whole block each.
         copied = len(plan.blocks_to_copy) * self.kv_capacity.block_size * per_token
-        num_logit_rows = sum(1 for s in plan.scheduled if s.samples or s.padding)
+        num_logit_rows = sum(
+            s.num_tokens if s.draft_token_ids else 1
+            for s in plan.scheduled
+            if s.samples or s.padding
+        )
         cost = self.cost_model.step(
             ((s.start, s.num_tokens) for s in plan.scheduled), num_logit_rows
         )

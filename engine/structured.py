@@ -183,6 +183,9 @@ class StructuredDecoder:
     def num_constrained(self) -> int:
         return len(self._matchers)
 
+    def constrains(self, request_id: str) -> bool:
+        return request_id in self._matchers or request_id in self._pending
+
     def add(self, request_id: str, params: StructuredOutputParams) -> None:
         """Start (or find) the grammar of a new request; ``ready`` tells when it may run."""
         self._pending[request_id] = self.cache.compile(params)[0]
@@ -256,13 +259,15 @@ class StructuredDecoder:
         )
         return logits
 
-    def accept(self, request_ids: list[str], token_ids: list[int]) -> None:
+    def accept(self, request_ids: list[str], token_ids: list[int | list[int]]) -> None:
         """Advance each constrained request's matcher over its sampled token."""
         if not self._matchers:
             return
         for request_id, token_id in zip(request_ids, token_ids, strict=True):
             matcher = self._matchers.get(request_id)
+            # A list is a speculative row's tokens; constrained requests get no drafts.
             if matcher is not None and not matcher.is_terminated():
+                assert isinstance(token_id, int), "a constrained request got speculative tokens"
                 if not matcher.accept_token(token_id):
                     # Only a sampler bug can get here: the mask allowed nothing else.
                     logger.error(

@@ -324,6 +324,42 @@ class KVCacheManager:
         if block_ids:
             self.pool.free(block_ids[::-1])
 
+    def rollback_slots(self, request_id: str, num_tokens: int, *, min_blocks: int = 0) -> int:
+        """Give back the slots of tokens a step wrote but that were rejected (speculative
+        decoding): the request keeps the blocks that hold its first ``num_tokens`` tokens,
+        or ``min_blocks`` if that is more, and the blocks after them return to the pool::
+
+            table    | b0 | b1 | b2 | b3 |        num_tokens = 20, block_size = 16
+            kept     | b0 | b1 |                  b2, b3 held only rejected slots: freed
+
+        The rejected slots in a kept block are simply overwritten later: a block is hashed
+        only once it is full of computed tokens (``commit_computed``), and the scheduler
+        commits the accepted count only.
+
+        Args:
+            request_id: a request that owns blocks.
+            num_tokens: its tokens that stay (its computed tokens after the step).
+            min_blocks: blocks it held before the step allocated the speculative slots (a
+                reservation, ``block_allocation="reserve"``, is never given back).
+        Returns:
+            The number of blocks returned to the pool.
+        """
+        table = self._block_tables[request_id]
+        if num_tokens < self._num_live[request_id]:
+            raise ValueError(
+                f"{request_id!r}: cannot roll back below its {self._num_live[request_id]} "
+                f"committed tokens to {num_tokens}"
+            )
+        keep = max(self.num_blocks_for(num_tokens), min_blocks)
+        tail = table[keep:]
+        if not tail:
+            return 0
+        # NOTE: every block past the live tokens is private and unhashed (class invariant),
+        # so these go straight to the free list.
+        del table[keep:]
+        self.pool.free(tail[::-1])
+        return len(tail)
+
     # ---- views ----------------------------------------------------------------------------
 
     def block_ids(self, request_id: str) -> tuple[int, ...]:

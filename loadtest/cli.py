@@ -45,6 +45,7 @@ def _run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         prompt_len=args.prompt_len_dist,
         output_len=args.output_len_dist,
+        workload=args.workload,
         shared_prefix_len=args.shared_prefix_len,
         num_prefixes=args.num_prefixes,
         cancel_fraction=args.cancel_fraction,

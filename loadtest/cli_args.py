@@ -150,6 +150,14 @@ def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="result JSON path (plots go beside it)")
     run.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     _add_workload_args(run)
+    run.add_argument(
+        "--workload",
+        choices=("synthetic", "grounded"),
+        default="synthetic",
+        help="synthetic: random words of --prompt-len-dist tokens; grounded: copy a passage "
+        "of Python's documentation (output repeats the prompt: speculative decoding's "
+        "prompt-lookup case)",
+    )
 
     cmp = sub.add_parser("compare", help="start a server in each batching mode and compare")
     cmp.add_argument(

@@ -62,6 +62,9 @@ class LoadTestConfig:
     drain_timeout_s: after the duration limit, how long in-flight requests may still run
         before they are cancelled (recorded as ``cancel_reason="time_limit"``).
     prompt_len / output_len: length distribution specs (``distributions.LengthDist``).
+    workload: "synthetic" (random words of ``prompt_len`` tokens) or "grounded" (copy a
+        passage of Python's documentation: ``workloads.grounded_workload``; ``prompt_len``,
+        the shared prefix and cancellations do not apply).
     shared_prefix_len / num_prefixes: shared "system prompt" workload (0 = off).
     cancel_fraction: fraction of requests the client abandons mid-stream.
     seed: one seed for workload and arrival times.
@@ -92,6 +95,7 @@ class LoadTestConfig:
     drain_timeout_s: float = 60.0
     prompt_len: str = "uniform:64:192"
     output_len: str = "exponential:64:384"
+    workload: str = "synthetic"
     shared_prefix_len: int = 0
     num_prefixes: int = 1
     cancel_fraction: float = 0.0
@@ -113,6 +117,8 @@ class LoadTestConfig:
         modes = sum([bool(self.concurrencies), bool(self.request_rates), bool(self.trace_path)])
         if modes != 1:
             raise ValueError("give exactly one of concurrencies, request_rates or trace_path")
+        if self.workload not in ("synthetic", "grounded"):
+            raise ValueError(f"workload must be synthetic or grounded, got {self.workload!r}")
         if any(c < 1 for c in self.concurrencies):
             raise ValueError(f"concurrency must be >= 1, got {self.concurrencies}")
         if any(r <= 0 for r in self.request_rates):
@@ -161,6 +167,7 @@ class LoadTestConfig:
             "shared_prefix_len": self.shared_prefix_len,
             "num_prefixes": self.num_prefixes,
             "cancel_fraction": self.cancel_fraction,
+            "workload": self.workload,
             "seed": self.seed,
             "prompt_salt": self.prompt_salt,
             "ignore_eos": self.ignore_eos,

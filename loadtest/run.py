@@ -29,7 +29,13 @@ from loadtest.config import LoadTestConfig, SweepPoint
 from loadtest.distributions import LengthDist
 from loadtest.probe import discover_model, scrape_metrics, tokens_per_word
 from loadtest.stats import Summary, summarize
-from loadtest.workloads import RequestSpec, load_trace, make_prompt, synthetic_workload
+from loadtest.workloads import (
+    RequestSpec,
+    grounded_workload,
+    load_trace,
+    make_prompt,
+    synthetic_workload,
+)
 
 SCHEMA_VERSION = 1
 
@@ -100,6 +106,10 @@ def build_workload(
             tokens_per_word=tokens_per_word,
             max_requests=config.num_requests,
             time_scale=config.trace_time_scale,
+        )
+    if config.workload == "grounded":
+        return grounded_workload(
+            config.num_requests, LengthDist.parse(config.output_len), config.seed + point_index
         )
     # Point 0 of an unsalted sweep keeps the words it always had.
     salt = f"{config.prompt_salt}:{point_index}" if config.prompt_salt or point_index else ""

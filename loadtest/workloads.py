@@ -214,3 +214,71 @@ def load_trace(
         )
         for i, (arrival, prompt, prompt_len, max_tokens) in enumerate(entries)
     ]
+
+
+# ---- input-grounded prompts -------------------------------------------------------------
+
+# Standard-library modules whose docstrings are long prose (with some code): every Python
+# install ships them, so any machine builds the same texts (for one Python version).
+GROUNDED_MODULES: tuple[str, ...] = (
+    "argparse", "json", "heapq", "csv", "statistics", "sched",
+    "copy", "hashlib", "timeit", "unittest", "configparser", "site",
+)  # fmt: skip
+# A task whose answer copies its input: the passage, then the start of its copy. The first
+# words of the copy are given, so even a small model recognises the task; the output then
+# repeats long spans of the prompt, as summaries, edits and quoting answers do.
+GROUNDED_TEMPLATE = "Original text:\n{passage}\n\nThe same text, copied exactly:\n{lead}"
+GROUNDED_LEAD_WORDS = 6
+# Tokens per word of this English-and-code prose in Llama-family tokenizers (an estimate
+# for ``RequestSpec.prompt_len``; the server's usage figures are recorded anyway).
+GROUNDED_TOKENS_PER_WORD = 1.35
+
+
+def grounded_passage(module: str, start: int, num_words: int) -> str:
+    """``num_words`` words of a standard-library module's docstring from word ``start``
+    (wrapping around), whitespace collapsed."""
+    import importlib
+
+    words = (importlib.import_module(module).__doc__ or module).split()
+    start %= len(words)
+    return " ".join((words[start:] + words[:start])[:num_words])
+
+
+def grounded_prompt(passage: str) -> str:
+    """The copy-task prompt for a passage (``GROUNDED_TEMPLATE``)."""
+    lead = " ".join(passage.split()[:GROUNDED_LEAD_WORDS])
+    return GROUNDED_TEMPLATE.format(passage=passage, lead=lead)
+
+
+def grounded_workload(
+    num_requests: int, output_len: LengthDist, seed: int, passage_words: int = 150
+) -> list[RequestSpec]:
+    """An input-grounded workload: each prompt is a passage of Python's own documentation
+    and the start of its copy (``GROUNDED_TEMPLATE``), so a good answer repeats the prompt.
+    This is the load speculative decoding by prompt lookup (n-gram) is for; send it to any
+    OpenAI-compatible server to compare them on it.
+
+    Args:
+        num_requests: number of requests; request i uses module i mod 12, from a random word.
+        output_len: distribution of ``max_tokens``.
+        seed: the same seed gives the same prompts and lengths.
+        passage_words: words per passage.
+    """
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    rng = random.Random(f"{seed}:grounded")
+    output_lens = output_len.sample_many(num_requests, random.Random(f"{seed}:output_len"))
+    specs = []
+    for i in range(num_requests):
+        module = GROUNDED_MODULES[i % len(GROUNDED_MODULES)]
+        passage = grounded_passage(module, rng.randrange(1_000_000), passage_words)
+        prompt = grounded_prompt(passage)
+        specs.append(
+            RequestSpec(
+                index=i,
+                prompt=prompt,
+                prompt_len=round(len(prompt.split()) * GROUNDED_TOKENS_PER_WORD),
+                max_tokens=output_lens[i],
+            )
+        )
+    return specs

@@ -94,7 +94,7 @@ def hashes_filled_by(kv: KVCacheManager, items: Iterable[ScheduledRequest]) -> s
         for item in items
         if not item.padding
         for block_hash in kv.new_block_hashes(
-            item.request_id, item.start, item.seq_len, item.request.token_ids
+            item.request_id, item.start, item.known_end, item.request.token_ids
         )
     }
 

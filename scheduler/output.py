@@ -25,6 +25,15 @@ class ScheduledRequest:
     token, ``samples`` is False, and ``start`` is the request's last computed position:
     the runner computes it like a decode over the ``seq_len`` cached tokens but must write
     no K/V (slot -1: the cache already holds that position) and use no logits of it.
+
+    A *speculative* row (speculative decoding, ``draft_token_ids`` not empty) is a decode
+    followed by ``k`` proposed tokens that are not the request's yet::
+
+        | start: the last known token | d1 | d2 | ... | dk |   num_tokens = 1 + k
+
+    The runner computes it like a prefill chunk, takes logits at all ``1 + k`` positions
+    and verifies the drafts (engine/spec_decode/); the scheduler then keeps the accepted
+    prefix and gives back the slots of the rest (``KVCacheManager.rollback_slots``).
     """
 
     request: Request
@@ -34,10 +43,19 @@ class ScheduledRequest:
     block_ids: tuple[int, ...]  # the request's whole block table after allocation
     samples: bool  # the chunk reaches the request's last token: sample the next one
     padding: bool = False  # a finished request's dummy row (see above)
+    draft_token_ids: tuple[int, ...] = ()  # proposed tokens after the known ones (see above)
+    # Blocks the request held before this step's allocation: a rollback keeps at least these.
+    num_blocks_before: int = 0
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def known_end(self) -> int:
+        """End of the positions this step computes that hold known tokens (drafts excluded):
+        only these can fill a block whose hash is certain."""
+        return self.start + self.num_tokens - len(self.draft_token_ids)
 
     @property
     def seq_len(self) -> int:

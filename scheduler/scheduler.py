@@ -39,9 +39,10 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvpool.manager import KVCacheManager
+from kvpool.prefix_cache import TokenSource
 from scheduler.admission import (
     Refusal,
     RequestTooLargeError,
@@ -161,11 +162,18 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(
+        self, draft_token_ids: Mapping[str, Sequence[int]] | None = None
+    ) -> SchedulerOutput:
         """Plan one step: running requests first (one decode token, or their next prefill
         chunk), then padding rows, then admissions the policy allows, all under
         ``max_num_batched_tokens``.
 
+        Args:
+            draft_token_ids: speculative decoding's proposals, request id -> tokens that
+                may follow a running request's known ones. A decoding request with a
+                proposal is scheduled as ``1 + k`` tokens when the budget and the pool
+                allow it without preempting anyone; else as a plain decode.
         Returns:
             The scheduled requests in batch order and the ids preempted this step. Empty
             when nothing can run (e.g. dynamic batching waiting for its window).
@@ -182,7 +190,7 @@ class Scheduler:
         )
         if self.targets is not None:
             out.target = self._cap_prefill(step)
-        self._schedule_running(out, step)
+        self._schedule_running(out, step, draft_token_ids or {})
         # Padding needs no check for an ended batch here: preemption releases all padding
         # before it takes a live request, so a batch emptied by preemption has none left.
         self._schedule_padding(out, step)
@@ -257,7 +265,9 @@ class Scheduler:
         step.prompt = min(step.prompt, decision.prefill_cap)
         return decision
 
-    def _schedule_running(self, out: SchedulerOutput, step: StepBudget) -> None:
+    def _schedule_running(
+        self, out: SchedulerOutput, step: StepBudget, drafts: Mapping[str, Sequence[int]]
+    ) -> None:
         """Schedule running requests, oldest first, preempting the newest when blocks run
         out. Decodes cost one token each and admission order puts prefilling requests
         last, so decodes go before any prefill chunk and a long prompt cannot stall them.
@@ -266,6 +276,13 @@ class Scheduler:
         while index < len(self.running) and step.tokens > 0:
             request = self.running[index]
             remaining = request.num_tokens - request.num_computed_tokens
+            if remaining == 1 and drafts.get(request.request_id):
+                item = self._schedule_speculative(request, drafts[request.request_id], step)
+                if item is not None:
+                    out.scheduled.append(item)
+                    step.spend(item.num_tokens, prompt=False)
+                    index += 1
+                    continue
             num_new = step.fit(remaining)
             if num_new == 0:
                 index += 1
@@ -276,6 +293,50 @@ class Scheduler:
             step.spend(num_new, prompt=remaining > 1)
             index += 1
 
+    def _schedule_speculative(
+        self, request: Request, draft: Sequence[int], step: StepBudget
+    ) -> ScheduledRequest | None:
+        """A decoding request's row with its proposed tokens, if the step's budget and the
+        pool hold them. Speculative slots never preempt anyone: without free blocks for
+        them the request runs a plain decode.
+
+        Returns:
+            The row (blocks allocated), or None to schedule a plain decode instead.
+        """
+        # Never verify past what the request may still emit: the last draft position's
+        # logits give one more token, so k drafts can yield k + 1 tokens.
+        params = request.sampling_params
+        room = min(
+            params.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
+        num_draft = min(len(draft), step.tokens - 1, room - 1)
+        if num_draft < 1:
+            return None
+        request_id = request.request_id
+        num_blocks_before = len(self.kv.block_ids(request_id))
+        start = request.num_computed_tokens
+        # Leave a block per running request, so the drafts' slots do not make a request
+        # behind this one preempt for its plain decode.
+        need = self.kv.num_new_blocks_needed(request_id, start + 1 + num_draft)
+        if need > 0 and need + len(self.running) > self.kv.num_free_blocks:
+            return None
+        if self.kv.allocate_slots(request_id, start + 1 + num_draft) is None:
+            return None
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+        proposed = tuple(draft[:num_draft])
+        return ScheduledRequest(
+            request=request,
+            start=start,
+            num_tokens=1 + num_draft,
+            token_ids=request.token_ids(start, start + 1) + list(proposed),
+            block_ids=self.kv.block_ids(request_id),
+            samples=True,
+            draft_token_ids=proposed,
+            num_blocks_before=num_blocks_before,
+        )
+
     def _schedule_padding(self, out: SchedulerOutput, step: StepBudget) -> None:
         """A dummy row per padding member. Padding takes the budget live requests left; a
         step whose budget a prefill chunk used up skips it (which happens only while a
@@ -285,13 +346,16 @@ class Scheduler:
         out.scheduled.extend(rows)
         step.spend(len(rows), prompt=False)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> SchedulerUpdate:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Mapping[str, int | list[int]]
+    ) -> SchedulerUpdate:
         """Advance every scheduled request, append sampled tokens, apply stop conditions.
 
         Args:
             out: what ``schedule()`` returned for this step.
             sampled: request id -> the token sampled for it (requests whose chunk reached
-                their last token).
+                their last token); for a speculative row, the list of tokens its
+                verification emits (the accepted drafts, then the target's own token).
         Returns:
             Requests that got a token, and requests that finished (their blocks are free).
         """
@@ -301,27 +365,69 @@ class Scheduler:
             request = item.request
             if item.padding or request.status != RequestStatus.RUNNING:
                 continue  # padding, or aborted between schedule and update
-            request.num_computed_tokens += item.num_tokens
+            result = sampled.get(request.request_id)
+            token_source: TokenSource = request.token_ids
+            if item.draft_token_ids:
+                token_source = self._advance_speculative(item, result)
+            else:
+                request.num_computed_tokens += item.num_tokens
             # Before any stop check frees the blocks: freed blocks keep their new hashes.
-            self.kv.commit_computed(
-                request.request_id, request.num_computed_tokens, request.token_ids
-            )
-            token_id = sampled.get(request.request_id)
-            if token_id is None:
+            self.kv.commit_computed(request.request_id, request.num_computed_tokens, token_source)
+            if result is None:
                 continue
-            request.output_token_ids.append(token_id)
-            update.new_tokens.append((request, token_id))
-            status = stop_status(request, token_id, self.max_model_len)
-            if status is not None:
-                self.running.remove(request)
-                if self.keeps_padding:
-                    self._finish(request, status, now, keep_blocks=True)
-                    self.padding.add(request)
-                else:
-                    self._finish(request, status, now)
-                update.finished.append(request)
+            for token_id in [result] if isinstance(result, int) else result:
+                request.output_token_ids.append(token_id)
+                update.new_tokens.append((request, token_id))
+                status = stop_status(request, token_id, self.max_model_len)
+                if status is not None:
+                    self.running.remove(request)
+                    if self.keeps_padding:
+                        self._finish(request, status, now, keep_blocks=True)
+                        self.padding.add(request)
+                    else:
+                        self._finish(request, status, now)
+                    update.finished.append(request)
+                    break  # tokens verified after a stop are dropped
         self._end_batch_if_done()
         return update
+
+    def _advance_speculative(
+        self, item: ScheduledRequest, emitted: int | list[int] | None
+    ) -> TokenSource:
+        """Count the computed tokens of a speculative row and give back the slots of its
+        rejected drafts::
+
+            | start | d1 .. da (accepted) | d(a+1) .. dk (rejected) |
+            |<-- computed: 1 + a ------->|<-- slots rolled back --->|
+
+        ``emitted`` is ``a`` accepted drafts plus the target's next token (not computed
+        yet: it is next step's decode), so ``1 + a == len(emitted)``.
+        """
+        request = item.request
+        if emitted is None or isinstance(emitted, int):
+            num_emitted = 1 if emitted is not None else 0
+        else:
+            num_emitted = len(emitted)
+        if not 1 <= num_emitted <= item.num_tokens:
+            raise ValueError(
+                f"{request.request_id!r}: a speculative row of {item.num_tokens} tokens "
+                f"cannot emit {num_emitted}"
+            )
+        request.num_computed_tokens = item.start + num_emitted
+        self.kv.rollback_slots(
+            request.request_id, request.num_computed_tokens, min_blocks=item.num_blocks_before
+        )
+        # The accepted drafts are computed before they are appended to the output (below,
+        # with the stop checks): hashes read them from the verified list.
+        accepted = list(item.draft_token_ids[: num_emitted - 1])
+        if not isinstance(emitted, int) and emitted is not None and emitted[:-1] != accepted:
+            raise ValueError(f"{request.request_id!r}: emitted tokens differ from its drafts")
+
+        def token_source(start: int, end: int) -> list[int]:
+            known = request.token_ids(0, request.num_tokens) + accepted
+            return known[start:end]
+
+        return token_source
 
     # ---- helpers --------------------------------------------------------------------------
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.spec_decode.config import SpeculativeConfig
 from kvpool.config import DEFAULT_BLOCK_SIZE, KVPoolConfig
 from scheduler.config import BATCHING_MODES, BLOCK_ALLOCATION_MODES, SchedulerConfig
 from server.flags import (
@@ -245,15 +246,39 @@ class ServingConfig:
             }
 
         return cls(
-            engine=EngineConfig(**pick("engine")),
+            engine=EngineConfig(**pick("engine"), speculative=speculative_config(pick)),
             kvpool=KVPoolConfig(**pick("kvpool")),
             scheduler=SchedulerConfig(**pick("scheduler")),
             server=ServerConfig(**pick("server")),
         )
 
 
+def speculative_config(pick: Callable[[str], dict[str, Any]]) -> SpeculativeConfig | None:
+    """The ``speculative`` flags as a ``SpeculativeConfig``, or None without a method.
+
+    Raises:
+        ValueError: a speculative flag given without ``--speculative-method``.
+    """
+    values = pick("speculative")
+    method = values.pop("speculative_method")
+    fields = {
+        "num_speculative_tokens": values["num_speculative_tokens"],
+        "ngram_min": values["ngram_min"],
+        "ngram_max": values["ngram_max"],
+        "model": values["speculative_model"],
+        "draft_load_format": values["speculative_load_format"],
+        "max_step_tokens": values["speculative_max_step_tokens"],
+    }
+    if method is None:
+        if fields["model"] is not None:
+            raise ValueError("--speculative-model needs --speculative-method draft")
+        return None
+    return SpeculativeConfig(method=method, **fields)
+
+
 _UNSET = object()  # --model's parser default while the positional MODEL is resolved
 _S, _E, _K, _P = ServerConfig(), EngineConfig(), KVPoolConfig(), SchedulerConfig()
+_SPEC = SpeculativeConfig()
 # fmt: off
 _OPTIONS: tuple[Option, ...] = (
     # engine
@@ -304,6 +329,32 @@ _OPTIONS: tuple[Option, ...] = (
            "address of node 0 for the torch.distributed rendezvous"),
     Option("--master-port", "engine", "master_port", int, _E.master_port,
            "port of the rendezvous on --master-addr; 0 picks a free one (one host only)"),
+    # speculative decoding (engine/spec_decode/): SpeculativeConfig, inside EngineConfig
+    Option("--speculative-method", "speculative", "speculative_method", optional(str), None,
+           "speculative decoding: ngram (prompt lookup) or draft (--speculative-model); "
+           "none = off",
+           ("ngram", "draft")),
+    Option("--num-speculative-tokens", "speculative", "num_speculative_tokens", int,
+           _SPEC.num_speculative_tokens,
+           "speculative decoding: most tokens proposed per request and step (k)"),
+    Option("--ngram-min", "speculative", "ngram_min", int, _SPEC.ngram_min,
+           "ngram speculation: shortest n-gram looked up in the prompt and output"),
+    Option("--ngram-max", "speculative", "ngram_max", int, _SPEC.ngram_max,
+           "ngram speculation: longest n-gram looked up (tried first)"),
+    Option("--speculative-model", "speculative", "speculative_model", optional(str),
+           _SPEC.model,
+           "draft speculation: the draft model (HF directory, .gguf, 'default'), same "
+           "vocabulary as --model"),
+    Option("--speculative-load-format", "speculative", "speculative_load_format", str,
+           _SPEC.draft_load_format,
+           "draft speculation: auto (read the checkpoint) or dummy (random weights; the "
+           "model may name a preset)",
+           ("auto", "dummy")),
+    Option("--speculative-max-step-tokens", "speculative", "speculative_max_step_tokens",
+           optional(int), _SPEC.max_step_tokens,
+           "speculate only while a step's decodes and drafts stay within this many tokens; "
+           "auto = the device's (16 on the CPU, fewer where GGUF blocks stop sooner; 128 on "
+           "CUDA)"),
     # kvpool
     Option("--block-size", "kvpool", "block_size", int, DEFAULT_BLOCK_SIZE,
            "tokens per KV block (a power of two)"),

@@ -201,6 +201,18 @@ class ServerMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
                                       "prefix cache at admission")
         self.prefix_hits = counter("prefix_cache_hits", "Of those, tokens found cached")
+        self.spec_drafts = counter("spec_decode_draft_tokens", "Speculative decoding: "
+                                   "proposed tokens verified by the target")
+        self.spec_accepted = counter("spec_decode_accepted_tokens", "Speculative decoding: "
+                                     "of those, tokens accepted")
+        self.spec_verifications = counter("spec_decode_verifications", "Speculative decoding: "
+                                          "speculative rows verified (each also emits one "
+                                          "target token)")
+        self.spec_draft_time = histogram("spec_decode_draft_seconds", "Speculative decoding: "
+                                         "time proposing, per step that speculates", STEP_BUCKETS)
+        self.spec_verify_time = histogram("spec_decode_verify_seconds", "Speculative decoding: "
+                                          "time verifying after the forward pass, per step "
+                                          "that speculates", STEP_BUCKETS)
         self._http_requests = family("http_requests", "HTTP responses by route and status",
                                      ("handler", "status"))
         self._structured = family("structured_requests", "Requests whose output follows a "
@@ -361,6 +373,12 @@ class ServerMetrics:
         self.preemptions.inc(stats.num_preemptions)
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
+        if stats.num_spec_verifications:
+            self.spec_drafts.inc(stats.num_draft_tokens)
+            self.spec_accepted.inc(stats.num_accepted_tokens)
+            self.spec_verifications.inc(stats.num_spec_verifications)
+            self.spec_draft_time.observe(stats.spec_draft_s)
+            self.spec_verify_time.observe(stats.spec_verify_s)
         self.weight_bytes.inc(stats.weight_bytes)
         self.kv_bytes_read.inc(stats.kv_bytes_read)
         self.kv_bytes_written.inc(stats.kv_bytes_written)

@@ -224,6 +224,21 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
              f"{{{SEL}}}[{RATE}]))"),
         ), "Share of engine step time per phase; all but 'forward' is overhead around the "
            "model (scheduling, input building, sampling, updates, the engine loop)."),
+        PanelSpec("Speculative decoding: acceptance", "short", (
+            ("acceptance rate", f"{rate_sum('pagedserve_spec_decode_accepted_tokens_total')} "
+                                f"/ {rate_sum('pagedserve_spec_decode_draft_tokens_total')}"),
+            ("mean accepted length",
+             f"1 + {rate_sum('pagedserve_spec_decode_accepted_tokens_total')} "
+             f"/ {rate_sum('pagedserve_spec_decode_verifications_total')}"),
+        ), "Accepted / proposed tokens, and tokens emitted per verified row (accepted drafts "
+           "+ the target's own token). No data when speculation is off or auto-disabled."),
+        PanelSpec("Speculative decoding: time per step", "s", (
+            ("draft p50", "histogram_quantile(0.5, sum by (le) (rate("
+             f"pagedserve_spec_decode_draft_seconds_bucket{{{SEL}}}[{RATE}])))"),
+            ("verify p50", "histogram_quantile(0.5, sum by (le) (rate("
+             f"pagedserve_spec_decode_verify_seconds_bucket{{{SEL}}}[{RATE}])))"),
+        ), "Seconds proposing (n-gram lookup or the draft model) and verifying (after the "
+           "target's forward pass) in steps that speculate."),
         PanelSpec("Serving configuration", "none", (
             ("{{batching}} batching, {{dtype}} on {{device}}", f"pagedserve_config_info{{{SEL}}}"),
         ), "Batching mode, dtype and device (pagedserve_config_info).", kind="stat"),

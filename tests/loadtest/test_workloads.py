@@ -109,3 +109,18 @@ def test_load_trace_rejects_bad_lines(tmp_path: Path) -> None:
     path.write_text('{"prompt": "x"}\n')  # no max_tokens
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_trace(path)
+
+
+def test_grounded_workload_prompts_end_with_the_start_of_their_own_passage():
+    from loadtest.workloads import GROUNDED_MODULES, grounded_workload
+
+    output = LengthDist.parse("uniform:10:20")
+    specs = grounded_workload(len(GROUNDED_MODULES) + 1, output, seed=3)
+    assert specs == grounded_workload(len(GROUNDED_MODULES) + 1, output, seed=3)
+    assert len({s.prompt for s in specs}) == len(specs)
+    for spec in specs:
+        head, lead = spec.prompt.split("\n\nThe same text, copied exactly:\n")
+        passage = head.removeprefix("Original text:\n")
+        assert passage.startswith(lead) and len(lead.split()) == 6
+        assert len(passage.split()) == 150
+        assert 10 <= spec.max_tokens <= 20

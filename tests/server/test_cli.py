@@ -99,7 +99,6 @@ def test_a_positional_model_that_differs_from_model_is_one_clear_error(capsys) -
     assert "Traceback" not in err
 
 
-
 def _bad_model(case: str, tmp_path: Path) -> str:
     """The ``--model`` value of each user-error case (files made under ``tmp_path``)."""
     if case == "hub-id":
@@ -170,3 +169,26 @@ def test_serving_a_preset_without_a_tokenizer_is_one_line_and_exit_2(tmp_path: P
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pagedserve serve: error: "), done.stderr
     assert "has no tokenizer" in lines[0] and "--tokenizer DIR" in lines[0], lines[0]
+
+
+def test_speculative_flags_reach_the_config_and_bad_ones_exit_2(monkeypatch, capsys) -> None:
+    seen: list = []
+    monkeypatch.setattr(cli, "serve", lambda config: seen.append(config) or 0)
+    argv = ["serve", "--speculative-method", "ngram", "--num-speculative-tokens", "6",
+            "--ngram-min", "1", "--ngram-max", "3"]  # fmt: skip
+    assert cli.main(argv) == 0
+    spec = seen[0].engine.speculative
+    got = (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+    assert got == ("ngram", 6, 1, 3)
+    assert cli.main(["serve"]) == 0 and seen[1].engine.speculative is None
+    for bad, message in [
+        (["--speculative-method", "draft"], "needs a speculative model"),
+        (["--speculative-model", "/m"], "needs --speculative-method draft"),
+        (["--speculative-method", "ngram", "--ngram-min", "5"], "ngram_min <= ngram_max"),
+        (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "[1, 16]"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            cli.main(["serve", *bad])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

@@ -380,3 +380,25 @@ def test_latency_target_series_on_metrics() -> None:
     assert value(text, "pagedserve_step_time_prediction_ratio_count") == 2
     assert value(text, "pagedserve_step_time_prediction_ratio_bucket", le="1.2") == 2
     assert value(text, "pagedserve_step_time_prediction_ratio_bucket", le="0.8") == 1
+
+
+def test_speculative_decoding_counters_and_step_times() -> None:
+    metrics = ServerMetrics("m", log_interval_s=0)
+
+    def get(name: str) -> float | None:
+        return metrics.registry.get_sample_value(f"pagedserve_{name}", {"model_name": "m"})
+
+    metrics.record_step(_step())  # no speculation: counters stay at 0, no time observed
+    assert get("spec_decode_draft_tokens_total") == 0
+    assert get("spec_decode_draft_seconds_count") == 0
+    metrics.record_step(_step(num_draft_tokens=8, num_accepted_tokens=5,
+                              num_spec_verifications=2, spec_draft_s=0.002,
+                              spec_verify_s=0.003))  # fmt: skip
+    metrics.record_step(_step(num_draft_tokens=4, num_accepted_tokens=1,
+                              num_spec_verifications=1, spec_draft_s=0.001,
+                              spec_verify_s=0.001))  # fmt: skip
+    assert get("spec_decode_draft_tokens_total") == 12
+    assert get("spec_decode_accepted_tokens_total") == 6
+    assert get("spec_decode_verifications_total") == 3
+    assert get("spec_decode_draft_seconds_count") == 2
+    assert get("spec_decode_verify_seconds_sum") == pytest.approx(0.004)

@@ -1,0 +1,191 @@
+"""Draft-model proposals: a smaller model with the target's vocabulary guesses the next
+``k`` tokens, one decode step at a time, in its own paged KV pool.
+
+The draft model is built by the same code as the target (``engine/builder.py``: the model
+definition, the device's backend, ``PagedAttention``), and its steps are built by the same
+``build_input_batch`` from ``ScheduledRequest`` rows over its own block tables. Its pool
+(``KVCacheStorage`` + a ``KVCacheManager`` without prefix caching) holds, per request, the
+draft K/V of the tokens it has seen::
+
+    known tokens (prompt + output)        | 0 ......... n-1 |
+    draft K/V after catching up           | 0 ......... n-1 | d1 .. d(k-1) |
+                                                             (written while proposing)
+    kept after verification (a accepted)  | 0 ......... n-1 | d1 .. d(min(a, k-1)) |
+
+Per step: one pass catches every proposing request up on its new known tokens (its prompt
+the first time, then the one or few tokens last step emitted) and draws ``d1``; then
+``k - 1`` batched decode passes draw ``d2 .. dk``. Greedy requests take the draft's argmax
+(a point mass, verified as such); sampled requests draw from the draft's own
+temperature/top-k/top-p distribution ``q``, which verification needs
+(``engine/spec_decode/verify.py``).
+
+The draft pool is best-effort: when it has no room for a request, that request does not
+propose this step (after evicting the draft K/V of requests not proposing now); it never
+preempts anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.backends import ModelForward
+from engine.input_batch import build_input_batch
+from engine.sampler import truncated_probs
+from kvpool.manager import KVCacheManager
+from kvpool.storage import KVCacheStorage
+from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import Request
+
+
+@dataclass(slots=True)
+class DraftProposal:
+    token_ids: list[int]
+    probs: torch.Tensor | None  # [k, vocab] the q each draft was drawn from; None: argmax
+
+
+class DraftModelProposer:
+    """Owns: the draft model's forward, its K/V pool, and per request how many of its known
+    tokens the draft has computed (``num_computed``) plus the known-token count at its last
+    proposal (to keep what verification accepted)."""
+
+    def __init__(
+        self,
+        forward: ModelForward,
+        storage: KVCacheStorage,
+        device: torch.device,
+        argmax: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.forward = forward
+        self.storage = storage
+        self.kv = KVCacheManager(storage.num_blocks, storage.block_size)
+        self.device = device
+        self.argmax = argmax
+        self._num_computed: dict[str, int] = {}
+        # Known tokens and drafts at its last proposal (to keep what verification accepted).
+        self._proposed_at: dict[str, tuple[int, int]] = {}
+
+    def propose(
+        self,
+        requests: list[Request],
+        num_tokens: int,
+        generators: Callable[[Request], torch.Generator],
+    ) -> dict[str, DraftProposal]:
+        """Propose ``num_tokens`` drafts for each request that fits in the draft pool.
+
+        Args:
+            requests: decoding requests (all their known tokens but the last computed by
+                the target).
+            num_tokens: drafts per request (k >= 1).
+            generators: the random stream of a sampled request.
+        Returns:
+            Request id -> its proposal.
+        """
+        rows: list[ScheduledRequest] = []
+        proposing = {r.request_id for r in requests}
+        for request in requests:
+            if self._make_room(request, num_tokens, proposing):
+                rows.append(self._catch_up_row(request))
+        if not rows:
+            return {}
+        drafts: dict[str, list[int]] = {row.request_id: [] for row in rows}
+        probs: dict[str, list[torch.Tensor]] = {row.request_id: [] for row in rows}
+        for j in range(num_tokens):
+            if j > 0:
+                rows = [self._decode_row(row, drafts[row.request_id][-1]) for row in rows]
+            batch = build_input_batch(
+                SchedulerOutput(scheduled=rows), self.storage.block_size, self.device
+            )
+            logits = self.forward(batch, self.storage.key_caches, self.storage.value_caches)
+            order = {item.request_id: i for i, item in enumerate(batch.sampling)}
+            for row in rows:
+                token, q = self._draw(logits[order[row.request_id]], row.request, generators)
+                drafts[row.request_id].append(token)
+                if q is not None:
+                    probs[row.request_id].append(q)
+        return {
+            request_id: DraftProposal(
+                tokens, torch.stack(probs[request_id]) if probs[request_id] else None
+            )
+            for request_id, tokens in drafts.items()
+        }
+
+    def _make_room(self, request: Request, num_tokens: int, keep: set[str]) -> bool:
+        """Allocate draft slots for the request's known tokens and its first
+        ``num_tokens - 1`` drafts, evicting requests outside ``keep`` if the pool is full."""
+        request_id = request.request_id
+        need = request.num_tokens + num_tokens - 1
+        while self.kv.allocate_slots(request_id, need) is None:
+            idle = next((r for r in self._num_computed if r not in keep), None)
+            if idle is None:
+                return False
+            self.forget(idle)
+        self._num_computed.setdefault(request_id, 0)
+        self._proposed_at[request_id] = (request.num_tokens, num_tokens)
+        return True
+
+    def _catch_up_row(self, request: Request) -> ScheduledRequest:
+        start = self._num_computed[request.request_id]
+        end = request.num_tokens
+        return ScheduledRequest(
+            request=request,
+            start=start,
+            num_tokens=end - start,
+            token_ids=request.token_ids(start, end),
+            block_ids=self.kv.block_ids(request.request_id),
+            samples=True,
+        )
+
+    def _decode_row(self, previous: ScheduledRequest, token_id: int) -> ScheduledRequest:
+        return ScheduledRequest(
+            request=previous.request,
+            start=previous.seq_len,
+            num_tokens=1,
+            token_ids=[token_id],
+            block_ids=previous.block_ids,
+            samples=True,
+        )
+
+    def _draw(
+        self,
+        logits: torch.Tensor,  # [vocab]
+        request: Request,
+        generators: Callable[[Request], torch.Generator],
+    ) -> tuple[int, torch.Tensor | None]:
+        params = request.sampling_params
+        if params.greedy:
+            return int(self.argmax(logits[None])[0]), None
+        q = truncated_probs(logits[None].float(), [params])[0]
+        q = q / q.sum()
+        noise = torch.empty_like(q).exponential_(generator=generators(request))
+        return int((q / noise).argmax()), q
+
+    def verified(self, request_id: str, num_accepted: int | None) -> None:
+        """Keep the draft K/V that verification proved right and give back the rest.
+
+        Args:
+            request_id: a request that proposed this step.
+            num_accepted: drafts the target kept, or None if its drafts were not verified
+                (the scheduler ran it as a plain decode, or it was preempted).
+        """
+        proposed = self._proposed_at.pop(request_id, None)
+        if proposed is None or not self.kv.has_request(request_id):
+            return
+        known, num_drafts = proposed
+        # Positions known .. known + k - 2 hold drafts d1 .. d(k-1); accepted ones stay.
+        kept = known + min(num_accepted or 0, num_drafts - 1)
+        self.kv.rollback_slots(request_id, kept)
+        self.kv.commit_computed(request_id, kept, _no_hashes)
+        self._num_computed[request_id] = kept
+
+    def forget(self, request_id: str) -> None:
+        """Free a request's draft K/V (it finished, or the pool needs room)."""
+        self.kv.free(request_id)
+        self._num_computed.pop(request_id, None)
+        self._proposed_at.pop(request_id, None)
+
+
+def _no_hashes(start: int, end: int) -> list[int]:
+    raise AssertionError("the draft pool has no prefix cache")

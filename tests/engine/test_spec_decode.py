@@ -1,0 +1,328 @@
+"""Speculative decoding end to end on tiny random models, and its verification's statistics.
+
+Exactness: greedy output with speculation (n-gram and draft model, k sampled over 1..8) is
+transformers' greedy output (tests/engine/parity.py's near-tie rule), for prompts run
+together, alone, arriving at different steps, and in a pool small enough to preempt. The
+target is the suite's tiny C++-kernel Llama; drafts are its first layer (a truncated draft,
+engine/spec_decode/truncate.py) and an unrelated random model with the same vocabulary.
+
+Distribution: rejection sampling is tested where it lives (engine/spec_decode/verify.py),
+with many draws on a peaked vocabulary against the target distribution (chi-square).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampler import truncated_probs
+from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.truncate import write_truncated_checkpoint
+from engine.spec_decode.verify import accept_greedy, accept_sampled, verify_row
+from scheduler.output import ScheduledRequest
+from scheduler.request import Request
+from tests.engine.parity import Reference, assert_parity, hf_greedy
+
+MAX_TOKENS = 24
+CPU = {"device": "cpu", "dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def target(tiny_llama_cpu_shapes: Path) -> Path:
+    return tiny_llama_cpu_shapes
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(target: Path, tmp_path_factory) -> Path:
+    return write_truncated_checkpoint(target, tmp_path_factory.mktemp("draft-1-layer"), 1)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """Prompts that repeat spans (so n-gram lookups find matches), of several lengths."""
+    rng = random.Random(0)
+    out = []
+    for length in (5, 17, 40, 70):
+        span = [rng.randrange(3, 256) for _ in range(max(3, length // 3))]
+        out.append((span * 4)[:length])
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(target: Path, prompts: list[list[int]]) -> list[Reference]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    return [hf_greedy(hf, p, MAX_TOKENS, None) for p in prompts]
+
+
+def generate(llm: LLM, prompts, arrivals=None, params=None) -> tuple[dict[int, list[int]], int]:
+    """Run prompts (all at step 0, or step -> prompt indices), checking integrity after every
+    step. Returns the tokens per prompt and the drafts accepted."""
+    engine = llm.engine
+    params = params or SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    arrivals = arrivals if arrivals is not None else {0: list(range(len(prompts)))}
+    tokens: dict[int, list[int]] = {}
+    accepted = step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for i in arrivals.get(step, []):
+            engine.add_request(f"p{i}-{id(params)}", prompts[i], params)
+            tokens[i] = []
+        for out in engine.step():
+            tokens[int(out.request_id[1:].split("-")[0])].extend(out.new_token_ids)
+        if engine.last_step_stats is not None:
+            accepted += engine.last_step_stats.num_accepted_tokens
+        engine.check_integrity()
+        step += 1
+    assert engine.num_free_blocks == engine.num_total_blocks
+    draft = engine.speculator.draft if engine.speculator is not None else None
+    if draft is not None:
+        assert draft.kv.num_free_blocks == draft.kv.num_blocks, "draft K/V leaked"
+    return tokens, accepted
+
+
+def check(tokens: dict[int, list[int]], references: list[Reference], label: str) -> None:
+    for i, ours in tokens.items():
+        assert_parity(ours, references[i], label=f"{label}, prompt {i}")
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_ngram_greedy_together_matches_transformers(target, prompts, references, k):
+    llm = LLM(str(target), num_kv_blocks=64, speculative_method="ngram",
+              num_speculative_tokens=k, ngram_min=1, **CPU)  # fmt: skip
+    tokens, accepted = generate(llm, prompts)
+    check(tokens, references, f"ngram k={k}")
+    assert accepted > 0, "no draft was accepted: speculation did not run"
+
+
+@pytest.mark.parametrize("k", [3])
+def test_truncated_draft_greedy_matches_transformers(
+    target, truncated_draft, prompts, references, k
+):
+    llm = LLM(str(target), num_kv_blocks=64, speculative_method="draft",
+              speculative_model=str(truncated_draft), num_speculative_tokens=k, **CPU)  # fmt: skip
+    tokens, _ = generate(llm, prompts, arrivals={0: [2], 3: [0, 3], 5: [1]})
+    check(tokens, references, f"draft k={k}")
+
+
+def test_unrelated_random_draft_alone_matches_transformers(
+    target, tiny_llama_gqa, prompts, references
+):
+    """A draft of other shapes (head_dim 16: the torch attention path) and other weights."""
+    llm = LLM(str(target), num_kv_blocks=64, speculative_method="draft",
+              speculative_model=str(tiny_llama_gqa), num_speculative_tokens=3, **CPU)  # fmt: skip
+    for i in range(len(prompts)):
+        tokens, _ = generate(llm, prompts, arrivals={0: [i]})
+        check(tokens, references, "random draft, alone")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_preemption_mid_speculation_stays_exact(
+    target, truncated_draft, prompts, references, method
+):
+    block_size = 4
+    needed = -(-(max(len(p) for p in prompts) + MAX_TOKENS) // block_size)
+    extra = {"speculative_model": str(truncated_draft)} if method == "draft" else {}
+    llm = LLM(str(target), block_size=block_size, num_kv_blocks=needed + 4,
+              enable_prefix_caching=False, speculative_method=method,
+              num_speculative_tokens=5, ngram_min=1, **extra, **CPU)  # fmt: skip
+    tokens, accepted = generate(llm, prompts)
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    check(tokens, references, f"{method}, preempting")
+    assert accepted > 0
+
+
+def test_abort_mid_speculation_frees_both_pools(target, truncated_draft, prompts):
+    llm = LLM(str(target), num_kv_blocks=64, speculative_method="draft",
+              speculative_model=str(truncated_draft), num_speculative_tokens=4, **CPU)  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(4):
+        engine.step()
+    engine.abort_request(["r0", "r2"])
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    assert engine.num_free_blocks == engine.num_total_blocks
+    draft = engine.speculator.draft
+    assert draft.kv.num_free_blocks == draft.kv.num_blocks
+
+
+def test_sampled_requests_keep_max_tokens_logprobs_and_seeds(target, truncated_draft, prompts):
+    params = SamplingParams(max_tokens=13, temperature=0.8, top_k=20, seed=5, logprobs=2,
+                            ignore_eos=True, frequency_penalty=0.5)  # fmt: skip
+    for method, extra in [("ngram", {}), ("draft", {"speculative_model": str(truncated_draft)})]:
+        runs = []
+        for _ in range(2):
+            llm = LLM(str(target), num_kv_blocks=64, speculative_method=method,
+                      num_speculative_tokens=4, ngram_min=1, **extra, **CPU)  # fmt: skip
+            outs = llm.generate(prompts, params)
+            for out in outs:
+                assert len(out.token_ids) == 13
+                assert [lp.token_id for lp in out.logprobs] == out.token_ids
+                assert all(len(lp.top) == 2 for lp in out.logprobs)
+            runs.append([out.token_ids for out in outs])
+        assert runs[0] == runs[1], f"{method}: a seeded request is not reproducible"
+
+
+# ---- proposals and verification, without a model --------------------------------------
+
+
+def test_ngram_proposes_the_most_recent_earlier_match_longest_first():
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # Last 2 tokens (2, 3) occur at 1 and 6; the most recent earlier is 6 -> 7, 8, 5.
+    assert propose_ngram(tokens, 2, 2, 3) == [7, 8, 5]
+    # A 3-gram (5, 2, 3) has no earlier match; 2-grams are tried next.
+    assert propose_ngram(tokens, 2, 3, 2) == [7, 8]
+    assert propose_ngram([4, 5, 6], 1, 3, 4) == []
+    assert propose_ngram([4, 5, 4], 1, 3, 4) == [5, 4]
+
+
+def test_greedy_acceptance_is_the_longest_matching_prefix_plus_one():
+    assert accept_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]
+    assert accept_greedy([5, 1, 7, 8], [5, 6, 7]) == [5, 1]
+    assert accept_greedy([2, 6, 7, 8], [5, 6, 7]) == [2]
+
+
+def _peaked(vocab: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(k + 1, vocab, generator=gen) * 2.5
+    return torch.softmax(logits, dim=-1)
+
+
+def _chi_square(counts: dict[int, int], probs: torch.Tensor, label: str) -> None:
+    """Pool the tail (expected < 5) and test the counts against ``probs``."""
+    total = sum(counts.values())
+    expected = (probs * total).tolist()
+    observed = [counts.get(i, 0) for i in range(len(expected))]
+    big = [i for i, e in enumerate(expected) if e >= 5]
+    small = [i for i in range(len(expected)) if i not in big]
+    obs = [observed[i] for i in big] + [sum(observed[i] for i in small)]
+    exp = [expected[i] for i in big] + [sum(expected[i] for i in small)]
+    if exp[-1] < 5:  # fold a tiny tail into the smallest big bin
+        obs[-2] += obs.pop()
+        exp[-2] += exp.pop()
+    statistic = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
+    # The chi-square survival function, 1 - P(df/2, x/2) (regularised incomplete gamma).
+    df = len(obs) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(statistic / 2)))
+    assert p_value > 1e-3, f"{label}: chi-square p = {p_value:.2e}\nobs {obs}\nexp {exp}"
+
+
+@pytest.mark.parametrize("method", ["point mass (ngram)", "draft distribution"])
+def test_rejection_sampling_emits_the_target_distribution(method):
+    vocab, k, draws = 12, 3, 6000
+    p = _peaked(vocab, k, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    q = _peaked(vocab, k - 1, seed=3) if method != "point mass (ngram)" else None
+    first: dict[int, int] = {}
+    second: dict[int, int] = {}  # given the first emitted token was the first draft
+    drafts = [int(p[0].argmax()), 4, 7]  # a likely first draft, so the second is tested
+    for _ in range(draws):
+        if q is not None:
+            drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(k)]
+        emitted = accept_sampled(p, drafts, q, gen)
+        first[emitted[0]] = first.get(emitted[0], 0) + 1
+        if emitted[0] == drafts[0] and len(emitted) > 1 and q is None:
+            second[emitted[1]] = second.get(emitted[1], 0) + 1
+    _chi_square(first, p[0], f"{method}: first token")
+    if q is None:
+        _chi_square(second, p[1], f"{method}: second token after an accepted draft")
+
+
+def test_verify_row_samples_the_penalised_truncated_distribution():
+    """verify_row applies penalties (drafts before a row count as output), temperature and
+    top-k as the plain sampler does, then rejection-samples: its first token follows the
+    plain sampler's distribution."""
+    vocab = 10
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, vocab, generator=gen) * 2
+    params = SamplingParams(max_tokens=8, temperature=0.7, top_k=6, presence_penalty=1.5)
+    request = Request("r", [1, 2, 3], params)
+    request.output_token_ids = [int(logits[0].argmax())]  # penalised at row 0
+    item = ScheduledRequest(request, 3, 3, [request.output_token_ids[0], 5, 6], (0,), True,
+                            draft_token_ids=(5, 6))  # fmt: skip
+    penalised = logits[0].clone()
+    penalised[request.output_token_ids[0]] -= 1.5
+    target = truncated_probs(penalised[None], [params])[0]
+    target = target / target.sum()
+    counts: dict[int, int] = {}
+    for _ in range(800):
+        result = verify_row(logits, item, argmax=lambda x: x.argmax(-1), generator=gen,
+                            draft_probs=None)  # fmt: skip
+        counts[result.token_ids[0]] = counts.get(result.token_ids[0], 0) + 1
+    _chi_square(counts, target, "verify_row first token")
+
+
+def test_auto_disable_shrinks_k_with_the_batch_and_backoff_pauses_poor_requests():
+    from engine.spec_decode.policy import MIN_PAUSE, SpeculationPolicy, default_max_step_tokens
+
+    policy = SpeculationPolicy(num_speculative_tokens=4, max_step_tokens=16)
+    assert policy.drafts_per_request(1, 1) == 4
+    assert policy.drafts_per_request(4, 4) == 3  # 4 decodes + 12 drafts = 16
+    assert policy.drafts_per_request(8, 8) == 1
+    assert policy.drafts_per_request(9, 9) == 0  # more than half the budget: plain decodes
+    assert default_max_step_tokens("cpu", 8) == 8
+    assert default_max_step_tokens("cpu", 64) == 16
+    policy.begin_step()
+    policy.observe("good", 4, 3)
+    policy.observe("bad", 4, 0)  # a first verification that keeps nothing pauses
+    assert policy.may_propose("good") and not policy.may_propose("bad")
+    for _ in range(MIN_PAUSE):
+        policy.begin_step()
+    assert policy.may_propose("bad")
+    policy.observe("bad", 4, 0)  # still poor: the pause doubles
+    for _ in range(MIN_PAUSE):
+        policy.begin_step()
+    assert not policy.may_propose("bad")
+    policy.forget("bad")
+    assert policy.may_propose("bad")
+
+
+def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
+    from engine.config import UnsupportedModelError
+    from tests.engine.conftest import make_tiny_llama
+
+    other = make_tiny_llama(tmp_path / "vocab-300", num_kv_heads=2, vocab_size=300)
+    with pytest.raises(UnsupportedModelError, match="share the target's tokenizer"):
+        LLM(str(target), num_kv_blocks=16, speculative_method="draft",
+            speculative_model=str(other), **CPU)  # fmt: skip
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [
+        ("torch", "cpu"),
+        pytest.param("triton", "cpu", marks=pytest.mark.skipif(
+            not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")),
+        pytest.param("triton", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available() or INTERPRET,
+            reason="needs CUDA and compiled (not interpreted) Triton")]),
+    ],
+)  # fmt: skip
+def test_speculative_rows_on_every_attention_backend(tiny_llama_gqa, backend, device):
+    """Speculative rows are multi-token queries: the prefill kernels of each backend run
+    them. Greedy output with n-gram speculation equals the output without, on that backend."""
+    rng = random.Random(3)
+    prompts = [(span * 3)[:n] for n, span in
+               [(20, [rng.randrange(3, 256) for _ in range(7)]), (9, [5, 6, 7])]]  # fmt: skip
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    kwargs = dict(block_size=8, device=device, dtype="float32", num_kv_blocks=64,
+                  attention_backend=backend)  # fmt: skip
+    plain = LLM(str(tiny_llama_gqa), **kwargs).generate(prompts, params)
+    spec = LLM(str(tiny_llama_gqa), speculative_method="ngram", ngram_min=1,
+               num_speculative_tokens=3, **kwargs)  # fmt: skip
+    tokens, accepted = generate(spec, prompts, params=params)
+    assert [tokens[i] for i in range(len(prompts))] == [out.token_ids for out in plain]
+    assert accepted > 0
