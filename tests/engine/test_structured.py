@@ -270,5 +270,32 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tiny_llm: LLM) 
     assert finished["good"].finish_reason == "length"
 
 
+def test_constrained_requests_get_no_drafts_beside_speculating_ones(tmp_path_factory) -> None:
+    """With ngram speculation on, a repetitive unconstrained prompt speculates while the
+    constrained request decodes one token a step and still follows its grammar."""
+    tok = tiny_tokenizer()
+    path = make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-structured-spec"),
+        num_kv_heads=2,
+        vocab_size=len(tok) + PADDING,
+        eos_token_id=tok.eos_token_id,
+    )
+    tok.save_pretrained(path)
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", num_kv_blocks=64, speculative_method="ngram"
+    )
+    regex = StructuredOutputParams("regex", "(hello|stop) [a-z]{2,4}")
+    outs = llm.generate(
+        ["one two three one two three one two three one two", "hello"],
+        [
+            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=0, structured=regex),
+        ],
+    )
+    assert len(outs[0].token_ids) == 16
+    assert re.fullmatch(regex.spec, tok.decode(outs[1].token_ids[:-1]))
+    assert llm.engine.structured.num_constrained == 0
+
+
 def tok_ids(text: str) -> list[int]:
     return list(tiny_tokenizer().encode(text))
