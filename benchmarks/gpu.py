@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy --enforce-eager   # no graphs
+    python -m benchmarks.gpu --model llama-3-8b --load-format dummy --quantization int8
     python -m benchmarks.gpu --model tiny-llama --load-format dummy --device cpu --quick  # smoke
 
 One engine (``LLM``, prefix caching off so every prompt is computed) measures:
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default=None)
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (for the HTTP part)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument(
+        "--quantization", default=None, choices=("int8", "fp8"), help="weights quantized at load"
+    )
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not figures")
     ap.add_argument("--skip-http", action="store_true")
@@ -343,6 +347,7 @@ def measure_http(
         ("--dtype", args.dtype),
         ("--device", args.device),
         ("--tokenizer", args.tokenizer),
+        ("--quantization", args.quantization),
     ):
         if value:
             flags += f" {flag} {value}"
@@ -415,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, load_format=args.load_format, dtype=dtype_name, device=str(device),
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager, max_num_seqs=max_seqs,
         max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
+        quantization=args.quantization,
     )  # fmt: skip
     engine = llm.engine
     print(
@@ -425,10 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     mc = engine.model_config
     vocab = mc.vocab_size
     cost = engine.cost_model
+    params = (cost.body_weight_bytes + cost.lm_head_bytes) // dtype.itemsize
     decode_weight_bytes = cost.body_weight_bytes + cost.lm_head_bytes
+    if cost.block_rows:  # --quantization (or GGUF blocks): what a small step reads
+        decode_weight_bytes = cost.body_block_bytes + cost.lm_head_block_bytes
     kv_per_token = engine.kv_capacity.bytes_per_token
-    params = decode_weight_bytes // dtype.itemsize
     out: dict[str, Any] = {"device": name, "dtype": dtype_name, "model": args.model,
+                           "quantization": args.quantization,
                            "graphs": not args.enforce_eager and device.type == "cuda",
                            "bandwidth": bandwidth, "flops": flops}  # fmt: skip
 
@@ -491,15 +500,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         prof["offline"] = profile_offline(llm, num, pin, pout)
         # The same engine (graphs captured, kernels compiled) with the chunk limit lifted:
-        # every step may prefill up to max_num_batched_tokens.
+        # every step may prefill up to max_num_batched_tokens (already so on CUDA).
         sched = engine.scheduler
         chunk = sched.config.prefill_chunk_tokens
-        sched.config = dataclasses.replace(
-            sched.config, prefill_chunk_tokens=sched.config.max_num_batched_tokens
-        )
-        print(f"offline again, prefill chunk {chunk} -> {sched.config.prefill_chunk_tokens}:")
-        prof["offline_full_chunks"] = profile_offline(llm, num, pin, pout)
-        sched.config = dataclasses.replace(sched.config, prefill_chunk_tokens=chunk)
+        if chunk != sched.config.max_num_batched_tokens:
+            sched.config = dataclasses.replace(
+                sched.config, prefill_chunk_tokens=sched.config.max_num_batched_tokens
+            )
+            print(f"offline again, prefill chunk {chunk} -> {sched.config.prefill_chunk_tokens}:")
+            prof["offline_full_chunks"] = profile_offline(llm, num, pin, pout)
+            sched.config = dataclasses.replace(sched.config, prefill_chunk_tokens=chunk)
         out["profile"] = prof
 
     if "http" in sections and not args.tokenizer and llm.tokenizer is None:

@@ -36,6 +36,7 @@ from engine.loader import (
 )
 from engine.model_runner import ModelRunner
 from engine.presets import preset
+from engine.quantization import check_supported, quantize_model
 from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
 from engine.spec_decode.config import SpeculativeConfig
@@ -75,7 +76,7 @@ class MemoryReport:
     rss_before: int  # VmRSS when the engine's build began
     weights: int  # the model's parameters still held (float32 or the dtype in use)
     packed: int  # the cpu backend's panel copies
-    blocks: int  # the cpu backend's GGUF blocks
+    blocks: int  # the cpu backend's GGUF or int8 blocks
     kv_cache: int
     dropped: int = 0  # plain weights the backend made unnecessary and freed
 
@@ -87,7 +88,7 @@ class MemoryReport:
         mb = 1e6
         parts = (
             f"weights {self.weights / mb:.0f} MB, packed copies {self.packed / mb:.0f} MB, "
-            f"GGUF blocks {self.blocks / mb:.0f} MB, KV cache {self.kv_cache / mb:.0f} MB"
+            f"quantized blocks {self.blocks / mb:.0f} MB, KV cache {self.kv_cache / mb:.0f} MB"
         )
         dropped = f"; {self.dropped / mb:.0f} MB of plain weights no step reads were freed"
         if not self.rss:
@@ -139,7 +140,9 @@ class EngineParts:
     eos_token_id: int | None
     attention_backend: str
     model: LlamaForCausalLM
-    matmul_weights: str  # "gguf" when the cpu backend reads GGUF blocks, else "float32"
+    # "gguf" when the cpu backend reads GGUF blocks, "int8"/"fp8" with --quantization, else
+    # the serving dtype's name
+    matmul_weights: str
     cost_model: StepCostModel
     kv_capacity: KVCapacity
     storage: KVCacheStorage
@@ -216,6 +219,8 @@ def build_engine_parts(
     eos_token_id = mc.eos_token_id
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos_token_id = tokenizer.eos_token_id
+    if config.quantization is not None:
+        check_supported(config.quantization, device)  # one clear line before the model loads
 
     t0 = time.perf_counter()
     backend = resolve_backend(config.attention_backend, device, dtype, mc)
@@ -250,6 +255,8 @@ def build_engine_parts(
     # The cpu attention backend brings the fused C++ stack along (engine/backends/cpu.py);
     # every other one runs the model's own forward.
     forward: ModelForward = model
+    # --quantization: the model's matmuls become QuantizedLinear (engine/quantization.py).
+    quant = None if config.quantization is None else quantize_model(model, config.quantization)
     cost_model = StepCostModel.from_config(mc, dtype.itemsize)
     matmul_weights = str(dtype).removeprefix("torch.")  # "gguf" when GGUF blocks serve
     packed_bytes = block_bytes = dropped_bytes = 0
@@ -281,13 +288,21 @@ def build_engine_parts(
         dropped_bytes = cpu.memory.dropped_bytes
         if cpu.uses_blocks:
             assert cpu.blocks is not None
-            matmul_weights = "gguf"
+            matmul_weights = "gguf" if quant is None else quant.mode
             # What a step reads of those, from its plan (MBU/MFU; engine/cost.py).
             cost_model = cost_model.with_blocks(
                 cpu_ops.max_quant_rows(),
                 body_saved_bytes=cpu.blocks.body_saved_bytes,
                 lm_head_block_bytes=cpu.blocks.lm_head_block_bytes,
             )
+    if quant is not None and not (cpu_ops is not None and forward is not model):
+        # Every step reads the quantized weights (the Triton kernel or the reference).
+        matmul_weights = quant.mode
+        cost_model = cost_model.with_blocks(
+            2**62,
+            body_saved_bytes=quant.body_saved_bytes,
+            lm_head_block_bytes=quant.lm_head_quant_bytes,
+        )
     if device.type == "cuda" and backend == "triton":
         from engine.backends.cuda import fuse_layer_ops
 

@@ -171,6 +171,10 @@ class EngineConfig:
             Q4_0/Q4_1/Q8_0 blocks wherever they de-quantize to exactly the float32 weights
             (same greedy output, 4.8x fewer bytes read per decode step for the default
             model; engine/gguf_blocks.py); "float32": always the float32 copy.
+        quantization: None (the checkpoint's dtype), "int8" or "fp8": every matmul weight
+            (not the embedding) quantized at load, symmetric per output channel
+            (engine/quantization.py); lossy, measured by ``python -m benchmarks.quality``.
+            fp8 needs CUDA.
         max_model_len: longest prompt + output; None uses the model's max positions.
         seed: seed of the sampler's generator for requests that give no seed.
         load_format: "auto" reads the checkpoint; "dummy" fills the model with random
@@ -199,6 +203,7 @@ class EngineConfig:
     device: str | None = None
     attention_backend: str = "auto"
     matmul_weights: str = "gguf"
+    quantization: str | None = None
     max_model_len: int | None = None
     seed: int = 0
     load_format: str = "auto"
@@ -232,6 +237,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.matmul_weights not in ("gguf", "float32"):
             raise ValueError(f"matmul_weights must be gguf or float32, got {self.matmul_weights!r}")
+        if self.quantization not in (None, "int8", "fp8"):
+            raise ValueError(f"quantization must be int8 or fp8, got {self.quantization!r}")
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            # The sharded model's row-parallel matmuls and head are their own modules
+            # (engine/tensor_parallel.py), which the quantization transform does not know.
+            raise ValueError("--quantization does not combine with --tensor-parallel-size > 1 yet")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.cuda_graph_sizes is not None and (

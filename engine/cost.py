@@ -18,7 +18,10 @@ not from the parameter count alone:
 * **Small batches may read GGUF blocks instead** (``engine/gguf_blocks.py``): a matmul of at
   most ``block_rows`` rows reads the checkpoint's quantized blocks (6 or 9 bits a weight),
   a larger one the float32 copy. ``with_blocks`` records both sizes; the layers switch on the
-  step's token count, the LM head on its logit rows.
+  step's token count, the LM head on its logit rows. **Quantized weights**
+  (``--quantization``, ``engine/quantization.py``) are counted the same way: on the C++ CPU
+  stack the int8 blocks (9 bits a weight) serve the same small batches; elsewhere every step
+  reads the 1-byte weights and their scales (``block_rows`` unbounded).
 
 FLOPs: ``2 x`` the matmul parameters of the decoder layers per token, ``2 x vocab x hidden``
 per LM-head row, and causal attention ``4 x num_heads x head_dim x num_layers`` per

@@ -54,6 +54,8 @@ class BlocksReport:
     body_block_bytes: int = 0
     lm_head_block_bytes: int | None = None  # None: the LM head stays float32
     lm_head_float32_bytes: int = 0
+    # What the blocks are, for the log (engine/backends/cpu.py reuses this for int8 blocks).
+    source: str = "the checkpoint's GGUF blocks"
 
     @property
     def body_saved_bytes(self) -> int:
@@ -63,7 +65,7 @@ class BlocksReport:
     def summary(self) -> str:
         got = ", ".join(f"{n} x{c}" for c, n in sorted((c, n) for n, c in self.attached.items()))
         text = (
-            f"{sum(self.attached.values())} matmuls read the checkpoint's GGUF blocks "
+            f"{sum(self.attached.values())} matmuls read {self.source} "
             f"({got or 'none'}): "
             f"{(self.body_block_bytes + (self.lm_head_block_bytes or 0)) / 1e6:.0f} MB instead of "
             f"{(self.body_float32_bytes + self.lm_head_float32_bytes) / 1e6:.0f} MB of float32"

@@ -34,6 +34,7 @@ __all__ = [
     "add_rms_norm_",
     "silu_mul",
     "rope_and_store_",
+    "quant_matmul",
 ]
 
 
@@ -261,3 +262,20 @@ def rope_and_store_(
     value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
     store_kv(rotated[:, num_heads:], value, key_cache, value_cache, slot_mapping)
     return q
+
+
+def quant_matmul(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: torch.Tensor,  # [in_features, out_features] int8 or float8_e4m3fn
+    scale: torch.Tensor,  # [out_features] float32: column n's weights are weight[:, n] * scale[n]
+    bias: torch.Tensor | None = None,  # [out_features]
+) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
+    """``x @ (weight * scale) + bias`` for a per-output-channel quantized weight
+    (``engine/quantization.py``): the products summed in float32 against the integer (or
+    fp8) weights, then each column scaled once, as ``kernels/quant_matmul.py`` computes it.
+    The plain-PyTorch path of a quantized matmul on any device; it upcasts the whole weight
+    on every call, so it saves memory, not time."""
+    y = (x.float() @ weight.float()) * scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

@@ -299,6 +299,11 @@ _OPTIONS: tuple[Option, ...] = (
            "exactly the float32 weights; same output, fewer bytes) or float32 (always the "
            "float32 copy)",
            ("gguf", "float32")),
+    Option("--quantization", "engine", "quantization", optional(str), _E.quantization,
+           "quantize every matmul weight at load, per output channel: int8 (CPU C++ kernels "
+           "or CUDA) or fp8 (e4m3, CUDA only); lossy (benchmarks/quality.py measures it); "
+           "auto = the checkpoint's dtype",
+           ("int8", "fp8")),
     Option("--max-model-len", "engine", "max_model_len", optional(int), _E.max_model_len,
            "longest prompt + output in tokens; auto = the model's max positions"),
     Option("--seed", "engine", "seed", int, _E.seed,

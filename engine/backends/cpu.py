@@ -9,7 +9,10 @@ from outside and returns ``CpuForward``, which the runner calls in the model's p
    rows;
 2. with a GGUF checkpoint, adds the file's own quantized blocks for every matmul where they
    de-quantize to its float32 weight bit for bit (``engine/gguf_blocks.py``); batches of up
-   to ``max_quant_rows()`` rows read those, 6-9 bits a weight instead of 32;
+   to ``max_quant_rows()`` rows read those, 6-9 bits a weight instead of 32; with
+   ``--quantization int8`` (``engine/quantization.py``: the matmuls are ``QuantizedLinear``)
+   their int8 weights packed as Q8 blocks take that part, and the panels hold the float32
+   values ``q * scale`` (``_int8_blocks``);
 3. lays each kind of copy end to end in one buffer on huge pages, in forward order
    (``gather``);
 4. drops the plain float32 weights that no step reads any more: the decoder layers'
@@ -39,6 +42,7 @@ from engine.attention import per_token_plan
 from engine.gguf_blocks import BlocksReport, exact_gguf_blocks
 from engine.input_batch import InputBatch
 from engine.llama import DecoderLayer, Linear, LlamaForCausalLM
+from engine.quantization import QuantizedLinear
 from kernels import cpu as cpu_kernels
 from kvpool import host_memory
 
@@ -300,11 +304,21 @@ def build_cpu_forward(
             most one per sequence); None: unbounded.
     """
     check_slot_order()  # before any work: a mismatch is a build error, not a wrong answer
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}  # forward order
-    packed = {n: ops.pack_weight(m.weight.detach()) for n, m in linears.items()}
+    linears = {  # forward order
+        n: m for n, m in model.named_modules() if isinstance(m, (Linear, QuantizedLinear))
+    }
+    # The float32 weight each matmul multiplies by: a quantized one's is q * scale.
+    weights = {
+        n: m.dequantize() if isinstance(m, QuantizedLinear) else m.weight.detach()
+        for n, m in linears.items()
+    }
+    packed = {n: ops.pack_weight(w) for n, w in weights.items()}
     blocks: dict[str, torch.Tensor] = {}
     report = None
-    if gguf_path is not None:
+    quantized = {n: m for n, m in linears.items() if isinstance(m, QuantizedLinear)}
+    if quantized:  # --quantization: the weights are no longer the GGUF file's, if any
+        blocks, report = _int8_blocks(quantized, weights, ops)
+    elif gguf_path is not None:
         blocks, report = exact_gguf_blocks(model, gguf_path, ops)
     packed = gather(packed)
     blocks = gather(blocks)
@@ -316,8 +330,8 @@ def build_cpu_forward(
 
     def matmul(name: str) -> Matmul:
         linear = linears[name]
-        w = linear.weight.detach()
-        if w.is_meta:  # dropped: the C++ side reads its shape only
+        w = weights.pop(name)
+        if _plain_weight(linear).is_meta:  # dropped: the C++ side reads its shape only
             w = torch.zeros(1, 1, dtype=torch.float32).expand(w.shape)
         bias = None if linear.bias is None else linear.bias.detach()
         return Matmul(w, packed[name], blocks.get(name), bias)
@@ -399,10 +413,50 @@ def _drop_plain_weights(model: LlamaForCausalLM, *, head: bool) -> int:
         linears.append(model.lm_head)
     freed = 0
     for linear in linears:
-        w = linear.weight
+        w = _plain_weight(linear)
         freed += _nbytes(w)
-        linear.weight = nn.Parameter(torch.empty(w.shape, device="meta"), requires_grad=False)
+        meta = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+        if isinstance(linear, QuantizedLinear):
+            linear.qweight = meta
+        else:
+            linear.weight = meta
     return freed
+
+
+def _plain_weight(linear: nn.Module) -> torch.Tensor:
+    """The model's own weight tensor of a matmul (a quantized one's int8 values)."""
+    return linear.qweight if isinstance(linear, QuantizedLinear) else linear.weight
+
+
+def _int8_blocks(
+    quantized: dict[str, QuantizedLinear], weights: dict[str, torch.Tensor], ops: Any
+) -> tuple[dict[str, torch.Tensor], BlocksReport]:
+    """The int8 weights of ``quantized`` as Q8 panels for ``ops.linear``'s small batches
+    (``pack_int8``, gemm_q.cpp), each checked to de-quantize bit for bit to the float32
+    weight in ``weights`` that the panels and the library multiply by at larger batches: one
+    model whatever the batch. A matmul that fails the check (or whose input size is not
+    whole 32-blocks) stays on its float32 panels, and the report says so."""
+    report = BlocksReport(source="int8 blocks (--quantization int8)")
+    found: dict[str, torch.Tensor] = {}
+    for name, linear in quantized.items():
+        w = weights[name]
+        if linear.mode != "int8" or linear.in_features % 32 != 0:
+            report.skipped[name] = f"{linear.mode}, {linear.in_features} inputs"
+            continue
+        panels = ops.pack_int8(linear.qweight.detach(), linear.scale.detach())
+        if not torch.equal(ops.dequantize_panels(panels, linear.out_features), w):
+            report.skipped[name] = "packed int8 blocks differ from q * scale"
+            continue
+        found[name] = panels
+        report.attached["int8"] += 1
+        if name == "lm_head":
+            report.lm_head_block_bytes = panels.numel()
+            report.lm_head_float32_bytes = _nbytes(w)
+        else:
+            report.body_float32_bytes += _nbytes(w)
+            report.body_block_bytes += panels.numel()
+    log.info("%s", report.summary())
+    return found, report
 
 
 def _nbytes(t: torch.Tensor) -> int:

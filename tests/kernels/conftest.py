@@ -233,6 +233,18 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         dict(out_ptr="*bf16", gate_up_ptr="*bf16"),
         dict(INTERMEDIATE_SIZE=1536, BLOCK=1024, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
     ),
+    **{
+        f"quant_matmul_{mode}": (
+            "kernels.quant_matmul", "_quant_matmul_kernel",
+            dict(out_ptr="*bf16", x_ptr="*bf16", weight_ptr="*i8" if mode == "int8" else "*u8",
+                 scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K="i32"),
+            dict(HAS_BIAS=bias, FP8=mode == "fp8", BLOCK_M=block[0], BLOCK_N=block[1],
+                 BLOCK_K=block[2], DTYPE="tl.bfloat16", DOT_DTYPE="tl.bfloat16",
+                 DOT_PRECISION="tf32"),
+        )
+        # the decode tiles (kernels.quant_matmul.tile_shape) and the larger batches'
+        for mode, bias, block in (("int8", False, (16, 32, 128)), ("fp8", True, (64, 64, 64)))
+    },
     "rope_and_store": (
         "kernels.rope_and_store", "_rope_and_store_kernel",
         dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",

@@ -21,7 +21,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = ["tests/kernels/test_cpu_kernels.py", "tests/kernels/test_gguf_matmul.py"]
+KERNEL_TESTS = [
+    "tests/kernels/test_cpu_kernels.py",
+    "tests/kernels/test_gguf_matmul.py",
+    "tests/kernels/test_int8_matmul.py",
+]
 X86 = platform.machine() in ("x86_64", "AMD64")
 # (target, the flags the CPU needs to run it, the flag whose absence makes a native build
 # already this target)

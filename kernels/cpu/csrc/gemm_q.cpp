@@ -667,6 +667,38 @@ at::Tensor pack_gguf(const at::Tensor& raw_, int64_t ggml_type, int64_t K) {
                                 : pack<true>(src, ggml_type, N, nblk, bpb, raw.options());
 }
 
+// A per-output-channel int8 weight (engine/quantization.py: w[k][n] = q[k][n] * scale[n],
+// |q| <= 127) as Q8 panels: every 32-block of column n gets d = scale[n], so the Q8 matmuls
+// above multiply by it unchanged, with integer dot products (VNNI) or de-quantized to float in
+// registers (AVX2, AVX-512 without VNNI), and dequantize_panels gives back exactly
+// float(q) * scale, the float32 weight the loader checks against. Costs 9 bits a weight rather
+// than 8 (the scale repeats once a block), for one tested matmul instead of a second one.
+at::Tensor pack_int8(const at::Tensor& q_, const at::Tensor& scale_) {
+  TORCH_CHECK(q_.scalar_type() == at::kChar && q_.dim() == 2, "pack_int8: the weight must be int8 [in, out]");
+  TORCH_CHECK(scale_.scalar_type() == at::kFloat && scale_.dim() == 1 && scale_.size(0) == q_.size(1),
+              "pack_int8: the scales must be float32 [out]");
+  const int64_t K = q_.size(0), N = q_.size(1);
+  TORCH_CHECK(K % QB == 0, "pack_int8: in_features must be a multiple of 32, got ", K);
+  const auto q = q_.contiguous();
+  const auto scale = scale_.contiguous();
+  constexpr int W = NBQ<false>;
+  const int64_t nb = (N + W - 1) / W, nblk = K / QB;
+  // Padding columns: d = 0, so their weights are 0.
+  at::Tensor out = at::zeros({nb, nblk, kBlockBytes<false>}, q.options().dtype(at::kByte));
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int8_t* src = q.data_ptr<int8_t>();
+  const float* s = scale.data_ptr<float>();
+  for (int64_t kb = 0; kb < nblk; ++kb)
+    for (int64_t n = 0; n < N; ++n) {
+      uint8_t* blk = dst + ((n / W) * nblk + kb) * kBlockBytes<false>;
+      const int64_t c = n % W;
+      reinterpret_cast<float*>(blk)[c] = s[n];
+      for (int j = 0; j < QB; ++j)
+        blk[W * 4 + q_byte<false>(c, j)] = q8_stored(static_cast<uint8_t>(src[(kb * QB + j) * N + n]));
+    }
+  return out;
+}
+
 at::Tensor dequantize_panels(const at::Tensor& panels, int64_t N) {
   return checked_q4(panels) ? dequantize<true>(panels, N) : dequantize<false>(panels, N);
 }

@@ -42,6 +42,7 @@ at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
 at::Tensor pack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t in_features);
+at::Tensor pack_int8(const at::Tensor& weight, const at::Tensor& scale);
 at::Tensor dequantize_panels(const at::Tensor& panels, int64_t out_features);
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& panels, int64_t out_features,
                         const c10::optional<at::Tensor>& bias);

@@ -16,6 +16,7 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("pack_gguf(Tensor raw, int ggml_type, int in_features) -> Tensor");
+  m.def("pack_int8(Tensor weight, Tensor scale) -> Tensor");
   m.def("dequantize_panels(Tensor panels, int out_features) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor");
   // No tensor argument, so a catch-all kernel (no dispatch key to select on).
@@ -52,6 +53,7 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("pack_weight", pagedserve_cpu::pack_weight);
   m.impl("packed_linear", pagedserve_cpu::packed_linear);
   m.impl("pack_gguf", pagedserve_cpu::pack_gguf);
+  m.impl("pack_int8", pagedserve_cpu::pack_int8);
   m.impl("dequantize_panels", pagedserve_cpu::dequantize_panels);
   m.impl("quant_linear", pagedserve_cpu::quant_linear);
   m.impl("linear", pagedserve_cpu::linear);
