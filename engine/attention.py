@@ -25,11 +25,24 @@ from engine.rope import apply_rope
 from kernels import cpu as cpu_kernels
 from kernels.reference import DecodeContext, decode_context, decode_over_context
 
+# KV cache dtypes the C++ CPU kernels read (kernels/cpu/csrc/paged_attention.cpp).
+CPU_KV_CACHE_DTYPES = ("auto", "int8")
 
-def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, model: ModelConfig) -> str:
+
+def resolve_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    model: ModelConfig,
+    kv_cache_dtype: str = "auto",
+) -> str:
+    """The backend ``name`` ("auto" resolved) for this device, dtype, model and KV cache
+    dtype (``KVPoolConfig.cache_dtype``: the C++ kernels read float32 and int8 caches, not
+    fp8, so ``auto`` serves an fp8 cache on CPU with the torch reference)."""
     fits_cpu = (
         device.type == "cpu"
         and dtype == torch.float32
+        and kv_cache_dtype in CPU_KV_CACHE_DTYPES
         and cpu_kernels.supports(
             head_dim=model.head_dim,
             hidden_size=model.hidden_size,
@@ -43,8 +56,9 @@ def resolve_backend(name: str, device: torch.device, dtype: torch.dtype, model: 
     if name == "cpu":
         if not fits_cpu:
             raise ValueError(
-                "the cpu attention backend needs float32 on the CPU, head_dim 32/64/96/128/256 "
-                "and hidden and intermediate sizes that are multiples of 16"
+                "the cpu attention backend needs float32 on the CPU, a KV cache dtype of "
+                "auto or int8, head_dim 32/64/96/128/256 and hidden and intermediate sizes "
+                "that are multiples of 16"
             )
         if cpu_kernels.load() is None:
             raise RuntimeError("the C++ CPU kernels could not be built (see the log)")

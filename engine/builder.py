@@ -223,7 +223,7 @@ def build_engine_parts(
         check_supported(config.quantization, device)  # one clear line before the model loads
 
     t0 = time.perf_counter()
-    backend = resolve_backend(config.attention_backend, device, dtype, mc)
+    backend = resolve_backend(config.attention_backend, device, dtype, mc, kv_config.cache_dtype)
     if config.tensor_parallel_size > 1 or tp is not None:
         check_shardable(mc)
         if tp is None:

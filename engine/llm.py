@@ -60,6 +60,7 @@ class LLM:
         block_size: int = 16,
         kv_cache_memory: int | None = None,
         num_kv_blocks: int | None = None,
+        kv_cache_dtype: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         prefill_chunk_tokens: int | None = None,
@@ -120,6 +121,7 @@ class LLM:
                 memory_bytes=kv_cache_memory,
                 num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                cache_dtype=kv_cache_dtype,
             ),
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,

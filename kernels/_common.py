@@ -9,8 +9,11 @@ import functools
 
 import torch
 
+from kernels import kv_quant
+
 __all__ = [
     "SUPPORTED_DTYPES",
+    "attention_dtype",
     "check_attention_inputs",
     "check_kv_cache",
     "dot_precision",
@@ -51,15 +54,26 @@ def check_kv_cache(
 
     Both tensors must share shape, dtype, device and strides (the kernels get one set of
     cache strides), and the head dimension must be contiguous (rows are loaded as vectors).
-    Blocks may be strided arbitrarily otherwise, e.g. views into one [2, ...] tensor.
+    Blocks may be strided arbitrarily otherwise, e.g. views into one [2, ...] tensor. A
+    quantized cache (int8 / fp8) must be the values view of ``kernels/kv_quant.py``'s layout.
     """
     assert key_cache.dim() == 4, f"key_cache must be 4-D, got {tuple(key_cache.shape)}"
     assert key_cache.shape == value_cache.shape, (key_cache.shape, value_cache.shape)
     assert key_cache.dtype == value_cache.dtype, (key_cache.dtype, value_cache.dtype)
-    assert key_cache.dtype in SUPPORTED_DTYPES, f"unsupported cache dtype {key_cache.dtype}"
+    assert key_cache.dtype in SUPPORTED_DTYPES or kv_quant.is_quantized(key_cache), (
+        f"unsupported cache dtype {key_cache.dtype}"
+    )
     assert key_cache.device == value_cache.device
     assert key_cache.stride() == value_cache.stride(), (key_cache.stride(), value_cache.stride())
     assert key_cache.stride(3) == 1, "head_dim of the cache must be contiguous"
+    if kv_quant.is_quantized(key_cache):
+        kv_quant.cache_rows(key_cache)  # asserts the values-then-scale row layout
+
+
+def attention_dtype(query: torch.Tensor, key_cache: torch.Tensor) -> torch.dtype:
+    """The dtype attention multiplies in: the cache's, or the query's for a quantized cache
+    (whose 8-bit values are exact in any of the supported dtypes)."""
+    return query.dtype if kv_quant.is_quantized(key_cache) else key_cache.dtype
 
 
 def check_attention_inputs(
@@ -83,7 +97,10 @@ def check_attention_inputs(
     num_seqs = seq_lens.shape[0]
     assert cache_head_dim == head_dim, (query.shape, key_cache.shape)
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-    assert query.dtype == key_cache.dtype, (query.dtype, key_cache.dtype)
+    if kv_quant.is_quantized(key_cache):  # de-quantized to float32 as it is read
+        assert query.dtype in SUPPORTED_DTYPES, query.dtype
+    else:
+        assert query.dtype == key_cache.dtype, (query.dtype, key_cache.dtype)
     assert query.stride(2) == 1, "head_dim of query must be contiguous"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, block_tables.shape
     assert block_tables.dtype == torch.int32, block_tables.dtype

@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels._kv_quant_triton import scale_ptrs
+
 __all__ = ["attend_context"]
 
 
@@ -41,10 +43,15 @@ def attend_context(
     CAUSAL: tl.constexpr,  # row r sees position n only if n <= q_pos[r]
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
 ):
     """Returns ``(m_i, l_i, acc)``: per row the running max (base 2), the sum of exp2 and
     the unnormalised output ``[M, HEAD_DIM_PAD]``, all float32. A row that saw no position
     (an empty range) has ``l_i == 0`` and ``m_i == -inf``.
+
+    A quantized cache is de-quantized on the fly: its 8-bit values are exact in any
+    ``DOT_DTYPE``, so the scores are ``(q . k_q) * k_scale`` and the values' scale folds
+    into the probabilities, ``(p * v_scale) . v_q``.
 
     NOTE: the caller guarantees that every row sees at least one position of the first tile
     (decode: every tile holds a valid position; prefill: position 0 is visible to every
@@ -73,6 +80,11 @@ def attend_context(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+        if QUANTIZED:
+            k_scale = tl.load(
+                scale_ptrs(key_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
+            )
+            s = s * k_scale[None, :]
         s = s * qk_scale  # [M, TILE_N]
         if CAUSAL:
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
@@ -84,8 +96,13 @@ def attend_context(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(
-            p.to(v.dtype).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
-        )
+        if QUANTIZED:
+            v_scale = tl.load(
+                scale_ptrs(value_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
+            )
+            pv = (p * v_scale[None, :]).to(DOT_DTYPE)
+        else:
+            pv = p.to(v.dtype).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(pv, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc

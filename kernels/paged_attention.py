@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_attention_inputs, next_power_of_2, num_compute_units
+from kernels import kv_quant
+from kernels._common import (
+    attention_dtype,
+    check_attention_inputs,
+    next_power_of_2,
+    num_compute_units,
+)
 from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
 
@@ -95,6 +101,7 @@ def _paged_attention_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -127,6 +134,7 @@ def _paged_attention_decode_kernel(
         ctx_start, ctx_end, qk_scale, stride_cache_block, stride_cache_slot,
         M=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE,
         TILE_N=TILE_N, CAUSAL=False, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        QUANTIZED=QUANTIZED,
     )  # fmt: skip
 
     # An empty split (context shorter than this split's start) or seq_len == 0 has l_i == 0:
@@ -284,7 +292,9 @@ def paged_attention_decode(
         HEAD_DIM_PAD=max(16, head_dim_pad),
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
-        **dot_args(_paged_attention_decode_kernel, key_cache.dtype),
+        # A quantized cache's values multiply in the query's dtype (kernels/kv_quant.py).
+        **dot_args(_paged_attention_decode_kernel, attention_dtype(query, key_cache)),
+        QUANTIZED=kv_quant.is_quantized(key_cache),
     )
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E)
     grid = (num_seqs, num_kv_heads, num_splits)

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_attention_inputs, next_power_of_2
+from kernels import kv_quant
+from kernels._common import attention_dtype, check_attention_inputs, next_power_of_2
 from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
 
@@ -101,6 +102,7 @@ def _paged_attention_prefill_kernel(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -139,6 +141,7 @@ def _paged_attention_prefill_kernel(
         0, kv_end, qk_scale, stride_cache_block, stride_cache_slot,
         M=BLOCK_M, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE,
         TILE_N=TILE_N, CAUSAL=True, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
+        QUANTIZED=QUANTIZED,
     )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -196,6 +199,8 @@ def paged_attention_prefill(
         HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         TILE_N=TILE_N,
-        **dot_args(_paged_attention_prefill_kernel, key_cache.dtype),
+        # A quantized cache's values multiply in the query's dtype (kernels/kv_quant.py).
+        **dot_args(_paged_attention_prefill_kernel, attention_dtype(query, key_cache)),
+        QUANTIZED=kv_quant.is_quantized(key_cache),
     )  # fmt: skip
     return out

@@ -13,6 +13,11 @@ Shapes used throughout (names follow vLLM):
 A slot is ``block_id * block_size + offset``; a slot of -1 is padding and is skipped.
 Softmax is computed in float32 whatever the input dtype, and the output has the query's dtype.
 
+A quantized cache (int8 / float8_e4m3fn values with a float32 scale per (slot, KV head) row,
+``kernels/kv_quant.py``) is quantized by ``store_kv`` and de-quantized to float32 when the
+attention functions read it; the query then keeps its own dtype (an int8 cache beside a bf16
+model). Unquantized caches take exactly the code paths they always did.
+
 The decoder layer's elementwise ops (``rms_norm``, ``add_rms_norm_``, ``silu_mul``,
 ``rope_and_store_``) are written op by op as the engine's plain model evaluates them
 (``engine/llama.py``, ``PagedAttention.rope_and_store``), so their Triton kernels can be held
@@ -25,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kernels import kv_quant
 
 __all__ = [
     "store_kv",
@@ -50,6 +57,9 @@ def store_kv(
     slots = slot_mapping.long()
     if slots.numel() == 0:
         return
+    if kv_quant.is_quantized(key_cache):
+        _store_kv_quantized(key, value, key_cache, value_cache, slots)
+        return
     if key.dtype != key_cache.dtype:
         key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if int(slots.min()) < 0:  # padding rows present: drop them (rare; static-batch padding)
@@ -60,14 +70,37 @@ def store_kv(
     value_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
+def _store_kv_quantized(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # quantized values view (kernels/kv_quant.py)
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    for x, cache in ((key, key_cache), (value, value_cache)):
+        q, scale = kv_quant.quantize(x, cache.dtype)
+        # Each row's values, then its scale, as head_dim + 4 bytes (the cache's layout).
+        row = torch.cat((q.view(torch.uint8), scale[..., None].view(torch.uint8)), dim=-1)
+        rows = kv_quant.cache_rows(cache).view(torch.uint8)
+        rows.view(num_blocks * block_size, num_kv_heads, -1).index_copy_(0, slots, row)
+
+
 def _gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_num_blocks_per_seq]
     seq_len: int,
-) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]; float32 from a quantized cache
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [nb, block_size, kvh, d]
+    ids = block_table[:num_blocks].long()
+    if kv_quant.is_quantized(cache):
+        blocks = kv_quant.dequantize(cache[ids], kv_quant.cache_scales(cache)[ids])
+    else:
+        blocks = cache[ids]  # [nb, block_size, kvh, d]
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
 
 
@@ -139,6 +172,12 @@ def decode_over_context(
     group = num_heads // kvh  # query head j reads KV head j // group
 
     def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs * kvh, max_len, d]
+        if kv_quant.is_quantized(cache):
+            raw = kv_quant.cache_rows(cache).reshape(-1, head_dim + kv_quant.SCALE_BYTES)
+            picked = raw.index_select(0, context.rows)  # [rows, d + 4]
+            scales = picked[:, head_dim:].view(torch.uint8).view(torch.float32)  # [rows, 1]
+            rows = picked[:, :head_dim].float() * scales
+            return rows.view(num_seqs * kvh, max_len, head_dim)
         rows = cache.view(-1, head_dim).index_select(0, context.rows)
         rows = rows.view(num_seqs * kvh, max_len, head_dim)
         return rows if rows.dtype == torch.float32 else rows.float()

@@ -28,7 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import kv_quant
 from kernels._common import SUPPORTED_DTYPES, check_kv_cache, next_power_of_2
+from kernels._kv_quant_triton import quant_args, quantize_by, scale_ptrs
 from kernels._triton_common import round_args, round_to
 
 __all__ = ["rope_and_store_"]
@@ -56,6 +58,10 @@ def _rope_and_store_kernel(
     BLOCK_SIZE: tl.constexpr,
     DTYPE: tl.constexpr,
     SOFT_BF16_ROUND: tl.constexpr,  # see kernels/_triton_common.round_args
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
+    QMAX: tl.constexpr,
+    ROUND_TO_INT: tl.constexpr,
+    SOFT_FP8_ROUND: tl.constexpr,  # see kernels/_kv_quant_triton.quant_args
 ):
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -108,10 +114,36 @@ def _rope_and_store_kernel(
         + kv_head[:, None] * stride_cache_head
         + offs_d[None, :]
     )
-    tl.store(key_cache_ptr + dst, out1, mask=k_mask)
-    tl.store(key_cache_ptr + dst + HALF, out2, mask=k_mask)
-    tl.store(value_cache_ptr + dst, v1, mask=k_mask)
-    tl.store(value_cache_ptr + dst + HALF, v2, mask=k_mask)
+    if QUANTIZED:
+        # A row's scale is over both halves; Q rows (and padding) are zeros here, unstored.
+        k1 = tl.where(k_mask, out1.to(tl.float32), 0.0)
+        k2 = tl.where(k_mask, out2.to(tl.float32), 0.0)
+        f1 = tl.where(k_mask, v1.to(tl.float32), 0.0)
+        f2 = tl.where(k_mask, v2.to(tl.float32), 0.0)
+        k_scale = tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1)) / QMAX
+        v_scale = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1)) / QMAX
+        k1 = quantize_by(k1, k_scale, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
+        k2 = quantize_by(k2, k_scale, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
+        f1 = quantize_by(f1, v_scale, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
+        f2 = quantize_by(f2, v_scale, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
+        elem = key_cache_ptr.dtype.element_ty
+        tl.store(key_cache_ptr + dst, k1.to(elem), mask=k_mask)
+        tl.store(key_cache_ptr + dst + HALF, k2.to(elem), mask=k_mask)
+        tl.store(value_cache_ptr + dst, f1.to(elem), mask=k_mask)
+        tl.store(value_cache_ptr + dst + HALF, f2.to(elem), mask=k_mask)
+        rows = (
+            (slot // BLOCK_SIZE) * stride_cache_block
+            + (slot % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )  # [BLOCK_H], each K row's start
+        row_mask = (offs_h >= NUM_HEADS) & (offs_h < NUM_HEADS + NUM_KV_HEADS) & has_slot
+        tl.store(scale_ptrs(key_cache_ptr + rows, HEAD_DIM), k_scale, mask=row_mask)
+        tl.store(scale_ptrs(value_cache_ptr + rows, HEAD_DIM), v_scale, mask=row_mask)
+    else:
+        tl.store(key_cache_ptr + dst, out1, mask=k_mask)
+        tl.store(key_cache_ptr + dst + HALF, out2, mask=k_mask)
+        tl.store(value_cache_ptr + dst, v1, mask=k_mask)
+        tl.store(value_cache_ptr + dst + HALF, v2, mask=k_mask)
 
 
 def rope_and_store_(
@@ -128,7 +160,8 @@ def rope_and_store_(
 
     Returns Q's part of ``qkv`` viewed as ``[num_tokens, num_heads, head_dim]``. K's part of
     ``qkv`` is left unrotated (only the cache holds rotated K). The cache must have the
-    dtype of ``qkv`` (K and V are stored as computed, no further rounding).
+    dtype of ``qkv`` (K and V are stored as computed, no further rounding), or be quantized
+    (kernels/kv_quant.py): rotated K and V are then quantized from those same values.
     """
     check_kv_cache(key_cache, value_cache)
     num_blocks, block_size, cache_kv_heads, head_dim = key_cache.shape
@@ -138,7 +171,8 @@ def rope_and_store_(
     assert qkv.dim() == 2, tuple(qkv.shape)
     num_tokens = qkv.shape[0]
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim, (qkv.shape, head_dim)
-    assert qkv.dtype in SUPPORTED_DTYPES and qkv.dtype == key_cache.dtype, (qkv, key_cache)
+    assert qkv.dtype in SUPPORTED_DTYPES, qkv.dtype
+    assert qkv.dtype == key_cache.dtype or kv_quant.is_quantized(key_cache), (qkv, key_cache)
     assert qkv.stride(1) == 1, "rows of qkv must be contiguous"
     cos = cos.view(num_tokens, head_dim)
     sin = sin.view(num_tokens, head_dim)
@@ -164,5 +198,6 @@ def rope_and_store_(
         num_warps=4,
         enable_fp_fusion=False,  # x * cos + r * sin must not become an FMA (bitwise torch)
         **round_args(_rope_and_store_kernel, qkv.dtype),
+        **quant_args(_rope_and_store_kernel, key_cache),
     )  # fmt: skip
     return q

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_kv_cache, next_power_of_2
+from kernels._kv_quant_triton import quant_args, quantize_rows, scale_ptrs
 
 __all__ = ["store_kv"]
 
@@ -40,6 +41,10 @@ def _store_kv_kernel(
     KV_HEADS_PAD: tl.constexpr,  # next power of two of NUM_KV_HEADS (tl.arange needs one)
     HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
     BLOCK_SIZE: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
+    QMAX: tl.constexpr,
+    ROUND_TO_INT: tl.constexpr,
+    SOFT_FP8_ROUND: tl.constexpr,  # see kernels/_kv_quant_triton.quant_args
 ):
     token = tl.program_id(0).to(tl.int64)
     # int64 before any arithmetic: block_id * stride_cache_block overflows int32 once the
@@ -64,6 +69,15 @@ def _store_kv_kernel(
     )
     k = tl.load(key_ptr + src_key, mask=mask)  # [KV_HEADS_PAD, HEAD_DIM_PAD]
     v = tl.load(value_ptr + src_value, mask=mask)
+    if QUANTIZED:
+        k, k_scale = quantize_rows(k.to(tl.float32), QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
+        v, v_scale = quantize_rows(v.to(tl.float32), QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
+        rows = (
+            block_id * stride_cache_block + offset * stride_cache_slot + offs_h * stride_cache_head
+        )
+        h_mask = offs_h < NUM_KV_HEADS
+        tl.store(scale_ptrs(key_cache_ptr + rows, HEAD_DIM), k_scale, mask=h_mask)
+        tl.store(scale_ptrs(value_cache_ptr + rows, HEAD_DIM), v_scale, mask=h_mask)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -79,7 +93,8 @@ def store_kv(
 
     ``key``/``value`` may be strided views (e.g. slices of a fused QKV projection) as long
     as ``head_dim`` is contiguous; they are cast to the cache dtype on store, rounding to
-    nearest even like torch (NOTE: Triton 3.x's CPU interpreter truncates fp32 -> bf16).
+    nearest even like torch (NOTE: Triton 3.x's CPU interpreter truncates fp32 -> bf16), or
+    quantized with a scale per (token, KV head) into a quantized cache (kernels/kv_quant.py).
     """
     check_kv_cache(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -111,4 +126,5 @@ def store_kv(
         KV_HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        **quant_args(_store_kv_kernel, key_cache),
     )

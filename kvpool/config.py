@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.kv_dtype import KV_CACHE_DTYPES
+
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -18,12 +20,15 @@ class KVPoolConfig:
     enable_prefix_caching: share the K/V of full blocks whose token prefix is already
         cached (hash-chained, LRU-evicted; ``kvpool/prefix_cache.py``). On by default, as in
         vLLM; the server's ``--no-prefix-caching`` turns it off.
+    cache_dtype: "auto" (K/V in the model's dtype), "int8" or "fp8" (e4m3): 8-bit values
+        with a float32 scale per (slot, KV head) row (``kernels/kv_quant.py``); lossy.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
     memory_bytes: int | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -32,3 +37,8 @@ class KVPoolConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.memory_bytes is not None and self.memory_bytes < 1:
             raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.cache_dtype!r}"
+            )

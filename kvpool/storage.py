@@ -7,6 +7,11 @@ through block tables.
 Layout, one pair per layer (the layout both the reference and the Triton kernels read)::
 
     key_caches[layer], value_caches[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+
+With a quantized cache (``KVPoolConfig.cache_dtype`` int8 / fp8) each of those is the values
+view of a ``[num_blocks, block_size, num_kv_heads, head_dim + 4]`` 8-bit tensor whose last
+4 bytes per row hold the row's float32 scale (``kernels/kv_quant.py``); this class keeps the
+raw tensors too, so whole-block copies carry the scales.
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import kv_quant
 from kvpool import host_memory
 from kvpool.config import KVPoolConfig
+from kvpool.kv_dtype import QUANTIZED_KV_DTYPES
+from kvpool.kv_dtype import kv_bytes_per_token as bytes_per_token_of
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +41,7 @@ class KVCapacity:
     num_blocks: int
     block_size: int
     bytes_per_token: int
+    cache_dtype: str = "auto"  # KVPoolConfig.cache_dtype; "auto": the model's dtype
 
     @property
     def num_tokens(self) -> int:
@@ -45,16 +54,26 @@ class KVCapacity:
     def describe(self) -> str:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
-            f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token, "
-            f"{self.total_bytes / 2**20:.1f} MiB"
+            f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token "
+            f"({self.cache_dtype}), {self.total_bytes / 2**20:.1f} MiB"
         )
 
 
 def kv_bytes_per_token(
-    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, cache_dtype: str = "auto"
 ) -> int:
-    """2 (K and V) * layers * kv heads * head dim * bytes per element."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+    """2 (K and V) * layers * kv heads * head dim * bytes per element; a quantized
+    ``cache_dtype`` counts one byte per element plus the rows' scales (kvpool/kv_dtype.py)."""
+    return int(bytes_per_token_of(num_layers, num_kv_heads, head_dim, cache_dtype, dtype.itemsize))
+
+
+def check_cache_dtype(cache_dtype: str, head_dim: int) -> None:
+    """Refuse a quantized cache the kernels cannot address (one line, for the CLI)."""
+    if cache_dtype in QUANTIZED_KV_DTYPES and head_dim % kv_quant.SCALE_BYTES:
+        raise ValueError(
+            f"--kv-cache-dtype {cache_dtype} needs a head_dim that is a multiple of "
+            f"{kv_quant.SCALE_BYTES} (the model's is {head_dim})"
+        )
 
 
 def size_kv_cache(
@@ -71,9 +90,10 @@ def size_kv_cache(
     ``num_blocks`` wins if given; else ``memory_bytes``; else a device default (1 GiB on CPU,
     90% of the free memory on CUDA, measured after the weights are loaded).
     """
-    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+    check_cache_dtype(config.cache_dtype, head_dim)
+    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype, config.cache_dtype)
     if config.num_blocks is not None:
-        return KVCapacity(config.num_blocks, config.block_size, per_token)
+        return KVCapacity(config.num_blocks, config.block_size, per_token, config.cache_dtype)
     budget = config.memory_bytes
     if budget is None:
         if device.type == "cuda":
@@ -87,8 +107,7 @@ def size_kv_cache(
             f"a KV budget of {budget} bytes holds no block of {config.block_size} tokens "
             f"at {per_token} bytes/token"
         )
-    return KVCapacity(num_blocks, config.block_size, per_token)
-
+    return KVCapacity(num_blocks, config.block_size, per_token, config.cache_dtype)
 
 
 class KVCacheStorage:
@@ -106,6 +125,11 @@ class KVCacheStorage:
     ) -> None:
         shape = (capacity.num_blocks, capacity.block_size, num_kv_heads, head_dim)
         self.capacity = capacity
+        quantized = capacity.cache_dtype in QUANTIZED_KV_DTYPES
+        if quantized:
+            # 8-bit rows with their scale appended (kernels/kv_quant.py).
+            dtype = kv_quant.ELEMENT_DTYPES[capacity.cache_dtype]
+            shape = (*shape[:3], head_dim + kv_quant.SCALE_BYTES)
 
         # Zero-filled, not empty: padding rows of a partly filled block are masked by the
         # kernels, but NaN garbage times a zero weight is still NaN. On CPU, on huge pages:
@@ -116,8 +140,15 @@ class KVCacheStorage:
                 return host_memory.zeros(shape, dtype)
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.key_caches = [zeros() for _ in range(num_layers)]
-        self.value_caches = [zeros() for _ in range(num_layers)]
+        # What copy_blocks copies (with the scales); the model gets key/value_caches.
+        self.raw_caches = [zeros() for _ in range(2 * num_layers)]
+        views = (
+            [kv_quant.quantized_cache(raw) for raw in self.raw_caches]
+            if quantized
+            else self.raw_caches
+        )
+        self.key_caches = views[:num_layers]
+        self.value_caches = views[num_layers:]
         logger.info("%s", capacity.describe())
 
     @property
@@ -150,7 +181,7 @@ class KVCacheStorage:
         device = self.key_caches[0].device
         src = torch.tensor(list(src_ids), dtype=torch.int64, device=device)
         dst = torch.tensor(list(dst_ids), dtype=torch.int64, device=device)
-        for cache in (*self.key_caches, *self.value_caches):
+        for cache in self.raw_caches:
             # [num_copies, block_size, num_kv_heads, head_dim]: index_select materialises
             # every source before index_copy_ writes.
             cache.index_copy_(0, dst, cache.index_select(0, src))

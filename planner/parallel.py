@@ -21,6 +21,7 @@ from typing import Any
 
 import planner.arithmetic as ar
 from engine.config import ModelConfig
+from kvpool.kv_dtype import kv_bytes_per_token as kvpool_bytes_per_token
 from planner.devices import Device, Link
 from planner.dtypes import canonical_dtype, dtype_bytes
 
@@ -33,14 +34,13 @@ KVBytesPerToken = Callable[[ModelConfig, str], float]
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> float:
-    """k = 2 * L * H_kv * d * B_kv for ``kv_dtype`` (``auto`` is not resolved here).
-
-    The plain element count: a quantized KV cache that stores scales beside the values
-    (per block, head or token) adds their bytes, which a function of the same signature
-    that knows the layout can supply to :func:`kv_cache_table`.
+    """k = 2 * L * H_kv * d * B_kv for ``kv_dtype`` (``auto`` is not resolved here), as the
+    server's pool stores it: int8/fp8 add a float32 scale per token and KV head
+    (``kvpool/kv_dtype.py``). Another layout can supply a function of the same signature to
+    :func:`kv_cache_table`.
     """
-    return ar.kv_bytes_per_token(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes(kv_dtype)
+    return kvpool_bytes_per_token(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype, dtype_bytes(kv_dtype)
     )
 
 
@@ -231,7 +231,9 @@ def plan_tp(
     p_gpu = params_per_gpu(cfg, n)
     w_gpu = ar.weight_bytes(p_gpu, dtype_bytes(weight_dtype))
     heads = kv_heads_per_gpu(cfg.num_kv_heads, n)
-    k_gpu = ar.kv_bytes_per_token(cfg.num_layers, heads, cfg.head_dim, dtype_bytes(kv_dtype))
+    k_gpu = kvpool_bytes_per_token(
+        cfg.num_layers, heads, cfg.head_dim, kv_dtype, dtype_bytes(kv_dtype)
+    )
     tokens = batch * tokens_per_sequence
     kv_gpu = tokens * k_gpu
     b_act = dtype_bytes(activation_dtype)

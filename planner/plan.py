@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import planner.arithmetic as ar
+from kvpool.kv_dtype import kv_bytes_per_token
 from planner.devices import Device
 from planner.dtypes import canonical_dtype, compute_dtype, dtype_bytes
 from planner.models import GgufBlocks, PlannedModel
@@ -141,7 +142,11 @@ def make_plan(
         saved = blocks.body_saved_bytes if body_rows <= block_rows else 0
         saved += blocks.lm_head_saved_bytes if head_rows <= block_rows else 0
         return w_streamed - saved
-    k = ar.kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes(k_dtype))
+
+    # int8/fp8 count their per-row scales too, as the server's pool does (kvpool/kv_dtype.py).
+    k = kv_bytes_per_token(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, k_dtype, dtype_bytes(k_dtype)
+    )
     L, H, d = cfg.num_layers, cfg.num_heads, cfg.head_dim
     n_in, n_out, b = workload.prompt_tokens, workload.output_tokens, workload.batch
     context = workload.context or cfg.max_position_embeddings

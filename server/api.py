@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from kvpool.storage import KVCapacity
 from server.auth import APIKeyMiddleware, add_cors
 from server.chat import create_chat_completion
 from server.completions import create_completion
@@ -170,6 +171,7 @@ def create_app(
                 # check_integrity() passed when the engine was last idle, after this step.
                 "integrity_checked_at_step": snap.integrity_checked_at_step,
             },
+            "kv_cache": _kv_cache_body(snap.kv_capacity),
             "requests": {
                 "in_flight": ctx.backpressure.num_in_flight,
                 "capacity": ctx.backpressure.capacity,
@@ -226,3 +228,15 @@ def create_app(
     # Outermost (added last): counts the other middleware's answers (413, 401, 503) too.
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     return app
+
+
+def _kv_cache_body(capacity: KVCapacity | None) -> dict[str, object] | None:
+    """The pool's size for /health: its dtype ("auto" = the model's), tokens and bytes."""
+    if capacity is None:
+        return None
+    return {
+        "dtype": capacity.cache_dtype,
+        "num_tokens": capacity.num_tokens,
+        "bytes_per_token": capacity.bytes_per_token,
+        "total_bytes": capacity.total_bytes,
+    }

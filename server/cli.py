@@ -93,12 +93,14 @@ def serve(config: ServingConfig) -> int:
     block_size = config.kvpool.block_size
     num_tokens = engine.num_total_blocks * block_size
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, room for %.1f sequences of the full "
-        "context (max_model_len %d); batching %s, max_num_seqs %d, max_num_batched_tokens %d, "
-        "prefill_chunk_tokens %d",
+        "KV cache: %d blocks x %d tokens = %d tokens (%s, %d bytes/token), room for %.1f "
+        "sequences of the full context (max_model_len %d); batching %s, max_num_seqs %d, "
+        "max_num_batched_tokens %d, prefill_chunk_tokens %d",
         engine.num_total_blocks,
         block_size,
         num_tokens,
+        engine.kv_capacity.cache_dtype,
+        engine.kv_capacity.bytes_per_token,
         num_tokens / engine.max_model_len,
         engine.max_model_len,
         config.scheduler.batching,

@@ -19,6 +19,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
 from kvpool.config import DEFAULT_BLOCK_SIZE, KVPoolConfig
+from kvpool.kv_dtype import KV_CACHE_DTYPES
 from scheduler.config import BATCHING_MODES, BLOCK_ALLOCATION_MODES, SchedulerConfig
 from server.flags import (
     Option,
@@ -367,6 +368,11 @@ _OPTIONS: tuple[Option, ...] = (
            "KV cache budget, e.g. 1GiB or 512MB; auto = 1 GiB on CPU, 90%% of free GPU memory"),
     Option("--num-kv-blocks", "kvpool", "num_blocks", optional(int), _K.num_blocks,
            "exact number of KV blocks; overrides --kv-cache-memory"),
+    Option("--kv-cache-dtype", "kvpool", "cache_dtype", str, _K.cache_dtype,
+           "auto (the model's dtype), int8 or fp8 (e4m3): 8-bit K/V with a float32 scale per "
+           "token and KV head; ~2x the tokens of bf16 and ~4x of float32 in the same "
+           "--kv-cache-memory, lossy (fp8: CUDA/Triton or the torch backend)",
+           KV_CACHE_DTYPES),
     Option("--no-prefix-caching", "kvpool", "enable_prefix_caching", parse_bool,
            not _K.enable_prefix_caching,
            "turn off sharing of cached full blocks between requests with a common prefix",

@@ -367,7 +367,9 @@ class EngineLoop:
         self.in_step_since: float | None = None
         self.dead_reason: str | None = None
         self.snapshot = EngineSnapshot(
-            num_free_blocks=engine.num_free_blocks, num_total_blocks=engine.num_total_blocks
+            num_free_blocks=engine.num_free_blocks,
+            num_total_blocks=engine.num_total_blocks,
+            kv_capacity=engine.kv_capacity,
         )
         # Engine-thread only: ids added to the engine and not finished yet.
         self._active: set[str] = set()
@@ -511,6 +513,7 @@ class EngineLoop:
                 num_total_blocks=engine.num_total_blocks,
                 last_step_stats=stats if stats is not None else self.snapshot.last_step_stats,
                 integrity_checked_at_step=checked_at,
+                kv_capacity=self.snapshot.kv_capacity,
             )
             self.heartbeat = time.monotonic()
             # Delivered now, though the event loop then usually takes the GIL first and this

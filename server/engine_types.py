@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.outputs import RequestOutput, StepStats
+from kvpool.storage import KVCapacity
 from scheduler.request import SamplingParams
 
 
@@ -35,6 +36,8 @@ class EngineSnapshot:
     last_step_stats: StepStats | None = None
     # num_steps at the last idle check_integrity() that passed; None before the first one.
     integrity_checked_at_step: int | None = None
+    # The pool's size (fixed at start-up): what /health reports of the KV cache.
+    kv_capacity: KVCapacity | None = None
 
     @property
     def num_used_blocks(self) -> int:

@@ -573,6 +573,7 @@ def config_info(config: ServingConfig, **resolved: str) -> dict[str, str]:
         "prefill_chunk_tokens": str(scheduler.prefill_chunk_tokens),
         "block_size": str(kvpool.block_size),
         "prefix_caching": str(kvpool.enable_prefix_caching).lower(),
+        "kv_cache_dtype": kvpool.cache_dtype,
         **resolved,
     }
 

@@ -201,22 +201,51 @@ _BF16_ATTENTION_ARGS = dict(
     seq_lens_ptr="*i32",
     qk_scale="fp32",
 )
+# The quantized KV cache's constexprs (kernels/_kv_quant_triton.quant_args) per cache type.
+_NOT_QUANTIZED = dict(QUANTIZED=False, QMAX=0.0, ROUND_TO_INT=False, SOFT_FP8_ROUND=False)
+_QUANTIZED = {
+    "int8": ("*i8", dict(QUANTIZED=True, QMAX=127.0, ROUND_TO_INT=True, SOFT_FP8_ROUND=False)),
+    "fp8": ("*fp8e4nv", dict(QUANTIZED=True, QMAX=448.0, ROUND_TO_INT=False, SOFT_FP8_ROUND=False)),
+}
 SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
     "store_kv": (
         "kernels.store_kv", "_store_kv_kernel",
         dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16",
              slot_mapping_ptr="*i64"),
-        dict(NUM_KV_HEADS=3, HEAD_DIM=64, KV_HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16),
+        dict(NUM_KV_HEADS=3, HEAD_DIM=64, KV_HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
+             **_NOT_QUANTIZED),
     ),
+    **{
+        f"store_kv_{name}": (
+            "kernels.store_kv", "_store_kv_kernel",
+            dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr=ptr, value_cache_ptr=ptr,
+                 slot_mapping_ptr="*i64"),
+            dict(NUM_KV_HEADS=3, HEAD_DIM=64, KV_HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
+                 **quant),
+        )
+        for name, (ptr, quant) in _QUANTIZED.items()
+    },
     **{
         f"decode_split={split}": (
             "kernels.paged_attention", "_paged_attention_decode_kernel",
             dict(_BF16_ATTENTION_ARGS, out_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32",
                  tokens_per_split="i32"),
             dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-                 TILE_N=64, SPLIT=split, DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32"),
+                 TILE_N=64, SPLIT=split, DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32",
+                 QUANTIZED=False),
         )
         for split in (False, True)
+    },
+    **{
+        f"decode_{name}": (
+            "kernels.paged_attention", "_paged_attention_decode_kernel",
+            dict(_BF16_ATTENTION_ARGS, key_cache_ptr=ptr, value_cache_ptr=ptr, out_ptr="*bf16",
+                 lse_ptr="*fp32", tokens_per_split="i32"),
+            dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
+                 TILE_N=64, SPLIT=False, DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32",
+                 QUANTIZED=True),
+        )
+        for name, (ptr, _) in _QUANTIZED.items()
     },
     **{
         name: (
@@ -250,8 +279,18 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",
              value_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
         dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32, BLOCK_SIZE=16,
-             DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
+             DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, **_NOT_QUANTIZED),
     ),
+    **{
+        f"rope_and_store_{name}": (
+            "kernels.rope_and_store", "_rope_and_store_kernel",
+            dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr=ptr,
+                 value_cache_ptr=ptr, slot_mapping_ptr="*i64"),
+            dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32,
+                 BLOCK_SIZE=16, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, **quant),
+        )
+        for name, (ptr, quant) in _QUANTIZED.items()
+    },
     "reduce_splits": (
         "kernels.paged_attention", "_reduce_splits_kernel",
         dict(out_ptr="*bf16", partial_out_ptr="*fp32", lse_ptr="*fp32", num_splits="i32"),
@@ -264,8 +303,19 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         dict(_BF16_ATTENTION_ARGS, out_ptr="*bf16", query_start_loc_ptr="*i32", num_seqs="i32"),
         dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, HEAD_DIM=64,
              HEAD_DIM_PAD=64, BLOCK_SIZE=16, TILE_N=64, DOT_DTYPE="tl.bfloat16",
-             DOT_PRECISION="tf32"),
+             DOT_PRECISION="tf32", QUANTIZED=False),
     ),
+    **{
+        f"prefill_{name}": (
+            "kernels.prefill_attention", "_paged_attention_prefill_kernel",
+            dict(_BF16_ATTENTION_ARGS, key_cache_ptr=ptr, value_cache_ptr=ptr, out_ptr="*bf16",
+                 query_start_loc_ptr="*i32", num_seqs="i32"),
+            dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, HEAD_DIM=64,
+                 HEAD_DIM_PAD=64, BLOCK_SIZE=16, TILE_N=64, DOT_DTYPE="tl.bfloat16",
+                 DOT_PRECISION="tf32", QUANTIZED=True),
+        )
+        for name, (ptr, _) in _QUANTIZED.items()
+    },
 }  # fmt: skip
 
 _COMPILE_SCRIPT = r"""

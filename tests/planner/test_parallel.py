@@ -108,7 +108,8 @@ def test_fewest_gpus_llama2_70b() -> None:
 
 
 def test_kv_table_llama3_8b() -> None:
-    # k = 2 x 32 layers x 8 KV heads x 128 x B: 131,072 bytes in bf16, 65,536 in fp8/int8.
+    # k = 2 x 32 layers x 8 KV heads x 128 x B: 131,072 bytes in bf16; fp8/int8 store a
+    # float32 scale per token and KV head beside the values: 2 x 32 x 8 x (128 + 4) = 67,584.
     assert kv_bytes_per_token(LLAMA3_8B, "bf16") == 131_072
     table = kv_cache_table(LLAMA3_8B, 8192, ["bf16", "fp8", "int8"], [1, 32],
                            tensor_parallel_size=2)  # fmt: skip
@@ -116,22 +117,22 @@ def test_kv_table_llama3_8b() -> None:
     # 32 sequences x 8,192 tokens x 131,072 bytes = 34,359,738,368 bytes = 32 GiB.
     assert table.bytes[1][0] == 34_359_738_368
     assert gib(table.bytes[1][0]) == 32.0
-    assert gib(table.bytes[1][1]) == gib(table.bytes[1][2]) == 16.0
+    assert gib(table.bytes[1][1]) == gib(table.bytes[1][2]) == 16.5
     assert gib(table.bytes[0][0]) == 1.0
     # Over 2 GPUs each holds 4 of the 8 KV heads: half.
     assert gib(table.per_gpu_bytes[1][0]) == 16.0
 
 
 def test_kv_table_takes_a_bytes_per_token_function() -> None:
-    # A KV layout with one fp32 scale per token per KV head per layer (K and V) beside int8
-    # values: 65,536 + 2 x 32 x 8 x 4 = 67,584 bytes per token.
-    def with_scales(cfg, dtype: str) -> float:  # type: ignore[no-untyped-def]
-        scales = 2 * cfg.num_layers * cfg.num_kv_heads * 4 if dtype == "int8" else 0
-        return kv_bytes_per_token(cfg, dtype) + scales
+    # Another layout: one fp32 scale per 16-token block per KV head per layer (K and V)
+    # beside int8 values: 65,536 + 2 x 32 x 8 x 4 / 16 = 65,664 bytes per token.
+    def per_block_scales(cfg, dtype: str) -> float:  # type: ignore[no-untyped-def]
+        values = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+        return values + (2 * cfg.num_layers * cfg.num_kv_heads * 4 / 16 if dtype == "int8" else 0)
 
-    table = kv_cache_table(LLAMA3_8B, 100, ["int8"], [2], bytes_per_token=with_scales)
-    assert table.bytes_per_token == (67_584,)
-    assert table.bytes[0][0] == 2 * 100 * 67_584
+    table = kv_cache_table(LLAMA3_8B, 100, ["int8"], [2], bytes_per_token=per_block_scales)
+    assert table.bytes_per_token == (65_664,)
+    assert table.bytes[0][0] == 2 * 100 * 65_664
 
 
 def test_cli_several_gpus(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import RequestOutput, StepStats, TokenLogprob
+from kvpool.storage import KVCapacity
 from scheduler.request import SamplingParams
 
 CHAT_TEMPLATE = (
@@ -104,6 +105,8 @@ class FakeEngine:
         self.block_size = block_size
         self._num_blocks = num_blocks
         self._free_blocks = num_blocks
+        # What /health reports of the pool (a float32 cache of a 2-layer, 64-wide model).
+        self.kv_capacity = KVCapacity(num_blocks, block_size, bytes_per_token=2 * 2 * 64 * 4)
         self.max_num_seqs = max_num_seqs
         self.step_delay_s = step_delay_s
         self.waiting: list[_FakeRequest] = []

@@ -58,6 +58,18 @@ async def test_health_reports_the_kv_pool(serve) -> None:
     assert (await s.http.get("/health")).json()["engine"]["kv_blocks_used"] == 0
 
 
+async def test_health_reports_the_kv_cache_size(serve) -> None:
+    s = await serve(FakeEngine(num_blocks=64, block_size=4))
+    kv = (await s.http.get("/health")).json()["kv_cache"]
+    # FakeEngine's pool: float32 ("auto"), 2 layers x 1 KV head x 64 dims, K and V
+    assert kv == {
+        "dtype": "auto",
+        "num_tokens": 256,
+        "bytes_per_token": 1024,
+        "total_bytes": 256 * 1024,
+    }
+
+
 async def test_health_is_503_while_the_engine_is_stuck(serve) -> None:
     engine = FakeEngine()
     release = threading.Event()

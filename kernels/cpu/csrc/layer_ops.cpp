@@ -3,9 +3,12 @@
 // dispatch and thread wake-up, which at batch 1 is a third of the step.
 
 #include <ATen/ATen.h>
+
+#include <cstring>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "ops.h"
@@ -112,17 +115,38 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// One K or V row of n floats into the int8 cache layout (kernels/kv_quant.py): n values
+// q = x / s rounded half away from zero, clamped to +-127, then s = absmax / 127 as 4 bytes;
+// the same float32 operations as the reference's quantize, so the same bytes.
+static void quantize_row_i8(const float* x, int64_t n, int8_t* out) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float s = amax / 127.f;
+  const float div = s > 0.f ? s : 1.f;
+  for (int64_t d = 0; d < n; ++d) {
+    const float y = x[d] / div;
+    float r = std::floor(std::fabs(y) + 0.5f);
+    r = std::min(r, 127.f);
+    out[d] = int8_t(y < 0.f ? -r : r);
+  }
+  std::memcpy(out + n, &s, sizeof s);
+}
+
 // qkv [tokens, (num_heads + 2 * num_kv_heads) * head_dim]: rotates the Q and K heads in place
 // (x * cos + rotate_half(x) * sin) and writes each token's K and V rows into its cache slot
 // (slot -1: padding, not stored). cos, sin: [tokens, head_dim].
 void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
                      int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK(qkv.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-              value_cache.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat &&
-              sin.scalar_type() == at::kFloat, "float32 only");
+  // An int8 cache (--kv-cache-dtype int8) takes each K/V row quantized, scale after it.
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat &&
+              (key_cache.scalar_type() == at::kFloat || int8_cache) &&
+              value_cache.scalar_type() == key_cache.scalar_type() && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat, "float32 only (and an int8 cache)");
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
-              key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              (int8_cache ? is_quantized_cache(key_cache) && is_quantized_cache(value_cache)
+                          : key_cache.is_contiguous() && value_cache.is_contiguous()) &&
               slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong);
   const int64_t tokens = qkv.size(0), head_dim = key_cache.size(3), half = head_dim / 2;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim);
@@ -133,8 +157,11 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   float* x = qkv.data_ptr<float>();
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
-  float* kc = key_cache.data_ptr<float>();
-  float* vc = value_cache.data_ptr<float>();
+  float* kc = int8_cache ? nullptr : key_cache.data_ptr<float>();
+  float* vc = int8_cache ? nullptr : value_cache.data_ptr<float>();
+  int8_t* kq = int8_cache ? key_cache.data_ptr<int8_t>() : nullptr;
+  int8_t* vq = int8_cache ? value_cache.data_ptr<int8_t>() : nullptr;
+  const int64_t qrow = head_dim + 4;  // an int8 row: head_dim values, then the float32 scale
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   parallel_for(0, tokens, kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
@@ -153,6 +180,13 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
       if (slot < 0) continue;
       TORCH_CHECK(slot < num_slots, "slot ", slot, " out of range");
       const float* k = xt + num_heads * head_dim;
+      if (int8_cache) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          quantize_row_i8(k + h * head_dim, head_dim, kq + (slot * num_kv_heads + h) * qrow);
+          quantize_row_i8(k + kv + h * head_dim, head_dim, vq + (slot * num_kv_heads + h) * qrow);
+        }
+        continue;
+      }
       std::copy(k, k + kv, kc + slot * kv);
       std::copy(k + kv, k + 2 * kv, vc + slot * kv);
     }

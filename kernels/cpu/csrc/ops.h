@@ -22,6 +22,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
+// An int8 KV cache in the quantized layout: the values view of [blocks, block_size, kv_heads,
+// head_dim + 4] rows, each followed by its float32 scale (kernels/kv_quant.py).
+bool is_quantized_cache(const at::Tensor& cache);
 void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double scale, at::Tensor& out);

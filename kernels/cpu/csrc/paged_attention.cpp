@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <tuple>
@@ -30,21 +31,48 @@ namespace pagedserve_cpu {
 
 namespace {
 
+// How a KV cache of element type T holds one (slot, KV head) row: float32 caches hold
+// head_dim floats; int8 caches (--kv-cache-dtype int8) head_dim int8 values and then the
+// row's float32 scale, value = q * scale (kernels/kv_quant.py). The float path multiplies by
+// no scale at all (if constexpr), so it stays bitwise what it was.
+template <typename T>
+struct Row;
+template <>
+struct Row<float> {
+  static constexpr bool kQuantized = false;
+  static constexpr int64_t kExtra = 0;  // elements after a row's head_dim values
+  static vf load(const float* p) { return vload(p); }
+  static float at(const float* p, int64_t d) { return p[d]; }
+  static float scale(const float*, int64_t) { return 1.f; }
+};
+template <>
+struct Row<int8_t> {
+  static constexpr bool kQuantized = true;
+  static constexpr int64_t kExtra = 4;  // the float32 scale
+  static vf load(const int8_t* p) { return vload_i8(p); }
+  static float at(const int8_t* p, int64_t d) { return float(p[d]); }
+  static float scale(const int8_t* row, int64_t head_dim) {
+    float s;
+    std::memcpy(&s, row + head_dim, sizeof s);
+    return s;
+  }
+};
+
 // Calls f(t - t0, row) for context positions t in [t0, t1), row pointing at position t's slot
 // (one KV head's head_dim floats) through the block table: the block is looked up once per
 // block, not with a division per position. With `prefetch` > 0, each call first prefetches
 // that many floats from the same slot of the next block in the table.
-template <typename F>
-inline void for_each_slot(const float* cache, const int32_t* block_table, int64_t t0, int64_t t1,
+template <typename T, typename F>
+inline void for_each_slot(const T* cache, const int32_t* block_table, int64_t t0, int64_t t1,
                           int64_t block_size, int64_t slot_stride, F&& f, int64_t prefetch = 0) {
   for (int64_t b = t0 / block_size, t = t0; t < t1; ++b) {
-    const float* p = cache + int64_t(block_table[b]) * block_size * slot_stride;
+    const T* p = cache + int64_t(block_table[b]) * block_size * slot_stride;
     const int64_t end = std::min((b + 1) * block_size, t1);
     if (prefetch && end < t1) {
-      const float* pn = cache + int64_t(block_table[b + 1]) * block_size * slot_stride;
+      const T* pn = cache + int64_t(block_table[b + 1]) * block_size * slot_stride;
       for (; t < end; ++t) {
-        const float* nx = pn + (t - b * block_size) * slot_stride;
-        for (int64_t off = 0; off < prefetch; off += 16) __builtin_prefetch(nx + off, 0, 3);
+        const T* nx = pn + (t - b * block_size) * slot_stride;
+        for (int64_t off = 0; off < prefetch; off += 64 / int64_t(sizeof(T))) __builtin_prefetch(nx + off, 0, 3);
         f(t - t0, p + (t - b * block_size) * slot_stride);
       }
       continue;
@@ -88,18 +116,21 @@ inline void softmax_rows(float* scores, int group, int64_t row_stride, int64_t s
 
 // out_j = sum_t p[j][t - t0] v_t over context positions [t0, t1), for G heads at once
 // (G is a template parameter so the G x D accumulators stay in registers).
-template <int D, int G>
-inline void weighted_values_g(const float* scores, int64_t row_stride, const float* value_cache,
+template <typename T, int D, int G>
+inline void weighted_values_g(const float* scores, int64_t row_stride, const T* value_cache,
                               const int32_t* block_table, int64_t t0, int64_t t1, int64_t block_size,
                               int64_t slot_stride, float* out, int64_t out_stride, int64_t prefetch = 0) {
   vf acc[G][D];
   for (int j = 0; j < G; ++j)
     for (int i = 0; i < D; ++i) acc[j][i] = vzero();
-  for_each_slot(value_cache, block_table, t0, t1, block_size, slot_stride, [&](int64_t t, const float* v) {
+  for_each_slot(value_cache, block_table, t0, t1, block_size, slot_stride, [&](int64_t t, const T* v) {
     vf vv[D];
-    for (int i = 0; i < D; ++i) vv[i] = vload(v + i * kVec);
+    for (int i = 0; i < D; ++i) vv[i] = Row<T>::load(v + i * kVec);
+    [[maybe_unused]] const float v_scale = Row<T>::scale(v, D * kVec);
     for (int j = 0; j < G; ++j) {
-      const vf p = vsplat(scores[j * row_stride + t]);
+      float pj = scores[j * row_stride + t];
+      if constexpr (Row<T>::kQuantized) pj *= v_scale;  // sum_t (p_t * s_t) v_q,t
+      const vf p = vsplat(pj);
       for (int i = 0; i < D; ++i) acc[j][i] += p * vv[i];
     }
   }, prefetch);
@@ -112,15 +143,15 @@ inline void weighted_values_g(const float* scores, int64_t row_stride, const flo
 constexpr int kAccRegs = kRegs * 3 / 4;
 
 // The whole group, in passes of at most min(6, kAccRegs / D) heads.
-template <int D>
-inline void weighted_values(const float* scores, int group, int64_t row_stride, const float* value_cache,
+template <typename T, int D>
+inline void weighted_values(const float* scores, int group, int64_t row_stride, const T* value_cache,
                             const int32_t* block_table, int64_t t0, int64_t t1, int64_t block_size,
                             int64_t slot_stride, float* out, int64_t out_stride, int64_t prefetch = 0) {
   constexpr int kPass = D >= kAccRegs ? 1 : std::min(6, kAccRegs / D);  // the cases below go up to 6
   for (int j0 = 0; j0 < group; j0 += kPass) {
     const float* s = scores + j0 * row_stride;
     float* o = out + j0 * out_stride;
-#define PS_WV(G) weighted_values_g<D, G>(s, row_stride, value_cache, block_table, t0, t1, block_size, slot_stride, o, out_stride, j0 == 0 ? prefetch : 0)
+#define PS_WV(G) weighted_values_g<T, D, G>(s, row_stride, value_cache, block_table, t0, t1, block_size, slot_stride, o, out_stride, j0 == 0 ? prefetch : 0)
     switch (std::min(kPass, group - j0)) {
       case 1: PS_WV(1); break;
       case 2: if constexpr (kPass >= 2) PS_WV(2); break;
@@ -137,27 +168,33 @@ inline void weighted_values(const float* scores, int group, int64_t row_stride, 
 // j < heads, head j reading KV head j / group (key_cache points at the first KV head's
 // slice of slot 0): each slot's K rows are scored against their query heads as they are
 // read, so a slot spanning several KV heads is one contiguous read. D = head_dim / kVec.
-template <int D>
+template <typename T, int D>
 inline void score_slots(const float* q,  // [heads, D * kVec], row stride q_stride
-                        int64_t q_stride, int heads, int group, const float* key_cache,
+                        int64_t q_stride, int heads, int group, const T* key_cache,
                         const int32_t* block_table, int64_t t0, int64_t t1, int64_t block_size,
-                        int64_t slot_stride,  // floats between consecutive slots (num_kv_heads * head_dim)
+                        int64_t slot_stride,  // elements between consecutive slots (num_kv_heads rows)
                         float scale, float* scores, int64_t row_stride, int64_t prefetch = 0,
                         intptr_t v_delta = 0) {  // v_delta: bytes from a K slot to its V slot, 0: no V prefetch
-  for_each_slot(key_cache, block_table, t0, t1, block_size, slot_stride, [&](int64_t t, const float* slot) {
+  constexpr int64_t row = D * kVec + Row<T>::kExtra;  // elements per KV head's row
+  for_each_slot(key_cache, block_table, t0, t1, block_size, slot_stride, [&](int64_t t, const T* slot) {
     if (v_delta) {
       const char* v = reinterpret_cast<const char*>(slot) + v_delta;
-      for (int64_t off = 0; off < slot_stride; off += 16) __builtin_prefetch(v + off * 4, 0, 3);
+      const int64_t bytes = slot_stride * int64_t(sizeof(T));
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(v + off, 0, 3);
     }
     for (int j0 = 0; j0 < heads; j0 += group) {
-      const float* k = slot + (j0 / group) * D * kVec;
+      const T* k = slot + (j0 / group) * row;
       vf kv[D];
-      for (int i = 0; i < D; ++i) kv[i] = vload(k + i * kVec);
+      for (int i = 0; i < D; ++i) kv[i] = Row<T>::load(k + i * kVec);
+      [[maybe_unused]] const float k_scale = Row<T>::scale(k, D * kVec) * scale;
       for (int j = j0; j < j0 + group; ++j) {
         const float* qj = q + j * q_stride;
         vf acc = vload(qj) * kv[0];
         for (int i = 1; i < D; ++i) acc += vload(qj + i * kVec) * kv[i];
-        scores[j * row_stride + t] = vsum(acc) * scale;
+        if constexpr (Row<T>::kQuantized)
+          scores[j * row_stride + t] = vsum(acc) * k_scale;  // <q, k_q> * s_k * scale
+        else
+          scores[j * row_stride + t] = vsum(acc) * scale;
       }
     }
   }, prefetch);
@@ -166,14 +203,14 @@ inline void score_slots(const float* q,  // [heads, D * kVec], row stride q_stri
 // One span [t0, t1) of a decode's context (t0 < t1), every query head at once: per query head
 // n, the span's score max m[n], the sum of exp(score - m[n]) l[n], and
 // out_n = sum_t exp(score_t - m[n]) v_t, not yet divided by the sum over all spans.
-template <int D>
+template <typename T, int D>
 void attend_span(const float* q, int64_t q_stride, int64_t num_heads, int64_t num_kv_heads,
-                 const float* key_cache, const float* value_cache, const int32_t* block_table, int64_t t0,
+                 const T* key_cache, const T* value_cache, const int32_t* block_table, int64_t t0,
                  int64_t t1, int64_t block_size, float scale, float* scores, int64_t row_stride, float* m,
                  float* l, float* out, bool prefetch_values) {
-  constexpr int64_t head_dim = D * kVec;
+  constexpr int64_t row = D * kVec + Row<T>::kExtra;  // elements per KV head's row
   const int group = int(num_heads / num_kv_heads);
-  const int64_t slot_stride = num_kv_heads * head_dim;
+  const int64_t slot_stride = num_kv_heads * row;
   // Each slot read prefetches the same slot of the next block (blocks are scattered, so the
   // hardware prefetcher restarts at each): 1.09-1.15x on this kernel at batch 1-64.
   const int64_t pf = slot_stride;
@@ -185,12 +222,12 @@ void attend_span(const float* q, int64_t q_stride, int64_t num_heads, int64_t nu
   const intptr_t v_delta = prefetch_values ? reinterpret_cast<intptr_t>(value_cache) -
                                                  reinterpret_cast<intptr_t>(key_cache)
                                            : 0;
-  score_slots<D>(q, q_stride, int(num_heads), group, key_cache, block_table, t0, t1, block_size, slot_stride,
+  score_slots<T, D>(q, q_stride, int(num_heads), group, key_cache, block_table, t0, t1, block_size, slot_stride,
                  scale, scores, row_stride, pf, v_delta);
   for (int64_t n = 0; n < num_heads; ++n) std::tie(m[n], l[n]) = exp_row(scores + n * row_stride, t1 - t0);
   for (int64_t h = 0; h < num_kv_heads; ++h)
-    weighted_values<D>(scores + h * group * row_stride, group, row_stride, value_cache + h * head_dim, block_table,
-                       t0, t1, block_size, slot_stride, out + h * group * head_dim, head_dim, h == 0 ? pf : 0);
+    weighted_values<T, D>(scores + h * group * row_stride, group, row_stride, value_cache + h * row, block_table,
+                          t0, t1, block_size, slot_stride, out + h * group * D * kVec, D * kVec, h == 0 ? pf : 0);
 }
 
 // Up to kTileQ query vectors (rows x heads) scored together, so each transposed-K vector
@@ -265,9 +302,9 @@ inline int64_t rows_per_tile(int group) { return std::max(1, kTileQ / group); }
 // into a transposed K; rows_per_tile rows at a time are scored against it (score_tile), each
 // scored row position past a row's own context is discarded by softmax_rows.
 // scores: [rows_per_tile(group) * group, row_stride] scratch.
-template <int D>
+template <typename T, int D>
 void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int group, int64_t rows,
-                const float* key_cache, const float* value_cache, const int32_t* block_table,
+                const T* key_cache, const T* value_cache, const int32_t* block_table,
                 int64_t seq_len0, int64_t block_size, int64_t slot_stride, float scale,
                 float* scores, int64_t row_stride, std::vector<float>& kt_buf, float* out,
                 int64_t out_row_stride, int64_t out_stride) {
@@ -276,8 +313,13 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
   const int64_t ldk = (ctx + kVec - 1) / kVec * kVec;
   if (int64_t(kt_buf.size()) < head_dim * ldk) kt_buf.resize(size_t(head_dim * ldk));
   float* kt = kt_buf.data();
-  for_each_slot(key_cache, block_table, 0, ctx, block_size, slot_stride, [&](int64_t t, const float* k) {
-    for (int64_t d = 0; d < head_dim; ++d) kt[d * ldk + t] = k[d];
+  for_each_slot(key_cache, block_table, 0, ctx, block_size, slot_stride, [&](int64_t t, const T* k) {
+    if constexpr (Row<T>::kQuantized) {  // de-quantized as the reference does: float(q) * s
+      const float s = Row<T>::scale(k, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) kt[d * ldk + t] = Row<T>::at(k, d) * s;
+    } else {
+      for (int64_t d = 0; d < head_dim; ++d) kt[d * ldk + t] = k[d];
+    }
   });
   // padding positions: finite, so their (discarded) scores are too
   for (int64_t d = 0; d < head_dim; ++d)
@@ -305,13 +347,13 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
       const int64_t len = seq_len0 + r0 + i;
       float* si = scores + i * group * row_stride;
       softmax_rows(si, group, row_stride, len);
-      weighted_values<D>(si, group, row_stride, value_cache, block_table, 0, len, block_size, slot_stride,
+      weighted_values<T, D>(si, group, row_stride, value_cache, block_table, 0, len, block_size, slot_stride,
                          out + (r0 + i) * out_row_stride, out_stride);
     }
   }
 }
 
-template <int D>
+template <typename T, int D>
 void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                 at::Tensor& out) {
@@ -319,11 +361,12 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t head_dim = key_cache.size(3);
   const int group = int(num_heads / num_kv_heads);
-  const int64_t slot_stride = num_kv_heads * head_dim;
+  const int64_t row = head_dim + Row<T>::kExtra;  // elements per KV head's row
+  const int64_t slot_stride = num_kv_heads * row;
   const float* q = query.data_ptr<float>();
   const int64_t q_seq_stride = query.stride(0), q_head_stride = query.stride(1);
-  const float* kc = key_cache.data_ptr<float>();
-  const float* vc = value_cache.data_ptr<float>();
+  const T* kc = key_cache.data_ptr<T>();
+  const T* vc = value_cache.data_ptr<T>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int64_t bt_stride = block_tables.stride(0);
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -420,8 +463,8 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
       const int64_t i = run_start[it.run], rows = run_start[it.run + 1] - i;
       if (it.head >= 0) {
         const int64_t h = it.head;
-        attend_run<D>(q + i * q_seq_stride + h * group * q_head_stride, q_seq_stride, q_head_stride, group, rows,
-                      kc + h * head_dim, vc + h * head_dim, bt + i * bt_stride, lens[i], block_size, slot_stride,
+        attend_run<T, D>(q + i * q_seq_stride + h * group * q_head_stride, q_seq_stride, q_head_stride, group, rows,
+                      kc + h * row, vc + h * row, bt + i * bt_stride, lens[i], block_size, slot_stride,
                       float(scale), scores.data(), row_stride, kt, o + (i * num_heads + h * group) * head_dim,
                       num_heads * head_dim, head_dim);
         continue;
@@ -437,7 +480,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
         std::fill_n(pacc, num_heads * head_dim, 0.f);
         continue;
       }
-      attend_span<D>(q + i * q_seq_stride, q_head_stride, num_heads, num_kv_heads, kc, vc, bt + i * bt_stride, t0,
+      attend_span<T, D>(q + i * q_seq_stride, q_head_stride, num_heads, num_kv_heads, kc, vc, bt + i * bt_stride, t0,
                      t1, block_size, float(scale), scores.data(), row_stride, pm, pl, pacc,
                      /*prefetch_values=*/whole_context);
       if (whole_context)
@@ -469,7 +512,29 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
     }
 }
 
+template <typename T>
+void decode_head_dim(int64_t head_dim, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                     double scale, at::Tensor& out) {
+  switch (head_dim) {
+    // decode_all<T, head_dim / kVec>: vectors per head row
+    case 64: decode_all<T, 64 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case 128: decode_all<T, 128 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case 32: decode_all<T, 32 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case 96: decode_all<T, 96 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    case 256: decode_all<T, 256 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
+    default: TORCH_CHECK(false, "paged_attention_decode: unsupported head_dim ", head_dim);
+  }
+}
+
 }  // namespace
+
+bool is_quantized_cache(const at::Tensor& cache) {
+  if (cache.dim() != 4) return false;
+  const int64_t row = cache.size(3) + 4, kvh = cache.size(2), bs = cache.size(1);
+  return cache.stride(3) == 1 && cache.stride(2) == row && cache.stride(1) == kvh * row &&
+         cache.stride(0) == bs * kvh * row;
+}
 
 at::Tensor paged_attention_decode(const at::Tensor& query,  // [num_seqs, num_heads, head_dim]
                                   const at::Tensor& key_cache,  // [blocks, block_size, kv_heads, head_dim]
@@ -483,27 +548,30 @@ at::Tensor paged_attention_decode(const at::Tensor& query,  // [num_seqs, num_he
 void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,
                                  const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat,
-              "paged_attention_decode: float32 only");
+  const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(query.scalar_type() == at::kFloat &&
+                  (key_cache.scalar_type() == at::kFloat || int8_cache) &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "paged_attention_decode: a float32 query over a float32 or int8 cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_attention_decode: block_tables and seq_lens must be int32");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  if (int8_cache) {
+    TORCH_CHECK(is_quantized_cache(key_cache) && is_quantized_cache(value_cache),
+                "int8 caches must be the values view of [blocks, block_size, kv_heads, head_dim + 4] "
+                "rows with a float32 scale after each (kernels/kv_quant.py)");
+  } else {
+    TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
+  }
   TORCH_CHECK(query.stride(2) == 1, "query rows must be contiguous in head_dim");
   TORCH_CHECK(block_tables.stride(1) == 1 && seq_lens.is_contiguous());
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == query.numel(),
               "paged_attention_decode_into: out must be contiguous float32 [num_seqs, num_heads, head_dim]");
-  switch (head_dim) {
-    // decode_all<head_dim / kVec>: vectors per head row
-    case 64: decode_all<64 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 128: decode_all<128 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 32: decode_all<32 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 96: decode_all<96 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    case 256: decode_all<256 / kVec>(query, key_cache, value_cache, block_tables, seq_lens, scale, out); break;
-    default: TORCH_CHECK(false, "paged_attention_decode: unsupported head_dim ", head_dim);
-  }
+  if (int8_cache)
+    decode_head_dim<int8_t>(head_dim, query, key_cache, value_cache, block_tables, seq_lens, scale, out);
+  else
+    decode_head_dim<float>(head_dim, query, key_cache, value_cache, block_tables, seq_lens, scale, out);
 }
 
 }  // namespace pagedserve_cpu

@@ -29,6 +29,11 @@ typedef float vf __attribute__((vector_size(kVec * 4), aligned(4), may_alias));
 typedef int32_t vi32 __attribute__((vector_size(kVec * 4)));
 
 static inline vf vload(const float* p) { return *reinterpret_cast<const vf*>(p); }
+// kVec int8 values (any alignment) as floats: the quantized KV cache's rows.
+typedef int8_t vi8 __attribute__((vector_size(kVec), aligned(1), may_alias));
+static inline vf vload_i8(const int8_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const vi8*>(p), vf);
+}
 static inline void vstore(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
 static inline vf vzero() { return vf{}; }
 

@@ -1,0 +1,289 @@
+"""Quantized KV cache (``--kv-cache-dtype``): what it costs in quality, what it buys in speed.
+
+    python -m benchmarks.kv_quant --quality                 # the default model, float32 CPU
+    python -m benchmarks.kv_quant --throughput              # concurrency 64, 1,024-token prompts
+    python -m benchmarks.kv_quant --quality --dtypes int8 --json
+
+Quality (each KV dtype against the model's own dtype, ``auto``, same engine otherwise):
+
+- **Perplexity** of a passage of text that ships with Python (the language reference's
+  "compound statements" topic, ``pydoc_data.topics``), teacher-forced through the paged
+  cache: the passage is prefilled in chunks of ``--chunk`` tokens with the logits of every
+  row, so every position attends to K/V read back from the (quantized) cache, as served.
+  Also the mean and max absolute difference of the target tokens' log-probabilities.
+- **Greedy agreement**: ``--prompts`` prompts cut from other reference topics, ``--tokens``
+  (64) greedy tokens each; per prompt, the length of the common prefix with the ``auto``
+  run over ``--tokens`` (a divergence makes everything after it differ, so the prefix, not
+  the positionwise match, is the figure), and the mean over prompts.
+
+Throughput (``--throughput``): ``--num-requests`` (64) requests of ``--prompt-tokens``
+(1,024) tokens submitted at once, ``--max-tokens`` (64) greedy tokens each, EOS ignored, in
+the step loop (``LLM.generate``'s path; no HTTP, no sockets) with the same
+``--kv-cache-memory`` for every dtype, chosen so that the float32 pool holds only a few of
+the requests: the batch is then bounded by KV memory, and the quantized pool runs more of
+them at once. Reported: the pool's tokens, wall time, output tokens/s, total tokens/s, the
+mean number of running requests per step, and preemptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pydoc_data.topics import topics
+
+import torch
+
+from engine.input_batch import AttentionMetadata, InputBatch
+from engine.llm import LLM
+from scheduler.request import SamplingParams
+
+PPL_TOPIC = "compound"
+PROMPT_TOPICS = [
+    "assignment", "comparisons", "execmodel", "import", "try", "calls", "function", "naming",
+]  # fmt: skip
+
+
+@dataclass(slots=True)
+class QualityResult:
+    kv_cache_dtype: str
+    bytes_per_token: int
+    perplexity: float
+    perplexity_change: float  # relative to auto
+    mean_abs_logprob_diff: float
+    max_abs_logprob_diff: float
+    greedy_prefix: list[int]  # common-prefix length with auto, per prompt
+    greedy_agreement: float  # mean prefix / tokens
+    # auto's top-2 log-probability margin where each diverging prompt diverged: a small one
+    # is a near-tie that any perturbation of the arithmetic may flip
+    divergence_margins: list[float]
+
+
+@dataclass(slots=True)
+class ThroughputResult:
+    kv_cache_dtype: str
+    kv_tokens: int
+    wall_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    mean_running: float
+    max_running: int
+    preemptions: int
+
+
+def make_llm(kv_cache_dtype: str, args: argparse.Namespace, **kwargs: object) -> LLM:
+    return LLM(
+        args.model,
+        device="cpu",
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def target_logprobs(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
+    """log p(ids[i + 1] | ids[: i + 1]) for every i, through the paged cache.
+
+    The passage goes into blocks 0, 1, ... of this idle engine's pool directly (no request,
+    so kvpool's allocator is not involved and keeps every block free): this engine is this
+    benchmark's own, and nothing else runs in it meanwhile.
+    """
+    engine = llm.engine
+    assert engine.num_free_blocks == engine.num_total_blocks, "the engine must be idle"
+    storage, forward = engine.storage, engine.runner.model
+    bs = storage.block_size
+    num_blocks = -(-len(ids) // bs)
+    assert num_blocks <= storage.num_blocks, "the passage does not fit in the pool"
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    out = []
+    for start in range(0, len(ids) - 1, chunk):
+        end = min(start + chunk, len(ids) - 1)
+        n = end - start
+        positions = torch.arange(start, end)
+        batch = InputBatch(
+            input_ids=torch.tensor(ids[start:end]),
+            positions=positions,
+            slot_mapping=positions.clone(),  # blocks 0, 1, ...: slot == position
+            attn=AttentionMetadata(
+                num_decodes=1 if n == 1 else 0,
+                block_tables=table,
+                seq_lens=torch.tensor([end], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                max_seq_len=end,
+            ),
+            logits_indices=torch.arange(n),
+            sampling=[],
+            logits_are_all_rows=True,
+        )
+        logits = forward(batch, storage.key_caches, storage.value_caches)  # [n, vocab]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        out.append(logp[torch.arange(n), torch.tensor(ids[start + 1 : end + 1])])
+    return torch.cat(out)
+
+
+def quality(args: argparse.Namespace) -> list[QualityResult]:
+    runs: dict[str, tuple[torch.Tensor, list[list[int]], int]] = {}
+    margins: list[list[float]] = []  # auto's top-2 margin per prompt and position
+    for kv in ["auto", *args.dtypes]:
+        llm = make_llm(kv, args, num_kv_blocks=256)
+        tok = llm.tokenizer
+        passage = tok.encode(topics[PPL_TOPIC], add_special_tokens=False)[: args.ppl_tokens]
+        prompts = [
+            tok.encode(topics[t], add_special_tokens=False)[: args.prompt_len]
+            for t in PROMPT_TOPICS[: args.prompts]
+        ]
+        lp = target_logprobs(llm, passage, args.chunk)
+        params = SamplingParams(
+            max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=2
+        )
+        outs = llm.generate(prompts, params)
+        if kv == "auto":
+            margins = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs]
+        runs[kv] = (lp, [o.token_ids for o in outs], llm.engine.kv_capacity.bytes_per_token)
+        print(f"# {kv}: backend {llm.engine.attention_backend}, {len(passage)} passage tokens")
+    base_lp, base_tokens, _ = runs["auto"]
+    base_ppl = math.exp(-float(base_lp.mean()))
+    results = []
+    for kv, (lp, tokens, per_token) in runs.items():
+        ppl = math.exp(-float(lp.mean()))
+        prefix = [common_prefix(a, b) for a, b in zip(tokens, base_tokens, strict=True)]
+        diff = (lp - base_lp).abs()
+        results.append(
+            QualityResult(
+                kv_cache_dtype=kv,
+                bytes_per_token=per_token,
+                perplexity=ppl,
+                perplexity_change=ppl / base_ppl - 1,
+                mean_abs_logprob_diff=float(diff.mean()),
+                max_abs_logprob_diff=float(diff.max()),
+                greedy_prefix=prefix,
+                greedy_agreement=sum(prefix) / (len(prefix) * args.tokens),
+                divergence_margins=[
+                    round(m[n], 4) for m, n in zip(margins, prefix, strict=True) if n < args.tokens
+                ],
+            )
+        )
+    return results
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def throughput(args: argparse.Namespace) -> list[ThroughputResult]:
+    results = []
+    for kv in ["auto", *args.dtypes]:
+        llm = make_llm(
+            kv, args, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.num_requests
+        )
+        g = torch.Generator().manual_seed(0)
+        vocab = llm.engine.model_config.vocab_size
+        prompts = [
+            torch.randint(100, vocab - 100, (args.prompt_tokens,), generator=g).tolist()
+            for _ in range(args.num_requests)
+        ]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        engine = llm.engine
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, params)
+        running: list[int] = []
+        out_tokens = 0
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                out_tokens += len(out.new_token_ids)
+            running.append(len(engine.scheduler.running))
+            if args.progress and len(running) % 100 == 0:
+                print(
+                    f"# {kv}: step {len(running)}, {out_tokens} output tokens, "
+                    f"{time.perf_counter() - t0:.0f} s",
+                    flush=True,
+                )
+        wall = time.perf_counter() - t0
+        total = out_tokens + args.num_requests * args.prompt_tokens
+        results.append(
+            ThroughputResult(
+                kv_cache_dtype=kv,
+                kv_tokens=engine.kv_capacity.num_tokens,
+                wall_s=wall,
+                output_tokens_per_s=out_tokens / wall,
+                total_tokens_per_s=total / wall,
+                mean_running=sum(running) / len(running),
+                max_running=max(running),
+                preemptions=engine.scheduler.num_preemptions_total,
+            )
+        )
+        print(f"# {kv}: {results[-1]}")
+        del llm, engine
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.kv_quant", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--quality", action="store_true", help="perplexity and greedy agreement")
+    p.add_argument("--throughput", action="store_true", help="KV-bound batch throughput")
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtypes", default="int8,fp8", help="KV dtypes to compare with auto")
+    p.add_argument("--ppl-tokens", type=int, default=1024, help="passage length (tokens)")
+    p.add_argument("--chunk", type=int, default=256, help="prefill chunk when scoring")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=96, help="greedy prompts' tokens")
+    p.add_argument("--tokens", type=int, default=64, help="greedy tokens compared")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--kv-cache-memory", type=int, default=300 * 2**20, help="bytes")
+    p.add_argument("--progress", action="store_true", help="a line every 100 steps")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    args.dtypes = [d for d in args.dtypes.split(",") if d]
+    if not (args.quality or args.throughput):
+        p.error("give --quality and/or --throughput")
+    report: dict[str, object] = {}
+    if args.quality:
+        q = quality(args)
+        report["quality"] = [asdict(r) for r in q]
+        print(
+            "| KV dtype | bytes/token | perplexity | vs auto | mean abs Δ logprob | max | "
+            f"greedy prefix agreement (first {args.tokens}) | per prompt | auto's top-2 margin "
+            "where they diverge |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in q:
+            print(
+                f"| {r.kv_cache_dtype} | {r.bytes_per_token} | {r.perplexity:.4f} | "
+                f"{r.perplexity_change:+.3%} | {r.mean_abs_logprob_diff:.4f} | "
+                f"{r.max_abs_logprob_diff:.3f} | {r.greedy_agreement:.1%} | "
+                f"{' '.join(map(str, r.greedy_prefix))} | "
+                f"{' '.join(map(str, r.divergence_margins)) or '-'} |"
+            )
+    if args.throughput:
+        t = throughput(args)
+        report["throughput"] = [asdict(r) for r in t]
+        base = t[0].output_tokens_per_s
+        print(
+            "| KV dtype | pool tokens | wall s | output tok/s | vs auto | total tok/s | "
+            "mean running | max running | preemptions |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in t:
+            print(
+                f"| {r.kv_cache_dtype} | {r.kv_tokens} | {r.wall_s:.1f} | "
+                f"{r.output_tokens_per_s:.1f} | {r.output_tokens_per_s / base:.2f}x | "
+                f"{r.total_tokens_per_s:.0f} | {r.mean_running:.1f} | {r.max_running} | "
+                f"{r.preemptions} |"
+            )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

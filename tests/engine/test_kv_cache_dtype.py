@@ -1,0 +1,176 @@
+"""``--kv-cache-dtype int8|fp8`` end to end: capacity, kernels agreeing in the engine, prefix
+caching and preemption unchanged, and the flag's errors.
+
+A quantized cache changes tokens (lossy, measured in benchmarks/RESULTS.md by
+``python -m benchmarks.kv_quant --quality``), so the references here are the same quantized
+configuration run another way: without preemption, without prefix caching, on the other
+CPU backend. Cached K/V and recomputed K/V come from different batch shapes, whose float32
+rounding can move a value across a quantization step, so a divergence is accepted only at a
+reference near-tie (tests/engine/parity.py), and reported.
+
+The tiny model has head_dim 32, so the C++ kernels (``--attention-backend cpu``, the CPU
+default) serve it as well as the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.llm import CompletionOutput
+from kvpool.config import KVPoolConfig
+from kvpool.storage import size_kv_cache
+from server.config import ServingConfig
+from tests.engine.conftest import make_tiny_llama
+from tests.engine.parity import Reference, assert_parity
+
+SYSTEM_LEN = 96
+SUFFIX_LENS = [1 + (11 * i) % 29 for i in range(8)]
+MAX_TOKENS = 12
+DEVICE = {"device": "cpu", "dtype": "float32"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # head_dim 32: the smallest the C++ kernels take
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-kv-int8"), num_kv_heads=2, seed=5, hidden_size=128,
+        intermediate_size=256, num_attention_heads=4,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    system = torch.randint(3, 256, (SYSTEM_LEN,), generator=g).tolist()
+    return [system + torch.randint(3, 256, (n,), generator=g).tolist() for n in SUFFIX_LENS]
+
+
+def greedy(**kwargs: int) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **kwargs)
+
+
+def as_reference(out: CompletionOutput) -> Reference:
+    return Reference(out.token_ids, [lp.top[0][1] - lp.top[1][1] for lp in out.logprobs])
+
+
+def run(model_path: Path, prompts: list[list[int]], **kwargs) -> tuple[LLM, list[CompletionOutput]]:
+    llm = LLM(str(model_path), **{**DEVICE, "num_kv_blocks": 256, **kwargs})
+    outs = llm.generate(prompts, greedy(logprobs=2))
+    llm.engine.check_integrity()
+    return llm, outs
+
+
+@pytest.fixture(scope="module")
+def references(model_path: Path, prompts: list[list[int]]) -> list[Reference]:
+    """int8 KV on the C++ kernels, a roomy pool, prefix caching off."""
+    llm, outs = run(model_path, prompts, kv_cache_dtype="int8", enable_prefix_caching=False)
+    assert llm.engine.attention_backend == "cpu"
+    assert llm.engine.scheduler.num_preemptions_total == 0
+    return [as_reference(o) for o in outs]
+
+
+def check(outs: list[CompletionOutput], references: list[Reference], label: str) -> None:
+    for i, (out, ref) in enumerate(zip(outs, references, strict=True)):
+        assert_parity(out.token_ids, ref, label=f"{label} request {i}")
+
+
+def test_int8_holds_at_least_3_5x_the_tokens_of_float32(model_path):
+    budget = 4 << 20
+    plain = LLM(str(model_path), kv_cache_memory=budget, **DEVICE).engine.kv_capacity
+    int8 = LLM(str(model_path), kv_cache_memory=budget, kv_cache_dtype="int8", **DEVICE)
+    capacity = int8.engine.kv_capacity
+    assert (plain.cache_dtype, capacity.cache_dtype) == ("auto", "int8")
+    # 2 layers x 2 KV heads x (K, V) x (32 values + a 4-byte scale) against 32 floats
+    assert capacity.bytes_per_token == 2 * 2 * 2 * (32 + 4)
+    assert plain.bytes_per_token == 2 * 2 * 2 * 32 * 4
+    assert capacity.num_tokens >= 3.5 * plain.num_tokens
+    assert capacity.total_bytes <= budget
+    # the tensors hold what the capacity counts, scales included
+    storage = int8.engine.storage
+    assert sum(t.numel() * t.element_size() for t in storage.raw_caches) == capacity.total_bytes
+
+
+@pytest.mark.parametrize(("head_dim", "ratio"), [(64, 128 / 68), (128, 256 / 132)])
+def test_bf16_capacity_ratio(head_dim, ratio):
+    """The pool's sizing for a bf16 model (device-independent arithmetic): a 4-byte scale per
+    row costs 1.88x instead of 2x at head_dim 64 (SmolLM2), 1.94x at 128 (Llama 3 8B)."""
+    budget = 1 << 30
+    sizes = {
+        kv: size_kv_cache(
+            KVPoolConfig(memory_bytes=budget, cache_dtype=kv),
+            num_layers=32,
+            num_kv_heads=8,
+            head_dim=head_dim,
+            dtype=torch.bfloat16,
+            device=torch.device("cpu"),
+        )
+        for kv in ("auto", "int8", "fp8")
+    }
+    for kv in ("int8", "fp8"):
+        assert sizes[kv].num_tokens / sizes["auto"].num_tokens == pytest.approx(ratio, rel=1e-3)
+
+
+def test_step_stats_count_the_quantized_bytes(model_path, prompts):
+    """What the MBU gauge reads: a step's KV bytes at the int8 pool's bytes per token."""
+    llm = LLM(str(model_path), kv_cache_dtype="int8", num_kv_blocks=64, **DEVICE)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))
+    stats = llm.engine.last_step_stats  # the second token's decode step
+    assert stats is not None and stats.num_decode_tokens == 1
+    per_token = llm.engine.kv_capacity.bytes_per_token
+    assert per_token == 2 * 2 * 2 * (32 + 4)
+    assert stats.kv_bytes_read == (len(prompts[0]) + 1) * per_token
+    assert stats.kv_bytes_written == per_token
+
+
+def test_prefix_caching_and_preemption_work_unchanged(model_path, prompts, references):
+    # Caching on, roomy pool: the shared system prompt is hit.
+    llm, outs = run(model_path, prompts, kv_cache_dtype="int8")
+    assert llm.engine.kv_manager.stats().prefix_cache_hits > 0
+    check(outs, references, "prefix caching")
+    # Caching on, a pool barely larger than one request: preemption and eviction.
+    llm, outs = run(
+        model_path, prompts, kv_cache_dtype="int8", num_kv_blocks=12, block_size=16,
+        max_num_batched_tokens=64,
+    )  # fmt: skip
+    assert llm.engine.scheduler.num_preemptions_total >= 3
+    check(outs, references, "preempted")
+    assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
+
+
+def test_cpu_and_torch_backends_agree_on_int8(model_path, prompts, references):
+    _, outs = run(
+        model_path, prompts, kv_cache_dtype="int8", attention_backend="torch",
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    check(outs, references, "torch backend")
+
+
+def test_fp8_runs_on_the_reference_and_the_cpu_backend_refuses_it(model_path, prompts):
+    llm, outs = run(model_path, prompts[:2], kv_cache_dtype="fp8")
+    assert llm.engine.attention_backend == "torch"
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
+    with pytest.raises(ValueError, match="KV cache dtype of auto or int8"):
+        LLM(str(model_path), kv_cache_dtype="fp8", attention_backend="cpu", **DEVICE)
+
+
+def test_flag_and_config_errors(capsys):
+    config = ServingConfig.from_cli(["--kv-cache-dtype", "int8"], environ={})
+    assert config.kvpool.cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        ServingConfig.from_cli(["--kv-cache-dtype", "int4"], environ={})
+    assert "--kv-cache-dtype" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv cache dtype must be one of"):
+        KVPoolConfig(cache_dtype="int4")

@@ -1,0 +1,277 @@
+"""The quantized KV cache (``--kv-cache-dtype int8|fp8``): every kernel against its reference.
+
+Layout and arithmetic: ``kernels/kv_quant.py``. Written tolerances:
+
+- **Stores** (reference, Triton ``store_kv`` / ``rope_and_store_``, C++ ``rope_and_store_``)
+  evaluate the same float32 operations, so the cache bytes (values and scales) are equal bit
+  for bit, under the interpreter and in C++. Compiled Triton divides with its own rounding:
+  on a GPU a value may be one quantization step off at a rounding tie (checked there).
+- **Quantization error** of the reference: per row, |x - dequantize(quantize(x))| is at most
+  half a step, ``scale / 2`` for int8 and a relative 2**-4 of |x| (3 mantissa bits) for
+  e4m3 values above its subnormals (plus ``scale * 2**-10`` below).
+- **Attention** over a quantized cache: the reference de-quantizes to float32 and attends
+  exactly as over a float cache (bitwise), and the kernels (Triton, C++) fold the scales
+  into the scores and probabilities instead: float32 queries within 2e-5 (abs and rel) of
+  the reference, bf16 queries within bf16's own attention tolerance (2e-2).
+
+The Triton kernels run on CPU under TRITON_INTERPRET=1 (tests/kernels/conftest.py) and on
+CUDA when one is present; the C++ ones wherever the extension builds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import kv_quant, reference
+from kvpool import kv_dtype
+
+QUANT_DTYPES = [torch.int8, torch.float8_e4m3fn]
+ATTENTION_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def quantized_pair(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+    """A K and a V cache in the quantized layout, filled with NaN bytes' worth of garbage
+    (0x7f... patterns) so that reading an unwritten row shows."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim + kv_quant.SCALE_BYTES)
+    raws = [torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(dtype) for _ in "kv"]
+    return [kv_quant.quantized_cache(raw) for raw in raws]
+
+
+def fill(key_cache, value_cache, seed=0):
+    """Every slot written through the reference store (random K/V, one of them all zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    nb, bs, kvh, d = key_cache.shape
+    k = torch.randn(nb * bs, kvh, d, generator=g) * 3
+    v = torch.randn(nb * bs, kvh, d, generator=g)
+    k[5] = 0.0  # a zero row: scale 0, values 0
+    slots = torch.arange(nb * bs)
+    reference.store_kv(
+        k.to(key_cache.device),
+        v.to(key_cache.device),
+        key_cache,
+        value_cache,
+        slots.to(key_cache.device),
+    )
+
+
+def raw_bytes(cache):
+    return kv_quant.cache_rows(cache).contiguous().view(torch.uint8)
+
+
+def assert_same_cache(got, want, device):
+    """Bitwise under the interpreter; compiled (CUDA), the same scales and each de-quantized
+    value within one quantization step (a division rounded the other way at a tie)."""
+    if device.type == "cpu":
+        assert torch.equal(raw_bytes(got), raw_bytes(want))
+        return
+    scale = kv_quant.cache_scales(want)
+    torch.testing.assert_close(kv_quant.cache_scales(got), scale, rtol=1e-6, atol=0)
+    ref = kv_quant.dequantize(want, scale)
+    deq = kv_quant.dequantize(got, scale)
+    if got.dtype == torch.int8:
+        step = scale[..., None].expand_as(ref)
+    else:  # e4m3: 3 mantissa bits, subnormal steps of 2**-9 below 2**-6
+        step = ref.abs() * 2**-3 + scale[..., None] * 2**-9
+    assert bool(((deq - ref).abs() <= step * 1.001).all())
+
+
+def test_scale_bytes_agree_with_kvpool():
+    assert kv_dtype.SCALE_BYTES == kv_quant.SCALE_BYTES
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_reference_quantization_error_is_half_a_step(dtype):
+    x = torch.randn(64, 4, 128) * torch.logspace(-3, 2, 64)[:, None, None]
+    q, scale = kv_quant.quantize(x, dtype)
+    err = (kv_quant.dequantize(q, scale) - x).abs()
+    if dtype == torch.int8:
+        bound = scale[..., None] / 2 * (1 + 1e-6)
+    else:
+        bound = x.abs() * 2**-4 + scale[..., None] * 2**-10
+    assert bool((err <= bound).all())
+    # absmax maps to +-QMAX exactly, so the whole range is used
+    assert torch.equal(q.float().abs().amax(-1), torch.full_like(scale, kv_quant.QMAX[dtype]))
+    zero_q, zero_scale = kv_quant.quantize(torch.zeros(3, 8), dtype)
+    assert not zero_q.float().any() and not zero_scale.any()
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_reference_attention_over_a_quantized_cache_is_attention_over_its_dequantized_values(
+    dtype,
+):
+    kc, vc = quantized_pair(9, 8, 2, 64, dtype, torch.device("cpu"))
+    fill(kc, vc)
+    fk = kv_quant.dequantize(kc, kv_quant.cache_scales(kc))
+    fv = kv_quant.dequantize(vc, kv_quant.cache_scales(vc))
+    block_tables = torch.stack([torch.randperm(9)[:5] for _ in range(3)]).int()
+    seq_lens = torch.tensor([1, 17, 40], dtype=torch.int32)
+    q = torch.randn(3, 6, 64)
+    got = reference.paged_attention_decode(q, kc, vc, block_tables, seq_lens, 0.125)
+    assert torch.equal(
+        got, reference.paged_attention_decode(q, fk, fv, block_tables, seq_lens, 0.125)
+    )
+    qsl = torch.tensor([0, 1, 5, 12], dtype=torch.int32)
+    qq = torch.randn(12, 6, 64)
+    got = reference.paged_attention_prefill(qq, kc, vc, block_tables, qsl, seq_lens, 0.125)
+    want = reference.paged_attention_prefill(qq, fk, fv, block_tables, qsl, seq_lens, 0.125)
+    assert torch.equal(got, want)
+
+
+# ---- Triton -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_triton_store_kv_quantizes_like_the_reference(device, dtype, src_dtype):
+    from kernels.store_kv import store_kv
+
+    kc, vc = quantized_pair(12, 16, 3, 64, dtype, device)
+    rk, rv = quantized_pair(12, 16, 3, 64, dtype, device)
+    key = (torch.randn(40, 3, 64) * 5).to(src_dtype).to(device)
+    value = torch.randn(40, 3, 64).to(src_dtype).to(device)
+    key[7] = 0.0
+    slots = torch.randperm(12 * 16)[:40]
+    slots[::5] = -1  # padding: writes nothing
+    slots = slots.to(device)
+    store_kv(key, value, kc, vc, slots)
+    reference.store_kv(key, value, rk, rv, slots)
+    assert_same_cache(kc, rk, device)
+    assert_same_cache(vc, rv, device)
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_triton_rope_and_store_quantizes_like_the_reference(device, dtype, src_dtype):
+    from kernels.rope_and_store import rope_and_store_
+
+    num_heads, num_kv_heads, head_dim, n = 8, 2, 64, 21
+    kc, vc = quantized_pair(6, 8, num_kv_heads, head_dim, dtype, device)
+    rk, rv = quantized_pair(6, 8, num_kv_heads, head_dim, dtype, device)
+    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim).to(src_dtype).to(device)
+    cos = torch.randn(n, head_dim).to(src_dtype).to(device)
+    sin = torch.randn(n, head_dim).to(src_dtype).to(device)
+    slots = torch.randperm(48)[:n]
+    slots[::4] = -1
+    slots = slots.to(device)
+    q = rope_and_store_(qkv.clone(), cos, sin, kc, vc, slots, num_heads, num_kv_heads)
+    want_q = reference.rope_and_store_(
+        qkv.clone(), cos, sin, rk, rv, slots, num_heads, num_kv_heads
+    )
+    if device.type == "cpu":  # the rotation is bitwise torch's (test_rope_and_store.py)
+        assert torch.equal(q, want_q)
+    assert_same_cache(kc, rk, device)
+    assert_same_cache(vc, rv, device)
+
+
+def _attention_case(dtype, device, query_dtype):
+    torch.manual_seed(1)
+    nb, bs, kvh, d, h = 14, 16, 2, 64, 6
+    kc, vc = quantized_pair(nb, bs, kvh, d, dtype, device)
+    fill(kc, vc)
+    block_tables = torch.stack([torch.randperm(nb)[:7] for _ in range(4)]).int().to(device)
+    seq_lens = torch.tensor([1, 16, 17, 100], dtype=torch.int32, device=device)
+    return kc, vc, block_tables, seq_lens, h, d
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_triton_decode_dequantizes_like_the_reference(device, dtype, query_dtype):
+    from kernels.paged_attention import paged_attention_decode
+
+    kc, vc, block_tables, seq_lens, h, d = _attention_case(dtype, device, query_dtype)
+    q = torch.randn(4, h, d).to(query_dtype).to(device)
+    want = reference.paged_attention_decode(q, kc, vc, block_tables, seq_lens, d**-0.5)
+    tol = ATTENTION_TOL[query_dtype]
+    for splits in (1, 3):
+        got = paged_attention_decode(q, kc, vc, block_tables, seq_lens, d**-0.5, num_splits=splits)
+        assert got.dtype == query_dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_triton_prefill_dequantizes_like_the_reference(device, dtype, query_dtype):
+    from kernels.prefill_attention import paged_attention_prefill
+
+    kc, vc, block_tables, seq_lens, h, d = _attention_case(dtype, device, query_dtype)
+    query_start_loc = torch.tensor([0, 1, 9, 26, 60], dtype=torch.int32, device=device)
+    q = torch.randn(60, h, d).to(query_dtype).to(device)
+    args = (q, kc, vc, block_tables, query_start_loc, seq_lens, d**-0.5)
+    got = paged_attention_prefill(*args)
+    want = reference.paged_attention_prefill(*args)
+    tol = ATTENTION_TOL[query_dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [f"{kernel}_{name}" for kernel in ("store_kv", "rope_and_store", "decode", "prefill")
+     for name in ("int8", "fp8")],
+)  # fmt: skip
+def test_quantized_kernels_compile_for_sm90(sm90_build_errors, build):
+    assert sm90_build_errors[build] is None, sm90_build_errors[build]
+
+
+# ---- C++ --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 32),
+                                                                       (16, 4, 128)])  # fmt: skip
+def test_cpu_decode_over_int8_matches_reference(ops, num_heads, num_kv_heads, head_dim):
+    torch.manual_seed(2)
+    nb, bs = 40, 16
+    kc, vc = quantized_pair(nb, bs, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
+    fill(kc, vc)
+    # decodes of ragged lengths, then a prefill chunk's rows (one sequence, consecutive
+    # positions: the kernel's run path with a transposed K)
+    lens = [1, 15, 16, 17, 130] + list(range(200, 264))
+    tables = [torch.randperm(nb)[:17].int() for _ in range(5)]
+    chunk = torch.randperm(nb)[:17].int()
+    block_tables = torch.stack(tables + [chunk] * 64)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), num_heads, head_dim)
+    got = ops.paged_attention_decode(q, kc, vc, block_tables, seq_lens, head_dim**-0.5)
+    want = reference.paged_attention_decode(q, kc, vc, block_tables, seq_lens, head_dim**-0.5)
+    tol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # batch 1: the context split in spans and merged
+    got = ops.paged_attention_decode(q[4:5], kc, vc, block_tables[4:5], seq_lens[4:5], 0.1)
+    want = reference.paged_attention_decode(q[4:5], kc, vc, block_tables[4:5], seq_lens[4:5], 0.1)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_cpu_rope_and_store_quantizes_like_the_reference(ops):
+    num_heads, num_kv_heads, head_dim, n = 9, 3, 64, 13
+    kc, vc = quantized_pair(4, 8, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
+    rk, rv = quantized_pair(4, 8, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
+    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim)
+    qkv[3] = 0.0
+    cos, sin = torch.randn(n, head_dim), torch.randn(n, head_dim)
+    slots = torch.randperm(32)[:n]
+    slots[::6] = -1
+    got_qkv = qkv.clone()
+    ops.rope_and_store_(got_qkv, cos, sin, kc, vc, slots, num_heads, num_kv_heads)
+    want_q = reference.rope_and_store_(
+        qkv.clone(), cos, sin, rk, rv, slots, num_heads, num_kv_heads
+    )
+    q = got_qkv[:, : num_heads * head_dim].view(n, num_heads, head_dim)
+    torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)  # C++ may fuse multiply-adds
+    for got, want in ((kc, rk), (vc, rv)):
+        # the rotated K can differ in its last bit (FMA), so the bytes are equal where it did
+        # not and one step apart at most where it did
+        diff = (got.float() - want.float()).abs()
+        assert diff.max() <= 1
+        assert (diff > 0).float().mean() < 0.01
+        torch.testing.assert_close(
+            kv_quant.cache_scales(got), kv_quant.cache_scales(want), rtol=1e-6, atol=0
+        )
+
+
+def test_cpu_kernels_refuse_a_plain_int8_tensor(ops):
+    cache = torch.zeros(4, 8, 2, 64, dtype=torch.int8)  # no room for the scales
+    q = torch.randn(1, 2, 64)
+    tables = torch.zeros(1, 1, dtype=torch.int32)
+    lens = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="int8 caches must be"):
+        ops.paged_attention_decode(q, cache, cache, tables, lens, 0.1)
