@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--quantization", default=None, choices=("int8", "fp8"), help="weights quantized at load"
     )
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+        help="8-bit KV cache rows (the engine line prints the pool's tokens)",
+    )  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not figures")
     ap.add_argument("--skip-http", action="store_true")
@@ -348,6 +352,7 @@ def measure_http(
         ("--device", args.device),
         ("--tokenizer", args.tokenizer),
         ("--quantization", args.quantization),
+        ("--kv-cache-dtype", None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
     ):
         if value:
             flags += f" {flag} {value}"
@@ -420,12 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model, load_format=args.load_format, dtype=dtype_name, device=str(device),
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager, max_num_seqs=max_seqs,
         max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
-        quantization=args.quantization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     engine = llm.engine
     print(
         f"engine ready in {time.perf_counter() - t0:.1f} s "
-        f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'})",
+        f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'}); "
+        f"{engine.kv_capacity.describe()}",
         flush=True,
     )
     mc = engine.model_config

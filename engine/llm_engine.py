@@ -6,6 +6,7 @@ Not thread-safe: exactly one thread calls it (the server's engine thread, or the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -16,6 +17,7 @@ from engine.config import EngineConfig
 from engine.faults import EngineFatalError, describe, execute_isolating
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
 from engine.stats import StepStatsRecorder
+from engine.structured import GrammarCache, GrammarError, StructuredDecoder
 from engine.tp_launch import launch
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
@@ -75,6 +77,18 @@ class LLMEngine:
         self.memory = parts.memory
         self.tp = parts.tp  # the tensor-parallel group, or None
         self._stats = StepStatsRecorder(parts.cost_model, parts.kv_capacity)
+        # Structured output (engine/structured.py): the grammar cache is shared with the
+        # server, which compiles a request's grammar before queueing it; the decoder and the
+        # requests parked until their grammar is compiled are this thread's.
+        self.grammars: GrammarCache | None = None
+        self.structured: StructuredDecoder | None = None
+        self._awaiting_grammar: dict[str, Request] = {}
+        if self.tokenizer is not None and self.eos_token_id is not None:
+            self.grammars = GrammarCache(
+                self.tokenizer, self.model_config.vocab_size, [self.eos_token_id]
+            )
+            self.structured = StructuredDecoder(self.grammars)
+            self.sampler.logits_processor = self.structured.mask_logits
         self.last_step_stats: StepStats | None = None
         # With latency targets: the model the scheduler sizes prefill with, calibrated here.
         self.step_predictor = parts.step_predictor
@@ -141,6 +155,8 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        if params.structured is not None:
+            params = self._constrain(request_id, params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -150,13 +166,52 @@ class LLMEngine:
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        if params.structured is not None:
+            # Parked here, not in the scheduler's queue, until the next step finds its grammar
+            # compiled: the batch runs on while it compiles, and a grammar that fails always
+            # fails the same way (an "error" output), however fast the compiler was.
+            self._awaiting_grammar[request_id] = request
+            return
         self.scheduler.add_request(request)
 
+    def _constrain(self, request_id: str, params: SamplingParams) -> SamplingParams:
+        """Start a constrained request's grammar; EOS ends it once the grammar is complete,
+        even under ``ignore_eos`` (the mask then allows nothing else)."""
+        if self.structured is None or self.eos_token_id is None:
+            raise ValueError("structured output needs the model's tokenizer and EOS token")
+        assert params.structured is not None
+        self.structured.add(request_id, params.structured)
+        if params.ignore_eos and self.eos_token_id not in params.stop_token_ids:
+            params = dataclasses.replace(
+                params, stop_token_ids=(*params.stop_token_ids, self.eos_token_id)
+            )
+        return params
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand parked requests whose grammar is compiled to the scheduler; fail those whose
+        grammar did not compile (the server checks first, so only offline use gets here)."""
+        assert self.structured is not None
+        outputs = []
+        for request_id, request in list(self._awaiting_grammar.items()):
+            try:
+                if not self.structured.ready(request_id):
+                    continue
+            except GrammarError as exc:
+                outputs.append(_parked_output(request, "error", str(exc)))
+            else:
+                self.scheduler.add_request(request)
+            del self._awaiting_grammar[request_id]
+        return outputs
+
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        request_ids = list(request_ids)
+        parked = [self._awaiting_grammar.pop(r) for r in request_ids if r in self._awaiting_grammar]
         aborted = self.scheduler.abort_requests(request_ids)
-        for request in aborted:
+        for request in aborted + parked:
             self._forget(request.request_id)
-        return [_output(request, [], None) for request in aborted]
+        return [_output(request, [], None) for request in aborted] + [
+            _parked_output(request, "abort") for request in parked
+        ]
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
@@ -170,11 +225,11 @@ class LLMEngine:
         return self.tp.failed if self.tp is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._awaiting_grammar)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_unfinished
+        return self.scheduler.num_unfinished + len(self._awaiting_grammar)
 
     @property
     def decode_step_weight_bytes(self) -> int:
@@ -195,6 +250,9 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.structured is not None:
+            live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
+            self.structured.check_integrity(live | set(self._awaiting_grammar))
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -208,15 +266,22 @@ class LLMEngine:
         start = time.perf_counter()
         gap_s = start - self._busy_end if self._busy_end is not None else None
         self._busy_end = None
+        parked_outputs = self._admit_compiled() if self._awaiting_grammar else []
         speculator = self.speculator
         drafts = speculator.propose(self.scheduler) if speculator is not None else None
+        if drafts and self.structured is not None and self.structured.num_constrained:
+            # Constrained requests decode one token a step: a draft would have to be checked
+            # against the grammar and the matcher rolled back past rejected tokens.
+            drafts = {r: d for r, d in drafts.items() if not self.structured.constrains(r)}
         plan = (
             self.scheduler.schedule(draft_token_ids=drafts) if drafts else self.scheduler.schedule()
         )
         if plan.is_empty:
             if speculator is not None:
                 speculator.end_step(plan)
-            return []
+            if self.structured is not None and not parked_outputs:
+                self.structured.wait_any(0.05)  # nothing runs: wait for a grammar, not spin
+            return parked_outputs
         scheduled = time.perf_counter()
         predictor = self.step_predictor
         features = predicted_s = None
@@ -238,7 +303,9 @@ class LLMEngine:
             )
             result, failed = execute_isolating(self.runner, plan, exc)
         # Failed requests leave the scheduler before the update, which then skips them.
-        error_outputs = self._fail_requests(failed)
+        error_outputs = parked_outputs + self._fail_requests(failed)
+        if self.structured is not None:
+            self.structured.accept(result.request_ids, result.token_ids)
         update = self.scheduler.update_from_output(
             plan, dict(zip(result.request_ids, result.token_ids, strict=True))
         )
@@ -298,10 +365,12 @@ class LLMEngine:
         return outputs
 
     def _forget(self, request_id: str) -> None:
-        """Drop a finished request's sampling (and speculation) state."""
+        """Drop a finished request's sampling (speculation, grammar) state."""
         self.sampler.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
+        if self.structured is not None:
+            self.structured.remove(request_id)
 
     def _record_stats(
         self,
@@ -350,4 +419,18 @@ def _output(request: Request, new_token_ids: list[int], logprobs: Any) -> Reques
         num_output_tokens=request.num_output_tokens,
         stop_token_id=stop_token,
         first_scheduled_time=request.first_scheduled_time,
+    )
+
+
+def _parked_output(request: Request, reason: str, error: str | None = None) -> RequestOutput:
+    """The final output of a request that ended while parked for its grammar."""
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        new_logprobs=None,
+        finished=True,
+        finish_reason=reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=0,
+        error=error,
     )

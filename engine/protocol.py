@@ -44,6 +44,10 @@ class ServingEngine(Protocol):
     def matmul_weights(self) -> str: ...
     @property
     def decode_step_weight_bytes(self) -> int: ...
+    # The structured-output grammar cache (engine/structured.py's GrammarCache), thread-safe:
+    # the server compiles a request's grammar before queueing it. None: no tokenizer.
+    @property
+    def grammars(self) -> Any: ...
 
     # ---- the KV pool's size and the last step, for health and metrics
     @property

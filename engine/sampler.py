@@ -50,6 +50,12 @@ class Sampler:
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        # Set by the engine when it serves structured output (engine/structured.py): masks
+        # the logits of constrained rows, in place, before penalties and sampling. Logprobs
+        # stay those of the raw logits.
+        self.logits_processor: (
+            Callable[[torch.Tensor, list[ScheduledRequest]], torch.Tensor] | None
+        ) = None
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -76,6 +82,8 @@ class Sampler:
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if num_top is not None else None
 
+        if self.logits_processor is not None:
+            logits = self.logits_processor(logits, requests)
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalised:
             logits = logits.clone()

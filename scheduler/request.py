@@ -12,6 +12,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
+class StructuredOutputParams:
+    """A grammar the output must follow (engine/structured.py compiles and enforces it).
+
+    ``kind`` is one of ``json`` (``spec``: a JSON schema's text), ``regex``, ``choice``
+    (``spec``: a JSON list of the allowed strings) or ``grammar`` (``spec``: EBNF). The pair
+    is the grammar cache's key (the server writes schemas compactly, keys in the client's
+    order, which is the order the output lists them in).
+    """
+
+    kind: str
+    spec: str
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for one sequence.
 
@@ -30,6 +44,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-N alternatives per generated token; 0 = chosen only
+    structured: StructuredOutputParams | None = None  # None: unconstrained
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -202,6 +202,7 @@ def create_app(
                 client.tokenizer,
                 body.add_generation_prompt,
                 allow_special_tokens_in_content=config.server.allow_special_tokens_in_content,
+                chat_template=ctx.chat_template,
             )
             tokens = ids.token_ids
         else:

@@ -4,6 +4,11 @@ path every generation request takes is server/generation_endpoint.py.
 Streaming follows OpenAI's chunk sequence per choice: a first chunk with
 ``delta: {"role": "assistant", "content": ""}``, content chunks, then a chunk with an empty
 ``delta`` and the ``finish_reason``.
+
+Tools (server/tools.py): with ``tools`` and a ``tool_choice`` other than ``none``, a choice's
+text is parsed into ``message.tool_calls`` when it ends (finish reason ``tool_calls``). A
+stream sends the content that surely is content as it comes, holds back from where a call
+may start, and sends each call whole in one ``delta.tool_calls`` chunk at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from pydantic import BaseModel
 
 from scheduler.request import SamplingParams
 from server.context import ServingContext
+from server.errors import invalid
 from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
 from server.generation_endpoint import GenerationEndpoint, serve_generation
 from server.prompts import Prompt, chat_prompt
@@ -28,11 +34,15 @@ from server.protocol import (
     ChatDelta,
     ChatLogprobs,
     ChatTokenLogprob,
+    DeltaToolCall,
+    FinishReason,
     TopLogprob,
     UsageInfo,
     finish_reason,
 )
 from server.streaming import sse_frame, stream_run
+from server.structured import Constraint, request_constraint
+from server.tools import ToolPlan, parse_output, streamable_prefix, tool_plan
 from server.validation import (
     chat_logprobs,
     chat_max_tokens,
@@ -68,6 +78,8 @@ def _prepare(
         req.messages,
         ctx.client.tokenizer,
         allow_special_tokens_in_content=ctx.config.server.allow_special_tokens_in_content,
+        tools=tool_plan(req).tools,
+        chat_template=ctx.chat_template,
     )
     requested, param = chat_max_tokens(req)
     max_tokens = resolve_max_tokens(
@@ -87,6 +99,25 @@ def _prepare(
     return [prompt], params
 
 
+def chat_constraint(req: ChatCompletionRequest) -> Constraint | None:
+    """The grammar of a chat request: its tool choice's, or what it asks for itself."""
+    tool_constraint = tool_plan(req).constraint
+    own = request_constraint(req)
+    if tool_constraint is not None and own is not None:
+        raise invalid(
+            f"'{own.param}' cannot be combined with tool_choice "
+            f"{req.tool_choice if isinstance(req.tool_choice, str) else 'naming a function'}",
+            own.param,
+        )
+    return tool_constraint or own
+
+
+def _finish(reason: str | None, has_calls: bool) -> FinishReason | None:
+    if has_calls and reason == "stop":
+        return "tool_calls"
+    return finish_reason(reason)
+
+
 def _response(
     req: ChatCompletionRequest,
     ctx: ServingContext,
@@ -94,17 +125,22 @@ def _response(
     request_id: str,
     created: int,
 ) -> ChatCompletionResponse:
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=AssistantMessage(content=c.text),
-            logprobs=chat_logprobs_body(c.logprobs) if req.logprobs else None,
-            finish_reason=finish_reason(c.finish_reason),
-            token_ids=c.token_ids if req.return_token_ids else None,
-            prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
+    plan = tool_plan(req)
+    parser = ctx.config.server.tool_call_parser
+    choices = []
+    for c in run.choices:
+        parsed = parse_output(c.text, plan, parser)
+        message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None)
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=message,
+                logprobs=chat_logprobs_body(c.logprobs) if req.logprobs else None,
+                finish_reason=_finish(c.finish_reason, bool(parsed.tool_calls)),
+                token_ids=c.token_ids if req.return_token_ids else None,
+                prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
+            )
         )
-        for c in run.choices
-    ]
     return ChatCompletionResponse(
         id=request_id, created=created, model=ctx.model_name, choices=choices, usage=run.usage()
     )
@@ -119,6 +155,9 @@ def _stream(
     created: int,
 ) -> AsyncIterator[bytes]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    plan = tool_plan(req)
+    parser = ctx.config.server.tool_call_parser
+    tool_text = ToolStreams(plan, parser)
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
         body = ChatCompletionChunk(
@@ -132,16 +171,21 @@ def _stream(
 
     def delta_frames(d: ChoiceDelta) -> list[bytes]:
         frames = []
-        if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
+        text, calls = tool_text.feed(d.index, d.text, finished=d.finish_reason is not None)
+        if text or d.logprobs or (req.return_token_ids and d.token_ids):
             content = ChatChunkChoice(
                 index=d.index,
-                delta=ChatDelta(content=d.text),
+                delta=ChatDelta(content=text),
                 logprobs=chat_logprobs_body(d.logprobs) if req.logprobs else None,
                 token_ids=d.token_ids if req.return_token_ids else None,
             )
             frames.append(chunk([content]))
+        if calls:
+            frames.append(
+                chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(tool_calls=calls))])
+            )
         if d.finish_reason is not None and d.finish_reason != "abort":
-            reason = finish_reason(d.finish_reason)
+            reason = _finish(d.finish_reason, bool(calls))
             frames.append(
                 chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(), finish_reason=reason)])
             )
@@ -151,6 +195,39 @@ def _stream(
     return stream_run(raw_request, run, opening, delta_frames, usage_frame)
 
 
+class ToolStreams:
+    """Per choice of a stream: the text so far, how much of it went out as content, and the
+    tool calls parsed from the rest when the choice ends."""
+
+    def __init__(self, plan: ToolPlan, parser: str) -> None:
+        self.plan = plan
+        self.parser = parser
+        self._text: dict[int, str] = {}
+        self._sent: dict[int, int] = {}
+
+    def feed(self, index: int, new_text: str, *, finished: bool) -> tuple[str, list[DeltaToolCall]]:
+        """The content to send now, and (once the choice ends) its tool calls."""
+        if not self.plan.parses_calls:
+            return new_text, []
+        text = self._text[index] = self._text.get(index, "") + new_text
+        sent = self._sent.get(index, 0)
+        if not finished:
+            ready = max(sent, streamable_prefix(text, self.plan, self.parser))
+            self._sent[index] = ready
+            return text[sent:ready], []
+        parsed = parse_output(text, self.plan, self.parser)
+        if not parsed.tool_calls:
+            self._sent[index] = len(text)
+            return text[sent:], []
+        content = parsed.content or ""
+        calls = [
+            DeltaToolCall(index=i, id=call.id, function=call.function)
+            for i, call in enumerate(parsed.tool_calls)
+        ]
+        self._sent[index] = len(text)
+        return content[sent:] if len(content) > sent else "", calls
+
+
 CHAT_COMPLETIONS: GenerationEndpoint[ChatCompletionRequest] = GenerationEndpoint(
     id_prefix="chatcmpl",
     check=check_chat_request,
@@ -158,6 +235,7 @@ CHAT_COMPLETIONS: GenerationEndpoint[ChatCompletionRequest] = GenerationEndpoint
     prepare=_prepare,
     response=_response,
     stream=_stream,
+    constraint=chat_constraint,
 )
 
 

@@ -32,6 +32,7 @@ from server.flags import (
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tools.py implements each
 UNKNOWN_FIELD_POLICIES = ("reject", "ignore")
 
 
@@ -94,6 +95,10 @@ class ServerConfig:
         max_queue_time_s: a request that would wait longer than this for the engine, judged
             from the queue depth and the recent drain rate, gets 503 + Retry-After; one that
             still waits this long is aborted with the same 503. None = no bound.
+        chat_template: a Jinja chat template file used instead of the tokenizer's (e.g. one
+            that renders ``tools``); None = the tokenizer's.
+        tool_call_parser: how ``tool_choice: auto`` output becomes ``tool_calls``: one of
+            ``TOOL_CALL_PARSERS`` (server/tools.py).
     """
 
     host: str = "127.0.0.1"
@@ -125,6 +130,8 @@ class ServerConfig:
     max_connections: int | None = None
     stream_send_timeout_s: float = 60.0
     max_queue_time_s: float | None = None
+    chat_template: str | None = None
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -173,6 +180,13 @@ class ServerConfig:
         for path in self.public_paths:
             if not path.startswith("/"):
                 raise ValueError(f"public paths must start with '/', got {path!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
+                f"got {self.tool_call_parser!r}"
+            )
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"--chat-template {self.chat_template!r} is not a readable file")
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,6 +500,12 @@ _OPTIONS: tuple[Option, ...] = (
            _S.max_queue_time_s,
            "seconds a request may wait for the engine (503 + Retry-After past it, estimated "
            "from the drain rate); none = unbounded"),
+    Option("--chat-template", "server", "chat_template", optional(str), _S.chat_template,
+           "a Jinja chat template file to use instead of the tokenizer's (e.g. one that "
+           "renders tools)"),
+    Option("--tool-call-parser", "server", "tool_call_parser", str, _S.tool_call_parser,
+           "how tool_choice auto output becomes tool_calls: hermes (<tool_call> blocks; "
+           "Qwen, Hermes) or llama3_json (a bare JSON object)", TOOL_CALL_PARSERS),
 )
 # fmt: on
 

@@ -23,6 +23,7 @@ class ServingContext:
     token_texts: TokenTexts
     started_at: int  # unix time, reported as the model's `created`
     backpressure: Backpressure
+    chat_template: str | None = None  # --chat-template's text; None: the tokenizer's
 
     @property
     def model_name(self) -> str:
@@ -50,6 +51,10 @@ class ServingContext:
             max_waiting_requests=server.max_waiting_requests,
             max_queue_time_s=server.max_queue_time_s,
         )
+        chat_template = None
+        if server.chat_template is not None:
+            with open(server.chat_template, encoding="utf-8") as f:
+                chat_template = f.read()
         return cls(
             config,
             client,
@@ -58,6 +63,7 @@ class ServingContext:
             TokenTexts(client.tokenizer),
             int(time.time()),
             backpressure,
+            chat_template,
         )
 
 

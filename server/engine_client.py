@@ -146,6 +146,8 @@ class AsyncEngineClient:
         self.eos_token_id: int | None = engine.eos_token_id
         self.sampling_defaults: SamplingDefaults = engine.sampling_defaults
         self.vocab_size: int = int(engine.model_config.vocab_size)
+        # Thread-safe: handlers compile grammars here before queueing (server/structured.py).
+        self.grammars: Any = getattr(engine, "grammars", None)
         self._stall_timeout_s = stall_timeout_s
         self.on_step: Callable[[StepStats], None] | None = None
         self._engine_loop = EngineLoop(

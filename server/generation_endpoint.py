@@ -2,8 +2,10 @@
 
 Every generation request goes through ``serve_generation``, in this order::
 
-    check values (400) ──> deadline ──> hold room (503, before any tokenizing) ──>
-    prompts (tokenize / chat template) ──> SamplingParams per choice ──> submit ──>
+    check values (400) ──> grammar fields (400) ──> deadline ──> hold room (503, before any
+    tokenizing) ──> prompts (tokenize / chat template) ──> SamplingParams per choice ──>
+    compile the grammar, if any, off the event loop (400 if the compiler rejects it) ──>
+    submit ──>
     start (400/503/504 while the status line can still say so; with --max-queue-time, until
     the first token) ──> SSE stream or JSON
 
@@ -14,6 +16,7 @@ prompts and per-choice parameters are built, and its response shapes, JSON and S
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from server.generation import GenerationRun
 from server.prompts import Prompt
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.streaming import run_to_end, sse_response
+from server.structured import Constraint, compile_constraint, request_constraint
 from server.validation import RequestLimits, request_deadline, stop_strings
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
@@ -48,6 +52,8 @@ class GenerationEndpoint(Generic[Req]):
             choice i of prompt p.
         response: the JSON body of a finished run: ``(req, ctx, run, request_id, created)``.
         stream: the SSE frames of a run: ``(req, raw_request, ctx, run, request_id, created)``.
+        constraint: the grammar the request's output must follow, or None (server/structured.py;
+            chat adds tool calls, server/tools.py).
     """
 
     id_prefix: str
@@ -56,6 +62,7 @@ class GenerationEndpoint(Generic[Req]):
     prepare: Callable[[Req, ServingContext], tuple[list[Prompt], list[SamplingParams]]]
     response: Callable[[Req, ServingContext, GenerationRun, str, int], BaseModel]
     stream: Callable[[Req, Request, ServingContext, GenerationRun, str, int], AsyncIterator[bytes]]
+    constraint: Callable[[Req], Constraint | None] = request_constraint
 
 
 async def serve_generation(
@@ -66,12 +73,17 @@ async def serve_generation(
     handlers answer them); after an SSE stream starts they go in-band."""
     arrival_time = time.monotonic()
     endpoint.check(req, ctx.limits)
+    constraint = endpoint.constraint(req)
     server = ctx.config.server
     deadline = request_deadline(raw_request.headers, server.request_timeout_s, arrival_time)
     # Room is held before the prompts are tokenized or templated: a burst past the queue
     # costs the server almost nothing.
     with ctx.backpressure.hold(endpoint.num_sequences(req)):
         prompts, params = endpoint.prepare(req, ctx)
+        if constraint is not None:
+            compile_s = await compile_constraint(ctx.client.grammars, constraint)
+            ctx.metrics.record_structured(constraint.params.kind, len(params), compile_s)
+            params = [dataclasses.replace(p, structured=constraint.params) for p in params]
         request_id = new_request_id(endpoint.id_prefix)
         run = GenerationRun(
             ctx.client,

@@ -10,6 +10,9 @@ Data flows in as plain values, always on the event loop thread:
   throughput counters move while long requests run;
 * ``record_request(timings)`` once per choice when it ends, however it ends (``stop``,
   ``length``, ``abort``, ``error``): the finished counter and the per-request histograms;
+* ``record_structured(kind, n, compile_s)`` once per HTTP request with a grammar
+  (server/generation_endpoint.py): constrained requests by kind, and the compile time when
+  this request compiled the grammar (not when the cache had it);
 * ``record_http(handler, status)`` for every HTTP response, from ``HTTPMetricsMiddleware``
   (below).
 
@@ -74,6 +77,13 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0
                 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 # fmt: on
 STEP_TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+# Grammar compilation: xgrammar compiles a small schema in well under a millisecond and a
+# large one (or a first use of the token table) in seconds.
+# fmt: off
+GRAMMAR_COMPILE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                           0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# fmt: on
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")  # engine/structured.py's kinds
 # Predicted / measured step time: 0.8 and 1.2 are edges, so the share within +-20% is read
 # from two buckets.
 PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.2, 1.5, 2.0, 4.0)
@@ -205,6 +215,12 @@ class ServerMetrics:
                                           "that speculates", STEP_BUCKETS)
         self._http_requests = family("http_requests", "HTTP responses by route and status",
                                      ("handler", "status"))
+        self._structured = family("structured_requests", "Requests whose output follows a "
+                                  "grammar (JSON schema, regex, choice, EBNF, tool calls), by "
+                                  "kind; over requests_finished: the constrained share",
+                                  ("kind",))
+        self.grammar_compile = histogram("grammar_compile_seconds", "Time to compile a new "
+                                         "grammar (cache misses only)", GRAMMAR_COMPILE_BUCKETS)
         self.weight_bytes = counter("weight_bytes_read", "Weight bytes read by engine steps")
         self.kv_bytes_read = counter("kv_bytes_read", "KV cache bytes read by engine steps")
         self.kv_bytes_written = counter("kv_bytes_written", "KV cache bytes written by steps")
@@ -276,6 +292,8 @@ class ServerMetrics:
             self._series(self._finished, reason)
         for phase in STEP_PHASES:
             self._series(self._step_phase, phase)
+        for kind in STRUCTURED_KINDS:
+            self._series(self._structured, kind)
         # The main route's successes from 0, like the series above: a series first scraped
         # after a burst holds its final value in every sample, so rate() reads 0 and the
         # dashboard's error-rate denominator NaN until the next burst.
@@ -432,6 +450,13 @@ class ServerMetrics:
                 histogram.observe(max(value, 0.0))
         self.request_prompt_tokens.observe(timings.num_prompt_tokens)
         self.request_generation_tokens.observe(timings.num_output_tokens)
+
+    def record_structured(self, kind: str, num_requests: int, compile_s: float | None) -> None:
+        """An HTTP request with a grammar was accepted: ``num_requests`` engine requests
+        (its choices) of ``kind``; ``compile_s`` when it compiled the grammar itself."""
+        self._series(self._structured, kind).inc(num_requests)
+        if compile_s is not None:
+            self.grammar_compile.observe(compile_s)
 
     def record_http(self, handler: str, status: int) -> None:
         self._series(self._http_requests, handler, str(status)).inc()

@@ -34,6 +34,7 @@ from typing import Any
 
 from server.errors import invalid
 from server.protocol import ChatMessage
+from server.tools import template_supports_tools
 from server.validation import check_chat_messages, check_text, check_token_ids
 
 
@@ -80,31 +81,55 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     *,
     allow_special_tokens_in_content: bool = False,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
 ) -> Prompt:
-    """Render messages with the tokenizer's chat template and tokenize them.
+    """Render messages with the chat template (``chat_template``, the server's
+    ``--chat-template``, else the tokenizer's) and tokenize them. ``tools`` go to the
+    template's ``tools=`` argument; a template that never reads them is a 400.
 
     Control-token strings inside the messages are encoded as text unless
     ``allow_special_tokens_in_content`` (see the module docstring).
     """
-    if not getattr(tokenizer, "chat_template", None):
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
         raise invalid(
             "this model has no chat template; use /v1/completions", "messages", "no_chat_template"
         )
+    if tools and not template_supports_tools(template):
+        raise invalid(
+            "this model's chat template does not render tools, so the model would never see "
+            "them; start the server with a --chat-template that does",
+            "tools",
+            "tools_not_supported",
+        )
     rendered = check_chat_messages(messages)
-    text = _render(tokenizer, rendered, add_generation_prompt)
+    render = functools.partial(_render, tokenizer, tools=tools, chat_template=chat_template)
+    text = render(rendered, add_generation_prompt)
     control = _control_tokens(tokenizer)
     if allow_special_tokens_in_content or not _holds_control_string(rendered, control):
         # Nothing to protect: the whole text in one call, exactly as the tokenizer splits it.
         ids = list(tokenizer.encode(text, add_special_tokens=False))
     else:
-        ids = encode_chat_as_text(tokenizer, rendered, add_generation_prompt, text)
+        ids = encode_chat_as_text(tokenizer, rendered, add_generation_prompt, text, render)
     return Prompt(ids, text)
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+) -> str:
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            tools=tools,
+            chat_template=chat_template,
         )
     except Exception as exc:  # templates raise on role orders they do not accept
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
@@ -152,18 +177,22 @@ def _compile_control_tokens(specs: tuple[tuple[str, int, bool, bool], ...]) -> _
     )
 
 
-def _holds_control_string(messages: list[dict[str, str]], control: _ControlTokens) -> bool:
+def _holds_control_string(messages: list[dict[str, Any]], control: _ControlTokens) -> bool:
     return any(
         content in value
         for message in messages
         for key, value in message.items()
-        if key != "role"
+        if key != "role" and isinstance(value, str)
         for content in control.ids
     )
 
 
 def encode_chat_as_text(
-    tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool, text: str
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    text: str,
+    render: Any = None,
 ) -> list[int]:
     """The ids of ``text`` (the rendered chat) with special-token parsing only outside the
     messages' strings.
@@ -185,16 +214,16 @@ def encode_chat_as_text(
     for message in messages:
         copy = dict(message)
         for key, value in message.items():
+            if key == "role" or not isinstance(value, str) or not value.strip():
+                continue  # tool calls' arguments are objects: the template writes them
             core = value.strip()
-            if key == "role" or not core:
-                continue
             lead, trail = value[: len(value) - len(value.lstrip())], value[len(value.rstrip()) :]
             copy[key] = f"{lead}\ue000{nonce}:{len(cores)}\ue000{trail}"
             cores.append(core)
         marked.append(copy)
-    parts = re.split(
-        f"\ue000{nonce}:(\\d+)\ue000", _render(tokenizer, marked, add_generation_prompt)
-    )
+    if render is None:
+        render = functools.partial(_render, tokenizer)
+    parts = re.split(f"\ue000{nonce}:(\\d+)\ue000", render(marked, add_generation_prompt))
     # parts alternates template text and marker numbers: [tpl, 0, tpl, 1, tpl, ...]
     if "".join(p if i % 2 == 0 else cores[int(p)] for i, p in enumerate(parts)) != text:
         raise invalid(

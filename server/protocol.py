@@ -10,7 +10,8 @@ Unknown fields: requests keep them (``extra="allow"``) so the server can name th
 ("Unrecognized request argument supplied: foo", as OpenAI answers), or drop them with a warning
 under ``--unknown-fields ignore`` (vLLM's behaviour). A few OpenAI fields that change nothing
 for a self-hosted server are accepted and ignored on purpose: ``user``, ``store``,
-``metadata``, ``service_tier``, ``parallel_tool_calls`` (without tools). The policy covers
+``metadata``, ``service_tier``, and ``parallel_tool_calls`` on completions (chat reads it:
+server/tools.py). The policy covers
 top-level fields and ``stream_options``; extra fields inside ``messages`` are ignored, because
 the openai SDK echoes assistant messages back with fields such as ``refusal``/``annotations``.
 """
@@ -21,7 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def finish_reason(reason: str | None) -> FinishReason | None:
@@ -77,6 +78,14 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # only empty / null accepted
     # vLLM extension: return prompt and completion token ids with each choice.
     return_token_ids: bool = False
+    # Structured output (server/structured.py): OpenAI's response_format, vLLM's guided_*
+    # fields and its structured_outputs object. Shapes are checked there, with 400s.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -103,12 +112,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Rejected when set to something that would need features pagedserve does not have.
-    tools: list[dict[str, Any]] | None = None
+    # Tool calling (server/tools.py); checked there.
+    tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call (tool_choice required)
+    # Rejected when set to something that would need features pagedserve does not have.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
@@ -182,9 +192,30 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(_Response):
+    """A tool call in a stream: pagedserve sends each call whole, in one chunk."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = _OMIT_IF_NONE
 
 
 class ChatChoice(_Response):
@@ -208,6 +239,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = _OMIT_IF_NONE
     content: str | None = _OMIT_IF_NONE
+    tool_calls: list[DeltaToolCall] | None = _OMIT_IF_NONE
 
 
 class ChatChunkChoice(_Response):

@@ -56,12 +56,13 @@ from server.protocol import (
     CompletionRequest,
 )
 from server.router_fields import neutral_router_fields
+from server.tools import history_tool_calls
 
 logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 64
 MAX_SEED = 2**63 - 1  # the sampler seeds torch generators, which take 64-bit seeds
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 TIMEOUT_HEADER = "X-Request-Timeout"
 
 
@@ -200,16 +201,10 @@ def check_chat_request(req: ChatCompletionRequest, limits: RequestLimits) -> Non
     """All value checks of a chat request that do not need the prompt's length."""
     _common_checks(req, limits)
     active = []
-    if req.tools:
-        active.append("tools")
-    if req.tool_choice not in (None, "none"):
-        active.append("tool_choice")
     if req.functions:
         active.append("functions")
     if req.function_call not in (None, "none"):
         active.append("function_call")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        active.append("response_format")
     if req.modalities not in (None, ["text"]):
         active.append("modalities")
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
@@ -349,29 +344,46 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def check_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Validate chat messages and turn them into the dicts a chat template reads."""
+def check_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Validate chat messages and turn them into the dicts a chat template reads: ``role``
+    and ``content`` strings, plus an assistant's ``tool_calls`` and a tool result's
+    ``tool_call_id`` (server/tools.py renders calls as templates expect them)."""
     if not messages:
         raise invalid("'messages' must contain at least one message", "messages")
-    rendered = []
+    rendered: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         role = "system" if message.role == "developer" else message.role  # OpenAI's new name
         if role not in CHAT_ROLES:
-            if role in ("tool", "function"):
+            if role == "function":
                 raise unsupported(
                     [f"messages[{i}].role={role!r}"],
-                    "is not supported: pagedserve has no tool calling",
+                    "is not supported: use role 'tool' (OpenAI's current tool results)",
                 )
             raise invalid(
                 f"'messages[{i}].role' must be one of system, developer, user, "
-                f"assistant; got {message.role!r}",
+                f"assistant, tool; got {message.role!r}",
                 f"messages[{i}].role",
             )
-        if message.tool_calls:
-            raise unsupported([f"messages[{i}].tool_calls"], "is not supported: no tool calling")
+        if message.tool_calls and role != "assistant":
+            raise invalid(
+                f"'messages[{i}].tool_calls' is only allowed on assistant messages",
+                f"messages[{i}].tool_calls",
+            )
         text = message_text(message, i)
         check_text(text, f"messages[{i}].content")
-        rendered.append({"role": role, "content": text})
+        item: dict[str, Any] = {"role": role, "content": text}
+        if message.tool_calls:
+            item["tool_calls"] = history_tool_calls(message.tool_calls, f"messages[{i}].tool_calls")
+        if role == "tool":
+            if not message.tool_call_id:
+                raise invalid(
+                    f"'messages[{i}].tool_call_id' is required for role 'tool'",
+                    f"messages[{i}].tool_call_id",
+                )
+            item["tool_call_id"] = message.tool_call_id
+            if message.name:
+                item["name"] = message.name
+        rendered.append(item)
     return rendered
 
 

@@ -151,6 +151,18 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             ("peak", f"pagedserve_peak_bandwidth_bytes_per_second{{{SEL}}}"),
         )),
     )),
+    ("Structured output", (
+        PanelSpec("Constrained requests", "percentunit", (
+            ("{{kind}}", f"{rate_sum('pagedserve_structured_requests_total', by='kind')} "
+                         f"/ ignoring(kind) group_left {rate_sum(FINISHED)}"),
+        ), "Share of engine requests whose output follows a grammar (JSON schema, regex, "
+           "choice, EBNF; tool_choice required / named are JSON schemas), by kind."),
+        PanelSpec("Grammar compile time", "s", (
+            *quantiles("pagedserve_grammar_compile_seconds", (0.5, 0.99)),
+            ("compiles/s", rate_sum("pagedserve_grammar_compile_seconds_count")),
+        ), "New grammars only (the cache answers repeats); compiled off the engine thread "
+           "while the request waits before the queue."),
+    )),
     ("Latency targets", (
         PanelSpec("Steps within the latency targets", "percentunit", (
             ("steps within budget", f"{rate_sum('pagedserve_target_steps_met_total')} / "

@@ -193,8 +193,13 @@ async def _traffic(url: str) -> tuple[list[dict[str, Any]], int]:
                 for word in ("first", "second", "third")
             )
         )
+        # Constrained by a regex (the structured-output panels): it still ends at the ".".
         stopped = await _complete(
-            http, prompt="The capital of France is", max_tokens=24, stop=["."]
+            http,
+            prompt="The capital of France is",
+            max_tokens=24,
+            stop=["."],
+            guided_regex="[^.]{0,80}[.]",
         )
         bad = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
         # Last, alone: batch-1 decode steps, for the MBU check.

@@ -141,6 +141,7 @@ def test_auto_restores_none() -> None:
         ([], {"PAGEDSERVE_PORT": "http"}),
         ([], {"PAGEDSERVE_BATCHING": "weird"}),
         (["--kv-cache-memory", "lots"], {}),
+        (["--tool-call-parser", "mistral"], {}),
     ],
 )
 def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys) -> None:
@@ -161,6 +162,7 @@ def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys
         (["--target-ttft-ms", "500"], "target_ttft_ms needs target_itl_ms or target_tpot_ms"),
         (["--target-itl-ms", "100", "--min-prefill-chunk-tokens", "0"],
          "min_prefill_chunk_tokens must be positive"),
+        (["--chat-template", "/no/such/template.jinja"], "is not a readable file"),
     ],
 )
 def test_a_value_a_config_refuses_is_one_error_line(argv: list[str], message: str, capsys) -> None:
@@ -231,3 +233,13 @@ def test_prefix_caching_switch() -> None:
     assert not ServingConfig.from_cli([], env).kvpool.enable_prefix_caching
     flag_wins = ServingConfig.from_cli(["--no-prefix-caching", "false"], env)
     assert flag_wins.kvpool.enable_prefix_caching
+
+
+def test_tool_flags_reach_the_server_config(tmp_path) -> None:
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}{{ tools }}")
+    c = ServingConfig.from_cli(
+        ["--chat-template", str(template)], {"PAGEDSERVE_TOOL_CALL_PARSER": "llama3_json"}
+    )
+    assert (c.server.chat_template, c.server.tool_call_parser) == (str(template), "llama3_json")
+    assert ServingConfig.from_cli([], {}).server.tool_call_parser == "hermes"

@@ -118,13 +118,19 @@ BAD_REQUESTS = [
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         400,
     ),
-    case("chat-tools", CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, 400, "tools"),
     case(
-        "chat-json-mode",
+        "chat-tool-without-function",
         CHAT,
-        {"messages": MSG, "response_format": {"type": "json_object"}},
+        {"messages": MSG, "tools": [{"type": "function"}]},
         400,
-        "response_format",
+        "tools[0].function",
+    ),
+    case(
+        "chat-unknown-response-format",
+        CHAT,
+        {"messages": MSG, "response_format": {"type": "xml"}},
+        400,
+        "response_format.type",
     ),
     case(
         "chat-top-logprobs-without-logprobs",

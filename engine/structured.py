@@ -1,0 +1,275 @@
+"""Structured output: grammars compiled by xgrammar, one matcher per constrained request, and
+the per-step token bitmask that keeps each constrained row's sample inside its grammar.
+
+Owns:
+  - ``GrammarCache``: compiled grammars, keyed by ``(kind, spec)``, compiled in its own small
+    thread pool (never on the engine thread, never on the event loop). Thread-safe: the
+    server compiles a request's grammar before queueing it (a bad schema is a 400 there) and
+    the engine thread later finds it compiled.
+  - ``StructuredDecoder`` (engine thread only): the matcher of every constrained request,
+    the bitmask buffer, and the requests parked until their grammar is compiled.
+
+A step, for the rows of constrained requests only::
+
+    fill bitmask rows (host, xgrammar) ──> copy to the logits' device ──>
+    apply_token_bitmask_inplace(logits, bitmask, indices=rows) ──> sampler ──>
+    matcher.accept_token(sampled) for each constrained row
+
+With no constrained request in the engine the hook returns at its first line: unconstrained
+rows never pay for grammars.
+
+Finishing. The matcher's stop token is the engine's EOS: once the grammar is complete the
+mask allows EOS alone, so the request finishes with ``stop`` through the scheduler's ordinary
+EOS check (``ignore_eos`` is overridden for constrained requests by adding EOS to their stop
+token ids). ``max_tokens`` reached first finishes with ``length`` mid-structure, as OpenAI does.
+
+Vocabulary. The model's head may have more rows than the tokenizer has tokens (padding for
+matmul shapes); ``TokenizerInfo`` is built with the head's size, so those ids are never
+allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.threads import usable_cpus
+from scheduler.output import ScheduledRequest
+from scheduler.request import StructuredOutputParams
+
+logger = logging.getLogger(__name__)
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
+_CPP_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+class GrammarError(ValueError):
+    """The schema, regex, choice list or grammar cannot be compiled; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledEntry:
+    grammar: Any  # xgrammar.CompiledGrammar
+    compile_s: float  # seconds the compilation took
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (JSON string escapes are
+    xgrammar EBNF string escapes for the characters json.dumps emits)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarCache:
+    """Compiled grammars by ``(kind, spec)``, compiled off the caller's thread.
+
+    Args:
+        tokenizer: the served model's transformers tokenizer.
+        vocab_size: rows of the model's output head (>= the tokenizer's size).
+        stop_token_ids: what ends a completed grammar (the engine's EOS).
+        max_workers: compile threads; compiles of different schemas run in parallel.
+        max_entries: cached grammars kept; the oldest is dropped past it.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        *,
+        max_workers: int = 2,
+        max_entries: int = 512,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.max_entries = max_entries
+        self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str], Future[CompiledEntry]] = {}
+        # The tokenizer's token table is read once (tenths of a second for a 50k vocab),
+        # started now so the first constrained request rarely waits for it.
+        self._compiler: Future[Any] = self._executor.submit(
+            _make_compiler, tokenizer, vocab_size, stop_token_ids
+        )
+
+    def compile(self, params: StructuredOutputParams) -> tuple[Future[CompiledEntry], bool]:
+        """The compiled grammar of ``params``: a finished future when cached, else the
+        running compilation (its exception is a ``GrammarError`` for bad input); and whether
+        this call started the compilation (what the compile-time metric counts)."""
+        key = (params.kind, params.spec)
+        with self._lock:
+            future = self._entries.get(key)
+            if future is not None:
+                return future, False
+            future = self._executor.submit(self._compile, params)
+            self._entries[key] = future
+            while len(self._entries) > self.max_entries:
+                self._entries.pop(next(iter(self._entries)))
+        # A failed compilation is not cached: the next request gets its own error.
+        future.add_done_callback(lambda f: self._drop_failed(key, f))
+        return future, True
+
+    def _drop_failed(self, key: tuple[str, str], future: Future[CompiledEntry]) -> None:
+        if future.exception() is not None:
+            with self._lock:
+                if self._entries.get(key) is future:
+                    del self._entries[key]
+
+    def _compile(self, params: StructuredOutputParams) -> CompiledEntry:
+        compiler = self._compiler.result()
+        start = time.perf_counter()
+        try:
+            if params.kind == "json":
+                # Compact JSON: "any whitespace" lets a small model loop on spaces forever.
+                grammar = compiler.compile_json_schema(params.spec, any_whitespace=False)
+            elif params.kind == "regex":
+                grammar = compiler.compile_regex(params.spec)
+            elif params.kind == "choice":
+                grammar = compiler.compile_grammar(choice_grammar(json.loads(params.spec)))
+            elif params.kind == "grammar":
+                grammar = compiler.compile_grammar(params.spec)
+            else:
+                raise GrammarError(f"unknown structured output kind {params.kind!r}")
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
+            raise GrammarError(_CPP_PREFIX.sub("", str(exc)).strip()) from None
+        return CompiledEntry(grammar, time.perf_counter() - start)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _make_compiler(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+    )
+    # One thread per compilation: the cache's pool runs several compilations side by side.
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+class StructuredDecoder:
+    """The engine thread's side: matchers of constrained requests, and the logits hook.
+
+    Not thread-safe: only the engine thread calls it.
+    """
+
+    def __init__(self, cache: GrammarCache, fill_threads: int | None = None) -> None:
+        """Args:
+        fill_threads: threads that fill the rows' bitmasks in parallel (xgrammar's C++
+            threads, without the GIL); None = the CPUs this process may use. The fill runs
+            between forward passes, when the forward's threads are idle; a row's mask
+            inside a length-bounded string can take milliseconds, so rows in parallel keep
+            a step's grammar work near that of its slowest row.
+        """
+        self.cache = cache
+        self._fill_threads = fill_threads or usable_cpus()[0]
+        self._batch_matcher: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
+        self._matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
+        self._pending: dict[str, Future[CompiledEntry]] = {}  # compiling, not yet matched
+        self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, host
+
+    @property
+    def num_constrained(self) -> int:
+        return len(self._matchers)
+
+    def constrains(self, request_id: str) -> bool:
+        return request_id in self._matchers or request_id in self._pending
+
+    def add(self, request_id: str, params: StructuredOutputParams) -> None:
+        """Start (or find) the grammar of a new request; ``ready`` tells when it may run."""
+        self._pending[request_id] = self.cache.compile(params)[0]
+
+    def ready(self, request_id: str) -> bool:
+        """Whether the request's grammar is compiled (its matcher then exists).
+
+        Raises:
+            GrammarError: the grammar failed to compile; the request is forgotten.
+        """
+        future = self._pending.get(request_id)
+        if future is None:
+            return True
+        if not future.done():
+            return False
+        del self._pending[request_id]
+        entry = future.result()  # raises GrammarError
+        import xgrammar as xgr
+
+        self._matchers[request_id] = xgr.GrammarMatcher(entry.grammar)
+        return True
+
+    def wait_any(self, timeout_s: float) -> None:
+        """Block until a pending grammar finishes compiling, at most ``timeout_s``: what an
+        engine with nothing else to run does instead of spinning."""
+        if self._pending:
+            wait_futures(list(self._pending.values()), timeout_s, "FIRST_COMPLETED")
+
+    def check_integrity(self, live_request_ids: set[str]) -> None:
+        """Every matcher and pending grammar belongs to a request still in the engine."""
+        stale = (set(self._matchers) | set(self._pending)) - live_request_ids
+        assert not stale, f"grammar state of finished requests: {sorted(stale)[:5]}"
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+        self._pending.pop(request_id, None)
+
+    def mask_logits(
+        self,
+        logits: torch.Tensor,  # [rows, vocab]
+        requests: list[ScheduledRequest],
+    ) -> torch.Tensor:
+        """The sampler's hook: -inf on every token a constrained row's grammar forbids."""
+        if not self._matchers:
+            return logits
+        rows = [i for i, r in enumerate(requests) if r.request_id in self._matchers]
+        if not rows:
+            return logits
+        import xgrammar as xgr
+
+        num_rows = logits.shape[0]
+        bitmask = self._bitmask
+        if bitmask is None or bitmask.shape[0] < num_rows:
+            bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.cache.vocab_size)
+            self._bitmask = bitmask
+        bitmask = bitmask[:num_rows]
+        matchers = [self._matchers[requests[row].request_id] for row in rows]
+        if len(rows) == 1 or self._fill_threads == 1:
+            for row, matcher in zip(rows, matchers, strict=True):
+                matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher(self._fill_threads)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        if logits.device.type != "cpu":
+            # From pageable memory the copy is staged before the call returns, so the host
+            # buffer may be refilled next step.
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask, vocab_size=self.cache.vocab_size, indices=rows
+        )
+        return logits
+
+    def accept(self, request_ids: list[str], token_ids: list[int | list[int]]) -> None:
+        """Advance each constrained request's matcher over its sampled token."""
+        if not self._matchers:
+            return
+        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+            matcher = self._matchers.get(request_id)
+            # A list is a speculative row's tokens; constrained requests get no drafts.
+            if matcher is not None and not matcher.is_terminated():
+                assert isinstance(token_id, int), "a constrained request got speculative tokens"
+                if not matcher.accept_token(token_id):
+                    # Only a sampler bug can get here: the mask allowed nothing else.
+                    logger.error(
+                        "request %s: token %d is outside its grammar", request_id, token_id
+                    )

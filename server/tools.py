@@ -1,0 +1,324 @@
+"""Tool calling in chat completions: the ``tools`` / ``tool_choice`` checks, the grammar that
+enforces ``required`` and named choices, and the parsers that turn output into ``tool_calls``.
+
+``tools`` reach the model through the chat template's ``tools=`` argument; a template that
+never reads ``tools`` (SmolLM2's, the default model's) gets a 400, since the model would never
+learn of them. ``tool_choice``:
+
+- ``none``: tools are rendered, the output is plain content;
+- ``auto`` (the default with tools): free output, parsed by the server's
+  ``--tool-call-parser`` (``hermes``: ``<tool_call>{"name", "arguments"}</tool_call>`` blocks,
+  Qwen 2.5/3 and Hermes write them; ``llama3_json``: a bare ``{"name", "parameters"}`` object,
+  or several joined by ``;``, optionally after ``<|python_tag|>``);
+- ``required``: the output is constrained to a JSON array of one or more
+  ``{"name", "arguments"}`` objects, each ``arguments`` following its function's
+  ``parameters`` schema (one at most with ``parallel_tool_calls: false``). When
+  ``max_tokens`` cuts the array, the calls completed before the cut are still returned
+  (finish reason ``length``);
+- a named function: the output is constrained to that function's arguments object.
+
+So ``required`` and named choices always parse and their arguments always validate; they do
+not depend on the parser. The finish reason of a choice that made calls is ``tool_calls``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.request import StructuredOutputParams
+from server.errors import invalid
+from server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from server.structured import Constraint, schema_spec
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What a chat request does with its tools.
+
+    Args:
+        tools: the tools as the chat template reads them (OpenAI's shape), or None.
+        choice: ``none``, ``auto``, ``required``, or the forced function's name.
+        constraint: the grammar of ``required`` / named choices, else None.
+    """
+
+    tools: list[dict[str, Any]] | None
+    choice: str
+    constraint: Constraint | None
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.tools is not None and self.choice != "none"
+
+
+def check_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """400 naming the first malformed tool; the tools with ``parameters`` filled in."""
+    checked = []
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise invalid(f"'{param}.type' must be 'function'", f"{param}.type")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise invalid(f"'{param}.function' must be an object", f"{param}.function")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise invalid(
+                f"'{param}.function.name' must be 1-64 letters, digits, '_' or '-'; got {name!r}",
+                f"{param}.function.name",
+            )
+        if name in names:
+            raise invalid(f"'{param}.function.name' repeats {name!r}", f"{param}.function.name")
+        names.add(name)
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise invalid(
+                f"'{param}.function.description' must be a string",
+                f"{param}.function.description",
+            )
+        parameters = function.get("parameters", _EMPTY_PARAMETERS)
+        if not isinstance(parameters, dict):
+            raise invalid(
+                f"'{param}.function.parameters' must be a JSON schema object",
+                f"{param}.function.parameters",
+            )
+        checked.append({"type": "function", "function": {**function, "parameters": parameters}})
+    return checked
+
+
+def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+    """Check ``tools`` and ``tool_choice`` (400s) and decide what the request does."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise invalid("'tool_choice' is only allowed when 'tools' are given", "tool_choice")
+        return ToolPlan(None, "none", None)
+    tools = check_tools(req.tools)
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise invalid(
+                "'tool_choice' must be none, auto, required or "
+                '{"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
+        if name not in by_name:
+            raise invalid(f"'tool_choice' names {name!r}, which is not in 'tools'", "tool_choice")
+        spec = schema_spec(by_name[name]["parameters"], "tools")
+        constraint = Constraint(StructuredOutputParams("json", spec), _tool_param(tools, name))
+        return ToolPlan(tools, name, constraint)
+    if choice in ("none", "auto"):
+        return ToolPlan(tools, choice, None)
+    if choice == "required":
+        schema: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            **({"maxItems": 1} if req.parallel_tool_calls is False else {}),
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {
+                            "name": {"const": name},
+                            "arguments": function["parameters"],
+                        },
+                        "required": ["name", "arguments"],
+                        "additionalProperties": False,
+                    }
+                    for name, function in by_name.items()
+                ]
+            },
+        }
+        constraint = Constraint(
+            StructuredOutputParams("json", schema_spec(schema, "tools")), "tools"
+        )
+        return ToolPlan(tools, "required", constraint)
+    raise invalid(
+        f"'tool_choice' must be none, auto, required or a named function; got {choice!r}",
+        "tool_choice",
+    )
+
+
+def _tool_param(tools: list[dict[str, Any]], name: str) -> str:
+    index = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
+    return f"tools[{index}].function.parameters"
+
+
+def template_supports_tools(template: str | None) -> bool:
+    """Whether a chat template reads ``tools`` at all (a template that never mentions them
+    would drop them silently)."""
+    return bool(template) and re.search(r"\btools\b", template or "") is not None
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+def _call(name: str, arguments: Any) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=text))
+
+
+# ---------------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+def parse_output(text: str, plan: ToolPlan, parser: str) -> ParsedOutput:
+    """Split a finished choice's text into content and tool calls, as ``plan`` says."""
+    if not plan.parses_calls:
+        return ParsedOutput(text, [])
+    if plan.choice == "required":
+        items = _complete_items(text)
+        if not items:  # cut by max_tokens before the first call was complete
+            return ParsedOutput(text, [])
+        return ParsedOutput(None, [_call(item["name"], item["arguments"]) for item in items])
+    if plan.choice != "auto":  # a named function: the text is its arguments
+        try:
+            json.loads(text)
+        except json.JSONDecodeError:
+            return ParsedOutput(text, [])
+        return ParsedOutput(None, [_call(plan.choice, text)])
+    if parser == "llama3_json":
+        return _parse_llama3_json(text)
+    return _parse_hermes(text)
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The complete elements of a JSON array, which may be cut anywhere after them."""
+    decoder = json.JSONDecoder()
+    position = text.find("[") + 1
+    if position == 0:
+        return []
+    items = []
+    while True:
+        while position < len(text) and text[position] in " \t\n,":
+            position += 1
+        if position >= len(text) or text[position] == "]":
+            return items
+        try:
+            item, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return items
+        items.append(item)
+
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+HERMES_START = "<tool_call>"
+LLAMA_PYTHON_TAG = "<|python_tag|>"
+
+
+def _call_from_object(obj: Any) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if not isinstance(arguments, dict | str):
+        return None
+    return _call(obj["name"], arguments)
+
+
+def _parse_hermes(text: str) -> ParsedOutput:
+    start = text.find(HERMES_START)
+    if start < 0:
+        return ParsedOutput(text, [])
+    calls = []
+    for match in _HERMES_CALL.finditer(text, start):
+        try:
+            call = _call_from_object(json.loads(match.group(1)))
+        except json.JSONDecodeError:
+            call = None
+        if call is None:  # a malformed block: the whole output stays content
+            return ParsedOutput(text, [])
+        calls.append(call)
+    # Only trailing space goes: a stream has already sent the content up to the call as is.
+    content = text[:start].rstrip()
+    return ParsedOutput(content if content.strip() else None, calls)
+
+
+def _parse_llama3_json(text: str) -> ParsedOutput:
+    body = text.strip().removeprefix(LLAMA_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return ParsedOutput(text, [])
+    calls = []
+    decoder = json.JSONDecoder()
+    position = 0
+    while position < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, position)
+        except json.JSONDecodeError:
+            return ParsedOutput(text, [])
+        call = _call_from_object(obj)
+        if call is None:
+            return ParsedOutput(text, [])
+        calls.append(call)
+        position = end
+        while position < len(body) and body[position] in " \t\n;":
+            position += 1
+    return ParsedOutput(None, calls)
+
+
+def streamable_prefix(text: str, plan: ToolPlan, parser: str) -> int:
+    """How many leading characters of a choice's text so far are content for sure, so a
+    stream may send them before the choice ends (the rest may be, or start, a tool call)."""
+    if not plan.parses_calls:
+        return len(text)
+    if plan.choice != "auto":
+        return 0  # the whole output is the call
+    if parser == "llama3_json":
+        stripped = text.lstrip()
+        if not stripped or stripped[0] == "{" or LLAMA_PYTHON_TAG.startswith(stripped[:14]):
+            return 0
+        return len(text)
+    start = text.find(HERMES_START)
+    if start >= 0:
+        return start
+    # Hold back a tail that could be the start of "<tool_call>".
+    for keep in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
+        if HERMES_START.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
+# ------------------------------------------------------------------------- history messages
+
+
+def history_tool_calls(tool_calls: list[dict[str, Any]], param: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` as chat templates read them: ``arguments`` as
+    an object (templates write it with ``tojson``), parsed from OpenAI's JSON text."""
+    rendered = []
+    for j, call in enumerate(tool_calls):
+        where = f"{param}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid(f"'{where}.function.name' is required", f"{where}.function.name")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError:
+                raise invalid(
+                    f"'{where}.function.arguments' is not valid JSON", f"{where}.function.arguments"
+                ) from None
+        rendered.append(
+            {
+                "id": call.get("id") or new_call_id(),
+                "type": "function",
+                "function": {"name": function["name"], "arguments": arguments},
+            }
+        )
+    return rendered

@@ -1,0 +1,301 @@
+"""engine/structured.py: the grammar cache, the logits hook and the matchers, on the tiny
+byte-level tokenizer of tests/server/server_fakes.py (no model), then through a tiny random
+Llama's offline engine."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.structured import GrammarCache, GrammarError, StructuredDecoder, choice_grammar
+from scheduler.output import ScheduledRequest
+from scheduler.request import Request, StructuredOutputParams
+from tests.engine.conftest import make_tiny_llama
+from tests.server.server_fakes import tiny_tokenizer
+
+PADDING = 8  # head rows past the tokenizer's tokens, as a padded output head has
+
+
+@pytest.fixture(scope="module")
+def cache() -> GrammarCache:
+    tok = tiny_tokenizer()
+    return GrammarCache(tok, len(tok) + PADDING, [tok.eos_token_id])
+
+
+def _scheduled(request_id: str) -> ScheduledRequest:
+    request = Request(request_id, [1, 2, 3], SamplingParams())
+    return ScheduledRequest(
+        request, start=3, num_tokens=1, token_ids=[3], block_ids=(0,), samples=True
+    )
+
+
+def _decoder(
+    cache: GrammarCache, grammars: dict[str, StructuredOutputParams], fill_threads: int = 2
+) -> StructuredDecoder:
+    decoder = StructuredDecoder(cache, fill_threads)
+    for request_id, params in grammars.items():
+        decoder.add(request_id, params)
+        deadline = time.monotonic() + 10
+        while not decoder.ready(request_id):
+            assert time.monotonic() < deadline
+            decoder.wait_any(0.1)
+    return decoder
+
+
+def test_cache_compiles_once_and_reports_who_compiled(cache: GrammarCache) -> None:
+    params = StructuredOutputParams("regex", "(hello|world) [a-z]+")
+    first, started = cache.compile(params)
+    entry = first.result(timeout=10)
+    assert started and entry.compile_s > 0
+    again, started_again = cache.compile(params)
+    assert again is first and not started_again
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "reason"),
+    [
+        ("regex", "((", "parenthesis"),
+        ("grammar", "root ::= missing", "missing"),
+        ("json", '{"type": "nonsense"}', "nonsense"),
+    ],
+)
+def test_bad_grammars_raise_with_the_compilers_reason(
+    cache: GrammarCache, kind: str, spec: str, reason: str
+) -> None:
+    future, _ = cache.compile(StructuredOutputParams(kind, spec))
+    with pytest.raises(GrammarError, match=reason) as info:
+        future.result(timeout=10)
+    assert not str(info.value).startswith("[")  # the C++ source location is stripped
+    # Not cached: the next request compiles (and fails) on its own.
+    assert cache.compile(StructuredOutputParams(kind, spec))[1]
+
+
+def test_choice_grammar_escapes_quotes_and_backslashes() -> None:
+    assert choice_grammar(['a "b"', "c\\d"]) == 'root ::= "a \\"b\\"" | "c\\\\d"'
+
+
+def test_hook_without_constrained_rows_returns_the_logits_untouched(cache: GrammarCache) -> None:
+    decoder = StructuredDecoder(cache)
+    logits = torch.randn(3, cache.vocab_size)
+    before = logits.clone()
+    assert decoder.mask_logits(logits, [_scheduled(f"r{i}") for i in range(3)]) is logits
+    assert torch.equal(logits, before)
+
+
+def test_hook_masks_constrained_rows_only(cache: GrammarCache) -> None:
+    tok = tiny_tokenizer()
+    decoder = _decoder(cache, {"c": StructuredOutputParams("choice", '["hello", "world"]')})
+    logits = torch.randn(3, cache.vocab_size)
+    before = logits.clone()
+    decoder.mask_logits(logits, [_scheduled("a"), _scheduled("c"), _scheduled("b")])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    allowed = (logits[1] > float("-inf")).nonzero().flatten().tolist()
+    assert allowed
+    for token_id in allowed:
+        piece = tok.decode([token_id])
+        assert "hello".startswith(piece) or "world".startswith(piece), piece
+    assert torch.equal(logits[1][allowed], before[1][allowed])
+    assert all(t < len(tok) for t in allowed)  # padding rows of the head never
+
+
+def test_rows_filled_in_parallel_equal_rows_filled_one_by_one(cache: GrammarCache) -> None:
+    grammars = {
+        "x": StructuredOutputParams("choice", '["hello", "world"]'),
+        "y": StructuredOutputParams("regex", "(quick|lazy) [a-z]+"),
+        "z": StructuredOutputParams("json", '{"type": "object"}'),
+    }
+    requests = [_scheduled(r) for r in ("a", "x", "y", "b", "z")]
+    logits = torch.randn(5, cache.vocab_size)
+    masked = []
+    for fill_threads in (1, 3):
+        decoder = _decoder(cache, grammars, fill_threads)
+        masked.append(decoder.mask_logits(logits.clone(), requests))
+    assert torch.equal(masked[0], masked[1])
+    assert torch.equal(masked[0][[0, 3]], logits[[0, 3]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_mask_on_cuda_logits_equals_the_cpu_mask(cache: GrammarCache) -> None:
+    """The bitmask is copied to the logits' device and applied there (xgrammar's CUDA or
+    Triton kernel): the same rows get the same -inf entries as on the CPU."""
+    decoder = _decoder(cache, {"c": StructuredOutputParams("regex", "(quick|lazy) [a-z]+")})
+    requests = [_scheduled("a"), _scheduled("c"), _scheduled("b")]
+    cpu = torch.randn(3, cache.vocab_size)
+    cuda = cpu.to("cuda")
+    decoder.mask_logits(cpu, requests)
+    decoder.mask_logits(cuda, requests)
+    assert torch.equal(cuda.cpu(), cpu)
+
+
+@pytest.mark.parametrize(
+    ("params", "check"),
+    [
+        (StructuredOutputParams("regex", "[a-e]{3} (one|two)"), "regex"),
+        (StructuredOutputParams("choice", '["quick", "lazy dog"]'), "choice"),
+        (
+            StructuredOutputParams(
+                "json",
+                json.dumps(
+                    {
+                        "type": "object",
+                        "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 9}},
+                        "required": ["n"],
+                    }
+                ),
+            ),
+            "json",
+        ),
+    ],
+)
+def test_greedy_decoding_through_the_mask_ends_in_eos_inside_the_grammar(
+    cache: GrammarCache, params: StructuredOutputParams, check: str
+) -> None:
+    """Random logits, argmax through the mask, matcher advanced: the text is in the
+    language and the grammar's end allows EOS alone."""
+    tok = tiny_tokenizer()
+    decoder = _decoder(cache, {"r": params})
+    generator = torch.Generator().manual_seed(0)
+    token_ids: list[int] = []
+    for _ in range(64):
+        logits = torch.randn(1, cache.vocab_size, generator=generator)
+        decoder.mask_logits(logits, [_scheduled("r")])
+        token_id = int(logits.argmax())
+        decoder.accept(["r"], [token_id])
+        if token_id == tok.eos_token_id:
+            break
+        token_ids.append(token_id)
+    else:
+        pytest.fail("the grammar never ended")
+    text = tok.decode(token_ids)
+    if check == "regex":
+        assert re.fullmatch(params.spec, text), text
+    elif check == "choice":
+        assert text in json.loads(params.spec)
+    else:
+        assert 3 <= json.loads(text)["n"] <= 9
+
+
+# ---------------------------------------------------------------------------- offline engine
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory) -> LLM:
+    tok = tiny_tokenizer()
+    path = make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-structured"),
+        num_kv_heads=2,
+        vocab_size=len(tok) + PADDING,
+        eos_token_id=tok.eos_token_id,
+    )
+    tok.save_pretrained(path)
+    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64)
+
+
+def test_engine_constrains_some_requests_and_leaves_the_others_alone(tiny_llm: LLM) -> None:
+    tok = tiny_tokenizer()
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    alone = tiny_llm.generate(["the quick"], plain)[0].token_ids
+    choice = StructuredOutputParams("choice", '["one two", "lazy"]')
+    regex = StructuredOutputParams("regex", "(hello|stop) [a-z]{2,4}")
+    outs = tiny_llm.generate(
+        ["the quick", "one two", "hello", "the quick"],
+        [
+            plain,
+            SamplingParams(max_tokens=12, temperature=0, structured=choice),
+            # ignore_eos cannot outlive the grammar: EOS still ends it once complete.
+            SamplingParams(
+                max_tokens=12, temperature=0.9, seed=3, structured=regex, ignore_eos=True
+            ),
+            plain,
+        ],
+    )
+    assert outs[0].token_ids == alone == outs[3].token_ids
+    assert tok.decode(outs[1].token_ids[:-1]) in ("one two", "lazy")
+    assert outs[1].finish_reason == "stop" and outs[1].token_ids[-1] == tok.eos_token_id
+    assert re.fullmatch(regex.spec, tok.decode(outs[2].token_ids[:-1]))
+    assert outs[2].finish_reason == "stop"
+    assert tiny_llm.engine.structured.num_constrained == 0  # matchers dropped at finish
+
+
+def test_max_tokens_mid_structure_finishes_with_length(tiny_llm: LLM) -> None:
+    schema = StructuredOutputParams("regex", "[a-z]{20}")
+    out = tiny_llm.generate(["hello"], SamplingParams(max_tokens=3, structured=schema))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+def test_a_request_waits_for_its_grammar_without_blocking_the_batch(tiny_llm: LLM) -> None:
+    """A grammar still compiling parks its request; the others step on meanwhile."""
+    engine = tiny_llm.engine
+    cache = engine.grammars
+    gate = cache._executor.submit(time.sleep, 0.5)  # both compile threads busy for a while
+    gate2 = cache._executor.submit(time.sleep, 0.5)
+    spec = StructuredOutputParams("regex", "(fresh|grammar) here")
+    engine.add_request("plain", tok_ids("the quick"), SamplingParams(max_tokens=4, temperature=0))
+    engine.add_request("parked", tok_ids("hello"), SamplingParams(max_tokens=8, structured=spec))
+    assert engine.num_unfinished_requests == 2
+    finished: dict[str, str | None] = {}
+    steps_while_parked = 0
+    while engine.has_unfinished_requests():
+        if "parked" in engine._awaiting_grammar:
+            steps_while_parked += 1
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        engine.check_integrity()
+    gate.result(), gate2.result()
+    assert finished["plain"] == "length" and finished["parked"] in ("stop", "length")
+    assert steps_while_parked >= 4  # "plain" ran to its end while "parked" waited
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(tiny_llm: LLM) -> None:
+    """Offline nothing compiles first (the server does): the parked request ends with
+    ``error`` and the compiler's reason; its neighbour is served."""
+    engine = tiny_llm.engine
+    bad = StructuredOutputParams("regex", "((")
+    engine.add_request("bad", tok_ids("hello"), SamplingParams(max_tokens=3, structured=bad))
+    engine.add_request("good", tok_ids("hello"), SamplingParams(max_tokens=3, temperature=0))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["bad"].finish_reason == "error"
+    assert "parenthesis" in (finished["bad"].error or "")
+    assert finished["good"].finish_reason == "length"
+
+
+def test_constrained_requests_get_no_drafts_beside_speculating_ones(tmp_path_factory) -> None:
+    """With ngram speculation on, a repetitive unconstrained prompt speculates while the
+    constrained request decodes one token a step and still follows its grammar."""
+    tok = tiny_tokenizer()
+    path = make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-structured-spec"),
+        num_kv_heads=2,
+        vocab_size=len(tok) + PADDING,
+        eos_token_id=tok.eos_token_id,
+    )
+    tok.save_pretrained(path)
+    llm = LLM(
+        str(path), device="cpu", dtype="float32", num_kv_blocks=64, speculative_method="ngram"
+    )
+    regex = StructuredOutputParams("regex", "(hello|stop) [a-z]{2,4}")
+    outs = llm.generate(
+        ["one two three one two three one two three one two", "hello"],
+        [
+            SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=12, temperature=0, structured=regex),
+        ],
+    )
+    assert len(outs[0].token_ids) == 16
+    assert re.fullmatch(regex.spec, tok.decode(outs[1].token_ids[:-1]))
+    assert llm.engine.structured.num_constrained == 0
+
+
+def tok_ids(text: str) -> list[int]:
+    return list(tiny_tokenizer().encode(text))

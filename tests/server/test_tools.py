@@ -1,0 +1,309 @@
+"""Tool calling and structured-output requests at the HTTP edge, on the fake engine: the 400s,
+the tool-call parsers, and tool calls in responses and streams. The real model's constrained
+outputs are tests/server/test_structured.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.structured import GrammarCache
+from server.protocol import ChatCompletionRequest
+from server.tools import ToolPlan, parse_output, streamable_prefix, tool_plan
+from tests.server.server_fakes import FakeEngine, tiny_tokenizer
+from tests.server.test_errors import assert_openai_error
+
+TOOLS_TEMPLATE = str(Path(__file__).parent / "templates" / "chatml_tools.jinja")
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hello"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+class GrammarFakeEngine(FakeEngine):
+    """The fake engine with a real grammar cache: the server compiles what requests send."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        tok = self.tokenizer
+        self.grammars = GrammarCache(tok, len(tok), [tok.eos_token_id])
+
+
+def _plan(**body: Any) -> ToolPlan:
+    return tool_plan(ChatCompletionRequest(messages=MSG, **body))
+
+
+# ------------------------------------------------------------------------------- parsers
+
+
+def test_hermes_parser_splits_content_and_calls() -> None:
+    plan = _plan(tools=[WEATHER])
+    parsed = parse_output(f"Let me look.\n{HERMES_CALL}\n{HERMES_CALL}", plan, "hermes")
+    assert parsed.content == "Let me look."
+    assert [json.loads(c.function.arguments) for c in parsed.tool_calls] == [{"city": "Paris"}] * 2
+    assert parse_output("just text", plan, "hermes").tool_calls == []
+    broken = parse_output("<tool_call>{not json</tool_call>", plan, "hermes")
+    assert broken.tool_calls == [] and broken.content == "<tool_call>{not json</tool_call>"
+
+
+def test_llama3_json_parser() -> None:
+    plan = _plan(tools=[WEATHER])
+    call = '{"name": "get_weather", "parameters": {"city": "%s"}}'
+    text = "<|python_tag|>" + call % "Oslo" + "; " + call % "Rome"
+    parsed = parse_output(text, plan, "llama3_json")
+    assert parsed.content is None
+    assert [json.loads(c.function.arguments)["city"] for c in parsed.tool_calls] == ["Oslo", "Rome"]
+    assert parse_output("The weather is fine.", plan, "llama3_json").tool_calls == []
+
+
+def test_required_and_named_outputs_parse_without_a_parser() -> None:
+    required = parse_output(
+        '[{"name": "get_weather", "arguments": {"city": "Lima"}}]',
+        _plan(tools=[WEATHER], tool_choice="required"),
+        "hermes",
+    )
+    assert required.tool_calls[0].function.name == "get_weather"
+    named_plan = _plan(
+        tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
+    named = parse_output('{"city": "Lima"}', named_plan, "llama3_json")
+    assert named.tool_calls[0].function.arguments == '{"city": "Lima"}'
+    cut = parse_output('{"city": "Li', named_plan, "hermes")  # max_tokens mid-structure
+    assert cut.tool_calls == [] and cut.content == '{"city": "Li'
+
+
+def test_required_keeps_the_calls_completed_before_a_cut() -> None:
+    plan = _plan(tools=[WEATHER], tool_choice="required")
+    one = '{"name": "get_weather", "arguments": {"city": "Lima"}}'
+    assert len(parse_output(f"[{one}, {one[:20]}", plan, "hermes").tool_calls) == 1
+    assert parse_output(f"[{one[:20]}", plan, "hermes").tool_calls == []
+    serial = _plan(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    assert serial.constraint is not None
+    assert json.loads(serial.constraint.params.spec)["maxItems"] == 1
+
+
+def test_tool_choice_none_and_no_tools_parse_nothing() -> None:
+    assert parse_output(HERMES_CALL, _plan(tools=[WEATHER], tool_choice="none"), "hermes").content
+    assert not _plan().parses_calls
+
+
+@pytest.mark.parametrize(
+    ("text", "ready"),
+    [
+        ("Hello there", 11),
+        ("Hello <tool", 6),  # the tail may start a call: held back
+        ("Hello <tool_call>{", 6),
+        ("a < b", 5),
+    ],
+)
+def test_streamable_prefix_holds_back_a_possible_call(text: str, ready: int) -> None:
+    assert streamable_prefix(text, _plan(tools=[WEATHER]), "hermes") == ready
+
+
+def test_required_schema_lists_every_function() -> None:
+    other = {"type": "function", "function": {"name": "now"}}
+    plan = _plan(tools=[WEATHER, other], tool_choice="required")
+    assert plan.constraint is not None
+    schema = json.loads(plan.constraint.params.spec)
+    names = [item["properties"]["name"]["const"] for item in schema["items"]["anyOf"]]
+    assert names == ["get_weather", "now"] and schema["minItems"] == 1
+
+
+# ------------------------------------------------------------------------------- the API
+
+
+BAD = [
+    (
+        {"tools": [{"type": "function", "function": {"name": "has space"}}]},
+        "tools[0].function.name",
+    ),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+        "tools[0].function.parameters",
+    ),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    (
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
+    (
+        {
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        "response_format",
+    ),
+    ({"guided_regex": "((", "max_tokens": 4}, "guided_regex"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+    ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", 3]}, "guided_choice[1]"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
+    ),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/missing"}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
+    ({"structured_outputs": {"lark": "start: x"}}, "structured_outputs.lark"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+    (
+        {"messages": [{"role": "tool", "content": "sunny"}]},
+        "messages[0].tool_call_id",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}
+                    ],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD)
+async def test_bad_structured_and_tool_requests_get_400_and_reach_no_engine(
+    serve, extra: dict[str, Any], param: str
+) -> None:
+    s = await serve(engine=GrammarFakeEngine(), chat_template=TOOLS_TEMPLATE)
+    body = {"messages": MSG, "max_tokens": 4, **extra}
+    assert_openai_error(await s.http.post(CHAT, json=body), 400, param)
+    assert s.engine.added == []
+    ok = await s.http.post(CHAT, json={"messages": MSG, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+async def test_completions_reject_bad_grammars_too(serve) -> None:
+    s = await serve(engine=GrammarFakeEngine())
+    body = {"prompt": "hi", "max_tokens": 2, "structured_outputs": {"regex": "[a-"}}
+    response = await s.http.post("/v1/completions", json=body)
+    assert_openai_error(response, 400, "structured_outputs.regex")
+    assert "Invalid regex" in response.json()["error"]["message"]
+
+
+async def test_a_grammar_that_compiles_too_long_is_a_400() -> None:
+    from concurrent.futures import Future
+
+    from scheduler.request import StructuredOutputParams
+    from server.errors import APIError
+    from server.structured import Constraint, compile_constraint
+
+    class NeverDone:
+        def compile(self, params: StructuredOutputParams) -> tuple[Future, bool]:
+            return Future(), True
+
+    constraint = Constraint(StructuredOutputParams("regex", "a+"), "guided_regex")
+    with pytest.raises(APIError) as info:
+        await compile_constraint(NeverDone(), constraint, timeout_s=0.05)
+    assert info.value.status_code == 400 and info.value.code == "grammar_too_complex"
+
+
+async def test_a_template_without_tools_is_a_400(serve) -> None:
+    s = await serve(engine=GrammarFakeEngine())  # the fake tokenizer's template: no tools
+    response = await s.http.post(CHAT, json={"messages": MSG, "tools": [WEATHER]})
+    assert_openai_error(response, 400, "tools")
+    assert response.json()["error"]["code"] == "tools_not_supported"
+
+
+async def test_auto_tool_calls_are_parsed_in_json_and_streams(serve) -> None:
+    tok = tiny_tokenizer()
+    engine = GrammarFakeEngine(
+        "Sure. " + HERMES_CALL,
+        eos_after=len(tok.encode("Sure. " + HERMES_CALL)) + 1,
+        max_model_len=2048,
+        num_blocks=1024,
+    )
+    s = await serve(engine=engine, chat_template=TOOLS_TEMPLATE)
+    body = {"messages": MSG, "tools": [WEATHER], "max_tokens": 400, "temperature": 0}
+    response = await s.http.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    reply = response.json()["choices"][0]
+    assert reply["finish_reason"] == "tool_calls"
+    assert reply["message"]["content"] == "Sure."
+    call = reply["message"]["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+    chunks = []
+    async with s.http.stream("POST", CHAT, json={**body, "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+    content = "".join(c["delta"].get("content") or "" for c in chunks)
+    calls = [t for c in chunks for t in c["delta"].get("tool_calls") or []]
+    assert "<tool" not in content and content.strip() == "Sure."
+    assert len(calls) == 1 and calls[0]["index"] == 0
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+async def test_tool_history_is_rendered_with_the_template(serve) -> None:
+    engine = GrammarFakeEngine(max_model_len=2048, num_blocks=1024)
+    s = await serve(engine=engine, chat_template=TOOLS_TEMPLATE)
+    messages = [
+        *MSG,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    response = await s.http.post(
+        "/tokenize", json={"messages": messages, "add_generation_prompt": True}
+    )
+    text = tiny_tokenizer().decode(response.json()["tokens"])
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert "<tool_response>\nsunny\n</tool_response>" in text
+    reply = await s.http.post(
+        CHAT, json={"messages": messages, "tools": [WEATHER], "max_tokens": 3}
+    )
+    assert reply.status_code == 200, reply.text
+
+
+async def test_structured_requests_are_counted(serve) -> None:
+    s = await serve(engine=GrammarFakeEngine())
+    body = {"messages": MSG, "max_tokens": 2, "n": 2, "guided_choice": ["a", "b"]}
+    assert (await s.http.post(CHAT, json=body)).status_code == 200
+    text = (await s.http.get("/metrics")).text
+    assert 'pagedserve_structured_requests_total{kind="choice",model_name="fake-model"} 2.0' in text
+    assert 'pagedserve_grammar_compile_seconds_count{model_name="fake-model"} 1.0' in text
