@@ -73,7 +73,11 @@ def assert_same_cache(got, want, device):
         step = scale[..., None].expand_as(ref)
     else:  # e4m3: 3 mantissa bits, subnormal steps of 2**-9 below 2**-6
         step = ref.abs() * 2**-3 + scale[..., None] * 2**-9
-    assert bool(((deq - ref).abs() <= step * 1.001).all())
+    # Rows no store wrote keep their garbage bytes (which de-quantize to inf or NaN): those
+    # must be bitwise untouched; written rows must be within one step.
+    untouched = (raw_bytes(got) == raw_bytes(want)).all(-1)
+    close = ((deq - ref).abs() <= step * 1.001).all(-1)
+    assert bool((untouched | close).all())
 
 
 def test_scale_bytes_agree_with_kvpool():
