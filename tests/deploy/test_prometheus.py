@@ -117,7 +117,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
          "--device", "cpu", "--dtype", "float32",
          # Targets far above any step here: the latency-target panels get data while every
          # step plans as it would without them (the whole budget fits).
-         "--target-itl-ms", "60000", "--target-tpot-ms", "60000", "--target-ttft-ms", "600000"],
+         "--target-itl-ms", "60000", "--target-tpot-ms", "60000", "--target-ttft-ms", "600000",
+         # n-gram speculation (the speculative-decoding panels): exact, so every count
+         # below holds as without it; the "third" prompt repeats itself so drafts exist.
+         "--speculative-method", "ngram", "--num-speculative-tokens", "2"],
         server_log,
         env,
     )  # fmt: skip
@@ -190,7 +193,7 @@ async def _traffic(url: str) -> tuple[list[dict[str, Any]], int]:
         batch = await asyncio.gather(
             *(
                 _complete(http, prompt=f"{PROMPT} {word}", max_tokens=6, ignore_eos=True)
-                for word in ("first", "second", "third")
+                for word in ("first", "second", "third: one two three one two three one two")
             )
         )
         # Constrained by a regex (the structured-output panels): it still ends at the ".".
