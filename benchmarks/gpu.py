@@ -133,21 +133,27 @@ def _run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int, tag: str) 
     return times
 
 
-def decode_steps(engine: LLMEngine, batch: int, context: int, steps: int, salt: int) -> float:
-    """Median wall time of a decode step of ``batch`` sequences at ``context`` tokens."""
+def start_decode_batch(engine: LLMEngine, batch: int, context: int, salt: int) -> list[str]:
+    """Add ``batch`` requests of ``context`` prompt tokens and step until every one has its
+    first token, so the next steps are pure decodes. Returns their ids (abort them after)."""
     # Enough tokens that nobody finishes while the others prefill (chunked prefill decodes
-    # the early ones meanwhile); everyone is aborted after the timed steps.
+    # the early ones meanwhile).
     max_tokens = engine.max_model_len - context - 1
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     vocab = engine.model_config.vocab_size
     ids = [f"dec-{salt}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         engine.add_request(rid, _prompt(context, vocab, salt * 1000 + i), params)
-    # Prefill everyone (their first token), then time pure decode steps.
     while (
         any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting
     ):
         engine.step()
+    return ids
+
+
+def decode_steps(engine: LLMEngine, batch: int, context: int, steps: int, salt: int) -> float:
+    """Median wall time of a decode step of ``batch`` sequences at ``context`` tokens."""
+    ids = start_decode_batch(engine, batch, context, salt)
     times = []
     for _ in range(steps):
         assert len(engine.scheduler.running) == batch, "a sequence left the batch"
@@ -180,18 +186,7 @@ def profile_decode(engine: LLMEngine, batch: int, context: int, steps: int) -> d
     busy, the runner's phases, and the top ops by device and by host time."""
     from torch.profiler import ProfilerActivity, profile
 
-    vocab = engine.model_config.vocab_size
-    # As in decode_steps: nobody may finish while the others prefill.
-    params = SamplingParams(
-        max_tokens=engine.max_model_len - context - 1, temperature=0, ignore_eos=True
-    )
-    ids = [f"profile-{batch}-{i}" for i in range(batch)]
-    for i, rid in enumerate(ids):
-        engine.add_request(rid, _prompt(context, vocab, 70_000 + batch * 1000 + i), params)
-    while (
-        any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting
-    ):
-        engine.step()
+    ids = start_decode_batch(engine, batch, context, salt=70 + batch)
     for _ in range(2):
         engine.step()
     activities = [ProfilerActivity.CPU]
