@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,14 @@ def tiny_llama_cpu_shapes(tmp_path_factory) -> Path:
         hidden_size=128,
         intermediate_size=256,
     )
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module (``pytestmark = pytest.mark.usefixtures(...)``): tiny
+    matmuls gain nothing from threads, and on a shared 2-core machine intra-op threads
+    contend, so these tests run many times faster with one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

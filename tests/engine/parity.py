@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.llm import CompletionOutput
 
 MARGIN = 1e-3
 BF16_ULPS = 2
@@ -34,6 +38,12 @@ class Reference:
     token_ids: list[int]
     margins: list[float]  # top-1 minus top-2 logit at each generated position
     top_logits: list[float] = field(default_factory=list)  # the top-1 logit there (bf16 rule)
+
+    @classmethod
+    def from_output(cls, out: CompletionOutput) -> Reference:
+        """An engine run's tokens as the reference, with its top-2 logprob margins (= logit
+        margins); the run must have asked for logprobs of at least the top 2."""
+        return cls(out.token_ids, [lp.top[0][1] - lp.top[1][1] for lp in out.logprobs])
 
 
 def bf16_ulp(x: float) -> float:

@@ -10,7 +10,6 @@ finish early, so static and dynamic batches carry padding.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,14 +36,7 @@ MODES = [(b, a) for b in ("continuous", "static", "dynamic") for a in ("optimist
 STOP_AT = {1: 10, 5: 7, 8: 15}  # request -> the output index whose token becomes its stop token
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from threads, and on a shared 2-core machine intra-op
-    # threads contend: one thread runs these tests many times faster there.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

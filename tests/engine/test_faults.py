@@ -10,7 +10,6 @@ copy-on-write) is active while steps fail.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,12 +28,7 @@ MARKER = 7  # the fault token; ordinary prompts avoid it
 DEVICE = {"device": "cpu", "dtype": "float32"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

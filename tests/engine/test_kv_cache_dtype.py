@@ -14,7 +14,6 @@ default) serve it as well as the PyTorch reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,12 +33,7 @@ MAX_TOKENS = 12
 DEVICE = {"device": "cpu", "dtype": "float32"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +56,6 @@ def greedy(**kwargs: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **kwargs)
 
 
-def as_reference(out: CompletionOutput) -> Reference:
-    return Reference(out.token_ids, [lp.top[0][1] - lp.top[1][1] for lp in out.logprobs])
-
-
 def run(model_path: Path, prompts: list[list[int]], **kwargs) -> tuple[LLM, list[CompletionOutput]]:
     llm = LLM(str(model_path), **{**DEVICE, "num_kv_blocks": 256, **kwargs})
     outs = llm.generate(prompts, greedy(logprobs=2))
@@ -79,7 +69,7 @@ def references(model_path: Path, prompts: list[list[int]]) -> list[Reference]:
     llm, outs = run(model_path, prompts, kv_cache_dtype="int8", enable_prefix_caching=False)
     assert llm.engine.attention_backend == "cpu"
     assert llm.engine.scheduler.num_preemptions_total == 0
-    return [as_reference(o) for o in outs]
+    return [Reference.from_output(o) for o in outs]
 
 
 def check(outs: list[CompletionOutput], references: list[Reference], label: str) -> None:

@@ -12,14 +12,12 @@ Fast version: a tiny random Llama. One test runs the embedded SmolLM2-135M (mark
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.llm import CompletionOutput
 from engine.llm_engine import LLMEngine
 from tests.engine.conftest import make_tiny_llama
 from tests.engine.parity import Reference, assert_parity
@@ -34,13 +32,7 @@ DEVICE = {"device": "cpu", "dtype": "float32", "num_kv_blocks": 512}
 WAVES = {0: [0, 1, 2, 3, 4], 4: [5, 6, 7, 8, 9, 10], 11: [11, 12, 13, 14, 15]}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from threads; on a shared 2-core machine they contend.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +54,12 @@ def greedy(**kwargs: int) -> SamplingParams:
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, **kwargs)
 
 
-def as_reference(out: CompletionOutput) -> Reference:
-    """The off-run's tokens, with its top-2 logprob margins (= logit margins)."""
-    margins = [lp.top[0][1] - lp.top[1][1] for lp in out.logprobs]
-    return Reference(out.token_ids, margins)
-
-
 @pytest.fixture(scope="module")
 def references(model_path: Path, prompts: list[list[int]]) -> list[Reference]:
     llm = LLM(str(model_path), enable_prefix_caching=False, **DEVICE)  # type: ignore[arg-type]
     outs = llm.generate(prompts, greedy(logprobs=2))
     assert llm.engine.kv_manager.stats().prefix_cache_queries == 0
-    return [as_reference(o) for o in outs]
+    return [Reference.from_output(o) for o in outs]
 
 
 def check_tokens(outputs: list[list[int]], references: list[Reference], label: str) -> None:
@@ -214,7 +200,7 @@ def test_default_model_shared_system_prompt_matches_caching_off() -> None:
     # Large steps: the off run's 16 prefills go through in few forward passes.
     off = LLM("default", device="cpu", dtype="float32", num_kv_blocks=512,
               max_num_batched_tokens=4096, enable_prefix_caching=False)  # fmt: skip
-    references = [as_reference(o) for o in off.generate(prompts, params)]
+    references = [Reference.from_output(o) for o in off.generate(prompts, params)]
     outs = on.generate(prompts, params)
     check_tokens([o.token_ids for o in outs], references, "SmolLM2")
     check_idle(on.engine)
