@@ -87,8 +87,13 @@ class LLMEngine:
             self.grammars = GrammarCache(
                 self.tokenizer, self.model_config.vocab_size, [self.eos_token_id]
             )
-            self.structured = StructuredDecoder(self.grammars)
-            self.sampler.logits_processor = self.structured.mask_logits
+            # On CUDA the host fills masks while the GPU runs the forward pass; on the CPU
+            # the forward pass has used every core, so picks are checked and only refused
+            # rows masked (engine/structured.py).
+            self.structured = StructuredDecoder(
+                self.grammars, check_first=self.device.type == "cpu"
+            )
+            self.sampler.constraint = self.structured
         self.last_step_stats: StepStats | None = None
         # With latency targets: the model the scheduler sizes prefill with, calibrated here.
         self.step_predictor = parts.step_predictor

@@ -16,6 +16,15 @@ The draw is an exponential race: ``argmax(p / q)`` with ``q ~ Exp(1)`` i.i.d. pi
 with probability exactly ``p_i`` (the Gumbel-max trick in another form), and it needs no
 per-row ``multinomial`` call.
 
+Constraints (structured output, engine/structured.py) act on the penalised logits, on the
+constrained rows only, in one of two ways per row: the row is masked before the pick, or the
+pick is made on the unmasked logits and checked, and only a refused row is masked and picked
+again, with the same noise. The second gives the token the first would: a greedy row's argmax
+over all tokens, when allowed, is its argmax over the allowed ones; a row that samples from the
+whole tempered distribution (no top-k, top-p or min-p truncation) wins the race among all
+tokens with a token that also wins it among the allowed ones, whose probabilities differ from
+the unmasked ones by one common factor. Masking commutes with the penalties (-inf stays -inf).
+
 Reproducibility: a request with a ``seed`` owns a ``torch.Generator`` seeded with it, which
 draws its row's noise only, so its output does not depend on what else is in the batch. The
 generator lives as long as the request (it survives preemption); call ``forget`` when it
@@ -25,12 +34,33 @@ finishes. Rows without a seed share one generator, drawn once per step for all o
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from engine.outputs import TokenLogprob
 from scheduler.output import ScheduledRequest
 from scheduler.request import SamplingParams
+
+
+class LogitsConstraint(Protocol):
+    """What the sampler asks of structured output (engine/structured.py)."""
+
+    def mask_before_sampling(
+        self, logits: torch.Tensor, requests: list[ScheduledRequest]
+    ) -> torch.Tensor:
+        """Mask, in place, the constrained rows that must be masked before the pick."""
+        ...
+
+    def refused_rows(self, token_ids: torch.Tensor, requests: list[ScheduledRequest]) -> list[int]:
+        """The constrained rows not masked before the pick whose picked token is refused."""
+        ...
+
+    def mask_rows(
+        self, logits: torch.Tensor, requests: list[ScheduledRequest], rows: list[int]
+    ) -> torch.Tensor:
+        """Mask, in place, ``rows`` of the logits."""
+        ...
 
 
 class Sampler:
@@ -51,11 +81,9 @@ class Sampler:
         self._shared.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         # Set by the engine when it serves structured output (engine/structured.py): masks
-        # the logits of constrained rows, in place, before penalties and sampling. Logprobs
-        # stay those of the raw logits.
-        self.logits_processor: (
-            Callable[[torch.Tensor, list[ScheduledRequest]], torch.Tensor] | None
-        ) = None
+        # constrained rows before the pick or checks their picks (module docstring).
+        # Logprobs stay those of the raw logits.
+        self.constraint: LogitsConstraint | None = None
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -82,8 +110,9 @@ class Sampler:
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if num_top is not None else None
 
-        if self.logits_processor is not None:
-            logits = self.logits_processor(logits, requests)
+        constraint = self.constraint
+        if constraint is not None:
+            logits = constraint.mask_before_sampling(logits, requests)
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalised:
             logits = logits.clone()
@@ -94,11 +123,17 @@ class Sampler:
 
         chosen = self._argmax(logits)  # greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        noise = None
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = truncated_probs(logits[rows], [params[i] for i in random_rows])
             noise = self._exponential_noise(probs, [requests[i] for i in random_rows])
             chosen[rows] = (probs / noise).argmax(dim=-1)
+        if constraint is not None:
+            refused = constraint.refused_rows(chosen, requests)
+            if refused:
+                logits = constraint.mask_rows(logits, requests, refused)
+                self._pick_again(chosen, logits, params, refused, random_rows, noise)
 
         if raw_logprobs is None:
             return chosen.tolist(), [None] * len(params)
@@ -119,6 +154,30 @@ class Sampler:
                 top = list(zip(top_i[row][: p.logprobs], top_v[row][: p.logprobs], strict=True))
             logprobs.append(TokenLogprob(token_ids[row], chosen_values[row], top))
         return token_ids, logprobs
+
+    def _pick_again(
+        self,
+        chosen: torch.Tensor,  # [rows] int64, updated in place
+        logits: torch.Tensor,  # [rows, vocab], ``rows`` now masked
+        params: list[SamplingParams],
+        rows: list[int],
+        random_rows: list[int],
+        noise: torch.Tensor | None,  # [len(random_rows), vocab]: the draw already made
+    ) -> None:
+        """Pick ``rows`` again from their masked logits: the argmax, or the race with the
+        noise these rows already drew (a checked row truncates nothing, so its tempered
+        probabilities over the allowed tokens are the masked-first ones)."""
+        greedy = [i for i in rows if params[i].greedy]
+        if greedy:
+            index = torch.tensor(greedy, device=logits.device)
+            chosen[index] = self._argmax(logits[index])
+        sampled = [i for i in rows if not params[i].greedy]
+        if sampled:
+            assert noise is not None
+            index = torch.tensor(sampled, device=logits.device)
+            noise_rows = torch.tensor([random_rows.index(i) for i in sampled], device=noise.device)
+            probs = truncated_probs(logits[index], [params[i] for i in sampled])
+            chosen[index] = (probs / noise[noise_rows]).argmax(dim=-1)
 
     def _exponential_noise(
         self, probs: torch.Tensor, requests: list[ScheduledRequest]

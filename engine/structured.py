@@ -9,13 +9,23 @@ Owns:
   - ``StructuredDecoder`` (engine thread only): the matcher of every constrained request,
     the bitmask buffer, and the requests parked until their grammar is compiled.
 
-A step, for the rows of constrained requests only::
+A step, for the rows of constrained requests only, in one of two modes (``check_first``):
 
-    fill bitmask rows (host, xgrammar) ──> copy to the logits' device ──>
-    apply_token_bitmask_inplace(logits, bitmask, indices=rows) ──> sampler ──>
-    matcher.accept_token(sampled) for each constrained row
+  - mask first (CUDA): fill bitmask rows (host, xgrammar) ──> copy to the logits' device ──>
+    apply_token_bitmask_inplace(logits, bitmask, indices=rows) ──> sampler's pick. The fill
+    runs on the host while the GPU runs the forward pass it was queued behind.
+  - check first (CPU): sampler's pick on the unmasked logits ──> matcher.accept_token(pick)
+    and rollback(1), microseconds a row ──> only the refused rows are filled, masked and
+    picked again (with the same noise). The pick is the one masking first gives
+    (engine/sampler.py says why); what it saves is the fill, which inside a length-bounded
+    JSON string (``maxLength``) takes xgrammar milliseconds a row, and on the CPU nothing
+    runs beside it: the forward pass that precedes it uses every core.
+    Rows whose sampling truncates the distribution (top-k, top-p, min-p) are masked first
+    in both modes: their truncation must see the masked logits.
 
-With no constrained request in the engine the hook returns at its first line: unconstrained
+then matcher.accept_token(sampled) for each constrained row.
+
+With no constrained request in the engine the hooks return at their first line: unconstrained
 rows never pay for grammars.
 
 Finishing. The matcher's stop token is the engine's EOS: once the grammar is complete the
@@ -44,7 +54,7 @@ import torch
 
 from engine.threads import usable_cpus
 from scheduler.output import ScheduledRequest
-from scheduler.request import StructuredOutputParams
+from scheduler.request import SamplingParams, StructuredOutputParams
 
 logger = logging.getLogger(__name__)
 
@@ -164,15 +174,20 @@ class StructuredDecoder:
     Not thread-safe: only the engine thread calls it.
     """
 
-    def __init__(self, cache: GrammarCache, fill_threads: int | None = None) -> None:
+    def __init__(
+        self, cache: GrammarCache, fill_threads: int | None = None, *, check_first: bool = True
+    ) -> None:
         """Args:
         fill_threads: threads that fill the rows' bitmasks in parallel (xgrammar's C++
             threads, without the GIL); None = the CPUs this process may use. The fill runs
             between forward passes, when the forward's threads are idle; a row's mask
             inside a length-bounded string can take milliseconds, so rows in parallel keep
             a step's grammar work near that of its slowest row.
+        check_first: check each constrained row's pick and mask only refused rows (the
+            module docstring's two modes); False masks every constrained row first.
         """
         self.cache = cache
+        self.check_first = check_first
         self._fill_threads = fill_threads or usable_cpus()[0]
         self._batch_matcher: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
         self._matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
@@ -228,10 +243,53 @@ class StructuredDecoder:
         logits: torch.Tensor,  # [rows, vocab]
         requests: list[ScheduledRequest],
     ) -> torch.Tensor:
-        """The sampler's hook: -inf on every token a constrained row's grammar forbids."""
+        """-inf on every token a constrained row's grammar forbids, in place, for every
+        constrained row."""
         if not self._matchers:
             return logits
-        rows = [i for i, r in enumerate(requests) if r.request_id in self._matchers]
+        return self.mask_rows(logits, requests, self._constrained_rows(requests))
+
+    def mask_before_sampling(
+        self,
+        logits: torch.Tensor,  # [rows, vocab]
+        requests: list[ScheduledRequest],
+    ) -> torch.Tensor:
+        """The sampler's first hook: masks, in place, the constrained rows that are not
+        checked after the pick (all of them unless ``check_first``)."""
+        if not self._matchers:
+            return logits
+        rows = [i for i in self._constrained_rows(requests) if not self._checked(requests[i])]
+        return self.mask_rows(logits, requests, rows)
+
+    def refused_rows(
+        self,
+        token_ids: torch.Tensor,  # [rows] int64, the picks on unmasked logits
+        requests: list[ScheduledRequest],
+    ) -> list[int]:
+        """The sampler's second hook: the checked rows whose pick the grammar refuses.
+        Matchers end as they began (an accepted pick is rolled back)."""
+        if not self._matchers or not self.check_first:
+            return []
+        rows = [i for i in self._constrained_rows(requests) if self._checked(requests[i])]
+        if not rows:
+            return []
+        picks = token_ids.tolist()
+        refused = []
+        for row in rows:
+            matcher = self._matchers[requests[row].request_id]
+            if matcher.accept_token(picks[row]):
+                matcher.rollback(1)
+            else:
+                refused.append(row)
+        return refused
+
+    def mask_rows(
+        self,
+        logits: torch.Tensor,  # [rows, vocab]
+        requests: list[ScheduledRequest],
+        rows: list[int],  # rows of constrained requests
+    ) -> torch.Tensor:
+        """Fill ``rows``' bitmasks and apply them to the logits, in place."""
         if not rows:
             return logits
         import xgrammar as xgr
@@ -259,6 +317,15 @@ class StructuredDecoder:
         )
         return logits
 
+    def _constrained_rows(self, requests: list[ScheduledRequest]) -> list[int]:
+        return [i for i, r in enumerate(requests) if r.request_id in self._matchers]
+
+    def _checked(self, request: ScheduledRequest) -> bool:
+        """Whether the row's pick is checked rather than its logits masked first."""
+        return self.check_first and samples_whole_distribution(
+            request.request.sampling_params, self.cache.vocab_size
+        )
+
     def accept(self, request_ids: list[str], token_ids: list[int | list[int]]) -> None:
         """Advance each constrained request's matcher over its sampled token."""
         if not self._matchers:
@@ -273,3 +340,11 @@ class StructuredDecoder:
                     logger.error(
                         "request %s: token %d is outside its grammar", request_id, token_id
                     )
+
+
+def samples_whole_distribution(params: SamplingParams, vocab_size: int) -> bool:
+    """Greedy, or sampling with no truncation (top-k, top-p, min-p) of the tempered
+    distribution: a pick that masking cannot change unless the mask refuses it."""
+    return params.greedy or (
+        params.top_p >= 1.0 and params.min_p <= 0.0 and not 0 < params.top_k < vocab_size
+    )

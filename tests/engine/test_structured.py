@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.sampler import Sampler
 from engine.structured import GrammarCache, GrammarError, StructuredDecoder, choice_grammar
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request, StructuredOutputParams
@@ -27,17 +28,20 @@ def cache() -> GrammarCache:
     return GrammarCache(tok, len(tok) + PADDING, [tok.eos_token_id])
 
 
-def _scheduled(request_id: str) -> ScheduledRequest:
-    request = Request(request_id, [1, 2, 3], SamplingParams())
+def _scheduled(request_id: str, params: SamplingParams | None = None) -> ScheduledRequest:
+    request = Request(request_id, [1, 2, 3], params or SamplingParams())
     return ScheduledRequest(
         request, start=3, num_tokens=1, token_ids=[3], block_ids=(0,), samples=True
     )
 
 
 def _decoder(
-    cache: GrammarCache, grammars: dict[str, StructuredOutputParams], fill_threads: int = 2
+    cache: GrammarCache,
+    grammars: dict[str, StructuredOutputParams],
+    fill_threads: int = 2,
+    check_first: bool = True,
 ) -> StructuredDecoder:
-    decoder = StructuredDecoder(cache, fill_threads)
+    decoder = StructuredDecoder(cache, fill_threads, check_first=check_first)
     for request_id, params in grammars.items():
         decoder.add(request_id, params)
         deadline = time.monotonic() + 10
@@ -117,6 +121,102 @@ def test_rows_filled_in_parallel_equal_rows_filled_one_by_one(cache: GrammarCach
         masked.append(decoder.mask_logits(logits.clone(), requests))
     assert torch.equal(masked[0], masked[1])
     assert torch.equal(masked[0][[0, 3]], logits[[0, 3]])
+
+
+def test_checked_picks_equal_picks_from_masked_logits(cache: GrammarCache) -> None:
+    """Picking on unmasked logits, checking, and masking only refused rows gives the tokens
+    masking every constrained row first gives: greedy, seeded and unseeded sampling from the
+    whole distribution (checked), top-p and top-k sampling (masked first in both modes),
+    beside unconstrained rows, step after step with the matchers advanced."""
+    tok = tiny_tokenizer()
+    grammars = {
+        "greedy": StructuredOutputParams("regex", "[a-z ]{0,80}x"),
+        "seeded": StructuredOutputParams("json", '{"type": "object"}'),
+        "shared": StructuredOutputParams("regex", "[a-z ]{0,80}x"),
+        "top_p": StructuredOutputParams("choice", '["hello world", "lazy dog"]'),
+        "top_k": StructuredOutputParams("regex", "(one|two|three) [a-z]{1,30}"),
+    }
+    params = {
+        "greedy": SamplingParams(temperature=0),
+        "seeded": SamplingParams(temperature=0.8, seed=7),
+        "shared": SamplingParams(temperature=1.3),
+        "top_p": SamplingParams(temperature=1.0, top_p=0.9),
+        "top_k": SamplingParams(temperature=0.7, top_k=5),
+        "plain": SamplingParams(temperature=0),
+        "plain_random": SamplingParams(temperature=1.0),
+    }
+    requests = [_scheduled(r, p) for r, p in params.items()]
+    checked = _decoder(cache, grammars, check_first=True)
+    masked = _decoder(cache, grammars, check_first=False)
+    samplers = []
+    for decoder in (checked, masked):
+        sampler = Sampler(seed=5, device=torch.device("cpu"))
+        sampler.constraint = decoder
+        samplers.append(sampler)
+    checks = {"picks": 0, "refused": 0}
+    refused_rows = checked.refused_rows
+
+    def counting(token_ids: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
+        refused = refused_rows(token_ids, reqs)
+        rows = [r for r in reqs if checked.constrains(r.request_id)]
+        checks["picks"] += sum(checked._checked(r) for r in rows)
+        checks["refused"] += len(refused)
+        return refused
+
+    checked.refused_rows = counting  # type: ignore[method-assign]
+    # Letters and spaces get a lift, so picks inside the regexes are often allowed (checked
+    # and kept) and often not (refused, masked, picked again).
+    lift = torch.zeros(cache.vocab_size)
+    for token_id in range(len(tok)):
+        if re.fullmatch("[a-wyz ]+", tok.decode([token_id])):
+            lift[token_id] = 3.0
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        logits = torch.randn(len(requests), cache.vocab_size, generator=generator) * 2 + lift
+        picks = [sampler(logits.clone(), requests)[0] for sampler in samplers]
+        assert picks[0] == picks[1]
+        for decoder in (checked, masked):
+            decoder.accept([r.request_id for r in requests], picks[0])
+            for request, token_id in zip(requests, picks[0], strict=True):
+                if token_id == tok.eos_token_id:  # the engine would finish the request
+                    decoder.remove(request.request_id)
+    assert checks["refused"] >= 10 and checks["picks"] - checks["refused"] >= 10, checks
+
+
+def test_top_p_rows_are_masked_first_and_greedy_rows_are_checked(cache: GrammarCache) -> None:
+    decoder = _decoder(
+        cache,
+        {r: StructuredOutputParams("choice", '["hello", "world"]') for r in ("g", "p", "t")},
+    )
+    requests = [
+        _scheduled("g", SamplingParams(temperature=0, top_p=0.5)),  # greedy: truncation moot
+        _scheduled("p", SamplingParams(temperature=1.0, top_p=0.5)),
+        _scheduled("t", SamplingParams(temperature=1.0)),
+        _scheduled("u", SamplingParams(temperature=1.0, top_p=0.5)),  # unconstrained
+    ]
+    logits = torch.randn(4, cache.vocab_size)
+    before = logits.clone()
+    decoder.mask_before_sampling(logits, requests)
+    changed = [not torch.equal(logits[i], before[i]) for i in range(4)]
+    assert changed == [False, True, False, False]
+
+
+def test_a_check_refuses_padding_ids_and_leaves_the_matcher_as_it_was(
+    cache: GrammarCache,
+) -> None:
+    tok = tiny_tokenizer()
+    grammar = StructuredOutputParams("choice", '["hello", "world"]')
+    decoder, fresh = _decoder(cache, {"c": grammar}), _decoder(cache, {"c": grammar})
+    requests = [_scheduled("c")]
+    hello = tok.encode("hello")[0]
+    padding = cache.vocab_size - 1  # a head row past the tokenizer's tokens
+    assert decoder.refused_rows(torch.tensor([padding]), requests) == [0]
+    assert decoder.refused_rows(torch.tensor([hello]), requests) == []
+    a, b = torch.randn(1, cache.vocab_size), None
+    b = a.clone()
+    decoder.mask_logits(a, requests)
+    fresh.mask_logits(b, requests)
+    assert torch.equal(a, b)  # the accepted pick was rolled back
 
 
 @pytest.mark.gpu
