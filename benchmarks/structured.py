@@ -4,10 +4,12 @@ TTFT of a request whose schema the server has never seen.
 
     python -m benchmarks.structured                      # the embedded default model
     python -m benchmarks.structured --rounds 3 --num-requests 96
+    python -m benchmarks.structured --device cuda --dtype bfloat16   # on a GPU
 
-One server (``python -m server`` on 127.0.0.1, float32 on the CPU unless ``--server-args`` says
-otherwise) serves every run. Each round runs the two workloads back to back, alternating which
-goes first, so a machine whose speed drifts treats both alike:
+One server (``python -m server`` on 127.0.0.1 with ``--device`` and ``--dtype``, float32 on the
+CPU by default; ``--server-args`` adds flags) serves every run, after a warm-up of one full
+batch. Each round runs the two workloads back to back, alternating which goes first, so a
+machine whose speed drifts treats both alike:
 
 - *unconstrained*: ``--num-requests`` chat requests, greedy, ``ignore_eos``, ``--max-tokens``;
 - *mixed*: the same, but every fourth request has ``response_format: json_schema`` with a
@@ -22,11 +24,14 @@ TTFT) against unconstrained requests of the same prompt. The ratios and the targ
 issue 41 close the table: throughput >= 0.9x, unconstrained TPOT p50 <= 1.1x, new-schema
 TTFT <= 2x.
 
-Last, in this process and without the server, the logits hook itself
-(``StructuredDecoder.mask_logits``: fill the constrained rows' bitmasks, mask the logits) on
-CPU logits of ``--concurrency`` rows with one in four constrained by the workload schema,
-their matchers walked through a whole sample output, and with none constrained: the
-per-step price the constrained rows add on the engine thread.
+Last, in this process and without the server, the grammar's own cost (``grammar_cost``):
+the offline engine runs the same batch (``--concurrency`` requests, a quarter constrained) with
+the sampler masking every constrained row first and checking picks first (engine/structured.py
+has the two modes; the CPU's default is checking), interleaved, and reports the engine
+thread's CPU time in the grammar hooks per step, the step time, and whether the greedy outputs
+of the two modes are identical; then what xgrammar's mask fill costs one row by grammar state
+over a sample output. That is the per-step price the constrained rows put on every row of
+the step, measured so that other load on the machine moves it little.
 """
 
 from __future__ import annotations
@@ -163,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     argv = [
         sys.executable, "-m", "server", "--host", HOST, "--port", str(port),
         "--max-num-seqs", str(args.concurrency), "--stats-log-interval", "0",
-        "--device", "cpu", "--dtype", "float32", "--max-model-len", "1024",
+        "--device", args.device, "--dtype", args.dtype, "--max-model-len", "1024",
         "--model", args.model, *args.server_args.split(),
     ]  # fmt: skip
     log = Path(tempfile.mkdtemp(prefix="structured-bench-")) / "server.log"
@@ -176,8 +181,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.wait_healthy(args.startup_timeout_s)
         url = server.base_url
         print(f"server on {url}, log {log}", flush=True)
-        # Warm-up: the schema compiled and cached, every code path run once.
-        asyncio.run(_closed_loop(url, "warm-up", mixed[: 2 * 4], 4))
+        # Warm-up: the schema compiled and cached, every code path run once at the full
+        # batch, so neither workload's first run pays for first times.
+        asyncio.run(_closed_loop(url, "warm-up", mixed[: args.concurrency], args.concurrency))
         runs: list[RunResult] = []
         for round_ in range(args.rounds):
             order = [("unconstrained", unconstrained), ("mixed", mixed)]
@@ -193,7 +199,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _fresh_schema_ttft(url, args.ttft_samples, args.max_tokens)
         )
     summary = _summary(runs, ttft_plain, ttft_fresh)
-    summary.update(mask_cost_us(args.model, args.concurrency))
+    print("the grammar's cost per step, offline ...", flush=True)
+    summary.update(grammar_cost(args))
     return summary
 
 
@@ -201,53 +208,129 @@ SAMPLE_OUTPUT = (
     '{"title": "The Godfather", "year": 1972, "tags": ["crime", "drama", "mafia", "family", '
     '"classic", "italian", "new york", "corleone", "power", "loyalty", "betrayal", "revenge"]}'
 )
+FEW_TOKENS = 100  # a grammar state allowing at most this many tokens: structure, keys, digits
 
 
-def mask_cost_us(model: str, num_rows: int) -> dict[str, float]:
-    """Mean microseconds of one ``mask_logits`` call over a whole output: a quarter of
-    ``num_rows`` rows constrained by the workload schema, their matchers advanced through
-    SAMPLE_OUTPUT token by token (a mask's cost depends on the grammar state: inside a
-    length-bounded string it is far above the first step's), and with no row constrained."""
-    import torch
+class _TimedConstraint:
+    """The engine's StructuredDecoder as the sampler sees it, with the engine thread's CPU
+    time in its three hooks summed into ``cpu_ns``."""
 
-    from engine.config import ModelConfig
-    from engine.loader import load_tokenizer, read_hf_config, resolve_model
-    from engine.structured import GrammarCache, StructuredDecoder
-    from scheduler.output import ScheduledRequest
-    from scheduler.request import Request, SamplingParams, StructuredOutputParams
+    def __init__(self, decoder: Any) -> None:
+        self.decoder = decoder
+        self.cpu_ns = 0
 
-    path = resolve_model(model).path
-    vocab_size = ModelConfig.from_hf(read_hf_config(path)).vocab_size
-    tokenizer = load_tokenizer(path)
-    cache = GrammarCache(tokenizer, vocab_size, [tokenizer.eos_token_id])
+    def _timed(self, method: Any, *args: Any) -> Any:
+        start = time.thread_time_ns()
+        try:
+            return method(*args)
+        finally:
+            self.cpu_ns += time.thread_time_ns() - start
+
+    def mask_before_sampling(self, logits: Any, requests: Any) -> Any:
+        return self._timed(self.decoder.mask_before_sampling, logits, requests)
+
+    def refused_rows(self, token_ids: Any, requests: Any) -> Any:
+        return self._timed(self.decoder.refused_rows, token_ids, requests)
+
+    def mask_rows(self, logits: Any, requests: Any, rows: Any) -> Any:
+        return self._timed(self.decoder.mask_rows, logits, requests, rows)
+
+
+def grammar_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """What the constrained rows cost the engine thread, without the server: the offline
+    engine runs the workload's batch (``--concurrency`` requests, one in four constrained by
+    the workload schema, greedy, ``--max-tokens`` each) once per mode, interleaved, the
+    grammar work timed as the engine thread's CPU time (fills serial, so that thread does all
+    of it; a busy machine slows it less than wall time). Then one matcher walked through
+    SAMPLE_OUTPUT: ``fill_next_token_bitmask``'s CPU time by grammar state."""
+    import xgrammar as xgr
+
+    from engine import LLM, SamplingParams
+    from scheduler.request import StructuredOutputParams
+
+    llm = LLM(
+        args.model, device=args.device, dtype=args.dtype, max_model_len=1024,
+        max_num_seqs=args.concurrency,
+    )  # fmt: skip
+    engine = llm.engine
+    decoder = engine.structured
+    decoder._fill_threads = 1
+    timed = _TimedConstraint(decoder)
+    engine.sampler.constraint = timed
+    tokenizer = engine.tokenizer
     spec = StructuredOutputParams("json", json.dumps(workload_schema()))
-    requests = [
-        ScheduledRequest(Request(f"r{i}", [1], SamplingParams()), 0, 1, [1], (0,), True)
-        for i in range(num_rows)
-    ]
-    constrained_ids = [f"r{i}" for i in range(3, num_rows, 4)]
-    decoder, plain = StructuredDecoder(cache), StructuredDecoder(cache)
-    for request_id in constrained_ids:
-        decoder.add(request_id, spec)
-        while not decoder.ready(request_id):
-            decoder.wait_any(1.0)
-    logits = torch.randn(num_rows, vocab_size)
-    token_ids = tokenizer.encode(SAMPLE_OUTPUT, add_special_tokens=False)
-    masked, unmasked = [], []
-    for token_id in token_ids:
-        start = time.perf_counter()
-        decoder.mask_logits(logits, requests)
-        masked.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        plain.mask_logits(logits, requests)
-        unmasked.append(time.perf_counter() - start)
-        decoder.accept(constrained_ids, [token_id] * len(constrained_ids))
-    cache.shutdown()
-    return {
-        "mask_us_quarter_constrained": 1e6 * statistics.fmean(masked),
-        "mask_us_quarter_constrained_max": 1e6 * max(masked),
-        "mask_us_none": 1e6 * statistics.fmean(unmasked),
+    prompts = [
+        tokenizer.apply_chat_template(_body(i, 1, None)["messages"], add_generation_prompt=True,
+                                      tokenize=False)
+        for i in range(args.concurrency)
+    ]  # fmt: skip
+    prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+
+    def one_batch(
+        tag: str, check_first: bool, constrained: bool = True
+    ) -> tuple[list[tuple[float, float]], dict[int, list[int]]]:
+        decoder.check_first = check_first
+        for i, ids in enumerate(prompt_ids):
+            params = SamplingParams(
+                max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
+                structured=spec if constrained and i % 4 == 3 else None,
+            )  # fmt: skip
+            engine.add_request(f"{tag}-{i}", ids, params)
+        steps: list[tuple[float, float]] = []
+        tokens: dict[int, list[int]] = {}
+        while engine.has_unfinished_requests():
+            timed.cpu_ns = 0
+            start = time.perf_counter()
+            for out in engine.step():
+                tokens.setdefault(int(out.request_id.rsplit("-", 1)[1]), []).extend(
+                    out.new_token_ids
+                )
+            steps.append((timed.cpu_ns / 1e3, 1e3 * (time.perf_counter() - start)))
+        return steps, tokens
+
+    one_batch("warm-up", True)
+    # name -> (check_first, constrained)
+    modes = {
+        "mask first": (False, True),
+        "check first": (True, True),
+        "none constrained": (True, False),
     }
+    steps: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
+    outputs: dict[str, dict[int, list[int]]] = {}
+    for round_ in range(2):
+        order = list(modes) if round_ == 0 else list(modes)[::-1]
+        for name in order:
+            batch_steps, outputs[name] = one_batch(f"{name}{round_}", *modes[name])
+            steps[name] += batch_steps
+    result: dict[str, Any] = {
+        "grammar_outputs_identical": outputs["mask first"] == outputs["check first"],
+        "grammar_check_first_default": engine.device.type == "cpu",
+    }
+    for name, values in steps.items():
+        key = name.replace(" ", "_")
+        result[f"grammar_{key}_us_mean"] = statistics.fmean(v[0] for v in values)
+        result[f"grammar_{key}_us_p50"] = statistics.median(v[0] for v in values)
+        result[f"grammar_{key}_us_max"] = max(v[0] for v in values)
+        result[f"grammar_{key}_step_ms_p50"] = statistics.median(v[1] for v in values)
+
+    # One matcher through a whole output: the fill's cost by grammar state.
+    entry = engine.grammars.compile(spec)[0].result()
+    matcher = xgr.GrammarMatcher(entry.grammar)
+    bitmask = xgr.allocate_token_bitmask(1, engine.grammars.vocab_size)
+    few, many = [], []
+    for token_id in tokenizer.encode(SAMPLE_OUTPUT, add_special_tokens=False):
+        start = time.thread_time_ns()
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        cost_us = (time.thread_time_ns() - start) / 1e3
+        allowed = int(sum(bin(word & 0xFFFFFFFF).count("1") for word in bitmask[0].tolist()))
+        (few if allowed <= FEW_TOKENS else many).append(cost_us)
+        assert matcher.accept_token(token_id)
+    for label, values in (("few", few), ("many", many)):
+        result[f"fill_{label}_n"] = len(values)
+        result[f"fill_{label}_us_mean"] = statistics.fmean(values) if values else 0.0
+        result[f"fill_{label}_us_max"] = max(values, default=0.0)
+    engine.grammars.shutdown()
+    return result
 
 
 def _summary(runs: list[RunResult], ttft_plain: float, ttft_fresh: float) -> dict[str, Any]:
@@ -307,11 +390,33 @@ def print_table(s: dict[str, Any], args: argparse.Namespace) -> None:
     ]  # fmt: skip
     for label, value, target, ok in checks:
         print(f"{label}: {value:.3f}  (target {target}: {'met' if ok else 'NOT met'})")
+    print()
     print(
-        f"logits hook per step, {args.concurrency} CPU rows, over a {len(SAMPLE_OUTPUT)}-char "
-        f"output: {s['mask_us_quarter_constrained']:.0f} us mean "
-        f"({s['mask_us_quarter_constrained_max']:.0f} max) with a quarter constrained, "
-        f"{s['mask_us_none']:.2f} us with none"
+        f"grammar work per step on the engine thread (CPU time, fills serial), offline: "
+        f"{args.concurrency} rows, a quarter constrained, {args.max_tokens} tokens, "
+        f"{args.device} {args.dtype}"
+    )
+    print(f"| {'mode':36} | {'mean us':>8} | {'p50 us':>7} | {'max us':>7} | {'step p50 ms':>11} |")
+    print(f"|{'-' * 38}|{'-' * 9}:|{'-' * 8}:|{'-' * 8}:|{'-' * 12}:|")
+    default = "check first" if s["grammar_check_first_default"] else "mask first"
+    for name in ("mask first", "check first", "none constrained"):
+        key = name.replace(" ", "_")
+        label = name + (" (this device's default)" if name == default else "")
+        print(
+            f"| {label:36} | {s[f'grammar_{key}_us_mean']:8.0f} | "
+            f"{s[f'grammar_{key}_us_p50']:7.0f} | {s[f'grammar_{key}_us_max']:7.0f} | "
+            f"{s[f'grammar_{key}_step_ms_p50']:11.1f} |"
+        )
+    print(
+        "greedy outputs of the two modes identical: "
+        f"{'yes' if s['grammar_outputs_identical'] else 'NO'}"
+    )
+    print(
+        f"one row's mask fill over a {len(SAMPLE_OUTPUT)}-char output, by grammar state: "
+        f"<= {FEW_TOKENS} tokens allowed (structure, keys, digits) {s['fill_few_n']} fills, "
+        f"{s['fill_few_us_mean']:.0f} us mean ({s['fill_few_us_max']:.0f} max); inside string "
+        f"values {s['fill_many_n']} fills, {s['fill_many_us_mean']:.0f} us mean "
+        f"({s['fill_many_us_max']:.0f} max)"
     )
 
 
@@ -321,9 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ttft-samples", type=int, default=5)
     parser.add_argument("--startup-timeout-s", type=float, default=300)
+    parser.add_argument("--device", default="cpu", help="the server's and offline engine's")
+    parser.add_argument("--dtype", default="float32", help="the server's and offline engine's")
     parser.add_argument("--server-args", default="", help="extra `python -m server` flags")
     parser.add_argument("--json", action="store_true", help="also print the summary as JSON")
     args = parser.parse_args(argv)
