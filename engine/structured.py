@@ -169,7 +169,8 @@ def _make_compiler(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -
 
 
 class StructuredDecoder:
-    """The engine thread's side: matchers of constrained requests, and the logits hook.
+    """The engine thread's side: matchers of constrained requests, and the sampler's
+    constraint hooks (``engine.sampler.LogitsConstraint``).
 
     Not thread-safe: only the engine thread calls it.
     """
