@@ -213,7 +213,7 @@ FEW_TOKENS = 100  # a grammar state allowing at most this many tokens: structure
 
 class _TimedConstraint:
     """The engine's StructuredDecoder as the sampler sees it, with the engine thread's CPU
-    time in its three hooks, and in the engine's ``accept`` (matchers advanced over the
+    time in its hooks, and in the engine's ``accept`` (matchers advanced over the
     step's tokens), summed into ``cpu_ns``."""
 
     def __init__(self, decoder: Any) -> None:
@@ -232,6 +232,9 @@ class _TimedConstraint:
 
     def refused_rows(self, token_ids: Any, requests: Any) -> Any:
         return self._timed(self.decoder.refused_rows, token_ids, requests)
+
+    def first_allowed(self, candidates: Any, requests: Any, rows: Any) -> Any:
+        return self._timed(self.decoder.first_allowed, candidates, requests, rows)
 
     def mask_rows(self, logits: Any, requests: Any, rows: Any) -> Any:
         return self._timed(self.decoder.mask_rows, logits, requests, rows)

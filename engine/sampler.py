@@ -18,12 +18,14 @@ per-row ``multinomial`` call.
 
 Constraints (structured output, engine/structured.py) act on the penalised logits, on the
 constrained rows only, in one of two ways per row: the row is masked before the pick, or the
-pick is made on the unmasked logits and checked, and only a refused row is masked and picked
-again, with the same noise. The second gives the token the first would: a greedy row's argmax
-over all tokens, when allowed, is its argmax over the allowed ones; a row that samples from the
+pick is made on the unmasked logits and checked; a refused row tries its next-best tokens in
+order, and only when none of the few is allowed (or scores tie) is it masked and picked again,
+with the same noise. The second gives the token the first would: a greedy row's argmax over
+all tokens, when allowed, is its argmax over the allowed ones; a row that samples from the
 whole tempered distribution (no top-k, top-p or min-p truncation) wins the race among all
 tokens with a token that also wins it among the allowed ones, whose probabilities differ from
-the unmasked ones by one common factor. Masking commutes with the penalties (-inf stays -inf).
+the unmasked ones by one common factor; and the best-scored allowed token is the first
+allowed in score order. Masking commutes with the penalties (-inf stays -inf).
 
 Reproducibility: a request with a ``seed`` owns a ``torch.Generator`` seeded with it, which
 draws its row's noise only, so its output does not depend on what else is in the batch. The
@@ -56,11 +58,21 @@ class LogitsConstraint(Protocol):
         """The constrained rows not masked before the pick whose picked token is refused."""
         ...
 
+    def first_allowed(
+        self, candidates: list[list[int]], requests: list[ScheduledRequest], rows: list[int]
+    ) -> list[int | None]:
+        """Per row of ``rows``, the index of the first of its candidate tokens allowed."""
+        ...
+
     def mask_rows(
         self, logits: torch.Tensor, requests: list[ScheduledRequest], rows: list[int]
     ) -> torch.Tensor:
         """Mask, in place, ``rows`` of the logits."""
         ...
+
+
+# A refused row's best tokens tried, best first, before its mask is filled.
+NUM_CANDIDATES = 5
 
 
 class Sampler:
@@ -123,14 +135,19 @@ class Sampler:
 
         chosen = self._argmax(logits)  # greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        noise = None
+        noise = scores = None
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             probs = truncated_probs(logits[rows], [params[i] for i in random_rows])
             noise = self._exponential_noise(probs, [requests[i] for i in random_rows])
-            chosen[rows] = (probs / noise).argmax(dim=-1)
+            scores = probs / noise
+            chosen[rows] = scores.argmax(dim=-1)
         if constraint is not None:
             refused = constraint.refused_rows(chosen, requests)
+            if refused:
+                refused = self._next_allowed(
+                    chosen, logits, scores, params, requests, refused, random_rows, constraint
+                )
             if refused:
                 logits = constraint.mask_rows(logits, requests, refused)
                 self._pick_again(chosen, logits, params, refused, random_rows, noise)
@@ -154,6 +171,40 @@ class Sampler:
                 top = list(zip(top_i[row][: p.logprobs], top_v[row][: p.logprobs], strict=True))
             logprobs.append(TokenLogprob(token_ids[row], chosen_values[row], top))
         return token_ids, logprobs
+
+    def _next_allowed(
+        self,
+        chosen: torch.Tensor,  # [rows] int64, updated in place
+        logits: torch.Tensor,  # [rows, vocab]
+        scores: torch.Tensor | None,  # [len(random_rows), vocab]: probs / noise
+        params: list[SamplingParams],
+        requests: list[ScheduledRequest],
+        rows: list[int],
+        random_rows: list[int],
+        constraint: LogitsConstraint,
+    ) -> list[int]:
+        """Try refused rows' best NUM_CANDIDATES tokens (by logit, or by race score), best
+        first: the first one allowed is the pick masking would make, unless another token
+        shares its score (the pick would then be the lowest allowed id among them, which the
+        list may not show). Returns the rows left to be masked: ties, or none allowed."""
+        ranked = torch.stack(
+            [logits[i] if params[i].greedy else _row(scores, random_rows.index(i)) for i in rows]
+        )
+        values, token_ids = ranked.topk(min(NUM_CANDIDATES, ranked.shape[1]), dim=-1)
+        candidates = token_ids.tolist()
+        left = []
+        for row, first, row_values, row_ids in zip(
+            rows,
+            constraint.first_allowed(candidates, requests, rows),
+            values.tolist(),
+            candidates,
+            strict=True,
+        ):
+            if first is not None and _untied(row_values, first):
+                chosen[row] = row_ids[first]
+            else:
+                left.append(row)
+        return left
 
     def _pick_again(
         self,
@@ -191,6 +242,23 @@ class Sampler:
             if seed is not None:
                 noise[row].exponential_(generator=self._generator(item.request_id, seed))
         return noise
+
+
+def _row(scores: torch.Tensor | None, index: int) -> torch.Tensor:
+    assert scores is not None
+    return scores[index]
+
+
+def _untied(values: list[float], j: int) -> bool:
+    """Whether ``values[j]`` (``values`` sorted, largest first) is a finite score that no
+    other token shares; the last entry may share it with tokens past the list."""
+    value = values[j]
+    return (
+        j + 1 < len(values)
+        and value > float("-inf")
+        and values[j + 1] != value
+        and (j == 0 or values[j - 1] != value)
+    )
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,9 @@ A step, for the rows of constrained requests only, in one of two modes (``check_
     apply_token_bitmask_inplace(logits, bitmask, indices=rows) ──> sampler's pick. The fill
     runs on the host while the GPU runs the forward pass it was queued behind.
   - check first (CPU): sampler's pick on the unmasked logits ──> matcher.accept_token(pick)
-    and rollback(1), microseconds a row ──> only the refused rows are filled, masked and
-    picked again (with the same noise). The pick is the one masking first gives
+    and rollback(1), microseconds a row ──> a refused row tries its next-best few tokens
+    the same way ──> only rows still without a pick are filled, masked and picked again
+    (with the same noise). The pick is the one masking first gives
     (engine/sampler.py says why); what it saves is the fill, which inside a length-bounded
     JSON string (``maxLength``) takes xgrammar milliseconds a row, and on the CPU nothing
     runs beside it: the forward pass that precedes it uses every core.
@@ -283,6 +284,26 @@ class StructuredDecoder:
             else:
                 refused.append(row)
         return refused
+
+    def first_allowed(
+        self,
+        candidates: list[list[int]],  # per row of ``rows``: token ids, best first
+        requests: list[ScheduledRequest],
+        rows: list[int],  # checked rows
+    ) -> list[int | None]:
+        """Per row, the index of the first candidate its grammar allows, or None; matchers
+        end as they began."""
+        firsts: list[int | None] = []
+        for row, token_ids in zip(rows, candidates, strict=True):
+            matcher = self._matchers[requests[row].request_id]
+            first = None
+            for index, token_id in enumerate(token_ids):
+                if matcher.accept_token(token_id):
+                    matcher.rollback(1)
+                    first = index
+                    break
+            firsts.append(first)
+        return firsts
 
     def mask_rows(
         self,

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler
+from engine.sampler import Sampler, _untied
 from engine.structured import GrammarCache, GrammarError, StructuredDecoder, choice_grammar
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request, StructuredOutputParams
@@ -124,8 +124,9 @@ def test_rows_filled_in_parallel_equal_rows_filled_one_by_one(cache: GrammarCach
 
 
 def test_checked_picks_equal_picks_from_masked_logits(cache: GrammarCache) -> None:
-    """Picking on unmasked logits, checking, and masking only refused rows gives the tokens
-    masking every constrained row first gives: greedy, seeded and unseeded sampling from the
+    """Picking on unmasked logits, checking, trying a refused row's next-best tokens and
+    masking only rows left without a pick gives the tokens masking every constrained row
+    first gives: greedy, seeded and unseeded sampling from the
     whole distribution (checked), top-p and top-k sampling (masked first in both modes),
     beside unconstrained rows, step after step with the matchers advanced."""
     tok = tiny_tokenizer()
@@ -153,19 +154,38 @@ def test_checked_picks_equal_picks_from_masked_logits(cache: GrammarCache) -> No
         sampler = Sampler(seed=5, device=torch.device("cpu"))
         sampler.constraint = decoder
         samplers.append(sampler)
-    checks = {"picks": 0, "refused": 0}
-    refused_rows = checked.refused_rows
+    checks = {"picks": 0, "refused": 0, "next best": 0, "masked": 0}
+    refused_rows, first_allowed, mask_rows = (
+        checked.refused_rows,
+        checked.first_allowed,
+        checked.mask_rows,
+    )
 
-    def counting(token_ids: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
+    def count_refused(token_ids: torch.Tensor, reqs: list[ScheduledRequest]) -> list[int]:
         refused = refused_rows(token_ids, reqs)
         rows = [r for r in reqs if checked.constrains(r.request_id)]
         checks["picks"] += sum(checked._checked(r) for r in rows)
         checks["refused"] += len(refused)
         return refused
 
-    checked.refused_rows = counting  # type: ignore[method-assign]
+    def count_next_best(
+        candidates: list[list[int]], reqs: list[ScheduledRequest], rows: list[int]
+    ) -> list[int | None]:
+        firsts = first_allowed(candidates, reqs, rows)
+        checks["next best"] += sum(first is not None for first in firsts)
+        return firsts
+
+    def count_masked(
+        logits: torch.Tensor, reqs: list[ScheduledRequest], rows: list[int]
+    ) -> torch.Tensor:
+        checks["masked"] += sum(checked._checked(reqs[row]) for row in rows)
+        return mask_rows(logits, reqs, rows)
+
+    checked.refused_rows = count_refused  # type: ignore[method-assign]
+    checked.first_allowed = count_next_best  # type: ignore[method-assign]
+    checked.mask_rows = count_masked  # type: ignore[method-assign]
     # Letters and spaces get a lift, so picks inside the regexes are often allowed (checked
-    # and kept) and often not (refused, masked, picked again).
+    # and kept) and often not (refused, then resolved by a next-best token or masked).
     lift = torch.zeros(cache.vocab_size)
     for token_id in range(len(tok)):
         if re.fullmatch("[a-wyz ]+", tok.decode([token_id])):
@@ -180,7 +200,31 @@ def test_checked_picks_equal_picks_from_masked_logits(cache: GrammarCache) -> No
             for request, token_id in zip(requests, picks[0], strict=True):
                 if token_id == tok.eos_token_id:  # the engine would finish the request
                     decoder.remove(request.request_id)
-    assert checks["refused"] >= 10 and checks["picks"] - checks["refused"] >= 10, checks
+    assert checks["picks"] - checks["refused"] >= 10, checks  # picks kept
+    assert checks["next best"] >= 5 and checks["masked"] >= 5, checks  # refused: both ways
+
+
+def test_a_refused_pick_whose_next_best_tokens_tie_is_left_to_the_mask(
+    cache: GrammarCache,
+) -> None:
+    """Greedy: the refused best token, then two allowed tokens of equal logit. Masking
+    picks the lower id of the two (argmax's rule), whatever order top-k lists them in."""
+    tok = tiny_tokenizer()
+    grammar = {"c": StructuredOutputParams("choice", '["hello", "world"]')}
+    hello, world = tok.encode("hello")[0], tok.encode("world")[0]
+    refused = tok.encode("one")[0]
+    logits = torch.full((1, cache.vocab_size), -5.0)
+    logits[0, refused], logits[0, hello], logits[0, world] = 10.0, 4.0, 4.0
+    picks = []
+    for check_first in (True, False):
+        sampler = Sampler(seed=0, device=torch.device("cpu"))
+        sampler.constraint = _decoder(cache, grammar, check_first=check_first)
+        picks.append(sampler(logits.clone(), [_scheduled("c", SamplingParams(temperature=0))])[0])
+    assert picks[0] == picks[1] == [min(hello, world)]
+    assert _untied([5.0, 3.0, 2.0], 1) and not _untied([5.0, 3.0, 3.0], 1)
+    assert not _untied([5.0, 3.0, 2.0], 2)  # the last entry: tokens past it may share it
+    assert not _untied([5.0, float("-inf"), float("-inf")], 1)
+    assert not _untied([float("nan"), 3.0], 0)
 
 
 def test_top_p_rows_are_masked_first_and_greedy_rows_are_checked(cache: GrammarCache) -> None:
