@@ -187,9 +187,14 @@ class Sampler:
         first: the first one allowed is the pick masking would make, unless another token
         shares its score (the pick would then be the lowest allowed id among them, which the
         list may not show). Returns the rows left to be masked: ties, or none allowed."""
-        ranked = torch.stack(
-            [logits[i] if params[i].greedy else _row(scores, random_rows.index(i)) for i in rows]
-        )
+        ranked_rows = []
+        for i in rows:
+            if params[i].greedy:
+                ranked_rows.append(logits[i])
+            else:
+                assert scores is not None
+                ranked_rows.append(scores[random_rows.index(i)])
+        ranked = torch.stack(ranked_rows)
         values, token_ids = ranked.topk(min(NUM_CANDIDATES, ranked.shape[1]), dim=-1)
         candidates = token_ids.tolist()
         left = []
@@ -242,11 +247,6 @@ class Sampler:
             if seed is not None:
                 noise[row].exponential_(generator=self._generator(item.request_id, seed))
         return noise
-
-
-def _row(scores: torch.Tensor | None, index: int) -> torch.Tensor:
-    assert scores is not None
-    return scores[index]
 
 
 def _untied(values: list[float], j: int) -> bool:
