@@ -123,7 +123,20 @@ def test_rows_filled_in_parallel_equal_rows_filled_one_by_one(cache: GrammarCach
     assert torch.equal(masked[0][[0, 3]], logits[[0, 3]])
 
 
-def test_checked_picks_equal_picks_from_masked_logits(cache: GrammarCache) -> None:
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+def test_checked_picks_equal_picks_from_masked_logits(cache: GrammarCache, device: str) -> None:
     """Picking on unmasked logits, checking, trying a refused row's next-best tokens and
     masking only rows left without a pick gives the tokens masking every constrained row
     first gives: greedy, seeded and unseeded sampling from the
@@ -151,7 +164,7 @@ def test_checked_picks_equal_picks_from_masked_logits(cache: GrammarCache) -> No
     masked = _decoder(cache, grammars, check_first=False)
     samplers = []
     for decoder in (checked, masked):
-        sampler = Sampler(seed=5, device=torch.device("cpu"))
+        sampler = Sampler(seed=5, device=torch.device(device))
         sampler.constraint = decoder
         samplers.append(sampler)
     checks = {"picks": 0, "refused": 0, "next best": 0, "masked": 0}
@@ -193,7 +206,7 @@ def test_checked_picks_equal_picks_from_masked_logits(cache: GrammarCache) -> No
     generator = torch.Generator().manual_seed(1)
     for _ in range(40):
         logits = torch.randn(len(requests), cache.vocab_size, generator=generator) * 2 + lift
-        picks = [sampler(logits.clone(), requests)[0] for sampler in samplers]
+        picks = [sampler(logits.to(device, copy=True), requests)[0] for sampler in samplers]
         assert picks[0] == picks[1]
         for decoder in (checked, masked):
             decoder.accept([r.request_id for r in requests], picks[0])
