@@ -243,10 +243,12 @@ class _TimedConstraint:
 def grammar_cost(args: argparse.Namespace) -> dict[str, Any]:
     """What the constrained rows cost the engine thread, without the server: the offline
     engine runs the workload's batch (``--concurrency`` requests, one in four constrained by
-    the workload schema, greedy, ``--max-tokens`` each) once per mode, interleaved, the
+    the workload schema, greedy, ``--max-tokens`` each) twice per mode, interleaved, the
     grammar work timed as the engine thread's CPU time (fills serial, so that thread does all
-    of it; a busy machine slows it less than wall time). Then one matcher walked through
-    SAMPLE_OUTPUT: ``fill_next_token_bitmask``'s CPU time by grammar state."""
+    of it; a busy machine slows it less than wall time). On CUDA compare the step times
+    instead: there the check's read of the picks waits for the GPU's forward pass, and that
+    wait counts as CPU time. Then one matcher walked through SAMPLE_OUTPUT:
+    ``fill_next_token_bitmask``'s CPU time by grammar state."""
     import xgrammar as xgr
 
     from engine import LLM, SamplingParams
