@@ -20,8 +20,9 @@ process (the C++ CPU kernels' fused stack), decode-only steps of batch 1 and 16 
 ``LLM.engine.step()``, the median of ``--steps`` steps, alone and beside the busy process in
 alternating rounds, for each team mode: ``adapt`` (the default: the team narrows to the CPUs
 other processes leave free, kernels/cpu/csrc/contention.h), ``team`` (always the whole team)
-and ``solo`` (thread 0 alone). It also prints, per run, how often the step thread sat
-runnable without a CPU (``/proc/self/task/<tid>/schedstat``) and where it ran.
+and ``solo`` (thread 0 alone). It also prints, per run, the step thread's CPU time a step
+(solo: what a step costs one CPU, a figure other load moves far less than wall time), how
+long it sat runnable without a CPU (``/proc/self/task/<tid>/schedstat``) and where it ran.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Point:
     busy_tok_s: float
     busy_cpu: int
     # CPUs this process (the load generator) used during the quiet run: to the server a
-    # neighbour like any other (kernels/cpu/csrc/contention.h narrows the team for 0.6)
+    # neighbour like any other (kernels/cpu/csrc/contention.h narrows the team from 0.5)
     client_cpus: float = 0.0
     load: float = 0.0  # 1-minute load average when the point ended
 
@@ -189,6 +190,7 @@ class OfflineRun:
     mode: str
     busy: bool
     step_s: float  # median decode step
+    thread_cpu_s: float  # per step: CPU time of the step thread (thread 0 of the team)
     run_delay_s: float  # per step: the step thread runnable but not running
     on_busy_cpu: float  # share of steps after which the step thread was on the busy CPU
     active: int  # team threads the last step ran (0: the whole team, never narrowed)
@@ -253,11 +255,13 @@ def offline(args: argparse.Namespace) -> list[OfflineRun]:
             while time.perf_counter() < warm_until:
                 engine.step()
             delay0, _ = _thread_sched()
+            cpu0 = time.thread_time()
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 engine.step()
                 times.append(time.perf_counter() - t0)
                 cpus.append(_thread_sched()[1])
+            thread_cpu = (time.thread_time() - cpu0) / args.steps
             delay1, _ = _thread_sched()
             active, foreign, _, _ = ops.stack_contention_read().tolist()
         set_mode("adapt")
@@ -269,6 +273,7 @@ def offline(args: argparse.Namespace) -> list[OfflineRun]:
             mode=mode,
             busy=busy,
             step_s=statistics.median(times),
+            thread_cpu_s=thread_cpu,
             run_delay_s=(delay1 - delay0) * 1e-9 / args.steps,
             on_busy_cpu=sum(c == busy_cpu for c in cpus) / len(cpus),
             active=int(active),
@@ -291,6 +296,7 @@ def format_offline(r: OfflineRun, busy_cpu: int) -> str:
     where = f"beside a busy process on CPU {busy_cpu}" if r.busy else "alone"
     return (
         f"batch {r.batch:<3} {r.mode:<6} {where:<34} step {r.step_s * 1e3:7.2f} ms  "
+        f"thread 0 CPU {r.thread_cpu_s * 1e3:6.2f} ms/step  "
         f"run delay {r.run_delay_s * 1e3:6.2f} ms/step  on CPU {busy_cpu} {r.on_busy_cpu:4.0%}  "
         f"team threads {r.active or 'all'}  others {r.foreign_cpus:.2f} CPUs  load {r.load:.1f}"
     )

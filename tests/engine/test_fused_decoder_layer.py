@@ -302,7 +302,7 @@ def test_team_narrows_beside_busy_processes(tmp_path):
             if narrowed > 0:
                 break
         assert active == 1 and narrowed > 0, (active, foreign, samples, narrowed)
-        assert foreign >= 0.6
+        assert foreign >= 0.5
     finally:
         for proc in busy:
             proc.kill()

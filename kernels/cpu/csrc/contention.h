@@ -18,9 +18,9 @@
 //   neighbour, which then shows whole. So there is no need to probe the wide team again.
 //
 // Invariants:
-// - active() is between 1 and the team size it was asked for; it only changes at a sample,
-//   and only across a margin (kMargin) so that a neighbour near a threshold does not make
-//   the team flap between sizes every period.
+// - The threads a step runs are between 1 and the team's size; they change only at a sample,
+//   and narrowing and widening have thresholds apart (kNarrowAt, kWidenAt), so that a
+//   neighbour near one does not make the team flap between sizes every period.
 // - A sample spanning more than kStaleNs (the server was idle, or this is the first step) is
 //   not used: it starts a new period.
 // - Where /proc/stat cannot be read (not Linux, a sandbox), the team is never narrowed.
@@ -51,10 +51,12 @@ class CpuContention {
  public:
   static constexpr int64_t kPeriodNs = 200'000'000;  // 20 USER_HZ ticks on each CPU
   static constexpr int64_t kStaleNs = 2'000'000'000;
-  // free CPUs must fall this far below the active threads before the team narrows, or rise
-  // this far above them before it widens: beside one busy neighbour on 2 CPUs, narrow once
-  // others take 0.6 of a CPU, widen again once they take 0.4 or less.
-  static constexpr double kMargin = 0.6;
+  // Others hold a CPU once they take kNarrowAt of one (a second at 1 + kNarrowAt, ...), and
+  // give it back once they take kWidenAt or less. Why these: while the team is whole, its
+  // worker takes part of the neighbour's CPU, so a busy neighbour shows as less than a whole
+  // CPU (the worker's share); once narrowed, it shows whole, far from kWidenAt.
+  static constexpr double kNarrowAt = 0.5;
+  static constexpr double kWidenAt = 0.3;
 
   // Thread 0, before a step of a team of `team` threads: how many of them to run (>= 1).
   int64_t threads_for_step(int64_t team) {
@@ -116,14 +118,15 @@ class CpuContention {
     if (!r.ok || !before.ok || r.cpus != before.cpus || now - before.wall_ns > kStaleNs) return;
     const double wall = double(now - before.wall_ns) * 1e-9;
     foreign_ = std::max(0.0, (r.busy_s - before.busy_s) - (r.own_s - before.own_s)) / wall;
-    const double free = double(r.cpus) - foreign_;
     ++samples_;
     if (!enabled_.load(std::memory_order_relaxed)) return;
     int64_t active = active_.load(std::memory_order_relaxed);
     if (active <= 0) active = team;
-    const int64_t target = std::clamp<int64_t>(int64_t(std::floor(free + 1.0 - kMargin + 1e-9)), 1, team);
-    if ((target < active && free <= double(active) - kMargin) || (target > active && free >= double(active) + kMargin))
-      active = target;
+    const auto left = [&](double held_at) {  // CPUs others leave, counting a CPU held from `held_at`
+      return std::clamp<int64_t>(r.cpus - int64_t(std::floor(foreign_ + 1.0 - held_at)), 1, team);
+    };
+    if (left(kNarrowAt) < active) active = left(kNarrowAt);
+    else if (left(kWidenAt) > active) active = left(kWidenAt);
     active_.store(active, std::memory_order_relaxed);
     if (active < team) ++narrow_samples_;
   }
