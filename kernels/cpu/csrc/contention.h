@@ -92,6 +92,9 @@ class CpuContention {
   // measurements); 0: the samples decide. Returns the previous value.
   int64_t force(int64_t n) { return forced_.exchange(std::max<int64_t>(n, 0)); }
 
+  // Threads the last team step ran (0: none yet).
+  int64_t last_threads() const { return last_threads_.load(std::memory_order_relaxed); }
+
   // [threads the last team step ran (0: none yet), CPUs others took in the last period,
   // periods sampled, periods that ended with the team narrowed]
   std::vector<double> read() {

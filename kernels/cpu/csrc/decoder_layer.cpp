@@ -307,6 +307,11 @@ bool set_stack_adapt_threads(bool on) { return g_contention.set_enabled(on); }
 
 int64_t set_stack_active_threads(int64_t threads) { return g_contention.force(threads); }
 
+bool stack_narrowed() {
+  const int64_t last = g_contention.last_threads();
+  return last > 0 && last < at::get_num_threads();
+}
+
 at::Tensor stack_contention_read() {
   const std::vector<double> values = g_contention.read();
   auto out = at::empty({int64_t(values.size())}, at::kDouble);

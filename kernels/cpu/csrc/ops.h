@@ -103,6 +103,10 @@ bool set_stack_adapt_threads(bool on);
 // team's threads (1: solo), in the whole team's split; 0 (default) lets contention.h decide.
 // Returns the previous value.
 int64_t set_stack_active_threads(int64_t threads);
+// Whether the fused stack's last team step ran fewer threads than the team (contention.h):
+// a kernel called between steps with little work then runs on its caller alone, because a
+// parallel region's thread on a neighbour's CPU would hold the whole step up.
+bool stack_narrowed();
 // contention.h's CpuContention::read(): [threads of a team step now (0: the whole team),
 // CPUs other processes took in the last period, periods sampled, periods ended narrowed].
 at::Tensor stack_contention_read();
