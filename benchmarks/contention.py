@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in offline_summary(runs):
             print(line)
         if args.json:
-            out = {"machine": cpu_name(), "runs": [asdict(r) for r in runs]}
-            args.json.write_text(json.dumps(out, indent=2) + "\n")
+            record = {"machine": cpu_name(), "runs": [asdict(r) for r in runs]}
+            args.json.write_text(json.dumps(record, indent=2) + "\n")
         return 0
     with tempfile.TemporaryDirectory(prefix="pagedserve-contention-") as tmp:
         points = measure(args, Path(tmp))
