@@ -182,6 +182,7 @@ def format_point(p: Point) -> str:
 
 
 OFFLINE_MODES = ("adapt", "team", "solo")
+WARM_STEPS = 400  # at most, before a run's timed steps (0.6 s of them at most)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +235,10 @@ def offline(args: argparse.Namespace) -> list[OfflineRun]:
 
     def one(batch: int, mode: str, busy: bool) -> OfflineRun:
         nonlocal serial
-        params = SamplingParams(max_tokens=args.steps + 64, temperature=0.0, ignore_eos=True)
+        # Enough tokens for the warm-up (at most WARM_STEPS) and the timed steps.
+        params = SamplingParams(
+            max_tokens=WARM_STEPS + args.steps + 8, temperature=0.0, ignore_eos=True
+        )
         ids = []
         for _ in range(batch):
             serial += 1
@@ -252,8 +256,10 @@ def offline(args: argparse.Namespace) -> list[OfflineRun]:
         with busy_process(busy_cpu) if busy else contextlib.nullcontext():
             # Long enough for contention.h to take two samples (200 ms apart) and settle.
             warm_until = time.perf_counter() + 0.6
-            while time.perf_counter() < warm_until:
+            for _ in range(WARM_STEPS):
                 engine.step()
+                if time.perf_counter() >= warm_until:
+                    break
             delay0, _ = _thread_sched()
             cpu0 = time.thread_time()
             for _ in range(args.steps):
