@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from engine.step_trace import ENV as TRACE_ENV
 from loadtest.config import LoadTestConfig
 from loadtest.launcher import ServerProcess, build_command, free_port
 from loadtest.run import SweepResult, run_sweep
@@ -89,12 +90,22 @@ def server_shares(
 
 
 def run_load(
-    cmd: str, name: str, loads: list[Load], log_dir: Path, startup_timeout_s: float
+    cmd: str,
+    name: str,
+    loads: list[Load],
+    log_dir: Path,
+    startup_timeout_s: float,
+    trace_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Start one server, run every load against it in order, stop it."""
+    """Start one server, run every load against it in order, stop it. With ``trace_dir``
+    the server writes its step trace to ``trace_dir/<name>.jsonl`` (engine/step_trace.py)."""
     port = free_port()
     argv = build_command(cmd, host="127.0.0.1", port=port)
-    server = ServerProcess(argv, port, log_dir / f"{name}.log")
+    env = None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, TRACE_ENV: str(trace_dir / f"{name}.jsonl")}
+    server = ServerProcess(argv, port, log_dir / f"{name}.log", env=env)
     print(f"starting {name}: {' '.join(argv)}", flush=True)
     server.start()
     out: dict[str, Any] = {}
@@ -218,6 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds requests in flight at the duration limit may still run",
     )
     p.add_argument("--json", type=Path, default=ROOT / "results" / "latency_targets.json")
+    p.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=None,
+        help="each server writes a step trace here (untargeted.jsonl, targeted.jsonl) for "
+        "python -m benchmarks.step_replay replay",
+    )
     args = p.parse_args(argv)
     if args.target_itl_ms is not None and not args.target_itl_ms > 0:
         p.error("--target-itl-ms must be positive")
@@ -253,12 +271,13 @@ def main(argv: list[str] | None = None) -> int:
 
     untargeted = run_load(args.server_cmd, "untargeted",
                           [Load("c64", lambda _: c64), Load("capacity", lambda _: capacity),
-                           Load("poisson", poisson)], log_dir, args.startup_timeout)  # fmt: skip
+                           Load("poisson", poisson)], log_dir, args.startup_timeout,
+                          args.trace_dir)  # fmt: skip
     target_ms = args.target_itl_ms or round(3 * untargeted["c64"]["itl_p50_s"] * 1000)
     print(f"target ITL {target_ms} ms", flush=True)
     targeted = run_load(f"{args.server_cmd} --target-itl-ms {target_ms}", "targeted",
                         [Load("c64", lambda _: c64), Load("poisson", poisson)], log_dir,
-                        args.startup_timeout)  # fmt: skip
+                        args.startup_timeout, args.trace_dir)  # fmt: skip
     results.update(untargeted=untargeted, targeted=targeted, target_itl_ms=target_ms,
                    poisson_rate=rate["poisson"], capacity_rate=rate["capacity"])  # fmt: skip
     results["machine_after"] = machine()

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from engine.cost import StepCostModel
 from scheduler.latency_targets import DecodeLoad
@@ -70,6 +71,52 @@ CORRECTION_WINDOW = 7
 NUM_FEATURES = 4
 # The four features and the step's shape (0: decode-only, 1: with prompt tokens).
 Features = tuple[float, float, float, float, int]
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """A step's totals, all the predictor (and a step trace, engine/step_trace.py) needs.
+
+    Args:
+        num_rows: scheduled rows (requests).
+        num_decode_rows: of those, one-token rows (decodes and static-batch padding).
+        num_tokens: tokens computed.
+        num_prefill_tokens: of ``num_tokens``, those of rows of more than one token.
+        num_logit_rows: rows the LM head runs on.
+        num_pairs: causal (query, key) pairs of its attention.
+        num_kv_tokens: cached tokens its attention reads (each row's ``start + num_tokens``).
+    """
+
+    num_rows: int
+    num_decode_rows: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_logit_rows: int
+    num_pairs: int
+    num_kv_tokens: int
+
+    @classmethod
+    def of_plan(cls, plan: SchedulerOutput) -> StepShape:
+        num_tokens = num_logit_rows = num_pairs = num_kv_tokens = num_prefill = decodes = 0
+        for item in plan.scheduled:
+            n, start = item.num_tokens, item.start
+            num_tokens += n
+            if n > 1:
+                num_prefill += n
+            else:
+                decodes += 1
+            num_logit_rows += item.samples or item.padding
+            num_pairs += n * start + n * (n + 1) // 2
+            num_kv_tokens += start + n
+        return cls(
+            len(plan.scheduled),
+            decodes,
+            num_tokens,
+            num_prefill,
+            num_logit_rows,
+            num_pairs,
+            num_kv_tokens,
+        )
 
 
 class StepTimePredictor:
@@ -130,15 +177,17 @@ class StepTimePredictor:
 
     def plan_features(self, plan: SchedulerOutput) -> Features:
         """The features of a planned step, exactly from its rows."""
-        num_tokens = num_logit_rows = num_pairs = num_kv_tokens = num_prefill = 0
-        for item in plan.scheduled:
-            n, start = item.num_tokens, item.start
-            num_tokens += n
-            num_prefill += n if n > 1 else 0
-            num_logit_rows += item.samples or item.padding
-            num_pairs += n * start + n * (n + 1) // 2
-            num_kv_tokens += start + n
-        return self.features(num_tokens, num_logit_rows, num_pairs, num_kv_tokens, num_prefill)
+        return self.shape_features(StepShape.of_plan(plan))
+
+    def shape_features(self, shape: StepShape) -> Features:
+        """The features of a step from its totals (a planned step's, or a traced one's)."""
+        return self.features(
+            shape.num_tokens,
+            shape.num_logit_rows,
+            shape.num_pairs,
+            shape.num_kv_tokens,
+            shape.num_prefill_tokens,
+        )
 
     def load_features(self, load: DecodeLoad, num_prefill_tokens: int) -> Features:
         """The features of a step with ``load``'s decodes and ``num_prefill_tokens`` prompt
