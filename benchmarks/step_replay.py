@@ -281,8 +281,12 @@ def record_run(
 
 
 def record(args: argparse.Namespace) -> int:
+    from engine.threads import configure_threads
+
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
+    threads, source = configure_threads(args.num_threads)
+    print(f"{threads} compute threads ({source})", flush=True)
     print(f"load average {os.getloadavg()}", flush=True)
     base = record_run(out, "untargeted", args, None, None)
     target = args.target_itl_ms
@@ -313,6 +317,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec.add_argument("--capacity-requests", type=int, default=32)
     rec.add_argument("--poisson-requests", type=int, default=24)
     rec.add_argument("--load", type=float, default=0.8, help="Poisson rate / capacity")
+    rec.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="compute threads, as the server's flag (default: the CPUs this process may use)",
+    )
     for sp in (rp, rec):
         sp.add_argument("--warmup", type=int, default=20, help="steps not counted at the start")
     args = p.parse_args(argv)
