@@ -27,10 +27,26 @@ GGUF blocks, kernel efficiency at each size). The fit:
   time grows with the prompt tokens and the most that fit is found by bisection;
 * down-weights a step whose time is far from the prediction (a stall of another process,
   a page fault storm) instead of letting it drag the fit;
-* multiplies the fit by a fast correction per step shape (decode-only steps, steps with
-  prompt tokens): the median of the last few such steps' measured / fitted ratios, since on
-  a shared machine the speed moves within seconds, faster than the fit forgets (a median,
-  so that one stalled step does not move it).
+* is multiplied by two corrections learnt from the measured / fitted ratios::
+
+      predicted = fit(x) * speed * bias[shape class]
+
+  - ``speed``, shared by every step: the machine's speed right now, the median of the last
+    ``SPEED_WINDOW`` steps' measured / (fit * bias). On a shared machine it moves within
+    seconds, faster than the fit forgets, and a slowdown lasts several steps, so the last
+    few steps say the most about the next; it moves every kind of step alike, so a prefill
+    step after a run of decodes is predicted at the decodes' speed, not at the speed of the
+    last prefill a minute ago; and a median of three ignores one stalled step;
+  - ``bias``, per shape class (decode-only by rows, mixed and prefill-only by prompt
+    tokens, each in powers of two): what the fit gets wrong about that class persistently
+    (a kernel's efficiency at one size, per-row Python work the cost model does not count).
+    It is learnt after the speed, from measured / (fit * speed), at ``BIAS_SMOOTHING``; a
+    class not seen yet takes its kind's bias (all classes of decode-only, mixed or
+    prefill-only steps), so the first step of a new batch size starts from its neighbours.
+
+  A step's log ratio counts in a bias at most ``LOG_STEP_LIMIT``, so one stalled step
+  (another process took the core) moves it little; and the biases are kept centred on the
+  recent steps, so that what all classes share goes to the speed.
 
 Ownership: the fit's sums are this object's. The engine calls ``features``/``observe`` per
 step; the scheduler calls ``predict``/``prefill_tokens_within`` (it sees this object only
@@ -39,6 +55,7 @@ through the ``StepTimePredictor`` protocol of scheduler/latency_targets.py).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -65,12 +82,30 @@ HEADROOM_QUANTILE = 0.9
 HEADROOM_WINDOW = 128
 MAX_HEADROOM = 1.5
 
-# A shape's correction is the median measured / fitted ratio of its last this many steps.
-CORRECTION_WINDOW = 7
+# The speed is the median of the last this many steps' log(measured / (fit * bias)).
+SPEED_WINDOW = 3
+# Weight of the newest step in a shape class's running log average, and the bound on that
+# step's log(measured / predicted) in it (log 1.105: a stalled step moves a bias by 3% at most).
+BIAS_SMOOTHING = 0.3
+LOG_STEP_LIMIT = 0.1
+# Weight of the newest step in the classes' shares of the recent steps (``_centre``).
+CENTRE_SMOOTHING = 0.05
 
 NUM_FEATURES = 4
-# The four features and the step's shape (0: decode-only, 1: with prompt tokens).
-Features = tuple[float, float, float, float, int]
+# Step kinds of the shape classes.
+DECODE, MIXED, PREFILL = 0, 1, 2
+# A step's shape class: (kind, size class), size in powers of two (rows of a decode-only
+# step, prompt tokens / 16 of the others).
+ShapeClass = tuple[int, int]
+# The four features and the step's shape class.
+Features = tuple[float, float, float, float, ShapeClass]
+
+
+def shape_class(num_rows: int, num_decode_rows: int, num_prefill_tokens: int) -> ShapeClass:
+    if num_prefill_tokens == 0:
+        return DECODE, num_rows.bit_length()
+    kind = PREFILL if num_decode_rows == 0 else MIXED
+    return kind, (num_prefill_tokens >> 4).bit_length()
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,10 +174,14 @@ class StepTimePredictor:
         # measured / predicted of recent steps, and the headroom factor they give.
         self._ratios: deque[float] = deque(maxlen=HEADROOM_WINDOW)
         self.headroom = 1.0
-        # Per shape: the last steps' measured / fitted ratios, and their median (1.0 until
-        # a step of the shape is seen).
-        self._shape_ratios = [deque(maxlen=CORRECTION_WINDOW) for _ in range(2)]
-        self.corrections = [1.0, 1.0]
+        # The corrections, as logs: the machine's speed, and the bias of each shape class
+        # and of each kind (the fallback of a class not seen yet).
+        self._log_speed = 0.0
+        self._recent_speeds: deque[float] = deque(maxlen=SPEED_WINDOW)
+        # Each class's share of the recent steps (a running average), for ``_centre``.
+        self._share: dict[ShapeClass, float] = {}
+        self._log_bias: dict[ShapeClass, float] = {}
+        self._log_kind_bias: dict[int, float] = {}
 
     # ---- features -------------------------------------------------------------------------
 
@@ -153,6 +192,7 @@ class StepTimePredictor:
         num_pairs: int,
         num_kv_tokens: int,
         num_prefill_tokens: int = 0,
+        num_decode_rows: int | None = None,
     ) -> Features:
         """The feature vector of a step from its totals.
 
@@ -162,7 +202,10 @@ class StepTimePredictor:
             num_pairs: causal (query, key) pairs of its attention.
             num_kv_tokens: cached tokens its attention reads (each row's ``seq_len``).
             num_prefill_tokens: of ``num_tokens``, prompt tokens (rows of more than one).
+            num_decode_rows: one-token rows (default: ``num_tokens - num_prefill_tokens``).
         """
+        if num_decode_rows is None:
+            num_decode_rows = num_tokens - num_prefill_tokens
         weight_bytes, matmul_flops, attention_flops = self.cost_model.parts(
             num_tokens, num_logit_rows, num_pairs
         )
@@ -172,7 +215,9 @@ class StepTimePredictor:
             weight_bytes / NOMINAL_BANDWIDTH,
             matmul_flops / NOMINAL_FLOPS,
             attention_flops / NOMINAL_FLOPS + kv_bytes / NOMINAL_BANDWIDTH,
-            int(num_prefill_tokens > 0),
+            shape_class(
+                num_decode_rows + (num_prefill_tokens > 0), num_decode_rows, num_prefill_tokens
+            ),  # fmt: skip
         )
 
     def plan_features(self, plan: SchedulerOutput) -> Features:
@@ -187,6 +232,7 @@ class StepTimePredictor:
             shape.num_pairs,
             shape.num_kv_tokens,
             shape.num_prefill_tokens,
+            shape.num_decode_rows,
         )
 
     def load_features(self, load: DecodeLoad, num_prefill_tokens: int) -> Features:
@@ -202,6 +248,7 @@ class StepTimePredictor:
             load.num_context_tokens + p * s + p * (p + 1) // 2,
             load.num_context_tokens + (s + p if prefill else 0),
             p,
+            load.num_rows,
         )
 
     # ---- the fit --------------------------------------------------------------------------
@@ -222,10 +269,7 @@ class StepTimePredictor:
         predicted = self.predict_features(features)
         fitted = self._fitted(features)
         if fitted is not None and fitted > 0:
-            shape = features[NUM_FEATURES]
-            recent = self._shape_ratios[shape]
-            recent.append(seconds / fitted)
-            self.corrections[shape] = sorted(recent)[len(recent) // 2]
+            self._correct(features[NUM_FEATURES], seconds / fitted)
         if predicted is not None and predicted > 0:
             residual = abs(predicted / seconds - 1.0)
             if residual > OUTLIER:
@@ -246,6 +290,52 @@ class StepTimePredictor:
         self._s_den = FORGETTING * self._s_den + weight * total * total
         self.num_observed += 1
         self._theta = None
+
+    def _correct(self, shape: ShapeClass, ratio: float) -> None:
+        """Move the shape class's bias and the speed towards a step's measured / fitted
+        ``ratio``."""
+        log_ratio = math.log(ratio)
+        bias = self._bias_log(shape)
+        recent = self._recent_speeds
+        recent.append(log_ratio - bias)
+        self._log_speed = sorted(recent)[len(recent) // 2]
+        residual = log_ratio - self._log_speed  # what the speed does not explain
+        self._log_bias[shape] = bias + BIAS_SMOOTHING * _limit(residual - bias)
+        kind = shape[0]
+        kind_bias = self._log_kind_bias.get(kind, 0.0)
+        self._log_kind_bias[kind] = kind_bias + BIAS_SMOOTHING * _limit(residual - kind_bias)
+        self._centre(shape)
+
+    def _centre(self, shape: ShapeClass) -> None:
+        """Move what the biases share into the speed: shift every bias so that their mean
+        over the recent steps is 0, and the speed by the opposite (no prediction changes).
+        Without this, speed + bias of a class is learnt but not the split: a slowdown seen
+        during a run of one class would partly stay in that class's bias, and the other
+        classes would not be predicted slower."""
+        for c in self._share:
+            self._share[c] *= 1.0 - CENTRE_SMOOTHING
+        self._share[shape] = self._share.get(shape, 0.0) + CENTRE_SMOOTHING
+        total = sum(self._share.values())
+        mean = sum(w * self._log_bias[c] for c, w in self._share.items()) / total
+        for c in self._log_bias:
+            self._log_bias[c] -= mean
+        for k in self._log_kind_bias:
+            self._log_kind_bias[k] -= mean
+        self._recent_speeds = deque((v + mean for v in self._recent_speeds), SPEED_WINDOW)
+        self._log_speed += mean
+
+    def _bias_log(self, shape: ShapeClass) -> float:
+        bias = self._log_bias.get(shape)
+        return bias if bias is not None else self._log_kind_bias.get(shape[0], 0.0)
+
+    @property
+    def speed(self) -> float:
+        """The machine's speed factor now (1.0 until a step is seen)."""
+        return math.exp(self._log_speed)
+
+    def bias(self, shape: ShapeClass) -> float:
+        """The correction of a shape class (its kind's for a class not seen yet)."""
+        return math.exp(self._bias_log(shape))
 
     @property
     def coefficients(self) -> list[float] | None:
@@ -292,7 +382,7 @@ class StepTimePredictor:
         fitted = self._fitted(features)
         if fitted is None:
             return None
-        return fitted * self.corrections[features[NUM_FEATURES]]
+        return fitted * math.exp(self._log_speed + self._bias_log(features[NUM_FEATURES]))
 
     def predict_plan(self, plan: SchedulerOutput) -> float | None:
         return self.predict_features(self.plan_features(plan))
@@ -319,6 +409,10 @@ class StepTimePredictor:
             else:
                 low = middle
         return low
+
+
+def _limit(log_ratio: float) -> float:
+    return max(-LOG_STEP_LIMIT, min(LOG_STEP_LIMIT, log_ratio))
 
 
 def _over(predicted: float | None, budget_s: float) -> bool:
