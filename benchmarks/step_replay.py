@@ -58,6 +58,8 @@ from engine.step_trace import ENV as TRACE_ENV
 from engine.step_trace import Trace, TracedStep, read_trace
 
 WITHIN = 0.2
+# Steps at the start of a trace not counted (the predictor's warm-up).
+WARMUP = 20
 SMALL_TOKENS = 32
 # Noise floor: steps of the same shape (rows, decode rows equal; tokens and context within
 # SHAPE_TOLERANCE) within NOISE_WINDOW steps of each other.
@@ -324,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="compute threads, as the server's flag (default: the CPUs this process may use)",
     )
     for sp in (rp, rec):
-        sp.add_argument("--warmup", type=int, default=20, help="steps not counted at the start")
+        sp.add_argument("--warmup", type=int, default=WARMUP, help="steps not counted at the start")
     args = p.parse_args(argv)
     if args.command == "record":
         if args.target_itl_ms is not None and not args.target_itl_ms > 0:
