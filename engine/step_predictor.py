@@ -24,7 +24,8 @@ GGUF blocks, kernel efficiency at each size). The fit:
   of decode-only steps says nothing about prefill) keep a sensible value; that factor alone
   is the prediction after the first step;
 * keeps every coefficient >= 0 (a step never gets faster with more work), so the predicted
-  time grows with the prompt tokens and the most that fit is found by bisection;
+  time grows with the prompt tokens and the most that fit is found by bisection (exactly
+  within a shape class, below);
 * down-weights a step whose time is far from the prediction (a stall of another process,
   a page fault storm) instead of letting it drag the fit;
 * is multiplied by two corrections learnt from the measured / fitted ratios::
@@ -392,8 +393,10 @@ class StepTimePredictor:
 
     def prefill_tokens_within(self, load: DecodeLoad, budget_s: float, max_tokens: int) -> int:
         """The most prompt tokens in [0, max_tokens] whose predicted step, times the
-        ``headroom`` recent overruns call for, stays within ``budget_s`` (bisection: the
-        prediction grows with the tokens, theta >= 0)."""
+        ``headroom`` recent overruns call for, stays within ``budget_s``, by bisection: the
+        fit grows with the tokens (theta >= 0), and so does the prediction within a shape
+        class; where a class boundary lowers it, the answer is a count that fits with the
+        next one not fitting, which may be short of the largest."""
         if self.coefficients is None or max_tokens <= 0:
             return 0
         budget_s /= self.headroom
