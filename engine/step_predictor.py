@@ -78,9 +78,13 @@ OUTLIER = 0.5
 # ``prefill_tokens_within`` answers "fits" when the prediction times this quantile of the
 # recent measured/predicted ratios stays within the budget: a step sized to the budget by an
 # unbiased prediction would overrun it half the time. Bounded, so a burst of outliers cannot
-# shut prefill down (the targets' minimum chunk applies anyway).
+# shut prefill down (the targets' minimum chunk applies anyway). The ratios are those of the
+# steps with prompt tokens, the steps the answer sizes, once HEADROOM_MIN_STEPS of them are
+# in the window: the decode-only steps of a few rows, short and so jittering the most,
+# would otherwise leave a quarter of every mixed step's budget unused.
 HEADROOM_QUANTILE = 0.9
 HEADROOM_WINDOW = 128
+HEADROOM_MIN_STEPS = 16
 MAX_HEADROOM = 1.5
 
 # The speed is the median of the last this many steps' log(measured / (fit * bias)).
@@ -172,8 +176,10 @@ class StepTimePredictor:
         self._s_den = 0.0
         self.num_observed = 0
         self._theta: list[float] | None = None
-        # measured / predicted of recent steps, and the headroom factor they give.
+        # measured / predicted of recent steps, all and those with prompt tokens, and the
+        # headroom factor they give.
         self._ratios: deque[float] = deque(maxlen=HEADROOM_WINDOW)
+        self._prompt_ratios: deque[float] = deque(maxlen=HEADROOM_WINDOW)
         self.headroom = 1.0
         # The corrections, as logs: the machine's speed, and the bias of each shape class
         # and of each kind (the fallback of a class not seen yet).
@@ -276,7 +282,12 @@ class StepTimePredictor:
             if residual > OUTLIER:
                 weight = OUTLIER / residual
             self._ratios.append(seconds / predicted)
-            ordered = sorted(self._ratios)
+            if features[NUM_FEATURES][0] != DECODE:
+                self._prompt_ratios.append(seconds / predicted)
+            ratios = self._prompt_ratios
+            if len(ratios) < HEADROOM_MIN_STEPS:
+                ratios = self._ratios
+            ordered = sorted(ratios)
             quantile = ordered[min(len(ordered) - 1, int(HEADROOM_QUANTILE * len(ordered)))]
             self.headroom = min(MAX_HEADROOM, max(1.0, quantile))
         n = NUM_FEATURES
