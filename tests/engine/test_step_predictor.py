@@ -217,3 +217,25 @@ def test_a_shape_class_learns_what_the_fit_gets_wrong_about_it() -> None:
     assert predictor.predict_features(slow) == pytest.approx(odd(slow), rel=0.05)
     other = predictor.load_features(DecodeLoad(40, 40 * 300), 0)
     assert predictor.predict_features(other) == pytest.approx(machine(other), rel=0.1)
+
+
+def test_the_headroom_comes_from_the_steps_with_prompt_tokens() -> None:
+    """Short decode-only steps lose a time slice to another process now and then (one in 6
+    takes 1.6x), steps with prompt tokens jitter by 3%: the headroom that sizes prefill
+    follows the latter once there are enough of them, and all steps before."""
+    predictor = StepTimePredictor(COST, KV_BYTES_PER_TOKEN)
+    rng = random.Random(8)
+    headrooms = []
+    for i in range(400):
+        rows = rng.randint(1, 4)
+        load = DecodeLoad(rows, rows * 300)
+        prefill = rng.randint(64, 512) if i % 8 == 7 else 0
+        features = predictor.load_features(load, prefill)
+        if prefill:
+            slowdown = rng.uniform(0.97, 1.03)
+        else:
+            slowdown = 1.6 if rng.random() < 1 / 6 else 1.0
+        predictor.observe(features, machine(features) * slowdown)
+        headrooms.append(predictor.headroom)
+    assert headrooms[100] > 1.3  # 12 steps with prompt tokens so far: all steps count
+    assert 1.0 <= headrooms[-1] < 1.15
