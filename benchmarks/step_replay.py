@@ -1,7 +1,7 @@
 """The step-time predictor offline: record real steps once, replay them through the
 predictor in seconds, and split its misses into the machine's noise and the model's error.
 
-    python -m benchmarks.step_replay record --out results/steps      # ~2-4 min, in-process
+    python -m benchmarks.step_replay record --out results/steps      # in-process, see below
     python -m benchmarks.step_replay replay results/steps/*.jsonl    # seconds
 
 **record** runs the default model in this process (``LLM``, no HTTP) through the loads of
@@ -14,6 +14,9 @@ writing a step trace (engine/step_trace.py, ``PAGEDSERVE_STEP_TRACE``):
    uniform 64-1,024 tokens, 64 output tokens): its request rate is the capacity;
 3. Poisson arrivals at ``--load`` (80%) of that capacity, ``--poisson-requests`` mixed
    requests (the targeted run reuses the untargeted run's rate).
+
+On the shared 2-core machine at a load average of 7 the two engines took 10 and 6 minutes
+(a c=64 decode step 0.5-1 s); a quiet machine runs them about ten times faster.
 
 A server writes the same trace when started with ``PAGEDSERVE_STEP_TRACE`` set (or through
 ``python -m benchmarks.latency_targets --trace-dir DIR``), HTTP threads and all.
