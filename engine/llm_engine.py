@@ -222,7 +222,8 @@ class LLMEngine:
         ]
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        """Close the step trace and stop the tensor-parallel workers, if any (the workers are
+        also stopped at interpreter exit)."""
         if self.step_trace is not None:
             self.step_trace.close()
         if self.tp is not None:
