@@ -28,26 +28,34 @@ GGUF blocks, kernel efficiency at each size). The fit:
   within a shape class, below);
 * down-weights a step whose time is far from the prediction (a stall of another process,
   a page fault storm) instead of letting it drag the fit;
-* is multiplied by two corrections learnt from the measured / fitted ratios::
+* is multiplied by corrections learnt from the measured / fitted ratios. A decode-only
+  step::
 
       predicted = fit(x) * speed * bias[shape class]
 
-  - ``speed``, shared by every step: the machine's speed right now, the median of the last
-    ``SPEED_WINDOW`` steps' measured / (fit * bias). On a shared machine it moves within
+  - ``speed``: the machine's speed right now, the median of the last ``SPEED_WINDOW``
+    steps' (of every kind) measured / (fit * bias). On a shared machine it moves within
     seconds, faster than the fit forgets, and a slowdown lasts several steps, so the last
-    few steps say the most about the next; it moves every kind of step alike, so a prefill
-    step after a run of decodes is predicted at the decodes' speed, not at the speed of the
-    last prefill a minute ago; and a median of three ignores one stalled step;
-  - ``bias``, per shape class (decode-only by rows, mixed and prefill-only by prompt
-    tokens, each in powers of two): what the fit gets wrong about that class persistently
-    (a kernel's efficiency at one size, per-row Python work the cost model does not count).
-    It is learnt after the speed, from measured / (fit * speed), at ``BIAS_SMOOTHING``; a
-    class not seen yet takes its kind's bias (all classes of decode-only, mixed or
-    prefill-only steps), so the first step of a new batch size starts from its neighbours.
+    few steps say the most about the next; a median of three ignores one stalled step;
+  - ``bias``, per shape class (decode-only steps by rows in powers of two): what the fit
+    gets wrong about that size persistently (a kernel's efficiency at one size, per-row
+    Python work the cost model does not count), so that a change of batch size does not
+    carry the old size's correction. It is learnt after the speed, from
+    measured / (fit * speed), at ``BIAS_SMOOTHING``, a step counting at most
+    ``LOG_STEP_LIMIT`` (one stalled step moves it little); a class not seen yet takes its
+    kind's bias, so the first step of a new batch size starts from its neighbours; and the
+    biases are kept centred on the recent steps, so that what all classes share goes to
+    the speed.
 
-  A step's log ratio counts in a bias at most ``LOG_STEP_LIMIT``, so one stalled step
-  (another process took the core) moves it little; and the biases are kept centred on the
-  recent steps, so that what all classes share goes to the speed.
+  A step with prompt tokens (mixed or prefill-only)::
+
+      predicted = fit(x) * median(measured / fitted of the last PROMPT_WINDOW such steps)
+
+  They come a few seconds apart between runs of short decode steps, and the decode steps'
+  speed did not carry over to them: replayed step traces (``benchmarks.step_replay``)
+  of a quiet machine had them within 20% for 96% with their own median and 40% with the
+  decode steps' speed (benchmarks/RESULTS.md). Classes and kinds are still learnt for them
+  (the fallback before any such step).
 
 Ownership: the fit's sums are this object's. The engine calls ``features``/``observe`` per
 step; the scheduler calls ``predict``/``prefill_tokens_within`` (it sees this object only
@@ -93,6 +101,9 @@ SPEED_WINDOW = 3
 # step's log(measured / predicted) in it (log 1.105: a stalled step moves a bias by 3% at most).
 BIAS_SMOOTHING = 0.3
 LOG_STEP_LIMIT = 0.1
+# Steps with prompt tokens are corrected by the median measured / fitted of the last this
+# many such steps (see the module's docstring).
+PROMPT_WINDOW = 7
 # Weight of the newest step in the classes' shares of the recent steps (``_centre``).
 CENTRE_SMOOTHING = 0.05
 
@@ -187,6 +198,8 @@ class StepTimePredictor:
         self._recent_speeds: deque[float] = deque(maxlen=SPEED_WINDOW)
         # Each class's share of the recent steps (a running average), for ``_centre``.
         self._share: dict[ShapeClass, float] = {}
+        # measured / fitted of the last steps with prompt tokens (their correction).
+        self._prompt_corrections: deque[float] = deque(maxlen=PROMPT_WINDOW)
         self._log_bias: dict[ShapeClass, float] = {}
         self._log_kind_bias: dict[int, float] = {}
 
@@ -306,6 +319,8 @@ class StepTimePredictor:
     def _correct(self, shape: ShapeClass, ratio: float) -> None:
         """Move the shape class's bias and the speed towards a step's measured / fitted
         ``ratio``."""
+        if shape[0] != DECODE:
+            self._prompt_corrections.append(ratio)
         log_ratio = math.log(ratio)
         bias = self._bias_log(shape)
         recent = self._recent_speeds
@@ -394,7 +409,11 @@ class StepTimePredictor:
         fitted = self._fitted(features)
         if fitted is None:
             return None
-        return fitted * math.exp(self._log_speed + self._bias_log(features[NUM_FEATURES]))
+        shape = features[NUM_FEATURES]
+        if shape[0] != DECODE and self._prompt_corrections:
+            recent = sorted(self._prompt_corrections)
+            return fitted * recent[len(recent) // 2]
+        return fitted * math.exp(self._log_speed + self._bias_log(shape))
 
     def predict_plan(self, plan: SchedulerOutput) -> float | None:
         return self.predict_features(self.plan_features(plan))
