@@ -50,6 +50,8 @@ class SpeculativeDecoder:
         max_step_tokens: int,
         *,
         seed: int,
+        row_cost: float = 0.0,
+        proposal_cost: float = 0.0,
         device: torch.device,
         argmax: Callable[[torch.Tensor], torch.Tensor],
         draft: DraftModelProposer | None = None,
@@ -57,7 +59,9 @@ class SpeculativeDecoder:
         if (config.method == "draft") != (draft is not None):
             raise ValueError("the draft method needs a draft proposer, and only it")
         self.config = config
-        self.policy = SpeculationPolicy(config.num_speculative_tokens, max_step_tokens)
+        self.policy = SpeculationPolicy(
+            config.num_speculative_tokens, max_step_tokens, row_cost, proposal_cost
+        )
         self.device = device
         self.argmax = argmax
         self.draft = draft
@@ -99,19 +103,32 @@ class SpeculativeDecoder:
             and _room(r, scheduler.max_model_len) >= 2
             and self.policy.may_propose(r.request_id)
         ]
-        k = self.policy.drafts_per_request(len(scheduler.running), len(candidates))
+        # The step's cap first (auto-disable: no request's record changes in a step too
+        # full to speculate), then each request's own k by its acceptance.
+        cap = self.policy.drafts_per_request(len(scheduler.running), len(candidates))
+        wanted: dict[str, int] = {}
+        if cap > 0:
+            for request in candidates:
+                k = min(cap, self.policy.wanted(request.request_id))
+                if k > 0:
+                    wanted[request.request_id] = k
         drafts: dict[str, list[int]] = {}
-        if k > 0 and self.draft is None:
+        if wanted and self.draft is None:
             cfg = self.config
             for request in candidates:
+                k = wanted.get(request.request_id, 0)
+                if k == 0:
+                    continue
                 tokens = propose_ngram(
                     request.token_ids(0, request.num_tokens), cfg.ngram_min, cfg.ngram_max, k
                 )
                 if tokens:
                     drafts[request.request_id] = tokens
-        elif k > 0 and self.draft is not None:
+        elif wanted and self.draft is not None:
             proposals: dict[str, DraftProposal] = self.draft.propose(
-                candidates, k, lambda r: self._generator(r, "draft")
+                [r for r in candidates if r.request_id in wanted],
+                wanted,
+                lambda r: self._generator(r, "draft"),
             )
             for request_id, proposal in proposals.items():
                 drafts[request_id] = proposal.token_ids
