@@ -6,11 +6,11 @@ The engine's step with speculation (engine/llm_engine.py)::
     plan   = scheduler.schedule(draft_token_ids=drafts)
     result = runner.execute(plan)                  # speculative rows -> speculator.verify()
     update = scheduler.update_from_output(plan, result)   # accepted tokens, slots rolled back
-    speculator.end_step(plan)                      # backoff, draft K/V kept, stats
+    speculator.end_step(plan)                      # acceptance records, draft K/V kept, stats
 
 Owns: the proposer (and through it the draft model's K/V pool), the policy's per-request
-backoff, this step's proposals and verifications, and the random generators of
-verification and drafting (per seeded request, or one shared generator): a seeded request
+acceptance records and pauses, this step's proposals and verifications, and the random
+generators of verification and drafting (per seeded request, or one shared generator): a seeded request
 draws only from its own streams, so its output does not depend on its neighbours.
 """
 
@@ -187,7 +187,7 @@ class SpeculativeDecoder:
     # ---- after the step -------------------------------------------------------------------
 
     def end_step(self, plan: SchedulerOutput) -> SpecStepStats:
-        """Feed this step's verifications to the backoff and the draft pool.
+        """Feed this step's verifications to the acceptance records and the draft pool.
 
         Args:
             plan: the step's plan (its speculative rows are the verified ones).
