@@ -32,16 +32,17 @@ average. Speculating pays when that rate beats plain decoding's one token a step
 ``a`` is estimated per request from its own drafts, recent ones weighing more: each draft
 checked is a trial (kept, or the miss that ends the verification), and before each trial
 the counts decay, ``A <- DECAY A + kept``, ``R <- DECAY R + missed``, so about the last
-``1 / (1 - DECAY)`` = 10 trials count; ``a = (A + 1/2) / (A + R + 1)``, 1/2 for a fresh
-request. A request copying its prompt reaches ``a`` ~ 0.9 within three verifications and
-proposes the full ``K``; one whose drafts keep missing shrinks to 1 draft, then to none.
+``1 / (1 - DECAY)`` = 10 trials count; ``a = (A + 1/2) / (A + R + 1)``. A request copying
+its prompt reaches ``a`` ~ 0.9 within three verifications and proposes the full ``K``; one
+whose drafts keep missing shrinks to 1 draft, then to none.
 
-A request for which nothing pays pauses for ``pause`` steps, which starts at ``MIN_PAUSE``
-and doubles up to ``MAX_PAUSE`` while its probes fail; after a pause it probes with one
-draft, the cheapest test, whatever its estimate says. A probe whose draft is kept starts
-the request afresh (``a`` = 1/2, pause back to ``MIN_PAUSE``). In free generation, where
-n-gram drafts are rarely right, this bounds the waste to one 2-row step per ``MAX_PAUSE``
-steps once the pause has grown.
+A fresh request first probes with one draft, the cheapest test, whatever its estimate says
+(its ``a`` of 1/2 alone would not pay for a draft model's drafts). A request for which
+nothing pays pauses for ``pause`` steps, which starts at ``MIN_PAUSE`` and doubles up to
+``MAX_PAUSE`` while it stays so, and then probes again; a verification that keeps a draft
+sets ``pause`` back to ``MIN_PAUSE``. In free generation, where n-gram drafts are rarely
+right, this bounds the waste to one 2-row step per ``MAX_PAUSE`` steps once the pause has
+grown.
 
 ``row_cost`` per device (``default_row_cost``):
 
@@ -110,7 +111,7 @@ class _Record:
     missed: float = 0.0  # discounted drafts rejected (at most one a verification)
     pause: int = MIN_PAUSE
     paused_until: int = 0  # step number at which it may propose again
-    probing: bool = False  # its next proposal is the one-draft probe after a pause
+    probing: bool = True  # its next proposal is a one-draft probe (fresh, or after a pause)
 
     @property
     def acceptance(self) -> float:
@@ -191,14 +192,13 @@ class SpeculationPolicy:
         if num_drafts == 0:
             return
         record = self._records.setdefault(request_id, _Record())
-        if record.probing and num_accepted > 0:  # a probe that hit: start afresh
-            self._records[request_id] = _Record()
-            return
         record.probing = False
         for _ in range(num_accepted):
             record.trial(True)
         if num_accepted < num_drafts:
             record.trial(False)
+        if num_accepted > 0:
+            record.pause = MIN_PAUSE
 
     def forget(self, request_id: str) -> None:
         self._records.pop(request_id, None)

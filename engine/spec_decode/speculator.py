@@ -10,8 +10,9 @@ The engine's step with speculation (engine/llm_engine.py)::
 
 Owns: the proposer (and through it the draft model's K/V pool), the policy's per-request
 acceptance records and pauses, this step's proposals and verifications, and the random
-generators of verification and drafting (per seeded request, or one shared generator): a seeded request
-draws only from its own streams, so its output does not depend on its neighbours.
+generators of verification and drafting (per seeded request, or one shared generator): a
+seeded request draws only from its own streams, so its output does not depend on its
+neighbours.
 """
 
 from __future__ import annotations

@@ -293,7 +293,7 @@ def test_policy_ramps_up_on_kept_drafts_and_pauses_on_missed_ones():
     from engine.spec_decode.policy import MAX_PAUSE, MIN_PAUSE, SpeculationPolicy
 
     policy = SpeculationPolicy(num_speculative_tokens=4, max_step_tokens=16, row_cost=0.4)
-    # A copying request: from 1 draft (a = 1/2) to the full 4 as its drafts are kept.
+    # A copying request: from 1 draft (the fresh probe) to the full 4 as its drafts are kept.
     ks = []
     for _ in range(5):
         policy.begin_step()
@@ -317,16 +317,35 @@ def test_policy_ramps_up_on_kept_drafts_and_pauses_on_missed_ones():
         assert policy.wanted("free") == 1  # the probe
         policy.observe("free", 1, 0)
     assert pauses == [MIN_PAUSE, 2 * MIN_PAUSE, 4 * MIN_PAUSE, MAX_PAUSE, MAX_PAUSE]
-    # A probe that hits starts the request afresh.
+    # A probe that hits counts as a kept draft and sets the pause back to MIN_PAUSE.
     policy.begin_step()
     policy.wanted("free")
     while not policy.may_propose("free"):
         policy.begin_step()
     assert policy.wanted("free") == 1
+    before = policy.acceptance("free")
     policy.observe("free", 1, 1)
-    assert policy.acceptance("free") == 0.5
+    assert policy.acceptance("free") > before
     policy.begin_step()
-    assert policy.wanted("free") == 1
+    assert policy.wanted("free") == 0  # still too poor: a pause, back at MIN_PAUSE
+    start = policy._step
+    while not policy.may_propose("free"):
+        policy.begin_step()
+    assert policy._step - start == MIN_PAUSE
+    # A draft model's drafts cost its step too (c = 0.8 here): a draft pays only once the
+    # request's acceptance is above 0.8, which its probes establish.
+    drafted = SpeculationPolicy(4, 16, row_cost=0.4, proposal_cost=0.4)
+    drafted.begin_step()
+    assert drafted.wanted("r") == 1  # the fresh probe
+    drafted.observe("r", 1, 1)  # a = 3/4: 1.75 / 1.8 < 1, so a pause and another probe
+    drafted.begin_step()
+    assert drafted.wanted("r") == 0
+    while not drafted.may_propose("r"):
+        drafted.begin_step()
+    assert drafted.wanted("r") == 1
+    drafted.observe("r", 1, 1)  # a = 0.83: 1 draft pays
+    drafted.begin_step()
+    assert drafted.wanted("r") == 1
     policy.forget("free")
     assert policy.may_propose("free")
 
