@@ -12,7 +12,8 @@ order per prompt, greedy, prefix caching off so no run warms the next:
    (loadtest/workloads.py ``grounded_prompt``): the output repeats the prompt, the case
    n-gram prompt lookup is for. TPOT (first token to last / (tokens - 1)) off vs on.
 2. **Free generation, concurrency 1.** Chat-template story prompts: little to copy; the
-   per-request backoff should keep the cost of failed proposals small.
+   acceptance-aware k (engine/spec_decode/policy.py: one-draft probes between pauses)
+   should keep the cost of failed proposals small.
 3. **Concurrency 16 and 64.** Waves of grounded and free prompts together, EOS ignored:
    output tokens per second over the wave, and over its decode phase (after every request
    has its first token); each mode ``--repeats`` times, the fastest run counting. The
