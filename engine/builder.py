@@ -47,7 +47,7 @@ from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer
-from engine.spec_decode.policy import default_max_step_tokens
+from engine.spec_decode.policy import default_max_step_tokens, default_row_cost
 from engine.spec_decode.speculator import SpeculativeDecoder
 from engine.step_predictor import StepTimePredictor
 from engine.tensor_parallel import TPLayout, check_shardable, shard_model
@@ -590,17 +590,28 @@ def build_speculator(
     max_step_tokens = spec.max_step_tokens or default_max_step_tokens(
         device.type, cost_model.block_rows
     )
+    row_cost = spec.row_cost if spec.row_cost is not None else default_row_cost(device.type)
+    # A draft token costs a draft step: about the draft's weights over the target's.
+    proposal_cost = 0.0
+    if draft is not None:
+        target_params = cost_model.body_matmul_params + cost_model.lm_head_params
+        proposal_cost = draft.model_config.num_params / max(1, target_params)
     logger.info(
         "speculative decoding: %s, up to %d tokens per request, while a step's decodes and "
-        "drafts stay within %d tokens",
+        "drafts stay within %d tokens; drafts by acceptance at %.2f of a decode step a row "
+        "(+ %.2f to propose)",
         spec.method if draft is None else f"draft model {spec.model}",
         spec.num_speculative_tokens,
         max_step_tokens,
+        row_cost,
+        proposal_cost,
     )
     return SpeculativeDecoder(
         spec,
         max_step_tokens,
         seed=seed,
+        row_cost=row_cost,
+        proposal_cost=proposal_cost,
         device=device,
         argmax=argmax if argmax is not None else _torch_argmax,
         draft=proposer,

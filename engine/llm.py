@@ -87,6 +87,7 @@ class LLM:
         speculative_model: str | None = None,
         speculative_load_format: str = "auto",
         speculative_max_step_tokens: int | None = None,
+        speculative_row_cost: float | None = None,
     ) -> None:
         """Arguments mirror the server's flags (server/README.md). Speculative decoding
         (engine/spec_decode/) is on when ``speculative_method`` is "ngram" or "draft"."""
@@ -100,6 +101,7 @@ class LLM:
                 model=speculative_model,
                 draft_load_format=speculative_load_format,
                 max_step_tokens=speculative_max_step_tokens,
+                row_cost=speculative_row_cost,
             )
         self.engine = LLMEngine(
             EngineConfig(

@@ -269,6 +269,7 @@ def speculative_config(pick: Callable[[str], dict[str, Any]]) -> SpeculativeConf
         "model": values["speculative_model"],
         "draft_load_format": values["speculative_load_format"],
         "max_step_tokens": values["speculative_max_step_tokens"],
+        "row_cost": values["speculative_row_cost"],
     }
     if method is None:
         if fields["model"] is not None:
@@ -368,6 +369,12 @@ _OPTIONS: tuple[Option, ...] = (
            "speculate only while a step's decodes and drafts stay within this many tokens; "
            "auto = the device's (16 on the CPU, fewer where GGUF blocks stop sooner; 128 on "
            "CUDA)"),
+    Option("--speculative-row-cost", "speculative", "speculative_row_cost",
+           optional(float), _SPEC.row_cost,
+           "what verifying one more draft row costs, relative to a one-row decode step: a "
+           "request proposes the number of drafts its recent acceptance pays for, none "
+           "(pausing) when nothing does; 0 = always the full count; auto = the device's "
+           "(0.4 on the CPU, 0.02 on CUDA)"),
     # kvpool
     Option("--block-size", "kvpool", "block_size", int, DEFAULT_BLOCK_SIZE,
            "tokens per KV block (a power of two)"),

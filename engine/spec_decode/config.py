@@ -28,6 +28,11 @@ class SpeculativeConfig:
         no drafts when not even one each fits (so batches of more than half of it decode
         plainly). None takes the engine's default for the device
         (engine/spec_decode/policy.py: ``default_max_step_tokens``).
+    row_cost: the acceptance-aware rule. What verifying one more row costs, relative to a
+        one-row decode step: each request proposes the number of drafts its recent
+        acceptance pays for, and none, pausing, when no number does (engine/spec_decode/
+        policy.py). 0 turns the rule off (every request proposes k); None takes the
+        device's default (``default_row_cost``).
     """
 
     method: str = "ngram"
@@ -37,6 +42,7 @@ class SpeculativeConfig:
     model: str | None = None
     draft_load_format: str = "auto"
     max_step_tokens: int | None = None
+    row_cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -62,3 +68,5 @@ class SpeculativeConfig:
             )
         if self.max_step_tokens is not None and self.max_step_tokens < 2:
             raise ValueError(f"max_step_tokens must be at least 2, got {self.max_step_tokens}")
+        if self.row_cost is not None and not 0 <= self.row_cost <= 100:
+            raise ValueError(f"row_cost must be in [0, 100], got {self.row_cost}")

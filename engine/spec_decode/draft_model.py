@@ -26,7 +26,7 @@ preempts anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +70,7 @@ class DraftModelProposer:
     def propose(
         self,
         requests: list[Request],
-        num_tokens: int,
+        num_tokens: Mapping[str, int],
         generators: Callable[[Request], torch.Generator],
     ) -> dict[str, DraftProposal]:
         """Propose ``num_tokens`` drafts for each request that fits in the draft pool.
@@ -78,7 +78,8 @@ class DraftModelProposer:
         Args:
             requests: decoding requests (all their known tokens but the last computed by
                 the target).
-            num_tokens: drafts per request (k >= 1).
+            num_tokens: request id -> its drafts (k >= 1); a request stops drafting at
+                its own k while the others go on.
             generators: the random stream of a sampled request.
         Returns:
             Request id -> its proposal.
@@ -86,15 +87,19 @@ class DraftModelProposer:
         rows: list[ScheduledRequest] = []
         proposing = {r.request_id for r in requests}
         for request in requests:
-            if self._make_room(request, num_tokens, proposing):
+            if self._make_room(request, num_tokens[request.request_id], proposing):
                 rows.append(self._catch_up_row(request))
         if not rows:
             return {}
         drafts: dict[str, list[int]] = {row.request_id: [] for row in rows}
         probs: dict[str, list[torch.Tensor]] = {row.request_id: [] for row in rows}
-        for j in range(num_tokens):
+        for j in range(max(num_tokens[row.request_id] for row in rows)):
             if j > 0:
-                rows = [self._decode_row(row, drafts[row.request_id][-1]) for row in rows]
+                rows = [
+                    self._decode_row(row, drafts[row.request_id][-1])
+                    for row in rows
+                    if num_tokens[row.request_id] > j
+                ]
             batch = build_input_batch(
                 SchedulerOutput(scheduled=rows), self.storage.block_size, self.device
             )

@@ -1,12 +1,13 @@
-"""When to speculate: the per-step auto-disable rule and the per-request backoff.
+"""When to speculate and how far: the per-step auto-disable rule and the per-request,
+acceptance-aware number of drafts.
 
 **Auto-disable (per step).** Verifying ``k`` drafts costs ``k`` more rows in the step's
 forward pass. While a step is memory-bound (it reads every weight once whatever its rows)
 those rows are nearly free; once the step has enough rows to be compute-bound, every row
 costs its FLOPs and a rejected draft is pure loss. So a step speculates only while its
-decodes plus their drafts stay within ``max_step_tokens``: each decoding request gets
-``min(k, (max_step_tokens - num_running) // num_proposing)`` drafts, and none when that
-is below 1. The default for the device (``default_max_step_tokens``):
+decodes plus their drafts stay within ``max_step_tokens``: each proposing request gets at
+most ``(max_step_tokens - num_running) // num_proposing`` drafts, and none when that is
+below 1. The default for the device (``default_max_step_tokens``):
 
 * the CPU: 16 rows. Measured on the 2-core AMD EPYC machine this project is built on
   (default model, C++ kernels with GGUF blocks, benchmarks/RESULTS.md): a step of up to 16
@@ -17,24 +18,55 @@ is below 1. The default for the device (``default_max_step_tokens``):
 * CUDA: 128 rows, well below the ridge point of a bf16 GPU matmul (H100:
   ~990 TFLOP/s / 3.35 TB/s, about 300 rows).
 
-**Backoff (per request).** A request whose drafts keep being rejected stops proposing for a
-while: after each verification its acceptance score becomes ``(score + accepted / k) / 2``
-(starting at 1); below ``POOR_ACCEPTANCE`` it pauses for ``pause`` steps, which starts at
-``MIN_PAUSE`` and doubles up to ``MAX_PAUSE`` while acceptance stays poor (reset by a good
-verification). After a pause the score restarts at ``RESUME_SCORE``, so one more poor
-verification pauses it again.
+**Acceptance-aware k (per request).** A verification of ``k`` drafts makes a batch-1 step
+cost ``1 + k c`` decode steps, where ``c`` (``row_cost``) is what one more row costs,
+relative to a one-row decode step, plus what proposing one draft costs (0 for n-gram
+lookups; about the draft model's size over the target's for a draft model). Greedy
+verification keeps drafts up to the first miss, so with ``a`` the chance that a draft is
+right when the ones before it were, the step emits ``1 + a + a^2 + ... + a^k`` tokens on
+average. Speculating pays when that rate beats plain decoding's one token a step::
+
+    gain(k) = (1 + a + ... + a^k) / (1 + k c)        propose argmax_k gain(k), k in 1..K,
+                                                      or nothing if no gain(k) exceeds 1
+
+``a`` is estimated per request from its own drafts, recent ones weighing more: each draft
+checked is a trial (kept, or the miss that ends the verification), and before each trial
+the counts decay, ``A <- DECAY A + kept``, ``R <- DECAY R + missed``, so about the last
+``1 / (1 - DECAY)`` = 10 trials count; ``a = (A + 1/2) / (A + R + 1)``. A request copying
+its prompt reaches ``a`` ~ 0.9 within three verifications and proposes the full ``K``; one
+whose drafts keep missing shrinks to 1 draft, then to none.
+
+A fresh request first probes with one draft, the cheapest test, whatever its estimate says
+(its ``a`` of 1/2 alone would not pay for a draft model's drafts). A request for which
+nothing pays pauses for ``pause`` steps, which starts at ``MIN_PAUSE`` and doubles up to
+``MAX_PAUSE`` while it stays so, and then probes again; a verification that keeps a draft
+sets ``pause`` back to ``MIN_PAUSE``. In free generation, where n-gram drafts are rarely
+right, this bounds the waste to one 2-row step per ``MAX_PAUSE`` steps once the pause has
+grown.
+
+``row_cost`` per device (``default_row_cost``):
+
+* the CPU: 0.4. Measured on the 2-core AMD EPYC machine (default model, GGUF blocks,
+  AVX-512 VNNI; benchmarks/RESULTS.md): a 5-row verification step costs about 2.6 one-row
+  decode steps. A one-row step is bound by reading the weights; each further row adds its
+  integer dot products (three per weight and row, for exactness: kernels/cpu/csrc/
+  gemm_q.cpp), about 0.4 of a decode step's time;
+* CUDA: 0.02. A GPU step of a few rows is bound by reading the weights alone.
+
+``row_cost=0`` disables the rule (every request proposes ``K``, never pauses).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POOR_ACCEPTANCE = 0.3
-RESUME_SCORE = 0.5
+DECAY = 0.9
 MIN_PAUSE = 8
 MAX_PAUSE = 64
 CPU_STEP_TOKENS = 16
 CUDA_STEP_TOKENS = 128
+CPU_ROW_COST = 0.4
+CUDA_ROW_COST = 0.02
 
 
 def default_max_step_tokens(device_type: str, block_rows: int) -> int:
@@ -51,28 +83,75 @@ def default_max_step_tokens(device_type: str, block_rows: int) -> int:
     return CPU_STEP_TOKENS
 
 
+def default_row_cost(device_type: str) -> float:
+    """What verifying one more row costs, relative to a one-row decode step (module
+    docstring)."""
+    return CUDA_ROW_COST if device_type == "cuda" else CPU_ROW_COST
+
+
+def best_num_drafts(acceptance: float, max_drafts: int, draft_cost: float) -> int:
+    """The ``k`` in ``0..max_drafts`` with the most tokens per unit of step time, where a
+    draft is right with probability ``acceptance`` given the ones before it were and each
+    draft costs ``draft_cost`` of a decode step (module docstring); 0 when none beats plain
+    decoding."""
+    best_k, best_gain = 0, 1.0
+    tokens, term = 1.0, 1.0
+    for k in range(1, max_drafts + 1):
+        term *= acceptance
+        tokens += term
+        gain = tokens / (1.0 + k * draft_cost)
+        if gain > best_gain:
+            best_k, best_gain = k, gain
+    return best_k
+
+
 @dataclass(slots=True)
-class _Backoff:
-    score: float = RESUME_SCORE
+class _Record:
+    kept: float = 0.0  # discounted drafts kept
+    missed: float = 0.0  # discounted drafts rejected (at most one a verification)
     pause: int = MIN_PAUSE
     paused_until: int = 0  # step number at which it may propose again
+    probing: bool = True  # its next proposal is a one-draft probe (fresh, or after a pause)
+
+    @property
+    def acceptance(self) -> float:
+        return (self.kept + 0.5) / (self.kept + self.missed + 1.0)
+
+    def trial(self, kept: bool) -> None:
+        self.kept = DECAY * self.kept + kept
+        self.missed = DECAY * self.missed + (not kept)
 
 
 class SpeculationPolicy:
-    """Decides, per step, how many drafts each decoding request may propose.
+    """Decides, per step, how many drafts each decoding request proposes.
 
-    Owns: each request's acceptance score and pause (forgotten when it finishes).
+    Owns: each request's acceptance record and pause (forgotten when it finishes).
     """
 
-    def __init__(self, num_speculative_tokens: int, max_step_tokens: int) -> None:
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        max_step_tokens: int,
+        row_cost: float = 0.0,
+        proposal_cost: float = 0.0,
+    ) -> None:
+        """Args:
+        num_speculative_tokens: K, the most drafts a request proposes in a step.
+        max_step_tokens: the auto-disable rule's budget.
+        row_cost: one more verified row, relative to a one-row decode step (0: every
+            request proposes K).
+        proposal_cost: proposing one draft, in the same unit (a draft model's step).
+        """
         self.k = num_speculative_tokens
         self.max_step_tokens = max_step_tokens
-        self._backoff: dict[str, _Backoff] = {}
+        self.row_cost = row_cost
+        self.draft_cost = row_cost + proposal_cost if row_cost > 0 else 0.0
+        self._records: dict[str, _Record] = {}
         self._step = 0
 
     def drafts_per_request(self, num_running: int, num_candidates: int) -> int:
-        """Drafts each of ``num_candidates`` decoding requests may propose in a step with
-        ``num_running`` running requests: 0 disables speculation for the step."""
+        """The auto-disable cap: drafts each of ``num_candidates`` proposing requests may
+        have in a step with ``num_running`` running requests; 0 disables speculation."""
         if num_candidates == 0:
             return 0
         room = self.max_step_tokens - num_running
@@ -82,23 +161,44 @@ class SpeculationPolicy:
         self._step += 1
 
     def may_propose(self, request_id: str) -> bool:
-        state = self._backoff.get(request_id)
-        return state is None or self._step >= state.paused_until
+        record = self._records.get(request_id)
+        return record is None or self._step >= record.paused_until
+
+    def wanted(self, request_id: str) -> int:
+        """Drafts the request should propose this step by its acceptance (module
+        docstring), before the step's cap; 0 pauses it. Call once per step, for a request
+        that ``may_propose``."""
+        if self.draft_cost <= 0:
+            return self.k
+        record = self._records.setdefault(request_id, _Record())
+        if self._step < record.paused_until:
+            return 0
+        if record.probing:
+            return 1
+        k = best_num_drafts(record.acceptance, self.k, self.draft_cost)
+        if k == 0:
+            record.paused_until = self._step + record.pause
+            record.pause = min(2 * record.pause, MAX_PAUSE)
+            record.probing = True
+        return k
+
+    def acceptance(self, request_id: str) -> float:
+        """The request's estimated per-draft acceptance (1/2 before any verification)."""
+        record = self._records.get(request_id)
+        return record.acceptance if record is not None else _Record().acceptance
 
     def observe(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         """Record a verification of ``num_drafts`` drafts of which ``num_accepted`` were kept."""
         if num_drafts == 0:
             return
-        state = self._backoff.setdefault(request_id, _Backoff())
-        if state.paused_until:  # the first verification after a pause
-            state.score = RESUME_SCORE
-            state.paused_until = 0
-        state.score = (state.score + num_accepted / num_drafts) / 2
-        if state.score < POOR_ACCEPTANCE:
-            state.paused_until = self._step + state.pause
-            state.pause = min(2 * state.pause, MAX_PAUSE)
-        elif num_accepted > 0:
-            state.pause = MIN_PAUSE
+        record = self._records.setdefault(request_id, _Record())
+        record.probing = False
+        for _ in range(num_accepted):
+            record.trial(True)
+        if num_accepted < num_drafts:
+            record.trial(False)
+        if num_accepted > 0:
+            record.pause = MIN_PAUSE
 
     def forget(self, request_id: str) -> None:
-        self._backoff.pop(request_id, None)
+        self._records.pop(request_id, None)

@@ -6,12 +6,13 @@ The engine's step with speculation (engine/llm_engine.py)::
     plan   = scheduler.schedule(draft_token_ids=drafts)
     result = runner.execute(plan)                  # speculative rows -> speculator.verify()
     update = scheduler.update_from_output(plan, result)   # accepted tokens, slots rolled back
-    speculator.end_step(plan)                      # backoff, draft K/V kept, stats
+    speculator.end_step(plan)                      # acceptance records, draft K/V kept, stats
 
 Owns: the proposer (and through it the draft model's K/V pool), the policy's per-request
-backoff, this step's proposals and verifications, and the random generators of
-verification and drafting (per seeded request, or one shared generator): a seeded request
-draws only from its own streams, so its output does not depend on its neighbours.
+acceptance records and pauses, this step's proposals and verifications, and the random
+generators of verification and drafting (per seeded request, or one shared generator): a
+seeded request draws only from its own streams, so its output does not depend on its
+neighbours.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class SpeculativeDecoder:
         max_step_tokens: int,
         *,
         seed: int,
+        row_cost: float = 0.0,
+        proposal_cost: float = 0.0,
         device: torch.device,
         argmax: Callable[[torch.Tensor], torch.Tensor],
         draft: DraftModelProposer | None = None,
@@ -57,7 +60,9 @@ class SpeculativeDecoder:
         if (config.method == "draft") != (draft is not None):
             raise ValueError("the draft method needs a draft proposer, and only it")
         self.config = config
-        self.policy = SpeculationPolicy(config.num_speculative_tokens, max_step_tokens)
+        self.policy = SpeculationPolicy(
+            config.num_speculative_tokens, max_step_tokens, row_cost, proposal_cost
+        )
         self.device = device
         self.argmax = argmax
         self.draft = draft
@@ -99,19 +104,32 @@ class SpeculativeDecoder:
             and _room(r, scheduler.max_model_len) >= 2
             and self.policy.may_propose(r.request_id)
         ]
-        k = self.policy.drafts_per_request(len(scheduler.running), len(candidates))
+        # The step's cap first (auto-disable: no request's record changes in a step too
+        # full to speculate), then each request's own k by its acceptance.
+        cap = self.policy.drafts_per_request(len(scheduler.running), len(candidates))
+        wanted: dict[str, int] = {}
+        if cap > 0:
+            for request in candidates:
+                k = min(cap, self.policy.wanted(request.request_id))
+                if k > 0:
+                    wanted[request.request_id] = k
         drafts: dict[str, list[int]] = {}
-        if k > 0 and self.draft is None:
+        if wanted and self.draft is None:
             cfg = self.config
             for request in candidates:
+                k = wanted.get(request.request_id, 0)
+                if k == 0:
+                    continue
                 tokens = propose_ngram(
                     request.token_ids(0, request.num_tokens), cfg.ngram_min, cfg.ngram_max, k
                 )
                 if tokens:
                     drafts[request.request_id] = tokens
-        elif k > 0 and self.draft is not None:
+        elif wanted and self.draft is not None:
             proposals: dict[str, DraftProposal] = self.draft.propose(
-                candidates, k, lambda r: self._generator(r, "draft")
+                [r for r in candidates if r.request_id in wanted],
+                wanted,
+                lambda r: self._generator(r, "draft"),
             )
             for request_id, proposal in proposals.items():
                 drafts[request_id] = proposal.token_ids
@@ -170,7 +188,7 @@ class SpeculativeDecoder:
     # ---- after the step -------------------------------------------------------------------
 
     def end_step(self, plan: SchedulerOutput) -> SpecStepStats:
-        """Feed this step's verifications to the backoff and the draft pool.
+        """Feed this step's verifications to the acceptance records and the draft pool.
 
         Args:
             plan: the step's plan (its speculative rows are the verified ones).

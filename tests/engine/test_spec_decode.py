@@ -29,7 +29,9 @@ from scheduler.request import Request
 from tests.engine.parity import Reference, assert_parity, hf_greedy
 
 MAX_TOKENS = 24
-CPU = {"device": "cpu", "dtype": "float32"}
+# Random tiny models' drafts are mostly wrong, so the acceptance-aware rule would soon stop
+# them proposing; the exactness tests turn it off (row cost 0: every request proposes k).
+CPU = {"device": "cpu", "dtype": "float32", "speculative_row_cost": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -262,8 +264,8 @@ def test_verify_row_samples_the_penalised_truncated_distribution():
     _chi_square(counts, target, "verify_row first token")
 
 
-def test_auto_disable_shrinks_k_with_the_batch_and_backoff_pauses_poor_requests():
-    from engine.spec_decode.policy import MIN_PAUSE, SpeculationPolicy, default_max_step_tokens
+def test_auto_disable_shrinks_k_with_the_batch():
+    from engine.spec_decode.policy import SpeculationPolicy, default_max_step_tokens
 
     policy = SpeculationPolicy(num_speculative_tokens=4, max_step_tokens=16)
     assert policy.drafts_per_request(1, 1) == 4
@@ -272,19 +274,113 @@ def test_auto_disable_shrinks_k_with_the_batch_and_backoff_pauses_poor_requests(
     assert policy.drafts_per_request(9, 9) == 0  # more than half the budget: plain decodes
     assert default_max_step_tokens("cpu", 8) == 8
     assert default_max_step_tokens("cpu", 64) == 16
+    assert policy.wanted("any") == 4  # row cost 0: the acceptance rule is off
+
+
+def test_best_num_drafts_proposes_what_acceptance_pays_for():
+    from engine.spec_decode.policy import best_num_drafts
+
+    # gain(k) = (1 + a + ... + a^k) / (1 + k c)
+    assert best_num_drafts(0.95, 4, 0.4) == 4  # copying: every draft pays
+    assert best_num_drafts(0.95, 8, 0.4) == 6  # a 7th draft would cost more than it brings
+    assert best_num_drafts(0.75, 8, 0.4) == 2  # 2.31 / 1.8 = 1.28 beats 1.25 (k=1), 1.24 (k=3)
+    assert best_num_drafts(0.3, 8, 0.4) == 0  # 1.3 / 1.4 < 1: plain decoding is faster
+    assert best_num_drafts(0.3, 8, 0.02) == 3  # on a GPU rows are nearly free
+    assert best_num_drafts(1.0, 4, 0.0) == 4
+
+
+def test_policy_ramps_up_on_kept_drafts_and_pauses_on_missed_ones():
+    from engine.spec_decode.policy import MAX_PAUSE, MIN_PAUSE, SpeculationPolicy
+
+    policy = SpeculationPolicy(num_speculative_tokens=4, max_step_tokens=16, row_cost=0.4)
+    # A copying request: from 1 draft (the fresh probe) to the full 4 as its drafts are kept.
+    ks = []
+    for _ in range(5):
+        policy.begin_step()
+        k = policy.wanted("copy")
+        ks.append(k)
+        policy.observe("copy", k, k)
+    assert ks[0] == 1 and ks[-1] == 4 and ks == sorted(ks), ks
+    # A request whose drafts miss: one miss from fresh pauses it for MIN_PAUSE steps, then
+    # it probes with one draft; each failed probe doubles the pause up to MAX_PAUSE.
     policy.begin_step()
-    policy.observe("good", 4, 3)
-    policy.observe("bad", 4, 0)  # a first verification that keeps nothing pauses
-    assert policy.may_propose("good") and not policy.may_propose("bad")
-    for _ in range(MIN_PAUSE):
+    assert policy.wanted("free") == 1
+    policy.observe("free", 1, 0)
+    pauses = []
+    for _ in range(5):
         policy.begin_step()
-    assert policy.may_propose("bad")
-    policy.observe("bad", 4, 0)  # still poor: the pause doubles
-    for _ in range(MIN_PAUSE):
+        assert policy.wanted("free") == 0  # pauses from here
+        start = policy._step
+        while not policy.may_propose("free"):
+            policy.begin_step()
+        pauses.append(policy._step - start)
+        assert policy.wanted("free") == 1  # the probe
+        policy.observe("free", 1, 0)
+    assert pauses == [MIN_PAUSE, 2 * MIN_PAUSE, 4 * MIN_PAUSE, MAX_PAUSE, MAX_PAUSE]
+    # A probe that hits counts as a kept draft and sets the pause back to MIN_PAUSE.
+    policy.begin_step()
+    policy.wanted("free")
+    while not policy.may_propose("free"):
         policy.begin_step()
-    assert not policy.may_propose("bad")
-    policy.forget("bad")
-    assert policy.may_propose("bad")
+    assert policy.wanted("free") == 1
+    before = policy.acceptance("free")
+    policy.observe("free", 1, 1)
+    assert policy.acceptance("free") > before
+    policy.begin_step()
+    assert policy.wanted("free") == 0  # still too poor: a pause, back at MIN_PAUSE
+    start = policy._step
+    while not policy.may_propose("free"):
+        policy.begin_step()
+    assert policy._step - start == MIN_PAUSE
+    # A draft model's drafts cost its step too (c = 0.8 here): a draft pays only once the
+    # request's acceptance is above 0.8, which its probes establish.
+    drafted = SpeculationPolicy(4, 16, row_cost=0.4, proposal_cost=0.4)
+    drafted.begin_step()
+    assert drafted.wanted("r") == 1  # the fresh probe
+    drafted.observe("r", 1, 1)  # a = 3/4: 1.75 / 1.8 < 1, so a pause and another probe
+    drafted.begin_step()
+    assert drafted.wanted("r") == 0
+    while not drafted.may_propose("r"):
+        drafted.begin_step()
+    assert drafted.wanted("r") == 1
+    drafted.observe("r", 1, 1)  # a = 0.83: 1 draft pays
+    drafted.begin_step()
+    assert drafted.wanted("r") == 1
+    policy.forget("free")
+    assert policy.may_propose("free")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_acceptance_aware_k_stays_exact_with_short_drafts_and_pauses(
+    target, truncated_draft, prompts, references, method
+):
+    """With a row cost, each request's k follows its acceptance (shorter drafts, pauses,
+    probes; the draft model drafting a different k per request in one pass) in real
+    batches, and output is still exact."""
+    extra = {"ngram_min": 1} if method == "ngram" else {"speculative_model": str(truncated_draft)}
+    llm = LLM(str(target), num_kv_blocks=64, speculative_method=method,
+              num_speculative_tokens=4, device="cpu", dtype="float32", **extra)  # fmt: skip
+    policy = llm.engine.speculator.policy
+    if method == "ngram":
+        assert policy.draft_cost == 0.4  # the CPU's default
+    else:
+        # The row and the tiny draft's step (its embedding makes it most of the target's):
+        # too dear for its drafts to ever pay, so cheapened here to let k vary.
+        assert policy.draft_cost > 0.4
+        policy.draft_cost = 0.05
+    engine = llm.engine
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    sizes: set[int] = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[int(out.request_id[1:])].extend(out.new_token_ids)
+        sizes |= set(engine.speculator._proposed.values())
+        engine.check_integrity()
+    check(tokens, references, f"{method}, acceptance-aware k")
+    assert 1 in sizes and len(sizes) > 1, f"k did not vary: {sizes}"
 
 
 def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
@@ -322,7 +418,7 @@ def test_speculative_rows_on_every_attention_backend(tiny_llama_gqa, backend, de
                   attention_backend=backend)  # fmt: skip
     plain = LLM(str(tiny_llama_gqa), **kwargs).generate(prompts, params)
     spec = LLM(str(tiny_llama_gqa), speculative_method="ngram", ngram_min=1,
-               num_speculative_tokens=3, **kwargs)  # fmt: skip
+               num_speculative_tokens=3, speculative_row_cost=0.0, **kwargs)  # fmt: skip
     tokens, accepted = generate(spec, prompts, params=params)
     assert [tokens[i] for i in range(len(prompts))] == [out.token_ids for out in plain]
     assert accepted > 0

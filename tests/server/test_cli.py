@@ -175,17 +175,19 @@ def test_speculative_flags_reach_the_config_and_bad_ones_exit_2(monkeypatch, cap
     seen: list = []
     monkeypatch.setattr(cli, "serve", lambda config: seen.append(config) or 0)
     argv = ["serve", "--speculative-method", "ngram", "--num-speculative-tokens", "6",
-            "--ngram-min", "1", "--ngram-max", "3"]  # fmt: skip
+            "--ngram-min", "1", "--ngram-max", "3", "--speculative-row-cost", "0.25"]  # fmt: skip
     assert cli.main(argv) == 0
     spec = seen[0].engine.speculative
-    got = (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
-    assert got == ("ngram", 6, 1, 3)
+    got = (spec.method, spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max,
+           spec.row_cost)  # fmt: skip
+    assert got == ("ngram", 6, 1, 3, 0.25)
     assert cli.main(["serve"]) == 0 and seen[1].engine.speculative is None
     for bad, message in [
         (["--speculative-method", "draft"], "needs a speculative model"),
         (["--speculative-model", "/m"], "needs --speculative-method draft"),
         (["--speculative-method", "ngram", "--ngram-min", "5"], "ngram_min <= ngram_max"),
         (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "[1, 16]"),
+        (["--speculative-method", "ngram", "--speculative-row-cost", "-1"], "row_cost"),
     ]:
         with pytest.raises(SystemExit) as exited:
             cli.main(["serve", *bad])

@@ -391,6 +391,13 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   // items to spread one prompt over the threads, few enough that re-reading the context into
   // each run's transposed K stays small next to the scoring.
   constexpr int64_t kMinRunRows = 32, kMaxPieces = 16;
+  // A run of at most kShortRun rows (a speculative verification's k + 1, a short chunk) is
+  // attended row by row, as decodes: attend_run's fixed costs (transposing the whole
+  // context's K, whatever the rows) are not paid back over so few rows, and its one item per
+  // KV head leaves threads idle (3 items for 2 threads with the default model), while the
+  // rows as decodes split into context spans over every thread and read the same K/V, from
+  // cache after the first row.
+  constexpr int64_t kShortRun = 8;
   // The bookkeeping vectors below are thread_local and reused: allocated in every call they
   // were ~10 mallocs a layer, each a few cache misses after a step's weights streamed by.
   // NOTE: the workers below reach them through these references (a lambda does not capture
@@ -412,7 +419,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   run_start.clear();
   for (size_t w = 0; w + 1 < whole.size(); ++w) {
     const int64_t len = whole[w + 1] - whole[w];
-    const int64_t piece = std::max(kMinRunRows, (len + kMaxPieces - 1) / kMaxPieces);
+    const int64_t piece = len <= kShortRun ? 1 : std::max(kMinRunRows, (len + kMaxPieces - 1) / kMaxPieces);
     for (int64_t i = whole[w]; i < whole[w + 1]; i += piece) run_start.push_back(i);
   }
   run_start.push_back(num_seqs);
