@@ -276,8 +276,9 @@ def test_quantized_kernels_compile_for_sm90(sm90_build_errors, build):
 # ---- C++ --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 32),
-                                                                       (16, 4, 128)])  # fmt: skip
+# head_dim 96: Hadamard blocks of 16 (kv_quant.hadamard_block)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64), (8, 8, 32), (16, 4, 128), (8, 2, 96)])  # fmt: skip
 def test_cpu_decode_over_int8_matches_reference(ops, num_heads, num_kv_heads, head_dim):
     torch.manual_seed(2)
     nb, bs = 40, 16
