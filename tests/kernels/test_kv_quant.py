@@ -224,9 +224,9 @@ def test_triton_rope_and_store_quantizes_like_the_reference(device, dtype, src_d
     assert_same_cache(vc, rv, device)
 
 
-def _attention_case(dtype, device, query_dtype):
+def _attention_case(dtype, device, query_dtype, d=64):
     torch.manual_seed(1)
-    nb, bs, kvh, d, h = 14, 16, 2, 64, 6
+    nb, bs, kvh, h = 14, 16, 2, 6
     kc, vc = quantized_pair(nb, bs, kvh, d, dtype, device)
     fill(kc, vc)
     block_tables = torch.stack([torch.randperm(nb)[:7] for _ in range(4)]).int().to(device)
@@ -247,6 +247,23 @@ def test_triton_decode_dequantizes_like_the_reference(device, dtype, query_dtype
         got = paged_attention_decode(q, kc, vc, block_tables, seq_lens, d**-0.5, num_splits=splits)
         assert got.dtype == query_dtype
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_triton_attention_at_head_dim_96(device):
+    """Padded to 128 columns, the query's Hadamard blocks of 16 leave the padding zeros."""
+    from kernels.paged_attention import paged_attention_decode
+    from kernels.prefill_attention import paged_attention_prefill
+
+    kc, vc, block_tables, seq_lens, h, d = _attention_case(torch.int8, device, torch.float32, 96)
+    q = torch.randn(4, h, d).to(device)
+    args = (q, kc, vc, block_tables, seq_lens, d**-0.5)
+    tol = ATTENTION_TOL[torch.float32]
+    want = reference.paged_attention_decode(*args)
+    torch.testing.assert_close(paged_attention_decode(*args), want, rtol=tol, atol=tol)
+    qsl = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32, device=device)
+    args = (q, kc, vc, block_tables, qsl, seq_lens, d**-0.5)
+    got = paged_attention_prefill(*args)
+    torch.testing.assert_close(got, reference.paged_attention_prefill(*args), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
