@@ -2,6 +2,7 @@
 
     python -m benchmarks.contention                          # concurrency 1 and 16
     python -m benchmarks.contention --concurrency 1 --num-requests 16 --json out.json
+    python -m benchmarks.contention --offline                # engine steps, no HTTP
 
 Servers share hosts and run in containers with CPU quotas. This starts pagedserve's server
 (a subprocess on 127.0.0.1, ``loadtest.launcher``) and, at each concurrency, drives it with
@@ -13,6 +14,15 @@ next to one busy process should lose about half its speed, not most of it).
 The quiet and busy runs of a point follow each other on the same server, with prompts no
 earlier run sent (a prefix cache would skip their prefills). Other load on the machine moves
 both; the ratio is only as steady as the machine is.
+
+``--offline`` leaves the HTTP layer and the load generator out: the default model in this
+process (the C++ CPU kernels' fused stack), decode-only steps of batch 1 and 16 timed with
+``LLM.engine.step()``, the median of ``--steps`` steps, alone and beside the busy process in
+alternating rounds, for each team mode: ``adapt`` (the default: the team narrows to the CPUs
+other processes leave free, kernels/cpu/csrc/contention.h), ``team`` (always the whole team)
+and ``solo`` (thread 0 alone). It also prints, per run, the step thread's CPU time a step
+(solo: what a step costs one CPU, a figure other load moves far less than wall time), how
+long it sat runnable without a CPU (``/proc/self/task/<tid>/schedstat``) and where it ran.
 """
 
 from __future__ import annotations
@@ -23,12 +33,14 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +61,10 @@ class Point:
     quiet_tok_s: float
     busy_tok_s: float
     busy_cpu: int
+    # CPUs this process (the load generator) used during the quiet run: to the server a
+    # neighbour like any other (kernels/cpu/csrc/contention.h narrows the team from 0.5)
+    client_cpus: float = 0.0
+    load: float = 0.0  # 1-minute load average when the point ended
 
     @property
     def ratio(self) -> float | None:
@@ -122,7 +138,9 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[Point]:
                 scrape_metrics=False,
                 metrics_interval_s=0,
             )
+            cpu0, wall0 = time.process_time(), time.perf_counter()
             quiet = run_sweep(_salted(config, f"quiet-c{c}")).points[0].summary
+            client_cpus = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
             with busy_process(busy_cpu):
                 busy = run_sweep(_salted(config, f"busy-c{c}")).points[0].summary
             for name, s in (("alone", quiet), ("busy", busy)):
@@ -135,6 +153,8 @@ def measure(args: argparse.Namespace, log_dir: Path) -> list[Point]:
                 quiet_tok_s=quiet.output_throughput_tok_s,
                 busy_tok_s=busy.output_throughput_tok_s,
                 busy_cpu=busy_cpu,
+                client_cpus=client_cpus,
+                load=os.getloadavg()[0],
             )
             print(format_point(point), flush=True)
             points.append(point)
@@ -156,8 +176,157 @@ def format_point(p: Point) -> str:
     return (
         f"c={p.concurrency:<3} TPOT p50 alone {_ms(p.quiet_tpot_p50_s):>9}, beside a busy "
         f"process on CPU {p.busy_cpu} {_ms(p.busy_tpot_p50_s):>9}: {ratio} "
-        f"(output {p.quiet_tok_s:.0f} -> {p.busy_tok_s:.0f} tok/s)"
+        f"(output {p.quiet_tok_s:.0f} -> {p.busy_tok_s:.0f} tok/s; load generator "
+        f"{p.client_cpus:.2f} CPUs; load average {p.load:.1f})"
     )
+
+
+OFFLINE_MODES = ("adapt", "team", "solo")
+WARM_STEPS = 400  # at most, before a run's timed steps (0.6 s of them at most)
+
+
+@dataclass(frozen=True, slots=True)
+class OfflineRun:
+    batch: int
+    mode: str
+    busy: bool
+    step_s: float  # median decode step
+    thread_cpu_s: float  # per step: CPU time of the step thread (thread 0 of the team)
+    run_delay_s: float  # per step: the step thread runnable but not running
+    on_busy_cpu: float  # share of steps after which the step thread was on the busy CPU
+    active: int  # team threads the last step ran (0: the whole team, never narrowed)
+    foreign_cpus: float  # CPUs other processes took in the last sampling period
+    load: float  # 1-minute load average at the end
+
+
+def _thread_sched() -> tuple[int, int]:
+    """(the calling thread's run delay in ns, the CPU it last ran on); (0, -1) off Linux."""
+    tid = threading.get_native_id()
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
+            delay = int(f.read().split()[1])
+        with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
+            cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return 0, -1
+    return delay, cpu
+
+
+def offline(args: argparse.Namespace) -> list[OfflineRun]:
+    """Alternating rounds of decode steps in this process (module docstring)."""
+    import torch  # noqa: F401 - before the engine, as the server does
+
+    from engine.llm import LLM
+    from kernels import cpu as cpu_kernels
+    from scheduler.request import SamplingParams
+
+    ops = cpu_kernels.load()
+    if ops is None:
+        raise SystemExit("error: --offline needs the C++ CPU kernels")
+    llm = LLM(args.model, attention_backend="cpu", device="cpu", dtype="float32")
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    threads = __import__("torch").get_num_threads()
+    busy_cpu = sorted(os.sched_getaffinity(0))[-1]
+    serial = 0
+
+    def set_mode(mode: str) -> None:
+        ops.set_stack_active_threads({"team": threads, "solo": 1}.get(mode, 0))
+
+    def one(batch: int, mode: str, busy: bool) -> OfflineRun:
+        nonlocal serial
+        # Enough tokens for the warm-up (at most WARM_STEPS) and the timed steps.
+        params = SamplingParams(
+            max_tokens=WARM_STEPS + args.steps + 8, temperature=0.0, ignore_eos=True
+        )
+        ids = []
+        for _ in range(batch):
+            serial += 1
+            prompt = [(1000 + 7 * j + 13 * serial) % vocab for j in range(args.prompt_tokens)]
+            ids.append(f"offline-{serial}")
+            engine.add_request(ids[-1], prompt, params)
+        while True:  # the prefills, until a step decodes only
+            engine.step()
+            stats = engine.last_step_stats
+            if stats is not None and stats.num_prefill_tokens == 0:
+                break
+        set_mode(mode)
+        times = []
+        cpus = []
+        with busy_process(busy_cpu) if busy else contextlib.nullcontext():
+            # Long enough for contention.h to take two samples (200 ms apart) and settle.
+            warm_until = time.perf_counter() + 0.6
+            for _ in range(WARM_STEPS):
+                engine.step()
+                if time.perf_counter() >= warm_until:
+                    break
+            delay0, _ = _thread_sched()
+            cpu0 = time.thread_time()
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+                cpus.append(_thread_sched()[1])
+            thread_cpu = (time.thread_time() - cpu0) / args.steps
+            delay1, _ = _thread_sched()
+            active, foreign, _, _ = ops.stack_contention_read().tolist()
+        set_mode("adapt")
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return OfflineRun(
+            batch=batch,
+            mode=mode,
+            busy=busy,
+            step_s=statistics.median(times),
+            thread_cpu_s=thread_cpu,
+            run_delay_s=(delay1 - delay0) * 1e-9 / args.steps,
+            on_busy_cpu=sum(c == busy_cpu for c in cpus) / len(cpus),
+            active=int(active),
+            foreign_cpus=foreign,
+            load=os.getloadavg()[0],
+        )
+
+    runs = []
+    for _ in range(args.rounds):
+        for batch in args.batches:
+            for mode in args.modes:
+                for busy in (False, True):
+                    run = one(batch, mode, busy)
+                    print(format_offline(run, busy_cpu), flush=True)
+                    runs.append(run)
+    return runs
+
+
+def format_offline(r: OfflineRun, busy_cpu: int) -> str:
+    where = f"beside a busy process on CPU {busy_cpu}" if r.busy else "alone"
+    return (
+        f"batch {r.batch:<3} {r.mode:<6} {where:<34} step {r.step_s * 1e3:7.2f} ms  "
+        f"thread 0 CPU {r.thread_cpu_s * 1e3:6.2f} ms/step  "
+        f"run delay {r.run_delay_s * 1e3:6.2f} ms/step  on CPU {busy_cpu} {r.on_busy_cpu:4.0%}  "
+        f"team threads {r.active or 'all'}  others {r.foreign_cpus:.2f} CPUs  load {r.load:.1f}"
+    )
+
+
+def offline_summary(runs: list[OfflineRun]) -> list[str]:
+    """Per batch and mode: the median step alone and beside the busy process, and the ratio."""
+    lines = []
+    for batch in dict.fromkeys(r.batch for r in runs):
+        for mode in dict.fromkeys(r.mode for r in runs):
+            alone = [r.step_s for r in runs if (r.batch, r.mode, r.busy) == (batch, mode, False)]
+            busy = [r.step_s for r in runs if (r.batch, r.mode, r.busy) == (batch, mode, True)]
+            if not alone or not busy:
+                continue
+            a, b = statistics.median(alone), statistics.median(busy)
+            lines.append(
+                f"batch {batch:<3} {mode:<6} step alone {a * 1e3:7.2f} ms, beside a busy process "
+                f"{b * 1e3:7.2f} ms: {b / a:.2f}x  (runs: "
+                + " ".join(f"{x * 1e3:.2f}" for x in alone)
+                + " / "
+                + " ".join(f"{x * 1e3:.2f}" for x in busy)
+                + ")"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,10 +354,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    offline_args = parser.add_argument_group("--offline: engine steps in this process")
+    offline_args.add_argument("--offline", action="store_true")
+    offline_args.add_argument("--model", default="default")
+    offline_args.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    offline_args.add_argument(
+        "--modes", nargs="+", choices=OFFLINE_MODES, default=list(OFFLINE_MODES)
+    )
+    offline_args.add_argument("--rounds", type=int, default=3)
+    offline_args.add_argument("--steps", type=int, default=40, help="timed decode steps a run")
     args = parser.parse_args(argv)
     if not hasattr(os, "sched_setaffinity"):
         print("error: this needs os.sched_setaffinity (Linux)", file=sys.stderr)
         return 2
+    if args.offline:
+        runs = offline(args)
+        print(f"\n{cpu_name()}, {len(os.sched_getaffinity(0))} CPUs, commit {commit(ROOT)}")
+        for line in offline_summary(runs):
+            print(line)
+        if args.json:
+            record = {"machine": cpu_name(), "runs": [asdict(r) for r in runs]}
+            args.json.write_text(json.dumps(record, indent=2) + "\n")
+        return 0
     with tempfile.TemporaryDirectory(prefix="pagedserve-contention-") as tmp:
         points = measure(args, Path(tmp))
     head = f"{cpu_name()}, {len(os.sched_getaffinity(0))} CPUs, commit {commit(args.server_cwd)}"

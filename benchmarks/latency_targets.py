@@ -3,6 +3,7 @@ throughput and TTFT p50 against the untargeted run, and the step-time model's ac
 
     python -m benchmarks.latency_targets                       # target = 3 x decode step
     python -m benchmarks.latency_targets --target-itl-ms 400 --json results/lt.json
+    python -m benchmarks.latency_targets --quick --trace-dir results/lt-steps   # ~10 min
 
 Two loads, each run against pagedserve started without a target and then with
 ``--target-itl-ms`` (both on 127.0.0.1, ``loadtest.launcher``; the HTTP load generator
@@ -21,6 +22,13 @@ steps that kept their budget and of steps whose predicted time was within 20% of
 measured one (``pagedserve_step_time_prediction_ratio``, read between the load's scrapes).
 The issue's bars: ITL p99 <= 1.2 x target, throughput >= 0.9 x, TTFT p50 <= 1.5 x, and the
 prediction within 20% for >= 90% of steps.
+
+``--quick`` bounds the run (64 closed-loop requests, 32 for the capacity, 24 Poisson ones, a
+90 s sending window and 120 s drain per load): about 10 minutes on a quiet 2-core machine.
+With ``--trace-dir`` each server also writes its step trace (engine/step_trace.py), and the
+run ends with their replay through the predictor (``benchmarks.step_replay``): the share
+within 20% by step kind beside the same-shape noise floor, the model's error told apart
+from the machine's.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks import step_replay
+from engine.step_trace import ENV as TRACE_ENV
 from loadtest.config import LoadTestConfig
 from loadtest.launcher import ServerProcess, build_command, free_port
 from loadtest.run import SweepResult, run_sweep
@@ -89,12 +99,22 @@ def server_shares(
 
 
 def run_load(
-    cmd: str, name: str, loads: list[Load], log_dir: Path, startup_timeout_s: float
+    cmd: str,
+    name: str,
+    loads: list[Load],
+    log_dir: Path,
+    startup_timeout_s: float,
+    trace_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Start one server, run every load against it in order, stop it."""
+    """Start one server, run every load against it in order, stop it. With ``trace_dir``
+    the server writes its step trace to ``trace_dir/<name>.jsonl`` (engine/step_trace.py)."""
     port = free_port()
     argv = build_command(cmd, host="127.0.0.1", port=port)
-    server = ServerProcess(argv, port, log_dir / f"{name}.log")
+    env = None
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, TRACE_ENV: str(trace_dir / f"{name}.jsonl")}
+    server = ServerProcess(argv, port, log_dir / f"{name}.log", env=env)
     print(f"starting {name}: {' '.join(argv)}", flush=True)
     server.start()
     out: dict[str, Any] = {}
@@ -218,7 +238,23 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds requests in flight at the duration limit may still run",
     )
     p.add_argument("--json", type=Path, default=ROOT / "results" / "latency_targets.json")
+    p.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=None,
+        help="each server writes a step trace here (untargeted.jsonl, targeted.jsonl) for "
+        "python -m benchmarks.step_replay replay",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="bounded counts: --num-requests 64 --poisson-requests 24 --capacity-requests 32 "
+        "--duration-limit 90 --drain-timeout 120",
+    )
     args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests, args.poisson_requests, args.capacity_requests = 64, 24, 32
+        args.duration_limit, args.drain_timeout = 90.0, 120.0
     if args.target_itl_ms is not None and not args.target_itl_ms > 0:
         p.error("--target-itl-ms must be positive")
     log_dir = args.json.parent
@@ -253,12 +289,13 @@ def main(argv: list[str] | None = None) -> int:
 
     untargeted = run_load(args.server_cmd, "untargeted",
                           [Load("c64", lambda _: c64), Load("capacity", lambda _: capacity),
-                           Load("poisson", poisson)], log_dir, args.startup_timeout)  # fmt: skip
+                           Load("poisson", poisson)], log_dir, args.startup_timeout,
+                          args.trace_dir)  # fmt: skip
     target_ms = args.target_itl_ms or round(3 * untargeted["c64"]["itl_p50_s"] * 1000)
     print(f"target ITL {target_ms} ms", flush=True)
     targeted = run_load(f"{args.server_cmd} --target-itl-ms {target_ms}", "targeted",
                         [Load("c64", lambda _: c64), Load("poisson", poisson)], log_dir,
-                        args.startup_timeout)  # fmt: skip
+                        args.startup_timeout, args.trace_dir)  # fmt: skip
     results.update(untargeted=untargeted, targeted=targeted, target_itl_ms=target_ms,
                    poisson_rate=rate["poisson"], capacity_rate=rate["capacity"])  # fmt: skip
     results["machine_after"] = machine()
@@ -266,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"load average before {before['loadavg']}, after {results['machine_after']['loadavg']}")
     results["table"] = text
+    if args.trace_dir is not None:
+        for name in ("untargeted", "targeted"):
+            print(step_replay.report(args.trace_dir / f"{name}.jsonl", step_replay.WARMUP))
     args.json.write_text(json.dumps(results, indent=2))
     print(f"wrote {args.json}")
     return 0

@@ -17,6 +17,8 @@ from engine.config import EngineConfig
 from engine.faults import EngineFatalError, describe, execute_isolating
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
 from engine.stats import StepStatsRecorder
+from engine.step_predictor import StepShape
+from engine.step_trace import StepTrace
 from engine.structured import GrammarCache, GrammarError, StructuredDecoder
 from engine.tp_launch import launch
 from kvpool.config import KVPoolConfig
@@ -95,6 +97,12 @@ class LLMEngine:
         # perf_counter() at the end of the last step while requests remained (the engine
         # loop's gap before the next step counts in its decodes' inter-token latency).
         self._busy_end: float | None = None
+        # A JSON line per step when $PAGEDSERVE_STEP_TRACE names a file (engine/step_trace.py).
+        self.step_trace = StepTrace.from_env(
+            parts.cost_model,
+            parts.kv_capacity.bytes_per_token,
+            {"model": config.model, "scheduler": dataclasses.asdict(scheduler_config)},
+        )
         if self.device.type == "cuda":
             self.warm_up(parts.max_num_batched_tokens)
 
@@ -214,7 +222,10 @@ class LLMEngine:
         ]
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at interpreter exit)."""
+        """Close the step trace and stop the tensor-parallel workers, if any (the workers are
+        also stopped at interpreter exit)."""
+        if self.step_trace is not None:
+            self.step_trace.close()
         if self.tp is not None:
             self.tp.shutdown()
 
@@ -329,6 +340,10 @@ class LLMEngine:
             predictor.observe(features, end - start)
             self.scheduler.observe_step(end - start, gap_s, had_decodes)
             self._record_target(plan, end - start, gap_s, predicted_s, had_decodes)
+        if self.step_trace is not None:
+            self.step_trace.record(
+                StepShape.of_plan(plan), end - start, gap_s, predicted_s, phase_s.get("forward")
+            )
         if self.scheduler.has_unfinished():
             self._busy_end = end
         return outputs

@@ -9,7 +9,9 @@ actually use: its affinity mask (``sched_getaffinity``) and its cgroup's CPU quo
 ``--num-threads`` (``PAGEDSERVE_NUM_THREADS``) or ``OMP_NUM_THREADS`` overrides it.
 
 torch's count is also the team size of the C++ kernels (``at::get_num_threads()``), so this
-is the one place that decides both.
+is the one place that decides both. What it cannot see at start-up, a neighbour process that
+later keeps one of these CPUs busy, the fused stack handles step by step: it runs fewer of
+the team's threads while others hold some of the CPUs (kernels/cpu/csrc/contention.h).
 """
 
 from __future__ import annotations

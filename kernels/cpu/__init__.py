@@ -94,6 +94,10 @@ def _build() -> Any | None:
         solo = os.environ.get("PAGEDSERVE_CPU_SOLO_STEPS")
         if solo is not None:
             ops.set_stack_solo_after_stall(int(solo))
+        # The team narrows to the CPUs other processes leave free (csrc/contention.h);
+        # PAGEDSERVE_CPU_ADAPT_THREADS=0 keeps the whole team whatever the neighbours do.
+        if os.environ.get("PAGEDSERVE_CPU_ADAPT_THREADS", "1").strip() == "0":
+            ops.set_stack_adapt_threads(False)
         return ops
     except BuildUnavailable as exc:
         log.warning("C++ CPU kernels unavailable (%s); using the PyTorch reference", exc)

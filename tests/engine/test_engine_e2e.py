@@ -7,11 +7,16 @@ when added at different steps, and under heavy preemption in a tiny pool.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from benchmarks.step_replay import replay
 from engine import LLM, SamplingParams
 from engine.loader import resolve_model
+from engine.step_trace import ENV as TRACE_ENV
+from engine.step_trace import read_trace
 from tests.engine.parity import Reference, assert_parity, hf_greedy
 
 PROMPT_LENS = [1, 5, 23, 64, 130, 260, 400, 530]
@@ -138,11 +143,13 @@ def test_step_phases_add_up_to_the_step(llm, prompts):
     assert seen == 3
 
 
-def test_latency_targets_leave_greedy_tokens_unchanged(prompts, references):
+def test_latency_targets_leave_greedy_tokens_unchanged(prompts, references, tmp_path, monkeypatch):
     """An ITL target no step can keep (1 ms) caps every step's prompt tokens at the minimum
     chunk while requests decode: prompts split at many more places than the plain budgets
     split them, beside decodes. Arriving at different steps, tokens must still match
-    transformers."""
+    transformers. The engine writes a step trace, and replaying it through a fresh predictor
+    gives back the live predictions exactly (benchmarks/step_replay.py)."""
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "steps-{pid}.jsonl"))
     llm = LLM(
         "default", num_kv_blocks=256, target_itl_ms=1.0, target_ttft_ms=50.0,
         min_prefill_chunk_tokens=24, **DEVICE,
@@ -166,3 +173,9 @@ def test_latency_targets_leave_greedy_tokens_unchanged(prompts, references):
     # row; nobody was decoding when that step was planned, so it was not capped.
     assert len(capped) > 10 and max(capped[1:]) <= 24, capped
     assert engine.step_predictor is not None and engine.step_predictor.num_observed > 20
+    engine.shutdown()
+    trace = read_trace(tmp_path / f"steps-{os.getpid()}.jsonl")
+    assert trace.header["model"] == "default"
+    assert len(trace.steps) == engine.step_predictor.num_observed
+    live = [s.step_s / s.predicted_s if s.predicted_s else None for s in trace.steps]
+    assert live[0] is None and replay(trace) == live

@@ -4,6 +4,11 @@ same C++ kernels called one at a time from Python, in the stack's order, on the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -244,23 +249,70 @@ def test_stack_in_a_team_is_bitwise_the_stack_without(tmp_path, monkeypatch, thr
     torch.set_num_threads(threads)
     try:
         results = {}
-        # (team rows, solo steps): every step in a team, in a solo team (thread 0 runs the
-        # team's chunks alone, as after a stall), or in none.
-        for team_rows, solo in ((1 << 30, 0), (1 << 30, 1 << 30), (0, 0)):
+        # (team rows, solo steps, active threads): every step in the whole team, in a solo
+        # team (thread 0 runs the team's chunks alone, as after a stall), in a team narrowed
+        # to fewer threads than its split (as beside a busy neighbour; contention.h), solo by
+        # that route, or in none. Active threads are forced: the machine's other load must
+        # not choose the path under test.
+        variants = ((1 << 30, 0, threads), (1 << 30, 1 << 30, threads), (1 << 30, 0, 2),
+                    (1 << 30, 0, 1), (0, 0, threads))  # fmt: skip
+        for team_rows, solo, active in variants:
             before = ops.set_stack_team_rows(team_rows)
             before_solo = ops.set_stack_solo_steps(solo)
+            before_active = ops.set_stack_active_threads(active)
             try:
-                results[team_rows, solo], _, rows = _run(
+                results[team_rows, solo, active], _, rows = _run(
                     path, prompts, fused=True, monkeypatch=monkeypatch, budget=64
                 )
             finally:
                 ops.set_stack_team_rows(before)
                 ops.set_stack_solo_steps(before_solo)
+                ops.set_stack_active_threads(before_active)
             assert 1 < rows <= 64
     finally:
         torch.set_num_threads(before_threads)
-    assert results[1 << 30, 0] == results[0, 0]
-    assert results[1 << 30, 1 << 30] == results[0, 0]
+    for variant in variants[:-1]:
+        assert results[variant] == results[0, 0, threads], variant
+
+
+def test_team_narrows_beside_busy_processes(tmp_path):
+    """With a busy process on each of the team's 2 CPUs, other processes take at least one
+    CPU's worth of them; after a few of contention.h's 200 ms periods of steps, the team runs
+    solo. (Widening again needs a quiet machine, which a shared test host is not.)"""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs and sched_setaffinity")
+    path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=3, hidden_size=128, intermediate_size=256)
+    ops = cpu_kernels.load()
+    llm = LLM(str(path), attention_backend="cpu", **DEVICE, block_size=8)
+    mask = os.sched_getaffinity(0)
+    cpus = sorted(mask)[:2]
+    before_threads = torch.get_num_threads()
+    busy = []
+    before_adapt = ops.set_stack_adapt_threads(True)  # also resets what it had seen
+    try:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(2)
+        for cpu in cpus:
+            busy.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            os.sched_setaffinity(busy[-1].pid, {cpu})
+        # The counts are the process's since it loaded the kernels: this test reads deltas.
+        _, _, samples_before, narrowed_before = ops.stack_contention_read().tolist()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=24, temperature=0))
+            active, foreign, samples, narrowed = ops.stack_contention_read().tolist()
+            if narrowed > narrowed_before:
+                break
+        seen = (active, foreign, samples - samples_before, narrowed - narrowed_before)
+        assert active == 1 and narrowed > narrowed_before, seen
+        assert foreign >= 0.5
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+        os.sched_setaffinity(0, mask)
+        torch.set_num_threads(before_threads)
+        ops.set_stack_adapt_threads(before_adapt)
 
 
 def test_stack_team_rows_default_and_restore():

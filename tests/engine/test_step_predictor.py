@@ -10,10 +10,14 @@ import pytest
 
 from engine.cost import StepCostModel
 from engine.step_predictor import (
+    DECODE,
     FIXED_S,
+    MIXED,
     NOMINAL_BANDWIDTH,
     NOMINAL_FLOPS,
+    PREFILL,
     StepTimePredictor,
+    shape_class,
 )
 from scheduler.latency_targets import DecodeLoad
 from scheduler.output import ScheduledRequest, SchedulerOutput
@@ -77,7 +81,8 @@ def test_features_are_the_cost_models_figures_in_nominal_seconds() -> None:
         ]
     )
     fixed, weights, matmul, attention, shape = predictor.plan_features(plan)
-    assert shape == 1  # it has prompt tokens
+    # Two decode rows beside 364 prompt tokens: mixed, in the class of 256-511 prompt tokens.
+    assert shape == (MIXED, 5)
     cost = COST.step(((s, n) for s, n, _ in rows), num_logit_rows=3)
     kv_tokens = sum(s + n for s, n, _ in rows)
     attention_flops = COST.attention_flops_per_pair * sum(
@@ -158,21 +163,83 @@ def test_prefill_tokens_within_is_the_largest_count_that_fits() -> None:
     assert predictor.prefill_tokens_within(load, 100.0, 300) == 300
 
 
-def test_a_shapes_correction_follows_a_sudden_slowdown_within_a_few_steps() -> None:
-    """Another process takes part of the core: the next decode-only steps run 1.6x slower.
-    Their correction (the median of the last 7) follows within 4 steps, the other shape's
-    does not move, and one stalled step alone moves nothing."""
+def test_shape_classes_split_decode_rows_and_prompt_tokens_in_powers_of_two() -> None:
+    assert shape_class(1, 1, 0) == (DECODE, 1)
+    assert shape_class(64, 64, 0) == shape_class(127, 127, 0) == (DECODE, 7)
+    assert shape_class(1, 0, 512) == (PREFILL, 6)
+    assert shape_class(9, 8, 512) == (MIXED, 6) != shape_class(9, 8, 1024)
+    predictor = StepTimePredictor(COST, KV_BYTES_PER_TOKEN)
+    load = DecodeLoad(num_rows=8, num_context_tokens=8 * 100)
+    assert predictor.load_features(load, 0)[4] == (DECODE, 4)
+    assert predictor.load_features(load, 100)[4] == (MIXED, 3)
+    assert predictor.load_features(DecodeLoad(0, 0), 100)[4] == (PREFILL, 3)
+
+
+def test_a_slowdown_moves_the_predictions_within_a_few_steps() -> None:
+    """Another process takes part of the core: steps run 1.6x slower. Decode-only steps
+    follow within two steps (the shared speed), steps with prompt tokens within four of
+    theirs (the median of their last 7), and one stalled step moves neither."""
     predictor = trained(300, noise=0.0)
     load = DecodeLoad(num_rows=48, num_context_tokens=48 * 300)
     decode = predictor.load_features(load, 0)
     with_prompt = predictor.load_features(load, 200)
-    before = predictor.predict_features(with_prompt)
-    prompt_correction = predictor.corrections[1]
-    predictor.observe(decode, 5 * machine(decode))  # one stall
     assert predictor.predict_features(decode) == pytest.approx(machine(decode), rel=0.02)
-    for _ in range(4):
+    before = predictor.predict_features(with_prompt)
+    assert before == pytest.approx(machine(with_prompt), rel=0.05)
+    predictor.observe(decode, 5 * machine(decode))  # one stall
+    assert predictor.predict_features(decode) == pytest.approx(machine(decode), rel=0.1)
+    predictor.observe(with_prompt, 5 * machine(with_prompt))
+    assert predictor.predict_features(with_prompt) == pytest.approx(before, rel=0.05)
+    for _ in range(2):
         predictor.observe(decode, 1.6 * machine(decode))
-    assert predictor.predict_features(decode) == pytest.approx(1.6 * machine(decode), rel=0.02)
-    # The slow fit moves a little with the slow steps; the other shape's correction not at all.
-    assert predictor.corrections[1] == prompt_correction
-    assert predictor.predict_features(with_prompt) == pytest.approx(before, rel=0.02)
+    assert predictor.predict_features(decode) == pytest.approx(1.6 * machine(decode), rel=0.1)
+    assert predictor.speed == pytest.approx(1.6, rel=0.1)
+    for _ in range(4):
+        predictor.observe(with_prompt, 1.6 * machine(with_prompt))
+    assert predictor.predict_features(with_prompt) == pytest.approx(
+        1.6 * machine(with_prompt), rel=0.1
+    )
+
+
+def test_a_shape_class_learns_what_the_fit_gets_wrong_about_it() -> None:
+    """One class of steps (decode-only at 8-15 rows) persistently takes 1.3x what the
+    machine's linear model says (a kernel slow at that size): after a few dozen such steps
+    among others, its class predicts it within 5%, and its neighbours stay unbiased."""
+    predictor = StepTimePredictor(COST, KV_BYTES_PER_TOKEN)
+    rng = random.Random(4)
+
+    def odd(features) -> float:
+        return machine(features) * (1.3 if features[4] == (DECODE, 4) else 1.0)
+
+    for i in range(600):
+        load, prefill = random_load(rng)
+        if i % 3 == 0:
+            load, prefill = DecodeLoad(rng.randint(8, 15), rng.randint(8, 15) * 300), 0
+        features = predictor.load_features(load, prefill)
+        predictor.observe(features, odd(features))
+    slow = predictor.load_features(DecodeLoad(12, 12 * 300), 0)
+    assert predictor.predict_features(slow) == pytest.approx(odd(slow), rel=0.05)
+    other = predictor.load_features(DecodeLoad(40, 40 * 300), 0)
+    assert predictor.predict_features(other) == pytest.approx(machine(other), rel=0.1)
+
+
+def test_the_headroom_comes_from_the_steps_with_prompt_tokens() -> None:
+    """Short decode-only steps lose a time slice to another process now and then (one in 6
+    takes 1.6x), steps with prompt tokens jitter by 3%: the headroom that sizes prefill
+    follows the latter once there are enough of them, and all steps before."""
+    predictor = StepTimePredictor(COST, KV_BYTES_PER_TOKEN)
+    rng = random.Random(8)
+    headrooms = []
+    for i in range(400):
+        rows = rng.randint(1, 4)
+        load = DecodeLoad(rows, rows * 300)
+        prefill = rng.randint(64, 512) if i % 8 == 7 else 0
+        features = predictor.load_features(load, prefill)
+        if prefill:
+            slowdown = rng.uniform(0.97, 1.03)
+        else:
+            slowdown = 1.6 if rng.random() < 1 / 6 else 1.0
+        predictor.observe(features, machine(features) * slowdown)
+        headrooms.append(predictor.headroom)
+    assert headrooms[100] > 1.3  # 12 steps with prompt tokens so far: all steps count
+    assert 1.0 <= headrooms[-1] < 1.15

@@ -30,6 +30,7 @@
 #include <chrono>
 #include <exception>
 
+#include "contention.h"
 #include "ops.h"
 #include "team.h"
 
@@ -168,6 +169,11 @@ std::atomic<int64_t> g_solo_steps{0};
 constexpr int64_t kStallsBeforeSolo = 3;
 std::atomic<int64_t> g_stalls_in_a_row{0};
 
+// How many of the team's threads a step runs while other processes hold some of this
+// process's CPUs (contention.h); PAGEDSERVE_CPU_ADAPT_THREADS=0 (set_stack_adapt_threads)
+// always runs the whole team.
+CpuContention g_contention;
+
 // The stack itself: decoder_layers below runs it on its thread 0, in a team or not.
 std::tuple<at::Tensor, at::Tensor> run_stack(
     const at::Tensor& input_ids, const at::Tensor& positions, const c10::intrusive_ptr<StackWeights>& weights,
@@ -222,8 +228,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   std::tuple<at::Tensor, at::Tensor> result;
   const int64_t threads = at::get_num_threads();
   const bool small = input_ids.size(0) <= g_team_rows.load(std::memory_order_relaxed);
-  if (threads > 1 && small && !at::in_parallel_region() && g_solo_steps.load(std::memory_order_relaxed) > 0) {
+  const bool teamed = threads > 1 && small && !at::in_parallel_region();
+  // Threads to run: the whole team, or as many as other processes leave CPUs for.
+  const int64_t active = teamed ? g_contention.threads_for_step(threads) : 1;
+  bool solo = teamed && active == 1;
+  if (teamed && !solo && g_solo_steps.load(std::memory_order_relaxed) > 0) {
     g_solo_steps.fetch_sub(1, std::memory_order_relaxed);
+    solo = true;
+  }
+  if (solo) {
     // The team's split on this thread alone: no region, the same chunks (bitwise the same).
     Team team(1);
     team.set_size(threads);
@@ -236,16 +249,19 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
       throw;
     }
     current_team() = nullptr;
-  } else if (threads > 1 && small && !at::in_parallel_region()) {
+  } else if (teamed) {
     // team.h: one OpenMP region for the whole call; thread 0 runs the stack, the others
     // help with its kernels' ranges. Exceptions cannot leave an OpenMP region: carried out.
+    // A narrowed team (active < threads) keeps the whole team's split: its threads claim
+    // the chunks of the missing ones, so the result is bitwise the same.
     std::exception_ptr error;
     Team team(std::max<int64_t>(threads, omp_get_max_threads()));
-#pragma omp parallel
+#pragma omp parallel num_threads(int(active))
     {
       const int64_t tid = omp_get_thread_num(), size = omp_get_num_threads();
       if (tid == 0) {
-        team.set_size(size);  // the threads OpenMP gave; before anything is published
+        // The split: the whole team's, or the threads OpenMP gave where it gave more.
+        team.set_size(std::max(size, threads));
         current_team() = &team;
         try {
           result = run();
@@ -286,6 +302,22 @@ int64_t set_stack_team_rows(int64_t rows) { return g_team_rows.exchange(rows); }
 int64_t set_stack_solo_steps(int64_t steps) { return g_solo_steps.exchange(steps); }
 
 int64_t set_stack_solo_after_stall(int64_t steps) { return g_solo_after_stall.exchange(steps); }
+
+bool set_stack_adapt_threads(bool on) { return g_contention.set_enabled(on); }
+
+int64_t set_stack_active_threads(int64_t threads) { return g_contention.force(threads); }
+
+bool stack_narrowed() {
+  const int64_t last = g_contention.last_threads();
+  return last > 0 && last < at::get_num_threads();
+}
+
+at::Tensor stack_contention_read() {
+  const std::vector<double> values = g_contention.read();
+  auto out = at::empty({int64_t(values.size())}, at::kDouble);
+  std::copy(values.begin(), values.end(), out.data_ptr<double>());
+  return out;
+}
 
 void step_profile(bool on) { g_profile = StepProfile{on}; }
 

@@ -197,7 +197,8 @@ at::Tensor argmax_rows(const at::Tensor& x_) {
   auto out = at::empty({rows}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  // One row a chunk; all on this thread while the fused stack runs narrowed (ops.h).
+  parallel_for(0, rows, stack_narrowed() ? rows : 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * n;
       vf best = vsplat(-std::numeric_limits<float>::infinity()), at = vzero(), lane;

@@ -96,5 +96,19 @@ int64_t set_stack_team_rows(int64_t rows);
 // the previous count.
 int64_t set_stack_solo_steps(int64_t steps);
 int64_t set_stack_solo_after_stall(int64_t steps);
+// Whether the fused stack narrows its team while other processes hold some of this
+// process's CPUs (contention.h); returns the previous setting. On by default.
+bool set_stack_adapt_threads(bool on);
+// For tests and A/B measurements: threads > 0 runs every team step with that many of the
+// team's threads (1: solo), in the whole team's split; 0 (default) lets contention.h decide.
+// Returns the previous value.
+int64_t set_stack_active_threads(int64_t threads);
+// Whether the fused stack's last team step ran fewer threads than the team (contention.h):
+// a kernel called between steps with little work then runs on its caller alone, because a
+// parallel region's thread on a neighbour's CPU would hold the whole step up.
+bool stack_narrowed();
+// contention.h's CpuContention::read(): [threads of a team step now (0: the whole team),
+// CPUs other processes took in the last period, periods sampled, periods ended narrowed].
+at::Tensor stack_contention_read();
 
 }  // namespace pagedserve_cpu

@@ -29,6 +29,9 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("set_stack_team_rows(int rows) -> int", &pagedserve_cpu::set_stack_team_rows);
   m.def("set_stack_solo_steps(int steps) -> int", &pagedserve_cpu::set_stack_solo_steps);
   m.def("set_stack_solo_after_stall(int steps) -> int", &pagedserve_cpu::set_stack_solo_after_stall);
+  m.def("set_stack_adapt_threads(bool on) -> bool", &pagedserve_cpu::set_stack_adapt_threads);
+  m.def("set_stack_active_threads(int threads) -> int", &pagedserve_cpu::set_stack_active_threads);
+  m.def("stack_contention_read() -> Tensor", &pagedserve_cpu::stack_contention_read);
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? quant, Tensor? bias) -> Tensor");
   m.class_<pagedserve_cpu::StackWeights>("StackWeights")
       .def(torch::init<c10::List<c10::optional<at::Tensor>>>())
