@@ -1,9 +1,10 @@
 """Triton device functions for the quantized KV cache (layout: ``kernels/kv_quant.py``).
 
-Inlined into the store kernels (``quantize_rows``, ``scale_ptrs``) and the attention loop
-(``scale_ptrs``). They evaluate the reference's float32 operations in the same order, so a
-quantized value differs from ``kv_quant.quantize``'s only where compiled division rounds
-differently (a value one step off at a rounding tie; the interpreter matches exactly).
+Inlined into the store kernels (``quantize_rows``, ``scale_ptrs``, ``hadamard_rows`` on
+keys) and the attention loops (``scale_ptrs``, and ``hadamard_rows`` on the query). They
+evaluate the reference's float32 operations in the same order (the Hadamard butterflies
+too), so a quantized value differs from ``kv_quant.quantize``'s only where compiled division
+rounds differently (a value one step off at a rounding tie; the interpreter matches exactly).
 """
 
 from __future__ import annotations
@@ -15,11 +16,19 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels import kv_quant
 
-__all__ = ["quant_args", "quantize_by", "quantize_rows", "scale_ptrs"]
+__all__ = [
+    "hadamard_rows",
+    "quant_args",
+    "quantize_by",
+    "quantize_rows",
+    "row_scales",
+    "scale_ptrs",
+]
 
 
 def quant_args(kernel: object, cache: torch.Tensor) -> dict[str, object]:
-    """The ``QUANTIZED``, ``QMAX``, ``ROUND_TO_INT`` and ``SOFT_FP8_ROUND`` constexprs of
+    """The ``QUANTIZED``, ``QMAX``, ``ROUND_TO_INT``, ``SOFT_FP8_ROUND`` and
+    ``HADAMARD_BLOCK`` (``kv_quant.hadamard_block``; 1 for a float cache) constexprs of
     ``kernel`` storing into ``cache``.
 
     ``SOFT_FP8_ROUND``: Triton 3.x's interpreter converts float32 to e4m3 wrongly where
@@ -34,13 +43,33 @@ def quant_args(kernel: object, cache: torch.Tensor) -> dict[str, object]:
         "ROUND_TO_INT": cache.dtype == torch.int8,
         "SOFT_FP8_ROUND": isinstance(kernel, InterpretedFunction)
         and cache.dtype == torch.float8_e4m3fn,
+        "HADAMARD_BLOCK": kv_quant.hadamard_block(cache.shape[-1]) if quantized else 1,
     }
 
 
 @triton.jit
 def scale_ptrs(row_ptrs, HEAD_DIM: tl.constexpr):
-    """float32 pointers to the scales of the cache rows that start at ``row_ptrs``."""
-    return (row_ptrs + HEAD_DIM).to(tl.pointer_type(tl.float32))
+    """float16 pointers to the scales of the cache rows that start at ``row_ptrs``."""
+    return (row_ptrs + HEAD_DIM).to(tl.pointer_type(tl.float16))
+
+
+@triton.jit
+def _butterfly(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, H: tl.constexpr):
+    """One stage of ``kv_quant.hadamard``: channels (i, i + H), i % 2H < H, of each row
+    become (x_i + x_(i+H), x_i - x_(i+H))."""
+    pairs = tl.permute(tl.reshape(x, [ROWS, WIDTH // (2 * H), 2, H]), (0, 1, 3, 2))
+    a, b = tl.split(pairs)  # [ROWS, WIDTH // 2H, H] each
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [ROWS, WIDTH])
+
+
+@triton.jit
+def hadamard_rows(x, ROWS: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """``kv_quant.hadamard(x, BLOCK)`` of ``x`` [ROWS, WIDTH] float32 (WIDTH a power of two,
+    a multiple of BLOCK; padding columns past the row stay 0 when whole blocks of them are
+    0), stage by stage in the reference's order; BLOCK 1 returns ``x``."""
+    for stage in tl.static_range(BLOCK.bit_length() - 1):
+        x = _butterfly(x, ROWS, WIDTH, 1 << stage)
+    return x
 
 
 @triton.jit
@@ -72,8 +101,15 @@ def quantize_by(
 
 
 @triton.jit
+def row_scales(amax, QMAX: tl.constexpr):
+    """The float16 scale of rows whose absolute maximum is ``amax`` [R] (float32):
+    ``float16(min(amax / QMAX, 65504))``, rounded to nearest even, returned as float32."""
+    return tl.minimum(amax / QMAX, 65504.0).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
 def quantize_rows(x, QMAX: tl.constexpr, ROUND_TO_INT: tl.constexpr, SOFT_FP8_ROUND: tl.constexpr):
     """Symmetric absmax quantization of each row of ``x`` ([R, C] float32, masked columns
-    0): ``(quantize_by(x, scale), scale)`` with ``scale = amax / QMAX`` [R]."""
-    scale = tl.max(tl.abs(x), axis=1) / QMAX
+    0): ``(quantize_by(x, scale), scale)`` with ``scale = row_scales(amax)`` [R]."""
+    scale = row_scales(tl.max(tl.abs(x), axis=1), QMAX)
     return quantize_by(x, scale, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND), scale

@@ -44,15 +44,16 @@ def attend_context(
     CAUSAL: tl.constexpr,  # row r sees position n only if n <= q_pos[r]
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
 ):
     """Returns ``(m_i, l_i, acc)``: per row the running max (base 2), the sum of exp2 and
     the unnormalised output ``[M, HEAD_DIM_PAD]``, all float32. A row that saw no position
     (an empty range) has ``l_i == 0`` and ``m_i == -inf``.
 
     A quantized cache is de-quantized on the fly: its 8-bit values are exact in any
-    ``DOT_DTYPE``, so the scores are ``(q . k_q) * k_scale`` and the values' scale folds
-    into the probabilities, ``(p * v_scale) . v_q``.
+    ``DOT_DTYPE``, so the scores are ``(q . k_q) * k_scale`` (the caller passes the
+    Hadamard-transformed query and folds 1 / HADAMARD_BLOCK into ``qk_scale``) and the
+    values' scale folds into the probabilities, ``(p * v_scale) . v_q``.
 
     NOTE: a row that has seen no visible position yet (a sliding window starting past
     this tile) keeps ``m_i == -inf``; the tile's max is then taken as 0 for the exponents,
@@ -83,7 +84,7 @@ def attend_context(
         if QUANTIZED:
             k_scale = tl.load(
                 scale_ptrs(key_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
-            )
+            ).to(tl.float32)
             s = s * k_scale[None, :]
         s = s * qk_scale  # [M, TILE_N]
         if CAUSAL:
@@ -101,7 +102,7 @@ def attend_context(
         if QUANTIZED:
             v_scale = tl.load(
                 scale_ptrs(value_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
-            )
+            ).to(tl.float32)
             pv = (p * v_scale[None, :]).to(DOT_DTYPE)
         else:
             pv = p.to(v.dtype).to(DOT_DTYPE)

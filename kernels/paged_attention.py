@@ -35,6 +35,7 @@ from kernels._common import (
     next_power_of_2,
     num_compute_units,
 )
+from kernels._kv_quant_triton import hadamard_rows
 from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
 
@@ -104,7 +105,8 @@ def _paged_attention_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
+    HADAMARD_BLOCK: tl.constexpr,  # a quantized cache's keys' Hadamard blocks, else 1
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -127,6 +129,10 @@ def _paged_attention_decode_kernel(
 
     q_offs = seq * stride_query_seq + heads[:, None] * stride_query_head + offs_d[None, :]
     q = tl.load(query_ptr + q_offs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if QUANTIZED:
+        # The cache holds H k (kernels/kv_quant.py): <q, k> = <H q, H k> / HADAMARD_BLOCK.
+        q = hadamard_rows(q.to(tl.float32), GROUP_PAD, HEAD_DIM_PAD, HADAMARD_BLOCK)
+        qk_scale = qk_scale * (1.0 / HADAMARD_BLOCK)
     q = q.to(DOT_DTYPE)
     # q: [GROUP_PAD, HEAD_DIM_PAD], rows past the group are zeros (finite scores, never stored)
 
@@ -302,6 +308,9 @@ def paged_attention_decode(
         # A quantized cache's values multiply in the query's dtype (kernels/kv_quant.py).
         **dot_args(_paged_attention_decode_kernel, attention_dtype(query, key_cache)),
         QUANTIZED=kv_quant.is_quantized(key_cache),
+        HADAMARD_BLOCK=(
+            kv_quant.hadamard_block(head_dim) if kv_quant.is_quantized(key_cache) else 1
+        ),
     )
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E)
     window = NO_WINDOW if sliding_window is None else sliding_window

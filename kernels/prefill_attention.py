@@ -36,6 +36,7 @@ import triton.language as tl
 
 from kernels import kv_quant
 from kernels._common import attention_dtype, check_attention_inputs, next_power_of_2
+from kernels._kv_quant_triton import hadamard_rows
 from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
 
@@ -104,7 +105,8 @@ def _paged_attention_prefill_kernel(
     TILE_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
-    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
+    HADAMARD_BLOCK: tl.constexpr,  # a quantized cache's keys' Hadamard blocks, else 1
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -131,6 +133,10 @@ def _paged_attention_prefill_kernel(
     q = tl.load(
         query_ptr + q_offs + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0
     )  # [BLOCK_M, HEAD_DIM_PAD]; masked rows are zeros, computed but never stored
+    if QUANTIZED:
+        # The cache holds H k (kernels/kv_quant.py): <q, k> = <H q, H k> / HADAMARD_BLOCK.
+        q = hadamard_rows(q.to(tl.float32), BLOCK_M, HEAD_DIM_PAD, HADAMARD_BLOCK)
+        qk_scale = qk_scale * (1.0 / HADAMARD_BLOCK)
     q = q.to(DOT_DTYPE)
 
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_block_tables_seq
@@ -208,5 +214,8 @@ def paged_attention_prefill(
         # A quantized cache's values multiply in the query's dtype (kernels/kv_quant.py).
         **dot_args(_paged_attention_prefill_kernel, attention_dtype(query, key_cache)),
         QUANTIZED=kv_quant.is_quantized(key_cache),
+        HADAMARD_BLOCK=(
+            kv_quant.hadamard_block(head_dim) if kv_quant.is_quantized(key_cache) else 1
+        ),
     )  # fmt: skip
     return out

@@ -13,10 +13,11 @@ Shapes used throughout (names follow vLLM):
 A slot is ``block_id * block_size + offset``; a slot of -1 is padding and is skipped.
 Softmax is computed in float32 whatever the input dtype, and the output has the query's dtype.
 
-A quantized cache (int8 / float8_e4m3fn values with a float32 scale per (slot, KV head) row,
-``kernels/kv_quant.py``) is quantized by ``store_kv`` and de-quantized to float32 when the
-attention functions read it; the query then keeps its own dtype (an int8 cache beside a bf16
-model). Unquantized caches take exactly the code paths they always did.
+A quantized cache (int8 / float8_e4m3fn values with a float16 scale per (slot, KV head) row,
+keys Hadamard-transformed, ``kernels/kv_quant.py``) is quantized by ``store_kv`` and
+de-quantized to float32 (keys transformed back) when the attention functions read it; the
+query then keeps its own dtype (an int8 cache beside a bf16 model). Unquantized caches take
+exactly the code paths they always did.
 
 The decoder layer's elementwise ops (``rms_norm``, ``add_rms_norm_``, ``silu_mul``,
 ``rope_and_store_``) are written op by op as the engine's plain model evaluates them
@@ -81,9 +82,12 @@ def _store_kv_quantized(
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    for x, cache in ((key, key_cache), (value, value_cache)):
-        q, scale = kv_quant.quantize(x, cache.dtype)
-        # Each row's values, then its scale, as head_dim + 4 bytes (the cache's layout).
+    for x, cache, quantize in (
+        (key, key_cache, kv_quant.quantize_keys),  # Hadamard-transformed first
+        (value, value_cache, kv_quant.quantize),
+    ):
+        q, scale = quantize(x, cache.dtype)
+        # Each row's values, then its scale, as head_dim + 2 bytes (the cache's layout).
         row = torch.cat((q.view(torch.uint8), scale[..., None].view(torch.uint8)), dim=-1)
         rows = kv_quant.cache_rows(cache).view(torch.uint8)
         rows.view(num_blocks * block_size, num_kv_heads, -1).index_copy_(0, slots, row)
@@ -93,12 +97,14 @@ def _gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_table: torch.Tensor,  # [max_num_blocks_per_seq]
     seq_len: int,
+    keys: bool,  # a K cache (a quantized one holds Hadamard-transformed rows)
 ) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]; float32 from a quantized cache
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
     ids = block_table[:num_blocks].long()
     if kv_quant.is_quantized(cache):
-        blocks = kv_quant.dequantize(cache[ids], kv_quant.cache_scales(cache)[ids])
+        dequantize = kv_quant.dequantize_keys if keys else kv_quant.dequantize
+        blocks = dequantize(cache[ids], kv_quant.cache_scales(cache)[ids])
     else:
         blocks = cache[ids]  # [nb, block_size, kvh, d]
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
@@ -194,18 +200,19 @@ def decode_over_context(
     kvh, max_len = context.num_kv_heads, context.max_len
     group = num_heads // kvh  # query head j reads KV head j // group
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [num_seqs * kvh, max_len, d]
+    def gather(cache: torch.Tensor, keys: bool) -> torch.Tensor:  # [num_seqs * kvh, max_len, d]
         if kv_quant.is_quantized(cache):
             raw = kv_quant.cache_rows(cache).reshape(-1, head_dim + kv_quant.SCALE_BYTES)
-            picked = raw.index_select(0, context.rows)  # [rows, d + 4]
-            scales = picked[:, head_dim:].view(torch.uint8).view(torch.float32)  # [rows, 1]
-            rows = picked[:, :head_dim].float() * scales
+            picked = raw.index_select(0, context.rows)  # [rows, d + 2]
+            scales = picked[:, head_dim:].view(kv_quant.SCALE_DTYPE).squeeze(-1)  # [rows]
+            dequantize = kv_quant.dequantize_keys if keys else kv_quant.dequantize
+            rows = dequantize(picked[:, :head_dim], scales)
             return rows.view(num_seqs * kvh, max_len, head_dim)
         rows = cache.view(-1, head_dim).index_select(0, context.rows)
         rows = rows.view(num_seqs * kvh, max_len, head_dim)
         return rows if rows.dtype == torch.float32 else rows.float()
 
-    k, v = gather(key_cache), gather(value_cache)
+    k, v = gather(key_cache, keys=True), gather(value_cache, keys=False)
     q = query if query.dtype == torch.float32 else query.float()
     # The group of query heads sharing a KV head is a [group, d] matrix against its [L, d].
     scores = torch.bmm(q.reshape(num_seqs * kvh, group, head_dim), k.transpose(1, 2))
@@ -253,8 +260,9 @@ def paged_attention_prefill(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = _gather_context(key_cache, block_tables[i], seq_len).float()  # [ctx, kvh, d]
-        v = _gather_context(value_cache, block_tables[i], seq_len).float()
+        k = _gather_context(key_cache, block_tables[i], seq_len, keys=True)  # [ctx, kvh, d]
+        k = k.float()
+        v = _gather_context(value_cache, block_tables[i], seq_len, keys=False).float()
         q = query[q_start:q_end].float()  # [q_len, h, d]
         # [kvh, group, q_len, d] against [kvh, 1, ctx, d]
         q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)

@@ -30,7 +30,13 @@ import triton.language as tl
 
 from kernels import kv_quant
 from kernels._common import SUPPORTED_DTYPES, check_kv_cache, next_power_of_2
-from kernels._kv_quant_triton import quant_args, quantize_by, scale_ptrs
+from kernels._kv_quant_triton import (
+    hadamard_rows,
+    quant_args,
+    quantize_by,
+    row_scales,
+    scale_ptrs,
+)
 from kernels._triton_common import round_args, round_to
 
 __all__ = ["rope_and_store_"]
@@ -58,10 +64,11 @@ def _rope_and_store_kernel(
     BLOCK_SIZE: tl.constexpr,
     DTYPE: tl.constexpr,
     SOFT_BF16_ROUND: tl.constexpr,  # see kernels/_triton_common.round_args
-    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
     QMAX: tl.constexpr,
     ROUND_TO_INT: tl.constexpr,
     SOFT_FP8_ROUND: tl.constexpr,  # see kernels/_kv_quant_triton.quant_args
+    HADAMARD_BLOCK: tl.constexpr,  # keys' Hadamard blocks (kv_quant.hadamard_block)
 ):
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -116,12 +123,16 @@ def _rope_and_store_kernel(
     )
     if QUANTIZED:
         # A row's scale is over both halves; Q rows (and padding) are zeros here, unstored.
+        # The keys' Hadamard blocks never straddle the halves (kv_quant.hadamard_block), so
+        # each half is transformed on its own.
         k1 = tl.where(k_mask, out1.to(tl.float32), 0.0)
         k2 = tl.where(k_mask, out2.to(tl.float32), 0.0)
+        k1 = hadamard_rows(k1, BLOCK_H, HALF_PAD, HADAMARD_BLOCK)
+        k2 = hadamard_rows(k2, BLOCK_H, HALF_PAD, HADAMARD_BLOCK)
         f1 = tl.where(k_mask, v1.to(tl.float32), 0.0)
         f2 = tl.where(k_mask, v2.to(tl.float32), 0.0)
-        k_scale = tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1)) / QMAX
-        v_scale = tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1)) / QMAX
+        k_scale = row_scales(tl.maximum(tl.max(tl.abs(k1), 1), tl.max(tl.abs(k2), 1)), QMAX)
+        v_scale = row_scales(tl.maximum(tl.max(tl.abs(f1), 1), tl.max(tl.abs(f2), 1)), QMAX)
         k1 = quantize_by(k1, k_scale, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
         k2 = quantize_by(k2, k_scale, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
         f1 = quantize_by(f1, v_scale, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
@@ -161,7 +172,8 @@ def rope_and_store_(
     Returns Q's part of ``qkv`` viewed as ``[num_tokens, num_heads, head_dim]``. K's part of
     ``qkv`` is left unrotated (only the cache holds rotated K). The cache must have the
     dtype of ``qkv`` (K and V are stored as computed, no further rounding), or be quantized
-    (kernels/kv_quant.py): rotated K and V are then quantized from those same values.
+    (kernels/kv_quant.py): rotated K (Hadamard-transformed) and V are then quantized from
+    those same values.
     """
     check_kv_cache(key_cache, value_cache)
     num_blocks, block_size, cache_kv_heads, head_dim = key_cache.shape

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_kv_cache, next_power_of_2
-from kernels._kv_quant_triton import quant_args, quantize_rows, scale_ptrs
+from kernels._kv_quant_triton import hadamard_rows, quant_args, quantize_rows, scale_ptrs
 
 __all__ = ["store_kv"]
 
@@ -41,10 +41,11 @@ def _store_kv_kernel(
     KV_HEADS_PAD: tl.constexpr,  # next power of two of NUM_KV_HEADS (tl.arange needs one)
     HEAD_DIM_PAD: tl.constexpr,  # next power of two of HEAD_DIM
     BLOCK_SIZE: tl.constexpr,
-    QUANTIZED: tl.constexpr,  # 8-bit rows + a float32 scale each (kernels/kv_quant.py)
+    QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
     QMAX: tl.constexpr,
     ROUND_TO_INT: tl.constexpr,
     SOFT_FP8_ROUND: tl.constexpr,  # see kernels/_kv_quant_triton.quant_args
+    HADAMARD_BLOCK: tl.constexpr,  # keys' Hadamard blocks (kv_quant.hadamard_block)
 ):
     token = tl.program_id(0).to(tl.int64)
     # int64 before any arithmetic: block_id * stride_cache_block overflows int32 once the
@@ -67,10 +68,12 @@ def _store_kv_kernel(
         + offs_h[:, None] * stride_cache_head
         + offs_d[None, :]
     )
-    k = tl.load(key_ptr + src_key, mask=mask)  # [KV_HEADS_PAD, HEAD_DIM_PAD]
-    v = tl.load(value_ptr + src_value, mask=mask)
+    k = tl.load(key_ptr + src_key, mask=mask, other=0.0)  # [KV_HEADS_PAD, HEAD_DIM_PAD]
+    v = tl.load(value_ptr + src_value, mask=mask, other=0.0)
     if QUANTIZED:
-        k, k_scale = quantize_rows(k.to(tl.float32), QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
+        # Keys Hadamard-transformed first; padding columns are whole zero blocks.
+        k = hadamard_rows(k.to(tl.float32), KV_HEADS_PAD, HEAD_DIM_PAD, HADAMARD_BLOCK)
+        k, k_scale = quantize_rows(k, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
         v, v_scale = quantize_rows(v.to(tl.float32), QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
         rows = (
             block_id * stride_cache_block + offset * stride_cache_slot + offs_h * stride_cache_head
@@ -94,7 +97,8 @@ def store_kv(
     ``key``/``value`` may be strided views (e.g. slices of a fused QKV projection) as long
     as ``head_dim`` is contiguous; they are cast to the cache dtype on store, rounding to
     nearest even like torch (NOTE: Triton 3.x's CPU interpreter truncates fp32 -> bf16), or
-    quantized with a scale per (token, KV head) into a quantized cache (kernels/kv_quant.py).
+    quantized with a scale per (token, KV head), keys Hadamard-transformed, into a
+    quantized cache (kernels/kv_quant.py).
     """
     check_kv_cache(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape

@@ -21,7 +21,8 @@ class KVPoolConfig:
         cached (hash-chained, LRU-evicted; ``kvpool/prefix_cache.py``). On by default, as in
         vLLM; the server's ``--no-prefix-caching`` turns it off.
     cache_dtype: "auto" (K/V in the model's dtype), "int8" or "fp8" (e4m3): 8-bit values
-        with a float32 scale per (slot, KV head) row (``kernels/kv_quant.py``); lossy.
+        with a float16 scale per (slot, KV head) row, keys Hadamard-transformed
+        (``kernels/kv_quant.py``); lossy.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE

@@ -1,11 +1,11 @@
 """Bytes per cached token for each KV cache dtype: the one rule the pool's sizing, the
 MBU gauge and the planner (``pagedserve plan``) all count with.
 
-A quantized cache (``int8``, ``fp8``) holds one byte per K/V element plus a float32 scale
+A quantized cache (``int8``, ``fp8``) holds one byte per K/V element plus a float16 scale
 per (slot, KV head) row of K and of V (the layout: ``kernels/kv_quant.py``), so a token costs
-``2 * layers * kv_heads * (head_dim + 4)`` bytes instead of ``2 * layers * kv_heads *
-head_dim * element_bytes``: 3.76x fewer than float32 and 1.88x fewer than 16-bit at
-head_dim 64, 3.88x and 1.94x at head_dim 128. Pure arithmetic, no torch.
+``2 * layers * kv_heads * (head_dim + 2)`` bytes instead of ``2 * layers * kv_heads *
+head_dim * element_bytes``: 3.88x fewer than float32 and 1.94x fewer than 16-bit at
+head_dim 64, 3.94x and 1.97x at head_dim 128. Pure arithmetic, no torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 QUANTIZED_KV_DTYPES = ("int8", "fp8")
 # The scale after each quantized row; kernels/kv_quant.py's SCALE_BYTES (asserted equal there
 # by tests/kernels/test_kv_quant.py, since kernels/ may not import kvpool/).
-SCALE_BYTES = 4
+SCALE_BYTES = 2
 
 
 def kv_bytes_per_token(

@@ -9,8 +9,8 @@ Layout, one pair per layer (the layout both the reference and the Triton kernels
     key_caches[layer], value_caches[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
 
 With a quantized cache (``KVPoolConfig.cache_dtype`` int8 / fp8) each of those is the values
-view of a ``[num_blocks, block_size, num_kv_heads, head_dim + 4]`` 8-bit tensor whose last
-4 bytes per row hold the row's float32 scale (``kernels/kv_quant.py``); this class keeps the
+view of a ``[num_blocks, block_size, num_kv_heads, head_dim + 2]`` 8-bit tensor whose last
+2 bytes per row hold the row's float16 scale (``kernels/kv_quant.py``); this class keeps the
 raw tensors too, so whole-block copies carry the scales.
 """
 
@@ -69,10 +69,10 @@ def kv_bytes_per_token(
 
 def check_cache_dtype(cache_dtype: str, head_dim: int) -> None:
     """Refuse a quantized cache the kernels cannot address (one line, for the CLI)."""
-    if cache_dtype in QUANTIZED_KV_DTYPES and head_dim % kv_quant.SCALE_BYTES:
+    # Even: each row's float16 scale then sits on a 2-byte boundary (rows of head_dim + 2).
+    if cache_dtype in QUANTIZED_KV_DTYPES and head_dim % 2:
         raise ValueError(
-            f"--kv-cache-dtype {cache_dtype} needs a head_dim that is a multiple of "
-            f"{kv_quant.SCALE_BYTES} (the model's is {head_dim})"
+            f"--kv-cache-dtype {cache_dtype} needs an even head_dim (the model's is {head_dim})"
         )
 
 

@@ -35,7 +35,7 @@ KVBytesPerToken = Callable[[ModelConfig, str], float]
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> float:
     """k = 2 * L * H_kv * d * B_kv for ``kv_dtype`` (``auto`` is not resolved here), as the
-    server's pool stores it: int8/fp8 add a float32 scale per token and KV head
+    server's pool stores it: int8/fp8 add a float16 scale per token and KV head
     (``kvpool/kv_dtype.py``). Another layout can supply a function of the same signature to
     :func:`kv_cache_table`.
     """

@@ -383,9 +383,10 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--num-kv-blocks", "kvpool", "num_blocks", optional(int), _K.num_blocks,
            "exact number of KV blocks; overrides --kv-cache-memory"),
     Option("--kv-cache-dtype", "kvpool", "cache_dtype", str, _K.cache_dtype,
-           "auto (the model's dtype), int8 or fp8 (e4m3): 8-bit K/V with a float32 scale per "
-           "token and KV head; ~2x the tokens of bf16 and ~4x of float32 in the same "
-           "--kv-cache-memory, lossy (fp8: CUDA/Triton or the torch backend)",
+           "auto (the model's dtype), int8 or fp8 (e4m3): 8-bit K/V with a float16 scale per "
+           "token and KV head (keys Hadamard-transformed); ~2x the tokens of bf16 and ~4x of "
+           "float32 in the same --kv-cache-memory, lossy (fp8: CUDA/Triton or the torch "
+           "backend)",
            KV_CACHE_DTYPES),
     Option("--no-prefix-caching", "kvpool", "enable_prefix_caching", parse_bool,
            not _K.enable_prefix_caching,

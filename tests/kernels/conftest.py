@@ -203,11 +203,15 @@ _BF16_ATTENTION_ARGS = dict(
     sliding_window="i32",
 )
 # The quantized KV cache's constexprs (kernels/_kv_quant_triton.quant_args) per cache type.
-_NOT_QUANTIZED = dict(QUANTIZED=False, QMAX=0.0, ROUND_TO_INT=False, SOFT_FP8_ROUND=False)
+_NOT_QUANTIZED = dict(
+    QUANTIZED=False, QMAX=0.0, ROUND_TO_INT=False, SOFT_FP8_ROUND=False, HADAMARD_BLOCK=1
+)
 _QUANTIZED = {
     "int8": ("*i8", dict(QUANTIZED=True, QMAX=127.0, ROUND_TO_INT=True, SOFT_FP8_ROUND=False)),
     "fp8": ("*fp8e4nv", dict(QUANTIZED=True, QMAX=448.0, ROUND_TO_INT=False, SOFT_FP8_ROUND=False)),
 }
+# kv_quant.hadamard_block of the builds' head dims (64 for store_kv, 128 for rope_and_store)
+_HADAMARD = {64: dict(HADAMARD_BLOCK=32), 128: dict(HADAMARD_BLOCK=64)}
 SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
     "store_kv": (
         "kernels.store_kv", "_store_kv_kernel",
@@ -222,7 +226,7 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
             dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr=ptr, value_cache_ptr=ptr,
                  slot_mapping_ptr="*i64"),
             dict(NUM_KV_HEADS=3, HEAD_DIM=64, KV_HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-                 **quant),
+                 **quant, **_HADAMARD[64]),
         )
         for name, (ptr, quant) in _QUANTIZED.items()
     },
@@ -233,7 +237,7 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
                  tokens_per_split="i32"),
             dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
                  TILE_N=64, SPLIT=split, DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32",
-                 QUANTIZED=False),
+                 QUANTIZED=False, HADAMARD_BLOCK=1),
         )
         for split in (False, True)
     },
@@ -244,7 +248,7 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
                  lse_ptr="*fp32", tokens_per_split="i32"),
             dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
                  TILE_N=64, SPLIT=False, DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32",
-                 QUANTIZED=True),
+                 QUANTIZED=True, **_HADAMARD[64]),
         )
         for name, (ptr, _) in _QUANTIZED.items()
     },
@@ -288,7 +292,8 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
             dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr=ptr,
                  value_cache_ptr=ptr, slot_mapping_ptr="*i64"),
             dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32,
-                 BLOCK_SIZE=16, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, **quant),
+                 BLOCK_SIZE=16, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, **quant,
+                 **_HADAMARD[128]),
         )
         for name, (ptr, quant) in _QUANTIZED.items()
     },
@@ -304,7 +309,7 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         dict(_BF16_ATTENTION_ARGS, out_ptr="*bf16", query_start_loc_ptr="*i32", num_seqs="i32"),
         dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, HEAD_DIM=64,
              HEAD_DIM_PAD=64, BLOCK_SIZE=16, TILE_N=64, DOT_DTYPE="tl.bfloat16",
-             DOT_PRECISION="tf32", QUANTIZED=False),
+             DOT_PRECISION="tf32", QUANTIZED=False, HADAMARD_BLOCK=1),
     ),
     **{
         f"prefill_{name}": (
@@ -313,7 +318,7 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
                  query_start_loc_ptr="*i32", num_seqs="i32"),
             dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, HEAD_DIM=64,
                  HEAD_DIM_PAD=64, BLOCK_SIZE=16, TILE_N=64, DOT_DTYPE="tl.bfloat16",
-                 DOT_PRECISION="tf32", QUANTIZED=True),
+                 DOT_PRECISION="tf32", QUANTIZED=True, **_HADAMARD[64]),
         )
         for name, (ptr, _) in _QUANTIZED.items()
     },

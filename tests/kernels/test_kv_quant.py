@@ -8,7 +8,10 @@ Layout and arithmetic: ``kernels/kv_quant.py``. Written tolerances:
   on a GPU a value may be one quantization step off at a rounding tie (checked there).
 - **Quantization error** of the reference: per row, |x - dequantize(quantize(x))| is at most
   half a step, ``scale / 2`` for int8 and a relative 2**-4 of |x| (3 mantissa bits) for
-  e4m3 values above its subnormals (plus ``scale * 2**-10`` below).
+  e4m3 values above its subnormals (plus ``scale * 2**-10`` below). Keys
+  (``quantize_keys``: Hadamard-transformed first) come back within the same ``scale / 2``
+  for int8: the transform's error is at most ``block * scale / 2`` per channel, divided by
+  ``block`` on the way back.
 - **Attention** over a quantized cache: the reference de-quantizes to float32 and attends
   exactly as over a float cache (bitwise), and the kernels (Triton, C++) fold the scales
   into the scores and probabilities instead: float32 queries within 2e-5 (abs and rel) of
@@ -31,8 +34,8 @@ ATTENTION_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 def quantized_pair(num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-    """A K and a V cache in the quantized layout, filled with NaN bytes' worth of garbage
-    (0x7f... patterns) so that reading an unwritten row shows."""
+    """A K and a V cache in the quantized layout, filled with garbage (0x7f bytes: values
+    127 or NaN, scales float16 NaN) so that reading an unwritten row shows."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim + kv_quant.SCALE_BYTES)
     raws = [torch.full(shape, 0x7F, dtype=torch.uint8, device=device).view(dtype) for _ in "kv"]
     return [kv_quant.quantized_cache(raw) for raw in raws]
@@ -66,7 +69,8 @@ def assert_same_cache(got, want, device):
         assert torch.equal(raw_bytes(got), raw_bytes(want))
         return
     scale = kv_quant.cache_scales(want)
-    torch.testing.assert_close(kv_quant.cache_scales(got), scale, rtol=1e-6, atol=0)
+    # (rows no store wrote keep their 0x7f7f fill, a float16 NaN, in both)
+    torch.testing.assert_close(kv_quant.cache_scales(got), scale, rtol=1e-6, atol=0, equal_nan=True)
     ref = kv_quant.dequantize(want, scale)
     deq = kv_quant.dequantize(got, scale)
     if got.dtype == torch.int8:
@@ -89,6 +93,7 @@ def test_reference_quantization_error_is_half_a_step(dtype):
     x = torch.randn(64, 4, 128) * torch.logspace(-3, 2, 64)[:, None, None]
     q, scale = kv_quant.quantize(x, dtype)
     err = (kv_quant.dequantize(q, scale) - x).abs()
+    scale = scale.float()
     if dtype == torch.int8:
         bound = scale[..., None] / 2 * (1 + 1e-6)
     else:
@@ -101,12 +106,59 @@ def test_reference_quantization_error_is_half_a_step(dtype):
 
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_float16_scales_stay_finite_and_in_range(dtype):
+    """A scale past float16's range is clamped (values then clamp at +-QMAX), one below its
+    subnormals rounds to 0 (and so do the row's values), and float16's rounding of a scale
+    never puts a value past QMAX."""
+    qmax = kv_quant.QMAX[dtype]
+    huge = torch.tensor([[1e9, -3e8, 1.0]])
+    q, scale = kv_quant.quantize(huge, dtype)
+    assert scale.dtype == torch.float16 and float(scale) == kv_quant.SCALE_MAX
+    assert q.float()[0, 0] == qmax and q.float()[0, 1] == -qmax
+    tiny = torch.tensor([[1e-9, -2e-9, 0.0]])
+    q, scale = kv_quant.quantize(tiny, dtype)
+    assert float(scale) == 0.0 and not q.float().any()
+    x = torch.randn(4096, 64) * torch.logspace(-2, 3, 4096)[:, None]
+    q, scale = kv_quant.quantize(x, dtype)
+    assert bool((q.float().abs() <= qmax).all()) and bool(torch.isfinite(scale).all())
+
+
+def test_hadamard_is_the_block_diagonal_sylvester_matrix():
+    sylvester = torch.ones(1, 1)
+    while sylvester.shape[0] < 32:
+        sylvester = torch.cat(
+            [torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)], 0
+        )
+    eye = torch.eye(64)
+    h = kv_quant.hadamard(eye, 32)  # row i: e_i transformed
+    assert torch.equal(h, torch.block_diag(sylvester, sylvester))
+    assert torch.equal(kv_quant.hadamard(h, 32), 32 * eye)  # H H = n I
+    blocks = [kv_quant.hadamard_block(d) for d in (32, 64, 96, 128, 256, 80)]
+    assert blocks == [16, 32, 16, 64, 128, 8]
+
+
+def test_keys_come_back_within_half_a_step_and_with_less_error_than_plain_rows():
+    """The Hadamard transform spreads an outlier channel (as post-RoPE keys carry) over its
+    block, so the row's scale follows its RMS: the keys' error falls well below a plain
+    absmax quantization of the same rows."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 2, 64, generator=g)
+    x[..., 23] *= 8.0  # an outlier channel
+    q, scale = kv_quant.quantize_keys(x, torch.int8)
+    err = (kv_quant.dequantize_keys(q, scale) - x).abs()
+    assert bool((err <= scale.float()[..., None] / 2 * (1 + 1e-5)).all())
+    pq, pscale = kv_quant.quantize(x, torch.int8)
+    plain = (kv_quant.dequantize(pq, pscale) - x).abs()
+    assert float(err.pow(2).mean()) < 0.5 * float(plain.pow(2).mean())
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
 def test_reference_attention_over_a_quantized_cache_is_attention_over_its_dequantized_values(
     dtype,
 ):
     kc, vc = quantized_pair(9, 8, 2, 64, dtype, torch.device("cpu"))
     fill(kc, vc)
-    fk = kv_quant.dequantize(kc, kv_quant.cache_scales(kc))
+    fk = kv_quant.dequantize_keys(kc, kv_quant.cache_scales(kc))
     fv = kv_quant.dequantize(vc, kv_quant.cache_scales(vc))
     block_tables = torch.stack([torch.randperm(9)[:5] for _ in range(3)]).int()
     seq_lens = torch.tensor([1, 17, 40], dtype=torch.int32)
@@ -126,14 +178,16 @@ def test_reference_attention_over_a_quantized_cache_is_attention_over_its_dequan
 
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
-@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
-def test_triton_store_kv_quantizes_like_the_reference(device, dtype, src_dtype):
+@pytest.mark.parametrize(
+    ("src_dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 96)]
+)  # 96: padded to 128, Hadamard blocks of 16
+def test_triton_store_kv_quantizes_like_the_reference(device, dtype, src_dtype, head_dim):
     from kernels.store_kv import store_kv
 
-    kc, vc = quantized_pair(12, 16, 3, 64, dtype, device)
-    rk, rv = quantized_pair(12, 16, 3, 64, dtype, device)
-    key = (torch.randn(40, 3, 64) * 5).to(src_dtype).to(device)
-    value = torch.randn(40, 3, 64).to(src_dtype).to(device)
+    kc, vc = quantized_pair(12, 16, 3, head_dim, dtype, device)
+    rk, rv = quantized_pair(12, 16, 3, head_dim, dtype, device)
+    key = (torch.randn(40, 3, head_dim) * 5).to(src_dtype).to(device)
+    value = torch.randn(40, 3, head_dim).to(src_dtype).to(device)
     key[7] = 0.0
     slots = torch.randperm(12 * 16)[:40]
     slots[::5] = -1  # padding: writes nothing
@@ -145,11 +199,13 @@ def test_triton_store_kv_quantizes_like_the_reference(device, dtype, src_dtype):
 
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
-@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
-def test_triton_rope_and_store_quantizes_like_the_reference(device, dtype, src_dtype):
+@pytest.mark.parametrize(
+    ("src_dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 96)]
+)  # 96: halves of 48 padded to 64, Hadamard blocks of 16
+def test_triton_rope_and_store_quantizes_like_the_reference(device, dtype, src_dtype, head_dim):
     from kernels.rope_and_store import rope_and_store_
 
-    num_heads, num_kv_heads, head_dim, n = 8, 2, 64, 21
+    num_heads, num_kv_heads, n = 8, 2, 21
     kc, vc = quantized_pair(6, 8, num_kv_heads, head_dim, dtype, device)
     rk, rv = quantized_pair(6, 8, num_kv_heads, head_dim, dtype, device)
     qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim).to(src_dtype).to(device)
@@ -168,9 +224,9 @@ def test_triton_rope_and_store_quantizes_like_the_reference(device, dtype, src_d
     assert_same_cache(vc, rv, device)
 
 
-def _attention_case(dtype, device, query_dtype):
+def _attention_case(dtype, device, query_dtype, d=64):
     torch.manual_seed(1)
-    nb, bs, kvh, d, h = 14, 16, 2, 64, 6
+    nb, bs, kvh, h = 14, 16, 2, 6
     kc, vc = quantized_pair(nb, bs, kvh, d, dtype, device)
     fill(kc, vc)
     block_tables = torch.stack([torch.randperm(nb)[:7] for _ in range(4)]).int().to(device)
@@ -191,6 +247,23 @@ def test_triton_decode_dequantizes_like_the_reference(device, dtype, query_dtype
         got = paged_attention_decode(q, kc, vc, block_tables, seq_lens, d**-0.5, num_splits=splits)
         assert got.dtype == query_dtype
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_triton_attention_at_head_dim_96(device):
+    """Padded to 128 columns, the query's Hadamard blocks of 16 leave the padding zeros."""
+    from kernels.paged_attention import paged_attention_decode
+    from kernels.prefill_attention import paged_attention_prefill
+
+    kc, vc, block_tables, seq_lens, h, d = _attention_case(torch.int8, device, torch.float32, 96)
+    q = torch.randn(4, h, d).to(device)
+    args = (q, kc, vc, block_tables, seq_lens, d**-0.5)
+    tol = ATTENTION_TOL[torch.float32]
+    want = reference.paged_attention_decode(*args)
+    torch.testing.assert_close(paged_attention_decode(*args), want, rtol=tol, atol=tol)
+    qsl = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32, device=device)
+    args = (q, kc, vc, block_tables, qsl, seq_lens, d**-0.5)
+    got = paged_attention_prefill(*args)
+    torch.testing.assert_close(got, reference.paged_attention_prefill(*args), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
@@ -220,8 +293,9 @@ def test_quantized_kernels_compile_for_sm90(sm90_build_errors, build):
 # ---- C++ --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 32),
-                                                                       (16, 4, 128)])  # fmt: skip
+# head_dim 96: Hadamard blocks of 16 (kv_quant.hadamard_block)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(9, 3, 64), (8, 8, 32), (16, 4, 128), (8, 2, 96)])  # fmt: skip
 def test_cpu_decode_over_int8_matches_reference(ops, num_heads, num_kv_heads, head_dim):
     torch.manual_seed(2)
     nb, bs = 40, 16
@@ -267,8 +341,13 @@ def test_cpu_rope_and_store_quantizes_like_the_reference(ops):
         diff = (got.float() - want.float()).abs()
         assert diff.max() <= 1
         assert (diff > 0).float().mean() < 0.01
+        # (unwritten rows keep their 0x7f7f fill: a float16 NaN in both)
         torch.testing.assert_close(
-            kv_quant.cache_scales(got), kv_quant.cache_scales(want), rtol=1e-6, atol=0
+            kv_quant.cache_scales(got),
+            kv_quant.cache_scales(want),
+            rtol=1e-6,
+            atol=0,
+            equal_nan=True,
         )
 
 

@@ -47,7 +47,7 @@ def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
             "--json",
         )
     )
-    assert out["kv_bytes_per_token"] == 67_584  # int8 values + a float32 scale per row
+    assert out["kv_bytes_per_token"] == 66_560  # int8 values + a float16 scale per row
     assert out["dtypes"] == {"weights": "bf16", "kv": "int8", "compute": "bf16"}
     assert out["workload"] == {
         "prompt_tokens": 350,

@@ -62,10 +62,10 @@ def test_gqa_and_int8_kv_in_a_plan() -> None:
     fp16 = make_plan(llama3, get_device("a100-80gb"), Workload(), dtype="bf16", kv_dtype="fp16")
     int8 = make_plan(llama3, get_device("a100-80gb"), Workload(), dtype="bf16", kv_dtype="int8")
     assert fp16.kv_bytes_per_token == 131_072
-    # one byte per element plus a float32 scale per (token, KV head) row of K and of V, as
-    # the server's pool stores them: 2 * 32 layers * 8 heads * (128 + 4)
-    assert int8.kv_bytes_per_token == 67_584
-    ratio = 131_072 / 67_584  # 1.94x the tokens
+    # one byte per element plus a float16 scale per (token, KV head) row of K and of V, as
+    # the server's pool stores them: 2 * 32 layers * 8 heads * (128 + 2)
+    assert int8.kv_bytes_per_token == 66_560
+    ratio = 131_072 / 66_560  # 1.97x the tokens
     assert int8.capacity["kv_tokens"] == pytest.approx(ratio * fp16.capacity["kv_tokens"], abs=1)
     assert int8.dtypes == {"weights": "bf16", "kv": "int8", "compute": "bf16"}
 

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kv_quant.h"
 #include "ops.h"
 #include "team.h"
 #include "vec.h"
@@ -115,30 +116,14 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// One K or V row of n floats into the int8 cache layout (kernels/kv_quant.py): n values
-// q = x / s rounded half away from zero, clamped to +-127, then s = absmax / 127 as 4 bytes;
-// the same float32 operations as the reference's quantize, so the same bytes.
-static void quantize_row_i8(const float* x, int64_t n, int8_t* out) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(x[d]));
-  const float s = amax / 127.f;
-  const float div = s > 0.f ? s : 1.f;
-  for (int64_t d = 0; d < n; ++d) {
-    const float y = x[d] / div;
-    float r = std::floor(std::fabs(y) + 0.5f);
-    r = std::min(r, 127.f);
-    out[d] = int8_t(y < 0.f ? -r : r);
-  }
-  std::memcpy(out + n, &s, sizeof s);
-}
-
 // qkv [tokens, (num_heads + 2 * num_kv_heads) * head_dim]: rotates the Q and K heads in place
 // (x * cos + rotate_half(x) * sin) and writes each token's K and V rows into its cache slot
 // (slot -1: padding, not stored). cos, sin: [tokens, head_dim].
 void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
                      int64_t num_heads, int64_t num_kv_heads) {
-  // An int8 cache (--kv-cache-dtype int8) takes each K/V row quantized, scale after it.
+  // An int8 cache (--kv-cache-dtype int8) takes each K/V row quantized, scale after it, K
+  // Hadamard-transformed first (kv_quant.h).
   const bool int8_cache = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(qkv.scalar_type() == at::kFloat &&
               (key_cache.scalar_type() == at::kFloat || int8_cache) &&
@@ -161,7 +146,8 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   float* vc = int8_cache ? nullptr : value_cache.data_ptr<float>();
   int8_t* kq = int8_cache ? key_cache.data_ptr<int8_t>() : nullptr;
   int8_t* vq = int8_cache ? value_cache.data_ptr<int8_t>() : nullptr;
-  const int64_t qrow = head_dim + 4;  // an int8 row: head_dim values, then the float32 scale
+  const int64_t qrow = head_dim + kScaleBytes;  // an int8 row: head_dim values, then the scale
+  const int64_t block = hadamard_block(head_dim);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   parallel_for(0, tokens, kRowGrain, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
@@ -181,8 +167,12 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
       TORCH_CHECK(slot < num_slots, "slot ", slot, " out of range");
       const float* k = xt + num_heads * head_dim;
       if (int8_cache) {
+        float kh[256];  // one K row, Hadamard-transformed (head_dim <= 256: cpu_kernels.supports)
+        TORCH_CHECK(head_dim <= 256, "int8 cache: head_dim must be <= 256");
         for (int64_t h = 0; h < num_kv_heads; ++h) {
-          quantize_row_i8(k + h * head_dim, head_dim, kq + (slot * num_kv_heads + h) * qrow);
+          std::copy(k + h * head_dim, k + (h + 1) * head_dim, kh);
+          hadamard_row(kh, head_dim, block);
+          quantize_row_i8(kh, head_dim, kq + (slot * num_kv_heads + h) * qrow);
           quantize_row_i8(k + kv + h * head_dim, head_dim, vq + (slot * num_kv_heads + h) * qrow);
         }
         continue;

@@ -25,7 +25,7 @@ at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Te
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
 // An int8 KV cache in the quantized layout: the values view of [blocks, block_size, kv_heads,
-// head_dim + 4] rows, each followed by its float32 scale (kernels/kv_quant.py).
+// head_dim + 2] rows, each followed by its float16 scale (kernels/kv_quant.py, kv_quant.h).
 bool is_quantized_cache(const at::Tensor& cache);
 void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_cache,
                                  const at::Tensor& value_cache, const at::Tensor& block_tables,

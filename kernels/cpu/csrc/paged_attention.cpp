@@ -27,6 +27,7 @@
 #include <tuple>
 #include <vector>
 
+#include "kv_quant.h"
 #include "ops.h"
 #include "team.h"
 #include "vec.h"
@@ -37,8 +38,9 @@ namespace {
 
 // How a KV cache of element type T holds one (slot, KV head) row: float32 caches hold
 // head_dim floats; int8 caches (--kv-cache-dtype int8) head_dim int8 values and then the
-// row's float32 scale, value = q * scale (kernels/kv_quant.py). The float path multiplies by
-// no scale at all (if constexpr), so it stays bitwise what it was.
+// row's float16 scale, value = q * scale (kernels/kv_quant.py; K rows hold the keys' Hadamard
+// transform, so the query comes transformed too: paged_attention_decode_into). The float
+// path multiplies by no scale at all (if constexpr), so it stays bitwise what it was.
 template <typename T>
 struct Row;
 template <>
@@ -52,14 +54,10 @@ struct Row<float> {
 template <>
 struct Row<int8_t> {
   static constexpr bool kQuantized = true;
-  static constexpr int64_t kExtra = 4;  // the float32 scale
+  static constexpr int64_t kExtra = kScaleBytes;  // the float16 scale
   static vf load(const int8_t* p) { return vload_i8(p); }
   static float at(const int8_t* p, int64_t d) { return float(p[d]); }
-  static float scale(const int8_t* row, int64_t head_dim) {
-    float s;
-    std::memcpy(&s, row + head_dim, sizeof s);
-    return s;
-  }
+  static float scale(const int8_t* row, int64_t head_dim) { return load_scale(row, head_dim); }
 };
 
 // Calls f(t - t0, row) for context positions t in [t0, t1), row pointing at position t's slot
@@ -551,7 +549,7 @@ void decode_head_dim(int64_t head_dim, const at::Tensor& query, const at::Tensor
 
 bool is_quantized_cache(const at::Tensor& cache) {
   if (cache.dim() != 4) return false;
-  const int64_t row = cache.size(3) + 4, kvh = cache.size(2), bs = cache.size(1);
+  const int64_t row = cache.size(3) + kScaleBytes, kvh = cache.size(2), bs = cache.size(1);
   return cache.stride(3) == 1 && cache.stride(2) == row && cache.stride(1) == kvh * row &&
          cache.stride(0) == bs * kvh * row;
 }
@@ -581,8 +579,8 @@ void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_
               "paged_attention_decode: block_tables and seq_lens must be int32");
   if (int8_cache) {
     TORCH_CHECK(is_quantized_cache(key_cache) && is_quantized_cache(value_cache),
-                "int8 caches must be the values view of [blocks, block_size, kv_heads, head_dim + 4] "
-                "rows with a float32 scale after each (kernels/kv_quant.py)");
+                "int8 caches must be the values view of [blocks, block_size, kv_heads, head_dim + 2] "
+                "rows with a float16 scale after each (kernels/kv_quant.py)");
   } else {
     TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   }
@@ -592,9 +590,25 @@ void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == query.numel(),
               "paged_attention_decode_into: out must be contiguous float32 [num_seqs, num_heads, head_dim]");
-  if (int8_cache)
-    decode_head_dim<int8_t>(head_dim, query, key_cache, value_cache, block_tables, seq_lens, scale, out, sliding_window);
-  else
+  if (int8_cache) {
+    // The cache holds H k (kv_quant.h): <q, k> = <H q, H k> / block, so the kernel attends
+    // with H q and scale / block (a power of two: exact).
+    const int64_t block = hadamard_block(head_dim);
+    thread_local std::vector<float> tl_hq;
+    const int64_t rows = query.size(0) * query.size(1);
+    tl_hq.resize(size_t(rows * head_dim));
+    const float* q = query.data_ptr<float>();
+    for (int64_t i = 0; i < query.size(0); ++i)
+      for (int64_t h = 0; h < query.size(1); ++h) {
+        float* dst = tl_hq.data() + (i * query.size(1) + h) * head_dim;
+        const float* src = q + i * query.stride(0) + h * query.stride(1);
+        std::copy(src, src + head_dim, dst);
+        hadamard_row(dst, head_dim, block);
+      }
+    const at::Tensor hq = at::from_blob(tl_hq.data(), query.sizes(), query.options());
+    decode_head_dim<int8_t>(head_dim, hq, key_cache, value_cache, block_tables, seq_lens, scale / double(block),
+                            out, sliding_window);
+  } else
     decode_head_dim<float>(head_dim, query, key_cache, value_cache, block_tables, seq_lens, scale, out, sliding_window);
 }
 
