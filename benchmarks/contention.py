@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -44,9 +43,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.provenance import git_commit
 from loadtest.config import LoadTestConfig
 from loadtest.launcher import ServerProcess, build_command, free_port
 from loadtest.run import run_sweep
+from planner.cpu import cpu_model_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 2.2
@@ -84,32 +85,6 @@ def busy_process(cpu: int) -> Iterator[int]:
     finally:
         proc.kill()
         proc.wait(timeout=10)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (as ``lscpu`` prints it), or the platform's processor string."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def commit(checkout: Path) -> str:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=checkout,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except OSError:
-        return "unknown"
-    return done.stdout.strip() or "unknown"
 
 
 def measure(args: argparse.Namespace, log_dir: Path) -> list[Point]:
@@ -369,16 +344,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.offline:
         runs = offline(args)
-        print(f"\n{cpu_name()}, {len(os.sched_getaffinity(0))} CPUs, commit {commit(ROOT)}")
+        print(f"\n{cpu_model_name()}, {len(os.sched_getaffinity(0))} CPUs, commit {git_commit()}")
         for line in offline_summary(runs):
             print(line)
         if args.json:
-            record = {"machine": cpu_name(), "runs": [asdict(r) for r in runs]}
+            record = {"machine": cpu_model_name(), "runs": [asdict(r) for r in runs]}
             args.json.write_text(json.dumps(record, indent=2) + "\n")
         return 0
     with tempfile.TemporaryDirectory(prefix="pagedserve-contention-") as tmp:
         points = measure(args, Path(tmp))
-    head = f"{cpu_name()}, {len(os.sched_getaffinity(0))} CPUs, commit {commit(args.server_cwd)}"
+    cpus = len(os.sched_getaffinity(0))
+    head = f"{cpu_model_name()}, {cpus} CPUs, commit {git_commit(args.server_cwd)}"
     print(f"\n{head}; target: busy/alone <= {TARGET_RATIO}")
     for p in points:
         print(format_point(p))

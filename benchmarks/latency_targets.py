@@ -36,9 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -47,10 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import step_replay
+from benchmarks.provenance import git_commit
 from engine.step_trace import ENV as TRACE_ENV
 from loadtest.config import LoadTestConfig
 from loadtest.launcher import ServerProcess, build_command, free_port
 from loadtest.run import SweepResult, run_sweep
+from planner.cpu import cpu_model_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PREDICTION = "pagedserve_step_time_prediction_ratio"
@@ -186,19 +186,12 @@ def table(results: dict[str, Any], target_s: float) -> str:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    return {"cpu": cpu, "cpus": os.cpu_count(), "commit": commit, "loadavg": os.getloadavg()}
+    return {
+        "cpu": cpu_model_name(),
+        "cpus": os.cpu_count(),
+        "commit": git_commit(),
+        "loadavg": os.getloadavg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

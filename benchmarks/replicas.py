@@ -23,29 +23,19 @@ import argparse
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.provenance import git_commit
 from loadtest.config import LoadTestConfig
 from loadtest.launcher import ServerProcess, free_port
 from loadtest.replicas import finished_requests, scrape, start_router
 from loadtest.run import run_sweep
 
 STARTUP_TIMEOUT_S = 600.0
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _server_argv(model: str | None, port: int, threads: int, extra: Sequence[str]) -> list[str]:
@@ -191,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     rows = run_setup("1 replica, 2 threads", 1, 2, args, log_dir)
     rows += run_setup("2 replicas x 1 thread + vllm-router", 2, 1, args, log_dir)
-    print(f"commit {_git_commit()}, {time.time() - started:.0f} s in all")
+    print(f"commit {git_commit()}, {time.time() - started:.0f} s in all")
     print(HEADER)
     for row in rows:
         print(_format_row(row))

@@ -61,20 +61,24 @@ class CpuPeaks:
     others_fraction: float | None = None
 
 
-def cpu_fingerprint() -> str:
-    """What the cached figures depend on: the CPU model, the torch threads, the torch build."""
-    import torch
-
-    model = platform.processor() or platform.machine()
+def cpu_model_name() -> str:
+    """The CPU's model name as ``lscpu`` prints it (/proc/cpuinfo), or the platform's
+    processor string where that cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{model} | threads={torch.get_num_threads()} | torch={torch.__version__}"
+    return platform.processor() or platform.machine()
+
+
+def cpu_fingerprint() -> str:
+    """What the cached figures depend on: the CPU model, the torch threads, the torch build."""
+    import torch
+
+    return f"{cpu_model_name()} | threads={torch.get_num_threads()} | torch={torch.__version__}"
 
 
 def _best_seconds(fn: Callable[[], object], min_repeats: int, budget_s: float = 1.0) -> float:
