@@ -50,7 +50,7 @@ from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.policy import default_max_step_tokens, default_row_cost
 from engine.spec_decode.speculator import SpeculativeDecoder
 from engine.step_predictor import StepTimePredictor
-from engine.tensor_parallel import TPLayout, check_shardable, shard_model
+from engine.tensor_parallel import check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
@@ -133,8 +133,10 @@ def resident_bytes() -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineParts:
-    """What ``LLMEngine`` runs: everything built from the configs, wired together."""
+class ServedModel:
+    """What the engine serves, fixed once it is built: which model, its shape and tokenizer,
+    where requests stop, the device, dtype and kernels chosen, and where the memory went.
+    The server reads these through the engine (engine/protocol.py); nothing changes them."""
 
     config: EngineConfig
     device: torch.device
@@ -147,10 +149,19 @@ class EngineParts:
     eos_token_ids: tuple[int, ...]  # every id a request stops at (eos_token_id among them)
     sampling_defaults: SamplingDefaults  # for fields a request leaves unset
     attention_backend: str
-    model: LlamaForCausalLM
     # "gguf" when the cpu backend reads GGUF blocks, "int8"/"fp8" with --quantization, else
     # the serving dtype's name
     matmul_weights: str
+    memory: MemoryReport
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    """What ``LLMEngine`` runs: the components its step loop drives, built from the configs
+    and wired together, and the ``ServedModel`` they serve."""
+
+    served: ServedModel
+    model: LlamaForCausalLM
     cost_model: StepCostModel
     kv_capacity: KVCapacity
     storage: KVCacheStorage
@@ -158,12 +169,9 @@ class EngineParts:
     scheduler: Scheduler
     sampler: Sampler
     runner: ModelRunner
-    memory: MemoryReport
-    max_num_batched_tokens: int  # the largest step the scheduler plans (the warm-up's)
     # The step-time model the latency targets ask; None without targets.
     step_predictor: StepTimePredictor | None = None
     tp: TensorParallelGroup | None = None  # this process's tensor-parallel group
-    tp_layout: TPLayout | None = None  # what each rank holds, with any padding
     speculator: SpeculativeDecoder | None = None  # speculative decoding, when configured
 
 
@@ -259,7 +267,6 @@ def build_engine_parts(
             device = torch.device("cuda", tp.local_rank)
             torch.cuda.set_device(device)
     checkpoint = None if dummy or resolved is None else resolved.path
-    layout = None
     num_kv_heads = mc.num_kv_heads
     if tp is None:
         model = load_model(checkpoint, mc, backend, max_model_len, device, dtype, seed=config.seed)
@@ -468,7 +475,7 @@ def build_engine_parts(
         dropped=dropped_bytes,
     )
     logger.info("%s", memory.describe())
-    return EngineParts(
+    served = ServedModel(
         config=config,
         device=device,
         dtype=dtype,
@@ -480,8 +487,12 @@ def build_engine_parts(
         eos_token_ids=stop_ids,
         sampling_defaults=defaults,
         attention_backend=backend,
-        model=model,
         matmul_weights=matmul_weights,
+        memory=memory,
+    )
+    return EngineParts(
+        served=served,
+        model=model,
         cost_model=cost_model,
         kv_capacity=capacity,
         storage=storage,
@@ -489,11 +500,8 @@ def build_engine_parts(
         scheduler=scheduler,
         sampler=sampler,
         runner=runner,
-        memory=memory,
-        max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         step_predictor=step_predictor,
         tp=tp,
-        tp_layout=layout,
         speculator=speculator,
     )
 

@@ -10,9 +10,10 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
-from engine.builder import build_engine_parts
+from engine.builder import ServedModel, build_engine_parts
 from engine.config import EngineConfig
 from engine.faults import EngineFatalError, describe, execute_isolating
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
@@ -31,11 +32,27 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """The step loop and the request API over the parts ``engine/builder.py`` assembles.
+    """The step loop and the request API over the parts ``engine/builder.py`` assembles:
+    ``served`` (what is served, read-only) and the components the step drives.
 
     ``runner`` is a public attribute: anything with ``execute(plan) -> ModelRunnerOutput``
     may replace it after construction (tests wrap it to inject faults).
     """
+
+    # What is served, read from ``served`` (``ServedModel``, its one owner): read-only.
+    config = property(attrgetter("served.config"))
+    device = property(attrgetter("served.device"))
+    dtype = property(attrgetter("served.dtype"))
+    model_id = property(attrgetter("served.model_id"))
+    model_config = property(attrgetter("served.model_config"))
+    max_model_len = property(attrgetter("served.max_model_len"))
+    tokenizer = property(attrgetter("served.tokenizer"))
+    eos_token_id = property(attrgetter("served.eos_token_id"))
+    eos_token_ids = property(attrgetter("served.eos_token_ids"))
+    sampling_defaults = property(attrgetter("served.sampling_defaults"))
+    attention_backend = property(attrgetter("served.attention_backend"))
+    matmul_weights = property(attrgetter("served.matmul_weights"))
+    memory = property(attrgetter("served.memory"))
 
     def __init__(
         self,
@@ -54,30 +71,22 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:  # rank 0: start the other ranks, join them
             tp = launch(config, kv_config, scheduler_config, exit_on_failure=exit_on_tp_failure)
         parts = build_engine_parts(config, kv_config, scheduler_config, tp=tp)
-        self.config = parts.config
-        self.device = parts.device
-        self.dtype = parts.dtype
-        self.model_id = parts.model_id
-        self.model_config = parts.model_config
-        self.max_model_len = parts.max_model_len
-        self.tokenizer: Any = parts.tokenizer
-        self.eos_token_id = parts.eos_token_id
-        self.eos_token_ids = parts.eos_token_ids
-        self.sampling_defaults = parts.sampling_defaults
-        self.attention_backend = parts.attention_backend
+        # What is served: fixed at build, read through the properties above.
+        self.served: ServedModel = parts.served
+        # The components the step loop drives, the engine's from here; ``speculator``
+        # (engine/spec_decode/) is None when speculative decoding is off.
         self.model = parts.model
-        self.matmul_weights = parts.matmul_weights
-        self.cost_model = parts.cost_model
-        self.kv_capacity = parts.kv_capacity
         self.storage = parts.storage
         self.kv_manager = parts.kv_manager
         self.scheduler = parts.scheduler
         self.sampler = parts.sampler
         self.runner: Any = parts.runner
-        # Speculative decoding (engine/spec_decode/), None when off.
         self.speculator = parts.speculator
-        self.memory = parts.memory
+        self.cost_model = parts.cost_model
+        self.kv_capacity = parts.kv_capacity
         self.tp = parts.tp  # the tensor-parallel group, or None
+        # With latency targets: the model the scheduler sizes prefill with, calibrated here.
+        self.step_predictor = parts.step_predictor
         self._stats = StepStatsRecorder(parts.cost_model, parts.kv_capacity)
         # Structured output (engine/structured.py): the grammar cache is shared with the
         # server, which compiles a request's grammar before queueing it; the decoder and the
@@ -97,8 +106,6 @@ class LLMEngine:
             )
             self.sampler.constraint = self.structured
         self.last_step_stats: StepStats | None = None
-        # With latency targets: the model the scheduler sizes prefill with, calibrated here.
-        self.step_predictor = parts.step_predictor
         # perf_counter() at the end of the last step while requests remained (the engine
         # loop's gap before the next step counts in its decodes' inter-token latency).
         self._busy_end: float | None = None
@@ -109,7 +116,7 @@ class LLMEngine:
             {"model": config.model, "scheduler": dataclasses.asdict(scheduler_config)},
         )
         if self.device.type == "cuda":
-            self.warm_up(parts.max_num_batched_tokens)
+            self.warm_up(self.scheduler.config.max_num_batched_tokens)
 
     def warm_up(self, max_step_tokens: int) -> float:
         """Serve a few synthetic requests before any real one: prompts of lengths that meet
