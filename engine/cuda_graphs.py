@@ -6,10 +6,12 @@ persistent buffers that every graph was captured over, the rows ``n..b`` are mad
 and the graph of ``b`` replays the whole forward (every layer's launches) in one call. The
 per-step Python work is then independent of the number of layers.
 
-Inert padding rows: slot -1 (the KV store skips it), context length 1 over block 0 (the
-attention reads one cached token, which is finite because the cache is zero-filled), token
-0 at position 0. Every op of the forward is row-wise apart from attention, which is
-per-sequence, so padding rows never change a real row's result; their logits are dropped.
+Inert padding rows (``inert_batch`` builds them, for the graphs' buffers and for
+engine/gpu_memory.py's measuring steps): slot -1 (the KV store skips it), context length 1
+over block 0 (the attention reads one cached token, which is finite because the cache is
+zero-filled), token 0 at position 0. Every op of the forward is row-wise apart from
+attention, which is per-sequence, so padding rows never change a real row's result; their
+logits are dropped.
 
 Small batches also get graphs per context bucket (``SHORT_CONTEXTS``): the decode kernel
 splits each sequence's context over several programs when the batch alone cannot fill the
@@ -52,6 +54,37 @@ def default_graph_sizes(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
+def inert_batch(
+    num_tokens: int, num_seqs: int, block_size: int, device: torch.device
+) -> InputBatch:
+    """A batch of inert rows, which writes no K/V and reads block 0 only: ``num_seqs``
+    sequences, the first ``num_seqs - 1`` decodes (all of them when ``num_tokens ==
+    num_seqs``) and the last one a prefill of the other tokens, whose context is its own
+    tokens over a table of block 0."""
+    i32, i64 = torch.int32, torch.int64
+    num_decodes = num_seqs if num_tokens == num_seqs else num_seqs - 1
+    q_lens = [1] * num_decodes + ([num_tokens - num_decodes] if num_decodes < num_seqs else [])
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    width = -(-max(q_lens) // block_size)
+    return InputBatch(
+        input_ids=torch.zeros(num_tokens, dtype=i64, device=device),
+        positions=torch.zeros(num_tokens, dtype=i64, device=device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=i64, device=device),
+        attn=AttentionMetadata(
+            num_decodes=num_decodes,
+            block_tables=torch.zeros(num_seqs, width, dtype=i32, device=device),
+            seq_lens=torch.tensor(q_lens, dtype=i32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=i32, device=device),
+            max_seq_len=max(q_lens),
+        ),
+        logits_indices=torch.tensor([s - 1 for s in starts[1:]], dtype=i64, device=device),
+        sampling=[],
+        logits_are_all_rows=num_decodes == num_seqs,
+    )
+
+
 class DecodeGraphs:
     """Owns the persistent input buffers and the captured graphs (or their stand-in)."""
 
@@ -72,13 +105,16 @@ class DecodeGraphs:
         self.device = device
         max_bs = self.sizes[-1]
         self.max_blocks_per_seq = max_blocks_per_seq
-        i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(max_bs, dtype=i64, device=device)  # [max_bs]
-        self.positions = torch.zeros(max_bs, dtype=i64, device=device)  # [max_bs]
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=i64, device=device)  # [max_bs]
-        self.seq_lens = torch.ones(max_bs, dtype=i32, device=device)  # [max_bs]
-        self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=device)
-        self.logits_indices = torch.arange(max_bs, dtype=i64, device=device)
+        # The buffers start as inert decode rows; ``run`` copies a step's rows over the head
+        # and the padding rows back from ``_inert`` (a previous step may have used them).
+        self._inert = inert_batch(max_bs, max_bs, storage.block_size, device)
+        buffers = inert_batch(max_bs, max_bs, storage.block_size, device)
+        self.input_ids = buffers.input_ids  # [max_bs]
+        self.positions = buffers.positions  # [max_bs]
+        self.slot_mapping = buffers.slot_mapping  # [max_bs]
+        self.seq_lens = buffers.attn.seq_lens  # [max_bs]
+        self.query_start_loc = buffers.attn.query_start_loc  # [max_bs + 1]
+        self.logits_indices = buffers.logits_indices  # [max_bs]
         block_size = storage.block_size
         # Per batch bucket, its context buckets in blocks, narrowest first; the full width last.
         self.widths: dict[int, list[int]] = {
@@ -97,7 +133,7 @@ class DecodeGraphs:
         # Per context width, a [max_bs, width] table: contiguous rows of exactly that width,
         # as every attention kernel expects of a block table.
         self.block_tables = {
-            width: torch.zeros(max_bs, width, dtype=i32, device=device)
+            width: self._inert_tables(slice(0, max_bs), width).clone()
             for width in {w for ws in self.widths.values() for w in ws}
         }
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -146,6 +182,10 @@ class DecodeGraphs:
             sampling=[],
             logits_are_all_rows=True,
         )
+
+    def _inert_tables(self, rows: slice, width: int) -> torch.Tensor:
+        """The inert rows' block-table ``rows``, ``width`` columns wide (a view)."""
+        return self._inert.attn.block_tables[rows].expand(-1, width)
 
     def _forward(self, size: int, width: int) -> torch.Tensor:
         return self.model(
@@ -203,13 +243,14 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(batch.attn.seq_lens, non_blocking=True)
         tables[:n, :width].copy_(batch.attn.block_tables, non_blocking=True)
         # Columns past a row's own blocks keep a previous step's ids: attention reads a
-        # table only up to its row's context. Padding rows get context 1 over block 0.
+        # table only up to its row's context. Rows n..size become inert padding again.
         if size > n:
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
-            tables[n:size].zero_()
+            pad, inert = slice(n, size), self._inert
+            self.input_ids[pad].copy_(inert.input_ids[pad])
+            self.positions[pad].copy_(inert.positions[pad])
+            self.slot_mapping[pad].copy_(inert.slot_mapping[pad])
+            self.seq_lens[pad].copy_(inert.attn.seq_lens[pad])
+            tables[pad].copy_(self._inert_tables(pad, tables.shape[1]))
         captured = self._graphs.get(key)
         if captured is None:  # the stand-in
             return self._forward(*key)[:n]

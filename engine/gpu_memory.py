@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.input_batch import AttentionMetadata, InputBatch
+from engine.cuda_graphs import inert_batch
+from engine.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -22,35 +23,6 @@ logger = logging.getLogger(__name__)
 # the sampler's [rows, vocab] buffers, the allocator's fragmentation and other processes'
 # CUDA contexts).
 KV_FRACTION = 0.9
-
-
-def _inert_batch(
-    num_tokens: int, num_seqs: int, block_size: int, device: torch.device
-) -> InputBatch:
-    """A batch that writes no K/V (slot -1) and attends over block 0 only: ``num_seqs``
-    sequences, the first ``num_seqs - 1`` decodes and the last one a prefill of the rest."""
-    i32, i64 = torch.int32, torch.int64
-    num_decodes = num_seqs if num_tokens == num_seqs else num_seqs - 1
-    q_lens = [1] * num_decodes + ([num_tokens - num_decodes] if num_decodes < num_seqs else [])
-    starts = [0]
-    for q in q_lens:
-        starts.append(starts[-1] + q)
-    width = -(-max(q_lens) // block_size)
-    return InputBatch(
-        input_ids=torch.zeros(num_tokens, dtype=i64, device=device),
-        positions=torch.zeros(num_tokens, dtype=i64, device=device),
-        slot_mapping=torch.full((num_tokens,), -1, dtype=i64, device=device),
-        attn=AttentionMetadata(
-            num_decodes=num_decodes,
-            block_tables=torch.zeros(num_seqs, width, dtype=i32, device=device),
-            seq_lens=torch.tensor(q_lens, dtype=i32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=i32, device=device),
-            max_seq_len=max(q_lens),
-        ),
-        logits_indices=torch.tensor([s - 1 for s in starts[1:]], dtype=i64, device=device),
-        sampling=[],
-        logits_are_all_rows=num_decodes == num_seqs,
-    )
 
 
 def _peak_bytes(model: torch.nn.Module, batch: InputBatch, caches: tuple[list, list]) -> int:
@@ -80,11 +52,11 @@ def gpu_kv_budget(
         [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers],
         [torch.zeros(shape, dtype=dtype, device=device) for _ in model.layers],
     )
-    prefill = _peak_bytes(model, _inert_batch(max_tokens, 1, block_size, device), caches)
+    prefill = _peak_bytes(model, inert_batch(max_tokens, 1, block_size, device), caches)
     decode = 0
     if graph_sizes:
         largest = max(graph_sizes)
-        decode = _peak_bytes(model, _inert_batch(largest, largest, block_size, device), caches)
+        decode = _peak_bytes(model, inert_batch(largest, largest, block_size, device), caches)
     # Each graph keeps its [size, vocab] float32 logits; the pool's scratch is the largest
     # bucket's activations.
     graphs = sum(graph_sizes) * model.config.vocab_size * 4 + decode if graph_sizes else 0

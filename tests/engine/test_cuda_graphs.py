@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
+from engine.cuda_graphs import DecodeGraphs, default_graph_sizes, inert_batch
 from tests.engine.parity import assert_parity, hf_greedy
 
 
@@ -107,3 +107,30 @@ def test_dummy_preset_runs_without_a_checkpoint() -> None:
     assert len(out[0].token_ids) == 5
     weights = llm.engine.model.layers[0].qkv_proj.weight
     assert 0.01 < float(weights.detach().float().std()) < 0.03  # N(0, 0.02): not left uninitialised
+
+
+def test_padding_rows_are_the_inert_batch_and_write_no_kv(tiny_llama_gqa) -> None:
+    """The graphs' padding rows and gpu_memory.py's measuring steps are both
+    ``inert_batch``'s rows: after a 3-row step has used the buffers, a 1-row step pads
+    rows 1..3 back to them, and a forward over inert rows leaves the KV cache as it was."""
+    llm = LLM(str(tiny_llama_gqa), attention_backend="torch", max_num_seqs=4)
+    engine = llm.engine
+    graphs = _with_stand_in(llm, [4])
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    llm.generate(_prompts(256, 3), params)
+    assert graphs.slot_mapping[:3].ne(-1).all(), "the 3-row decode steps used the buffers"
+    llm.generate(_prompts(256, 1), params)
+    inert = inert_batch(4, 4, engine.storage.block_size, engine.device)
+    assert torch.equal(graphs.input_ids[1:], inert.input_ids[1:])
+    assert torch.equal(graphs.positions[1:], inert.positions[1:])
+    assert torch.equal(graphs.slot_mapping[1:], inert.slot_mapping[1:])
+    assert torch.equal(graphs.seq_lens[1:], inert.attn.seq_lens[1:])
+    for tables in graphs.block_tables.values():
+        assert tables[1:].eq(0).all()
+
+    caches = engine.storage.key_caches, engine.storage.value_caches
+    before = [c.clone() for c in (*caches[0], *caches[1])]
+    for batch in (inert_batch(4, 4, 16, engine.device), inert_batch(40, 1, 16, engine.device)):
+        logits = engine.model(batch, *caches)
+        assert logits.shape[0] == batch.logits_indices.shape[0] and logits.isfinite().all()
+    assert all(torch.equal(b, c) for b, c in zip(before, (*caches[0], *caches[1]), strict=True))
