@@ -240,17 +240,6 @@ class StructuredDecoder:
         self._matchers.pop(request_id, None)
         self._pending.pop(request_id, None)
 
-    def mask_logits(
-        self,
-        logits: torch.Tensor,  # [rows, vocab]
-        requests: list[ScheduledRequest],
-    ) -> torch.Tensor:
-        """-inf on every token a constrained row's grammar forbids, in place, for every
-        constrained row."""
-        if not self._matchers:
-            return logits
-        return self.mask_rows(logits, requests, self._constrained_rows(requests))
-
     def mask_before_sampling(
         self,
         logits: torch.Tensor,  # [rows, vocab]

@@ -84,19 +84,21 @@ def test_choice_grammar_escapes_quotes_and_backslashes() -> None:
 
 
 def test_hook_without_constrained_rows_returns_the_logits_untouched(cache: GrammarCache) -> None:
-    decoder = StructuredDecoder(cache)
+    decoder = StructuredDecoder(cache, check_first=False)
     logits = torch.randn(3, cache.vocab_size)
     before = logits.clone()
-    assert decoder.mask_logits(logits, [_scheduled(f"r{i}") for i in range(3)]) is logits
+    requests = [_scheduled(f"r{i}") for i in range(3)]
+    assert decoder.mask_before_sampling(logits, requests) is logits
     assert torch.equal(logits, before)
 
 
 def test_hook_masks_constrained_rows_only(cache: GrammarCache) -> None:
     tok = tiny_tokenizer()
-    decoder = _decoder(cache, {"c": StructuredOutputParams("choice", '["hello", "world"]')})
+    grammar = StructuredOutputParams("choice", '["hello", "world"]')
+    decoder = _decoder(cache, {"c": grammar}, check_first=False)
     logits = torch.randn(3, cache.vocab_size)
     before = logits.clone()
-    decoder.mask_logits(logits, [_scheduled("a"), _scheduled("c"), _scheduled("b")])
+    decoder.mask_before_sampling(logits, [_scheduled("a"), _scheduled("c"), _scheduled("b")])
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = (logits[1] > float("-inf")).nonzero().flatten().tolist()
     assert allowed
@@ -117,8 +119,8 @@ def test_rows_filled_in_parallel_equal_rows_filled_one_by_one(cache: GrammarCach
     logits = torch.randn(5, cache.vocab_size)
     masked = []
     for fill_threads in (1, 3):
-        decoder = _decoder(cache, grammars, fill_threads)
-        masked.append(decoder.mask_logits(logits.clone(), requests))
+        decoder = _decoder(cache, grammars, fill_threads, check_first=False)
+        masked.append(decoder.mask_before_sampling(logits.clone(), requests))
     assert torch.equal(masked[0], masked[1])
     assert torch.equal(masked[0][[0, 3]], logits[[0, 3]])
 
@@ -271,8 +273,8 @@ def test_a_check_refuses_padding_ids_and_leaves_the_matcher_as_it_was(
     assert decoder.refused_rows(torch.tensor([hello]), requests) == []
     a, b = torch.randn(1, cache.vocab_size), None
     b = a.clone()
-    decoder.mask_logits(a, requests)
-    fresh.mask_logits(b, requests)
+    decoder.mask_rows(a, requests, [0])
+    fresh.mask_rows(b, requests, [0])
     assert torch.equal(a, b)  # the accepted pick was rolled back
 
 
@@ -281,12 +283,13 @@ def test_a_check_refuses_padding_ids_and_leaves_the_matcher_as_it_was(
 def test_the_mask_on_cuda_logits_equals_the_cpu_mask(cache: GrammarCache) -> None:
     """The bitmask is copied to the logits' device and applied there (xgrammar's CUDA or
     Triton kernel): the same rows get the same -inf entries as on the CPU."""
-    decoder = _decoder(cache, {"c": StructuredOutputParams("regex", "(quick|lazy) [a-z]+")})
+    grammar = StructuredOutputParams("regex", "(quick|lazy) [a-z]+")
+    decoder = _decoder(cache, {"c": grammar}, check_first=False)
     requests = [_scheduled("a"), _scheduled("c"), _scheduled("b")]
     cpu = torch.randn(3, cache.vocab_size)
     cuda = cpu.to("cuda")
-    decoder.mask_logits(cpu, requests)
-    decoder.mask_logits(cuda, requests)
+    decoder.mask_before_sampling(cpu, requests)
+    decoder.mask_before_sampling(cuda, requests)
     assert torch.equal(cuda.cpu(), cpu)
 
 
@@ -316,12 +319,12 @@ def test_greedy_decoding_through_the_mask_ends_in_eos_inside_the_grammar(
     """Random logits, argmax through the mask, matcher advanced: the text is in the
     language and the grammar's end allows EOS alone."""
     tok = tiny_tokenizer()
-    decoder = _decoder(cache, {"r": params})
+    decoder = _decoder(cache, {"r": params}, check_first=False)
     generator = torch.Generator().manual_seed(0)
     token_ids: list[int] = []
     for _ in range(64):
         logits = torch.randn(1, cache.vocab_size, generator=generator)
-        decoder.mask_logits(logits, [_scheduled("r")])
+        decoder.mask_before_sampling(logits, [_scheduled("r")])
         token_id = int(logits.argmax())
         decoder.accept(["r"], [token_id])
         if token_id == tok.eos_token_id:
