@@ -89,11 +89,6 @@ def _build() -> Any | None:
             ldflags=["-fopenmp"],
         )
         ops = torch.ops.pagedserve_cpu
-        # After team steps whose thread 0 kept waiting on a descheduled worker, this many
-        # steps run on thread 0 alone (decoder_layer.cpp); unset or 0 keeps the team.
-        solo = os.environ.get("PAGEDSERVE_CPU_SOLO_STEPS")
-        if solo is not None:
-            ops.set_stack_solo_after_stall(int(solo))
         # The team narrows to the CPUs other processes leave free (csrc/contention.h);
         # PAGEDSERVE_CPU_ADAPT_THREADS=0 keeps the whole team whatever the neighbours do.
         if os.environ.get("PAGEDSERVE_CPU_ADAPT_THREADS", "1").strip() == "0":

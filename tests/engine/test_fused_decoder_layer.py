@@ -236,7 +236,8 @@ def test_stack_in_a_team_is_bitwise_the_stack_without(tmp_path, monkeypatch, thr
     splitting each kernel's work exactly as at::parallel_for does: outputs must be bitwise
     those of one parallel region a kernel. 3 threads on this 2-core machine: more threads
     than cores (the team's waits must give the cores up) and ranges that split unevenly.
-    Steps of 1 to 64 rows, all in a team (or a solo team) on one side, none on the other."""
+    Steps of 1 to 64 rows, all in a team (whole, narrowed or solo) on one side, none on the
+    other."""
     sizes = {"hidden_size": 128, "intermediate_size": 256}
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=11, **sizes)
     g = torch.Generator().manual_seed(threads)
@@ -249,30 +250,28 @@ def test_stack_in_a_team_is_bitwise_the_stack_without(tmp_path, monkeypatch, thr
     torch.set_num_threads(threads)
     try:
         results = {}
-        # (team rows, solo steps, active threads): every step in the whole team, in a solo
-        # team (thread 0 runs the team's chunks alone, as after a stall), in a team narrowed
-        # to fewer threads than its split (as beside a busy neighbour; contention.h), solo by
-        # that route, or in none. Active threads are forced: the machine's other load must
-        # not choose the path under test.
-        variants = ((1 << 30, 0, threads), (1 << 30, 1 << 30, threads), (1 << 30, 0, 2),
-                    (1 << 30, 0, 1), (0, 0, threads))  # fmt: skip
-        for team_rows, solo, active in variants:
+        # (team rows, active threads): every step in the whole team, in a team narrowed to
+        # fewer threads than its split (as beside a busy neighbour; contention.h), in a solo
+        # team (narrowed to thread 0, which runs the team's chunks alone), or in none.
+        # Active threads are forced: the machine's other load must not choose the path
+        # under test.
+        whole, none = (1 << 30, threads), (0, threads)
+        variants = tuple(dict.fromkeys((whole, (1 << 30, 2), (1 << 30, 1), none)))
+        for team_rows, active in variants:
             before = ops.set_stack_team_rows(team_rows)
-            before_solo = ops.set_stack_solo_steps(solo)
             before_active = ops.set_stack_active_threads(active)
             try:
-                results[team_rows, solo, active], _, rows = _run(
+                results[team_rows, active], _, rows = _run(
                     path, prompts, fused=True, monkeypatch=monkeypatch, budget=64
                 )
             finally:
                 ops.set_stack_team_rows(before)
-                ops.set_stack_solo_steps(before_solo)
                 ops.set_stack_active_threads(before_active)
             assert 1 < rows <= 64
     finally:
         torch.set_num_threads(before_threads)
     for variant in variants[:-1]:
-        assert results[variant] == results[0, 0, threads], variant
+        assert results[variant] == results[0, threads], variant
 
 
 def test_team_narrows_beside_busy_processes(tmp_path):

@@ -11,7 +11,7 @@
 // affinity mask (/proc/stat; steal included) and this process's own CPU time
 // (CLOCK_PROCESS_CPUTIME_ID). Busy minus own, over the wall time between the reads, is the
 // CPUs that others took: `foreign`. Two properties make this the signal rather than the
-// team's own stalls (which solo steps in decoder_layer.cpp infer a neighbour from):
+// team's own stalls (thread 0 waiting past the spin on a worker's chunk):
 // - this process's own threads never count: the HTTP event loop, which takes a core now and
 //   then at 16 rows a step and stalls a worker, is not a neighbour;
 // - running narrow does not hide the neighbour: the CPU a narrow team leaves is taken by the

@@ -157,18 +157,6 @@ void layer_forward(const at::Tensor& x, at::Tensor& residual, bool first, const 
 // that ~150 parallel regions are under 1% of it.
 std::atomic<int64_t> g_team_rows{16};
 
-// Steps left to run solo (team.h): a team call whose thread 0 stalled on a worker sets it, so
-// a server beside a busy process runs at one thread's speed instead of waiting, a time
-// slice at a time, for a worker that shares its core; then the team is tried again.
-// How many: set_stack_solo_after_stall (PAGEDSERVE_CPU_SOLO_STEPS). 0 by default, never
-// solo: in a quiet server at 16 rows the HTTP event loop keeps stalling a worker, and solo
-// steps there were slower than the team that claims the late worker's chunks; beside a
-// busy neighbour (a shared host) solo steps bound the slowdown, so such hosts set it.
-std::atomic<int64_t> g_solo_after_stall{0};
-std::atomic<int64_t> g_solo_steps{0};
-constexpr int64_t kStallsBeforeSolo = 3;
-std::atomic<int64_t> g_stalls_in_a_row{0};
-
 // How many of the team's threads a step runs while other processes hold some of this
 // process's CPUs (contention.h); PAGEDSERVE_CPU_ADAPT_THREADS=0 (set_stack_adapt_threads)
 // always runs the whole team.
@@ -231,12 +219,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const bool teamed = threads > 1 && small && !at::in_parallel_region();
   // Threads to run: the whole team, or as many as other processes leave CPUs for.
   const int64_t active = teamed ? g_contention.threads_for_step(threads) : 1;
-  bool solo = teamed && active == 1;
-  if (teamed && !solo && g_solo_steps.load(std::memory_order_relaxed) > 0) {
-    g_solo_steps.fetch_sub(1, std::memory_order_relaxed);
-    solo = true;
-  }
-  if (solo) {
+  if (teamed && active == 1) {
     // The team's split on this thread alone: no region, the same chunks (bitwise the same).
     Team team(1);
     team.set_size(threads);
@@ -274,15 +257,6 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
         team.serve(tid);
       }
     }
-    // Only a stall in kStallsBeforeSolo team steps in a row means a worker keeps losing its
-    // core (a busy neighbour); a server's own event loop takes a core now and then, and
-    // going solo for that cost a quiet server's 16-row steps a quarter of their speed.
-    if (team.stalls() == 0) {
-      g_stalls_in_a_row.store(0, std::memory_order_relaxed);
-    } else if (g_stalls_in_a_row.fetch_add(1, std::memory_order_relaxed) + 1 >= kStallsBeforeSolo) {
-      g_stalls_in_a_row.store(0, std::memory_order_relaxed);
-      g_solo_steps.store(g_solo_after_stall.load(std::memory_order_relaxed), std::memory_order_relaxed);
-    }
     if (error) std::rethrow_exception(error);
   } else {
     result = run();
@@ -298,10 +272,6 @@ Team*& current_team() {
 }
 
 int64_t set_stack_team_rows(int64_t rows) { return g_team_rows.exchange(rows); }
-
-int64_t set_stack_solo_steps(int64_t steps) { return g_solo_steps.exchange(steps); }
-
-int64_t set_stack_solo_after_stall(int64_t steps) { return g_solo_after_stall.exchange(steps); }
 
 bool set_stack_adapt_threads(bool on) { return g_contention.set_enabled(on); }
 

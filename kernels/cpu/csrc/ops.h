@@ -92,10 +92,6 @@ at::Tensor step_profile_read();
 // decoder_layers runs steps of at most `rows` rows in one team of threads (team.h; 0: none,
 // default 16); returns the previous limit. For tests and A/B measurements.
 int64_t set_stack_team_rows(int64_t rows);
-// Steps the fused stack runs solo (team.h) from now on, unless a stall sets more; returns
-// the previous count.
-int64_t set_stack_solo_steps(int64_t steps);
-int64_t set_stack_solo_after_stall(int64_t steps);
 // Whether the fused stack narrows its team while other processes hold some of this
 // process's CPUs (contention.h); returns the previous setting. On by default.
 bool set_stack_adapt_threads(bool on);

@@ -27,8 +27,6 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("step_profile(bool on) -> ()", &pagedserve_cpu::step_profile);
   m.def("step_profile_read() -> Tensor", &pagedserve_cpu::step_profile_read);
   m.def("set_stack_team_rows(int rows) -> int", &pagedserve_cpu::set_stack_team_rows);
-  m.def("set_stack_solo_steps(int steps) -> int", &pagedserve_cpu::set_stack_solo_steps);
-  m.def("set_stack_solo_after_stall(int steps) -> int", &pagedserve_cpu::set_stack_solo_after_stall);
   m.def("set_stack_adapt_threads(bool on) -> bool", &pagedserve_cpu::set_stack_adapt_threads);
   m.def("set_stack_active_threads(int threads) -> int", &pagedserve_cpu::set_stack_active_threads);
   m.def("stack_contention_read() -> Tensor", &pagedserve_cpu::stack_contention_read);

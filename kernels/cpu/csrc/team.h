@@ -15,10 +15,8 @@
 // chunk still unclaimed; a descheduled worker claims nothing and thread 0 does its share.
 // And nobody spins for long: a waiting thread spins for spin_ns() (a kernel's gap) and then
 // sleeps on a futex, so that a core left idle by a waiter can run the thread it waits for.
-// Thread 0 counts the waits it slept through (stalls): a worker holding a chunk had lost its
-// core. decoder_layers then runs the next steps solo (set_solo): thread 0 runs every chunk,
-// in the same split, with no region and nobody to wait for; a worker that shares its core
-// with a busy process costs the team far more than it brings.
+// A team narrowed to one thread (contention.h) runs solo (set_solo): thread 0 runs every
+// chunk, in the same split, with no region and nobody to wait for.
 // It does not spin at all when the thread it waits for last ran on its own CPU: spinning
 // there only keeps that thread from running (after a busy neighbour went away, two threads
 // of the team left on one CPU made a batch-1 step 3-4x slower until they did not spin).
@@ -119,8 +117,6 @@ class Team {
   int64_t size() const { return size_; }
   // Thread 0 runs every chunk itself, publishing nothing (no worker serves a solo team).
   void set_solo(bool solo) { solo_ = solo; }
-  // Waits of thread 0 for a worker's chunk that outlasted the spin, so far.
-  int64_t stalls() const { return stalls_; }
 
   // fn(begin, end) over [begin, end), as at::parallel_for(begin, end, grain, fn) would run it.
   template <class F>
@@ -277,7 +273,6 @@ class Team {
       beside_worker |= slots_[size_t(t)].working.load(std::memory_order_relaxed) &&
                        slots_[size_t(t)].cpu.load(std::memory_order_relaxed) == cpu;
     if (!beside_worker && spin_until(all)) return;
-    if (!beside_worker) ++stalls_;
     for (;;) {
       leader_sleeping_.store(true, std::memory_order_seq_cst);
       const uint32_t done = done_.load(std::memory_order_seq_cst);
@@ -311,7 +306,6 @@ class Team {
   std::unique_ptr<Slot[]> slots_;
   int64_t size_ = 1;
   bool solo_ = false;
-  int64_t stalls_ = 0;  // thread 0's
   // The published range; written by thread 0 before claim_ moves to its generation, read by
   // a thread only after it claimed one of its chunks.
   int64_t begin_ = 0, end_ = 0, chunk_ = 0;
