@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 
 import torch
 
+from benchmarks.wave import run_wave
 from engine.llm import LLM
+from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
 
 SHAPE = dict(
@@ -60,20 +61,16 @@ def run(path: str, requests: int, prompt_len: int, max_tokens: int) -> dict[str,
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
     engine = llm.engine
     touched: list[int] = []
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    start = time.perf_counter()
-    generated = 0
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        generated += sum(len(o.new_token_ids) for o in outputs)
+
+    def on_step(outputs: list[RequestOutput]) -> None:
         stats = engine.last_step_stats
         experts = engine.model.experts_touched()
         if stats is not None and stats.num_prefill_tokens == 0 and experts is not None:
             touched.append(experts)
-    elapsed = time.perf_counter() - start
+
+    wave = run_wave(engine, prompts, params, tag="r", on_step=on_step)
     mc = engine.model_config
-    result = {"output_tokens_per_s": generated / elapsed, "seconds": elapsed}
+    result = {"output_tokens_per_s": wave.output_tokens / wave.seconds, "seconds": wave.seconds}
     if touched:
         result["mean_experts_per_layer_per_decode_step"] = (
             sum(touched) / len(touched) / sum(mc.layer_is_moe())

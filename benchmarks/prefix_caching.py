@@ -23,11 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from benchmarks.wave import run_wave
 from engine.llm import LLM
 from scheduler.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from scheduler.request import SamplingParams
@@ -91,39 +91,22 @@ def run(
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = engine.kv_manager.stats()
-    ids = [f"{mode}-{i}" for i in range(len(prompts))]
-    tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
-    first_token_at: dict[str, float] = {}
-    prefill = 0
-    start = time.perf_counter()
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        stats = engine.last_step_stats
-        prefill += stats.num_prefill_tokens if stats is not None else 0
-        for out in outputs:
-            if out.new_token_ids and out.request_id not in first_token_at:
-                first_token_at[out.request_id] = now
-            tokens[out.request_id].extend(out.new_token_ids)
-    seconds = time.perf_counter() - start
+    wave = run_wave(engine, prompts, params, tag=mode)
     after = engine.kv_manager.stats()
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
-    ttfts = sorted((first_token_at[r] - start) * 1e3 for r in ids)
-    num_out = sum(len(t) for t in tokens.values())
+    ttfts = sorted(s * 1e3 for s in wave.first_token_s)
     result = RunResult(
         mode=mode,
         ttft_p50_ms=statistics.median(ttfts),
         ttft_p90_ms=ttfts[min(len(ttfts) - 1, round(0.9 * (len(ttfts) - 1)))],
-        seconds=seconds,
-        output_tokens=num_out,
-        output_tokens_per_s=num_out / seconds,
-        prefill_tokens=prefill,
+        seconds=wave.seconds,
+        output_tokens=wave.output_tokens,
+        output_tokens_per_s=wave.output_tokens / wave.seconds,
+        prefill_tokens=wave.total("num_prefill_tokens"),
         hit_rate=hits / queries if queries else 0.0,
     )
-    return result, [tokens[r] for r in ids]
+    return result, wave.tokens
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.wave import run_wave
 from engine.input_batch import AttentionMetadata, InputBatch
 from engine.llm import LLM
 from scheduler.request import SamplingParams
@@ -183,13 +184,8 @@ def batch1_tpot_s(llm: LLM, num_tokens: int, *, warm_up: bool = True) -> float:
     params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
     if warm_up:
         llm.generate([PROMPTS[0]], params)
-    engine = llm.engine
-    engine.add_request("quality-tpot", llm.encode(PROMPTS[1]), params)
-    times = []
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        if any(o.new_token_ids for o in outs):
-            times.append(time.perf_counter())
+    wave = run_wave(llm.engine, [llm.encode(PROMPTS[1])], params, tag="quality-tpot")
+    (times,) = wave.token_times
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return statistics.median(gaps)
 

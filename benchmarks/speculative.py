@@ -45,8 +45,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import wave as engine_wave
 from engine.llm import LLM
 from engine.loader import resolve_model
+from engine.outputs import RequestOutput
 from engine.spec_decode.truncate import write_truncated_checkpoint
 from loadtest.workloads import GROUNDED_MODULES, grounded_passage, grounded_prompt
 from scheduler.request import SamplingParams
@@ -93,47 +95,35 @@ def speculation(llm: LLM, on: bool) -> Iterator[None]:
 
 def run_wave(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Run:
     """All prompts at once, stepped to the end."""
-    engine = llm.engine
-    ids = [f"bench-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    tokens: dict[str, list[int]] = {i: [] for i in ids}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    run = Run(0.0, 0)
-    start = time.perf_counter()
-    cpu_first: float | None = None
-    for request_id, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if out.new_token_ids:
-                tokens[out.request_id].extend(out.new_token_ids)
-                first.setdefault(out.request_id, now)
-                last[out.request_id] = now
-        if cpu_first is None and first:
-            cpu_first = time.process_time()
-        stats = engine.last_step_stats
-        if stats is not None:
-            run.draft_tokens += stats.num_draft_tokens
-            run.accepted_tokens += stats.num_accepted_tokens
-            run.verifications += stats.num_spec_verifications
-    run.seconds = time.perf_counter() - start
+    cpu_first: list[float] = []  # the process's CPU time when the first token came
+
+    def on_step(outputs: list[RequestOutput]) -> None:
+        if not cpu_first and any(out.new_token_ids for out in outputs):
+            cpu_first.append(time.process_time())
+
+    tag = f"bench-{time.monotonic_ns()}"
+    wave = engine_wave.run_wave(llm.engine, prompts, params, tag=tag, on_step=on_step)
     cpu_last = time.process_time()
-    run.tokens = [tokens[i] for i in ids]
-    run.output_tokens = sum(map(len, run.tokens))
+    run = Run(
+        wave.seconds,
+        wave.output_tokens,
+        draft_tokens=wave.total("num_draft_tokens"),
+        accepted_tokens=wave.total("num_accepted_tokens"),
+        verifications=wave.total("num_spec_verifications"),
+        tokens=wave.tokens,
+    )
     if len(prompts) == 1:
         (n,) = map(len, run.tokens)
-        (request_id,) = ids
-        run.tpot_s = (last[request_id] - first[request_id]) / (n - 1) if n > 1 else None
-        if n > 1 and cpu_first is not None:
-            run.cpu_per_token_s = (cpu_last - cpu_first) / (n - 1)
+        (times,) = wave.token_times
+        run.tpot_s = (times[-1] - times[0]) / (n - 1) if n > 1 else None
+        if n > 1 and cpu_first:
+            run.cpu_per_token_s = (cpu_last - cpu_first[0]) / (n - 1)
     else:
         # The decode phase starts once every request has its first token; with EOS ignored
         # and one max_tokens for all, every request emits all but its first after it.
-        decode_start = max(first.values())
+        decode_start = max(times[0] for times in wave.token_times)
         after = run.output_tokens - len(prompts)
-        span = max(last.values()) - decode_start
+        span = max(times[-1] for times in wave.token_times) - decode_start
         run.decode_tokens_per_s = after / span if span > 0 else None
     return run
 
