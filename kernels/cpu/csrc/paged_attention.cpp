@@ -322,28 +322,12 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
   float* kt = kt_buf.data();
   for_each_slot(key_cache, block_table, 0, ctx, block_size, slot_stride, [&](int64_t t, const T* k) {
     if constexpr (Row<T>::kQuantized) {  // de-quantized as the reference does: float(q) * s
-      const vf s = vsplat(Row<T>::scale(k, head_dim));
-      alignas(64) float x[head_dim];
-      for (int i = 0; i < D; ++i) vstore(x + i * kVec, Row<T>::load(k + i * kVec) * s);
-      for (int64_t d = 0; d < head_dim; ++d) kt[d * ldk + t] = x[d];
+      const float s = Row<T>::scale(k, head_dim);
+      for (int64_t d = 0; d < head_dim; ++d) kt[d * ldk + t] = Row<T>::at(k, d) * s;
     } else {
       for (int64_t d = 0; d < head_dim; ++d) kt[d * ldk + t] = k[d];
     }
   });
-  // A quantized V is de-quantized once for the run, into [ctx][head_dim] floats (float(q) *
-  // s, as the reference), which every row's weighted sum then reads as a one-block float
-  // cache: read in place, each of the run's rows would convert the whole context's V again.
-  [[maybe_unused]] const float* v_run = nullptr;
-  if constexpr (Row<T>::kQuantized) {
-    thread_local std::vector<float> tl_v;
-    if (int64_t(tl_v.size()) < ctx * head_dim) tl_v.resize(size_t(ctx * head_dim));
-    float* vb = tl_v.data();
-    for_each_slot(value_cache, block_table, 0, ctx, block_size, slot_stride, [&](int64_t t, const T* v) {
-      const vf s = vsplat(Row<T>::scale(v, head_dim));
-      for (int i = 0; i < D; ++i) vstore(vb + t * head_dim + i * kVec, Row<T>::load(v + i * kVec) * s);
-    });
-    v_run = vb;
-  }
   // padding positions: finite, so their (discarded) scores are too
   for (int64_t d = 0; d < head_dim; ++d)
     for (int64_t t = ctx; t < ldk; ++t) kt[d * ldk + t] = 0.f;
@@ -372,14 +356,8 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
       for (int j = 0; j < group; ++j)  // before the window: weight exp(-inf) = 0
         std::fill_n(si + j * row_stride, start, -std::numeric_limits<float>::infinity());
       softmax_rows(si, group, row_stride, len);
-      if constexpr (Row<T>::kQuantized) {  // v_run: one block of ctx slots, block table {0}
-        static constexpr int32_t kOneBlock[1] = {0};
-        weighted_values<float, D>(si + start, group, row_stride, v_run, kOneBlock, start, len, ctx, head_dim,
-                                  out + (r0 + i) * out_row_stride, out_stride);
-      } else {
-        weighted_values<T, D>(si + start, group, row_stride, value_cache, block_table, start, len, block_size,
-                           slot_stride, out + (r0 + i) * out_row_stride, out_stride);
-      }
+      weighted_values<T, D>(si + start, group, row_stride, value_cache, block_table, start, len, block_size,
+                         slot_stride, out + (r0 + i) * out_row_stride, out_stride);
     }
   }
 }
