@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             n = len(PROMPT_TOPICS)
             for r in q:
                 first = sum(r.greedy_prefix[:n]) / (n * args.tokens)
-                print(f"# {r.kv_cache_dtype}: greedy agreement over the first {n} prompts {first:.1%}")
+                label = f"greedy agreement over the first {n} prompts"
+                print(f"# {r.kv_cache_dtype}: {label} {first:.1%}")
     if args.throughput:
         t = throughput(args)
         report["throughput"] = [asdict(r) for r in t]
