@@ -252,10 +252,12 @@ def test_stack_in_a_team_is_bitwise_the_stack_without(tmp_path, monkeypatch, thr
         # (team rows, solo steps, active threads): every step in the whole team, in a solo
         # team (thread 0 runs the team's chunks alone, as after a stall), in a team narrowed
         # to fewer threads than its split (as beside a busy neighbour; contention.h), solo by
-        # that route, or in none. Active threads are forced: the machine's other load must
-        # not choose the path under test.
+        # that route; with team rows 0, steps larger than a team's (all of them) narrowed to
+        # 2 threads or solo, as a prefill beside a neighbour; or in none. Active threads are
+        # forced: the machine's other load must not choose the path under test. Solo, the
+        # kernels called between steps (the head, the final norm) run on the caller alone.
         variants = ((1 << 30, 0, threads), (1 << 30, 1 << 30, threads), (1 << 30, 0, 2),
-                    (1 << 30, 0, 1), (0, 0, threads))  # fmt: skip
+                    (1 << 30, 0, 1), (0, 0, 2), (0, 0, 1), (0, 0, threads))  # fmt: skip
         for team_rows, solo, active in variants:
             before = ops.set_stack_team_rows(team_rows)
             before_solo = ops.set_stack_solo_steps(solo)
