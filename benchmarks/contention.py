@@ -394,11 +394,12 @@ def prefill_summary(runs: list[PrefillRun]) -> list[str]:
                 continue
             a = statistics.median(r.step_s for r in alone)
             b = statistics.median(r.step_s for r in busy)
+            cpu_a = statistics.median(r.process_cpu_s for r in alone)
+            cpu_b = statistics.median(r.process_cpu_s for r in busy)
             lines.append(
                 f"prefill {tokens:<4} {mode:<6} alone {a * 1e3:7.1f} ms ({tokens / a:5.0f} tok/s), "
                 f"beside a busy process {b * 1e3:7.1f} ms ({tokens / b:5.0f} tok/s): {b / a:.2f}x  "
-                f"(process CPU ms/step {statistics.median(r.process_cpu_s for r in alone) * 1e3:.1f}"
-                f" / {statistics.median(r.process_cpu_s for r in busy) * 1e3:.1f})"
+                f"(process CPU ms/step {cpu_a * 1e3:.1f} / {cpu_b * 1e3:.1f})"
             )
     return lines
 
@@ -492,7 +493,10 @@ def main(argv: list[str] | None = None) -> int:
         for line in prefill_summary(prefill_runs):
             print(line)
         if args.json:
-            record = {"machine": cpu_model_name(), "prefill_runs": [asdict(r) for r in prefill_runs]}
+            record = {
+                "machine": cpu_model_name(),
+                "prefill_runs": [asdict(r) for r in prefill_runs],
+            }
             args.json.write_text(json.dumps(record, indent=2) + "\n")
         return 0
     if args.offline:
