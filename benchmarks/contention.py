@@ -290,9 +290,9 @@ class PrefillRun:
     step_s: float  # median prefill step
     process_cpu_s: float  # per step: this process's CPU time (every thread)
     thread_cpu_s: float  # per step: the step thread's
-    active: int  # team threads the last decode-sized step ran (0: the whole team)
-    foreign_cpus: float
-    load: float
+    active: int  # threads the last step ran (contention.h; 0: none asked yet)
+    foreign_cpus: float  # CPUs other processes took in the last sampling period
+    load: float  # 1-minute load average at the end
 
     @property
     def tok_s(self) -> float:
@@ -301,7 +301,7 @@ class PrefillRun:
 
 def offline_prefill(args: argparse.Namespace) -> list[PrefillRun]:
     """Alternating rounds of prefill steps in this process (module docstring)."""
-    import torch  # noqa: F401 - before the engine, as the server does
+    import torch  # before the engine, as the server does
 
     from engine.llm import LLM
     from kernels import cpu as cpu_kernels
@@ -313,7 +313,7 @@ def offline_prefill(args: argparse.Namespace) -> list[PrefillRun]:
     llm = LLM(args.model, attention_backend="cpu", device="cpu", dtype="float32")
     engine = llm.engine
     vocab = engine.model_config.vocab_size
-    threads = __import__("torch").get_num_threads()
+    threads = torch.get_num_threads()
     busy_cpu = sorted(os.sched_getaffinity(0))[-1]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     serial = 0
