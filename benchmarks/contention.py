@@ -23,12 +23,21 @@ other processes leave free, kernels/cpu/csrc/contention.h), ``team`` (always the
 and ``solo`` (thread 0 alone). It also prints, per run, the step thread's CPU time a step
 (solo: what a step costs one CPU, a figure other load moves far less than wall time), how
 long it sat runnable without a CPU (``/proc/self/task/<tid>/schedstat``) and where it ran.
+
+``--offline --prefill`` times prefill steps instead: one fresh prompt of each
+``--prefill-tokens`` length a step (no prefix-cache hits), ``--steps`` of them a run, in the
+same alternating rounds and team modes. A prefill step is larger than the team's 16 rows, so
+it runs torch's and the kernels' own parallel regions unless the stack narrows it (adapt,
+solo); ``team`` is a prefill as before the narrowing reached such steps. It prints the
+median step, prompt tokens a second, and the process's CPU time a step (both threads: a
+counted figure for what a step costs the machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shlex
@@ -273,6 +282,128 @@ def offline(args: argparse.Namespace) -> list[OfflineRun]:
     return runs
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillRun:
+    tokens: int  # prompt tokens a step
+    mode: str
+    busy: bool
+    step_s: float  # median prefill step
+    process_cpu_s: float  # per step: this process's CPU time (every thread)
+    thread_cpu_s: float  # per step: the step thread's
+    active: int  # threads the last step ran (contention.h; 0: none asked yet)
+    foreign_cpus: float  # CPUs other processes took in the last sampling period
+    load: float  # 1-minute load average at the end
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.step_s
+
+
+def offline_prefill(args: argparse.Namespace) -> list[PrefillRun]:
+    """Alternating rounds of prefill steps in this process (module docstring)."""
+    import torch  # before the engine, as the server does
+
+    from engine.llm import LLM
+    from kernels import cpu as cpu_kernels
+    from scheduler.request import SamplingParams
+
+    ops = cpu_kernels.load()
+    if ops is None:
+        raise SystemExit("error: --offline needs the C++ CPU kernels")
+    llm = LLM(args.model, attention_backend="cpu", device="cpu", dtype="float32")
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    threads = torch.get_num_threads()
+    busy_cpu = sorted(os.sched_getaffinity(0))[-1]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    serial = 0
+
+    def prefill(tokens: int) -> float:
+        """One prompt's prefill (its one step); the step's wall time."""
+        nonlocal serial
+        serial += 1
+        prompt = [(1000 + 7 * j + 13 * serial) % vocab for j in range(tokens)]
+        engine.add_request(f"prefill-{serial}", prompt, params)
+        t0 = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - t0
+        while engine.has_unfinished_requests():  # a prompt over the step's token budget
+            engine.step()
+        return elapsed
+
+    def one(tokens: int, mode: str, busy: bool) -> PrefillRun:
+        ops.set_stack_active_threads({"team": threads, "solo": 1}.get(mode, 0))
+        times = []
+        with busy_process(busy_cpu) if busy else contextlib.nullcontext():
+            # contention.h samples every 200 ms of steps, at a step's start: at least two
+            # steps (the second's sample spans the first, here) before the timed ones.
+            warm_until = time.perf_counter() + 0.6
+            for warm in itertools.count():
+                if warm >= 2 and time.perf_counter() >= warm_until:
+                    break
+                prefill(tokens)
+            cpu0, thread0 = time.process_time(), time.thread_time()
+            for _ in range(args.steps):
+                times.append(prefill(tokens))
+            process_cpu = (time.process_time() - cpu0) / args.steps
+            thread_cpu = (time.thread_time() - thread0) / args.steps
+            active, foreign, _, _ = ops.stack_contention_read().tolist()
+        ops.set_stack_active_threads(0)
+        return PrefillRun(
+            tokens=tokens,
+            mode=mode,
+            busy=busy,
+            step_s=statistics.median(times),
+            process_cpu_s=process_cpu,
+            thread_cpu_s=thread_cpu,
+            active=int(active),
+            foreign_cpus=foreign,
+            load=os.getloadavg()[0],
+        )
+
+    runs = []
+    for _ in range(args.rounds):
+        for tokens in args.prefill_tokens:
+            for mode in args.modes:
+                for busy in (False, True):
+                    run = one(tokens, mode, busy)
+                    print(format_prefill(run, busy_cpu), flush=True)
+                    runs.append(run)
+    return runs
+
+
+def format_prefill(r: PrefillRun, busy_cpu: int) -> str:
+    where = f"beside a busy process on CPU {busy_cpu}" if r.busy else "alone"
+    return (
+        f"prefill {r.tokens:<4} {r.mode:<6} {where:<34} step {r.step_s * 1e3:7.1f} ms "
+        f"({r.tok_s:6.0f} tok/s)  process CPU {r.process_cpu_s * 1e3:7.1f} ms/step  "
+        f"thread 0 CPU {r.thread_cpu_s * 1e3:7.1f} ms/step  team threads {r.active or 'all'}  "
+        f"others {r.foreign_cpus:.2f} CPUs  load {r.load:.1f}"
+    )
+
+
+def prefill_summary(runs: list[PrefillRun]) -> list[str]:
+    """Per prompt length and mode: the median step alone and beside the busy process, and
+    the throughput each gives."""
+    lines = []
+    for tokens in dict.fromkeys(r.tokens for r in runs):
+        for mode in dict.fromkeys(r.mode for r in runs):
+            alone = [r for r in runs if (r.tokens, r.mode, r.busy) == (tokens, mode, False)]
+            busy = [r for r in runs if (r.tokens, r.mode, r.busy) == (tokens, mode, True)]
+            if not alone or not busy:
+                continue
+            a = statistics.median(r.step_s for r in alone)
+            b = statistics.median(r.step_s for r in busy)
+            cpu_a = statistics.median(r.process_cpu_s for r in alone)
+            cpu_b = statistics.median(r.process_cpu_s for r in busy)
+            lines.append(
+                f"prefill {tokens:<4} {mode:<6} alone {a * 1e3:7.1f} ms ({tokens / a:5.0f} tok/s), "
+                f"beside a busy process {b * 1e3:7.1f} ms ({tokens / b:5.0f} tok/s): {b / a:.2f}x  "
+                f"(process CPU ms/step {cpu_a * 1e3:.1f} / {cpu_b * 1e3:.1f})"
+            )
+    return lines
+
+
 def format_offline(r: OfflineRun, busy_cpu: int) -> str:
     where = f"beside a busy process on CPU {busy_cpu}" if r.busy else "alone"
     return (
@@ -337,11 +468,37 @@ def main(argv: list[str] | None = None) -> int:
         "--modes", nargs="+", choices=OFFLINE_MODES, default=list(OFFLINE_MODES)
     )
     offline_args.add_argument("--rounds", type=int, default=3)
-    offline_args.add_argument("--steps", type=int, default=40, help="timed decode steps a run")
+    offline_args.add_argument(
+        "--steps", type=int, help="timed steps a run (default 40; with --prefill 5)"
+    )
+    offline_args.add_argument(
+        "--prefill", action="store_true", help="time prefill steps, not decode steps"
+    )
+    offline_args.add_argument(
+        "--prefill-tokens",
+        type=int,
+        nargs="+",
+        default=[128, 512],
+        help="--prefill: prompt lengths (default 128 512)",
+    )
     args = parser.parse_args(argv)
     if not hasattr(os, "sched_setaffinity"):
         print("error: this needs os.sched_setaffinity (Linux)", file=sys.stderr)
         return 2
+    if args.steps is None:
+        args.steps = 5 if args.prefill else 40
+    if args.offline and args.prefill:
+        prefill_runs = offline_prefill(args)
+        print(f"\n{cpu_model_name()}, {len(os.sched_getaffinity(0))} CPUs, commit {git_commit()}")
+        for line in prefill_summary(prefill_runs):
+            print(line)
+        if args.json:
+            record = {
+                "machine": cpu_model_name(),
+                "prefill_runs": [asdict(r) for r in prefill_runs],
+            }
+            args.json.write_text(json.dumps(record, indent=2) + "\n")
+        return 0
     if args.offline:
         runs = offline(args)
         print(f"\n{cpu_model_name()}, {len(os.sched_getaffinity(0))} CPUs, commit {git_commit()}")

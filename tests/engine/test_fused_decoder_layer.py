@@ -4,6 +4,7 @@ same C++ kernels called one at a time from Python, in the stack's order, on the 
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -252,11 +253,15 @@ def test_stack_in_a_team_is_bitwise_the_stack_without(tmp_path, monkeypatch, thr
         results = {}
         # (team rows, active threads): every step in the whole team, in a team narrowed to
         # fewer threads than its split (as beside a busy neighbour; contention.h), in a solo
-        # team (narrowed to thread 0, which runs the team's chunks alone), or in none.
+        # team (narrowed to thread 0, which runs the team's chunks alone); with team rows 0,
+        # steps larger than a team's (all of them) narrowed to 2 threads or solo, as a
+        # prefill beside a neighbour; or in none (last: the others are compared with it).
         # Active threads are forced: the machine's other load must not choose the path
-        # under test.
+        # under test. Solo, the kernels called between steps (the head, the final norm) run
+        # on the caller alone.
         whole, none = (1 << 30, threads), (0, threads)
-        variants = tuple(dict.fromkeys((whole, (1 << 30, 2), (1 << 30, 1), none)))
+        tried = (whole, (1 << 30, 2), (1 << 30, 1), (0, 2), (0, 1))
+        variants = (*(v for v in dict.fromkeys(tried) if v != none), none)
         for team_rows, active in variants:
             before = ops.set_stack_team_rows(team_rows)
             before_active = ops.set_stack_active_threads(active)
@@ -274,10 +279,13 @@ def test_stack_in_a_team_is_bitwise_the_stack_without(tmp_path, monkeypatch, thr
         assert results[variant] == results[0, threads], variant
 
 
-def test_team_narrows_beside_busy_processes(tmp_path):
+@pytest.mark.parametrize("prefill_only", [False, True])
+def test_team_narrows_beside_busy_processes(tmp_path, prefill_only):
     """With a busy process on each of the team's 2 CPUs, other processes take at least one
     CPU's worth of them; after a few of contention.h's 200 ms periods of steps, the team runs
-    solo. (Widening again needs a quiet machine, which a shared test host is not.)"""
+    solo. Decode steps, or only prefill steps of more rows than a team's (each request one
+    fresh 40-token prompt and one token), which are asked too. (Widening again needs a quiet
+    machine, which a shared test host is not.)"""
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs and sched_setaffinity")
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=3, hidden_size=128, intermediate_size=256)
@@ -297,10 +305,16 @@ def test_team_narrows_beside_busy_processes(tmp_path):
         # The counts are the process's since it loaded the kernels: this test reads deltas.
         _, _, samples_before, narrowed_before = ops.stack_contention_read().tolist()
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=24, temperature=0))
+        for i in itertools.count():
+            if prefill_only:
+                # Its first block differs from every earlier prompt's: no prefix-cache
+                # hit, which would leave a step of a team's size.
+                prompt = [3 + i % 250, 3 + i // 250 % 250] + [3 + j for j in range(38)]
+                llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+            else:
+                llm.generate([[5, 6, 7]], SamplingParams(max_tokens=24, temperature=0))
             active, foreign, samples, narrowed = ops.stack_contention_read().tolist()
-            if narrowed > narrowed_before:
+            if narrowed > narrowed_before or time.monotonic() >= deadline:
                 break
         seen = (active, foreign, samples - samples_before, narrowed - narrowed_before)
         assert active == 1 and narrowed > narrowed_before, seen

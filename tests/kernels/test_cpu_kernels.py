@@ -277,3 +277,42 @@ def test_packed_linear_matches_matmul(ops, rows, k, n, bias):
     want = x @ w if b is None else torch.addmm(b, x, w)
     assert got.shape == (rows, n)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_between_solo_steps_split_as_a_parallel_region(ops, threads):
+    """While the fused stack runs solo (beside a busy neighbour: contention.h; forced here),
+    a kernel called outside it (a prefill step's head and final norm, the sampler's argmax)
+    runs at::parallel_for's chunks one after another on its caller (team.h: solo_split):
+    bitwise what the parallel region gives. 3 threads and 10 panels: the 64-row matmul
+    splits its rows, the one-row matmul shares panels, the attention of a prefill run cuts
+    it into pieces."""
+    threads(3)
+    g = torch.Generator().manual_seed(33)
+    w = torch.randn(576, 640, generator=g)
+    packed = ops.pack_weight(w)
+    x, x1 = torch.randn(64, 576, generator=g), torch.randn(1, 576, generator=g)
+    norm_w = torch.randn(576, generator=g)
+    q, kc, vc, tables, lens = _paged_case(40, 9, 3, 64, [90] * 40, seed=3)
+    tables = tables[:1].expand(40, -1).contiguous()
+    lens = torch.arange(51, 91, dtype=torch.int32)  # one prompt's rows, a prefill chunk
+
+    def run():
+        residual = x.clone()
+        return [
+            ops.packed_linear(x, packed, 640, None),
+            ops.packed_linear(x1, packed, 640, None),
+            ops.add_rms_norm_(x.clone(), residual, norm_w, 1e-5),
+            residual,
+            ops.argmax_rows(x),
+            ops.paged_attention_decode(q, kc, vc, tables, lens, 0.125),
+        ]
+
+    before = ops.set_stack_active_threads(3)
+    try:
+        region = run()
+        ops.set_stack_active_threads(1)
+        solo = run()
+    finally:
+        ops.set_stack_active_threads(before)
+    for a, b in zip(region, solo, strict=True):
+        assert torch.equal(a, b)

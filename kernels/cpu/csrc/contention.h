@@ -21,8 +21,10 @@
 // - The threads a step runs are between 1 and the team's size; they change only at a sample,
 //   and narrowing and widening have thresholds apart (kNarrowAt, kWidenAt), so that a
 //   neighbour near one does not make the team flap between sizes every period.
-// - A sample spanning more than kStaleNs (the server was idle, or this is the first step) is
-//   not used: it starts a new period.
+// - A sample spanning more than kStaleNs that began before an idle gap of more than kStaleNs
+//   (no step ran: the server was idle; or this is the first step) is not used: it starts a
+//   new period. One long step (a long prompt beside a neighbour takes seconds) is no gap: its
+//   period is used, or the team would never narrow for a run of such steps.
 // - Where /proc/stat cannot be read (not Linux, a sandbox), the team is never narrowed.
 #pragma once
 
@@ -58,7 +60,8 @@ class CpuContention {
   static constexpr double kNarrowAt = 0.5;
   static constexpr double kWidenAt = 0.3;
 
-  // Thread 0, before a step of a team of `team` threads: how many of them to run (>= 1).
+  // Thread 0, before a step of `team` threads (a team step, or a larger one that would run
+  // parallel regions of that many threads): how many of them to run (>= 1).
   int64_t threads_for_step(int64_t team) {
     if (team <= 1) return 1;
     // Sampled whether or not it decides (read() reports it either way).
@@ -79,6 +82,9 @@ class CpuContention {
     return threads;
   }
 
+  // Thread 0, after each step it asked threads_for_step about: when the process last ran one.
+  void step_done() { last_step_end_ns_.store(now_ns(), std::memory_order_relaxed); }
+
   bool set_enabled(bool on) {
     const bool before = enabled_.exchange(on);
     std::lock_guard<std::mutex> lock(mutex_);
@@ -94,6 +100,8 @@ class CpuContention {
 
   // Threads the last team step ran (0: none yet).
   int64_t last_threads() const { return last_threads_.load(std::memory_order_relaxed); }
+  // What force() set (0: the samples decide).
+  int64_t forced() const { return forced_.load(std::memory_order_relaxed); }
 
   // [threads the last team step ran (0: none yet), CPUs others took in the last period,
   // periods sampled, periods that ended with the team narrowed]
@@ -118,7 +126,8 @@ class CpuContention {
   void sample(int64_t now, int64_t team) {
     Reading r = take(now);
     const Reading before = std::exchange(last_, r);
-    if (!r.ok || !before.ok || r.cpus != before.cpus || now - before.wall_ns > kStaleNs) return;
+    const bool idle = now - last_step_end_ns_.load(std::memory_order_relaxed) > kStaleNs;
+    if (!r.ok || !before.ok || r.cpus != before.cpus || (now - before.wall_ns > kStaleNs && idle)) return;
     const double wall = double(now - before.wall_ns) * 1e-9;
     foreign_ = std::max(0.0, (r.busy_s - before.busy_s) - (r.own_s - before.own_s)) / wall;
     ++samples_;
@@ -181,6 +190,7 @@ class CpuContention {
   std::atomic<int64_t> last_threads_{0};
   std::atomic<int64_t> active_{0};
   std::atomic<int64_t> next_sample_ns_{INT64_MIN};
+  std::atomic<int64_t> last_step_end_ns_{INT64_MIN / 2};
   std::mutex mutex_;  // the rest: thread 0's between samples, guarded for read()
   Reading last_;
   double foreign_ = 0;

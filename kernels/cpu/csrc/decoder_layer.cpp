@@ -151,7 +151,8 @@ void layer_forward(const at::Tensor& x, at::Tensor& residual, bool first, const 
   if (g_profile.on) ++g_profile.layers;
 }
 
-// Steps of at most this many rows run in a team (team.h); 0: none. Why a limit: inside a team
+// Steps of at most this many rows run in a team (team.h); 0: none (larger steps, and with 0
+// every step, run in a team only while narrowed: contention.h). Why a limit: inside a team
 // an ATen op runs on one thread, and every matmul of up to max_packed_rows() rows (at least
 // 64) is this extension's own; and past a few rows a step is long enough (~37 ms at 16 rows)
 // that ~150 parallel regions are under 1% of it.
@@ -161,6 +162,21 @@ std::atomic<int64_t> g_team_rows{16};
 // process's CPUs (contention.h); PAGEDSERVE_CPU_ADAPT_THREADS=0 (set_stack_adapt_threads)
 // always runs the whole team.
 CpuContention g_contention;
+
+// Sets the OpenMP thread count of the regions the calling thread opens (omp_set_num_threads:
+// the calling thread's own setting, which at::get_num_threads() reads and at::parallel_for
+// sizes its regions by) for its scope, and restores it. Why not at::set_num_threads: that
+// also resizes ATen's other thread pools and clears oneDNN's caches, for the whole process.
+class OmpThreadsOnCaller {
+ public:
+  explicit OmpThreadsOnCaller(int64_t threads) : before_(omp_get_max_threads()) { omp_set_num_threads(int(threads)); }
+  ~OmpThreadsOnCaller() { omp_set_num_threads(before_); }
+  OmpThreadsOnCaller(const OmpThreadsOnCaller&) = delete;
+  OmpThreadsOnCaller& operator=(const OmpThreadsOnCaller&) = delete;
+
+ private:
+  int before_;
+};
 
 // The stack itself: decoder_layers below runs it on its thread 0, in a team or not.
 std::tuple<at::Tensor, at::Tensor> run_stack(
@@ -216,15 +232,20 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   std::tuple<at::Tensor, at::Tensor> result;
   const int64_t threads = at::get_num_threads();
   const bool small = input_ids.size(0) <= g_team_rows.load(std::memory_order_relaxed);
-  const bool teamed = threads > 1 && small && !at::in_parallel_region();
-  // Threads to run: the whole team, or as many as other processes leave CPUs for.
-  const int64_t active = teamed ? g_contention.threads_for_step(threads) : 1;
+  const bool parallel = threads > 1 && !at::in_parallel_region();
+  // Threads to run: the whole team, or as many as other processes leave CPUs for. Asked for
+  // every step: a larger step (a prefill) waits for each of its parallel regions' threads as
+  // a team step does, so beside a neighbour it narrows too, and runs in a (narrowed) team.
+  const int64_t active = parallel ? g_contention.threads_for_step(threads) : 1;
+  const bool teamed = parallel && (small || active < threads);
   if (teamed && active == 1) {
     // The team's split on this thread alone: no region, the same chunks (bitwise the same).
     Team team(1);
     team.set_size(threads);
     team.set_solo(true);
     current_team() = &team;
+    // An ATen op of the stack (the embedding and RoPE lookups, a copy) runs inline too.
+    const OmpThreadsOnCaller one(1);
     try {
       result = run();
     } catch (...) {
@@ -261,6 +282,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   } else {
     result = run();
   }
+  if (parallel) g_contention.step_done();
   if (g_profile.on)
     g_profile.calls_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - called).count();
   return result;
@@ -269,6 +291,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
 Team*& current_team() {
   thread_local Team* team = nullptr;
   return team;
+}
+
+int64_t solo_split() {
+  // Forced (tests, A/B runs) it holds from the call on; otherwise the last step decided.
+  const int64_t forced = g_contention.forced();
+  if ((forced > 0 ? forced : g_contention.last_threads()) != 1 || at::in_parallel_region()) return 0;
+  const int64_t threads = at::get_num_threads();
+  return threads > 1 ? threads : 0;
 }
 
 int64_t set_stack_team_rows(int64_t rows) { return g_team_rows.exchange(rows); }

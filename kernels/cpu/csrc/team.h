@@ -32,8 +32,10 @@
 //   other than the one it read.
 // - The team lives inside one decoder_layers call: nothing waits between steps.
 // - Inside the team at::in_parallel_region() is true on every thread, so an ATen op a kernel
-//   calls runs on the calling thread alone: decoder_layers uses a team only for small steps,
-//   whose kernels are all this extension's own (g_team_rows in decoder_layer.cpp).
+//   calls runs on the calling thread alone: decoder_layers uses a team for small steps, whose
+//   kernels are all this extension's own (g_team_rows in decoder_layer.cpp), and for larger
+//   ones only while narrowed (contention.h), where a region's thread beside a neighbour
+//   would cost more than an ATen op (a few lookups and copies) on one thread.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -94,6 +96,14 @@ inline void futex_wake_all(std::atomic<uint32_t>& word) {
 #endif
 }
 
+// The chunk length at::parallel_for(begin, begin + n, grain, fn) cuts over `threads`
+// threads (n > grain, n > 1, threads > 1): ceil(n / parts) for parts = min(threads,
+// ceil(n / grain)).
+inline int64_t split_chunk(int64_t n, int64_t grain, int64_t threads) {
+  const int64_t parts = grain > 0 ? std::min(threads, (n + grain - 1) / grain) : threads;
+  return (n + parts - 1) / parts;
+}
+
 class Team {
  public:
   // max_threads: the most threads the OpenMP region may have (its size() is at most this).
@@ -127,8 +137,7 @@ class Team {
       fn(begin, end);
       return;
     }
-    const int64_t parts = grain > 0 ? std::min(size_, (n + grain - 1) / grain) : size_;
-    const int64_t chunk = (n + parts - 1) / parts;
+    const int64_t chunk = split_chunk(n, grain, size_);
     const uint64_t chunks = uint64_t((n + chunk - 1) / chunk);  // the non-empty ones
     if (solo_) {  // the same chunks, one after another
       for (int64_t b = begin; b < end; b += chunk) fn(b, std::min(end, b + chunk));
@@ -326,11 +335,30 @@ class Team {
 // The team the calling thread leads (set by decoder_layers on its thread 0), or null.
 Team*& current_team();
 
-// at::parallel_for, through the calling thread's team when it leads one.
+// Outside a team: the threads whose split a kernel runs on its calling thread alone, one chunk
+// after another, or 0 to run it in an ATen parallel region (decoder_layer.cpp). Nonzero, the
+// ATen thread count, while the fused stack's last step ran solo because other processes hold
+// this process's other CPUs (contention.h): a kernel called between the stack's steps (the
+// head and final norm of a prefill step, the sampler's argmax) would otherwise wait in its
+// region for a thread that shares a CPU with the neighbour.
+int64_t solo_split();
+
+// at::parallel_for, through the calling thread's team when it leads one, or on the calling
+// thread alone in at::parallel_for's chunks while the stack runs solo (solo_split). Either
+// way the chunks are at::parallel_for's, so a kernel's output does not depend on the path.
 template <class F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
-  if (Team* team = current_team()) team->run(begin, end, grain, fn);
-  else at::parallel_for(begin, end, grain, fn);
+  if (Team* team = current_team()) {
+    team->run(begin, end, grain, fn);
+  } else if (const int64_t split = solo_split()) {
+    const int64_t n = end - begin;
+    if (n <= 0) return;
+    if (n <= grain || n <= 1 || split <= 1) return fn(begin, end);  // inline in ATen too
+    const int64_t chunk = split_chunk(n, grain, split);
+    for (int64_t b = begin; b < end; b += chunk) fn(b, std::min(end, b + chunk));
+  } else {
+    at::parallel_for(begin, end, grain, fn);
+  }
 }
 
 // The threads a kernel splits its work over: its team's, or ATen's.
