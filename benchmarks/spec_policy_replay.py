@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--row-costs", default="0.2,0.3,0.4", help="true row costs to score at")
     ap.add_argument("--prompts", type=int, default=8, help="grounded prompts (free: half)")
-    ap.add_argument("--outputs", type=Path, default=None,
-                    help="a JSON of {part: [[prompt, output], ...]} to reuse (written if absent)")  # fmt: skip
+    ap.add_argument(
+        "--outputs", type=Path, default=None,
+        help="a JSON of {part: [[prompt, output], ...]} to reuse (written if absent)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     costs = [float(c) for c in args.row_costs.split(",") if c]
     if args.outputs is not None and args.outputs.exists():

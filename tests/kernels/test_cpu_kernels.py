@@ -180,7 +180,9 @@ def test_short_runs_respect_the_sliding_window(ops, threads, num_threads, slidin
     for chunks in ([(60, 5)], [(0, 9)], [(33, 2), (8, 1), (100, 4)]):
         q, kc, vc, tables, lens = _prefill_rows_case(chunks, 9, 3, 64, seed=4)
         want = paged_attention_decode(q, kc, vc, tables, lens, 0.125, sliding_window)
-        got = ops.paged_attention_decode(q, kc, vc, tables, lens, 0.125, sliding_window=sliding_window)
+        got = ops.paged_attention_decode(
+            q, kc, vc, tables, lens, 0.125, sliding_window=sliding_window
+        )
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -335,7 +335,9 @@ def test_cpu_short_runs_over_int8_match_reference(ops, threads, rows, sliding_wi
     q = torch.randn(rows, num_heads, head_dim)
     kwargs = {} if sliding_window is None else {"sliding_window": sliding_window}
     got = ops.paged_attention_decode(q, kc, vc, block_tables, lens, head_dim**-0.5, **kwargs)
-    want = reference.paged_attention_decode(q, kc, vc, block_tables, lens, head_dim**-0.5, sliding_window)
+    want = reference.paged_attention_decode(
+        q, kc, vc, block_tables, lens, head_dim**-0.5, sliding_window
+    )
     tol = ATTENTION_TOL[torch.float32]
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
