@@ -592,17 +592,26 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
     part_l.resize(part_m.size());
     part_acc.resize(part_m.size() * size_t(head_dim));
   }
-  // Score rows per worker: a decode span needs every head's, a short run's every row's; a
-  // longer run, a tile's worth of rows.
-  const int64_t score_rows =
-      std::max<int64_t>(longest_short * num_heads, short_only ? 0 : rows_per_tile(group) * group);
+  // Score rows per worker: a decode span needs every head's; a longer run, a tile's worth of
+  // rows (row_stride: the longest context). A short run's span needs every row's, each only
+  // as long as the longest such span (short_stride), not the context: rows x heads rows of
+  // a long context would be many megabytes a thread, zeroed every call.
+  const int64_t score_rows = std::max<int64_t>(num_heads, short_only ? 0 : rows_per_tile(group) * group);
+  int64_t short_span = 0;
+  for (int64_t r = 0; r < num_runs; ++r) {
+    const int64_t i = run_start[r], rows = run_start[r + 1] - i;
+    if (rows > 1 && rows <= kMaxShortRun)
+      short_span = std::max(short_span, (lens[i] + rows - 1 - window_start(lens[i], sliding_window) + spans - 1) / spans);
+  }
+  const int64_t short_stride = (short_span + kVec - 1) / kVec * kVec;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(num_items, threads);
   parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t row_stride = (std::max<int64_t>(max_len, 1) + kVec - 1) / kVec * kVec;
     // Each worker thread's own, reused (zeroed as the fresh vectors they replace were).
     thread_local std::vector<float> scores, kt, m, l, acc;
-    scores.assign(size_t(score_rows) * size_t(row_stride), 0.f);
+    scores.assign(std::max(size_t(score_rows) * size_t(row_stride), size_t(longest_short * num_heads * short_stride)),
+                  0.f);
     m.assign(static_cast<size_t>(longest_short * num_heads), 0.f);
     l.assign(m.size(), 0.f);
     acc.assign(m.size() * static_cast<size_t>(head_dim), 0.f);
@@ -634,7 +643,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
         } else {
           attend_rows_span<T, D>(q + i * q_seq_stride, q_seq_stride, q_head_stride, rows, num_heads, num_kv_heads, kc,
                                  vc, bt + i * bt_stride, lens[i], sliding_window, t0, t1, block_size, float(scale),
-                                 scores.data(), row_stride, pm, pl, pacc);
+                                 scores.data(), short_stride, pm, pl, pacc);
         }
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t n2 = 0; n2 < num_heads; ++n2) {
