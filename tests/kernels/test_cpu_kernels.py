@@ -107,7 +107,7 @@ def _prefill_rows_case(chunks, num_heads, num_kv_heads, head_dim, block_size=16,
         (16, 1, 64, [(0, 20), (0, 20)]),  # group 16 (several passes); two equal-length runs
         (32, 8, 64, [(15, 33)]),  # group 4, a chunk starting mid-block
         (9, 3, 64, [(0, 600)]),  # a long chunk: 16 runs of 38 rows (the last shorter)
-        # a verification's 5 rows (up to 8: attended row by row, as decodes), one past that
+        # a verification's 5 rows and a 9-row one (short runs: attend_rows_span), a decode
         (9, 3, 64, [(350, 5), (20, 1), (100, 9)]),
     ],
 )
