@@ -40,3 +40,14 @@ def test_common_prefix():
     assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
     assert common_prefix([5], [6, 7]) == 0
     assert common_prefix([1, 2], [1, 2]) == 2
+
+
+def test_prompts_beyond_the_topics_are_refused(capsys):
+    from benchmarks.kv_quant import EXTRA_PROMPT_TOPICS, PROMPT_TOPICS, main
+
+    n = len(PROMPT_TOPICS) + len(EXTRA_PROMPT_TOPICS)
+    assert len(set(PROMPT_TOPICS + EXTRA_PROMPT_TOPICS)) == n  # no prompt counted twice
+    with pytest.raises(SystemExit) as e:
+        main(["--quality", "--prompts", str(n + 1)])
+    assert e.value.code == 2
+    assert f"--prompts must be 1..{n}" in capsys.readouterr().err

@@ -29,10 +29,18 @@ typedef float vf __attribute__((vector_size(kVec * 4), aligned(4), may_alias));
 typedef int32_t vi32 __attribute__((vector_size(kVec * 4)));
 
 static inline vf vload(const float* p) { return *reinterpret_cast<const vf*>(p); }
-// kVec int8 values (any alignment) as floats: the quantized KV cache's rows.
+// kVec int8 values (any alignment) as floats: the quantized KV cache's rows. With AVX-512 /
+// AVX2, one sign-extending load and one conversion (vpmovsxbd, vcvtdq2ps): GCC lowers the
+// generic __builtin_convertvector to kVec scalar sign-extend-and-convert pairs and inserts.
 typedef int8_t vi8 __attribute__((vector_size(kVec), aligned(1), may_alias));
 static inline vf vload_i8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+  return reinterpret_cast<vf>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
   return __builtin_convertvector(*reinterpret_cast<const vi8*>(p), vf);
+#endif
 }
 static inline void vstore(float* p, vf v) { *reinterpret_cast<vf*>(p) = v; }
 static inline vf vzero() { return vf{}; }
