@@ -107,7 +107,7 @@ def _prefill_rows_case(chunks, num_heads, num_kv_heads, head_dim, block_size=16,
         (16, 1, 64, [(0, 20), (0, 20)]),  # group 16 (several passes); two equal-length runs
         (32, 8, 64, [(15, 33)]),  # group 4, a chunk starting mid-block
         (9, 3, 64, [(0, 600)]),  # a long chunk: 16 runs of 38 rows (the last shorter)
-        # a verification's 5 rows (up to 8: attended row by row, as decodes), one past that
+        # a verification's 5 rows and a 9-row one (short runs: attend_rows_span), a decode
         (9, 3, 64, [(350, 5), (20, 1), (100, 9)]),
     ],
 )
@@ -136,6 +136,54 @@ def test_sliding_window_matches_reference(ops, threads, num_threads, sliding_win
     want = paged_attention_decode(q, kc, vc, tables, lens, 0.2, sliding_window)
     got = ops.paged_attention_decode(q, kc, vc, tables, lens, 0.2, sliding_window=sliding_window)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,chunks",
+    [
+        # A verification's k + 1 rows for k = 1..8 (one read of the context for every row),
+        # starting mid-block, at a block's end and at its start
+        *[(9, 3, 64, [(350 + rows, rows)]) for rows in range(2, 10)],
+        (9, 3, 64, [(15, 2)]),  # the run crosses a block boundary
+        (9, 3, 64, [(16, 5)]),
+        (9, 3, 64, [(0, 5)]),  # a short prompt: contexts 1..5, shorter than some spans
+        (9, 3, 64, [(1, 16)]),  # the longest short run
+        (32, 8, 64, [(40, 4)]),  # group 4
+        (16, 1, 64, [(100, 3)]),  # group 16: several register passes over V
+        (4, 4, 128, [(70, 6)]),  # MHA, head_dim 128
+        (8, 1, 32, [(300, 5)]),  # MQA
+        # several sequences' verifications beside decodes, and beside a long chunk
+        (9, 3, 64, [(120, 5), (30, 1), (200, 3), (7, 1)]),
+        (9, 3, 64, [(0, 40), (90, 5), (12, 1)]),
+    ],
+)
+def test_short_runs_scored_together_match_reference(
+    ops, threads, num_threads, num_heads, num_kv_heads, head_dim, chunks
+):
+    """Runs of at most 16 rows of one sequence: each context slot read once and scored
+    against every row (row i sees its own causal prefix), in spans over the threads, merged."""
+    threads(num_threads)
+    q, kc, vc, tables, lens = _prefill_rows_case(chunks, num_heads, num_kv_heads, head_dim, seed=3)
+    q = q * 4  # a large score spread: spans merge by their own maxima
+    want = paged_attention_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    got = ops.paged_attention_decode(q, kc, vc, tables, lens, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("sliding_window", [1, 3, 7, 40])
+def test_short_runs_respect_the_sliding_window(ops, threads, num_threads, sliding_window):
+    """Each row of a short run has its own window start (its length - window): a window
+    shorter than the run leaves spans that hold none of a row's keys."""
+    threads(num_threads)
+    for chunks in ([(60, 5)], [(0, 9)], [(33, 2), (8, 1), (100, 4)]):
+        q, kc, vc, tables, lens = _prefill_rows_case(chunks, 9, 3, 64, seed=4)
+        want = paged_attention_decode(q, kc, vc, tables, lens, 0.125, sliding_window)
+        got = ops.paged_attention_decode(
+            q, kc, vc, tables, lens, 0.125, sliding_window=sliding_window
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_reads_strided_queries(ops):

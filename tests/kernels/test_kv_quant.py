@@ -319,6 +319,29 @@ def test_cpu_decode_over_int8_matches_reference(ops, num_heads, num_kv_heads, he
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("rows", [2, 5, 9])
+@pytest.mark.parametrize("sliding_window", [None, 4])
+def test_cpu_short_runs_over_int8_match_reference(ops, threads, rows, sliding_window):
+    """A verification's rows over an int8 cache (each slot read once for every row, the
+    per-slot scales applied to each score and weight), split over 2 threads."""
+    threads(2)
+    torch.manual_seed(5)
+    nb, bs, num_heads, num_kv_heads, head_dim = 40, 16, 9, 3, 64
+    kc, vc = quantized_pair(nb, bs, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
+    fill(kc, vc)
+    table = torch.randperm(nb)[:30].int()
+    lens = torch.arange(200, 200 + rows, dtype=torch.int32)
+    block_tables = table.expand(rows, -1).contiguous()
+    q = torch.randn(rows, num_heads, head_dim)
+    kwargs = {} if sliding_window is None else {"sliding_window": sliding_window}
+    got = ops.paged_attention_decode(q, kc, vc, block_tables, lens, head_dim**-0.5, **kwargs)
+    want = reference.paged_attention_decode(
+        q, kc, vc, block_tables, lens, head_dim**-0.5, sliding_window
+    )
+    tol = ATTENTION_TOL[torch.float32]
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
 def test_cpu_rope_and_store_quantizes_like_the_reference(ops):
     num_heads, num_kv_heads, head_dim, n = 9, 3, 64, 13
     kc, vc = quantized_pair(4, 8, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))

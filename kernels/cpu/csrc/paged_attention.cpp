@@ -9,7 +9,9 @@
 // rows continuing one sequence (a prefill chunk) is an item per KV head: it reads its
 // context once into a transposed K and scores several rows' query vectors together, one
 // position per vector lane, with no horizontal sum per score: 128-token prefill attention
-// ~2x faster than row by row.
+// ~2x faster than row by row. A short run (at most kMaxShortRun rows: a speculative
+// verification) is split along its context like a decode (attend_rows_span): each slot is
+// read once and scored against every row and query head of the run.
 //
 // A sliding window (sliding_window > 0) moves the start of each row's keys to
 // max(0, len - sliding_window): a decode's spans cover only that range, and a run's rows
@@ -299,6 +301,9 @@ inline void score_vectors(int nq, const float* const* q, float* const* s, const 
 // one tile (at least one row).
 inline int64_t rows_per_tile(int group) { return std::max(1, kTileQ / group); }
 
+// The longest run of rows attend_rows_span takes (decode_all's short runs).
+constexpr int64_t kMaxShortRun = 16;
+
 // A run of query rows of one sequence at consecutive positions (a prefill chunk): row r sees
 // seq_len0 + r context positions. The run's context is read through the block table once,
 // into a transposed K; rows_per_tile rows at a time are scored against it (score_tile), each
@@ -362,6 +367,120 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
   }
 }
 
+// lane p = the sum of a[p]'s lanes, p < kVec: kVec horizontal sums in one vector. With
+// AVX-512 a transpose-and-add tree (2 shuffles and an add per pair of vectors, then one
+// permute): about 3 instructions a sum against 8 for a lone reduction, and one vector store.
+static inline vf vsum_lanes(const vf* a) {
+#if defined(__AVX512F__)
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i) {  // x[i]: 256-bit halves = 8 partial sums of a[2i], of a[2i+1]
+    const __m512 p = reinterpret_cast<__m512>(a[2 * i]), q = reinterpret_cast<__m512>(a[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x44), _mm512_shuffle_f32x4(p, q, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i)  // y[i]: 128-bit lane L = 4 partial sums of a[4i + L]
+    y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // z[i]: lane L = 2 partial sums of a[8i + L], 2 of a[8i + 4 + L]
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(y[2 * i], y[2 * i + 1], 0xEE));
+  // element 4L + s = the sum of a[L + 4s]; the permute puts the sum of a[p] at element p
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return reinterpret_cast<vf>(_mm512_permutexvar_ps(idx, w));
+#else
+  vf r;
+  for (int p = 0; p < kVec; ++p) r[p] = vsum(a[p]);
+  return r;
+#endif
+}
+
+// A short run of `rows` query rows of one sequence at consecutive positions (a speculative
+// verification's k + 1 rows, a short prefill chunk): row r sees context positions
+// [window_start(len0 + r), len0 + r). Over one span [t0, t1) of the run's context, every
+// row and query head at once: each cached slot is read once and scored against all of them
+// as it is read, kVec positions at a time (vsum_lanes: no lone horizontal sum per score),
+// so the run reads its context's K and V once, not once a row as row-by-row decodes did.
+// Positions outside a row's own range score -inf. Results per query vector
+// v = (h * rows + r) * group + j (KV head h's vectors adjacent, for weighted_values): the
+// span's score max m[v] (-inf when the span holds none of row r's positions), the sum of
+// exp(score - m[v]) l[v], and acc[v] = sum_t exp(score_t - m[v]) v_t, not yet divided.
+// scores: rows * num_heads rows of row_stride >= (t1 - t0) rounded up to kVec.
+template <typename T, int D>
+void attend_rows_span(const float* q, int64_t q_row_stride, int64_t q_head_stride, int64_t rows,
+                      int64_t num_heads, int64_t num_kv_heads, const T* key_cache, const T* value_cache,
+                      const int32_t* block_table, int64_t len0, int64_t sliding_window, int64_t t0, int64_t t1,
+                      int64_t block_size, float scale, float* scores, int64_t row_stride, float* m, float* l,
+                      float* acc) {
+  constexpr int64_t head_dim = D * kVec;
+  constexpr int64_t row = head_dim + Row<T>::kExtra;  // elements per KV head's row
+  const int group = int(num_heads / num_kv_heads);
+  const int64_t slot_stride = num_kv_heads * row;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // Row r's positions inside the span: [lo[r], hi[r]), empty when lo >= hi.
+  int64_t lo[kMaxShortRun], hi[kMaxShortRun];
+  for (int64_t r = 0; r < rows; ++r) {
+    lo[r] = std::max(t0, window_start(len0 + r, sliding_window));
+    hi[r] = std::min(t1, len0 + r);
+  }
+  vf iota;
+  for (int p = 0; p < kVec; ++p) iota[p] = float(p);
+  const T* slot[kVec];
+  int64_t b = t0 / block_size, off = t0 % block_size;  // the next position's block and offset
+  for (int64_t tb = t0; tb < t1; tb += kVec) {
+    // This tile's kVec slots through the block table; past t1, the last slot again (masked).
+    for (int p = 0; p < kVec; ++p) {
+      if (tb + p < t1) {
+        slot[p] = key_cache + (int64_t(block_table[b]) * block_size + off) * slot_stride;
+        if (++off == block_size) off = 0, ++b;
+      } else {
+        slot[p] = slot[p - 1];
+      }
+    }
+    const vf tv = vsplat(float(tb)) + iota;  // positions (exact in float below 2^24)
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      vf ks = vsplat(scale);
+      if constexpr (Row<T>::kQuantized)  // <q, k_q> * s_k * scale
+        for (int p = 0; p < kVec; ++p) ks[p] = Row<T>::scale(slot[p] + h * row, head_dim) * scale;
+      for (int64_t r = 0; r < rows; ++r) {
+        if (lo[r] >= hi[r]) continue;
+        const auto valid = (tv >= vsplat(float(lo[r]))) & (tv < vsplat(float(hi[r])));
+        for (int j = 0; j < group; ++j) {
+          const float* qj = q + r * q_row_stride + (h * group + j) * q_head_stride;
+          vf qv[D];
+          for (int i = 0; i < D; ++i) qv[i] = vload(qj + i * kVec);
+          vf a[kVec];
+          for (int p = 0; p < kVec; ++p) {
+            const T* k = slot[p] + h * row;
+            a[p] = qv[0] * Row<T>::load(k);
+            for (int i = 1; i < D; ++i) a[p] += qv[i] * Row<T>::load(k + i * kVec);
+          }
+          const vf s = vsum_lanes(a) * ks;
+          vstore(scores + ((h * rows + r) * group + j) * row_stride + (tb - t0), valid ? s : vsplat(ninf));
+        }
+      }
+    }
+  }
+  const int64_t span = t1 - t0, padded = (span + kVec - 1) / kVec * kVec;
+  for (int64_t h = 0; h < num_kv_heads; ++h)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int j = 0; j < group; ++j) {
+        const int64_t v = (h * rows + r) * group + j;
+        float* s = scores + v * row_stride;
+        if (lo[r] >= hi[r]) {  // nothing of row r here: weight 0 everywhere, merged away
+          std::fill_n(s, padded, 0.f);
+          m[v] = ninf;
+          l[v] = 0.f;
+        } else {
+          std::tie(m[v], l[v]) = exp_row(s, span);
+        }
+      }
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const int64_t v0 = h * rows * group;
+    weighted_values<T, D>(scores + v0 * row_stride, int(rows * group), row_stride, value_cache + h * row,
+                          block_table, t0, t1, block_size, slot_stride, acc + v0 * head_dim, head_dim);
+  }
+}
+
 template <typename T, int D>
 void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
@@ -389,13 +508,12 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   // items to spread one prompt over the threads, few enough that re-reading the context into
   // each run's transposed K stays small next to the scoring.
   constexpr int64_t kMinRunRows = 32, kMaxPieces = 16;
-  // A run of at most kShortRun rows (a speculative verification's k + 1, a short chunk) is
-  // attended row by row, as decodes: attend_run's fixed costs (transposing the whole
-  // context's K, whatever the rows) are not paid back over so few rows, and its one item per
-  // KV head leaves threads idle (3 items for 2 threads with the default model), while the
-  // rows as decodes split into context spans over every thread and read the same K/V, from
-  // cache after the first row.
-  constexpr int64_t kShortRun = 8;
+  // A run of at most kMaxShortRun rows (a speculative verification's k + 1, a short chunk)
+  // goes to attend_rows_span, in context spans like a decode: attend_run's fixed costs
+  // (transposing the whole context's K, whatever the rows) are not paid back over so few
+  // rows, and its one item per KV head leaves threads idle (3 items for 2 threads with the
+  // default model), while attend_rows_span reads each slot once for all the run's rows and
+  // splits over every thread.
   // The bookkeeping vectors below are thread_local and reused: allocated in every call they
   // were ~10 mallocs a layer, each a few cache misses after a step's weights streamed by.
   // NOTE: the workers below reach them through these references (a lambda does not capture
@@ -417,7 +535,7 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   run_start.clear();
   for (size_t w = 0; w + 1 < whole.size(); ++w) {
     const int64_t len = whole[w + 1] - whole[w];
-    const int64_t piece = len <= kShortRun ? 1 : std::max(kMinRunRows, (len + kMaxPieces - 1) / kMaxPieces);
+    const int64_t piece = len <= kMaxShortRun ? len : std::max(kMinRunRows, (len + kMaxPieces - 1) / kMaxPieces);
     for (int64_t i = whole[w]; i < whole[w + 1]; i += piece) run_start.push_back(i);
   }
   run_start.push_back(num_seqs);
@@ -431,11 +549,23 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   // context is cut into `spans` and the spans' partial softmaxes are merged after
   // (flash-decoding); that changes the summation order, not the math. A run of prefill rows
   // is one item per KV head.
+  // Short runs split like decodes; with any among them, into `threads` spans each, so a
+  // run (several decodes' work) is shared by every thread beside a step's plain decodes.
   const bool decodes_only = num_runs == num_seqs;
-  const int64_t spans =
-      decodes_only && num_seqs > 0 && num_seqs < 4 * threads ? threads / std::gcd(num_seqs, threads) : 1;
+  int64_t longest_short = 1;  // rows of the longest short run
+  bool short_only = num_runs > 0;
+  for (int64_t r = 0; r < num_runs; ++r) {
+    const int64_t rows = run_start[r + 1] - run_start[r];
+    if (rows <= kMaxShortRun)
+      longest_short = std::max(longest_short, rows);
+    else
+      short_only = false;
+  }
+  const int64_t spans = short_only && num_runs < 4 * threads
+                            ? (decodes_only ? threads / std::gcd(num_seqs, threads) : threads)
+                            : 1;
   struct Item {
-    int64_t run, head, span;  // head -1: a decode span, every KV head
+    int64_t run, head, span;  // head -1: a decode's or short run's span, every KV head
     int64_t cost;
   };
   thread_local std::vector<Item> tl_items;
@@ -443,8 +573,8 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   items.clear();
   for (int64_t r = 0; r < num_runs; ++r) {
     const int64_t i = run_start[r], rows = run_start[r + 1] - i;
-    if (rows == 1)
-      for (int64_t p = 0; p < spans; ++p) items.push_back({r, -1, p, lens[i] / spans * num_kv_heads});
+    if (rows <= kMaxShortRun)
+      for (int64_t p = 0; p < spans; ++p) items.push_back({r, -1, p, rows * lens[i] / spans * num_kv_heads});
     else
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, 0, rows * (lens[i] + rows)});
   }
@@ -462,16 +592,27 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
     part_l.resize(part_m.size());
     part_acc.resize(part_m.size() * size_t(head_dim));
   }
-  // Score rows per worker: a decode span needs every head's; a run, a tile's worth of rows.
-  const int64_t score_rows = std::max<int64_t>(num_heads, num_runs < num_seqs ? rows_per_tile(group) * group : 0);
+  // Score rows per worker: a decode span needs every head's; a longer run, a tile's worth of
+  // rows (row_stride: the longest context). A short run's span needs every row's, each only
+  // as long as the longest such span (short_stride), not the context: rows x heads rows of
+  // a long context would be many megabytes a thread, zeroed every call.
+  const int64_t score_rows = std::max<int64_t>(num_heads, short_only ? 0 : rows_per_tile(group) * group);
+  int64_t short_span = 0;
+  for (int64_t r = 0; r < num_runs; ++r) {
+    const int64_t i = run_start[r], rows = run_start[r + 1] - i;
+    if (rows > 1 && rows <= kMaxShortRun)
+      short_span = std::max(short_span, (lens[i] + rows - 1 - window_start(lens[i], sliding_window) + spans - 1) / spans);
+  }
+  const int64_t short_stride = (short_span + kVec - 1) / kVec * kVec;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(num_items, threads);
   parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const int64_t row_stride = (std::max<int64_t>(max_len, 1) + kVec - 1) / kVec * kVec;
     // Each worker thread's own, reused (zeroed as the fresh vectors they replace were).
     thread_local std::vector<float> scores, kt, m, l, acc;
-    scores.assign(size_t(score_rows) * size_t(row_stride), 0.f);
-    m.assign(static_cast<size_t>(num_heads), 0.f);
+    scores.assign(std::max(size_t(score_rows) * size_t(row_stride), size_t(longest_short * num_heads * short_stride)),
+                  0.f);
+    m.assign(static_cast<size_t>(longest_short * num_heads), 0.f);
     l.assign(m.size(), 0.f);
     acc.assign(m.size() * static_cast<size_t>(head_dim), 0.f);
     for (int64_t n = next++; n < num_items; n = next++) {
@@ -485,10 +626,42 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
                       num_heads * head_dim, head_dim, sliding_window);
         continue;
       }
-      // The spans cut the window [lo, len) of the context.
-      const int64_t len = lens[i], lo = window_start(len, sliding_window);
+      // The spans cut the window [lo, len) of the context: of a run, from its first row's
+      // first key to its last row's last.
+      const int64_t len = lens[i] + rows - 1, lo = window_start(lens[i], sliding_window);
       const int64_t t0 = lo + (len - lo) * it.span / spans, t1 = lo + (len - lo) * (it.span + 1) / spans;
       const bool whole_context = spans == 1;
+      if (rows > 1) {
+        float* pm = m.data();  // per query vector, attend_rows_span's order
+        float* pl = l.data();
+        float* pacc = acc.data();
+        const int64_t nv = rows * num_heads;
+        if (t0 == t1) {
+          std::fill_n(pm, nv, -std::numeric_limits<float>::infinity());
+          std::fill_n(pl, nv, 0.f);
+          std::fill_n(pacc, nv * head_dim, 0.f);
+        } else {
+          attend_rows_span<T, D>(q + i * q_seq_stride, q_seq_stride, q_head_stride, rows, num_heads, num_kv_heads, kc,
+                                 vc, bt + i * bt_stride, lens[i], sliding_window, t0, t1, block_size, float(scale),
+                                 scores.data(), short_stride, pm, pl, pacc);
+        }
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t n2 = 0; n2 < num_heads; ++n2) {
+            const int64_t v = ((n2 / group) * rows + r) * group + n2 % group;
+            const float* src = pacc + v * head_dim;
+            if (whole_context) {
+              const vf inv = vsplat(1.f / pl[v]);
+              for (int d = 0; d < D; ++d)
+                vstore(o + ((i + r) * num_heads + n2) * head_dim + d * kVec, vload(src + d * kVec) * inv);
+            } else {
+              const int64_t k = ((i + r) * spans + it.span) * num_heads + n2;
+              part_m[k] = pm[v];
+              part_l[k] = pl[v];
+              std::copy(src, src + head_dim, part_acc.data() + k * head_dim);
+            }
+          }
+        continue;
+      }
       float* pm = whole_context ? m.data() : part_m.data() + (i * spans + it.span) * num_heads;
       float* pl = whole_context ? l.data() : part_l.data() + (i * spans + it.span) * num_heads;
       float* pacc = whole_context ? acc.data() : part_acc.data() + (i * spans + it.span) * num_heads * head_dim;
