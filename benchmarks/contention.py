@@ -47,16 +47,21 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from benchmarks.provenance import git_commit
 from loadtest.config import LoadTestConfig
 from loadtest.launcher import ServerProcess, build_command, free_port
 from loadtest.run import run_sweep
 from planner.cpu import cpu_model_name
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+RunT = TypeVar("RunT")
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 2.2
@@ -196,26 +201,55 @@ def _thread_sched() -> tuple[int, int]:
     return delay, cpu
 
 
-def offline(args: argparse.Namespace) -> list[OfflineRun]:
-    """Alternating rounds of decode steps in this process (module docstring)."""
-    import torch  # noqa: F401 - before the engine, as the server does
+def _offline_engine(args: argparse.Namespace) -> tuple[Any, LLMEngine, int, int]:
+    """What both offline comparisons step: (the C++ ops, an engine on them, the team's
+    threads, the CPU the busy process is pinned to)."""
+    import torch  # before the engine, as the server does
 
     from engine.llm import LLM
     from kernels import cpu as cpu_kernels
-    from scheduler.request import SamplingParams
 
     ops = cpu_kernels.load()
     if ops is None:
         raise SystemExit("error: --offline needs the C++ CPU kernels")
     llm = LLM(args.model, attention_backend="cpu", device="cpu", dtype="float32")
-    engine = llm.engine
+    return ops, llm.engine, torch.get_num_threads(), sorted(os.sched_getaffinity(0))[-1]
+
+
+def _mode_threads(mode: str, threads: int) -> int:
+    """set_stack_active_threads' argument for an OFFLINE_MODES mode (0: contention.h decides)."""
+    return {"team": threads, "solo": 1}.get(mode, 0)
+
+
+def _alternate(
+    args: argparse.Namespace,
+    sizes: list[int],
+    one: Callable[[int, str, bool], RunT],
+    describe: Callable[[RunT], str],
+) -> list[RunT]:
+    """args.rounds rounds of every size x mode, alone then beside the busy process, each run
+    printed as it ends: alternating, so a drift in the machine's load falls on every mode."""
+    runs = []
+    for _ in range(args.rounds):
+        for size in sizes:
+            for mode in args.modes:
+                for busy in (False, True):
+                    run = one(size, mode, busy)
+                    print(describe(run), flush=True)
+                    runs.append(run)
+    return runs
+
+
+def offline(args: argparse.Namespace) -> list[OfflineRun]:
+    """Alternating rounds of decode steps in this process (module docstring)."""
+    from scheduler.request import SamplingParams
+
+    ops, engine, threads, busy_cpu = _offline_engine(args)
     vocab = engine.model_config.vocab_size
-    threads = __import__("torch").get_num_threads()
-    busy_cpu = sorted(os.sched_getaffinity(0))[-1]
     serial = 0
 
     def set_mode(mode: str) -> None:
-        ops.set_stack_active_threads({"team": threads, "solo": 1}.get(mode, 0))
+        ops.set_stack_active_threads(_mode_threads(mode, threads))
 
     def one(batch: int, mode: str, busy: bool) -> OfflineRun:
         nonlocal serial
@@ -271,15 +305,7 @@ def offline(args: argparse.Namespace) -> list[OfflineRun]:
             load=os.getloadavg()[0],
         )
 
-    runs = []
-    for _ in range(args.rounds):
-        for batch in args.batches:
-            for mode in args.modes:
-                for busy in (False, True):
-                    run = one(batch, mode, busy)
-                    print(format_offline(run, busy_cpu), flush=True)
-                    runs.append(run)
-    return runs
+    return _alternate(args, args.batches, one, lambda run: format_offline(run, busy_cpu))
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,20 +327,10 @@ class PrefillRun:
 
 def offline_prefill(args: argparse.Namespace) -> list[PrefillRun]:
     """Alternating rounds of prefill steps in this process (module docstring)."""
-    import torch  # before the engine, as the server does
-
-    from engine.llm import LLM
-    from kernels import cpu as cpu_kernels
     from scheduler.request import SamplingParams
 
-    ops = cpu_kernels.load()
-    if ops is None:
-        raise SystemExit("error: --offline needs the C++ CPU kernels")
-    llm = LLM(args.model, attention_backend="cpu", device="cpu", dtype="float32")
-    engine = llm.engine
+    ops, engine, threads, busy_cpu = _offline_engine(args)
     vocab = engine.model_config.vocab_size
-    threads = torch.get_num_threads()
-    busy_cpu = sorted(os.sched_getaffinity(0))[-1]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     serial = 0
 
@@ -332,7 +348,7 @@ def offline_prefill(args: argparse.Namespace) -> list[PrefillRun]:
         return elapsed
 
     def one(tokens: int, mode: str, busy: bool) -> PrefillRun:
-        ops.set_stack_active_threads({"team": threads, "solo": 1}.get(mode, 0))
+        ops.set_stack_active_threads(_mode_threads(mode, threads))
         times = []
         with busy_process(busy_cpu) if busy else contextlib.nullcontext():
             # contention.h samples every 200 ms of steps, at a step's start: at least two
@@ -361,15 +377,7 @@ def offline_prefill(args: argparse.Namespace) -> list[PrefillRun]:
             load=os.getloadavg()[0],
         )
 
-    runs = []
-    for _ in range(args.rounds):
-        for tokens in args.prefill_tokens:
-            for mode in args.modes:
-                for busy in (False, True):
-                    run = one(tokens, mode, busy)
-                    print(format_prefill(run, busy_cpu), flush=True)
-                    runs.append(run)
-    return runs
+    return _alternate(args, args.prefill_tokens, one, lambda run: format_prefill(run, busy_cpu))
 
 
 def format_prefill(r: PrefillRun, busy_cpu: int) -> str:
