@@ -10,19 +10,9 @@ import random
 import pytest
 
 from benchmarks.step_replay import figures, kind, main, noise_ratios, replay, within
-from engine.cost import StepCostModel
 from engine.step_predictor import StepShape
 from engine.step_trace import StepTrace, read_trace
-
-COST = StepCostModel(
-    body_weight_bytes=428_000_000,
-    lm_head_bytes=113_000_000,
-    embedding_row_bytes=2304,
-    body_matmul_params=106_000_000,
-    lm_head_params=28_300_000,
-    attention_flops_per_pair=69_120,
-)
-KV = 46_080
+from tests.engine.cost_figures import COST, KV_BYTES_PER_TOKEN
 
 
 def decode(rows: int, context: int) -> StepShape:
@@ -44,7 +34,7 @@ def machine(shape: StepShape) -> float:
 
 def write(path, shapes, noise: float, seed: int = 0) -> None:
     rng = random.Random(seed)
-    trace = StepTrace(path, COST, KV, {"model": "synthetic"})
+    trace = StepTrace(path, COST, KV_BYTES_PER_TOKEN, {"model": "synthetic"})
     for shape in shapes:
         trace.record(shape, machine(shape) * rng.uniform(1 - noise, 1 + noise), 0.001, None)
     trace.close()
@@ -67,7 +57,7 @@ def test_a_trace_reads_back_as_written_and_rejects_other_files(tmp_path) -> None
     shapes = workload(30)
     write(path, shapes, noise=0.0)
     trace = read_trace(path)
-    assert trace.cost_model == COST and trace.kv_bytes_per_token == KV
+    assert trace.cost_model == COST and trace.kv_bytes_per_token == KV_BYTES_PER_TOKEN
     assert trace.header["model"] == "synthetic"
     assert [s.shape for s in trace.steps] == shapes
     assert [s.step_s for s in trace.steps] == [machine(s) for s in shapes]

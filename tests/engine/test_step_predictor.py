@@ -8,7 +8,6 @@ import random
 
 import pytest
 
-from engine.cost import StepCostModel
 from engine.step_predictor import (
     DECODE,
     FIXED_S,
@@ -22,17 +21,8 @@ from engine.step_predictor import (
 from scheduler.latency_targets import DecodeLoad
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, SamplingParams
+from tests.engine.cost_figures import COST, KV_BYTES_PER_TOKEN
 
-# SmolLM2-135M-like figures (float32); the values only need to be of a real model's scale.
-COST = StepCostModel(
-    body_weight_bytes=428_000_000,
-    lm_head_bytes=113_000_000,
-    embedding_row_bytes=2304,
-    body_matmul_params=106_000_000,
-    lm_head_params=28_300_000,
-    attention_flops_per_pair=69_120,
-)
-KV_BYTES_PER_TOKEN = 46_080
 # The "machine": seconds = TRUE . features (a fixed cost, and the three terms each off the
 # nominal peaks by its own factor).
 TRUE = (3.0, 0.6, 1.7, 0.9)
