@@ -252,6 +252,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if not args.device.startswith("cuda"):
+        # The host work is one thread's; the stub's logits are small, and a pool of threads
+        # for the sampler's argmax would only add other processes' noise.
+        torch.set_num_threads(1)
     engine = build_engine(args.device, max(args.batches), args.context, args.warmup_steps + args.steps)
     timer = PhaseTimer(clock)
     instrument(engine, timer)

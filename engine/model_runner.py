@@ -14,7 +14,7 @@ import torch
 
 from engine.backends import ModelForward
 from engine.cuda_graphs import DecodeGraphs
-from engine.input_batch import InputBatch, build_input_batch
+from engine.input_batch import HostStaging, InputBatch, build_input_batch
 from engine.outputs import ModelRunnerOutput, TokenLogprob
 from engine.sampler import Sampler
 from engine.spec_decode.speculator import SpeculativeDecoder
@@ -38,12 +38,14 @@ class ModelRunner:
         self.storage = storage
         self.sampler = sampler
         self.device = device
+        # On CUDA a step's inputs leave the host in one copy from one pinned buffer.
+        self.staging = HostStaging(device) if device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         # Verifies speculative rows (engine/spec_decode/); None without speculative decoding.
         self.speculator: SpeculativeDecoder | None = None
 
     def prepare(self, out: SchedulerOutput) -> InputBatch:
-        return build_input_batch(out, self.storage.block_size, self.device)
+        return build_input_batch(out, self.storage.block_size, self.device, self.staging)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the scheduled tokens and sample for requests whose chunk ends their
