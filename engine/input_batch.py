@@ -59,6 +59,11 @@ class InputBatch:
         return int(self.input_ids.shape[0])
 
 
+# Without staging (on the CPU), a decode step of fewer rows builds its lists request by
+# request: below this, numpy's fixed costs outweigh what its array operations save.
+MIN_ARRAY_ROWS = 16
+
+
 def build_input_batch(
     out: SchedulerOutput,
     block_size: int,
@@ -67,10 +72,12 @@ def build_input_batch(
 ) -> InputBatch:
     """The step's tensors on ``device``. ``staging`` (the runner's, on CUDA): a pinned host
     buffer the step's integers are packed into, then moved by one asynchronous copy; without
-    it each tensor is moved on its own (zero copies on the CPU)."""
+    it each tensor is moved on its own."""
     scheduled = out.scheduled
-    if scheduled and all(
-        s.num_tokens == 1 and not s.padding and not s.draft_token_ids for s in scheduled
+    if (
+        (staging is not None or len(scheduled) >= MIN_ARRAY_ROWS)
+        and scheduled
+        and all(s.num_tokens == 1 and not s.padding and not s.draft_token_ids for s in scheduled)
     ):
         return _decode_batch(scheduled, block_size, device, staging)
     decodes = [s for s in scheduled if s.num_tokens == 1]
@@ -105,20 +112,20 @@ def build_input_batch(
 
     seq_lens = [item.seq_len for item in ordered]
     rows = logits_indices + verify_indices + padding_indices
-    i64, i32 = np.int64, np.int32
-    tensors = _to_device(
-        [
-            np.array(input_ids, dtype=i64),
-            np.array(positions, dtype=i64),
-            np.array(slots, dtype=i64),
-            np.array(rows, dtype=i64),
-            np.array(seq_lens, dtype=i32),
-            np.array(query_start_loc, dtype=i32),
-            _block_tables([item.block_ids for item in ordered]),
-        ],
-        device,
-        staging,
-    )
+    lists = (input_ids, positions, slots, rows, seq_lens, query_start_loc)
+    dtypes = (np.int64,) * 4 + (np.int32,) * 2
+    if staging is not None:
+        arrays = [np.array(v, dtype=d) for v, d in zip(lists, dtypes, strict=True)]
+        tensors = staging.to_device([*arrays, _block_tables([r.block_ids for r in ordered])])
+    else:
+        max_blocks = max(len(item.block_ids) for item in ordered)
+        tables = [list(r.block_ids) + [0] * (max_blocks - len(r.block_ids)) for r in ordered]
+        tensors = [
+            torch.tensor(v, dtype=d).to(device, non_blocking=True)
+            for v, d in zip(
+                (*lists, tables), (*[_TORCH_DTYPES[d] for d in dtypes], torch.int32), strict=True
+            )
+        ]
     return _input_batch(
         tensors,
         num_decodes=len(decodes),
@@ -212,6 +219,9 @@ def _input_batch(
     )
 
 
+_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+
+
 def _to_device(
     arrays: list[np.ndarray], device: torch.device, staging: HostStaging | None
 ) -> list[torch.Tensor]:
@@ -266,10 +276,15 @@ class HostStaging:
         if self._event is not None:
             self._event.record(torch.cuda.current_stream(self.device))
             self._copying = True
+        # One strided view per array (each torch call costs the host more than numpy's).
+        typed = {8: packed.view(torch.int64), 4: packed.view(torch.int32)}
         return [
-            packed[offset : offset + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+            typed[a.itemsize].as_strided(a.shape, _strides(a), offset // a.itemsize)
             for a, offset in zip(arrays, offsets, strict=True)
         ]
 
 
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+def _strides(a: np.ndarray) -> tuple[int, ...]:
+    """A contiguous array's strides in elements."""
+    return tuple(s // a.itemsize for s in a.strides)
+

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine.input_batch import HostStaging, InputBatch, build_input_batch
+from engine.input_batch import MIN_ARRAY_ROWS, HostStaging, InputBatch, build_input_batch
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 
@@ -104,7 +104,8 @@ def _check(batch: InputBatch, rows: list[ScheduledRequest]) -> None:
 
 
 def _plans(rng: random.Random) -> list[list[ScheduledRequest]]:
-    decodes = [_row(rng, rng.randrange(40), 1) for _ in range(9)]
+    # Past MIN_ARRAY_ROWS, so the array path runs without staging too.
+    decodes = [_row(rng, rng.randrange(40), 1) for _ in range(MIN_ARRAY_ROWS + 4)]
     even = [_row(rng, 8 + i, 1) for i in range(3)]  # equal tables: 3 blocks each, no spare
     even = [
         ScheduledRequest(r.request, r.start, 1, r.token_ids, r.block_ids[:3], True) for r in even
@@ -115,6 +116,7 @@ def _plans(rng: random.Random) -> list[list[ScheduledRequest]]:
         even,
         # A one-token chunk that does not reach the prompt's end samples nothing.
         [*decodes[:3], _row(rng, 5, 1, samples=False), decodes[3]],
+        [*decodes, _row(rng, 5, 1, samples=False), _row(rng, 30, 1)],
         # Mixed: prefill chunks (one not sampling), padding, a speculative row.
         [
             decodes[0],
