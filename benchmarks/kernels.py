@@ -1,6 +1,7 @@
 """Kernel benchmark.
 
     python -m benchmarks.kernels [--targets] [--fused] [--quick] [--peak-gbps N]
+    python -m benchmarks.kernels --sweep [--budget-s S]
 
 
 Decode paged attention. For each configuration (batch size x context length x GQA shape x
@@ -33,6 +34,10 @@ bandwidth measured with a large tensor copy unless ``--peak-gbps`` is given; wit
 ``TRITON_INTERPRET=1`` set it adds the interpreted Triton rows, for their ``max_err`` only.
 Every row checks its output against the reference (``max_err``), so a fast wrong kernel shows.
 
+``--sweep`` times the decode kernel's launches (one- and two-launch split-K, split counts,
+``num_warps``, ``num_stages``, tile) on the ``--targets`` rows and prints the best per row
+beside today's, bounded by ``--budget-s`` (``benchmarks/decode_sweep.py``).
+
 The issue's figures on an H100/H200 (``make test-gpu`` runs this)::
 
     python -m benchmarks.kernels --targets --fused
@@ -46,7 +51,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -338,13 +343,15 @@ def bench_config(
         candidates += [(f"triton-split={n}", n) for n in splits or [] if n != chosen]
         for name, n in candidates:
             add(name, n, triton_decode(n))
-        default = (decode_module.NUM_WARPS, decode_module.NUM_STAGES)
+        tuned = decode_module.choose_launch(
+            cfg.batch, cfg.num_kv_heads, x.block_tables.shape[1] * cfg.block_size, device
+        )
         for warps, stages in launch_params or []:
-            decode_module.NUM_WARPS, decode_module.NUM_STAGES = warps, stages
-            try:
-                add(f"triton[w={warps},s={stages}]", chosen, triton_decode(chosen))
-            finally:
-                decode_module.NUM_WARPS, decode_module.NUM_STAGES = default
+            launch = replace(tuned, num_warps=warps, num_stages=stages)
+            add(f"triton[w={warps},s={stages}]", chosen, lambda i, launch=launch: (
+                paged_attention_decode(i.query, i.key_cache, i.value_cache, i.block_tables,
+                                       i.seq_lens, scale, launch=launch)
+            ))  # fmt: skip
     if externals:
         found = [external_decoders(i, cfg, scale) for i in sets]
         for k, (name, fn, why) in enumerate(found[0]):
@@ -571,17 +578,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fused-tokens", type=_int_list, default=[1, 64, 256, 2048],
                         help="token counts of the fused-op rows")  # fmt: skip
     parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the decode kernel's launches on the --targets rows "
+                             "(with --quick: one small row, a CPU smoke run)")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=100.0,
+                        help="--sweep: time no new launch after this many seconds")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     torch.manual_seed(0)
+    if args.sweep and not triton_runs_on(device):
+        parser.exit(2, "error: --sweep times the Triton kernel: it needs CUDA, or "
+                       "TRITON_INTERPRET=1 with --quick\n")  # fmt: skip
 
     peak, source = peak_bandwidth(device, args.peak_gbps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# python -m benchmarks.kernels {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"# device: {name}; torch {torch.__version__}; dtype {args.dtype}")
     print(f"# peak bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown'} ({source})")
+    if args.sweep:
+        from benchmarks.decode_sweep import run_sweep
+
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+        run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s)
+        return
     if device.type != "cuda":
         print("# CPU: the Triton kernels run here only under TRITON_INTERPRET=1 (numpy, not")
         print("#   worth timing); benching the PyTorch reference against SDPA instead.")

@@ -92,3 +92,50 @@ def test_targets_are_the_issue_rows():
     assert {(c.num_heads, c.num_kv_heads, c.head_dim, c.block_size) for c in configs} == {
         (32, 8, 128, 16)
     }
+
+
+def test_sweep_quick_times_each_merge_and_reports_the_best(device, capsys):
+    """``--sweep --quick``: the sweep's machinery end to end on one small row (on CPU under
+    the interpreter): the default launch and both merges at 2 splits, each checked against
+    the reference, then the summary and the table line."""
+    main(["--device", device.type, "--sweep", "--quick", "--peak-gbps", "100"])
+    out = capsys.readouterr().out
+    timed = [line for line in out.splitlines() if line.startswith("   2 x 128 ") and " us " in line]
+    assert len(timed) == 3, out
+    assert "default" in timed[0] and "unsplit" in timed[0]
+    assert " one     splits=2 " in timed[1] and " two     splits=2 " in timed[2]
+    for line in timed:
+        assert "MISMATCH" not in line and "failed" not in line, line
+    assert "   2 x 128    best    " in out and "   2 x 128    default " in out
+    assert "# DECODE_TUNING" in out
+
+
+def test_sweep_table_line_reproduces_the_best_launch(monkeypatch):
+    """The sweep's suggested ``DecodeTuning`` row, put first in the table, makes
+    ``choose_launch`` pick the measured best at the row's shape (on a 132-SM GPU)."""
+    import kernels.paged_attention as decode_module
+    from benchmarks.decode_sweep import Measured, effective, suggested_row
+    from kernels.paged_attention import DECODE_TUNING, DecodeLaunch, DecodeTuning
+
+    monkeypatch.setattr(decode_module, "num_compute_units", lambda device: 132)
+    cases = [
+        ((1, 512), DecodeLaunch(16, True, 2, 1, 32)),
+        ((16, 512), DecodeLaunch(4, False, 8, 2, 64)),
+        ((1, 4096), DecodeLaunch(32, True, 4, 3, 64)),
+        ((4, 4096), DecodeLaunch(7, True, 4, 3, 64)),
+    ]
+    for (batch, context), best in cases:
+        row = argparse.Namespace(
+            cfg=Config(batch, context, 32, 8, 16, 128, torch.bfloat16),
+            best=lambda best=best: Measured(best, 1e-6, 0.0, True),
+        )
+        line = suggested_row(row, 132)
+        tuning = eval(line.split("  #")[0].rstrip(","), {"DecodeTuning": DecodeTuning})
+        monkeypatch.setattr(decode_module, "DECODE_TUNING", (tuning, *DECODE_TUNING))
+        chosen = decode_module.choose_launch(batch, 8, context, torch.device("cuda"))
+        assert effective(chosen, context) == best, line
+    unsplit = argparse.Namespace(
+        cfg=Config(64, 4096, 32, 8, 16, 128, torch.bfloat16),
+        best=lambda: Measured(DecodeLaunch(1, False, 8, 2, 64), 1e-6, 0.0, True),
+    )
+    assert suggested_row(unsplit, 132).startswith("catch-all row: num_warps=8, num_stages=2")
