@@ -9,6 +9,8 @@ block size) it times
 
 - ``triton``        the Triton decode kernel, split-K chosen by its heuristic (GPU only),
 - ``triton-nosplit``  the same with ``num_splits=1``, printed when the heuristic split,
+- ``triton-1launch`` / ``triton-2launch``  the heuristic split merged the other way (in the
+                    same launch by the last split, or by a second kernel), when it split,
 - ``triton-split=N``  the same with ``num_splits=N`` for each N of ``--splits`` (tuning),
 - ``triton[w=W,s=S]`` the heuristic split at ``num_warps=W``, ``num_stages=S`` for each pair
                     of ``--warps`` x ``--stages`` (tuning),
@@ -328,24 +330,27 @@ def bench_config(
 
     if triton_runs_on(device):
         import kernels.paged_attention as decode_module
-        from kernels.paged_attention import choose_num_splits, paged_attention_decode
+        from kernels.paged_attention import paged_attention_decode
 
-        def triton_decode(n: int) -> Callable[[Inputs], torch.Tensor]:
+        def triton_decode(
+            n: int, one_launch: bool | None = None
+        ) -> Callable[[Inputs], torch.Tensor]:
             return lambda i: paged_attention_decode(
                 i.query, i.key_cache, i.value_cache, i.block_tables, i.seq_lens, scale,
-                num_splits=n,
+                num_splits=n, one_launch=one_launch,
             )  # fmt: skip
 
-        chosen = choose_num_splits(
-            cfg.batch, cfg.num_kv_heads, x.block_tables.shape[1] * cfg.block_size, device
-        )
-        candidates = [("triton", chosen)] + ([("triton-nosplit", 1)] if chosen > 1 else [])
-        candidates += [(f"triton-split={n}", n) for n in splits or [] if n != chosen]
-        for name, n in candidates:
-            add(name, n, triton_decode(n))
         tuned = decode_module.choose_launch(
             cfg.batch, cfg.num_kv_heads, x.block_tables.shape[1] * cfg.block_size, device
         )
+        chosen = tuned.num_splits
+        candidates = [("triton", chosen, None)]
+        if chosen > 1:  # the heuristic split with the other merge, and unsplit
+            other = "triton-2launch" if tuned.one_launch else "triton-1launch"
+            candidates += [(other, chosen, not tuned.one_launch), ("triton-nosplit", 1, None)]
+        candidates += [(f"triton-split={n}", n, None) for n in splits or [] if n != chosen]
+        for name, n, one_launch in candidates:
+            add(name, n, triton_decode(n, one_launch))
         for warps, stages in launch_params or []:
             launch = replace(tuned, num_warps=warps, num_stages=stages)
             add(f"triton[w={warps},s={stages}]", chosen, lambda i, launch=launch: (
