@@ -183,6 +183,7 @@ def _paged_attention_decode_kernel(
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
     COMBINE: tl.constexpr,  # SPLIT only: the last split of a (sequence, KV head) merges all
+    SPLITS_PAD: tl.constexpr,  # COMBINE: next power of two of num_splits, else 1
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
@@ -252,50 +253,52 @@ def _paged_attention_decode_kernel(
                 # launch: reset it, so the scratch is zero for the next launch (and for
                 # every replay of a CUDA graph that captured this one).
                 tl.store(counter, 0)
-                _merge_splits(
-                    final_out_ptr, out_ptr + o_offs, lse_ptr + lse_offs,
-                    seq * stride_final_seq + heads[:, None] * stride_final_head + offs_d[None, :],
-                    o_mask, g_mask, stride_out_split, tl.num_programs(2),
-                    GROUP_PAD=GROUP_PAD, HEAD_DIM_PAD=HEAD_DIM_PAD,
-                )  # fmt: skip
+                # Each query head of the group merges its splits as the second kernel
+                # would (unrolled: the heads' loads are independent, one L2 round trip).
+                offs_s = tl.arange(0, SPLITS_PAD)
+                for g in tl.static_range(NUM_QUERIES_PER_KV):
+                    head = kv_head.to(tl.int64) * NUM_QUERIES_PER_KV + g
+                    _merge_head(
+                        final_out_ptr + seq * stride_final_seq + head * stride_final_head,
+                        out_ptr + seq * stride_out_seq + head * stride_out_head,
+                        lse_ptr + seq * stride_lse_seq + head * stride_lse_head,
+                        offs_s, offs_d, tl.num_programs(2), stride_out_split,
+                        HEAD_DIM=HEAD_DIM, CACHE=".cg",
+                    )  # fmt: skip
     else:
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit
-def _merge_splits(
-    final_out_ptr,  # [num_seqs, num_heads, head_dim]
-    partial_ptrs,  # [GROUP_PAD, HEAD_DIM_PAD] pointers to split 0's partial rows, fp32
-    lse_ptrs,  # [GROUP_PAD] pointers to split 0's lse of each query head, fp32
-    final_offs,  # [GROUP_PAD, HEAD_DIM_PAD] offsets of the output rows
-    o_mask,  # [GROUP_PAD, HEAD_DIM_PAD]
-    g_mask,  # [GROUP_PAD]
-    stride_partial_split,
+def _merge_head(
+    out_ptr,  # the head's output row, [head_dim]
+    partial_ptr,  # the head's split 0 partial row, fp32, normalised per split
+    lse_ptr,  # the head's split 0 lse, fp32 base 2 (splits contiguous)
+    offs_s,  # [SPLITS_PAD] split indices
+    offs_d,  # [HEAD_DIM_PAD]
     num_splits,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
+    stride_partial_split,
+    HEAD_DIM: tl.constexpr,
+    CACHE: tl.constexpr,  # load cache modifier: ".cg" where other SMs wrote this launch
 ):
-    """The one-launch path's merge, the same arithmetic as ``_reduce_splits_kernel``: each
-    split's normalised partial weighted by ``exp2(lse_s - max lse)``. Loads go through L2
-    (``.cg``): the partials were written by other SMs during this launch."""
-    lse_max = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        lse_s = tl.load(lse_ptrs + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        lse_max = tl.maximum(lse_max, lse_s)
+    """One query head's split-K merge: each split's normalised partial weighted by
+    ``exp2(lse_s - max lse)``. Both merges (second kernel, in-launch) run this same code."""
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
+    partial = tl.load(
+        partial_ptr + offs_s[:, None] * stride_partial_split + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+        cache_modifier=CACHE,
+    )  # [SPLITS_PAD, HEAD_DIM_PAD]
     # Split 0 is never empty when seq_len >= 1, so lse_max is finite; guard seq_len == 0.
+    lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
-    for s in range(0, num_splits):
-        lse_s = tl.load(lse_ptrs + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        weight = tl.exp2(lse_s - lse_max)  # 0 for empty splits
-        partial = tl.load(
-            partial_ptrs + s * stride_partial_split, mask=o_mask, other=0.0, cache_modifier=".cg"
-        )
-        acc += partial * weight[:, None]
-        total += weight
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(final_out_ptr + final_offs, out.to(final_out_ptr.dtype.element_ty), mask=o_mask)
+    weights = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
+    total = tl.sum(weights, 0)
+    out = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit(
@@ -322,36 +325,13 @@ def _reduce_splits_kernel(
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = offs_s < num_splits
-    d_mask = offs_d < HEAD_DIM
-
-    lse = tl.load(
-        lse_ptr + seq * stride_lse_seq + head * stride_lse_head + offs_s,
-        mask=s_mask,
-        other=float("-inf"),
-    )  # [SPLITS_PAD]
-    # Split 0 is never empty when seq_len >= 1, so lse_max is finite; guard seq_len == 0.
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
-    total = tl.sum(weights, 0)
-    partial = tl.load(
-        partial_out_ptr
-        + seq * stride_partial_seq
-        + head * stride_partial_head
-        + offs_s[:, None] * stride_partial_split
-        + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [SPLITS_PAD, HEAD_DIM_PAD]
-    out = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + seq * stride_out_seq + head * stride_out_head + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_mask,
-    )
+    _merge_head(
+        out_ptr + seq * stride_out_seq + head * stride_out_head,
+        partial_out_ptr + seq * stride_partial_seq + head * stride_partial_head,
+        lse_ptr + seq * stride_lse_seq + head * stride_lse_head,
+        tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM_PAD), num_splits, stride_partial_split,
+        HEAD_DIM=HEAD_DIM, CACHE="",
+    )  # fmt: skip
 
 
 def tuning_row(
@@ -519,7 +499,7 @@ def paged_attention_decode(
             0, 0,
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             block_tables.stride(0), 0, 0,
-            SPLIT=False, COMBINE=False, **consts,
+            SPLIT=False, COMBINE=False, SPLITS_PAD=1, **consts,
         )  # fmt: skip
         return out
 
@@ -538,7 +518,8 @@ def paged_attention_decode(
         lse.stride(0), lse.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        SPLIT=True, COMBINE=launch.one_launch, **consts,
+        SPLIT=True, COMBINE=launch.one_launch,
+        SPLITS_PAD=next_power_of_2(num_splits) if launch.one_launch else 1, **consts,
     )  # fmt: skip
     if launch.one_launch:
         return out
@@ -558,8 +539,7 @@ def paged_attention_decode(
 def tuned_launches() -> list[DecodeLaunch]:
     """Every launch ``choose_launch`` can return up to its split count, with one split count
     per compiled variant: unsplit, and split with each power-of-two bound on the split
-    count (the two-launch merge kernel compiles one variant per bound; the one-launch
-    kernel one for all)."""
+    count (either merge compiles one variant per bound)."""
     launches: dict[DecodeLaunch, None] = {}
     for row in DECODE_TUNING:
         params = (row.num_warps, row.num_stages, row.tile_n)
@@ -567,8 +547,7 @@ def tuned_launches() -> list[DecodeLaunch]:
         if row.target_waves <= 0 or row.max_splits <= 1:
             continue
         # The least count of each power-of-two bound: 2, 3, 5, 9, 17 for 32 splits.
-        bounds = range(1, 2 if row.one_launch else row.max_splits.bit_length())
-        counts = [2**i // 2 + 1 for i in bounds]
+        counts = [2**i // 2 + 1 for i in range(1, row.max_splits.bit_length())]
         for n in counts:
             launches[DecodeLaunch(n, row.one_launch, *params)] = None
     return list(launches)

@@ -239,8 +239,8 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
                  final_out_ptr="*bf16", counters_ptr="*i32", tokens_per_split="i32"),
             dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=16, HEAD_DIM=head_dim,
                  HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, TILE_N=64, SPLIT=split, COMBINE=combine,
-                 DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32", QUANTIZED=False,
-                 HADAMARD_BLOCK=1),
+                 SPLITS_PAD=8 if combine else 1, DOT_DTYPE="tl.bfloat16",
+                 DOT_PRECISION="tf32", QUANTIZED=False, HADAMARD_BLOCK=1),
         )
         for mode, split, combine, group, head_dim in (
             ("split=False", False, False, 3, 64), ("split=True", True, False, 3, 64),
@@ -254,7 +254,8 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
                  out_ptr="*fp32" if combine else "*bf16", lse_ptr="*fp32",
                  final_out_ptr="*bf16", counters_ptr="*i32", tokens_per_split="i32"),
             dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-                 TILE_N=64, SPLIT=combine, COMBINE=combine, DOT_DTYPE="tl.bfloat16",
+                 TILE_N=64, SPLIT=combine, COMBINE=combine, SPLITS_PAD=8 if combine else 1,
+                 DOT_DTYPE="tl.bfloat16",
                  DOT_PRECISION="tf32", QUANTIZED=True, **_HADAMARD[64]),
         )
         for name, (ptr, _) in _QUANTIZED.items()
