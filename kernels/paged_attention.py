@@ -20,6 +20,15 @@ into ``num_splits`` ranges, each program writes a partial output and its log-sum
 ``_reduce_splits_kernel`` merges them. The split count comes from shapes only (batch size,
 KV heads, and a context bound: the block tables' width or a caller's bucket), never from
 ``seq_lens`` on the host, so one CUDA graph per (batch size, context bucket) stays valid.
+
+One-launch split-K (``one_launch=True``): the splits still write partials and log-sum-exps,
+then take a ticket from an int32 arrival counter per (sequence, KV head); the last to
+arrive resets its counter and merges in the same launch (no second kernel, no program ever
+waits). The counters live in one persistent zeroed buffer per device (``arrival_counters``)
+that the kernel keeps zero, so CUDA-graph replays need no host-side fill.
+
+The launch (split policy, merge, ``num_warps``, ``num_stages``, tile) comes from the table
+``DECODE_TUNING`` (``choose_launch``), which ``python -m benchmarks.kernels --sweep`` fills.
 """
 
 from __future__ import annotations
