@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from benchmarks.kernels import (
+from benchmarks.decode_cases import (
     TARGET_ROWS,
     Config,
     Inputs,
