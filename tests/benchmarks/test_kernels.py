@@ -141,3 +141,49 @@ def test_sweep_table_line_reproduces_the_best_launch(monkeypatch):
         best=lambda: Measured(DecodeLaunch(1, False, 8, 2, 64), 1e-6, 0.0, True),
     )
     assert suggested_row(unsplit, 132).startswith("catch-all row: num_warps=8, num_stages=2")
+
+
+def test_sweep_confirms_the_best_against_today_interleaved(device):
+    """The confirmation step re-times today's launch and the best (here made best by hand:
+    on CPU the unsplit default usually wins, and then there is nothing to confirm)."""
+    from benchmarks.decode_sweep import run_sweep
+
+    lines: list[str] = []
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    (row,) = run_sweep(device, dtype, 100.0, quick=True, out=lines.append)
+    other = next(m for launch, m in row.results.items() if launch != row.default)
+    other.seconds = 1e-12  # "best" until re-timed
+    row.confirm(lines.append)
+    assert lines[-1].startswith("   2 x 128   today ") and ", best " in lines[-1]
+    assert other.seconds == 1e-12  # the least of its timings is kept
+    assert row.results[row.default].seconds > 0
+
+
+def test_sweep_runs_every_stage_on_a_small_row(device, monkeypatch):
+    """The full sweep's code path (stages A, B and C, confirmation, summary, table lines)
+    on one small row of the issue's head shape, with a narrowed warps/stages grid."""
+    import benchmarks.decode_sweep as decode_sweep
+    import kernels._common
+
+    monkeypatch.setattr(decode_sweep, "TARGET_ROWS", [(1, 64)])
+    # The sweep's split bound counts SMs (1 off CUDA): pretend an H100's 132.
+    monkeypatch.setattr(kernels._common, "num_compute_units", lambda device: 132)
+    monkeypatch.setattr(decode_sweep, "SWEEP_WARPS", (2, 4))
+    monkeypatch.setattr(decode_sweep, "SWEEP_STAGES", (3,))
+    lines: list[str] = []
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    (row,) = decode_sweep.run_sweep(device, dtype, 100.0, out=lines.append)
+    out = "\n".join(lines)
+    for stage in ("# stage A", "# stage B", "# stage C", "# confirm"):
+        assert stage in out, out
+    assert "failed" not in out and "MISMATCH" not in out, out
+    # A: one launch (64 tokens: one tile); B: 2 warps; C: tiles of 32 (1 and 2 splits, each
+    # merge) and 128 tokens.
+    launches = {(m.launch.num_splits, m.launch.one_launch, m.launch.num_warps, m.launch.tile_n)
+                for m in row.results.values()}  # fmt: skip
+    warps = row.best().launch.num_warps if row.best().launch.tile_n == 64 else None
+    assert {(1, False, 4, 64), (1, False, 2, 64)} <= launches, launches
+    if warps is not None:  # C ran from B's best
+        assert {(2, True, warps, 32), (2, False, warps, 32), (1, False, warps, 128)} <= launches
+    assert "   1 x 64     best    " in out
+    assert "catch-all row:" in out or "DecodeTuning(" in out
