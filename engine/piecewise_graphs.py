@@ -129,6 +129,9 @@ class PiecewiseGraphs:
         shape = (max_tokens, self.num_heads, self.head_dim)
         self.queries = torch.zeros(shape, dtype=dtype, device=device)
         self.attn_out = torch.zeros(shape, dtype=dtype, device=device)
+        # Built here, not while capturing: making a tensor from host values copies it to
+        # the device, which a capturing stream does not allow.
+        self._static = {size: self._static_batch(size) for size in self.sizes}
         self._captured: dict[int, _Captured] = {}
         self.capture_s = 0.0
         self.pool_bytes = 0
@@ -174,7 +177,7 @@ class PiecewiseGraphs:
         try:
             with torch.inference_mode():
                 return model.hidden_states(
-                    self._static_batch(size),
+                    self._static[size],
                     self.storage.key_caches,
                     self.storage.value_caches,
                     plan,
@@ -219,8 +222,7 @@ class PiecewiseGraphs:
         with torch.cuda.stream(stream):
             # Eager runs first: Triton compiles and cuBLAS picks its kernels outside capture.
             for size in reversed(self.sizes):
-                inert = inert_batch(size, 1, self.storage.block_size, self.device)
-                self._rows, self._plan = size, self._plan_of(inert)
+                self._rows, self._plan = size, self._plan_of(self._static[size])
                 self._hidden_states(size, self._plan)
             torch.cuda.synchronize(self.device)
             self._pool = torch.cuda.graph_pool_handle()
@@ -244,8 +246,9 @@ class PiecewiseGraphs:
     def _capture(self, size: int, stream: torch.cuda.Stream) -> _Captured:
         self._cuts = []
         self._pieces = [torch.cuda.CUDAGraph()]
-        inert = inert_batch(size, 1, self.storage.block_size, self.device)
-        plan = self._plan_of(inert)  # not read while capturing: the splitter cuts instead
+        # Not read while capturing (the splitter cuts instead of attending), but made
+        # before: planning may copy host values.
+        plan = self._plan_of(self._static[size])
         torch.cuda.synchronize(self.device)
         self._pieces[0].capture_begin(pool=self._pool)
         try:
