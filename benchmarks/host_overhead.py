@@ -143,6 +143,7 @@ def build_engine(device: str, max_batch: int, context: int, steps: int) -> LLMEn
     dev = engine.device
     stub = StubForward(max(STEP_TOKENS, max_batch), engine.model_config.vocab_size, dev)
     engine.runner.model = stub
+    engine.runner.piecewise = None  # steps with prompt tokens run the stub eagerly
     engine.runner.graphs = DecodeGraphs(
         stub,  # type: ignore[arg-type]
         engine.storage,

@@ -142,3 +142,21 @@ def test_every_plan_gives_the_per_request_tensors(staged: bool) -> None:
     # A staged batch owns its tensors: later steps reuse the buffer, not the batch's memory.
     for batch, rows in batches:
         _check(batch, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_staging_on_cuda_gives_the_same_tensors() -> None:
+    """The runner's CUDA staging: one pinned buffer, one copy, views of one device tensor;
+    refilled for the next step only after this one's copy is done."""
+    rng = random.Random(5)
+    cuda = torch.device("cuda")
+    staging = HostStaging(cuda, num_bytes=64)
+    batches = []
+    for rows in _plans(rng) * 3:
+        batch = build_input_batch(SchedulerOutput(scheduled=rows), BLOCK_SIZE, cuda, staging)
+        assert batch.input_ids.device.type == "cuda"
+        batches.append((batch, rows))
+    torch.cuda.synchronize()
+    for batch, rows in batches:
+        _check(batch, rows)
