@@ -172,7 +172,7 @@ def _decode_batch(
         tensors,
         num_decodes=n,
         max_seq_len=int(seq_lens.max()),
-        sampling=scheduled if all_rows else [s for s in scheduled if s.samples],
+        sampling=list(scheduled) if all_rows else [s for s in scheduled if s.samples],
         logits_are_all_rows=all_rows,
     )
 
