@@ -257,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         # The host work is one thread's; the stub's logits are small, and a pool of threads
         # for the sampler's argmax would only add other processes' noise.
         torch.set_num_threads(1)
-    engine = build_engine(args.device, max(args.batches), args.context, args.warmup_steps + args.steps)
+    engine = build_engine(
+        args.device, max(args.batches), args.context, args.warmup_steps + args.steps
+    )
     timer = PhaseTimer(clock)
     instrument(engine, timer)
     results = {

@@ -287,4 +287,3 @@ class HostStaging:
 def _strides(a: np.ndarray) -> tuple[int, ...]:
     """A contiguous array's strides in elements."""
     return tuple(s // a.itemsize for s in a.strides)
-

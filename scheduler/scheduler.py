@@ -283,11 +283,17 @@ class Scheduler:
                     step.spend(item.num_tokens, prompt=False)
                     index += 1
                     continue
-            num_new = step.fit(remaining)
+            # A decode always fits: the loop runs while tokens are left.
+            num_new = 1 if remaining == 1 else step.fit(remaining)
             if num_new == 0:
                 index += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
+            # Most rows find room at once; a failed allocation changes nothing, and the
+            # preemption loop then tries it again.
+            target = request.num_computed_tokens + num_new
+            if self.kv.allocate_slots(
+                request.request_id, target
+            ) is None and not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself: nothing newer is left to schedule
             out.scheduled.append(self._scheduled(request, num_new, samples=num_new == remaining))
             step.spend(num_new, prompt=remaining > 1)
