@@ -442,9 +442,12 @@ class LLMEngine:
             stats.target_met = step_s + (gap_s or 0.0) <= decision.budget_s
 
 
+_RUNNING = RequestStatus.RUNNING
+
+
 def _output(request: Request, new_token_ids: list[int], logprobs: Any) -> RequestOutput:
     status = request.status
-    if status is RequestStatus.RUNNING:  # most outputs of a step: no finish to describe
+    if status is _RUNNING:  # most outputs of a step: no finish to describe
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=new_token_ids,

@@ -94,7 +94,7 @@ class ModelRunner:
                 logprobs.append(result.logprobs)
         phase_s = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
         return ModelRunnerOutput(
-            [s.request_id for s in batch.sampling + batch.verifying],
+            [s.request.request_id for s in batch.sampling + batch.verifying],
             token_ids,
             logprobs,
             phase_s,

@@ -367,9 +367,10 @@ class Scheduler:
         """
         update = SchedulerUpdate()
         now = self.clock()
+        running = RequestStatus.RUNNING  # one enum lookup, not one per row
         for item in out.scheduled:
             request = item.request
-            if item.padding or request.status != RequestStatus.RUNNING:
+            if item.padding or request.status != running:
                 continue  # padding, or aborted between schedule and update
             result = sampled.get(request.request_id)
             token_source: TokenSource = request.token_ids
