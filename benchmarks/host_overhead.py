@@ -122,7 +122,7 @@ def max_output_tokens(batch: int, context: int, steps: int) -> int:
 
 def build_engine(device: str, max_batch: int, context: int, steps: int) -> LLMEngine:
     max_len = context + max_output_tokens(max_batch, context, steps)
-    per_request = -(-max_len // 16) + 1
+    per_request = -(-(max_len + 16) // KVPoolConfig().block_size)
     engine = LLMEngine(
         EngineConfig(
             model=MODEL,
