@@ -543,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"HTTP c={c}: TPOT p50 {row['tpot_p50_s'] * 1e3:.2f} ms "
                 f"(engine step at batch 1: {tpot * 1e3:.2f} ms -> "
                 f"{row['tpot_p50_s'] / tpot:.2f}x), ITL p50 / p99 {_ms(row['itl_p50_s'])} / "
-                f"{_ms(row['itl_p99_s'])} ms, "
+                f"{_ms(row['itl_p99_s'])} ms (server's histogram "
+                f"{_ms(row.get('server_itl_p50_s'))} / {_ms(row.get('server_itl_p99_s'))} ms), "
                 f"{row['output_tok_s']:.0f} tok/s",
                 flush=True,
             )

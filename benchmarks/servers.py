@@ -88,6 +88,48 @@ def server_peak_bandwidth(metrics: Mapping[str, float] | None) -> float | None:
     return _series(metrics, "pagedserve_peak_bandwidth_bytes_per_second")
 
 
+ITL_METRIC = "pagedserve_inter_token_latency_seconds"
+_LE_LABEL = re.compile(r'le="([^"]*)"')
+
+
+def server_histogram_quantile(
+    before: Mapping[str, float] | None,
+    after: Mapping[str, float] | None,
+    name: str,
+    q: float,
+) -> float | None:
+    """The ``q`` quantile of histogram ``name`` over what was observed between two scrapes,
+    interpolated inside its bucket as Prometheus' ``histogram_quantile`` does; None when
+    nothing was observed (or the server does not export it)."""
+    if not after:
+        return None
+
+    def buckets(metrics: Mapping[str, float] | None) -> dict[float, float]:
+        out: dict[float, float] = {}
+        for key, value in (metrics or {}).items():
+            if key.startswith(f"{name}_bucket{{"):
+                match = _LE_LABEL.search(key)
+                if match:
+                    le = float(match.group(1))  # "+Inf" parses as inf
+                    out[le] = out.get(le, 0.0) + value
+        return out
+
+    start, end = buckets(before), buckets(after)
+    counts = sorted((le, end[le] - start.get(le, 0.0)) for le in end)
+    if not counts or counts[-1][1] <= 0:
+        return None
+    rank = q * counts[-1][1]
+    lower_le, lower_count = 0.0, 0.0
+    for le, count in counts:
+        if count >= rank:
+            if le == float("inf"):
+                return lower_le
+            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 1.0
+            return lower_le + (le - lower_le) * share
+        lower_le, lower_count = le, count
+    return None
+
+
 def server_decode_bytes(metrics: Mapping[str, float] | None) -> float | None:
     """Weight bytes the server says a one-token decode step reads, if it exports that."""
     return _series(metrics, "pagedserve_decode_step_weight_bytes")
@@ -188,6 +230,15 @@ def measure_server(
                 "tpot_p50_s": s.tpot_p50_s,
                 "itl_p50_s": s.itl_p50_s,
                 "itl_p99_s": s.itl_p99_s,
+                # The server's own inter-token histogram: token arrivals from the engine,
+                # before the detokenizer holds any back (random weights pick many tokens that
+                # are not text on their own, so client-side gaps then span several steps).
+                "server_itl_p50_s": server_histogram_quantile(
+                    sweep.metrics_before, point.server_metrics_after, ITL_METRIC, 0.5
+                ),
+                "server_itl_p99_s": server_histogram_quantile(
+                    sweep.metrics_before, point.server_metrics_after, ITL_METRIC, 0.99
+                ),
                 "output_tok_s": s.output_throughput_tok_s,
                 "num_completed": s.num_completed,
                 "num_errors": s.num_errors,

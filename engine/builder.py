@@ -358,7 +358,10 @@ def build_engine_parts(
     )
 
     # Decode graphs would capture the collectives too; TP steps run eagerly for now.
-    use_graphs = device.type == "cuda" and not config.enforce_eager and tp is None
+    # The torch reference backend plans attention with host reads: not capturable.
+    use_graphs = (
+        device.type == "cuda" and not config.enforce_eager and tp is None and backend == "triton"
+    )
     if use_graphs and mc.num_experts:
         # engine/moe.py splits a step by expert on the host: not capturable.
         logger.info("a mixture of experts runs eagerly: no CUDA graphs")

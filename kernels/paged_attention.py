@@ -123,14 +123,29 @@ class DecodeTuning:
     tile_n: int
 
 
-# NOTE: where these numbers come from. The split policy (split below 2 waves, toward 4
-# waves, splits of >= 64 tokens, <= 32 splits), 4 warps, 3 stages and 64-token tiles are the
-# values measured on one H100 before the one-launch path existed (kernels/README.md, "GPU
-# figures"), and the two-launch merge is kept until the one-launch path is measured.
-# `python -m benchmarks.kernels --sweep` times every launch on the issue's rows and prints
-# the best per row as a ``DecodeTuning`` line to put here (rows before the catch-all, most
-# specific first). The last row must cover every call.
+# NOTE: where these numbers come from. The first three rows are `python -m benchmarks.kernels
+# --sweep`'s best launches on one H100 (benchmarks/RESULTS.md, "Kernels"); there the
+# two-launch merge beat the one-launch merge at every split count (the last split's merge
+# waits on the slowest split). The catch-all rows keep the values measured before the sweep
+# (split below 2 waves, toward 4 waves, splits of >= 64 tokens, <= 32 splits, 4 warps, 3
+# stages, 64-token tiles): the sweep found nothing faster for long contexts. To tune for
+# another device, run the sweep and put its lines before the catch-all rows, most specific
+# first. The last row must cover every call.
 DECODE_TUNING: tuple[DecodeTuning, ...] = (
+    # Measured on one H100 (`--sweep`, bf16, 32 query / 8 KV heads, head_dim 128, block 16):
+    # the best launch of each short-context row of the issue, most specific first.
+    DecodeTuning(
+        waves_below=0.061, max_context_len=512, target_waves=0.97, min_tokens_per_split=32,
+        max_splits=16, one_launch=False, num_warps=4, num_stages=2, tile_n=32,
+    ),  # 1 x 512
+    DecodeTuning(
+        waves_below=0.97, max_context_len=512, target_waves=3.879, min_tokens_per_split=64,
+        max_splits=4, one_launch=False, num_warps=4, num_stages=1, tile_n=64,
+    ),  # 16 x 512
+    DecodeTuning(
+        waves_below=0.061, max_context_len=4096, target_waves=1.94, min_tokens_per_split=128,
+        max_splits=32, one_launch=False, num_warps=8, num_stages=1, tile_n=128,
+    ),  # 1 x 4096
     # The unsplit grid underfills the device: split-K.
     DecodeTuning(
         waves_below=SPLIT_BELOW_WAVES, max_context_len=ANY_CONTEXT, target_waves=TARGET_WAVES,

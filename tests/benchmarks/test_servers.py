@@ -96,6 +96,7 @@ def _fake_sweep(calls: list[str]) -> Any:
         num_errors=0,
         ttft_p50_s=0.1,
         tpot_p50_s=0.02,
+        itl_p50_s=0.02,
         itl_p99_s=0.03,
         output_throughput_tok_s=50.0,
         num_completed=2,
@@ -179,3 +180,30 @@ def test_measure_server_runs_the_concurrency_1_point_again_while_bandwidth_moves
     assert point["bandwidth_probes_bytes_s"] == probes[-2:]
     assert point["bandwidth_attempts"] == runs
     assert point["bandwidth_steady"] is steady
+
+
+def test_server_histogram_quantile_interpolates_between_two_scrapes() -> None:
+    """Prometheus' histogram_quantile over the observations between two scrapes of a real
+    exposition: 10 inter-token gaps before, then 90 of 4-5 ms and 10 of 40-50 ms."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from benchmarks.servers import ITL_METRIC, server_histogram_quantile
+    from loadtest.probe import parse_prometheus_text
+    from server.metrics import ITL_BUCKETS
+
+    registry = CollectorRegistry()
+    itl = Histogram(ITL_METRIC, "gaps", ["model_name"], buckets=ITL_BUCKETS, registry=registry)
+    for _ in range(10):
+        itl.labels("m").observe(2.0)  # before the first scrape: not counted
+    before = parse_prometheus_text(generate_latest(registry).decode())
+    for i in range(90):
+        itl.labels("m").observe(0.004 + i * 1e-5)
+    for _ in range(10):
+        itl.labels("m").observe(0.045)
+    after = parse_prometheus_text(generate_latest(registry).decode())
+    p50 = server_histogram_quantile(before, after, ITL_METRIC, 0.5)
+    p99 = server_histogram_quantile(before, after, ITL_METRIC, 0.99)
+    assert p50 is not None and 0.0025 < p50 <= 0.005  # its bucket: (2.5, 5] ms
+    assert p99 is not None and 0.04 < p99 <= 0.05  # (40, 50] ms
+    assert server_histogram_quantile(after, after, ITL_METRIC, 0.5) is None  # none between
+    assert server_histogram_quantile(None, None, ITL_METRIC, 0.5) is None

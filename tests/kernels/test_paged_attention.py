@@ -174,7 +174,8 @@ def test_short_contexts_with_the_h100_split(paged_kv, close, device, monkeypatch
     """Batch-1-like short contexts split as on an H100 (a split per 64-token tile)."""
     seq_lens = [1, 63, 64, 65, 300]
     num_splits = heuristic_splits(monkeypatch, len(seq_lens), 2, 320)
-    assert num_splits == 5  # by length: 320 // 64, the grid wants more
+    # The measured row for up to ~1 wave of contexts <= 512 (DECODE_TUNING): at most 4.
+    assert num_splits == 4
     run_case(paged_kv, close, device, seq_lens=seq_lens, block_size=16, num_kv_heads=2,
              group=group, head_dim=64, dtype=torch.float32, num_splits=num_splits)  # fmt: skip
 
@@ -402,7 +403,7 @@ def test_the_table_decides_the_launch(monkeypatch):
     row = DecodeTuning(waves_below=1, max_context_len=1024, target_waves=2,
                        min_tokens_per_split=32, max_splits=16, one_launch=True, num_warps=2,
                        num_stages=1, tile_n=32)  # fmt: skip
-    monkeypatch.setattr(decode_module, "DECODE_TUNING", (row, *DECODE_TUNING))
+    monkeypatch.setattr(decode_module, "DECODE_TUNING", (row, *DECODE_TUNING[-2:]))
     cuda = torch.device("cuda")
     assert choose_launch(1, 8, 512, cuda) == DecodeLaunch(16, True, 2, 1, 32)  # 512 // 32
     assert choose_launch(16, 8, 512, cuda) == DecodeLaunch(3, True, 2, 1, 32)  # 264 / 128
@@ -413,12 +414,24 @@ def test_the_table_decides_the_launch(monkeypatch):
     assert choose_launch(1, 8, 512, torch.device("cpu")) == DecodeLaunch(1, True, 2, 1, 32)
 
 
+def test_the_h100_rows_give_the_sweeps_best_launches(monkeypatch):
+    """The measured rows of DECODE_TUNING reproduce the sweep's best launch of each of the
+    issue's short-context rows (32 query / 8 KV heads)."""
+    monkeypatch.setattr(decode_module, "num_compute_units", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert choose_launch(1, 8, 512, cuda) == DecodeLaunch(16, False, 4, 2, 32)
+    assert choose_launch(16, 8, 512, cuda) == DecodeLaunch(4, False, 4, 1, 64)
+    assert choose_launch(1, 8, 4096, cuda) == DecodeLaunch(32, False, 8, 1, 128)
+    assert choose_launch(64, 8, 4096, cuda) == DecodeLaunch(1, False, 4, 3, 64)
+
+
 class TestChooseNumSplits:
-    """The split-K heuristic, on a pretend 132-SM GPU (an H100 SXM)."""
+    """The split-K heuristic of the catch-all rows, on a pretend 132-SM GPU (an H100 SXM)."""
 
     @pytest.fixture(autouse=True)
     def _h100(self, monkeypatch):
         monkeypatch.setattr(decode_module, "num_compute_units", lambda device: 132)
+        monkeypatch.setattr(decode_module, "DECODE_TUNING", DECODE_TUNING[-2:])
 
     def test_full_grid_does_not_split(self):
         assert choose_num_splits(64, 8, 4096, torch.device("cuda")) == 1
@@ -495,8 +508,9 @@ def test_compile_variants_leaves_nothing_for_traffic_to_compile(paged_kv, device
     kv = paged_kv([1], block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                   device=device)  # fmt: skip
     calls = decode_module.compile_variants(kv.key_cache, kv.value_cache, 8, 0.125, torch.float32)
-    # Unsplit, then one split count per power-of-two bound (either merge's variants).
-    assert calls == 1 + (MAX_SPLITS.bit_length() - 1)
+    # Per table row: unsplit, or one split count per power-of-two bound up to its maximum
+    # (either merge's variants); the catch-all rows alone make 1 + log2(MAX_SPLITS) of them.
+    assert calls == len(decode_module.tuned_launches()) >= 1 + (MAX_SPLITS.bit_length() - 1)
     if device.type != "cuda":
         return  # the interpreter compiles nothing; the calls above checked they run
     before = _compiled_variants()
