@@ -192,6 +192,11 @@ def test_key_offsets_are_calibrated_per_layer_and_reach_the_stores(model_path):
         llm = LLM(str(model_path), num_kv_blocks=16, **kwargs, **DEVICE)
         assert llm.engine.storage.key_offsets is None
         assert llm.engine.model.attention.key_offset(llm.engine.storage.key_caches[0]) is None
+    # Random weights and no tokenizer (--load-format dummy): the text's bytes calibrate.
+    dummy = LLM("tiny-llama", load_format="dummy", kv_cache_dtype="int8", num_kv_blocks=8, **DEVICE)
+    assert dummy.tokenizer is None
+    offsets = dummy.engine.storage.key_offsets
+    assert offsets is not None and all(bool(o.isfinite().all()) for o in offsets)
     assert ServingConfig.from_cli([], environ={}).kvpool.key_offsets
     config = ServingConfig.from_cli(["--no-kv-key-offsets"], environ={})
     assert not config.kvpool.key_offsets
