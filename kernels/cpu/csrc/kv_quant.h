@@ -1,8 +1,8 @@
 // The quantized KV cache's row format in C++ (kernels/kv_quant.py is the definition): a row
 // is head_dim int8 values, then the row's float16 scale (2 bytes); K rows hold the
-// block-diagonal Hadamard transform of the keys less their calibrated offset, if any. Shared by the store (layer_ops.cpp) and the decode
-// kernel (paged_attention.cpp), which evaluate the reference's float32 operations in its
-// order, so the bytes are the reference's.
+// block-diagonal Hadamard transform of the keys less their calibrated offset, if any. Shared
+// by the store (layer_ops.cpp) and the decode kernel (paged_attention.cpp), which evaluate
+// the reference's float32 operations in its order, so the bytes are the reference's.
 #pragma once
 
 #include <ATen/ATen.h>
