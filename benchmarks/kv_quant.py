@@ -3,7 +3,7 @@
     python -m benchmarks.kv_quant --quality                 # the default model, float32 CPU
     python -m benchmarks.kv_quant --throughput              # concurrency 64, 1,024-token prompts
     python -m benchmarks.kv_quant --quality --dtypes int8 --json
-    python -m benchmarks.kv_quant --quality --ab-key-offsets     # each dtype with and without
+    python -m benchmarks.kv_quant --quality --ab-key-offsets     # each dtype without and with
 
 Quality (each KV dtype against the model's own dtype, ``auto``, same engine otherwise):
 
@@ -17,9 +17,10 @@ Quality (each KV dtype against the model's own dtype, ``auto``, same engine othe
   run over ``--tokens`` (a divergence makes everything after it differ, so the prefix, not
   the positionwise match, is the figure), and the mean over prompts.
 
-Quantized dtypes run with the calibrated key offsets (``--kv-key-offsets``, on by default;
-``kernels/kv_quant.py``, ``engine/kv_calibration.py``); ``--ab-key-offsets`` adds a row per
-dtype without them (``--no-kv-key-offsets``), from its own engine in the same run.
+Quantized dtypes run as the server's defaults do (keys stored as they are);
+``--ab-key-offsets`` adds a row per dtype with the calibrated key offsets
+(``--kv-key-offsets``: ``kernels/kv_quant.py``, ``engine/kv_calibration.py``), from its own
+engine in the same run.
 
 Throughput (``--throughput``): ``--num-requests`` (64) requests of ``--prompt-tokens``
 (1,024) tokens submitted at once, ``--max-tokens`` (64) greedy tokens each, EOS ignored, in
@@ -61,7 +62,7 @@ EXTRA_PROMPT_TOPICS = [
 
 @dataclass(slots=True)
 class QualityResult:
-    kv_cache_dtype: str  # the row's label: the dtype, "... (no key offsets)" for the A/B row
+    kv_cache_dtype: str  # the row's label: the dtype, "... (key offsets)" for the A/B row
     bytes_per_token: int
     perplexity: float
     perplexity_change: float  # relative to auto
@@ -138,12 +139,12 @@ def target_logprobs(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
 
 def quality_modes(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
     """(label, KV dtype, key offsets) of each engine the quality report builds: ``auto``
-    first, then each dtype, each followed by its no-offset row with ``--ab-key-offsets``."""
-    modes = [("auto", "auto", True)]
+    first, then each dtype, each followed by its key-offset row with ``--ab-key-offsets``."""
+    modes = [("auto", "auto", False)]
     for kv in args.dtypes:
-        modes.append((kv, kv, True))
+        modes.append((kv, kv, False))
         if args.ab_key_offsets:
-            modes.append((f"{kv} (no key offsets)", kv, False))
+            modes.append((f"{kv} (key offsets)", kv, True))
     return modes
 
 
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--ab-key-offsets",
         action="store_true",
-        help="--quality: also run each dtype without the calibrated key offsets",
+        help="--quality: also run each dtype with the calibrated key offsets",
     )
     p.add_argument("--ppl-tokens", type=int, default=1024, help="passage length (tokens)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk when scoring")

@@ -62,7 +62,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
-        kv_key_offsets: bool = True,
+        kv_key_offsets: bool = False,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         prefill_chunk_tokens: int | None = None,

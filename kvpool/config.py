@@ -25,8 +25,8 @@ class KVPoolConfig:
         (``kernels/kv_quant.py``); lossy.
     key_offsets: with a quantized ``cache_dtype``, subtract a per-(layer, KV head) key
         offset, calibrated at start-up (``engine/kv_calibration.py``), from every key
-        before quantizing it: exact for attention, less quantization error. The server's
-        ``--no-kv-key-offsets`` turns it off (keys quantized as they are).
+        before quantizing it: exact for attention, less error in most keys (not in the
+        first tokens'). Off by default; the server's ``--kv-key-offsets`` turns it on.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -34,7 +34,7 @@ class KVPoolConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
-    key_offsets: bool = True
+    key_offsets: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -181,25 +181,49 @@ def biased_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_key_offsets_are_calibrated_per_layer_and_reach_the_stores(model_path):
-    llm = LLM(str(model_path), kv_cache_dtype="int8", num_kv_blocks=16, **DEVICE)
+    llm = LLM(
+        str(model_path), kv_cache_dtype="int8", kv_key_offsets=True, num_kv_blocks=16, **DEVICE
+    )
     storage, attention = llm.engine.storage, llm.engine.model.attention
     assert storage.key_offsets is not None and len(storage.key_offsets) == 2
     for cache, offset in zip(storage.key_caches, storage.key_offsets, strict=True):
         assert offset.shape == (2, 32) and offset.dtype == torch.float32
         assert bool(offset.isfinite().all()) and float(offset.abs().max()) > 0
         assert attention.key_offset(cache) is offset
-    for kwargs in ({"kv_cache_dtype": "int8", "kv_key_offsets": False}, {}):
+    for kwargs in ({"kv_cache_dtype": "int8"}, {"kv_key_offsets": True}):  # off; unquantized
         llm = LLM(str(model_path), num_kv_blocks=16, **kwargs, **DEVICE)
         assert llm.engine.storage.key_offsets is None
         assert llm.engine.model.attention.key_offset(llm.engine.storage.key_caches[0]) is None
     # Random weights and no tokenizer (--load-format dummy): the text's bytes calibrate.
-    dummy = LLM("tiny-llama", load_format="dummy", kv_cache_dtype="int8", num_kv_blocks=8, **DEVICE)
+    dummy = LLM(
+        "tiny-llama", load_format="dummy", kv_cache_dtype="int8", kv_key_offsets=True,
+        num_kv_blocks=8, **DEVICE,
+    )  # fmt: skip
     assert dummy.tokenizer is None
     offsets = dummy.engine.storage.key_offsets
     assert offsets is not None and all(bool(o.isfinite().all()) for o in offsets)
-    assert ServingConfig.from_cli([], environ={}).kvpool.key_offsets
-    config = ServingConfig.from_cli(["--no-kv-key-offsets"], environ={})
-    assert not config.kvpool.key_offsets
+    assert not ServingConfig.from_cli([], environ={}).kvpool.key_offsets
+    assert ServingConfig.from_cli(["--kv-key-offsets"], environ={}).kvpool.key_offsets
+
+
+def test_key_offsets_keep_prefix_caching_preemption_and_the_backends_agreeing(model_path, prompts):
+    """The offset is one constant per (layer, KV head) for the pool's life, so cached,
+    evicted and recomputed blocks hold the same keys as a roomy run's; the C++ stack and
+    the reference subtract it alike."""
+    on = {"kv_cache_dtype": "int8", "kv_key_offsets": True}
+    llm, outs = run(model_path, prompts, enable_prefix_caching=False, **on)
+    assert llm.engine.attention_backend == "cpu"
+    references = [Reference.from_output(o) for o in outs]
+    llm, outs = run(model_path, prompts, **on)
+    assert llm.engine.kv_manager.stats().prefix_cache_hits > 0
+    check(outs, references, "key offsets, prefix caching")
+    llm, outs = run(
+        model_path, prompts, num_kv_blocks=12, block_size=16, max_num_batched_tokens=64, **on
+    )
+    assert llm.engine.scheduler.num_preemptions_total >= 3
+    check(outs, references, "key offsets, preempted")
+    _, outs = run(model_path, prompts, attention_backend="torch", enable_prefix_caching=False, **on)
+    check(outs, references, "key offsets, torch backend")
 
 
 def test_key_offsets_shrink_the_key_error_and_int8_decodes_like_float32(biased_model_path, prompts):
@@ -225,7 +249,7 @@ def test_key_offsets_shrink_the_key_error_and_int8_decodes_like_float32(biased_m
         errors[on] = float((got - (want - offset)).square().mean().sqrt())
     assert errors[True] * 3 < errors[False], errors
     base = LLM(path, num_kv_blocks=256, **DEVICE).generate(prompts, greedy(logprobs=2))
-    _, outs = run(biased_model_path, prompts, kv_cache_dtype="int8")
+    _, outs = run(biased_model_path, prompts, kv_cache_dtype="int8", kv_key_offsets=True)
     check(outs, [Reference.from_output(o) for o in base], "int8 with key offsets vs float32")
 
 
