@@ -34,7 +34,8 @@ error int8 keys cause by 77% and halves the logprob error; scaling K's channels 
 large component common to every token (some channels carry a near-constant offset), which
 widens each row's absmax scale and costs every other channel precision. The store kernels
 take an optional ``key_offset`` ``[num_kv_heads, head_dim]`` float32 (the engine calibrates
-it per layer at start-up: the mean post-RoPE key of a short text; kvpool holds it) and
+it per layer at start-up with ``--kv-key-offsets``: the mean post-RoPE key of a short
+text; kvpool holds it) and
 quantize ``k - key_offset[h]`` instead of ``k``: in float32, before the Hadamard transform.
 Nothing adds it back: subtracting one vector ``m`` from every key of a head shifts each of a
 query's scores by the same ``<q, m>``, and softmax is invariant to a shift, so attention over
