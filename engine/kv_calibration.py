@@ -14,9 +14,9 @@ measures an offset fitted on other text. Without a tokenizer (``--load-format du
 preset shape) the text's bytes stand in for token ids: random weights give some vector, and
 the path is the same. Cost: one prefill of 128 tokens, a sixteenth of the server's default
 largest step (2,048 tokens), in the serving forward (the fused C++ stack, Triton, or torch):
-0.15 s for the default model on 2 CPU cores (0.9 s while they are busy). (256 tokens took 3-6 s there, and
-fitted offsets that the quality report could not tell from these, nor from ones fitted on
-the report's own text.)
+0.15 s for the default model on 2 CPU cores, 0.9 s while they are busy. (256 tokens took 3-6
+s there, and fitted offsets that the quality report could not tell from these, nor from
+ones fitted on the report's own text.)
 
 Opt-in (``--kv-key-offsets``): measured on the default model (``benchmarks/RESULTS.md``) the
 offsets cut the stored keys' error and the mean logprob error over a long passage, but the
