@@ -1,6 +1,7 @@
 """Kernel benchmark.
 
     python -m benchmarks.kernels [--targets] [--fused] [--quick] [--peak-gbps N]
+    python -m benchmarks.kernels --sweep [--budget-s S]
 
 
 Decode paged attention. For each configuration (batch size x context length x GQA shape x
@@ -8,6 +9,8 @@ block size) it times
 
 - ``triton``        the Triton decode kernel, split-K chosen by its heuristic (GPU only),
 - ``triton-nosplit``  the same with ``num_splits=1``, printed when the heuristic split,
+- ``triton-1launch`` / ``triton-2launch``  the heuristic split merged the other way (in the
+                    same launch by the last split, or by a second kernel), when it split,
 - ``triton-split=N``  the same with ``num_splits=N`` for each N of ``--splits`` (tuning),
 - ``triton[w=W,s=S]`` the heuristic split at ``num_warps=W``, ``num_stages=S`` for each pair
                     of ``--warps`` x ``--stages`` (tuning),
@@ -33,6 +36,10 @@ bandwidth measured with a large tensor copy unless ``--peak-gbps`` is given; wit
 ``TRITON_INTERPRET=1`` set it adds the interpreted Triton rows, for their ``max_err`` only.
 Every row checks its output against the reference (``max_err``), so a fast wrong kernel shows.
 
+``--sweep`` times the decode kernel's launches (one- and two-launch split-K, split counts,
+``num_warps``, ``num_stages``, tile) on the ``--targets`` rows and prints the best per row
+beside today's, bounded by ``--budget-s`` (``benchmarks/decode_sweep.py``).
+
 The issue's figures on an H100/H200 (``make test-gpu`` runs this)::
 
     python -m benchmarks.kernels --targets --fused
@@ -41,42 +48,26 @@ The issue's figures on an H100/H200 (``make test-gpu`` runs this)::
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.decode_cases import (
+    TARGET_ROWS,
+    Config,
+    Inputs,
+    gather,
+    make_inputs,
+    num_input_sets,
+    time_cpu,
+    time_sets,
+)
 from kernels import reference
 from planner.devices import device_for_cuda_name
-
-
-@dataclass(frozen=True)
-class Config:
-    batch: int
-    context_len: int
-    num_heads: int
-    num_kv_heads: int
-    block_size: int
-    head_dim: int
-    dtype: torch.dtype
-
-    def bytes_moved(self) -> int:
-        """Bytes one decode step must move: K and V of every context token, Q in, O out,
-        and the block tables (int32)."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        kv = 2 * self.batch * self.context_len * self.num_kv_heads * self.head_dim * elem
-        q_and_o = 2 * self.batch * self.num_heads * self.head_dim * elem
-        tables = self.batch * math.ceil(self.context_len / self.block_size) * 4
-        return kv + q_and_o + tables
-
-    def kv_gib(self) -> float:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.batch * self.context_len * self.num_kv_heads * self.head_dim * elem / 2**30
 
 
 def peak_bandwidth(device: torch.device, override: float | None) -> tuple[float | None, str]:
@@ -98,134 +89,6 @@ def measure_copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     seconds = time_cpu(lambda: dst.copy_(src), min_seconds=0.3)
     return 2 * src.numel() * src.element_size() / seconds / 1e9
-
-
-def time_cpu(fn: Callable[[], object], min_seconds: float = 0.2, max_reps: int = 50) -> float:
-    """Fastest of repeated calls after one warm-up call, in seconds.
-
-    The minimum, not the median: build machines are shared, and the least-disturbed run is
-    the best estimate of the code's own cost.
-    """
-    fn()
-    samples: list[float] = []
-    start = time.perf_counter()
-    while len(samples) < max_reps and (
-        len(samples) < 3 or time.perf_counter() - start < min_seconds
-    ):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return min(samples)
-
-
-def time_fn(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds per call: do_bench on CUDA (median, L2 flushed), wall clock on CPU."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    return time_cpu(fn)
-
-
-# CUDA: each implementation is timed over this many bytes of independent inputs, captured in
-# one CUDA graph (see time_graph), so that a small case does not find its data in the L2
-# cache (50 MB on an H100) left there by the previous call.
-GRAPH_BYTES = 256 * 2**20
-MAX_INPUT_SETS = 64
-
-
-def num_input_sets(bytes_per_call: int, device: torch.device) -> int:
-    """How many independent input sets a case is timed over (1 off CUDA)."""
-    if device.type != "cuda":
-        return 1
-    return max(1, min(MAX_INPUT_SETS, -(-GRAPH_BYTES // max(1, bytes_per_call))))
-
-
-def time_graph(fns: list[Callable[[], object]], reps: int = 20) -> float:
-    """Seconds per call of ``fns`` (one call per input set) captured in one CUDA graph.
-
-    This is how a decode step runs in the engine (a graph, each layer on its own cache), so
-    it measures the kernels and not Python's launch overhead, which at a few microseconds a
-    launch exceeds a small case's whole GPU time (``do_bench`` then times the launches).
-    The median of ``reps`` replays, divided by the calls in one replay.
-    """
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm the allocator outside the capture
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    # Replay for 25 ms first (do_bench's warm-up): an idle GPU's clocks take that long to
-    # rise, and the first case timed after a pause otherwise reads ~15% slow.
-    warm_until = time.perf_counter() + 0.025
-    while time.perf_counter() < warm_until:
-        graph.replay()
-        torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return sorted(times)[len(times) // 2] / 1e3 / len(fns)
-
-
-def time_sets(
-    impl: Callable[[object], object], sets: list, device: torch.device, *, capturable: bool = True
-) -> float:
-    """Seconds per call of ``impl(input_set)``: a CUDA graph over every set on CUDA (do_bench
-    on the first set where the implementation cannot be captured, e.g. it reads a tensor on
-    the host), wall clock on the first set on CPU."""
-    if device.type == "cuda" and capturable:
-        return time_graph([lambda s=s: impl(s) for s in sets])
-    return time_fn(lambda: impl(sets[0]), device)
-
-
-@dataclass
-class Inputs:
-    query: torch.Tensor  # [batch, num_heads, head_dim]
-    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor  # [batch, blocks_per_seq] int32, shuffled
-    seq_lens: torch.Tensor  # [batch] int32, all context_len
-    key: torch.Tensor  # [batch, num_kv_heads, context_len, head_dim] contiguous, for SDPA
-    value: torch.Tensor  # [batch, num_kv_heads, context_len, head_dim]
-
-
-def make_inputs(cfg: Config, device: torch.device) -> Inputs:
-    blocks_per_seq = math.ceil(cfg.context_len / cfg.block_size)
-    num_blocks = cfg.batch * blocks_per_seq
-    shape = (num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-    key_cache = torch.randn(shape, dtype=cfg.dtype, device=device)
-    value_cache = torch.randn(shape, dtype=cfg.dtype, device=device)
-    # Shuffled block ids: a realistic pool after many allocations and frees.
-    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
-    block_tables = perm.view(cfg.batch, blocks_per_seq)
-    seq_lens = torch.full((cfg.batch,), cfg.context_len, dtype=torch.int32, device=device)
-    query = torch.randn(cfg.batch, cfg.num_heads, cfg.head_dim, dtype=cfg.dtype, device=device)
-    return Inputs(
-        query, key_cache, value_cache, block_tables, seq_lens,
-        gather(key_cache, block_tables, cfg.context_len),
-        gather(value_cache, block_tables, cfg.context_len),
-    )  # fmt: skip
-
-
-def gather(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [batch, blocks_per_seq] int32
-    context_len: int,
-) -> torch.Tensor:  # [batch, num_kv_heads, context_len, head_dim] contiguous
-    batch = block_tables.shape[0]
-    blocks = cache.index_select(0, block_tables.flatten().long())
-    flat = blocks.view(batch, -1, cache.shape[2], cache.shape[3])[:, :context_len]
-    return flat.transpose(1, 2).contiguous()
 
 
 def sdpa(
@@ -323,28 +186,33 @@ def bench_config(
 
     if triton_runs_on(device):
         import kernels.paged_attention as decode_module
-        from kernels.paged_attention import choose_num_splits, paged_attention_decode
+        from kernels.paged_attention import paged_attention_decode
 
-        def triton_decode(n: int) -> Callable[[Inputs], torch.Tensor]:
+        def triton_decode(
+            n: int, one_launch: bool | None = None
+        ) -> Callable[[Inputs], torch.Tensor]:
             return lambda i: paged_attention_decode(
                 i.query, i.key_cache, i.value_cache, i.block_tables, i.seq_lens, scale,
-                num_splits=n,
+                num_splits=n, one_launch=one_launch,
             )  # fmt: skip
 
-        chosen = choose_num_splits(
+        tuned = decode_module.choose_launch(
             cfg.batch, cfg.num_kv_heads, x.block_tables.shape[1] * cfg.block_size, device
         )
-        candidates = [("triton", chosen)] + ([("triton-nosplit", 1)] if chosen > 1 else [])
-        candidates += [(f"triton-split={n}", n) for n in splits or [] if n != chosen]
-        for name, n in candidates:
-            add(name, n, triton_decode(n))
-        default = (decode_module.NUM_WARPS, decode_module.NUM_STAGES)
+        chosen = tuned.num_splits
+        candidates = [("triton", chosen, None)]
+        if chosen > 1:  # the heuristic split with the other merge, and unsplit
+            other = "triton-2launch" if tuned.one_launch else "triton-1launch"
+            candidates += [(other, chosen, not tuned.one_launch), ("triton-nosplit", 1, None)]
+        candidates += [(f"triton-split={n}", n, None) for n in splits or [] if n != chosen]
+        for name, n, one_launch in candidates:
+            add(name, n, triton_decode(n, one_launch))
         for warps, stages in launch_params or []:
-            decode_module.NUM_WARPS, decode_module.NUM_STAGES = warps, stages
-            try:
-                add(f"triton[w={warps},s={stages}]", chosen, triton_decode(chosen))
-            finally:
-                decode_module.NUM_WARPS, decode_module.NUM_STAGES = default
+            launch = replace(tuned, num_warps=warps, num_stages=stages)
+            add(f"triton[w={warps},s={stages}]", chosen, lambda i, launch=launch: (
+                paged_attention_decode(i.query, i.key_cache, i.value_cache, i.block_tables,
+                                       i.seq_lens, scale, launch=launch)
+            ))  # fmt: skip
     if externals:
         found = [external_decoders(i, cfg, scale) for i in sets]
         for k, (name, fn, why) in enumerate(found[0]):
@@ -498,10 +366,6 @@ def print_fused(tokens: list[int], dtype: torch.dtype, device: torch.device,
             torch.cuda.empty_cache()
 
 
-# The issue's decode rows: (batch, context), Llama-3-8B shape, block 16.
-TARGET_ROWS = [(1, 512), (16, 512), (1, 4096), (64, 4096), (256, 4096)]
-
-
 def sweep(args: argparse.Namespace, device: torch.device) -> list[Config]:
     """The configurations to run: a default grid per device, narrowed by any list flag."""
     if args.quick:
@@ -571,17 +435,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fused-tokens", type=_int_list, default=[1, 64, 256, 2048],
                         help="token counts of the fused-op rows")  # fmt: skip
     parser.add_argument("--no-decode", action="store_true", help="skip the decode table")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the decode kernel's launches on the --targets rows "
+                             "(with --quick: one small row, a CPU smoke run)")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=100.0,
+                        help="--sweep: time no new launch after this many seconds")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     torch.manual_seed(0)
+    if args.sweep and not triton_runs_on(device):
+        parser.exit(2, "error: --sweep times the Triton kernel: it needs CUDA, or "
+                       "TRITON_INTERPRET=1 with --quick\n")  # fmt: skip
 
     peak, source = peak_bandwidth(device, args.peak_gbps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"# python -m benchmarks.kernels {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"# device: {name}; torch {torch.__version__}; dtype {args.dtype}")
     print(f"# peak bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown'} ({source})")
+    if args.sweep:
+        from benchmarks.decode_sweep import run_sweep
+
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+        run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s)
+        return
     if device.type != "cuda":
         print("# CPU: the Triton kernels run here only under TRITON_INTERPRET=1 (numpy, not")
         print("#   worth timing); benching the PyTorch reference against SDPA instead.")

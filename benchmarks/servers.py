@@ -186,6 +186,7 @@ def measure_server(
             points[str(c)] = {
                 "ttft_p50_s": s.ttft_p50_s,
                 "tpot_p50_s": s.tpot_p50_s,
+                "itl_p50_s": s.itl_p50_s,
                 "itl_p99_s": s.itl_p99_s,
                 "output_tok_s": s.output_throughput_tok_s,
                 "num_completed": s.num_completed,

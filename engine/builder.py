@@ -42,6 +42,7 @@ from engine.loader import (
     resolve_model,
 )
 from engine.model_runner import ModelRunner
+from engine.piecewise_graphs import PiecewiseGraphs, default_piecewise_sizes
 from engine.presets import preset
 from engine.quantization import check_supported, quantize_model
 from engine.rope import RotaryEmbedding
@@ -369,6 +370,14 @@ def build_engine_parts(
         for size in config.cuda_graph_sizes or default_graph_sizes(scheduler_config.max_num_seqs)
         if size <= scheduler_config.max_num_seqs
     ] or [1]
+    # Piecewise graphs replay the plain model's layers: not a backend's replacement forward.
+    piecewise_sizes = (
+        default_piecewise_sizes(
+            min(config.cuda_graph_max_prefill_tokens, scheduler_config.max_num_batched_tokens)
+        )
+        if use_graphs and forward is model
+        else []
+    )
     if device.type == "cuda" and kv_config.memory_bytes is None and kv_config.num_blocks is None:
         # The KV cache takes what is left after the largest step's activations and the
         # decode graphs, measured here, so neither runs out of memory later.
@@ -377,6 +386,7 @@ def build_engine_parts(
             device,
             max_tokens=scheduler_config.max_num_batched_tokens,
             graph_sizes=graph_sizes if use_graphs else [],
+            piecewise_sizes=piecewise_sizes,
             block_size=kv_config.block_size,
         )
         kv_config = dataclasses.replace(kv_config, memory_bytes=budget)
@@ -466,6 +476,9 @@ def build_engine_parts(
             capture=True,
         )
         runner.graphs.capture_all()
+    if piecewise_sizes:
+        runner.piecewise = PiecewiseGraphs(model, storage, piecewise_sizes, device, capture=True)
+        runner.piecewise.capture_all()
 
     speculator = None
     if spec is not None:

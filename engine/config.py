@@ -439,6 +439,9 @@ class EngineConfig:
             Python (engine/cuda_graphs.py).
         cuda_graph_sizes: the batch sizes to capture a decode graph for; None picks
             1, 2, 4, 8, then steps of 8 up to 64 and of 16 up to ``max_num_seqs``.
+        cuda_graph_max_prefill_tokens: steps with prefill (or speculative) rows of at most
+            this many tokens replay piecewise graphs, attention eager between them
+            (engine/piecewise_graphs.py); 0: such steps run eagerly.
         generation_config: "auto": the checkpoint's generation_config.json sampling
             fields (temperature, top_p, top_k, min_p, repetition_penalty) are the defaults
             of requests that leave them unset; "none": pagedserve's own defaults
@@ -466,6 +469,7 @@ class EngineConfig:
     tokenizer: str | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
+    cuda_graph_max_prefill_tokens: int = 1024
     generation_config: str = "auto"
     tensor_parallel_size: int = 1
     nnodes: int = 1
@@ -511,6 +515,11 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"cuda_graph_sizes must be positive batch sizes, got {self.cuda_graph_sizes!r}"
+            )
+        if self.cuda_graph_max_prefill_tokens < 0:
+            raise ValueError(
+                "cuda_graph_max_prefill_tokens must be 0 (off) or a token count, "
+                f"got {self.cuda_graph_max_prefill_tokens}"
             )
         if self.attention_backend not in ("auto", "triton", "cpu", "torch"):
             raise ValueError(

@@ -41,10 +41,12 @@ def gpu_kv_budget(
     *,
     max_tokens: int,
     graph_sizes: Sequence[int],
+    piecewise_sizes: Sequence[int] = (),
     block_size: int = 16,
 ) -> int:
     """Bytes the KV cache may take on ``device``; runs the largest prefill step and the
-    largest decode step once, over a one-block scratch cache."""
+    largest decode step once, over a one-block scratch cache. ``piecewise_sizes``: the
+    token buckets of the piecewise graphs (engine/piecewise_graphs.py), none if empty."""
     layer = model.layers[0]
     shape = (1, block_size, layer.num_kv_heads, layer.head_dim)
     dtype = model.embed_tokens.weight.dtype
@@ -60,6 +62,13 @@ def gpu_kv_budget(
     # Each graph keeps its [size, vocab] float32 logits; the pool's scratch is the largest
     # bucket's activations.
     graphs = sum(graph_sizes) * model.config.vocab_size * 4 + decode if graph_sizes else 0
+    if piecewise_sizes:
+        # Their own pool, as large as their largest bucket's activations, and each bucket's
+        # last-layer output and residual stream, which it keeps.
+        largest = max(piecewise_sizes)
+        graphs += _peak_bytes(model, inert_batch(largest, 1, block_size, device), caches)
+        hidden = model.config.hidden_size * model.embed_tokens.weight.element_size()
+        graphs += 2 * hidden * sum(piecewise_sizes)
     del caches
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
@@ -67,7 +76,7 @@ def gpu_kv_budget(
     budget = int((free - reserve) * KV_FRACTION)
     logger.info(
         "GPU memory: %.2f GiB free after the weights; reserved %.2f GiB for activations "
-        "(largest step %.2f GiB) and decode graphs (%.2f GiB); KV cache budget %.2f GiB",
+        "(largest step %.2f GiB) and CUDA graphs (%.2f GiB); KV cache budget %.2f GiB",
         free / 2**30,
         reserve / 2**30,
         max(prefill, decode) / 2**30,

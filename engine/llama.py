@@ -240,8 +240,21 @@ class LlamaForCausalLM(nn.Module):
         ],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
         value_caches: list[torch.Tensor],
     ) -> torch.Tensor:  # [num_samples, vocab] float32
-        _, block_size, num_kv_heads, _ = key_caches[0].shape
-        plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
+        x, residual = self.hidden_states(batch, key_caches, value_caches)
+        return self.compute_logits(x, residual, batch)
+
+    def hidden_states(
+        self,
+        batch: InputBatch,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        plan: AttentionPlan | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the last layer's (output, residual stream)
+        """Every layer over every token of the step. ``plan``: the step's attention plan,
+        None to make it from ``batch.attn`` (engine/piecewise_graphs.py passes its own)."""
+        if plan is None:
+            _, block_size, num_kv_heads, _ = key_caches[0].shape
+            plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         if self.config.embed_scale != 1.0:
             # Rounded to the model's dtype first, as transformers' Gemma does.
@@ -265,6 +278,12 @@ class LlamaForCausalLM(nn.Module):
                 value_cache,
             )
         assert residual is not None
+        return x, residual
+
+    def compute_logits(
+        self, x: torch.Tensor, residual: torch.Tensor, batch: InputBatch
+    ) -> torch.Tensor:  # [num_samples, vocab] float32
+        """The final norm and the head over the rows ``batch.logits_indices`` names."""
         # Only the last token of each sampling request needs logits: a prefill chunk of 512
         # tokens would otherwise pay 512 vocab-sized matmul rows for nothing.
         if batch.logits_are_all_rows:  # decodes only: every row is its sequence's last token

@@ -2,7 +2,8 @@
 
 Owns: the model weights on their device, the sampler, a reference to the KV storage
 (whose tensors only the attention's ``store`` writes), and the decode graphs, if any
-(``engine/cuda_graphs.py``): a decode-only step replays one instead of running the model.
+(``engine/cuda_graphs.py``): a decode-only step replays one instead of running the model,
+and a short step with prefill tokens replays piecewise ones (``engine/piecewise_graphs.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from engine.backends import ModelForward
 from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import InputBatch, build_input_batch
 from engine.outputs import ModelRunnerOutput, TokenLogprob
+from engine.piecewise_graphs import PiecewiseGraphs
 from engine.sampler import Sampler
 from engine.spec_decode.speculator import SpeculativeDecoder
 from kvpool.storage import KVCacheStorage
@@ -39,6 +41,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.graphs: DecodeGraphs | None = None
+        # Steps with prefill tokens, in pieces cut at attention (engine/piecewise_graphs.py).
+        self.piecewise: PiecewiseGraphs | None = None
         # Verifies speculative rows (engine/spec_decode/); None without speculative decoding.
         self.speculator: SpeculativeDecoder | None = None
 
@@ -57,6 +61,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         if self.graphs is not None and self.graphs.handles(batch):
             logits = self.graphs.run(batch)
+        elif self.piecewise is not None and self.piecewise.handles(batch):
+            logits = self.piecewise.run(batch)
         else:
             logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
         # No synchronisation here: on CUDA the kernels run on while the sampler queues its

@@ -20,9 +20,21 @@ into ``num_splits`` ranges, each program writes a partial output and its log-sum
 ``_reduce_splits_kernel`` merges them. The split count comes from shapes only (batch size,
 KV heads, and a context bound: the block tables' width or a caller's bucket), never from
 ``seq_lens`` on the host, so one CUDA graph per (batch size, context bucket) stays valid.
+
+One-launch split-K (``one_launch=True``): the splits still write partials and log-sum-exps,
+then take a ticket from an int32 arrival counter per (sequence, KV head); the last to
+arrive resets its counter and merges in the same launch (no second kernel, no program ever
+waits). The counters live in one persistent zeroed buffer per device (``arrival_counters``)
+that the kernel keeps zero, so CUDA-graph replays need no host-side fill.
+
+The launch (split policy, merge, ``num_warps``, ``num_stages``, tile) comes from the table
+``DECODE_TUNING`` (``choose_launch``), which ``python -m benchmarks.kernels --sweep`` fills.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -39,12 +51,19 @@ from kernels._kv_quant_triton import hadamard_rows
 from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
 
-__all__ = ["paged_attention_decode", "choose_num_splits"]
+__all__ = [
+    "DECODE_TUNING",
+    "DecodeLaunch",
+    "DecodeTuning",
+    "choose_launch",
+    "choose_num_splits",
+    "paged_attention_decode",
+]
 
 # log2(e): scores are kept in base 2 so the kernel uses exp2 (one MUFU op) instead of exp.
 _LOG2E = 1.4426950408889634
-# Split-K heuristic (see choose_num_splits). A split is at least one tile: shorter, a program
-# would mask most of its only tile.
+# Split-K heuristic (see choose_num_splits and DECODE_TUNING). A split is at least one tile:
+# shorter, a program would mask most of its only tile.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 32
 # Below this many waves of programs (per SM) the plain grid is left unsplit only when it
@@ -53,13 +72,78 @@ SPLIT_BELOW_WAVES = 2
 # Split grids aim at this many programs per SM: a decode program streams its K/V tiles
 # one after another, so an SM needs several resident to keep enough loads in flight.
 TARGET_WAVES = 4
-# Launch parameters of the decode kernel (Triton's defaults; benchmarks/kernels.py --warps and
-# --stages sweep them).
+# Launch parameters of the decode kernel (Triton's defaults; `python -m benchmarks.kernels
+# --sweep` times the alternatives).
 NUM_WARPS = 4
 NUM_STAGES = 3
 TILE_N = 64  # context tokens per loop iteration
 # The window of a layer without one: more keys than any context holds (int32 positions).
 NO_WINDOW = 2**30
+# A context bound larger than any (the catch-all row of DECODE_TUNING).
+ANY_CONTEXT = 2**31
+# The one-launch path's arrival counters (one int32 per sequence and KV head) are allocated
+# once per device with room for at least this many pairs (256 KiB), so that no CUDA-graph
+# capture needs a new buffer.
+MIN_ARRIVAL_COUNTERS = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLaunch:
+    """How one ``paged_attention_decode`` call runs: what the tuning sweep varies."""
+
+    num_splits: int = 1  # split-K factor before the launcher's recount (1 = no split)
+    # Split-K merged in the same launch by the last split of each (sequence, KV head), with
+    # an arrival counter; False: the splits' partials are merged by a second kernel.
+    one_launch: bool = False
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+    tile_n: int = TILE_N  # context tokens per loop iteration; splits are whole tiles
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTuning:
+    """One row of ``DECODE_TUNING``: the launch of the calls it covers.
+
+    A row covers a call whose unsplit grid (``num_seqs * num_kv_heads`` programs) has fewer
+    than ``waves_below`` programs per SM and whose context bound is at most
+    ``max_context_len``; the first row that covers a call decides it. Its split count is 1
+    when ``target_waves`` is 0, else enough splits for about ``target_waves`` programs per
+    SM, at most ``max_context_len // min_tokens_per_split`` (of the call's bound) and
+    ``max_splits``.
+    """
+
+    waves_below: float
+    max_context_len: int
+    target_waves: float
+    min_tokens_per_split: int
+    max_splits: int
+    one_launch: bool
+    num_warps: int
+    num_stages: int
+    tile_n: int
+
+
+# NOTE: where these numbers come from. The split policy (split below 2 waves, toward 4
+# waves, splits of >= 64 tokens, <= 32 splits), 4 warps, 3 stages and 64-token tiles are the
+# values measured on one H100 before the one-launch path existed (kernels/README.md, "GPU
+# figures"), and the two-launch merge is kept until the one-launch path is measured.
+# `python -m benchmarks.kernels --sweep` times every launch on the issue's rows and prints
+# the best per row as a ``DecodeTuning`` line to put here (rows before the catch-all, most
+# specific first). The last row must cover every call.
+DECODE_TUNING: tuple[DecodeTuning, ...] = (
+    # The unsplit grid underfills the device: split-K.
+    DecodeTuning(
+        waves_below=SPLIT_BELOW_WAVES, max_context_len=ANY_CONTEXT, target_waves=TARGET_WAVES,
+        min_tokens_per_split=MIN_TOKENS_PER_SPLIT, max_splits=MAX_SPLITS, one_launch=False,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, tile_n=TILE_N,
+    ),
+    # It fills it: one program per (sequence, KV head), streaming K/V near HBM peak.
+    DecodeTuning(
+        waves_below=math.inf, max_context_len=ANY_CONTEXT, target_waves=0,
+        min_tokens_per_split=MIN_TOKENS_PER_SPLIT, max_splits=1, one_launch=False,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, tile_n=TILE_N,
+    ),
+)  # fmt: skip
 
 
 # Triton compiles a variant per value class (== 1, divisible by 16) of every integer argument
@@ -77,6 +161,8 @@ def _paged_attention_decode_kernel(
     # split:    [num_seqs, num_heads, num_splits, head_dim] fp32, normalised per split
     out_ptr,
     lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, base-2 log-sum-exp (split mode only)
+    final_out_ptr,  # [num_seqs, num_heads, head_dim] (COMBINE only)
+    counters_ptr,  # [num_seqs, num_kv_heads] int32, zero between launches (COMBINE only)
     query_ptr,  # [num_seqs, num_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -96,6 +182,8 @@ def _paged_attention_decode_kernel(
     stride_cache_slot: tl.int64,
     stride_cache_head: tl.int64,
     stride_block_tables_seq: tl.int64,
+    stride_final_seq: tl.int64,
+    stride_final_head: tl.int64,
     NUM_QUERIES_PER_KV: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # >= 16 (tl.dot minimum) and a power of two
     HEAD_DIM: tl.constexpr,
@@ -103,6 +191,8 @@ def _paged_attention_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    COMBINE: tl.constexpr,  # SPLIT only: the last split of a (sequence, KV head) merges all
+    SPLITS_PAD: tl.constexpr,  # COMBINE: next power of two of num_splits, else 1
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
@@ -157,10 +247,67 @@ def _paged_attention_decode_kernel(
     if SPLIT:
         tl.store(out_ptr + o_offs + split * stride_out_split, out, mask=o_mask)
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        lse_offs = seq * stride_lse_seq + heads * stride_lse_head + split  # splits contiguous
-        tl.store(lse_ptr + lse_offs, lse, mask=g_mask)
+        lse_offs = seq * stride_lse_seq + heads * stride_lse_head  # splits contiguous
+        tl.store(lse_ptr + lse_offs + split, lse, mask=g_mask)
+        if COMBINE:
+            # NOTE: every thread's partial stores above happen before the barrier, and the
+            # barrier before the release half of the atomic: the program that sees the
+            # count reach num_splits - 1 (acquire) sees every split's partial and lse. The
+            # interpreter runs programs one after another, so there the last split merges.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(2) - 1:
+                # Every split has arrived and none touches the counter again in this
+                # launch: reset it, so the scratch is zero for the next launch (and for
+                # every replay of a CUDA graph that captured this one).
+                tl.store(counter, 0)
+                # Each query head of the group merges its splits as the second kernel
+                # would (unrolled: the heads' loads are independent, one L2 round trip).
+                offs_s = tl.arange(0, SPLITS_PAD)
+                for g in tl.static_range(NUM_QUERIES_PER_KV):
+                    head = kv_head.to(tl.int64) * NUM_QUERIES_PER_KV + g
+                    _merge_head(
+                        final_out_ptr + seq * stride_final_seq + head * stride_final_head,
+                        out_ptr + seq * stride_out_seq + head * stride_out_head,
+                        lse_ptr + seq * stride_lse_seq + head * stride_lse_head,
+                        offs_s, offs_d, tl.num_programs(2), stride_out_split,
+                        HEAD_DIM=HEAD_DIM, CACHE=".cg",
+                    )  # fmt: skip
     else:
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_head(
+    out_ptr,  # the head's output row, [head_dim]
+    partial_ptr,  # the head's split 0 partial row, fp32, normalised per split
+    lse_ptr,  # the head's split 0 lse, fp32 base 2 (splits contiguous)
+    offs_s,  # [SPLITS_PAD] split indices
+    offs_d,  # [HEAD_DIM_PAD]
+    num_splits,
+    stride_partial_split,
+    HEAD_DIM: tl.constexpr,
+    CACHE: tl.constexpr,  # load cache modifier: ".cg" where other SMs wrote this launch
+):
+    """One query head's split-K merge: each split's normalised partial weighted by
+    ``exp2(lse_s - max lse)``. Both merges (second kernel, in-launch) run this same code."""
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(lse_ptr + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=CACHE)
+    partial = tl.load(
+        partial_ptr + offs_s[:, None] * stride_partial_split + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+        cache_modifier=CACHE,
+    )  # [SPLITS_PAD, HEAD_DIM_PAD]
+    # Split 0 is never empty when seq_len >= 1, so lse_max is finite; guard seq_len == 0.
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weights = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
+    total = tl.sum(weights, 0)
+    out = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 @triton.jit(
@@ -187,67 +334,88 @@ def _reduce_splits_kernel(
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = offs_s < num_splits
-    d_mask = offs_d < HEAD_DIM
+    _merge_head(
+        out_ptr + seq * stride_out_seq + head * stride_out_head,
+        partial_out_ptr + seq * stride_partial_seq + head * stride_partial_head,
+        lse_ptr + seq * stride_lse_seq + head * stride_lse_head,
+        tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM_PAD), num_splits, stride_partial_split,
+        HEAD_DIM=HEAD_DIM, CACHE="",
+    )  # fmt: skip
 
-    lse = tl.load(
-        lse_ptr + seq * stride_lse_seq + head * stride_lse_head + offs_s,
-        mask=s_mask,
-        other=float("-inf"),
-    )  # [SPLITS_PAD]
-    # Split 0 is never empty when seq_len >= 1, so lse_max is finite; guard seq_len == 0.
-    lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
-    total = tl.sum(weights, 0)
-    partial = tl.load(
-        partial_out_ptr
-        + seq * stride_partial_seq
-        + head * stride_partial_head
-        + offs_s[:, None] * stride_partial_split
-        + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )  # [SPLITS_PAD, HEAD_DIM_PAD]
-    out = tl.sum(partial * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(
-        out_ptr + seq * stride_out_seq + head * stride_out_head + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_mask,
-    )
+
+def tuning_row(
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
+) -> DecodeTuning:
+    """The first row of ``DECODE_TUNING`` that covers these shapes."""
+    programs_per_sm = max(1, num_seqs * num_kv_heads) / num_compute_units(device)
+    for row in DECODE_TUNING:
+        if programs_per_sm < row.waves_below and max_context_len <= row.max_context_len:
+            return row
+    raise AssertionError("the last row of DECODE_TUNING must cover every call")
+
+
+def choose_launch(
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
+) -> DecodeLaunch:
+    """The launch ``paged_attention_decode`` uses for these shapes (``DECODE_TUNING``).
+
+    Split-K only where the plain grid underfills the device: the plain grid has
+    ``num_seqs * num_kv_heads`` programs; a row that splits cuts each context so the grid
+    reaches about ``target_waves`` programs per SM, keeping every split at least
+    ``min_tokens_per_split`` tokens and at most ``max_splits`` splits (each adds one fp32
+    partial row per query head to write and merge).
+
+    On an H100 (132 SMs), Llama-3-8B shape (8 KV heads), with today's table: batch 1 x 512
+    -> 8 splits of 64 tokens (64 programs: the context has no more tiles); 16 x 512 -> 4 of
+    128 (512 programs); 1 x 4,096 -> 32 of 128 (256); 64 x 4,096 and beyond -> 1.
+
+    ``max_context_len`` must come from shapes (a bucket of the batch's longest context), not
+    from ``seq_lens`` read on the host. Off CUDA (the interpreter runs programs one after
+    another) splitting only adds work, so the split count is 1 there.
+    """
+    row = tuning_row(num_seqs, num_kv_heads, max_context_len, device)
+    num_splits = 1
+    if device.type == "cuda" and row.target_waves > 0:
+        sms = num_compute_units(device)
+        by_parallelism = math.ceil(row.target_waves * sms / max(1, num_seqs * num_kv_heads))
+        by_length = max_context_len // row.min_tokens_per_split
+        num_splits = max(1, min(by_parallelism, by_length, row.max_splits))
+    return DecodeLaunch(num_splits, row.one_launch, row.num_warps, row.num_stages, row.tile_n)
 
 
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
 ) -> int:
-    """Split-K heuristic: split only when the plain grid underfills the device.
+    """The split-K factor of ``choose_launch`` (before the launcher rounds splits to whole
+    tiles and recounts them)."""
+    return choose_launch(num_seqs, num_kv_heads, max_context_len, device).num_splits
 
-    The plain grid has ``num_seqs * num_kv_heads`` programs. At ``SPLIT_BELOW_WAVES`` waves
-    of the device's SMs or more it is left as it is (the large-batch path streams K/V near
-    HBM peak unsplit, and splitting would only add the partial outputs' traffic). Below,
-    each context is cut so the grid reaches about ``TARGET_WAVES`` programs per SM, keeping
-    every split at least ``MIN_TOKENS_PER_SPLIT`` tokens (one tile) and at most
-    ``MAX_SPLITS`` splits (each adds one fp32 partial row per query head to write and merge).
 
-    On an H100 (132 SMs), Llama-3-8B shape (8 KV heads): batch 1 x 512 -> 8 splits of 64
-    tokens (64 programs: the context has no more tiles); 16 x 512 -> 4 of 128 (512
-    programs); 1 x 4,096 -> 32 of 128 (256); 64 x 4,096 and beyond -> 1 (unchanged).
+# Per device: the one-launch path's arrival counters, newest (largest) last. Older buffers
+# are kept: a CUDA graph captured with one keeps its address.
+_ARRIVAL_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
-    ``max_context_len`` must come from shapes (a bucket of the batch's longest context), not
-    from ``seq_lens`` read on the host. Off CUDA (the interpreter runs programs one after
-    another) splitting only adds work, so this returns 1.
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:  # [count] int32
+    """A persistent int32 scratch of ``count`` zeros on ``device`` for the one-launch split-K.
+
+    NOTE: zero between launches is an invariant the kernel keeps (the last split of each
+    pair resets its counter), never a host-side fill: the buffer is zeroed once, when it is
+    allocated, which a CUDA-graph capture cannot do (it is allocated at the first call,
+    with room for ``MIN_ARRIVAL_COUNTERS`` pairs, so a warm-up call outside the capture
+    suffices). Launches that share a device's counters must be ordered (one stream), as a
+    decode step's are.
     """
-    if device.type != "cuda":
-        return 1
-    num_programs = max(1, num_seqs * num_kv_heads)
-    sms = num_compute_units(device)
-    if num_programs >= SPLIT_BELOW_WAVES * sms:
-        return 1
-    by_parallelism = triton.cdiv(TARGET_WAVES * sms, num_programs)
-    by_length = max_context_len // MIN_TOKENS_PER_SPLIT
-    return max(1, min(by_parallelism, by_length, MAX_SPLITS))
+    buffers = _ARRIVAL_COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"paged_attention_decode(one_launch=True) needs {count} arrival counters on "
+                f"{device}; run it once at this batch size before capturing a CUDA graph"
+            )
+        size = max(count, MIN_ARRIVAL_COUNTERS, 2 * buffers[-1].numel() if buffers else 0)
+        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1][:count]
 
 
 def paged_attention_decode(
@@ -261,20 +429,25 @@ def paged_attention_decode(
     *,
     num_splits: int | None = None,
     max_context_len: int | None = None,
+    one_launch: bool | None = None,
+    launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens, or with
     ``sliding_window`` to the last that many (``kernels.reference.sliding_window_start``).
 
     Requires ``seq_lens[i] <= block_tables.shape[1] * block_size`` (every context token has
-    a block). ``num_splits`` forces the split-K factor (1 = no split); ``None`` lets
-    ``choose_num_splits`` decide. Splits are sized for contexts up to ``max_context_len``
-    (default ``block_tables.shape[1] * block_size``); the launcher never reads ``seq_lens``
-    on the host (no device sync), and grid and scratch buffers depend only on shapes and
-    these two integers, so the call can be captured in a CUDA graph (the partial outputs
-    are then allocated from the graph's pool). A captured graph padded to a fixed
-    block-table width should pass its context bucket as ``max_context_len``; a sequence
-    longer than that is still attended to in full (the last split runs to the end of its
-    context), only with less parallelism.
+    a block). The launch comes from ``choose_launch`` (``DECODE_TUNING``); ``num_splits``
+    forces its split-K factor (1 = no split), ``one_launch`` its merge (True: the last
+    split merges in the same launch; False: a second kernel merges), and ``launch`` replaces
+    it whole (then neither may be given). Splits are sized for contexts up to
+    ``max_context_len`` (default ``block_tables.shape[1] * block_size``); the launcher never
+    reads ``seq_lens`` on the host (no device sync), and grid and scratch buffers depend
+    only on shapes and these integers, so the call can be captured in a CUDA graph (the
+    partial outputs are then allocated from the graph's pool; the one-launch path's
+    arrival counters are persistent, see ``arrival_counters``). A captured graph padded to
+    a fixed block-table width should pass its context bucket as ``max_context_len``; a
+    sequence longer than that is still attended to in full (the last split runs to the end
+    of its context), only with less parallelism.
     """
     check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = query.shape
@@ -286,13 +459,21 @@ def paged_attention_decode(
         return out
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context_len, query.device)
-    assert num_splits >= 1, num_splits
+    if launch is None:
+        launch = choose_launch(num_seqs, num_kv_heads, max_context_len, query.device)
+        if num_splits is not None:
+            launch = replace(launch, num_splits=num_splits)
+        if one_launch is not None:
+            launch = replace(launch, one_launch=one_launch)
+    else:
+        assert num_splits is None and one_launch is None, "launch= replaces both"
+    tile_n = launch.tile_n
+    assert launch.num_splits >= 1, launch
+    assert tile_n >= 16 and tile_n == next_power_of_2(tile_n), launch
     # Splits are whole tiles (at least one, even for an empty block table); recount so that
     # no split starts past the context bound.
     tokens_per_split = max(
-        TILE_N, triton.cdiv(triton.cdiv(max_context_len, num_splits), TILE_N) * TILE_N
+        tile_n, triton.cdiv(triton.cdiv(max_context_len, launch.num_splits), tile_n) * tile_n
     )
     num_splits = max(1, triton.cdiv(max_context_len, tokens_per_split))
 
@@ -304,27 +485,30 @@ def paged_attention_decode(
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, head_dim_pad),
         BLOCK_SIZE=block_size,
-        TILE_N=TILE_N,
+        TILE_N=tile_n,
         # A quantized cache's values multiply in the query's dtype (kernels/kv_quant.py).
         **dot_args(_paged_attention_decode_kernel, attention_dtype(query, key_cache)),
         QUANTIZED=kv_quant.is_quantized(key_cache),
         HADAMARD_BLOCK=(
             kv_quant.hadamard_block(head_dim) if kv_quant.is_quantized(key_cache) else 1
         ),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E)
     window = NO_WINDOW if sliding_window is None else sliding_window
     assert 1 <= window <= NO_WINDOW, sliding_window
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
+        # lse, final output and counters are unused: any pointer of their type does.
         _paged_attention_decode_kernel[grid](
-            out, out, *common, tokens_per_split, window,
+            out, out, out, seq_lens, *common, tokens_per_split, window,
             query.stride(0), query.stride(1),
             out.stride(0), out.stride(1), 0,
             0, 0,
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-            block_tables.stride(0),
-            SPLIT=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **consts,
+            block_tables.stride(0), 0, 0,
+            SPLIT=False, COMBINE=False, SPLITS_PAD=1, **consts,
         )  # fmt: skip
         return out
 
@@ -333,15 +517,21 @@ def paged_attention_decode(
         (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
     )
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+    counters = (
+        arrival_counters(query.device, num_seqs * num_kv_heads) if launch.one_launch else seq_lens
+    )
     _paged_attention_decode_kernel[grid](
-        partial, lse, *common, tokens_per_split, window,
+        partial, lse, out, counters, *common, tokens_per_split, window,
         query.stride(0), query.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        block_tables.stride(0),
-        SPLIT=True, num_warps=NUM_WARPS, num_stages=NUM_STAGES, **consts,
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        SPLIT=True, COMBINE=launch.one_launch,
+        SPLITS_PAD=next_power_of_2(num_splits) if launch.one_launch else 1, **consts,
     )  # fmt: skip
+    if launch.one_launch:
+        return out
     _reduce_splits_kernel[(num_seqs, num_heads)](
         out, partial, lse,
         out.stride(0), out.stride(1),
@@ -355,6 +545,23 @@ def paged_attention_decode(
     return out
 
 
+def tuned_launches() -> list[DecodeLaunch]:
+    """Every launch ``choose_launch`` can return up to its split count, with one split count
+    per compiled variant: unsplit, and split with each power-of-two bound on the split
+    count (either merge compiles one variant per bound)."""
+    launches: dict[DecodeLaunch, None] = {}
+    for row in DECODE_TUNING:
+        params = (row.num_warps, row.num_stages, row.tile_n)
+        launches[DecodeLaunch(1, False, *params)] = None
+        if row.target_waves <= 0 or row.max_splits <= 1:
+            continue
+        # The least count of each power-of-two bound: 2, 3, 5, 9, 17 for 32 splits.
+        counts = [2**i // 2 + 1 for i in range(1, row.max_splits.bit_length())]
+        for n in counts:
+            launches[DecodeLaunch(n, row.one_launch, *params)] = None
+    return list(launches)
+
+
 def compile_variants(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
@@ -363,21 +570,20 @@ def compile_variants(
     query_dtype: torch.dtype,
 ) -> int:
     """Compile every variant ``paged_attention_decode`` can meet with these caches and
-    queries of ``query_dtype`` (the model's dtype; the cache may hold 8-bit rows): unsplit,
-    and split with each power-of-two bound on the split count. Runs one sequence of one
-    token over block 0 (the caches are only read). Returns the number of calls made."""
+    queries of ``query_dtype`` (the model's dtype; the cache may hold 8-bit rows): each of
+    ``tuned_launches()``. Runs one sequence of one token over block 0 (the caches are only
+    read). Returns the number of calls made."""
     _, block_size, _, head_dim = key_cache.shape
     device = key_cache.device
     query = torch.zeros((1, num_heads, head_dim), dtype=query_dtype, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    # 1 (unsplit), then the least count of each power-of-two bound: 2, 3, 5, 9, 17.
-    counts = [1] + [2**i // 2 + 1 for i in range(1, MAX_SPLITS.bit_length())]
-    for num_splits in counts:
-        context = num_splits * TILE_N
+    launches = tuned_launches()
+    for launch in launches:
+        context = launch.num_splits * launch.tile_n
         width = triton.cdiv(context, block_size)
         tables = torch.zeros((1, width), dtype=torch.int32, device=device)
         paged_attention_decode(
             query, key_cache, value_cache, tables, seq_lens, scale,
-            num_splits=num_splits, max_context_len=context,
+            max_context_len=context, launch=launch,
         )  # fmt: skip
-    return len(counts)
+    return len(launches)

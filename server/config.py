@@ -330,6 +330,11 @@ _OPTIONS: tuple[Option, ...] = (
            _E.cuda_graph_sizes,
            "CUDA: decode batch sizes to capture a graph for, e.g. 1,2,4,8,16; auto = 1, 2, "
            "4, 8, then steps of 8 to 64 and of 16 to --max-num-seqs"),
+    Option("--cuda-graph-max-prefill-tokens", "engine", "cuda_graph_max_prefill_tokens", int,
+           _E.cuda_graph_max_prefill_tokens,
+           "CUDA: steps with prefill tokens of at most N tokens (a short prompt beside "
+           "running decodes) replay piecewise graphs, attention eager between them; 0 = "
+           "such steps launch every kernel from Python"),
     Option("--tensor-parallel-size", "engine", "tensor_parallel_size", int,
            _E.tensor_parallel_size,
            "shard every layer over N ranks (torch.distributed: NCCL on CUDA, gloo on CPU); "

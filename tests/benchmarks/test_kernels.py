@@ -92,3 +92,98 @@ def test_targets_are_the_issue_rows():
     assert {(c.num_heads, c.num_kv_heads, c.head_dim, c.block_size) for c in configs} == {
         (32, 8, 128, 16)
     }
+
+
+def test_sweep_quick_times_each_merge_and_reports_the_best(device, capsys):
+    """``--sweep --quick``: the sweep's machinery end to end on one small row (on CPU under
+    the interpreter): the default launch and both merges at 2 splits, each checked against
+    the reference, then the summary and the table line."""
+    main(["--device", device.type, "--sweep", "--quick", "--peak-gbps", "100"])
+    out = capsys.readouterr().out
+    timed = [line for line in out.splitlines() if line.startswith("   2 x 128 ") and " us " in line]
+    assert len(timed) == 3, out
+    # The default first (CPU: unsplit; a GPU splits 128 tokens in 2, merged by a 2nd kernel).
+    assert [" default" in line for line in timed] == [True, False, False]
+    merges = sorted(line.split()[3] + line.split()[4] for line in timed)
+    assert merges == ["onesplits=2", "twosplits=2", "unsplitsplits=1"], timed
+    for line in timed:
+        assert "MISMATCH" not in line and "failed" not in line, line
+    assert "   2 x 128    best    " in out and "   2 x 128    default " in out
+    assert "# DECODE_TUNING" in out
+
+
+def test_sweep_table_line_reproduces_the_best_launch(monkeypatch):
+    """The sweep's suggested ``DecodeTuning`` row, put first in the table, makes
+    ``choose_launch`` pick the measured best at the row's shape (on a 132-SM GPU)."""
+    import kernels.paged_attention as decode_module
+    from benchmarks.decode_sweep import Measured, effective, suggested_row
+    from kernels.paged_attention import DECODE_TUNING, DecodeLaunch, DecodeTuning
+
+    monkeypatch.setattr(decode_module, "num_compute_units", lambda device: 132)
+    cases = [
+        ((1, 512), DecodeLaunch(16, True, 2, 1, 32)),
+        ((16, 512), DecodeLaunch(4, False, 8, 2, 64)),
+        ((1, 4096), DecodeLaunch(32, True, 4, 3, 64)),
+        ((4, 4096), DecodeLaunch(7, True, 4, 3, 64)),
+    ]
+    for (batch, context), best in cases:
+        row = argparse.Namespace(
+            cfg=Config(batch, context, 32, 8, 16, 128, torch.bfloat16),
+            best=lambda best=best: Measured(best, 1e-6, 0.0, True),
+        )
+        line = suggested_row(row, 132)
+        tuning = eval(line.split("  #")[0].rstrip(","), {"DecodeTuning": DecodeTuning})
+        monkeypatch.setattr(decode_module, "DECODE_TUNING", (tuning, *DECODE_TUNING))
+        chosen = decode_module.choose_launch(batch, 8, context, torch.device("cuda"))
+        assert effective(chosen, context) == best, line
+    unsplit = argparse.Namespace(
+        cfg=Config(64, 4096, 32, 8, 16, 128, torch.bfloat16),
+        best=lambda: Measured(DecodeLaunch(1, False, 8, 2, 64), 1e-6, 0.0, True),
+    )
+    assert suggested_row(unsplit, 132).startswith("catch-all row: num_warps=8, num_stages=2")
+
+
+def test_sweep_confirms_the_best_against_today_interleaved(device):
+    """The confirmation step re-times today's launch and the best (here made best by hand:
+    on CPU the unsplit default usually wins, and then there is nothing to confirm)."""
+    from benchmarks.decode_sweep import run_sweep
+
+    lines: list[str] = []
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    (row,) = run_sweep(device, dtype, 100.0, quick=True, out=lines.append)
+    other = next(m for launch, m in row.results.items() if launch != row.default)
+    other.seconds = 1e-12  # "best" until re-timed
+    row.confirm(lines.append)
+    assert lines[-1].startswith("   2 x 128   today ") and ", best " in lines[-1]
+    assert other.seconds == 1e-12  # the least of its timings is kept
+    assert row.results[row.default].seconds > 0
+
+
+def test_sweep_runs_every_stage_on_a_small_row(device, monkeypatch):
+    """The full sweep's code path (stages A, B and C, confirmation, summary, table lines)
+    on one small row of the issue's head shape, with a narrowed warps/stages grid."""
+    import benchmarks.decode_sweep as decode_sweep
+    import kernels._common
+
+    monkeypatch.setattr(decode_sweep, "TARGET_ROWS", [(1, 64)])
+    # The sweep's split bound counts SMs (1 off CUDA): pretend an H100's 132.
+    monkeypatch.setattr(kernels._common, "num_compute_units", lambda device: 132)
+    monkeypatch.setattr(decode_sweep, "SWEEP_WARPS", (2, 4))
+    monkeypatch.setattr(decode_sweep, "SWEEP_STAGES", (3,))
+    lines: list[str] = []
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    (row,) = decode_sweep.run_sweep(device, dtype, 100.0, out=lines.append)
+    out = "\n".join(lines)
+    for stage in ("# stage A", "# stage B", "# stage C", "# confirm"):
+        assert stage in out, out
+    assert "failed" not in out and "MISMATCH" not in out, out
+    # A: one launch (64 tokens: one tile); B: 2 warps; C: tiles of 32 (1 and 2 splits, each
+    # merge) and 128 tokens.
+    launches = {(m.launch.num_splits, m.launch.one_launch, m.launch.num_warps, m.launch.tile_n)
+                for m in row.results.values()}  # fmt: skip
+    warps = row.best().launch.num_warps if row.best().launch.tile_n == 64 else None
+    assert {(1, False, 4, 64), (1, False, 2, 64)} <= launches, launches
+    if warps is not None:  # C ran from B's best
+        assert {(2, True, warps, 32), (2, False, warps, 32), (1, False, warps, 128)} <= launches
+    assert "   1 x 64     best    " in out
+    assert "catch-all row:" in out or "DecodeTuning(" in out

@@ -34,14 +34,46 @@ def test_graphs_match_eager_and_transformers_in_float32(tiny_llama_gqa) -> None:
     kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=KV, max_num_seqs=16)
     graphs = LLM(str(tiny_llama_gqa), **kwargs)
     assert graphs.engine.runner.graphs is not None
+    assert graphs.engine.runner.piecewise is not None
     eager = LLM(str(tiny_llama_gqa), enforce_eager=True, **kwargs)
-    assert eager.engine.runner.graphs is None
+    assert eager.engine.runner.graphs is None and eager.engine.runner.piecewise is None
     with_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
     without = [o.token_ids for o in eager.generate(prompts, params)]
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_gqa, dtype=torch.float32).eval()
     for i, prompt in enumerate(prompts):
         ref = hf_greedy(hf, prompt, 16, None)
         assert_parity(with_graphs[i], ref, f"prompt {i}, CUDA graphs")
+        assert_parity(without[i], ref, f"prompt {i}, eager")
+
+
+def test_piecewise_graphs_replay_mixed_steps_exactly_in_float32(tiny_llama_gqa) -> None:
+    """Chunked prompts beside running decodes: those steps replay the piecewise graphs
+    (padded to a token bucket), and tokens match eager mode and transformers."""
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = _prompts(256, 11)
+    kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=KV, max_num_seqs=8,
+                  max_num_batched_tokens=40)  # fmt: skip
+    llm = LLM(str(tiny_llama_gqa), **kwargs)
+    pieces = llm.engine.runner.piecewise
+    assert pieces is not None and pieces.sizes == [16, 32]
+    sizes: list[tuple[int, int]] = []
+    run = pieces.run
+
+    def recording(batch):
+        sizes.append((batch.num_tokens, batch.attn.num_decodes))
+        return run(batch)
+
+    pieces.run = recording  # type: ignore[method-assign]
+    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    assert any(0 < nd < n and n not in (16, 32) for n, nd in sizes), sizes
+    eager = LLM(str(tiny_llama_gqa), enforce_eager=True, **kwargs)
+    without = [o.token_ids for o in eager.generate(prompts, params)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_gqa, dtype=torch.float32).eval()
+    for i, prompt in enumerate(prompts):
+        ref = hf_greedy(hf, prompt, 12, None)
+        assert_parity(ours[i], ref, f"prompt {i}, piecewise graphs")
         assert_parity(without[i], ref, f"prompt {i}, eager")
 
 

@@ -230,27 +230,36 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         )
         for name, (ptr, quant) in _QUANTIZED.items()
     },
+    # decode: unsplit, split with the second merge kernel, split merged in the same launch
+    # (atomic arrival counters; at the Llama-3-8B shape too)
     **{
-        f"decode_split={split}": (
+        f"decode_{mode}": (
             "kernels.paged_attention", "_paged_attention_decode_kernel",
             dict(_BF16_ATTENTION_ARGS, out_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32",
-                 tokens_per_split="i32"),
-            dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-                 TILE_N=64, SPLIT=split, DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32",
-                 QUANTIZED=False, HADAMARD_BLOCK=1),
+                 final_out_ptr="*bf16", counters_ptr="*i32", tokens_per_split="i32"),
+            dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=16, HEAD_DIM=head_dim,
+                 HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, TILE_N=64, SPLIT=split, COMBINE=combine,
+                 SPLITS_PAD=8 if combine else 1, DOT_DTYPE="tl.bfloat16",
+                 DOT_PRECISION="tf32", QUANTIZED=False, HADAMARD_BLOCK=1),
         )
-        for split in (False, True)
+        for mode, split, combine, group, head_dim in (
+            ("split=False", False, False, 3, 64), ("split=True", True, False, 3, 64),
+            ("one_launch", True, True, 3, 64), ("one_launch_llama3", True, True, 4, 128),
+        )
     },
     **{
-        f"decode_{name}": (
+        f"decode_{name}{suffix}": (
             "kernels.paged_attention", "_paged_attention_decode_kernel",
-            dict(_BF16_ATTENTION_ARGS, key_cache_ptr=ptr, value_cache_ptr=ptr, out_ptr="*bf16",
-                 lse_ptr="*fp32", tokens_per_split="i32"),
+            dict(_BF16_ATTENTION_ARGS, key_cache_ptr=ptr, value_cache_ptr=ptr,
+                 out_ptr="*fp32" if combine else "*bf16", lse_ptr="*fp32",
+                 final_out_ptr="*bf16", counters_ptr="*i32", tokens_per_split="i32"),
             dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-                 TILE_N=64, SPLIT=False, DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32",
-                 QUANTIZED=True, **_HADAMARD[64]),
+                 TILE_N=64, SPLIT=combine, COMBINE=combine, SPLITS_PAD=8 if combine else 1,
+                 DOT_DTYPE="tl.bfloat16",
+                 DOT_PRECISION="tf32", QUANTIZED=True, **_HADAMARD[64]),
         )
         for name, (ptr, _) in _QUANTIZED.items()
+        for suffix, combine in (("", False), ("_one_launch", True))
     },
     **{
         name: (

@@ -11,11 +11,16 @@ import pytest
 import torch
 
 import kernels.paged_attention as decode_module
-from kernels import reference
+from kernels import kv_quant, reference
 from kernels.paged_attention import (
+    DECODE_TUNING,
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     TARGET_WAVES,
+    DecodeLaunch,
+    DecodeTuning,
+    arrival_counters,
+    choose_launch,
     choose_num_splits,
     paged_attention_decode,
 )
@@ -27,7 +32,8 @@ def ragged_lens(block_size: int) -> list[int]:
 
 
 def run_case(paged_kv, close, device, *, seq_lens, block_size, num_kv_heads, group, head_dim,
-             dtype, num_splits=None, num_blocks=None, sliding_window=None) -> None:  # fmt: skip
+             dtype, num_splits=None, num_blocks=None, sliding_window=None,
+             one_launch=None) -> None:  # fmt: skip
     kv = paged_kv(
         seq_lens,
         block_size=block_size,
@@ -41,7 +47,7 @@ def run_case(paged_kv, close, device, *, seq_lens, block_size, num_kv_heads, gro
     scale = head_dim**-0.5
     out = paged_attention_decode(
         query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale,
-        sliding_window, num_splits=num_splits,
+        sliding_window, num_splits=num_splits, one_launch=one_launch,
     )  # fmt: skip
     expected = reference.paged_attention_decode(
         query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, kv.seq_lens, scale,
@@ -204,6 +210,209 @@ def test_context_bound_below_a_sequence_still_attends_to_all_of_it(paged_kv, clo
     close(out, expected)
 
 
+# ---- one-launch split-K: the last split of each (sequence, KV head) merges ------------------
+# Under the interpreter programs run one after another, so the last split (axis 2 innermost)
+# is the one that sees the count reach num_splits - 1; compiled, any split may be last.
+
+
+def assert_counters_zero(device: torch.device) -> None:
+    """The one-launch path leaves its whole scratch zeroed for the next launch."""
+    buffers = decode_module._ARRIVAL_COUNTERS.get(device, [])
+    assert buffers, "no one-launch call ran on this device"
+    assert all(int(b.count_nonzero()) == 0 for b in buffers)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_one_launch_dtypes_and_head_dims(paged_kv, close, device, dtype, head_dim):
+    run_case(paged_kv, close, device, seq_lens=[1, 17, 150], block_size=16, num_kv_heads=2,
+             group=4, head_dim=head_dim, dtype=dtype, num_splits=3,
+             one_launch=True)  # fmt: skip
+    assert_counters_zero(torch.empty(0, device=device).device)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_one_launch_gqa_ratios(paged_kv, close, device, group):
+    run_case(paged_kv, close, device, seq_lens=ragged_lens(16), block_size=16, num_kv_heads=2,
+             group=group, head_dim=64, dtype=torch.float32, num_splits=4,
+             one_launch=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_one_launch_empty_splits_and_ragged_split_ends(paged_kv, close, device, num_splits):
+    # Bound 320 (a padding column): 2 splits of 192 tokens, 3 of 128, 7 -> 5 of 64; the
+    # short rows' later splits are empty (lse = -inf), 300 and 65 end inside a split.
+    run_case(paged_kv, close, device, seq_lens=[1, 17, 300, 65], block_size=16,
+             num_kv_heads=2, group=4, head_dim=64, dtype=torch.bfloat16,
+             num_splits=num_splits, one_launch=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("sliding_window", [1, 70, 1000])
+def test_one_launch_sliding_window(paged_kv, close, device, sliding_window):
+    run_case(paged_kv, close, device, seq_lens=ragged_lens(16), block_size=16,
+             num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32, num_splits=3,
+             sliding_window=sliding_window, one_launch=True)  # fmt: skip
+
+
+def test_one_launch_zero_length_sequence_outputs_zeros(paged_kv, close, device):
+    kv = paged_kv([0, 70, 0], block_size=16, num_kv_heads=1, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    query = torch.randn(3, 2, 64, device=device)
+    expected = reference.paged_attention_decode(
+        query[1:2], kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables[1:2],
+        kv.seq_lens[1:2], 0.125,
+    )  # fmt: skip
+    out = paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                 kv.seq_lens, 0.125, num_splits=2, one_launch=True)  # fmt: skip
+    assert torch.equal(out[0::2], torch.zeros_like(out[0::2]))
+    close(out[1:2], expected)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_one_launch_over_a_quantized_cache(device, cache_dtype, query_dtype):
+    """The int8 / fp8 KV cache (kernels/kv_quant.py) goes through the same kernel: the
+    one-launch merge changes nothing of its de-quantization (tolerances as
+    tests/kernels/test_kv_quant.py's: 2e-5 for float32 queries, 2e-2 for bf16)."""
+    num_blocks, block_size, num_kv_heads, head_dim = 14, 16, 2, 64
+    shape = (num_blocks, block_size, num_kv_heads, head_dim + kv_quant.SCALE_BYTES)
+    key_cache, value_cache = (
+        kv_quant.quantized_cache(torch.zeros(shape, dtype=torch.uint8, device=device)
+                                 .view(cache_dtype))
+        for _ in "kv"
+    )  # fmt: skip
+    num_slots = num_blocks * block_size
+    reference.store_kv(
+        torch.randn(num_slots, num_kv_heads, head_dim, device=device) * 3,
+        torch.randn(num_slots, num_kv_heads, head_dim, device=device),
+        key_cache, value_cache, torch.arange(num_slots, device=device),
+    )  # fmt: skip
+    tables = torch.stack([torch.randperm(num_blocks)[:7] for _ in range(4)]).int().to(device)
+    seq_lens = torch.tensor([1, 16, 17, 100], dtype=torch.int32, device=device)
+    query = torch.randn(4, 6, head_dim).to(query_dtype).to(device)
+    args = (query, key_cache, value_cache, tables, seq_lens, head_dim**-0.5)
+    want = reference.paged_attention_decode(*args)
+    got = paged_attention_decode(*args, num_splits=3, one_launch=True)
+    tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2}[query_dtype]
+    assert got.dtype == query_dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_one_launch_repeats_bitwise_and_matches_the_two_launch_merge(paged_kv, device):
+    """Back-to-back launches (the second finds the counters the first reset) give the same
+    bits; a different batch size after them too. Both merges run the same code on the same
+    partials (``_merge_head``): bitwise equal under the interpreter; compiled, the kernels'
+    reductions may differ in order (float32 rounding apart)."""
+    kv = paged_kv([5, 300, 129], block_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    query = torch.randn(3, 8, 64, device=device)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125)
+    first = paged_attention_decode(*args, num_splits=5, one_launch=True)
+    assert torch.equal(paged_attention_decode(*args, num_splits=5, one_launch=True), first)
+    two_launch = paged_attention_decode(*args, num_splits=5, one_launch=False)
+    if device.type == "cpu":
+        assert torch.equal(first, two_launch)
+    torch.testing.assert_close(first, two_launch, atol=1e-6, rtol=1e-6)
+    sub = (query[1:], kv.key_cache, kv.value_cache, kv.block_tables[1:], kv.seq_lens[1:], 0.125)
+    assert torch.equal(paged_attention_decode(*sub, num_splits=5, one_launch=True), first[1:])
+    assert_counters_zero(query.device)
+
+
+def test_launch_replaces_the_tuned_launch(paged_kv, close, device):
+    """``launch=`` runs exactly the given launch (the sweep's knob): a 32-token tile."""
+    kv = paged_kv([40, 100], block_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    query = torch.randn(2, 8, 64, device=device)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125)
+    expected = reference.paged_attention_decode(
+        query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, kv.seq_lens, 0.125
+    )
+    for one_launch in (False, True):
+        launch = DecodeLaunch(num_splits=4, one_launch=one_launch, num_warps=2, num_stages=1,
+                              tile_n=32)  # fmt: skip
+        close(paged_attention_decode(*args, launch=launch), expected)
+    with pytest.raises(AssertionError):
+        paged_attention_decode(*args, num_splits=2, launch=DecodeLaunch())
+
+
+def test_arrival_counters_grow_without_dropping_older_buffers():
+    cpu = torch.device("cpu")
+    size = arrival_counters(cpu, 1).numel()
+    assert size == 1
+    older = decode_module._ARRIVAL_COUNTERS[cpu][-1]
+    assert older.numel() >= decode_module.MIN_ARRIVAL_COUNTERS
+    bigger = arrival_counters(cpu, older.numel() + 1)
+    assert bigger.numel() == older.numel() + 1 and int(bigger.count_nonzero()) == 0
+    assert older is decode_module._ARRIVAL_COUNTERS[cpu][-2]  # a graph may point at it
+    decode_module._ARRIVAL_COUNTERS[cpu].pop()  # keep the test's growth to itself
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_split_decode_in_a_cuda_graph_replays_twice(paged_kv, close, one_launch):
+    """Captured once, replayed twice in a row with new context lengths and queries: the
+    one-launch counters must be back at zero after every replay, or the second replay's
+    merge would run early (or never) and its output would be stale."""
+    device = torch.device("cuda")
+    kv = paged_kv([700, 1000, 3], block_size=16, num_kv_heads=8, head_dim=128,
+                  dtype=torch.bfloat16, device=device)  # fmt: skip
+    query = torch.randn(3, 32, 128, device=device).to(torch.bfloat16)
+    seq_lens = kv.seq_lens.clone()
+
+    def decode() -> torch.Tensor:
+        return paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                      seq_lens, 128**-0.5, num_splits=8,
+                                      one_launch=one_launch)  # fmt: skip
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode()  # compile and allocate the counters outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode()
+    for lens in ([1, 1000, 3], [699, 17, 1]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        query.copy_(torch.randn_like(query, dtype=torch.float32).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        close(out, reference.paged_attention_decode(
+            query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, seq_lens,
+            128**-0.5,
+        ))  # fmt: skip
+        if one_launch:
+            assert_counters_zero(query.device)
+
+
+# ---- the launch table ------------------------------------------------------------------------
+
+
+def test_the_last_tuning_row_covers_every_call():
+    last = DECODE_TUNING[-1]
+    assert last.waves_below == float("inf")
+    assert last.max_context_len >= decode_module.ANY_CONTEXT
+
+
+def test_the_table_decides_the_launch(monkeypatch):
+    """A measured row (short contexts, few programs) before the catch-all: its split policy
+    and launch parameters apply to the calls it covers, the catch-all's to the others."""
+    monkeypatch.setattr(decode_module, "num_compute_units", lambda device: 132)
+    row = DecodeTuning(waves_below=1, max_context_len=1024, target_waves=2,
+                       min_tokens_per_split=32, max_splits=16, one_launch=True, num_warps=2,
+                       num_stages=1, tile_n=32)  # fmt: skip
+    monkeypatch.setattr(decode_module, "DECODE_TUNING", (row, *DECODE_TUNING))
+    cuda = torch.device("cuda")
+    assert choose_launch(1, 8, 512, cuda) == DecodeLaunch(16, True, 2, 1, 32)  # 512 // 32
+    assert choose_launch(16, 8, 512, cuda) == DecodeLaunch(3, True, 2, 1, 32)  # 264 / 128
+    # 1 x 4,096 is past the row's context: today's split row.
+    assert choose_launch(1, 8, 4096, cuda) == DecodeLaunch(MAX_SPLITS, False, 4, 3, 64)
+    assert choose_launch(64, 8, 4096, cuda) == DecodeLaunch(1, False, 4, 3, 64)
+    # Off CUDA the row's launch parameters still apply, unsplit.
+    assert choose_launch(1, 8, 512, torch.device("cpu")) == DecodeLaunch(1, True, 2, 1, 32)
+
+
 class TestChooseNumSplits:
     """The split-K heuristic, on a pretend 132-SM GPU (an H100 SXM)."""
 
@@ -243,7 +452,11 @@ class TestChooseNumSplits:
         assert choose_num_splits(1, 1, 10**6, torch.device("cpu")) == 1
 
 
-@pytest.mark.parametrize("build", ["decode_split=False", "decode_split=True", "reduce_splits"])
+@pytest.mark.parametrize(
+    "build",
+    ["decode_split=False", "decode_split=True", "reduce_splits", "decode_one_launch",
+     "decode_one_launch_llama3", "decode_int8_one_launch", "decode_fp8_one_launch"],
+)  # fmt: skip
 def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors[build] is None, sm90_build_errors[build]
@@ -260,13 +473,29 @@ def _compiled_variants() -> int | None:
     return total
 
 
-def test_compile_variants_leaves_nothing_for_traffic_to_compile(paged_kv, device):
+ONE_LAUNCH_TABLE = tuple(
+    DecodeTuning(
+        waves_below=row.waves_below, max_context_len=row.max_context_len,
+        target_waves=row.target_waves, min_tokens_per_split=row.min_tokens_per_split,
+        max_splits=row.max_splits, one_launch=True, num_warps=row.num_warps,
+        num_stages=row.num_stages, tile_n=row.tile_n,
+    )
+    for row in DECODE_TUNING
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("table", ["default", "one_launch"])
+def test_compile_variants_leaves_nothing_for_traffic_to_compile(paged_kv, device, monkeypatch,
+                                                                table):  # fmt: skip
     # What the engine's warm-up runs: afterwards no split count, batch size, context width
     # or split scratch shape a decode step can meet may compile a new kernel (each compile
     # stalls a serving step by hundreds of milliseconds on a GPU).
+    if table == "one_launch":
+        monkeypatch.setattr(decode_module, "DECODE_TUNING", ONE_LAUNCH_TABLE)
     kv = paged_kv([1], block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.float32,
                   device=device)  # fmt: skip
     calls = decode_module.compile_variants(kv.key_cache, kv.value_cache, 8, 0.125, torch.float32)
+    # Unsplit, then one split count per power-of-two bound (either merge's variants).
     assert calls == 1 + (MAX_SPLITS.bit_length() - 1)
     if device.type != "cuda":
         return  # the interpreter compiles nothing; the calls above checked they run

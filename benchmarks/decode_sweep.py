@@ -1,0 +1,299 @@
+"""Launch sweep of the Triton decode kernel (``python -m benchmarks.kernels --sweep``).
+
+For each of the issue's decode rows (Llama-3-8B shape, bf16, ``TARGET_ROWS``) it times launches
+of ``kernels.paged_attention.paged_attention_decode`` (``launch=DecodeLaunch(...)``) as CUDA
+graphs, exactly as ``--targets`` times the default one, and prints per row the fastest launch
+beside today's (the launch ``DECODE_TUNING`` picks), with its time and % of HBM peak, and a
+``DecodeTuning`` row to start the table from.
+
+The grid is searched in stages, all rows at each stage before the next, so that a run cut
+short still has every row's first stage::
+
+    A  merge {one-launch, two-launch} x split counts {1, 2, 4, ..., 64} (whole tiles of the
+       context, at most 8 waves of programs), at today's warps / stages / tile
+    B  num_warps {2, 4, 8} x num_stages {1, 2, 3} at each row's best of A
+    C  tile {32, 128} tokens at the best of B (and twice its splits at 32; both merges
+       when it is unsplit)
+
+Every timing line is printed (and flushed) as it is measured, with the launch's error
+against the reference (``MISMATCH`` launches are never "best"; a launch that fails to
+compile or run prints its error and the sweep goes on). ``--budget-s`` bounds the stages,
+compiles included: past it, the remaining launches are skipped. Then each row's best and
+today's launch are timed again, interleaved (A, B, A, B: the figures compared come from the
+same minutes), and the summary printed.
+
+CPU: only with ``TRITON_INTERPRET=1`` (``--quick``: one small row, stage A at two split
+counts, timed by wall clock: a smoke test of this code, not a measurement).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from benchmarks.decode_cases import (
+    TARGET_ROWS,
+    Config,
+    Inputs,
+    make_inputs,
+    num_input_sets,
+    time_sets,
+)
+from kernels import reference
+
+if TYPE_CHECKING:
+    from kernels.paged_attention import DecodeLaunch
+
+SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+SWEEP_WARPS = (2, 4, 8)
+SWEEP_STAGES = (1, 2, 3)
+SWEEP_TILES = (32, 128)  # besides today's
+# Split counts whose grid stays within this many programs per SM (more only adds partials).
+MAX_SWEEP_WAVES = 8
+# |launch - reference| above this (bf16 outputs of magnitude <= ~1) marks a wrong launch.
+MISMATCH_ABOVE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+DEFAULT_BUDGET_S = 100.0
+# The confirmation step (two more timings of two launches per row) runs within this much
+# past the budget: its launches are compiled already, so it takes a few seconds.
+CONFIRM_RESERVE_S = 20.0
+
+
+@dataclass
+class Measured:
+    launch: DecodeLaunch
+    seconds: float
+    error: float
+    ok: bool
+
+
+def effective(launch: DecodeLaunch, context_len: int) -> DecodeLaunch:
+    """The launch as the launcher runs it: splits rounded to whole tiles and recounted, and
+    an unsplit launch's merge mode normalised (it has none)."""
+    per_split = -(-context_len // launch.num_splits)
+    tokens = max(launch.tile_n, -(-per_split // launch.tile_n) * launch.tile_n)
+    num_splits = max(1, -(-context_len // tokens))
+    return replace(launch, num_splits=num_splits, one_launch=launch.one_launch and num_splits > 1)
+
+
+def describe(launch: DecodeLaunch) -> str:
+    merge = "unsplit" if launch.num_splits == 1 else ("one" if launch.one_launch else "two")
+    return (f"{merge:<7} splits={launch.num_splits:<2} w={launch.num_warps} "
+            f"s={launch.num_stages} tile={launch.tile_n:<3}")  # fmt: skip
+
+
+class RowSweep:
+    """One decode row: its inputs, reference output and every launch measured on it."""
+
+    def __init__(self, cfg: Config, device: torch.device, peak: float | None, quick: bool) -> None:
+        from kernels.paged_attention import choose_launch
+
+        self.cfg = cfg
+        self.device = device
+        self.peak = peak  # GB/s
+        self.scale = cfg.head_dim**-0.5
+        count = 1 if quick else num_input_sets(cfg.bytes_moved(), device)
+        self.sets = [make_inputs(cfg, device) for _ in range(count)]
+        x = self.sets[0]
+        self.expected = reference.paged_attention_decode(
+            x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, self.scale
+        ).float()
+        self.default = effective(
+            choose_launch(cfg.batch, cfg.num_kv_heads, cfg.context_len, device), cfg.context_len
+        )
+        self.results: dict[DecodeLaunch, Measured] = {}
+
+    def valid_splits(self, tile_n: int) -> list[int]:
+        """Split counts of whole tiles, within MAX_SWEEP_WAVES of programs per SM."""
+        from kernels._common import num_compute_units
+
+        programs = self.cfg.batch * self.cfg.num_kv_heads
+        max_programs = max(programs, MAX_SWEEP_WAVES * num_compute_units(self.device))
+        tiles = -(-self.cfg.context_len // tile_n)
+        return [n for n in SWEEP_SPLITS if n <= tiles and programs * n <= max_programs]
+
+    def best(self) -> Measured | None:
+        ok = [m for m in self.results.values() if m.ok]
+        return min(ok, key=lambda m: m.seconds) if ok else None
+
+    def impl(self, launch: DecodeLaunch) -> Callable[[Inputs], torch.Tensor]:
+        from kernels.paged_attention import paged_attention_decode
+
+        return lambda i: paged_attention_decode(
+            i.query, i.key_cache, i.value_cache, i.block_tables, i.seq_lens, self.scale,
+            launch=launch,
+        )  # fmt: skip
+
+    def measure(self, launch: DecodeLaunch, out: Callable[[str], None]) -> None:
+        """Time ``launch`` (as the launcher will run it) unless it was, and print the line."""
+        launch = effective(launch, self.cfg.context_len)
+        if launch in self.results:
+            return
+        label = f"{self.cfg.batch:>4} x {self.cfg.context_len:<5} {describe(launch)}"
+        try:
+            seconds = time_sets(self.impl(launch), self.sets, self.device)
+            error = float((self.impl(launch)(self.sets[0]).float() - self.expected).abs().max())
+        except Exception as e:  # a launch the device cannot run (shared memory, registers)
+            out(f"{label}  failed: {type(e).__name__}: {str(e)[:150]}")
+            self.results[launch] = Measured(launch, math.inf, math.inf, False)
+            return
+        ok = error <= MISMATCH_ABOVE[self.cfg.dtype]
+        self.results[launch] = Measured(launch, seconds, error, ok)
+        mark = " default" if launch == self.default else ""
+        out(f"{label} {seconds * 1e6:>9.1f} us {self.percent(seconds):>7} "
+            f"err {error:.1e}{'' if ok else ' MISMATCH'}{mark}")  # fmt: skip
+
+    def confirm(self, out: Callable[[str], None]) -> None:
+        """Time today's launch and the best again, interleaved (A, B, A, B), so the two
+        figures the summary compares come from the same minutes; each keeps its least."""
+        best = self.best()
+        default = self.results.get(self.default)
+        if best is None or default is None or not default.ok or best.launch == self.default:
+            return
+        for _ in range(2):
+            for m in (default, best):
+                m.seconds = min(m.seconds, time_sets(self.impl(m.launch), self.sets, self.device))
+        out(f"{self.cfg.batch:>4} x {self.cfg.context_len:<5} today {default.seconds * 1e6:.1f} "
+            f"us, best {best.seconds * 1e6:.1f} us")  # fmt: skip
+
+    def percent(self, seconds: float) -> str:
+        """Achieved bandwidth as a fraction of peak (the bytes ``--targets`` counts)."""
+        if not self.peak or not math.isfinite(seconds):
+            return "n/a"
+        return f"{100 * self.cfg.bytes_moved() / seconds / 1e9 / self.peak:.1f}%"
+
+
+def stage_a(row: RowSweep) -> list[DecodeLaunch]:
+    """Today's launch, then each merge at each split count at today's launch parameters."""
+    from kernels.paged_attention import DecodeLaunch
+
+    d = row.default
+    launches = [d]
+    for n in row.valid_splits(d.tile_n):
+        for one_launch in (True, False):
+            launches.append(DecodeLaunch(n, one_launch, d.num_warps, d.num_stages, d.tile_n))
+    return launches
+
+
+def stage_b(row: RowSweep) -> list[DecodeLaunch]:
+    best = row.best()
+    if best is None:
+        return []
+    return [replace(best.launch, num_warps=w, num_stages=s)
+            for w in SWEEP_WARPS for s in SWEEP_STAGES]  # fmt: skip
+
+
+def stage_c(row: RowSweep) -> list[DecodeLaunch]:
+    """Other tiles at the best of B: its split count, and twice it with a smaller tile (an
+    unsplit best then tries both merges)."""
+    best = row.best()
+    if best is None:
+        return []
+    b = best.launch
+    merges = (b.one_launch,) if b.num_splits > 1 else (True, False)
+    launches: list[DecodeLaunch] = []
+    for tile in SWEEP_TILES:
+        counts = [b.num_splits] + ([2 * b.num_splits] if tile < b.tile_n else [])
+        for n in counts:
+            if n == 1 or n in row.valid_splits(tile):
+                launches += [replace(b, num_splits=n, tile_n=tile, one_launch=m) for m in merges]
+    return launches
+
+
+def suggested_row(row: RowSweep, sms: int) -> str:
+    """A ``DecodeTuning`` line reproducing the row's best split launch at its own shape, or
+    for an unsplit best the launch parameters of the catch-all (unsplit) row: a row of its
+    own would also cover fewer sequences of that context, which should split."""
+    b = row.best().launch
+    shape = f"# {row.cfg.batch} x {row.cfg.context_len}"
+    if b.num_splits == 1:
+        return (f"catch-all row: num_warps={b.num_warps}, num_stages={b.num_stages}, "
+                f"tile_n={b.tile_n}  {shape}")  # fmt: skip
+    waves = row.cfg.batch * row.cfg.num_kv_heads / sms
+    # Rounded up, ceil(target_waves * sms / programs) >= num_splits; max_splits clamps it.
+    target = math.ceil(b.num_splits * waves * 1000) / 1000
+    return (
+        f"DecodeTuning(waves_below={math.floor(waves * 1000 + 1) / 1000}, "
+        f"max_context_len={row.cfg.context_len}, target_waves={target}, "
+        f"min_tokens_per_split={b.tile_n}, max_splits={b.num_splits}, "
+        f"one_launch={b.one_launch}, num_warps={b.num_warps}, num_stages={b.num_stages}, "
+        f"tile_n={b.tile_n}),  {shape}"
+    )
+
+
+def run_sweep(
+    device: torch.device,
+    dtype: torch.dtype,
+    peak: float | None,
+    *,
+    quick: bool = False,
+    budget_s: float = DEFAULT_BUDGET_S,
+    out: Callable[[str], None] | None = None,
+) -> list[RowSweep]:
+    """Run the sweep, printing as it goes; returns the rows with their measurements."""
+    from kernels._common import num_compute_units
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    out = out or say
+    start = time.perf_counter()
+    if quick:  # off CUDA one SM: stage A is unsplit and 2 splits of each merge
+        cfgs = [Config(2, 128, 4, 2, 16, 32, dtype)]
+        stages = [("A", stage_a)]
+    else:
+        cfgs = [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in TARGET_ROWS]
+        stages = [("A", stage_a), ("B", stage_b), ("C", stage_c)]
+    out(f"# decode launch sweep: {len(cfgs)} rows, stages {'/'.join(s for s, _ in stages)}, "
+        f"budget {budget_s:.0f} s (compiles included)")  # fmt: skip
+    rows = [RowSweep(cfg, device, peak, quick) for cfg in cfgs]
+    skipped = 0
+    for name, stage in stages:
+        out(f"# stage {name}")
+        for row in rows:
+            for launch in stage(row):
+                if time.perf_counter() - start > budget_s:
+                    skipped += 1
+                    continue
+                row.measure(launch, out)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if skipped:
+        out(f"# budget of {budget_s:.0f} s spent: {skipped} launches not timed")
+    out("# confirm: today's launch and the best, interleaved (nothing new to compile)")
+    for row in rows:
+        if time.perf_counter() - start > budget_s + CONFIRM_RESERVE_S:
+            out("# no time left to confirm the remaining rows")
+            break
+        try:
+            row.confirm(out)
+        except Exception as e:  # keep the first measurement; the summary still prints
+            out(f"# confirm failed: {type(e).__name__}: {str(e)[:150]}")
+    out(f"# sweep took {time.perf_counter() - start:.0f} s")
+    out("")
+    out(f"{'batch x ctx':<13} {'':<8}{'launch':<35} {'time_us':>9} {'%peak':>7} "
+        f"{'speed-up':>8}")  # fmt: skip
+    for row in rows:
+        head = f"{row.cfg.batch:>4} x {row.cfg.context_len:<6}"
+        default = row.results.get(row.default)
+        best = row.best()
+        if default is not None:
+            out(f"{head} default {describe(row.default)} {default.seconds * 1e6:>9.1f} "
+                f"{row.percent(default.seconds):>7}")  # fmt: skip
+        if best is not None:
+            ok = default is not None and default.ok
+            gain = default.seconds / best.seconds if ok else math.nan
+            out(f"{head} best    {describe(best.launch)} {best.seconds * 1e6:>9.1f} "
+                f"{row.percent(best.seconds):>7} {gain:>7.2f}x")  # fmt: skip
+    sms = num_compute_units(device)
+    out("")
+    out("# DECODE_TUNING (kernels/paged_attention.py) rows reproducing each row's best at its")
+    out("# shape, most specific first, before the catch-all rows:")
+    for row in sorted(rows, key=lambda r: (r.cfg.context_len, r.cfg.batch)):
+        if row.best() is not None:
+            out(f"#   {suggested_row(row, sms)}")
+    return rows

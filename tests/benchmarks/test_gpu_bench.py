@@ -1,0 +1,41 @@
+"""benchmarks.gpu runs end to end on CPU on a tiny dummy shape: the smoke test the issue asks
+for, so the one-command GPU benchmark cannot rot between the runs a GPU is lent for."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks import gpu
+
+
+def test_every_engine_section_runs_on_a_tiny_dummy_shape(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "gpu.json"
+    argv = ["--quick", "--model", "tiny-llama", "--device", "cpu", "--skip-http", "--out", str(out)]
+    assert gpu.main([*argv, "--sections", "batch1,prefill,decode,offline,profile"]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["graphs"] is False and figures["dtype"] == "float32"
+    batch1 = figures["batch1"]
+    assert 0 < batch1["floor_s"] < batch1["tpot_s"] and batch1["ttft_s"] > 0
+    assert set(figures["prefill"]) == {"16", "64"}
+    assert set(figures["decode"]) == {"2", "4"}
+    for row in (*figures["prefill"].values(), *figures["decode"].values()):
+        assert 0 < row["floor_s"] < row["s"]
+    assert figures["offline_tok_s"] > 0
+    assert {"batch1", "closed_loop", "offline"} <= set(figures["profile"])
+    printed = capsys.readouterr().out
+    assert "MBU" in printed and "offline:" in printed
+
+
+def test_the_http_servers_command_serves_what_the_engine_part_measured() -> None:
+    args = gpu.parse_args(
+        ["--model", "llama-3-8b", "--kv-cache-dtype", "int8", "--enforce-eager",
+         "--server-args", "--target-itl-ms 20"]
+    )  # fmt: skip
+    cmd = gpu.server_command(args, 64).split()
+    assert cmd[1:3] == ["-m", "server"] and "{port}" in cmd
+    flags = " ".join(cmd[cmd.index("--model") :])
+    assert flags == (
+        "--model llama-3-8b --load-format dummy --max-num-seqs 64 --kv-cache-dtype int8 "
+        "--enforce-eager --target-itl-ms 20"
+    )
