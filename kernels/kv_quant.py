@@ -30,13 +30,13 @@ Measured on the default model (benchmarks/RESULTS.md): the transform cuts the at
 error int8 keys cause by 77% and halves the logprob error; scaling K's channels against Q's
 (foldable into the q/k weights, but only per RoPE pair) cut the attention error by 7-35%.
 
-**Keys are stored less a calibrated offset.** Post-RoPE keys of a (layer, KV head) share a
-large component common to every token (some channels carry a near-constant offset), which
-widens each row's absmax scale and costs every other channel precision. The store kernels
-take an optional ``key_offset`` ``[num_kv_heads, head_dim]`` float32 (the engine calibrates
-it per layer at start-up with ``--kv-key-offsets``: the mean post-RoPE key of a short
-text; kvpool holds it) and
-quantize ``k - key_offset[h]`` instead of ``k``: in float32, before the Hadamard transform.
+**Keys may be stored less a calibrated offset** (opt-in). Post-RoPE keys of a (layer, KV
+head) share a large component common to every token (some channels carry a near-constant
+offset), which widens each row's absmax scale and costs every other channel precision. The
+store kernels take an optional ``key_offset`` ``[num_kv_heads, head_dim]`` float32 (with
+``--kv-key-offsets`` the engine calibrates it per layer at start-up, the mean post-RoPE key
+of a short text, and kvpool holds it) and quantize ``k - key_offset[h]`` instead of ``k``:
+in float32, before the Hadamard transform.
 Nothing adds it back: subtracting one vector ``m`` from every key of a head shifts each of a
 query's scores by the same ``<q, m>``, and softmax is invariant to a shift, so attention over
 the offset keys is attention over the keys (exact in real arithmetic; only the rounding
