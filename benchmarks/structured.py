@@ -220,6 +220,10 @@ class _TimedConstraint:
         self.decoder = decoder
         self.cpu_ns = 0
 
+    @property
+    def num_constrained(self) -> int:
+        return int(self.decoder.num_constrained)
+
     def _timed(self, method: Any, *args: Any) -> Any:
         start = time.thread_time_ns()
         try:

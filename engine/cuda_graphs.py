@@ -136,6 +136,10 @@ class DecodeGraphs:
             width: self._inert_tables(slice(0, max_bs), width).clone()
             for width in {w for ws in self.widths.values() for w in ws}
         }
+        # Rows a step may have left non-inert: in the 1-D buffers, and per table width. Only
+        # those rows of a padded bucket are made inert again (rows past them still are).
+        self._dirty_rows = 0
+        self._dirty_table_rows = dict.fromkeys(self.block_tables, 0)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_s = 0.0
         self.pool_bytes = 0
@@ -243,14 +247,22 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(batch.attn.seq_lens, non_blocking=True)
         tables[:n, :width].copy_(batch.attn.block_tables, non_blocking=True)
         # Columns past a row's own blocks keep a previous step's ids: attention reads a
-        # table only up to its row's context. Rows n..size become inert padding again.
-        if size > n:
-            pad, inert = slice(n, size), self._inert
+        # table only up to its row's context. Rows n..size become inert padding again, as
+        # far as an earlier step wrote them.
+        inert = self._inert
+        dirty = self._dirty_rows
+        if min(size, dirty) > n:
+            pad = slice(n, min(size, dirty))
             self.input_ids[pad].copy_(inert.input_ids[pad])
             self.positions[pad].copy_(inert.positions[pad])
             self.slot_mapping[pad].copy_(inert.slot_mapping[pad])
             self.seq_lens[pad].copy_(inert.attn.seq_lens[pad])
+        self._dirty_rows = dirty if dirty > size else n
+        dirty = self._dirty_table_rows[key[1]]
+        if min(size, dirty) > n:
+            pad = slice(n, min(size, dirty))
             tables[pad].copy_(self._inert_tables(pad, tables.shape[1]))
+        self._dirty_table_rows[key[1]] = dirty if dirty > size else n
         captured = self._graphs.get(key)
         if captured is None:  # the stand-in
             return self._forward(*key)[:n]

@@ -19,8 +19,10 @@ after the sampling rows::
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvpool.manager import slots_for
@@ -57,9 +59,29 @@ class InputBatch:
         return int(self.input_ids.shape[0])
 
 
-def build_input_batch(out: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
-    decodes = [s for s in out.scheduled if s.num_tokens == 1]
-    prefills = [s for s in out.scheduled if s.num_tokens != 1]
+# Without staging (on the CPU), a decode step of fewer rows builds its lists request by
+# request: below this, numpy's fixed costs outweigh what its array operations save.
+MIN_ARRAY_ROWS = 16
+
+
+def build_input_batch(
+    out: SchedulerOutput,
+    block_size: int,
+    device: torch.device,
+    staging: HostStaging | None = None,
+) -> InputBatch:
+    """The step's tensors on ``device``. ``staging`` (the runner's, on CUDA): a pinned host
+    buffer the step's integers are packed into, then moved by one asynchronous copy; without
+    it each tensor is moved on its own."""
+    scheduled = out.scheduled
+    if (
+        (staging is not None or len(scheduled) >= MIN_ARRAY_ROWS)
+        and scheduled
+        and all(s.num_tokens == 1 and not s.padding and not s.draft_token_ids for s in scheduled)
+    ):
+        return _decode_batch(scheduled, block_size, device, staging)
+    decodes = [s for s in scheduled if s.num_tokens == 1]
+    prefills = [s for s in scheduled if s.num_tokens != 1]
     ordered = decodes + prefills
 
     input_ids: list[int] = []
@@ -88,28 +110,180 @@ def build_input_batch(out: SchedulerOutput, block_size: int, device: torch.devic
             logits_indices.append(len(input_ids) - 1)
             sampling.append(item)
 
-    max_blocks = max(len(item.block_ids) for item in ordered)
-    tables = [list(item.block_ids) + [0] * (max_blocks - len(item.block_ids)) for item in ordered]
     seq_lens = [item.seq_len for item in ordered]
-
     rows = logits_indices + verify_indices + padding_indices
-
-    def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-    return InputBatch(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        slot_mapping=tensor(slots, torch.int64),
-        attn=AttentionMetadata(
-            num_decodes=len(decodes),
-            block_tables=tensor(tables, torch.int32),
-            seq_lens=tensor(seq_lens, torch.int32),
-            query_start_loc=tensor(query_start_loc, torch.int32),
-            max_seq_len=max(seq_lens),
-        ),
-        logits_indices=tensor(rows, torch.int64),
+    lists = (input_ids, positions, slots, rows, seq_lens, query_start_loc)
+    dtypes = (np.int64,) * 4 + (np.int32,) * 2
+    if staging is not None:
+        arrays = [np.array(v, dtype=d) for v, d in zip(lists, dtypes, strict=True)]
+        tensors = staging.to_device([*arrays, _block_tables([r.block_ids for r in ordered])])
+    else:
+        max_blocks = max(len(item.block_ids) for item in ordered)
+        tables = [list(r.block_ids) + [0] * (max_blocks - len(r.block_ids)) for r in ordered]
+        tensors = [
+            torch.tensor(v, dtype=d).to(device, non_blocking=True)
+            for v, d in zip(
+                (*lists, tables), (*[_TORCH_DTYPES[d] for d in dtypes], torch.int32), strict=True
+            )
+        ]
+    return _input_batch(
+        tensors,
+        num_decodes=len(decodes),
+        max_seq_len=max(seq_lens),
         sampling=sampling,
         logits_are_all_rows=rows == list(range(len(input_ids))),
         verifying=verifying,
     )
+
+
+def _decode_batch(
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    device: torch.device,
+    staging: HostStaging | None,
+) -> InputBatch:
+    """``build_input_batch`` of a step of one-token rows, none of them padding or speculative
+    (every decode-only step a graph replays), in array operations: the same tensors."""
+    n = len(scheduled)
+    i64 = np.int64
+    starts = np.fromiter((s.start for s in scheduled), dtype=i64, count=n)
+    input_ids = np.fromiter((s.token_ids[0] for s in scheduled), dtype=i64, count=n)
+    samples = np.fromiter((s.samples for s in scheduled), dtype=np.bool_, count=n)
+    tables = _block_tables([s.block_ids for s in scheduled])
+    slots = tables[np.arange(n), starts // block_size].astype(i64) * block_size
+    slots += starts % block_size
+    all_rows = bool(samples.all())
+    rows = np.arange(n, dtype=i64) if all_rows else np.flatnonzero(samples).astype(i64)
+    seq_lens = (starts + 1).astype(np.int32)
+    tensors = _to_device(
+        [
+            input_ids,
+            starts,
+            slots,
+            rows,
+            seq_lens,
+            np.arange(n + 1, dtype=np.int32),
+            tables,
+        ],
+        device,
+        staging,
+    )
+    return _input_batch(
+        tensors,
+        num_decodes=n,
+        max_seq_len=int(seq_lens.max()),
+        sampling=list(scheduled) if all_rows else [s for s in scheduled if s.samples],
+        logits_are_all_rows=all_rows,
+    )
+
+
+def _block_tables(block_ids: list[tuple[int, ...]]) -> np.ndarray:
+    """[rows, max_num_blocks] int32: each row's block ids, padded with 0."""
+    lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
+    width = int(lens.max())
+    flat = np.fromiter(
+        itertools.chain.from_iterable(block_ids), dtype=np.int32, count=int(lens.sum())
+    )
+    if flat.size == len(block_ids) * width:  # every row as wide as the widest
+        return flat.reshape(len(block_ids), width)
+    tables = np.zeros((len(block_ids), width), dtype=np.int32)
+    tables[np.arange(width) < lens[:, None]] = flat  # row-major order: each row's ids in turn
+    return tables
+
+
+def _input_batch(
+    tensors: list[torch.Tensor],
+    *,
+    num_decodes: int,
+    max_seq_len: int,
+    sampling: list[ScheduledRequest],
+    logits_are_all_rows: bool,
+    verifying: list[ScheduledRequest] | None = None,
+) -> InputBatch:
+    input_ids, positions, slots, rows, seq_lens, query_start_loc, tables = tensors
+    return InputBatch(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slots,
+        attn=AttentionMetadata(
+            num_decodes=num_decodes,
+            block_tables=tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            max_seq_len=max_seq_len,
+        ),
+        logits_indices=rows,
+        sampling=sampling,
+        logits_are_all_rows=logits_are_all_rows,
+        verifying=verifying if verifying is not None else [],
+    )
+
+
+_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+
+
+def _to_device(
+    arrays: list[np.ndarray], device: torch.device, staging: HostStaging | None
+) -> list[torch.Tensor]:
+    """The arrays as tensors on ``device``: through ``staging`` (one copy) when given."""
+    if staging is not None:
+        return staging.to_device(arrays)
+    tensors = [torch.from_numpy(a) for a in arrays]
+    if device.type == "cpu":
+        return tensors
+    return [t.to(device, non_blocking=True) for t in tensors]
+
+
+# Every packed array starts at a multiple of this many bytes: kernels (Triton's pointer
+# specialisations among them) see the same alignment as from a tensor of its own.
+_ALIGN = 16
+
+
+class HostStaging:
+    """A pinned host buffer that a step's integer arrays are packed into, moved to the device
+    by one asynchronous copy and handed out as views of the one device tensor.
+
+    NOTE: the buffer is refilled only after the previous step's copy out of it has finished
+    (an event recorded after the copy): a step without sampling never waits for its copy.
+
+    Off CUDA the same packing runs into an ordinary buffer (no pinning, no event), so the
+    layout is tested where no GPU is.
+    """
+
+    def __init__(self, device: torch.device, num_bytes: int = 1 << 16) -> None:
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=self._pin)
+        self._event = torch.cuda.Event() if self._pin else None
+        self._copying = False  # a copy out of ``_host`` was queued after ``_event``'s record
+
+    def to_device(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        offsets = []
+        total = 0
+        for a in arrays:
+            offsets.append(total)
+            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        if self._event is not None and self._copying:
+            self._event.synchronize()
+        if total > self._host.numel():
+            self._host = torch.empty(
+                max(total, 2 * self._host.numel()), dtype=torch.uint8, pin_memory=self._pin
+            )
+        host = self._host.numpy()
+        for a, offset in zip(arrays, offsets, strict=True):
+            host[offset : offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+        packed = self._host[:total].to(self.device, non_blocking=True, copy=True)
+        if self._event is not None:
+            self._event.record(torch.cuda.current_stream(self.device))
+            self._copying = True
+        # One strided view per array (each torch call costs the host more than numpy's).
+        typed = {8: packed.view(torch.int64), 4: packed.view(torch.int32)}
+        return [
+            typed[a.itemsize].as_strided(a.shape, _strides(a), offset // a.itemsize)
+            for a, offset in zip(arrays, offsets, strict=True)
+        ]
+
+
+def _strides(a: np.ndarray) -> tuple[int, ...]:
+    """A contiguous array's strides in elements."""
+    return tuple(s // a.itemsize for s in a.strides)

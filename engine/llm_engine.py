@@ -377,14 +377,25 @@ class LLMEngine:
     def _make_outputs(
         self, update: SchedulerUpdate, result: ModelRunnerOutput
     ) -> list[RequestOutput]:
-        logprobs = dict(zip(result.request_ids, result.logprobs, strict=False))
+        logprobs = (
+            dict(zip(result.request_ids, result.logprobs, strict=False))
+            if any(lp is not None for lp in result.logprobs)
+            else None
+        )
         # A speculative row emits several tokens: one output per request, all its tokens.
-        new_tokens: dict[str, tuple[Request, list[int]]] = {}
-        for request, token_id in update.new_tokens:
-            new_tokens.setdefault(request.request_id, (request, []))[1].append(token_id)
+        # NOTE: a request's tokens are consecutive in ``new_tokens`` (the update appends
+        # them row by row, each request in one row), so each run of one request is grouped.
         outputs = []
-        for request_id, (request, token_ids) in new_tokens.items():
-            lp = logprobs.get(request_id)
+        tokens = update.new_tokens
+        i, n = 0, len(tokens)
+        while i < n:
+            request, token_id = tokens[i]
+            token_ids = [token_id]
+            i += 1
+            while i < n and tokens[i][0] is request:
+                token_ids.append(tokens[i][1])
+                i += 1
+            lp = logprobs.get(request.request_id) if logprobs is not None else None
             lps = lp[: len(token_ids)] if isinstance(lp, list) else [lp] if lp is not None else None
             outputs.append(_output(request, token_ids, lps))
         for request in update.finished:
@@ -431,16 +442,30 @@ class LLMEngine:
             stats.target_met = step_s + (gap_s or 0.0) <= decision.budget_s
 
 
+_RUNNING = RequestStatus.RUNNING
+
+
 def _output(request: Request, new_token_ids: list[int], logprobs: Any) -> RequestOutput:
-    finished = request.status.finished
+    status = request.status
+    if status is _RUNNING:  # most outputs of a step: no finish to describe
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_logprobs=logprobs,
+            finished=False,
+            finish_reason=None,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=len(request.output_token_ids),
+            first_scheduled_time=request.first_scheduled_time,
+        )
     stop_token = None
-    if request.status == RequestStatus.FINISHED_STOPPED and request.output_token_ids:
+    if status == RequestStatus.FINISHED_STOPPED and request.output_token_ids:
         stop_token = request.output_token_ids[-1]
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=new_token_ids,
         new_logprobs=logprobs,
-        finished=finished,
+        finished=status.finished,
         finish_reason=request.finish_reason,
         num_prompt_tokens=request.num_prompt_tokens,
         num_output_tokens=request.num_output_tokens,

@@ -15,7 +15,7 @@ import torch
 
 from engine.backends import ModelForward
 from engine.cuda_graphs import DecodeGraphs
-from engine.input_batch import InputBatch, build_input_batch
+from engine.input_batch import HostStaging, InputBatch, build_input_batch
 from engine.outputs import ModelRunnerOutput, TokenLogprob
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.sampler import Sampler
@@ -40,6 +40,8 @@ class ModelRunner:
         self.storage = storage
         self.sampler = sampler
         self.device = device
+        # On CUDA a step's inputs leave the host in one copy from one pinned buffer.
+        self.staging = HostStaging(device) if device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
         # Steps with prefill tokens, in pieces cut at attention (engine/piecewise_graphs.py).
         self.piecewise: PiecewiseGraphs | None = None
@@ -47,7 +49,7 @@ class ModelRunner:
         self.speculator: SpeculativeDecoder | None = None
 
     def prepare(self, out: SchedulerOutput) -> InputBatch:
-        return build_input_batch(out, self.storage.block_size, self.device)
+        return build_input_batch(out, self.storage.block_size, self.device, self.staging)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the scheduled tokens and sample for requests whose chunk ends their
@@ -92,7 +94,7 @@ class ModelRunner:
                 logprobs.append(result.logprobs)
         phase_s = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
         return ModelRunnerOutput(
-            [s.request_id for s in batch.sampling + batch.verifying],
+            [s.request.request_id for s in batch.sampling + batch.verifying],
             token_ids,
             logprobs,
             phase_s,

@@ -48,6 +48,11 @@ from scheduler.request import SamplingParams
 class LogitsConstraint(Protocol):
     """What the sampler asks of structured output (engine/structured.py)."""
 
+    @property
+    def num_constrained(self) -> int:
+        """Requests with a grammar; none: the hooks below change nothing."""
+        ...
+
     def mask_before_sampling(
         self, logits: torch.Tensor, requests: list[ScheduledRequest]
     ) -> torch.Tensor:
@@ -119,10 +124,16 @@ class Sampler:
         the request asked for them) or None when the request did not ask for logprobs.
         """
         params = [r.request.sampling_params for r in requests]
+        constraint = self.constraint
+        if (constraint is None or not constraint.num_constrained) and all(
+            _plain_greedy(p) for p in params
+        ):
+            # The common batch: one argmax, one read; what the general path below computes
+            # for it (no logprobs, penalties or noise).
+            return self._argmax(logits).tolist(), [None] * len(params)
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if num_top is not None else None
 
-        constraint = self.constraint
         if constraint is not None:
             logits = constraint.mask_before_sampling(logits, requests)
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
@@ -247,6 +258,11 @@ class Sampler:
             if seed is not None:
                 noise[row].exponential_(generator=self._generator(item.request_id, seed))
         return noise
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """A row the sampler only takes the argmax of: greedy, no logprobs, no penalties."""
+    return p.logprobs is None and p.greedy and not p.needs_penalties
 
 
 def _untied(values: list[float], j: int) -> bool:

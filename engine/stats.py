@@ -33,25 +33,27 @@ class StepStatsRecorder:
         """The stats of the step that ran ``plan``, taken after the scheduler's update."""
         # Static-batch padding rows are computed and read KV, but are nobody's output and
         # write nothing: they count in the bytes read, not as decode tokens or writes.
-        padding = plan.num_padding_tokens
-        # A speculative row is a decode plus its drafts: all of them decode tokens.
-        decode = sum(
-            s.num_tokens
-            for s in plan.scheduled
-            if (s.num_tokens == 1 or s.draft_token_ids) and not s.padding
-        )
-        kv_tokens_read = sum(s.seq_len for s in plan.scheduled)
+        # A speculative row is a decode plus its drafts: all of them decode tokens. One pass
+        # over the rows (a step may hold hundreds).
+        padding = decode = kv_tokens_read = num_logit_rows = num_tokens = 0
+        chunks = []
+        for s in plan.scheduled:
+            n = s.num_tokens
+            num_tokens += n
+            kv_tokens_read += s.start + n
+            chunks.append((s.start, n))
+            if s.padding:
+                padding += 1
+                num_logit_rows += 1
+                continue
+            if n == 1 or s.draft_token_ids:
+                decode += n
+            if s.samples:
+                num_logit_rows += n if s.draft_token_ids else 1
         per_token = self.kv_capacity.bytes_per_token
         # Copy-on-write block copies read and write a whole block each.
         copied = len(plan.blocks_to_copy) * self.kv_capacity.block_size * per_token
-        num_logit_rows = sum(
-            s.num_tokens if s.draft_token_ids else 1
-            for s in plan.scheduled
-            if s.samples or s.padding
-        )
-        cost = self.cost_model.step(
-            ((s.start, s.num_tokens) for s in plan.scheduled), num_logit_rows, experts_touched
-        )
+        cost = self.cost_model.step(chunks, num_logit_rows, experts_touched)
         kv = kv_manager.stats()
         last_queries, last_hits = self._prefix_totals
         self._prefix_totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
@@ -59,14 +61,14 @@ class StepStatsRecorder:
             step_time_s=step_time_s,
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
-            num_prefill_tokens=plan.num_scheduled_tokens - decode - padding,
+            num_prefill_tokens=num_tokens - decode - padding,
             num_decode_tokens=decode,
             num_preemptions=scheduler.last_step_preemptions,
             num_kv_blocks_used=kv_manager.num_used_blocks,
             num_kv_blocks_total=kv_manager.num_blocks,
             weight_bytes=cost.weight_bytes,
             kv_bytes_read=kv_tokens_read * per_token + copied,
-            kv_bytes_written=(plan.num_scheduled_tokens - padding) * per_token + copied,
+            kv_bytes_written=(num_tokens - padding) * per_token + copied,
             flops=cost.flops,
             num_padding_tokens=padding,
             prefix_cache_queries=kv.prefix_cache_queries - last_queries,

@@ -251,6 +251,9 @@ class KVCacheManager:
             raise ValueError(f"{request_id!r} already owns blocks: no cached prefix to take")
         if cached is not None and cached.block_ids:
             return self._allocate_with_prefix(request_id, num_tokens, cached)
+        table = self._block_tables.get(request_id)
+        if cached is None and table is not None and len(table) * self.block_size >= num_tokens:
+            return []  # most decodes: the last block has room
         need = self.num_new_blocks_needed(request_id, num_tokens)
         if need > self.pool.num_available:
             return None

@@ -276,20 +276,26 @@ class Scheduler:
         while index < len(self.running) and step.tokens > 0:
             request = self.running[index]
             remaining = request.num_tokens - request.num_computed_tokens
-            if remaining == 1 and drafts.get(request.request_id):
+            if remaining == 1 and drafts and drafts.get(request.request_id):
                 item = self._schedule_speculative(request, drafts[request.request_id], step)
                 if item is not None:
                     out.scheduled.append(item)
                     step.spend(item.num_tokens, prompt=False)
                     index += 1
                     continue
-            num_new = step.fit(remaining)
+            # A decode always fits: the loop runs while tokens are left.
+            num_new = 1 if remaining == 1 else step.fit(remaining)
             if num_new == 0:
                 index += 1
                 continue
-            if not self._allocate_or_preempt(request, num_new, out):
+            # Most rows find room at once; a failed allocation changes nothing, and the
+            # preemption loop then tries it again.
+            target = request.num_computed_tokens + num_new
+            if self.kv.allocate_slots(
+                request.request_id, target
+            ) is None and not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself: nothing newer is left to schedule
-            out.scheduled.append(self._scheduled(request, num_new))
+            out.scheduled.append(self._scheduled(request, num_new, samples=num_new == remaining))
             step.spend(num_new, prompt=remaining > 1)
             index += 1
 
@@ -361,9 +367,10 @@ class Scheduler:
         """
         update = SchedulerUpdate()
         now = self.clock()
+        running = RequestStatus.RUNNING  # one enum lookup, not one per row
         for item in out.scheduled:
             request = item.request
-            if item.padding or request.status != RequestStatus.RUNNING:
+            if item.padding or request.status != running:
                 continue  # padding, or aborted between schedule and update
             result = sampled.get(request.request_id)
             token_source: TokenSource = request.token_ids
@@ -431,7 +438,11 @@ class Scheduler:
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, samples: bool | None = None
+    ) -> ScheduledRequest:
+        """The row of ``num_new`` tokens from the request's computed ones; ``samples``, when
+        the caller knows it: whether they reach its last token."""
         start = request.num_computed_tokens
         end = start + num_new
         if request.first_scheduled_time is None:
@@ -442,7 +453,7 @@ class Scheduler:
             num_tokens=num_new,
             token_ids=request.token_ids(start, end),
             block_ids=self.kv.block_ids(request.request_id),
-            samples=end == request.num_tokens,
+            samples=end == request.num_tokens if samples is None else samples,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:

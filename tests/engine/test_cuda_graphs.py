@@ -134,3 +134,56 @@ def test_padding_rows_are_the_inert_batch_and_write_no_kv(tiny_llama_gqa) -> Non
         logits = engine.model(batch, *caches)
         assert logits.shape[0] == batch.logits_indices.shape[0] and logits.isfinite().all()
     assert all(torch.equal(b, c) for b, c in zip(before, (*caches[0], *caches[1]), strict=True))
+
+
+def test_every_replay_sees_inert_padding_rows_after_any_order_of_buckets() -> None:
+    """``run`` resets only the padding rows an earlier step wrote: whatever the order of
+    batch sizes and context widths, the rows a bucket pads with are the inert ones."""
+    from types import SimpleNamespace
+
+    from engine.input_batch import build_input_batch
+    from scheduler.output import ScheduledRequest, SchedulerOutput
+    from scheduler.request import Request
+
+    block_size = 4
+    storage = SimpleNamespace(block_size=block_size, key_caches=[], value_caches=[])
+    seen = []
+
+    def forward(batch, key_caches, value_caches):  # records what a replay would read
+        seen.append(batch)
+        return torch.zeros(batch.num_tokens, 8)
+
+    graphs = DecodeGraphs(forward, storage, [1, 2, 4, 8], 64, torch.device("cpu"), capture=False)  # type: ignore[arg-type]
+    inert = inert_batch(8, 8, block_size, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for n, context in [(7, 5), (1, 9), (3, 200), (2, 30), (8, 6), (5, 250), (1, 3), (4, 40)]:
+        rows = [
+            ScheduledRequest(
+                Request(f"r{i}", [1] * context, SamplingParams()),
+                start=context - 1,
+                num_tokens=1,
+                token_ids=[int(torch.randint(3, 100, (1,), generator=g))],
+                block_ids=tuple(
+                    torch.randint(1, 500, (-(-context // block_size),), generator=g).tolist()
+                ),
+                samples=True,
+            )
+            for i in range(n)
+        ]
+        batch = build_input_batch(SchedulerOutput(scheduled=rows), block_size, torch.device("cpu"))
+        assert graphs.handles(batch)
+        graphs.run(batch)
+        static = seen[-1]
+        size = static.num_tokens
+        assert size == graphs.bucket(n)
+        assert torch.equal(static.input_ids[:n], batch.input_ids)
+        assert torch.equal(static.slot_mapping[:n], batch.slot_mapping)
+        assert torch.equal(static.attn.seq_lens[:n], batch.attn.seq_lens)
+        width = batch.attn.block_tables.shape[1]
+        assert torch.equal(static.attn.block_tables[:n, :width], batch.attn.block_tables)
+        pad = slice(n, size)
+        assert torch.equal(static.input_ids[pad], inert.input_ids[pad])
+        assert torch.equal(static.positions[pad], inert.positions[pad])
+        assert torch.equal(static.slot_mapping[pad], inert.slot_mapping[pad])
+        assert torch.equal(static.attn.seq_lens[pad], inert.attn.seq_lens[pad])
+        assert static.attn.block_tables[pad].eq(0).all()

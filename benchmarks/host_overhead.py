@@ -1,0 +1,292 @@
+"""The host's share of a decode step: the engine's Python work per phase, the forward stubbed.
+
+    python -m benchmarks.host_overhead                              # batch 1, 64, 256; CPU
+    python -m benchmarks.host_overhead --device cuda                # the same on a GPU
+    python -m benchmarks.host_overhead --batch 64 --context 2048 --steps 200 --clock cpu
+
+On a GPU a decode step replayed from a CUDA graph costs the device a few milliseconds, and
+whatever the host does around it (schedule, build the step's inputs, copy them into the
+graph's buffers, sample, update the scheduler, build outputs, record stats) adds to every
+step unless it overlaps the device. This benchmark isolates that host work on any machine:
+it builds the real ``LLMEngine`` on the tiny-llama shape with dummy weights and the torch
+attention backend, then replaces the model's forward with a stub that returns fixed logits
+of the right shape without computing anything, behind the decode graphs' persistent buffers
+(``DecodeGraphs`` with ``capture=False``: the same copies, bucketing and padding as a
+replay, the stub in place of ``graph.replay()``). What is left in a step is the engine's own
+work; on CUDA, the sampler's small argmax and its one read of the tokens too.
+
+Each batch size gets ``--batch`` requests of ``--context`` random prompt tokens (no shared
+prefix), prefilled, decoded ``--warmup-steps`` steps, then timed over ``--steps`` decode
+steps. Per step it prints the mean microseconds of each phase (each timed around the
+engine's own call of it) and of the whole ``step()``:
+
+- schedule: ``Scheduler.schedule``;
+- prepare: ``ModelRunner.prepare`` (the step's input tensors);
+- forward: the decode graphs' ``run`` (buffer copies, padding) plus the stub's return;
+- sample: the sampler (greedy rows here: the argmax and the read of the tokens);
+- update: ``Scheduler.update_from_output``;
+- outputs: the engine's ``RequestOutput`` list;
+- stats: the step's ``StepStats``;
+- other: the rest of ``step()``.
+
+``--clock cpu`` measures the thread's CPU time instead of wall time: steadier where other
+processes share the cores (the host work is single-threaded; on CUDA a sync's spin-wait
+counts as CPU time).
+
+``--json PATH`` writes the figures, for A/B comparisons between two checkouts run in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
+from engine.input_batch import InputBatch
+from engine.llm_engine import LLMEngine
+from kvpool.config import KVPoolConfig
+from scheduler.config import SchedulerConfig
+from scheduler.request import SamplingParams
+
+PHASES = ("schedule", "prepare", "forward", "sample", "update", "outputs", "stats")
+MODEL = "tiny-llama"
+
+
+class StubForward:
+    """The model's forward without the model: fixed random logits, one row per logits row
+    the batch asks for (a sampling row's argmax is then the same token every step)."""
+
+    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.logits = torch.randn(max_rows, vocab, generator=g).to(device)  # [max_rows, vocab]
+
+    def __call__(self, batch: InputBatch, key_caches: Any, value_caches: Any) -> torch.Tensor:
+        return self.logits[: batch.logits_indices.shape[0]]
+
+
+class PhaseTimer:
+    """Accumulates time per phase over the timed steps; ``wrap`` times one callable."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.on = False
+
+    def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        clock, totals = self.clock, self.totals
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[phase] += clock() - t0
+
+        return timed
+
+
+class _TimedSampler:
+    """The runner calls its sampler (``Sampler.__call__``); this times that call and passes
+    every other attribute through."""
+
+    def __init__(self, sampler: Any, timed: Callable[..., Any]) -> None:
+        self._sampler = sampler
+        self._timed = timed
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sampler, name)
+
+
+# Tokens per step while the prompts are prefilled (a CUDA engine's default chunking: the
+# whole budget), and the decode steps the first requests take meanwhile.
+STEP_TOKENS = 8192
+
+
+def max_output_tokens(batch: int, context: int, steps: int) -> int:
+    """Output tokens a request of ``batch`` needs: the decodes it runs while later prompts
+    are prefilled, then ``steps`` (warm-up and timed), so none finishes early."""
+    return -(-batch * context // STEP_TOKENS) + steps + 2
+
+
+def build_engine(device: str, max_batch: int, context: int, steps: int) -> LLMEngine:
+    max_len = context + max_output_tokens(max_batch, context, steps)
+    per_request = -(-(max_len + 16) // KVPoolConfig().block_size)
+    engine = LLMEngine(
+        EngineConfig(
+            model=MODEL,
+            load_format="dummy",
+            device=device,
+            dtype="float32",
+            attention_backend="torch",
+            enforce_eager=True,  # the stand-in below takes the graphs' place
+            max_model_len=max_len + 16,
+        ),
+        KVPoolConfig(num_blocks=max_batch * per_request + 8, enable_prefix_caching=False),
+        SchedulerConfig(
+            max_num_seqs=max_batch,
+            max_num_batched_tokens=max(STEP_TOKENS, max_batch),
+            prefill_chunk_tokens=max(STEP_TOKENS, max_batch),
+        ),
+    )
+    dev = engine.device
+    stub = StubForward(max(STEP_TOKENS, max_batch), engine.model_config.vocab_size, dev)
+    engine.runner.model = stub
+    engine.runner.piecewise = None  # steps with prompt tokens run the stub eagerly
+    engine.runner.graphs = DecodeGraphs(
+        stub,  # type: ignore[arg-type]
+        engine.storage,
+        default_graph_sizes(max_batch),
+        -(-engine.max_model_len // engine.storage.block_size),
+        dev,
+        capture=False,
+    )
+    return engine
+
+
+def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
+    """Time each phase around the engine's own call of it (instance attributes shadow the
+    methods, so nothing else changes)."""
+    runner, scheduler = engine.runner, engine.scheduler
+    scheduler.schedule = timer.wrap("schedule", scheduler.schedule)  # type: ignore[method-assign]
+    scheduler.update_from_output = timer.wrap(  # type: ignore[method-assign]
+        "update", scheduler.update_from_output
+    )
+    runner.prepare = timer.wrap("prepare", runner.prepare)
+    runner.graphs.run = timer.wrap("forward", runner.graphs.run)
+    runner.model = timer.wrap("forward", runner.model)  # eager steps only (none timed)
+    runner.sampler = _TimedSampler(runner.sampler, timer.wrap("sample", runner.sampler))
+    engine._make_outputs = timer.wrap("outputs", engine._make_outputs)  # type: ignore[method-assign]
+    engine._record_stats = timer.wrap("stats", engine._record_stats)  # type: ignore[method-assign]
+
+
+def _is_decode_only(engine: LLMEngine) -> bool:
+    return all(r.num_tokens - r.num_computed_tokens == 1 for r in engine.scheduler.running) and (
+        not engine.scheduler.waiting
+    )
+
+
+def run_batch(
+    engine: LLMEngine, timer: PhaseTimer, batch: int, context: int, warmup: int, steps: int
+) -> dict[str, float]:
+    """Mean microseconds per decode step, per phase plus "other" and "step", at ``batch``."""
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    params = SamplingParams(
+        max_tokens=max_output_tokens(batch, context, warmup + steps),
+        temperature=0,
+        ignore_eos=True,
+    )
+    ids = [f"b{batch}-{i}" for i in range(batch)]
+    for request_id in ids:
+        prompt = torch.randint(3, vocab, (context,), generator=g).tolist()
+        engine.add_request(request_id, prompt, params)
+    while not _is_decode_only(engine):  # prefill, in chunks
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    for phase in PHASES:
+        timer.totals[phase] = 0.0
+    clock = timer.clock
+    total = 0.0
+    timer.on = True
+    for _ in range(steps):
+        assert len(engine.scheduler.running) == batch and _is_decode_only(engine)
+        t0 = clock()
+        engine.step()
+        total += clock() - t0
+    timer.on = False
+    engine.abort_request(ids)
+    engine.check_integrity()
+    per_step = {phase: timer.totals[phase] / steps * 1e6 for phase in PHASES}
+    per_step["other"] = total / steps * 1e6 - sum(per_step.values())
+    per_step["step"] = total / steps * 1e6
+    return per_step
+
+
+def format_table(results: dict[int, dict[str, float]], clock: str) -> str:
+    batches = sorted(results)
+    rows = [*PHASES, "other", "step"]
+    head = f"{'us/step (' + clock + ')':<20}" + "".join(f"{f'batch {b}':>12}" for b in batches)
+    lines = [head]
+    for row in rows:
+        lines.append(f"{row:<20}" + "".join(f"{results[b][row]:>12.1f}" for b in batches))
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.host_overhead", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--batch", default="1,64,256", help="comma-separated batch sizes")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=100, help="timed decode steps per batch")
+    ap.add_argument("--warmup-steps", type=int, default=10)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument("--json", default=None, help="write the figures to this file")
+    args = ap.parse_args(argv)
+    try:
+        args.batches = sorted({int(b) for b in args.batch.split(",") if b.strip()})
+    except ValueError:
+        ap.error(f"--batch must be comma-separated integers, got {args.batch!r}")
+    if not args.batches or min(args.batches) < 1:
+        ap.error(f"--batch must list positive batch sizes, got {args.batch!r}")
+    if args.context < 1 or args.steps < 1 or args.warmup_steps < 0:
+        ap.error("--context and --steps must be positive, --warmup-steps not negative")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: CUDA is not available here")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    if not args.device.startswith("cuda"):
+        # The host work is one thread's; the stub's logits are small, and a pool of threads
+        # for the sampler's argmax would only add other processes' noise.
+        torch.set_num_threads(1)
+    engine = build_engine(
+        args.device, max(args.batches), args.context, args.warmup_steps + args.steps
+    )
+    timer = PhaseTimer(clock)
+    instrument(engine, timer)
+    results = {
+        b: run_batch(engine, timer, b, args.context, args.warmup_steps, args.steps)
+        for b in args.batches
+    }
+    print(
+        f"host time per decode step, {MODEL} shape with a stubbed forward on {engine.device}, "
+        f"context {args.context}, {args.steps} steps (mean)"
+    )
+    print(format_table(results, args.clock))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": str(engine.device),
+                    "clock": args.clock,
+                    "context": args.context,
+                    "steps": args.steps,
+                    "us_per_step": {str(b): r for b, r in results.items()},
+                },
+                f,
+                indent=1,
+            )
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
