@@ -3,6 +3,7 @@
     python -m benchmarks.kv_quant --quality                 # the default model, float32 CPU
     python -m benchmarks.kv_quant --throughput              # concurrency 64, 1,024-token prompts
     python -m benchmarks.kv_quant --quality --dtypes int8 --json
+    python -m benchmarks.kv_quant --quality --ab-key-offsets     # each dtype without and with
 
 Quality (each KV dtype against the model's own dtype, ``auto``, same engine otherwise):
 
@@ -15,6 +16,11 @@ Quality (each KV dtype against the model's own dtype, ``auto``, same engine othe
   (64) greedy tokens each; per prompt, the length of the common prefix with the ``auto``
   run over ``--tokens`` (a divergence makes everything after it differ, so the prefix, not
   the positionwise match, is the figure), and the mean over prompts.
+
+Quantized dtypes run as the server's defaults do (keys stored as they are);
+``--ab-key-offsets`` adds a row per dtype with the calibrated key offsets
+(``--kv-key-offsets``: ``kernels/kv_quant.py``, ``engine/kv_calibration.py``), from its own
+engine in the same run.
 
 Throughput (``--throughput``): ``--num-requests`` (64) requests of ``--prompt-tokens``
 (1,024) tokens submitted at once, ``--max-tokens`` (64) greedy tokens each, EOS ignored, in
@@ -56,7 +62,7 @@ EXTRA_PROMPT_TOPICS = [
 
 @dataclass(slots=True)
 class QualityResult:
-    kv_cache_dtype: str
+    kv_cache_dtype: str  # the row's label: the dtype, "... (key offsets)" for the A/B row
     bytes_per_token: int
     perplexity: float
     perplexity_change: float  # relative to auto
@@ -131,11 +137,22 @@ def target_logprobs(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def quality_modes(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
+    """(label, KV dtype, key offsets) of each engine the quality report builds: ``auto``
+    first, then each dtype, each followed by its key-offset row with ``--ab-key-offsets``."""
+    modes = [("auto", "auto", False)]
+    for kv in args.dtypes:
+        modes.append((kv, kv, False))
+        if args.ab_key_offsets:
+            modes.append((f"{kv} (key offsets)", kv, True))
+    return modes
+
+
 def quality(args: argparse.Namespace) -> list[QualityResult]:
     runs: dict[str, tuple[torch.Tensor, list[list[int]], int]] = {}
     margins: list[list[float]] = []  # auto's top-2 margin per prompt and position
-    for kv in ["auto", *args.dtypes]:
-        llm = make_llm(kv, args, num_kv_blocks=256)
+    for label, kv, offsets in quality_modes(args):
+        llm = make_llm(kv, args, num_kv_blocks=256, kv_key_offsets=offsets)
         tok = llm.tokenizer
         passage = tok.encode(topics[PPL_TOPIC], add_special_tokens=False)[: args.ppl_tokens]
         prompts = [
@@ -149,8 +166,8 @@ def quality(args: argparse.Namespace) -> list[QualityResult]:
         outs = llm.generate(prompts, params)
         if kv == "auto":
             margins = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs]
-        runs[kv] = (lp, [o.token_ids for o in outs], llm.engine.kv_capacity.bytes_per_token)
-        print(f"# {kv}: backend {llm.engine.attention_backend}, {len(passage)} passage tokens")
+        runs[label] = (lp, [o.token_ids for o in outs], llm.engine.kv_capacity.bytes_per_token)
+        print(f"# {label}: backend {llm.engine.attention_backend}, {len(passage)} passage tokens")
     base_lp, base_tokens, _ = runs["auto"]
     base_ppl = math.exp(-float(base_lp.mean()))
     results = []
@@ -239,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throughput", action="store_true", help="KV-bound batch throughput")
     p.add_argument("--model", default="default")
     p.add_argument("--dtypes", default="int8,fp8", help="KV dtypes to compare with auto")
+    p.add_argument(
+        "--ab-key-offsets",
+        action="store_true",
+        help="--quality: also run each dtype with the calibrated key offsets",
+    )
     p.add_argument("--ppl-tokens", type=int, default=1024, help="passage length (tokens)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk when scoring")
     p.add_argument(

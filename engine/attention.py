@@ -169,6 +169,28 @@ class PagedAttention:
         self._store_kv = store_kv
         self._decode = paged_attention_decode
         self._prefill = paged_attention_prefill
+        # Quantized key cache (its data_ptr) -> its calibrated key offset; set_key_offsets.
+        self._key_offsets: dict[int, torch.Tensor] = {}
+
+    def set_key_offsets(
+        self, key_caches: list[torch.Tensor], key_offsets: list[torch.Tensor] | None
+    ) -> None:
+        """Subtract ``key_offsets[i]`` ([num_kv_heads, head_dim] float32) from every key
+        stored into ``key_caches[i]`` (kvpool's quantized caches and their calibrated
+        offsets, ``KVCacheStorage.key_offsets``; ``kernels/kv_quant.py``); None: no offsets.
+        Attention needs no counterpart: one vector less on every key of a head moves none
+        of its softmax weights. Caches not named here (a draft model's, a profiling run's)
+        store their keys as they are."""
+        if key_offsets is None:
+            self._key_offsets = {}
+            return
+        self._key_offsets = {
+            cache.data_ptr(): offset for cache, offset in zip(key_caches, key_offsets, strict=True)
+        }
+
+    def key_offset(self, key_cache: torch.Tensor) -> torch.Tensor | None:
+        """The offset the stores into ``key_cache`` subtract (``set_key_offsets``), or None."""
+        return self._key_offsets.get(key_cache.data_ptr()) if self._key_offsets else None
 
     def store(
         self,
@@ -178,7 +200,7 @@ class PagedAttention:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [num_tokens]
     ) -> None:
-        self._store_kv(key, value, key_cache, value_cache, slot_mapping)
+        self._store_kv(key, value, key_cache, value_cache, slot_mapping, self.key_offset(key_cache))
 
     def rope_and_store(
         self,
@@ -194,7 +216,15 @@ class PagedAttention:
         cos, sin = rope
         if self._rope_and_store_ is not None:
             return self._rope_and_store_(
-                qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads
+                qkv,
+                cos,
+                sin,
+                key_cache,
+                value_cache,
+                slot_mapping,
+                num_heads,
+                num_kv_heads,
+                self.key_offset(key_cache),
             )
         t, head_dim = qkv.shape[0], key_cache.shape[-1]
         qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], -1)

@@ -32,6 +32,7 @@ from engine.generation_config import (
     sampling_defaults,
 )
 from engine.gpu_memory import gpu_kv_budget
+from engine.kv_calibration import CALIBRATION_TOKENS, calibrate_key_offsets, calibration_ids
 from engine.llama import LlamaForCausalLM
 from engine.loader import (
     fill_dummy_weights,
@@ -55,6 +56,7 @@ from engine.tensor_parallel import check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
+from kvpool.kv_dtype import QUANTIZED_KV_DTYPES
 from kvpool.manager import KVCacheManager
 from kvpool.storage import (
     DEFAULT_CPU_BUDGET_BYTES,
@@ -417,6 +419,19 @@ def build_engine_parts(
         torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MIN, group=tp.plan_group)
         if int(count) != capacity.num_blocks:
             capacity = dataclasses.replace(capacity, num_blocks=int(count))
+    key_offsets = None
+    if kv_config.cache_dtype in QUANTIZED_KV_DTYPES and kv_config.key_offsets:
+        # Before the pool exists, from the float model (engine/kv_calibration.py).
+        key_offsets = calibrate_key_offsets(
+            forward,
+            calibration_ids(tokenizer, mc.vocab_size, min(CALIBRATION_TOKENS, max_model_len)),
+            num_layers=mc.num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=dtype,
+            device=device,
+            block_size=kv_config.block_size,
+        )
     storage = KVCacheStorage(
         capacity,
         num_layers=mc.num_layers,
@@ -424,7 +439,9 @@ def build_engine_parts(
         head_dim=mc.head_dim,
         dtype=dtype,
         device=device,
+        key_offsets=key_offsets,
     )
+    model.attention.set_key_offsets(storage.key_caches, storage.key_offsets)
     kv_manager = KVCacheManager(
         capacity.num_blocks,
         capacity.block_size,

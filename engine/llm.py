@@ -62,6 +62,7 @@ class LLM:
         kv_cache_memory: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
+        kv_key_offsets: bool = False,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         prefill_chunk_tokens: int | None = None,
@@ -129,6 +130,7 @@ class LLM:
                 num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 cache_dtype=kv_cache_dtype,
+                key_offsets=kv_key_offsets,
             ),
             SchedulerConfig(
                 max_num_seqs=max_num_seqs,

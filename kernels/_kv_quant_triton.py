@@ -18,6 +18,7 @@ from kernels import kv_quant
 
 __all__ = [
     "hadamard_rows",
+    "key_offset_arg",
     "quant_args",
     "quantize_by",
     "quantize_rows",
@@ -45,6 +46,21 @@ def quant_args(kernel: object, cache: torch.Tensor) -> dict[str, object]:
         and cache.dtype == torch.float8_e4m3fn,
         "HADAMARD_BLOCK": kv_quant.hadamard_block(cache.shape[-1]) if quantized else 1,
     }
+
+
+def key_offset_arg(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_offset: torch.Tensor | None,  # [num_kv_heads, head_dim] float32
+) -> tuple[torch.Tensor, bool]:
+    """A store kernel's ``key_offset_ptr`` and ``HAS_KEY_OFFSET`` for ``key_offset``
+    (``kv_quant.quantize_keys``); without one, the cache stands in for the pointer, which
+    the kernel then never reads."""
+    if key_offset is None:
+        return key_cache, False
+    assert kv_quant.is_quantized(key_cache), "a key offset is for a quantized cache only"
+    kv_quant.check_key_offset(key_offset, key_cache.shape[2], key_cache.shape[3])
+    assert key_offset.device == key_cache.device, (key_offset.device, key_cache.device)
+    return key_offset, True
 
 
 @triton.jit

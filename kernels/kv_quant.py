@@ -30,6 +30,20 @@ Measured on the default model (benchmarks/RESULTS.md): the transform cuts the at
 error int8 keys cause by 77% and halves the logprob error; scaling K's channels against Q's
 (foldable into the q/k weights, but only per RoPE pair) cut the attention error by 7-35%.
 
+**Keys may be stored less a calibrated offset** (opt-in). Post-RoPE keys of a (layer, KV
+head) share a large component common to every token (some channels carry a near-constant
+offset), which widens each row's absmax scale and costs every other channel precision. The
+store kernels take an optional ``key_offset`` ``[num_kv_heads, head_dim]`` float32 (with
+``--kv-key-offsets`` the engine calibrates it per layer at start-up, the mean post-RoPE key
+of a short text, and kvpool holds it) and quantize ``k - key_offset[h]`` instead of ``k``:
+in float32, before the Hadamard transform.
+Nothing adds it back: subtracting one vector ``m`` from every key of a head shifts each of a
+query's scores by the same ``<q, m>``, and softmax is invariant to a shift, so attention over
+the offset keys is attention over the keys (exact in real arithmetic; only the rounding
+differs) and no attention kernel knows the offset. The cache's rows hold ``k - m``, which
+stays valid as long as ``m`` does: for the model's lifetime, so prefix-cached and copied
+blocks keep working. A zero offset, or none, stores exactly the bytes of no offset.
+
 Quantization is symmetric, per (slot, KV head), from the row's absolute maximum:
 ``scale = float16(min(amax / QMAX, 65504))`` (QMAX 127 for int8, 448 for e4m3; round to
 nearest even), ``q = x / float32(scale)`` rounded (int8: half away from zero,
@@ -51,6 +65,7 @@ __all__ = [
     "SCALE_MAX",
     "cache_rows",
     "cache_scales",
+    "check_key_offset",
     "dequantize",
     "dequantize_keys",
     "hadamard",
@@ -145,11 +160,29 @@ def quantize(
 
 
 def quantize_keys(
-    x: torch.Tensor,  # [..., head_dim] keys after RoPE, any float dtype
+    x: torch.Tensor,  # [..., num_kv_heads, head_dim] keys after RoPE, any float dtype
     dtype: torch.dtype,
+    key_offset: torch.Tensor | None = None,  # [num_kv_heads, head_dim] float32
 ) -> tuple[torch.Tensor, torch.Tensor]:  # as quantize
-    """``quantize`` of the keys' Hadamard transform (the module docstring)."""
-    return quantize(hadamard(x.float(), hadamard_block(x.shape[-1])), dtype)
+    """``quantize`` of the Hadamard transform of the keys less ``key_offset`` (the module
+    docstring): ``x - key_offset`` in float32, then the transform."""
+    x = x.float()
+    if key_offset is not None:
+        check_key_offset(key_offset, x.shape[-2], x.shape[-1])
+        x = x - key_offset
+    return quantize(hadamard(x, hadamard_block(x.shape[-1])), dtype)
+
+
+def check_key_offset(key_offset: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    """A store's ``key_offset``: float32, contiguous, one row per KV head of the cache."""
+    assert key_offset.dtype == torch.float32 and key_offset.is_contiguous(), (
+        key_offset.dtype,
+        key_offset.stride(),
+    )
+    assert key_offset.shape == (num_kv_heads, head_dim), (
+        tuple(key_offset.shape),
+        (num_kv_heads, head_dim),
+    )
 
 
 def dequantize(
@@ -162,6 +195,6 @@ def dequantize(
 def dequantize_keys(
     values: torch.Tensor,  # [..., head_dim] int8 / float8_e4m3fn, from quantize_keys
     scales: torch.Tensor,  # [...] float16
-) -> torch.Tensor:  # [..., head_dim] float32: the keys (Hadamard transform undone)
+) -> torch.Tensor:  # [..., head_dim] float32: the keys less their offset (transform undone)
     block = hadamard_block(values.shape[-1])
     return hadamard(dequantize(values, scales), block) * (1.0 / block)

@@ -52,15 +52,20 @@ def store_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    key_offset: torch.Tensor | None = None,  # [num_kv_heads, head_dim] float32
 ) -> None:
-    """Write each token's K/V row into its slot of the paged cache, in place."""
+    """Write each token's K/V row into its slot of the paged cache, in place.
+
+    ``key_offset`` (a quantized cache only): subtracted from every key before it is
+    quantized (``kernels/kv_quant.py``); attention over the cache is unchanged by it."""
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     slots = slot_mapping.long()
     if slots.numel() == 0:
         return
     if kv_quant.is_quantized(key_cache):
-        _store_kv_quantized(key, value, key_cache, value_cache, slots)
+        _store_kv_quantized(key, value, key_cache, value_cache, slots, key_offset)
         return
+    assert key_offset is None, "a key offset is for a quantized cache only"
     if key.dtype != key_cache.dtype:
         key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     if int(slots.min()) < 0:  # padding rows present: drop them (rare; static-batch padding)
@@ -77,16 +82,17 @@ def _store_kv_quantized(
     key_cache: torch.Tensor,  # quantized values view (kernels/kv_quant.py)
     value_cache: torch.Tensor,
     slots: torch.Tensor,  # [num_tokens] int64, -1 = skip
+    key_offset: torch.Tensor | None,  # [num_kv_heads, head_dim] float32
 ) -> None:
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    for x, cache, quantize in (
-        (key, key_cache, kv_quant.quantize_keys),  # Hadamard-transformed first
-        (value, value_cache, kv_quant.quantize),
+    for cache, (q, scale) in (
+        # Keys less their offset, Hadamard-transformed; values as they are.
+        (key_cache, kv_quant.quantize_keys(key, key_cache.dtype, key_offset)),
+        (value_cache, kv_quant.quantize(value, value_cache.dtype)),
     ):
-        q, scale = quantize(x, cache.dtype)
         # Each row's values, then its scale, as head_dim + 2 bytes (the cache's layout).
         row = torch.cat((q.view(torch.uint8), scale[..., None].view(torch.uint8)), dim=-1)
         rows = kv_quant.cache_rows(cache).view(torch.uint8)
@@ -326,6 +332,7 @@ def rope_and_store_(
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
     num_heads: int,
     num_kv_heads: int,
+    key_offset: torch.Tensor | None = None,  # [num_kv_heads, head_dim] float32 (store_kv)
 ) -> torch.Tensor:  # rotated queries [num_tokens, num_heads, head_dim], a view of qkv
     """Rotary embedding (Llama's rotate_half) on Q and K; rotated Q overwrites Q's part of
     ``qkv`` and is returned as a view, rotated K and the unchanged V go to their slots."""
@@ -340,7 +347,7 @@ def rope_and_store_(
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     q.copy_(rotated[:, :num_heads])
     value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
-    store_kv(rotated[:, num_heads:], value, key_cache, value_cache, slot_mapping)
+    store_kv(rotated[:, num_heads:], value, key_cache, value_cache, slot_mapping, key_offset)
     return q
 
 

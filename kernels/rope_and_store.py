@@ -32,6 +32,7 @@ from kernels import kv_quant
 from kernels._common import SUPPORTED_DTYPES, check_kv_cache, next_power_of_2
 from kernels._kv_quant_triton import (
     hadamard_rows,
+    key_offset_arg,
     quant_args,
     quantize_by,
     row_scales,
@@ -50,6 +51,7 @@ def _rope_and_store_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens] int32/int64, -1 = skip
+    key_offset_ptr,  # [num_kv_heads, head_dim] float32, read with HAS_KEY_OFFSET
     stride_qkv_token: tl.int64,
     stride_cos_token: tl.int64,
     stride_sin_token: tl.int64,
@@ -69,6 +71,7 @@ def _rope_and_store_kernel(
     ROUND_TO_INT: tl.constexpr,
     SOFT_FP8_ROUND: tl.constexpr,  # see kernels/_kv_quant_triton.quant_args
     HADAMARD_BLOCK: tl.constexpr,  # keys' Hadamard blocks (kv_quant.hadamard_block)
+    HAS_KEY_OFFSET: tl.constexpr,  # keys less key_offset before quantizing (kv_quant.py)
 ):
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -127,6 +130,10 @@ def _rope_and_store_kernel(
         # each half is transformed on its own.
         k1 = tl.where(k_mask, out1.to(tl.float32), 0.0)
         k2 = tl.where(k_mask, out2.to(tl.float32), 0.0)
+        if HAS_KEY_OFFSET:  # the rows not stored stay 0
+            offset = key_offset_ptr + kv_head[:, None] * HEAD_DIM + offs_d[None, :]
+            k1 -= tl.load(offset, mask=k_mask, other=0.0)
+            k2 -= tl.load(offset + HALF, mask=k_mask, other=0.0)
         k1 = hadamard_rows(k1, BLOCK_H, HALF_PAD, HADAMARD_BLOCK)
         k2 = hadamard_rows(k2, BLOCK_H, HALF_PAD, HADAMARD_BLOCK)
         f1 = tl.where(k_mask, v1.to(tl.float32), 0.0)
@@ -166,14 +173,15 @@ def rope_and_store_(
     slot_mapping: torch.Tensor,  # [num_tokens] int64 (int32 accepted), -1 = skip
     num_heads: int,
     num_kv_heads: int,
+    key_offset: torch.Tensor | None = None,  # [num_kv_heads, head_dim] float32
 ) -> torch.Tensor:  # rotated queries [num_tokens, num_heads, head_dim], a view of qkv
     """Rotate Q (in place in ``qkv``) and K, store rotated K and V at ``slot_mapping``.
 
     Returns Q's part of ``qkv`` viewed as ``[num_tokens, num_heads, head_dim]``. K's part of
     ``qkv`` is left unrotated (only the cache holds rotated K). The cache must have the
     dtype of ``qkv`` (K and V are stored as computed, no further rounding), or be quantized
-    (kernels/kv_quant.py): rotated K (Hadamard-transformed) and V are then quantized from
-    those same values.
+    (kernels/kv_quant.py): rotated K (less ``key_offset`` when given, Hadamard-transformed)
+    and V are then quantized from those same values.
     """
     check_kv_cache(key_cache, value_cache)
     num_blocks, block_size, cache_kv_heads, head_dim = key_cache.shape
@@ -194,6 +202,7 @@ def rope_and_store_(
     assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
     assert slot_mapping.is_contiguous()
     assert qkv.device == cos.device == sin.device == key_cache.device == slot_mapping.device
+    offset_ptr, has_offset = key_offset_arg(key_cache, key_offset)
     q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     if num_tokens == 0:
         return q
@@ -202,13 +211,14 @@ def rope_and_store_(
     # programs a token. Rows are heads, so a program never splits one.
     block_h = min(next_power_of_2(num_rows), max(1, 4096 // head_dim))
     _rope_and_store_kernel[(num_tokens, triton.cdiv(num_rows, block_h))](
-        qkv, cos, sin, key_cache, value_cache, slot_mapping,
+        qkv, cos, sin, key_cache, value_cache, slot_mapping, offset_ptr,
         qkv.stride(0), cos.stride(0), sin.stride(0),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HALF_PAD=next_power_of_2(head_dim // 2), BLOCK_H=block_h, BLOCK_SIZE=block_size,
         num_warps=4,
         enable_fp_fusion=False,  # x * cos + r * sin must not become an FMA (bitwise torch)
+        HAS_KEY_OFFSET=has_offset,
         **round_args(_rope_and_store_kernel, qkv.dtype),
         **quant_args(_rope_and_store_kernel, key_cache),
     )  # fmt: skip

@@ -17,7 +17,13 @@ import triton
 import triton.language as tl
 
 from kernels._common import check_kv_cache, next_power_of_2
-from kernels._kv_quant_triton import hadamard_rows, quant_args, quantize_rows, scale_ptrs
+from kernels._kv_quant_triton import (
+    hadamard_rows,
+    key_offset_arg,
+    quant_args,
+    quantize_rows,
+    scale_ptrs,
+)
 
 __all__ = ["store_kv"]
 
@@ -29,6 +35,7 @@ def _store_kv_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens] int32/int64, -1 = skip
+    key_offset_ptr,  # [num_kv_heads, head_dim] float32, read with HAS_KEY_OFFSET
     stride_key_token: tl.int64,
     stride_key_head: tl.int64,
     stride_value_token: tl.int64,
@@ -46,6 +53,7 @@ def _store_kv_kernel(
     ROUND_TO_INT: tl.constexpr,
     SOFT_FP8_ROUND: tl.constexpr,  # see kernels/_kv_quant_triton.quant_args
     HADAMARD_BLOCK: tl.constexpr,  # keys' Hadamard blocks (kv_quant.hadamard_block)
+    HAS_KEY_OFFSET: tl.constexpr,  # keys less key_offset before quantizing (kv_quant.py)
 ):
     token = tl.program_id(0).to(tl.int64)
     # int64 before any arithmetic: block_id * stride_cache_block overflows int32 once the
@@ -71,8 +79,13 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + src_key, mask=mask, other=0.0)  # [KV_HEADS_PAD, HEAD_DIM_PAD]
     v = tl.load(value_ptr + src_value, mask=mask, other=0.0)
     if QUANTIZED:
+        k = k.to(tl.float32)
+        if HAS_KEY_OFFSET:  # padding rows and columns stay 0
+            k -= tl.load(
+                key_offset_ptr + offs_h[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0
+            )
         # Keys Hadamard-transformed first; padding columns are whole zero blocks.
-        k = hadamard_rows(k.to(tl.float32), KV_HEADS_PAD, HEAD_DIM_PAD, HADAMARD_BLOCK)
+        k = hadamard_rows(k, KV_HEADS_PAD, HEAD_DIM_PAD, HADAMARD_BLOCK)
         k, k_scale = quantize_rows(k, QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
         v, v_scale = quantize_rows(v.to(tl.float32), QMAX, ROUND_TO_INT, SOFT_FP8_ROUND)
         rows = (
@@ -91,6 +104,7 @@ def store_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64 (int32 accepted), -1 = skip
+    key_offset: torch.Tensor | None = None,  # [num_kv_heads, head_dim] float32
 ) -> None:
     """Write each token's K/V row into its slot of the paged cache, in place.
 
@@ -98,7 +112,7 @@ def store_kv(
     as ``head_dim`` is contiguous; they are cast to the cache dtype on store, rounding to
     nearest even like torch (NOTE: Triton 3.x's CPU interpreter truncates fp32 -> bf16), or
     quantized with a scale per (token, KV head), keys Hadamard-transformed, into a
-    quantized cache (kernels/kv_quant.py).
+    quantized cache (kernels/kv_quant.py), keys less ``key_offset`` when given.
     """
     check_kv_cache(key_cache, value_cache)
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -110,6 +124,7 @@ def store_kv(
     assert slot_mapping.dtype in (torch.int32, torch.int64), slot_mapping.dtype
     assert slot_mapping.is_contiguous()
     assert key.device == value.device == key_cache.device == slot_mapping.device
+    offset_ptr, has_offset = key_offset_arg(key_cache, key_offset)
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
@@ -118,6 +133,7 @@ def store_kv(
         key_cache,
         value_cache,
         slot_mapping,
+        offset_ptr,
         key.stride(0),
         key.stride(1),
         value.stride(0),
@@ -130,5 +146,6 @@ def store_kv(
         KV_HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        HAS_KEY_OFFSET=has_offset,
         **quant_args(_store_kv_kernel, key_cache),
     )

@@ -23,6 +23,10 @@ class KVPoolConfig:
     cache_dtype: "auto" (K/V in the model's dtype), "int8" or "fp8" (e4m3): 8-bit values
         with a float16 scale per (slot, KV head) row, keys Hadamard-transformed
         (``kernels/kv_quant.py``); lossy.
+    key_offsets: with a quantized ``cache_dtype``, subtract a per-(layer, KV head) key
+        offset, calibrated at start-up (``engine/kv_calibration.py``), from every key
+        before quantizing it: exact for attention, less error in most keys (not in the
+        first tokens'). Off by default; the server's ``--kv-key-offsets`` turns it on.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -30,6 +34,7 @@ class KVPoolConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
+    key_offsets: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

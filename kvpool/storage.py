@@ -12,6 +12,12 @@ With a quantized cache (``KVPoolConfig.cache_dtype`` int8 / fp8) each of those i
 view of a ``[num_blocks, block_size, num_kv_heads, head_dim + 2]`` 8-bit tensor whose last
 2 bytes per row hold the row's float16 scale (``kernels/kv_quant.py``); this class keeps the
 raw tensors too, so whole-block copies carry the scales.
+
+A quantized cache also owns its **key offsets** (``key_offsets``): one ``[num_kv_heads,
+head_dim]`` float32 vector per layer, calibrated by the engine at start-up, that every store
+subtracts from the keys before quantizing them (``kernels/kv_quant.py``; attention is
+unchanged by it). The offsets are fixed for the cache's lifetime, so every block stays
+valid wherever it is copied or shared (prefix caching) and whenever it is recomputed.
 """
 
 from __future__ import annotations
@@ -122,7 +128,12 @@ class KVCacheStorage:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        key_offsets: Sequence[torch.Tensor] | None = None,
     ) -> None:
+        """Args:
+        key_offsets: a quantized cache's per-layer key offsets (``[num_kv_heads, head_dim]``
+            each, copied here as float32); None: none (the keys are stored as they are).
+        """
         shape = (capacity.num_blocks, capacity.block_size, num_kv_heads, head_dim)
         self.capacity = capacity
         quantized = capacity.cache_dtype in QUANTIZED_KV_DTYPES
@@ -149,6 +160,21 @@ class KVCacheStorage:
         )
         self.key_caches = views[:num_layers]
         self.value_caches = views[num_layers:]
+        self.key_offsets: list[torch.Tensor] | None = None
+        if key_offsets is not None:
+            if not quantized:
+                raise ValueError("key offsets are for a quantized KV cache only")
+            if len(key_offsets) != num_layers:
+                raise ValueError(f"{len(key_offsets)} key offsets for {num_layers} layers")
+            self.key_offsets = [
+                o.to(device=device, dtype=torch.float32, copy=True).contiguous()
+                for o in key_offsets
+            ]
+            for o in self.key_offsets:
+                if o.shape != (num_kv_heads, head_dim):
+                    raise ValueError(
+                        f"a key offset of shape {tuple(o.shape)}, not {(num_kv_heads, head_dim)}"
+                    )
         logger.info("%s", capacity.describe())
 
     @property

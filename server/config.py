@@ -393,6 +393,10 @@ _OPTIONS: tuple[Option, ...] = (
            "float32 in the same --kv-cache-memory, lossy (fp8: CUDA/Triton or the torch "
            "backend)",
            KV_CACHE_DTYPES),
+    Option("--kv-key-offsets", "kvpool", "key_offsets", parse_bool, _K.key_offsets,
+           "with --kv-cache-dtype int8/fp8: subtract a per-(layer, KV head) mean key, "
+           "calibrated at start-up, from every key before quantizing it (exact for "
+           "attention; less error in long contexts, more in a sequence's first tokens)"),
     Option("--no-prefix-caching", "kvpool", "enable_prefix_caching", parse_bool,
            not _K.enable_prefix_caching,
            "turn off sharing of cached full blocks between requests with a common prefix",

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,7 +178,16 @@ class CpuForward:
 
     rows_per_pass: int | None = None
 
-    def __init__(self, spec: StackSpec, ops: Any, memory: CpuMemory, blocks: BlocksReport | None):
+    def __init__(
+        self,
+        spec: StackSpec,
+        ops: Any,
+        memory: CpuMemory,
+        blocks: BlocksReport | None,
+        key_offset: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    ):
+        """``key_offset``: a key cache's calibrated offset, which the stack's stores subtract
+        (``PagedAttention.key_offset``); None: no offsets."""
         self.spec = spec
         self.ops = ops  # torch.ops.pagedserve_cpu
         self.memory = memory
@@ -191,6 +201,7 @@ class CpuForward:
         # The KV cache's lists (kvpool's KVCacheStorage owns them; they never change) and
         # the C++ object holding them.
         self._caches: tuple[list[torch.Tensor], list[torch.Tensor], Any] | None = None
+        self.key_offset = key_offset
 
     @property
     def uses_blocks(self) -> bool:
@@ -201,6 +212,11 @@ class CpuForward:
         held = self._caches
         if held is None or held[0] is not key_caches or held[1] is not value_caches:
             obj = torch.classes.pagedserve_cpu.StackCaches(key_caches, value_caches)
+            # Every layer's offset or none (PagedAttention.set_key_offsets names them all).
+            offsets = [self.key_offset(c) for c in key_caches] if self.key_offset else []
+            if any(o is not None for o in offsets):
+                assert all(o is not None for o in offsets), "a key offset for some layers only"
+                obj.set_key_offsets(offsets)
             held = self._caches = (key_caches, value_caches, obj)
         return held[2]
 
@@ -371,7 +387,7 @@ def build_cpu_forward(
         block_bytes=sum(_nbytes(t) for t in blocks.values()),
         dropped_bytes=dropped,
     )
-    return CpuForward(spec, ops, memory, report)
+    return CpuForward(spec, ops, memory, report, key_offset=model.attention.key_offset)
 
 
 def gather(copies: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

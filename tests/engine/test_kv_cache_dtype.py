@@ -21,6 +21,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.llm import CompletionOutput
+from kernels import kv_quant
 from kvpool.config import KVPoolConfig
 from kvpool.storage import size_kv_cache
 from server.config import ServingConfig
@@ -156,6 +157,100 @@ def test_fp8_runs_on_the_reference_and_the_cpu_backend_refuses_it(model_path, pr
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
     with pytest.raises(ValueError, match="KV cache dtype of auto or int8"):
         LLM(str(model_path), kv_cache_dtype="fp8", attention_backend="cpu", **DEVICE)
+
+
+@pytest.fixture(scope="module")
+def biased_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with keys sharing a large part, as trained models' post-RoPE keys do:
+    a k_proj bias on the lowest-frequency RoPE pairs (nearly unrotated over these lengths),
+    and larger queries so that the scores, and thus key errors, matter."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_llama(
+        tmp_path_factory.mktemp("tiny-kv-biased"), num_kv_heads=2, seed=5, hidden_size=128,
+        intermediate_size=256, num_attention_heads=4, attention_bias=True,
+    )  # fmt: skip
+    weights = load_file(path / "model.safetensors")
+    for layer in range(2):
+        attn = f"model.layers.{layer}.self_attn"
+        bias = weights[f"{attn}.k_proj.bias"].view(2, 32)  # [num_kv_heads, head_dim]
+        bias[:, [14, 15, 31]] += torch.tensor([4.0, 6.0, -5.0])
+        weights[f"{attn}.q_proj.weight"] *= 8.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_key_offsets_are_calibrated_per_layer_and_reach_the_stores(model_path):
+    llm = LLM(
+        str(model_path), kv_cache_dtype="int8", kv_key_offsets=True, num_kv_blocks=16, **DEVICE
+    )
+    storage, attention = llm.engine.storage, llm.engine.model.attention
+    assert storage.key_offsets is not None and len(storage.key_offsets) == 2
+    for cache, offset in zip(storage.key_caches, storage.key_offsets, strict=True):
+        assert offset.shape == (2, 32) and offset.dtype == torch.float32
+        assert bool(offset.isfinite().all()) and float(offset.abs().max()) > 0
+        assert attention.key_offset(cache) is offset
+    for kwargs in ({"kv_cache_dtype": "int8"}, {"kv_key_offsets": True}):  # off; unquantized
+        llm = LLM(str(model_path), num_kv_blocks=16, **kwargs, **DEVICE)
+        assert llm.engine.storage.key_offsets is None
+        assert llm.engine.model.attention.key_offset(llm.engine.storage.key_caches[0]) is None
+    # Random weights and no tokenizer (--load-format dummy): the text's bytes calibrate.
+    dummy = LLM(
+        "tiny-llama", load_format="dummy", kv_cache_dtype="int8", kv_key_offsets=True,
+        num_kv_blocks=8, **DEVICE,
+    )  # fmt: skip
+    assert dummy.tokenizer is None
+    offsets = dummy.engine.storage.key_offsets
+    assert offsets is not None and all(bool(o.isfinite().all()) for o in offsets)
+    assert not ServingConfig.from_cli([], environ={}).kvpool.key_offsets
+    assert ServingConfig.from_cli(["--kv-key-offsets"], environ={}).kvpool.key_offsets
+
+
+def test_key_offsets_keep_prefix_caching_preemption_and_the_backends_agreeing(model_path, prompts):
+    """The offset is one constant per (layer, KV head) for the pool's life, so cached,
+    evicted and recomputed blocks hold the same keys as a roomy run's; the C++ stack and
+    the reference subtract it alike."""
+    on = {"kv_cache_dtype": "int8", "kv_key_offsets": True}
+    llm, outs = run(model_path, prompts, enable_prefix_caching=False, **on)
+    assert llm.engine.attention_backend == "cpu"
+    references = [Reference.from_output(o) for o in outs]
+    llm, outs = run(model_path, prompts, **on)
+    assert llm.engine.kv_manager.stats().prefix_cache_hits > 0
+    check(outs, references, "key offsets, prefix caching")
+    llm, outs = run(
+        model_path, prompts, num_kv_blocks=12, block_size=16, max_num_batched_tokens=64, **on
+    )
+    assert llm.engine.scheduler.num_preemptions_total >= 3
+    check(outs, references, "key offsets, preempted")
+    _, outs = run(model_path, prompts, attention_backend="torch", enable_prefix_caching=False, **on)
+    check(outs, references, "key offsets, torch backend")
+
+
+def test_key_offsets_shrink_the_key_error_and_int8_decodes_like_float32(biased_model_path, prompts):
+    """The keys read back from the int8 cache (less the offset, which moves no softmax) are
+    several times closer to the float keys with the calibrated offset than without; and
+    greedy decoding with it follows float32's tokens (a divergence only at a near-tie)."""
+    from benchmarks.kv_quant import target_logprobs
+
+    ids = prompts[0]
+    n = len(ids) - 1  # the scoring writes K/V of positions 0 .. n - 1 at slots 0 .. n - 1
+    path = str(biased_model_path)
+    plain = LLM(path, num_kv_blocks=16, **DEVICE)
+    target_logprobs(plain, ids, chunk=64)
+    want = plain.engine.storage.key_caches[0].reshape(-1, 2, 32)[:n]
+    errors = {}
+    for on in (True, False):
+        llm = LLM(path, kv_cache_dtype="int8", kv_key_offsets=on, num_kv_blocks=16, **DEVICE)
+        target_logprobs(llm, ids, chunk=64)
+        storage = llm.engine.storage
+        cache = storage.key_caches[0]
+        got = kv_quant.dequantize_keys(cache, kv_quant.cache_scales(cache)).view(-1, 2, 32)[:n]
+        offset = storage.key_offsets[0] if on else torch.zeros(2, 32)
+        errors[on] = float((got - (want - offset)).square().mean().sqrt())
+    assert errors[True] * 3 < errors[False], errors
+    base = LLM(path, num_kv_blocks=256, **DEVICE).generate(prompts, greedy(logprobs=2))
+    _, outs = run(biased_model_path, prompts, kv_cache_dtype="int8", kv_key_offsets=True)
+    check(outs, [Reference.from_output(o) for o in base], "int8 with key offsets vs float32")
 
 
 def test_flag_and_config_errors(capsys):

@@ -216,17 +216,17 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
     "store_kv": (
         "kernels.store_kv", "_store_kv_kernel",
         dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16",
-             slot_mapping_ptr="*i64"),
+             slot_mapping_ptr="*i64", key_offset_ptr="*bf16"),
         dict(NUM_KV_HEADS=3, HEAD_DIM=64, KV_HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-             **_NOT_QUANTIZED),
+             HAS_KEY_OFFSET=False, **_NOT_QUANTIZED),
     ),
     **{
         f"store_kv_{name}": (
             "kernels.store_kv", "_store_kv_kernel",
             dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr=ptr, value_cache_ptr=ptr,
-                 slot_mapping_ptr="*i64"),
+                 slot_mapping_ptr="*i64", key_offset_ptr="*fp32"),
             dict(NUM_KV_HEADS=3, HEAD_DIM=64, KV_HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-                 **quant, **_HADAMARD[64]),
+                 HAS_KEY_OFFSET=True, **quant, **_HADAMARD[64]),
         )
         for name, (ptr, quant) in _QUANTIZED.items()
     },
@@ -291,18 +291,18 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
     "rope_and_store": (
         "kernels.rope_and_store", "_rope_and_store_kernel",
         dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",
-             value_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
+             value_cache_ptr="*bf16", slot_mapping_ptr="*i64", key_offset_ptr="*bf16"),
         dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32, BLOCK_SIZE=16,
-             DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, **_NOT_QUANTIZED),
+             DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, HAS_KEY_OFFSET=False, **_NOT_QUANTIZED),
     ),
     **{
         f"rope_and_store_{name}": (
             "kernels.rope_and_store", "_rope_and_store_kernel",
             dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr=ptr,
-                 value_cache_ptr=ptr, slot_mapping_ptr="*i64"),
+                 value_cache_ptr=ptr, slot_mapping_ptr="*i64", key_offset_ptr="*fp32"),
             dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32,
-                 BLOCK_SIZE=16, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, **quant,
-                 **_HADAMARD[128]),
+                 BLOCK_SIZE=16, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, HAS_KEY_OFFSET=True,
+                 **quant, **_HADAMARD[128]),
         )
         for name, (ptr, quant) in _QUANTIZED.items()
     },

@@ -126,7 +126,8 @@ void linear_at(const at::Tensor& x, const c10::List<c10::optional<at::Tensor>>& 
 // residual stream yet) the embeddings, which the residual stream then starts as.
 void layer_forward(const at::Tensor& x, at::Tensor& residual, bool first, const c10::List<c10::optional<at::Tensor>>& w,
                    size_t base, Buffers& b, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
-                   at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                   at::Tensor& value_cache, const c10::optional<at::Tensor>& key_offset,
+                   const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                    const at::Tensor& seq_lens, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
   Laps laps;
   if (first) rms_norm_into(x, *w.get(base + kInputNorm), eps, b.h);
@@ -134,7 +135,7 @@ void layer_forward(const at::Tensor& x, at::Tensor& residual, bool first, const 
   laps.lap(kInputNormK);
   linear_at(b.h, w, base + kQkvW, b.qkv);
   laps.lap(kQkvK);
-  rope_and_store_(b.qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads);
+  rope_and_store_(b.qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads, key_offset);
   laps.lap(kRopeStoreK);
   paged_attention_decode_into(b.q, key_cache, value_cache, block_tables, seq_lens, scale, b.attn);
   laps.lap(kAttentionK);
@@ -196,8 +197,10 @@ std::tuple<at::Tensor, at::Tensor> run_stack(
   at::Tensor residual = x;
   for (size_t l = 0; l < layers; ++l) {
     at::Tensor key_cache = caches->k.get(l), value_cache = caches->v.get(l);
+    const c10::optional<at::Tensor> key_offset =
+        caches->key_offsets.empty() ? c10::nullopt : c10::optional<at::Tensor>(caches->key_offsets.get(l));
     layer_forward(l == 0 ? x : b.out, residual, l == 0, w, l * kNumSlots, b, cos, sin, key_cache, value_cache,
-                  slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, eps, scale);
+                  key_offset, slot_mapping, block_tables, seq_lens, num_heads, num_kv_heads, eps, scale);
   }
   at::Tensor out = b.out;
   if (logits) {  // as the Python forward: add_rms_norm_ with the final norm, then the head

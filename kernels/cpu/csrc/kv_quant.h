@@ -1,10 +1,11 @@
 // The quantized KV cache's row format in C++ (kernels/kv_quant.py is the definition): a row
-// is head_dim int8 values, then the row's float16 scale (2 bytes); K rows hold the keys'
-// block-diagonal Hadamard transform. Shared by the store (layer_ops.cpp) and the decode
-// kernel (paged_attention.cpp), which evaluate the reference's float32 operations in its
-// order, so the bytes are the reference's.
+// is head_dim int8 values, then the row's float16 scale (2 bytes); K rows hold the
+// block-diagonal Hadamard transform of the keys less their calibrated offset, if any. Shared
+// by the store (layer_ops.cpp) and the decode kernel (paged_attention.cpp), which evaluate
+// the reference's float32 operations in its order, so the bytes are the reference's.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -34,6 +35,15 @@ inline void hadamard_row(float* x, int64_t n, int64_t block) {
         x[i] = a + b;
         x[i + h] = a - b;
       }
+}
+
+// A store's key offset (kv_quant.check_key_offset): float32 [num_kv_heads, head_dim],
+// contiguous, on the CPU.
+inline const float* key_offset_ptr(const at::Tensor& offset, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(offset.scalar_type() == at::kFloat && offset.is_contiguous() && offset.device().is_cpu() &&
+                  offset.dim() == 2 && offset.size(0) == num_kv_heads && offset.size(1) == head_dim,
+              "key_offset must be contiguous float32 [num_kv_heads, head_dim] on the CPU");
+  return offset.data_ptr<float>();
 }
 
 inline float load_scale(const int8_t* row, int64_t head_dim) {

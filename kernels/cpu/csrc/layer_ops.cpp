@@ -121,9 +121,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // (slot -1: padding, not stored). cos, sin: [tokens, head_dim].
 void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                     int64_t num_heads, int64_t num_kv_heads) {
+                     int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& key_offset) {
   // An int8 cache (--kv-cache-dtype int8) takes each K/V row quantized, scale after it, K
-  // Hadamard-transformed first (kv_quant.h).
+  // less key_offset (when given) and Hadamard-transformed first (kv_quant.h).
   const bool int8_cache = key_cache.scalar_type() == at::kChar;
   TORCH_CHECK(qkv.scalar_type() == at::kFloat &&
               (key_cache.scalar_type() == at::kFloat || int8_cache) &&
@@ -137,6 +137,11 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim);
   TORCH_CHECK(cos.size(-1) == head_dim && cos.numel() == tokens * head_dim && half % kVec == 0,
               "head_dim must be a multiple of 32");
+  const float* offset = nullptr;  // [num_kv_heads, head_dim]
+  if (key_offset.has_value()) {
+    TORCH_CHECK(int8_cache, "a key offset is for an int8 cache only");
+    offset = key_offset_ptr(*key_offset, num_kv_heads, head_dim);
+  }
   const int64_t row = qkv.size(1), kv = num_kv_heads * head_dim;
   const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
   float* x = qkv.data_ptr<float>();
@@ -171,6 +176,8 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
         TORCH_CHECK(head_dim <= 256, "int8 cache: head_dim must be <= 256");
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           std::copy(k + h * head_dim, k + (h + 1) * head_dim, kh);
+          if (offset != nullptr)
+            for (int64_t d = 0; d < head_dim; ++d) kh[d] -= offset[h * head_dim + d];
           hadamard_row(kh, head_dim, block);
           quantize_row_i8(kh, head_dim, kq + (slot * num_kv_heads + h) * qrow);
           quantize_row_i8(k + kv + h * head_dim, head_dim, vq + (slot * num_kv_heads + h) * qrow);

@@ -41,9 +41,11 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& panels, int64_t ou
                        const c10::optional<at::Tensor>& bias, at::Tensor& y);
 void linear_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                  const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias, at::Tensor& y);
+// key_offset (an int8 cache): float32 [num_kv_heads, head_dim], subtracted from each key
+// before it is quantized (kernels/kv_quant.py).
 void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
                      at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads,
-                     int64_t num_kv_heads);
+                     int64_t num_kv_heads, const c10::optional<at::Tensor>& key_offset = c10::nullopt);
 at::Tensor pack_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                          const c10::optional<at::Tensor>& bias);
@@ -70,11 +72,16 @@ struct StackWeights : torch::CustomClassHolder {
 
 // The KV cache's per-layer tensors, converted from Python once, for the same reason: as two
 // Tensor[] arguments, the default model's 60 cache tensors were converted on every call.
+// key_offsets: none, or one per layer (rope_and_store_'s key_offset), set after construction.
 struct StackCaches : torch::CustomClassHolder {
-  c10::List<at::Tensor> k, v;
+  c10::List<at::Tensor> k, v, key_offsets;
   StackCaches(c10::List<at::Tensor> key_caches, c10::List<at::Tensor> value_caches)
       : k(std::move(key_caches)), v(std::move(value_caches)) {}
   int64_t size() const { return int64_t(k.size()); }
+  void set_key_offsets(c10::List<at::Tensor> offsets) {
+    TORCH_CHECK(offsets.empty() || offsets.size() == k.size(), "one key offset per layer, or none");
+    key_offsets = std::move(offsets);
+  }
 };
 
 // The model from token ids to the last layer's output and residual stream, or with `logits`

@@ -12,7 +12,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rope_and_store_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key_cache, "
-        "Tensor(c!) value_cache, Tensor slot_mapping, int num_heads, int num_kv_heads) -> ()");
+        "Tensor(c!) value_cache, Tensor slot_mapping, int num_heads, int num_kv_heads, "
+        "Tensor? key_offset=None) -> ()");
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("pack_gguf(Tensor raw, int ggml_type, int in_features) -> Tensor");
@@ -36,7 +37,8 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
       .def("size", &pagedserve_cpu::StackWeights::size);
   m.class_<pagedserve_cpu::StackCaches>("StackCaches")
       .def(torch::init<c10::List<at::Tensor>, c10::List<at::Tensor>>())
-      .def("size", &pagedserve_cpu::StackCaches::size);
+      .def("size", &pagedserve_cpu::StackCaches::size)
+      .def("set_key_offsets", &pagedserve_cpu::StackCaches::set_key_offsets);
   // The caches object's tensors are written (K/V of the step's tokens).
   m.def("decoder_layers(Tensor input_ids, Tensor positions, __torch__.torch.classes.pagedserve_cpu.StackWeights weights, "
         "__torch__.torch.classes.pagedserve_cpu.StackCaches caches, Tensor cos_table, Tensor sin_table, "
