@@ -16,6 +16,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _release_cuda_cache():
+    """On a GPU, hand what a test freed back to the driver after it: torch's caching
+    allocator keeps freed blocks for its own process, so under ``pytest -n`` on one GPU the
+    pools one worker's large tests leave (the int64-offset tests' 8 GiB caches, the kernel
+    benchmarks' inputs) would starve the other workers."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="session")
 def ops():
     """``torch.ops.pagedserve_cpu``, the C++ CPU kernels. Tests that use it fail (rather than
