@@ -147,10 +147,7 @@ class DecodeGraphs:
     # ---- which steps ---------------------------------------------------------------------
 
     def bucket(self, num_seqs: int) -> int | None:
-        for size in self.sizes:
-            if size >= num_seqs:
-                return size
-        return None
+        return smallest_bucket(self.sizes, num_seqs)
 
     def handles(self, batch: InputBatch) -> bool:
         """A decode-only step without padding rows, of at most the largest bucket."""
@@ -250,25 +247,36 @@ class DecodeGraphs:
         # table only up to its row's context. Rows n..size become inert padding again, as
         # far as an earlier step wrote them.
         inert = self._inert
-        dirty = self._dirty_rows
-        if min(size, dirty) > n:
-            pad = slice(n, min(size, dirty))
+        pad, self._dirty_rows = _padding_to_reset(self._dirty_rows, n, size)
+        if pad is not None:
             self.input_ids[pad].copy_(inert.input_ids[pad])
             self.positions[pad].copy_(inert.positions[pad])
             self.slot_mapping[pad].copy_(inert.slot_mapping[pad])
             self.seq_lens[pad].copy_(inert.attn.seq_lens[pad])
-        self._dirty_rows = dirty if dirty > size else n
-        dirty = self._dirty_table_rows[key[1]]
-        if min(size, dirty) > n:
-            pad = slice(n, min(size, dirty))
+        pad, self._dirty_table_rows[key[1]] = _padding_to_reset(
+            self._dirty_table_rows[key[1]], n, size
+        )
+        if pad is not None:
             tables[pad].copy_(self._inert_tables(pad, tables.shape[1]))
-        self._dirty_table_rows[key[1]] = dirty if dirty > size else n
         captured = self._graphs.get(key)
         if captured is None:  # the stand-in
             return self._forward(*key)[:n]
         graph, logits = captured
         graph.replay()
         return logits[:n]
+
+
+def _padding_to_reset(dirty: int, n: int, size: int) -> tuple[slice | None, int]:
+    """A step of ``n`` rows padded to ``size``, over buffers whose rows from ``dirty`` on are
+    inert: the padding rows to make inert again (None: none), and where the inert rows start
+    once this step has written its own."""
+    pad = slice(n, min(size, dirty)) if min(size, dirty) > n else None
+    return pad, dirty if dirty > size else n
+
+
+def smallest_bucket(sizes: Sequence[int], n: int) -> int | None:
+    """The smallest of ``sizes`` (sorted) that holds ``n``; None if none does."""
+    return next((size for size in sizes if size >= n), None)
 
 
 def _ranges(sizes: Sequence[int]) -> str:

@@ -447,28 +447,19 @@ _RUNNING = RequestStatus.RUNNING
 
 def _output(request: Request, new_token_ids: list[int], logprobs: Any) -> RequestOutput:
     status = request.status
-    if status is _RUNNING:  # most outputs of a step: no finish to describe
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_logprobs=logprobs,
-            finished=False,
-            finish_reason=None,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=len(request.output_token_ids),
-            first_scheduled_time=request.first_scheduled_time,
-        )
-    stop_token = None
-    if status == RequestStatus.FINISHED_STOPPED and request.output_token_ids:
-        stop_token = request.output_token_ids[-1]
+    finished, finish_reason, stop_token = False, None, None
+    if status is not _RUNNING:  # most outputs of a step are running: no finish to describe
+        finished, finish_reason = status.finished, request.finish_reason
+        if status == RequestStatus.FINISHED_STOPPED and request.output_token_ids:
+            stop_token = request.output_token_ids[-1]
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=new_token_ids,
         new_logprobs=logprobs,
-        finished=status.finished,
-        finish_reason=request.finish_reason,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens,
+        finished=finished,
+        finish_reason=finish_reason,
+        num_prompt_tokens=len(request.prompt_token_ids),
+        num_output_tokens=len(request.output_token_ids),
         stop_token_id=stop_token,
         first_scheduled_time=request.first_scheduled_time,
     )

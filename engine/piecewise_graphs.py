@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cuda_graphs import inert_batch
+from engine.cuda_graphs import inert_batch, smallest_bucket
 from engine.input_batch import InputBatch
 from kvpool.storage import KVCacheStorage
 
@@ -146,10 +146,7 @@ class PiecewiseGraphs:
     # ---- which steps ---------------------------------------------------------------------
 
     def bucket(self, num_tokens: int) -> int | None:
-        for size in self.sizes:
-            if size >= num_tokens:
-                return size
-        return None
+        return smallest_bucket(self.sizes, num_tokens)
 
     def handles(self, batch: InputBatch) -> bool:
         """A step of at most the largest bucket's tokens (the runner asks the decode graphs
