@@ -288,14 +288,9 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            # Most rows find room at once; a failed allocation changes nothing, and the
-            # preemption loop then tries it again.
-            target = request.num_computed_tokens + num_new
-            if self.kv.allocate_slots(
-                request.request_id, target
-            ) is None and not self._allocate_or_preempt(request, num_new, out):
+            if not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself: nothing newer is left to schedule
-            out.scheduled.append(self._scheduled(request, num_new, samples=num_new == remaining))
+            out.scheduled.append(self._scheduled(request, num_new))
             step.spend(num_new, prompt=remaining > 1)
             index += 1
 
@@ -438,11 +433,8 @@ class Scheduler:
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _scheduled(
-        self, request: Request, num_new: int, samples: bool | None = None
-    ) -> ScheduledRequest:
-        """The row of ``num_new`` tokens from the request's computed ones; ``samples``, when
-        the caller knows it: whether they reach its last token."""
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """The row of ``num_new`` tokens from the request's computed ones."""
         start = request.num_computed_tokens
         end = start + num_new
         if request.first_scheduled_time is None:
@@ -453,7 +445,7 @@ class Scheduler:
             num_tokens=num_new,
             token_ids=request.token_ids(start, end),
             block_ids=self.kv.block_ids(request.request_id),
-            samples=end == request.num_tokens if samples is None else samples,
+            samples=end == request.num_tokens,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
