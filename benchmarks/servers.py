@@ -15,6 +15,7 @@ from typing import Any
 from loadtest.config import LoadTestConfig
 from loadtest.launcher import ServerProcess, build_command, free_port
 from loadtest.run import run_sweep
+from planner.measured import Histogram
 
 _PHASE_LABEL = re.compile(r'phase="([^"]*)"')
 
@@ -89,7 +90,6 @@ def server_peak_bandwidth(metrics: Mapping[str, float] | None) -> float | None:
 
 
 ITL_METRIC = "pagedserve_inter_token_latency_seconds"
-_LE_LABEL = re.compile(r'le="([^"]*)"')
 
 
 def server_histogram_quantile(
@@ -98,36 +98,11 @@ def server_histogram_quantile(
     name: str,
     q: float,
 ) -> float | None:
-    """The ``q`` quantile of histogram ``name`` over what was observed between two scrapes,
-    interpolated inside its bucket as Prometheus' ``histogram_quantile`` does; None when
-    nothing was observed (or the server does not export it)."""
-    if not after:
-        return None
-
-    def buckets(metrics: Mapping[str, float] | None) -> dict[float, float]:
-        out: dict[float, float] = {}
-        for key, value in (metrics or {}).items():
-            if key.startswith(f"{name}_bucket{{"):
-                match = _LE_LABEL.search(key)
-                if match:
-                    le = float(match.group(1))  # "+Inf" parses as inf
-                    out[le] = out.get(le, 0.0) + value
-        return out
-
-    start, end = buckets(before), buckets(after)
-    counts = sorted((le, end[le] - start.get(le, 0.0)) for le in end)
-    if not counts or counts[-1][1] <= 0:
-        return None
-    rank = q * counts[-1][1]
-    lower_le, lower_count = 0.0, 0.0
-    for le, count in counts:
-        if count >= rank:
-            if le == float("inf"):
-                return lower_le
-            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 1.0
-            return lower_le + (le - lower_le) * share
-        lower_le, lower_count = le, count
-    return None
+    """The ``q`` quantile of histogram ``name`` over what was observed between two scrapes
+    (PromQL's ``histogram_quantile``, ``planner.measured.Histogram``); None when nothing was
+    observed (or the server does not export it)."""
+    end = Histogram.from_samples(after, name)
+    return end.minus(Histogram.from_samples(before, name)).quantile(q) if end else None
 
 
 def server_decode_bytes(metrics: Mapping[str, float] | None) -> float | None:

@@ -30,7 +30,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -209,16 +209,40 @@ def measurements_from_json(data: Any, source: str) -> list[Measured]:
 # ---------------------------------------------------------------------------- Prometheus
 
 
+_LE_LABEL = re.compile(r'le="([^"]*)"')
+
+
 @dataclass(slots=True)
-class _Histogram:
+class Histogram:
     buckets: dict[float, float]  # upper bound -> cumulative count, summed over label sets
     total: float
     count: float
 
-    def minus(self, before: _Histogram | None) -> _Histogram:
+    @classmethod
+    def from_samples(cls, samples: Mapping[str, float] | None, name: str) -> Histogram | None:
+        """Histogram ``name`` from flat samples (``{'name_bucket{le="0.1",...}': value}``,
+        as ``loadtest.probe.parse_prometheus_text`` gives them), summed over label sets;
+        None if it is not among them."""
+        hist = cls({}, 0.0, 0.0)
+        found = False
+        for key, value in (samples or {}).items():
+            series, _, labels = key.partition("{")
+            if series == f"{name}_bucket":
+                le = _LE_LABEL.search(labels)
+                if le:
+                    bound = float(le.group(1))  # "+Inf" parses as inf
+                    hist.buckets[bound] = hist.buckets.get(bound, 0.0) + value
+                    found = True
+            elif series == f"{name}_sum":
+                hist.total += value
+            elif series == f"{name}_count":
+                hist.count += value
+        return hist if found else None
+
+    def minus(self, before: Histogram | None) -> Histogram:
         if before is None:
             return self
-        return _Histogram(
+        return Histogram(
             {le: c - before.buckets.get(le, 0.0) for le, c in self.buckets.items()},
             self.total - before.total,
             self.count - before.count,
@@ -246,7 +270,7 @@ class _Histogram:
 
 @dataclass(slots=True)
 class _Scrape:
-    histograms: dict[str, _Histogram]
+    histograms: dict[str, Histogram]
     counters: dict[str, float]
 
 
@@ -254,11 +278,11 @@ def parse_prometheus(text: str) -> _Scrape:
     """Histograms and counters of a Prometheus text exposition, summed over label sets."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    histograms: dict[str, _Histogram] = {}
+    histograms: dict[str, Histogram] = {}
     counters: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         if family.type == "histogram":
-            hist = histograms.setdefault(family.name, _Histogram({}, 0.0, 0.0))
+            hist = histograms.setdefault(family.name, Histogram({}, 0.0, 0.0))
             for sample in family.samples:
                 if sample.name.endswith("_bucket"):
                     le = float(sample.labels["le"])
@@ -292,13 +316,13 @@ def measurement_from_prometheus(
     now = parse_prometheus(after)
     then = parse_prometheus(before) if before is not None else None
 
-    def hist(*patterns: str) -> tuple[_Histogram | None, str]:
+    def hist(*patterns: str) -> tuple[Histogram | None, str]:
         name = _find(now.histograms, *patterns)
         if name is None:
             return None, ""
         return now.histograms[name].minus(then.histograms.get(name) if then else None), name
 
-    def stat(h: _Histogram | None, name: str) -> tuple[float | None, str]:
+    def stat(h: Histogram | None, name: str) -> tuple[float | None, str]:
         if h is None or h.count <= 0:
             return None, ""
         return h.quantile(0.5), f"{name} p50 (histogram)"
