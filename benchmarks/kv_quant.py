@@ -16,6 +16,14 @@ Quality (each KV dtype against the model's own dtype, ``auto``, same engine othe
   (64) greedy tokens each; per prompt, the length of the common prefix with the ``auto``
   run over ``--tokens`` (a divergence makes everything after it differ, so the prefix, not
   the positionwise match, is the figure), and the mean over prompts.
+- **Agreement on auto's text** (teacher-forced): each prompt followed by ``auto``'s greedy
+  tokens, prefilled through the mode's cache with the logits of every row; the share of
+  those ``--tokens`` positions where the mode's top token is ``auto``'s, and ``auto``'s
+  largest top-2 log-probability margin at a position where they differ. Unlike the prefix,
+  one flipped near-tie costs one position, not the rest of the prompt.
+- **The rounding floor** (``--rounding-floor``): a row for ``auto`` with every K/V row
+  rounded to bfloat16 as it is stored (the reference attention path), what a 16-bit cache's
+  rounding alone does to these figures; a quantized dtype cannot be expected to beat it.
 
 Quantized dtypes run as the server's defaults do (keys stored as they are);
 ``--ab-key-offsets`` adds a row per dtype with the calibrated key offsets
@@ -70,6 +78,10 @@ class QualityResult:
     max_abs_logprob_diff: float
     greedy_prefix: list[int]  # common-prefix length with auto, per prompt
     greedy_agreement: float  # mean prefix / tokens
+    # teacher-forced on auto's greedy text: the share of positions whose top token is auto's
+    forced_agreement: float
+    # auto's largest top-2 margin where the mode's top token differs on auto's text (0: none)
+    forced_max_margin: float
     # auto's top-2 log-probability margin where each diverging prompt diverged: a small one
     # is a near-tie that any perturbation of the arithmetic may flip
     divergence_margins: list[float]
@@ -98,20 +110,27 @@ def make_llm(kv_cache_dtype: str, args: argparse.Namespace, **kwargs: object) ->
 
 
 def target_logprobs(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
-    """log p(ids[i + 1] | ids[: i + 1]) for every i, through the paged cache.
+    """log p(ids[i + 1] | ids[: i + 1]) for every i, through the paged cache."""
+    return score(llm, ids, chunk)[0]
 
-    The passage goes into blocks 0, 1, ... of this idle engine's pool directly (no request,
+
+def score(llm: LLM, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logprob, top)``: log p(ids[i + 1] | ids[: i + 1]) and the most likely token after
+    ``ids[: i + 1]``, for every i, through the paged cache.
+
+    The text goes into blocks 0, 1, ... of this idle engine's pool directly (no request,
     so kvpool's allocator is not involved and keeps every block free): this engine is this
-    benchmark's own, and nothing else runs in it meanwhile.
+    benchmark's own, and nothing else runs in it meanwhile. Blocks the prefix cache kept
+    are overwritten, so score before ``generate``, never after.
     """
     engine = llm.engine
     assert engine.num_free_blocks == engine.num_total_blocks, "the engine must be idle"
     storage, forward = engine.storage, engine.runner.model
     bs = storage.block_size
     num_blocks = -(-len(ids) // bs)
-    assert num_blocks <= storage.num_blocks, "the passage does not fit in the pool"
+    assert num_blocks <= storage.num_blocks, "the text does not fit in the pool"
     table = torch.arange(num_blocks, dtype=torch.int32)[None]
-    out = []
+    out, tops = [], []
     for start in range(0, len(ids) - 1, chunk):
         end = min(start + chunk, len(ids) - 1)
         n = end - start
@@ -134,13 +153,38 @@ def target_logprobs(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
         logits = forward(batch, storage.key_caches, storage.value_caches)  # [n, vocab]
         logp = torch.log_softmax(logits.float(), dim=-1)
         out.append(logp[torch.arange(n), torch.tensor(ids[start + 1 : end + 1])])
-    return torch.cat(out)
+        tops.append(logp.argmax(dim=-1))
+    return torch.cat(out), torch.cat(tops)
+
+
+def round_stores_to_bfloat16(llm: LLM) -> None:
+    """Round every K/V row this engine stores to bfloat16 and back (``--rounding-floor``).
+
+    Benchmark-only instrumentation of the reference attention path's store (the engine
+    must run ``attention_backend="torch"``, whose stores all go through
+    ``PagedAttention.store``): the cache stays float32, its contents carry a 16-bit
+    cache's rounding."""
+    attention = llm.engine.runner.model.attention
+    assert llm.engine.attention_backend == "torch", "the rounding floor needs the torch path"
+    store = attention._store_kv
+
+    def rounded(key: torch.Tensor, value: torch.Tensor, *args: object) -> None:
+        bf16 = torch.bfloat16
+        store(key.to(bf16).to(key.dtype), value.to(bf16).to(value.dtype), *args)
+
+    attention._store_kv = rounded
+
+
+ROUNDING_FLOOR = "auto, K/V rounded to bfloat16"
 
 
 def quality_modes(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
     """(label, KV dtype, key offsets) of each engine the quality report builds: ``auto``
-    first, then each dtype, each followed by its key-offset row with ``--ab-key-offsets``."""
+    first, then the rounding floor with ``--rounding-floor``, then each dtype, each followed
+    by its key-offset row with ``--ab-key-offsets``."""
     modes = [("auto", "auto", False)]
+    if args.rounding_floor:
+        modes.append((ROUNDING_FLOOR, "auto", False))
     for kv in args.dtypes:
         modes.append((kv, kv, False))
         if args.ab_key_offsets:
@@ -149,10 +193,20 @@ def quality_modes(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
 
 
 def quality(args: argparse.Namespace) -> list[QualityResult]:
-    runs: dict[str, tuple[torch.Tensor, list[list[int]], int]] = {}
+    runs: dict[str, tuple[torch.Tensor, list[list[int]], int, list[list[int]]]] = {}
     margins: list[list[float]] = []  # auto's top-2 margin per prompt and position
+    base_tokens: list[list[int]] = []
     for label, kv, offsets in quality_modes(args):
-        llm = make_llm(kv, args, num_kv_blocks=256, kv_key_offsets=offsets)
+        floor = label == ROUNDING_FLOOR
+        llm = make_llm(
+            kv,
+            args,
+            num_kv_blocks=256,
+            kv_key_offsets=offsets,
+            **({"attention_backend": "torch"} if floor else {}),
+        )
+        if floor:
+            round_stores_to_bfloat16(llm)
         tok = llm.tokenizer
         passage = tok.encode(topics[PPL_TOPIC], add_special_tokens=False)[: args.ppl_tokens]
         prompts = [
@@ -160,21 +214,41 @@ def quality(args: argparse.Namespace) -> list[QualityResult]:
             for t in (PROMPT_TOPICS + EXTRA_PROMPT_TOPICS)[: args.prompts]
         ]
         lp = target_logprobs(llm, passage, args.chunk)
+        # The top token at each of auto's greedy tokens, teacher-forced (auto's own: none).
+        forced = (
+            [
+                score(llm, p + t, args.chunk)[1][len(p) - 1 :].tolist()
+                for p, t in zip(prompts, base_tokens, strict=True)
+            ]
+            if base_tokens
+            else []
+        )
         params = SamplingParams(
             max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=2
         )
         outs = llm.generate(prompts, params)
-        if kv == "auto":
+        if kv == "auto" and not base_tokens:
             margins = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs]
-        runs[label] = (lp, [o.token_ids for o in outs], llm.engine.kv_capacity.bytes_per_token)
+            base_tokens = [o.token_ids for o in outs]
+            forced = base_tokens
+        per_token = llm.engine.kv_capacity.bytes_per_token
+        runs[label] = (lp, [o.token_ids for o in outs], per_token, forced)
         print(f"# {label}: backend {llm.engine.attention_backend}, {len(passage)} passage tokens")
-    base_lp, base_tokens, _ = runs["auto"]
+    base_lp = runs["auto"][0]
     base_ppl = math.exp(-float(base_lp.mean()))
     results = []
-    for kv, (lp, tokens, per_token) in runs.items():
+    for kv, (lp, tokens, per_token, forced) in runs.items():
         ppl = math.exp(-float(lp.mean()))
         prefix = [common_prefix(a, b) for a, b in zip(tokens, base_tokens, strict=True)]
         diff = (lp - base_lp).abs()
+        # Positions of auto's text where the mode's top token differs, with auto's margin.
+        differ = [
+            m[i]
+            for f, b, m in zip(forced, base_tokens, margins, strict=True)
+            for i in range(len(b))
+            if f[i] != b[i]
+        ]
+        positions = sum(len(b) for b in base_tokens)
         results.append(
             QualityResult(
                 kv_cache_dtype=kv,
@@ -185,6 +259,8 @@ def quality(args: argparse.Namespace) -> list[QualityResult]:
                 max_abs_logprob_diff=float(diff.max()),
                 greedy_prefix=prefix,
                 greedy_agreement=sum(prefix) / (len(prefix) * args.tokens),
+                forced_agreement=1 - len(differ) / positions,
+                forced_max_margin=round(max(differ, default=0.0), 4),
                 divergence_margins=[
                     round(m[n], 4) for m, n in zip(margins, prefix, strict=True) if n < args.tokens
                 ],
@@ -261,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="--quality: also run each dtype with the calibrated key offsets",
     )
+    p.add_argument(
+        "--rounding-floor",
+        action="store_true",
+        help="--quality: also run auto with its K/V rounded to bfloat16 (the reference path)",
+    )
     p.add_argument("--ppl-tokens", type=int, default=1024, help="passage length (tokens)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk when scoring")
     p.add_argument(
@@ -290,16 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "| KV dtype | bytes/token | perplexity | vs auto | mean abs Δ logprob | max | "
             f"greedy prefix agreement (first {args.tokens}) | per prompt | auto's top-2 margin "
-            "where they diverge |"
+            "where they diverge | agreement on auto's text | auto's largest margin where "
+            "that differs |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in q:
             print(
                 f"| {r.kv_cache_dtype} | {r.bytes_per_token} | {r.perplexity:.4f} | "
                 f"{r.perplexity_change:+.3%} | {r.mean_abs_logprob_diff:.4f} | "
                 f"{r.max_abs_logprob_diff:.3f} | {r.greedy_agreement:.1%} | "
                 f"{' '.join(map(str, r.greedy_prefix))} | "
-                f"{' '.join(map(str, r.divergence_margins)) or '-'} |"
+                f"{' '.join(map(str, r.divergence_margins)) or '-'} | "
+                f"{r.forced_agreement:.1%} | {r.forced_max_margin} |"
             )
         if args.prompts > len(PROMPT_TOPICS):
             n = len(PROMPT_TOPICS)

@@ -19,6 +19,14 @@ with the reference mode (the first one run: float32 weights, float KV) on the sa
   EOS ignored; the share of tokens before the first one that differs from the reference's
   (after a divergence the two continue different texts, so later positions are not compared),
   averaged over the prompts; and how many prompts agree on all of them;
+- **agreement on the reference's text**: each prompt followed by the reference's greedy
+  tokens, scored like the corpus (teacher-forced); the share of those tokens that are the
+  mode's own top token after the same history. One flipped near-tie costs one token here,
+  where it costs the rest of the prompt in the greedy agreement;
+- **the rounding floor** (mode ``kv-bf16-rounding``): float32 with every K/V row rounded
+  to bfloat16 as it is stored, what a 16-bit cache's rounding alone costs; near-ties in the
+  prompts' greedy text flip under any perturbation, so a quantized cache's figures are read
+  against this row, not against 100%;
 - **speed**: batch-1 TPOT, the median gap between a lone request's tokens over ``--tokens``
   decode steps (after one warm-up request);
 - **bytes**: the weight bytes a batch-1 decode step reads (``engine/cost.py``, the MBU
@@ -44,11 +52,13 @@ import statistics
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from benchmarks.kv_quant import round_stores_to_bfloat16
 from benchmarks.wave import run_wave
 from engine.input_batch import AttentionMetadata, InputBatch
 from engine.llm import LLM
@@ -61,12 +71,21 @@ class Mode:
     name: str
     llm_kwargs: dict[str, Any]
     about: str
+    # Applied to the built engine before it is measured (the rounding floor's store hook).
+    prepare: Callable[[LLM], None] | None = None
 
 
 # The first mode run is the reference the others are compared with. A new lossy mode is
 # one line here.
 MODES: tuple[Mode, ...] = (
     Mode("float32", {"matmul_weights": "float32"}, "float32 weights and KV (the reference)"),
+    Mode(
+        "kv-bf16-rounding",
+        {"matmul_weights": "float32", "attention_backend": "torch"},
+        "float32 with every K/V row rounded to bfloat16 as stored: a 16-bit cache's rounding "
+        "alone, the floor a quantized cache cannot beat (the reference attention path)",
+        prepare=round_stores_to_bfloat16,
+    ),
     Mode("gguf", {}, "the default: small batches read the GGUF file's exact blocks (lossless)"),
     Mode("w-int8", {"quantization": "int8"}, "--quantization int8"),
     Mode(
@@ -200,6 +219,7 @@ class ModeResult:
     mean_abs_logprob_diff: float | None = None
     top1_agreement: float | None = None  # positions whose top token is the reference's
     greedy_agreement: float | None = None  # share of tokens before the first divergence
+    forced_agreement: float | None = None  # the reference's greedy tokens that are our top
     prompts_identical: int | None = None
     tpot_ms: float | None = None
     weight_bytes_per_decode_step: int | None = None
@@ -236,12 +256,16 @@ def run_mode(
     except (ValueError, RuntimeError) as exc:  # e.g. fp8 on a CPU: say so, go on
         result.skipped = str(exc).splitlines()[0]
         return result, None
+    if mode.prepare is not None:
+        mode.prepare(llm)
     engine = llm.engine
     windows = corpus_windows(llm.tokenizer, args.window)[: args.max_windows]
     scored = [prompt_logprobs(llm, w) for w in windows]
     flat = torch.cat([lp for lp, _ in scored])
     top = torch.cat([t for _, t in scored])
     result.perplexity = math.exp(-flat.mean().item())
+    if reference is not None:
+        result.forced_agreement = forced_agreement(llm, reference.greedy_ids, args.prompts)
     result.greedy_ids = greedy(llm, PROMPTS[: args.prompts], args.tokens)
     if not args.no_speed:
         result.tpot_ms = 1e3 * batch1_tpot_s(llm, args.tokens)
@@ -268,6 +292,20 @@ def run_mode(
     return result, (flat, top)
 
 
+def forced_agreement(llm: LLM, reference_ids: list[list[int]], num_prompts: int) -> float:
+    """The share of the reference's greedy tokens (``reference_ids``, one list per prompt of
+    ``PROMPTS``) that are this engine's own top token after the prompt and the reference's
+    tokens before them (one prefill per prompt, ``prompt_logprobs``)."""
+    same = total = 0
+    for prompt, ids in zip(PROMPTS[:num_prompts], reference_ids, strict=True):
+        prompt_ids = llm.encode(prompt)
+        _, top = prompt_logprobs(llm, prompt_ids + ids)
+        ours = top[len(prompt_ids) - 1 :].tolist()  # the top token after each history
+        same += sum(a == b for a, b in zip(ours, ids, strict=True))
+        total += len(ids)
+    return same / total
+
+
 def paired_tpot(modes: list[Mode], args: argparse.Namespace) -> dict[str, list[float]]:
     """Batch-1 TPOT (ms) of every mode, all engines built first and then measured in turn,
     ``args.paired_tpot`` rounds: on a shared machine the load drifts by the minute, so
@@ -275,6 +313,9 @@ def paired_tpot(modes: list[Mode], args: argparse.Namespace) -> dict[str, list[f
     alternate do better. Returns each mode's per-round medians."""
     llms = {m.name: LLM(args.model, max_num_seqs=1, kv_cache_memory=args.kv_cache_memory,
                         **m.llm_kwargs) for m in modes if not missing_kwargs(m)}  # fmt: skip
+    for m in modes:
+        if m.prepare is not None and m.name in llms:
+            m.prepare(llms[m.name])
     for llm in llms.values():
         batch1_tpot_s(llm, 8)
     rounds: dict[str, list[float]] = {name: [] for name in llms}
@@ -287,23 +328,23 @@ def paired_tpot(modes: list[Mode], args: argparse.Namespace) -> dict[str, list[f
 def table(results: list[ModeResult], num_prompts: int) -> str:
     head = (
         "| mode | perplexity | vs ref | greedy agreement (first N) | prompts identical "
-        "| top-1 agreement | mean abs dlogprob | batch-1 TPOT ms | weight MB / decode step "
-        "| KV bytes / token | KV tokens |"
+        "| agreement on the reference's text | top-1 agreement | mean abs dlogprob "
+        "| batch-1 TPOT ms | weight MB / decode step | KV bytes / token | KV tokens |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
 
     def fmt(value: float | None, spec: str) -> str:
         return "" if value is None else format(value, spec)
 
     for r in results:
         if r.skipped:
-            lines.append(f"| {r.mode} | skipped: {r.skipped} |" + " |" * 9)
+            lines.append(f"| {r.mode} | skipped: {r.skipped} |" + " |" * 10)
             continue
         lines.append(
             f"| {r.mode} | {fmt(r.perplexity, '.3f')} | {fmt(r.perplexity_change, '+.2%')} "
             f"| {fmt(r.greedy_agreement, '.1%')} "
             f"| {'' if r.prompts_identical is None else f'{r.prompts_identical}/{num_prompts}'} "
-            f"| {fmt(r.top1_agreement, '.1%')} "
+            f"| {fmt(r.forced_agreement, '.1%')} | {fmt(r.top1_agreement, '.1%')} "
             f"| {fmt(r.mean_abs_logprob_diff, '.4f')} | {fmt(r.tpot_ms, '.1f')} "
             f"| {(r.weight_bytes_per_decode_step or 0) / 1e6:.0f} | {r.kv_bytes_per_token} "
             f"| {r.kv_tokens} |"
