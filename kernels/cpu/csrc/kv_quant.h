@@ -1,17 +1,22 @@
 // The quantized KV cache's row format in C++ (kernels/kv_quant.py is the definition): a row
-// is head_dim int8 values, then the row's float16 scale (2 bytes); K rows hold the
+// is head_dim 8-bit values (int8, or e4m3fn for fp8), then the row's float16 scale (2 bytes);
+// K rows hold the
 // block-diagonal Hadamard transform of the keys less their calibrated offset, if any. Shared
 // by the store (layer_ops.cpp) and the decode kernel (paged_attention.cpp), which evaluate
 // the reference's float32 operations in its order, so the bytes are the reference's.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "vec.h"
 
 namespace pagedserve_cpu {
 
@@ -46,7 +51,11 @@ inline const float* key_offset_ptr(const at::Tensor& offset, int64_t num_kv_head
   return offset.data_ptr<float>();
 }
 
-inline float load_scale(const int8_t* row, int64_t head_dim) {
+using Fp8 = c10::Float8_e4m3fn;  // an fp8 cache's element (--kv-cache-dtype fp8)
+
+template <typename T>  // int8_t or Fp8: one byte a value, so the scale sits head_dim bytes in
+inline float load_scale(const T* row, int64_t head_dim) {
+  static_assert(sizeof(T) == 1, "quantized rows hold one byte a value");
   c10::Half s;
   std::memcpy(&s, row + head_dim, sizeof s);
   return float(s);
@@ -68,6 +77,64 @@ inline void quantize_row_i8(const float* x, int64_t n, int8_t* out) {
     out[d] = int8_t(y < 0.f ? -r : r);
   }
   std::memcpy(out + n, &s16, sizeof s16);
+}
+
+// One row of n floats into the fp8 layout: s = float16(min(amax / 448, 65504)) (nearest
+// even), q = x / s clamped to +-448 and cast with c10's round to nearest even (the cast
+// torch's .to(float8_e4m3fn) makes); kv_quant.quantize's float32 operations, so the same
+// bytes. A NaN propagates as in torch (amax, clamp): the row's scale is NaN.
+inline void quantize_row_fp8(const float* x, int64_t n, Fp8* out) {
+  constexpr float kQmax = 448.f;
+  float amax = 0.f;
+  for (int64_t d = 0; d < n; ++d) {
+    const float a = std::fabs(x[d]);
+    amax = (a > amax || a != a) ? a : amax;  // once NaN, stays NaN
+  }
+  const c10::Half s16(std::min(amax / kQmax, kScaleMax));  // std::min(NaN, _) is NaN
+  const float s = float(s16);
+  const float div = s > 0.f ? s : 1.f;
+  for (int64_t d = 0; d < n; ++d) out[d] = Fp8(std::min(std::max(x[d] / div, -kQmax), kQmax));
+  std::memcpy(reinterpret_cast<char*>(out) + n, &s16, sizeof s16);
+}
+
+// Decoding e4m3fn. A byte s eeee mmm is, as float16 bits s 0eeee mmm0000000, its value times
+// 2^-8: the same mantissa under an exponent bias of 15 instead of 7, and e4m3's subnormals
+// (eeee = 0: m/8 * 2^-6) land on float16's (m/8 * 2^-14), so one exact half-to-float
+// conversion decodes 16 (or 8) values. The exception is e4m3fn's NaN (x111 1111), which
+// comes out +-1.875 (no other byte does) and is replaced by NaN. The decode kernel folds the
+// 2^8 into each row's scale (exact: a power of two). kE4m3Scaled is the same map as a table,
+// built from c10's conversion (for scalar reads and the portable vector path).
+constexpr float kE4m3Unscale = 256.f;  // what the decoded values are to be multiplied by
+
+inline std::array<float, 256> e4m3_scaled_table() {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) t[b] = float(Fp8(uint8_t(b), Fp8::from_bits())) / kE4m3Unscale;
+  return t;
+}
+inline const std::array<float, 256> kE4m3Scaled = e4m3_scaled_table();
+
+// kVec e4m3fn values (any alignment) as floats, times 2^-8.
+static inline vf vload_e4m3_scaled(const Fp8* p) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+#if defined(__AVX512F__)
+  // vpmovsxbw: the sign lands in bits 15..7 of each 16-bit word; << 7 puts e and m in place
+  // (bits 13..7) and the sign in 15 and 14; the mask clears bit 14.
+  const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(int16_t(0xBF80)));
+  const vf f = reinterpret_cast<vf>(_mm512_cvtph_ps(h));
+#else
+  const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(int16_t(0xBF80)));
+  const vf f = reinterpret_cast<vf>(_mm256_cvtph_ps(h));
+#endif
+  const vi32 magnitude = reinterpret_cast<vi32>(f) & 0x7FFFFFFF;
+  const vi32 nan = vi32{} + 0x7FC00000;
+  return magnitude == 0x3FF00000 ? reinterpret_cast<vf>(nan) : f;  // 1.875f: e4m3fn's NaN
+#else
+  vf v;
+  for (int i = 0; i < kVec; ++i) v[i] = kE4m3Scaled[p[i].x];
+  return v;
+#endif
 }
 
 }  // namespace pagedserve_cpu

@@ -122,16 +122,18 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                      at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
                      int64_t num_heads, int64_t num_kv_heads, const c10::optional<at::Tensor>& key_offset) {
-  // An int8 cache (--kv-cache-dtype int8) takes each K/V row quantized, scale after it, K
-  // less key_offset (when given) and Hadamard-transformed first (kv_quant.h).
+  // A quantized cache (--kv-cache-dtype int8|fp8) takes each K/V row quantized, scale after
+  // it, K less key_offset (when given) and Hadamard-transformed first (kv_quant.h).
   const bool int8_cache = key_cache.scalar_type() == at::kChar;
+  const bool fp8_cache = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool quantized = int8_cache || fp8_cache;
   TORCH_CHECK(qkv.scalar_type() == at::kFloat &&
-              (key_cache.scalar_type() == at::kFloat || int8_cache) &&
+              (key_cache.scalar_type() == at::kFloat || quantized) &&
               value_cache.scalar_type() == key_cache.scalar_type() && cos.scalar_type() == at::kFloat &&
-              sin.scalar_type() == at::kFloat, "float32 only (and an int8 cache)");
+              sin.scalar_type() == at::kFloat, "float32 only (and an int8 or float8_e4m3fn cache)");
   TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
-              (int8_cache ? is_quantized_cache(key_cache) && is_quantized_cache(value_cache)
-                          : key_cache.is_contiguous() && value_cache.is_contiguous()) &&
+              (quantized ? is_quantized_cache(key_cache) && is_quantized_cache(value_cache)
+                         : key_cache.is_contiguous() && value_cache.is_contiguous()) &&
               slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong);
   const int64_t tokens = qkv.size(0), head_dim = key_cache.size(3), half = head_dim / 2;
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim);
@@ -139,7 +141,7 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
               "head_dim must be a multiple of 32");
   const float* offset = nullptr;  // [num_kv_heads, head_dim]
   if (key_offset.has_value()) {
-    TORCH_CHECK(int8_cache, "a key offset is for an int8 cache only");
+    TORCH_CHECK(quantized, "a key offset is for a quantized (int8, fp8) cache only");
     offset = key_offset_ptr(*key_offset, num_kv_heads, head_dim);
   }
   const int64_t row = qkv.size(1), kv = num_kv_heads * head_dim;
@@ -147,11 +149,13 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   float* x = qkv.data_ptr<float>();
   const float* c = cos.data_ptr<float>();
   const float* s = sin.data_ptr<float>();
-  float* kc = int8_cache ? nullptr : key_cache.data_ptr<float>();
-  float* vc = int8_cache ? nullptr : value_cache.data_ptr<float>();
+  float* kc = quantized ? nullptr : key_cache.data_ptr<float>();
+  float* vc = quantized ? nullptr : value_cache.data_ptr<float>();
   int8_t* kq = int8_cache ? key_cache.data_ptr<int8_t>() : nullptr;
   int8_t* vq = int8_cache ? value_cache.data_ptr<int8_t>() : nullptr;
-  const int64_t qrow = head_dim + kScaleBytes;  // an int8 row: head_dim values, then the scale
+  Fp8* kfp8 = fp8_cache ? key_cache.data_ptr<Fp8>() : nullptr;
+  Fp8* vfp8 = fp8_cache ? value_cache.data_ptr<Fp8>() : nullptr;
+  const int64_t qrow = head_dim + kScaleBytes;  // a quantized row: head_dim values, then the scale
   const int64_t block = hadamard_block(head_dim);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   parallel_for(0, tokens, kRowGrain, [&](int64_t b, int64_t e) {
@@ -171,16 +175,22 @@ void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
       if (slot < 0) continue;
       TORCH_CHECK(slot < num_slots, "slot ", slot, " out of range");
       const float* k = xt + num_heads * head_dim;
-      if (int8_cache) {
+      if (quantized) {
         float kh[256];  // one K row, Hadamard-transformed (head_dim <= 256: cpu_kernels.supports)
-        TORCH_CHECK(head_dim <= 256, "int8 cache: head_dim must be <= 256");
+        TORCH_CHECK(head_dim <= 256, "quantized cache: head_dim must be <= 256");
         for (int64_t h = 0; h < num_kv_heads; ++h) {
           std::copy(k + h * head_dim, k + (h + 1) * head_dim, kh);
           if (offset != nullptr)
             for (int64_t d = 0; d < head_dim; ++d) kh[d] -= offset[h * head_dim + d];
           hadamard_row(kh, head_dim, block);
-          quantize_row_i8(kh, head_dim, kq + (slot * num_kv_heads + h) * qrow);
-          quantize_row_i8(k + kv + h * head_dim, head_dim, vq + (slot * num_kv_heads + h) * qrow);
+          const int64_t dst = (slot * num_kv_heads + h) * qrow;
+          if (fp8_cache) {
+            quantize_row_fp8(kh, head_dim, kfp8 + dst);
+            quantize_row_fp8(k + kv + h * head_dim, head_dim, vfp8 + dst);
+          } else {
+            quantize_row_i8(kh, head_dim, kq + dst);
+            quantize_row_i8(k + kv + h * head_dim, head_dim, vq + dst);
+          }
         }
         continue;
       }

@@ -24,7 +24,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor argmax_rows(const at::Tensor& x);
-// An int8 KV cache in the quantized layout: the values view of [blocks, block_size, kv_heads,
+// An int8 or fp8 KV cache in the quantized layout: the values view of [blocks, block_size, kv_heads,
 // head_dim + 2] rows, each followed by its float16 scale (kernels/kv_quant.py, kv_quant.h).
 bool is_quantized_cache(const at::Tensor& cache);
 void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_cache,
@@ -41,7 +41,7 @@ void quant_linear_into(const at::Tensor& x, const at::Tensor& panels, int64_t ou
                        const c10::optional<at::Tensor>& bias, at::Tensor& y);
 void linear_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& packed,
                  const c10::optional<at::Tensor>& quant, const c10::optional<at::Tensor>& bias, at::Tensor& y);
-// key_offset (an int8 cache): float32 [num_kv_heads, head_dim], subtracted from each key
+// key_offset (an int8 or fp8 cache): float32 [num_kv_heads, head_dim], subtracted from each key
 // before it is quantized (kernels/kv_quant.py).
 void rope_and_store_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& key_cache,
                      at::Tensor& value_cache, const at::Tensor& slot_mapping, int64_t num_heads,

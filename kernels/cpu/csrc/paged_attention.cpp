@@ -39,10 +39,12 @@ namespace pagedserve_cpu {
 namespace {
 
 // How a KV cache of element type T holds one (slot, KV head) row: float32 caches hold
-// head_dim floats; int8 caches (--kv-cache-dtype int8) head_dim int8 values and then the
-// row's float16 scale, value = q * scale (kernels/kv_quant.py; K rows hold the keys' Hadamard
-// transform, so the query comes transformed too: paged_attention_decode_into). The float
-// path multiplies by no scale at all (if constexpr), so it stays bitwise what it was.
+// head_dim floats; int8 and fp8 caches (--kv-cache-dtype int8|fp8) head_dim 8-bit values and
+// then the row's float16 scale, value = q * scale (kernels/kv_quant.py; K rows hold the keys'
+// Hadamard transform, so the query comes transformed too: paged_attention_decode_into). The
+// float path multiplies by no scale at all (if constexpr), so it stays bitwise what it was.
+// An fp8 row's values are read as q * 2^-8 and its scale as s * 2^8 (kv_quant.h: the
+// half-precision decode), whose products are q * s exactly.
 template <typename T>
 struct Row;
 template <>
@@ -60,6 +62,14 @@ struct Row<int8_t> {
   static vf load(const int8_t* p) { return vload_i8(p); }
   static float at(const int8_t* p, int64_t d) { return float(p[d]); }
   static float scale(const int8_t* row, int64_t head_dim) { return load_scale(row, head_dim); }
+};
+template <>
+struct Row<Fp8> {
+  static constexpr bool kQuantized = true;
+  static constexpr int64_t kExtra = kScaleBytes;  // the float16 scale
+  static vf load(const Fp8* p) { return vload_e4m3_scaled(p); }
+  static float at(const Fp8* p, int64_t d) { return kE4m3Scaled[p[d].x]; }
+  static float scale(const Fp8* row, int64_t head_dim) { return load_scale(row, head_dim) * kE4m3Unscale; }
 };
 
 // Calls f(t - t0, row) for context positions t in [t0, t1), row pointing at position t's slot
@@ -744,16 +754,17 @@ void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_
                                  const at::Tensor& seq_lens, double scale, at::Tensor& out,
                                  int64_t sliding_window) {
   const bool int8_cache = key_cache.scalar_type() == at::kChar;
-  TORCH_CHECK(query.scalar_type() == at::kFloat &&
-                  (key_cache.scalar_type() == at::kFloat || int8_cache) &&
+  const bool fp8_cache = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool quantized = int8_cache || fp8_cache;
+  TORCH_CHECK(query.scalar_type() == at::kFloat && (key_cache.scalar_type() == at::kFloat || quantized) &&
                   value_cache.scalar_type() == key_cache.scalar_type(),
-              "paged_attention_decode: a float32 query over a float32 or int8 cache");
+              "paged_attention_decode: a float32 query over a float32, int8 or float8_e4m3fn cache");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "paged_attention_decode: block_tables and seq_lens must be int32");
-  if (int8_cache) {
+  if (quantized) {
     TORCH_CHECK(is_quantized_cache(key_cache) && is_quantized_cache(value_cache),
-                "int8 caches must be the values view of [blocks, block_size, kv_heads, head_dim + 2] "
-                "rows with a float16 scale after each (kernels/kv_quant.py)");
+                "quantized (int8, fp8) caches must be the values view of [blocks, block_size, kv_heads, "
+                "head_dim + 2] rows with a float16 scale after each (kernels/kv_quant.py)");
   } else {
     TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   }
@@ -763,7 +774,7 @@ void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_
   const int64_t head_dim = query.size(2);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.numel() == query.numel(),
               "paged_attention_decode_into: out must be contiguous float32 [num_seqs, num_heads, head_dim]");
-  if (int8_cache) {
+  if (quantized) {
     // The cache holds H k (kv_quant.h): <q, k> = <H q, H k> / block, so the kernel attends
     // with H q and scale / block (a power of two: exact).
     const int64_t block = hadamard_block(head_dim);
@@ -779,8 +790,12 @@ void paged_attention_decode_into(const at::Tensor& query, const at::Tensor& key_
         hadamard_row(dst, head_dim, block);
       }
     const at::Tensor hq = at::from_blob(tl_hq.data(), query.sizes(), query.options());
-    decode_head_dim<int8_t>(head_dim, hq, key_cache, value_cache, block_tables, seq_lens, scale / double(block),
-                            out, sliding_window);
+    if (fp8_cache)
+      decode_head_dim<Fp8>(head_dim, hq, key_cache, value_cache, block_tables, seq_lens, scale / double(block), out,
+                           sliding_window);
+    else
+      decode_head_dim<int8_t>(head_dim, hq, key_cache, value_cache, block_tables, seq_lens, scale / double(block),
+                              out, sliding_window);
   } else
     decode_head_dim<float>(head_dim, query, key_cache, value_cache, block_tables, seq_lens, scale, out, sliding_window);
 }
