@@ -32,7 +32,7 @@ from kernels.reference import DecodeContext, decode_context, decode_over_context
 logger = logging.getLogger(__name__)
 
 # KV cache dtypes the C++ CPU kernels read (kernels/cpu/csrc/paged_attention.cpp).
-CPU_KV_CACHE_DTYPES = ("auto", "int8")
+CPU_KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 def resolve_backend(
@@ -43,8 +43,8 @@ def resolve_backend(
     kv_cache_dtype: str = "auto",
 ) -> str:
     """The backend ``name`` ("auto" resolved) for this device, dtype, model and KV cache
-    dtype (``KVPoolConfig.cache_dtype``: the C++ kernels read float32 and int8 caches, not
-    fp8, so ``auto`` serves an fp8 cache on CPU with the torch reference)."""
+    dtype (``KVPoolConfig.cache_dtype``: the C++ kernels read float32, int8 and fp8 caches,
+    ``CPU_KV_CACHE_DTYPES``)."""
     fits_cpu = (
         device.type == "cpu"
         and dtype == torch.float32
@@ -87,8 +87,8 @@ def resolve_backend(
         if not fits_cpu:
             raise ValueError(
                 "the cpu attention backend needs float32 on the CPU, a KV cache dtype of "
-                "auto or int8, head_dim 32/64/96/128/256 and hidden and intermediate sizes "
-                "that are multiples of 16"
+                f"{', '.join(CPU_KV_CACHE_DTYPES)}, head_dim 32/64/96/128/256 and hidden and "
+                "intermediate sizes that are multiples of 16"
             )
         if cpu_kernels.load() is None:
             raise RuntimeError("the C++ CPU kernels could not be built (see the log)")

@@ -151,12 +151,17 @@ def test_cpu_and_torch_backends_agree_on_int8(model_path, prompts, references):
     check(outs, references, "torch backend")
 
 
-def test_fp8_runs_on_the_reference_and_the_cpu_backend_refuses_it(model_path, prompts):
-    llm, outs = run(model_path, prompts[:2], kv_cache_dtype="fp8")
-    assert llm.engine.attention_backend == "torch"
-    assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
-    with pytest.raises(ValueError, match="KV cache dtype of auto or int8"):
-        LLM(str(model_path), kv_cache_dtype="fp8", attention_backend="cpu", **DEVICE)
+def test_cpu_and_torch_backends_agree_on_fp8(model_path, prompts):
+    """fp8 KV resolves to the C++ kernels by default (C++ store and decode, kv_quant.h), and
+    their greedy tokens are the torch reference's over the same quantized cache."""
+    llm, outs = run(model_path, prompts, kv_cache_dtype="fp8", enable_prefix_caching=False)
+    assert llm.engine.attention_backend == "cpu"
+    assert llm.engine.storage.key_caches[0].dtype == torch.float8_e4m3fn
+    _, torch_outs = run(
+        model_path, prompts, kv_cache_dtype="fp8", attention_backend="torch",
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    check(outs, [Reference.from_output(o) for o in torch_outs], "fp8: cpu vs torch backend")
 
 
 @pytest.fixture(scope="module")

@@ -398,13 +398,25 @@ def test_quantized_kernels_compile_for_sm90(sm90_build_errors, build):
 # ---- C++ --------------------------------------------------------------------------------------
 
 
+def codes(cache):
+    """A quantized cache's values as integers one apart per quantization step: int8's own,
+    e4m3's sign and magnitude bits (whose order is the values' order; +0 and -0 both 0)."""
+    if cache.dtype == torch.int8:
+        return cache.int()
+    bits = cache.view(torch.uint8).int()
+    return (bits & 0x7F) * (1 - 2 * (bits >> 7))
+
+
 # head_dim 96: Hadamard blocks of 16 (kv_quant.hadamard_block)
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
                          [(9, 3, 64), (8, 8, 32), (16, 4, 128), (8, 2, 96)])  # fmt: skip
-def test_cpu_decode_over_int8_matches_reference(ops, num_heads, num_kv_heads, head_dim):
+def test_cpu_decode_over_a_quantized_cache_matches_reference(
+    ops, dtype, num_heads, num_kv_heads, head_dim
+):
     torch.manual_seed(2)
     nb, bs = 40, 16
-    kc, vc = quantized_pair(nb, bs, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
+    kc, vc = quantized_pair(nb, bs, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     fill(kc, vc)
     # decodes of ragged lengths, then a prefill chunk's rows (one sequence, consecutive
     # positions: the kernel's run path with a transposed K)
@@ -424,15 +436,37 @@ def test_cpu_decode_over_int8_matches_reference(ops, num_heads, num_kv_heads, he
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("rows", [2, 5, 9])
+def test_cpu_decode_reads_every_e4m3_byte_as_torch_does(ops):
+    """The kernel's e4m3 decode (a half-to-float conversion, kv_quant.h) against torch's
+    cast for all 256 bytes, NaN included: one-hot queries over V rows built from every byte
+    (K all zero: uniform weights over one position), so the output is the byte's value
+    times the row's scale."""
+    head_dim, num_heads = 32, 1
+    kc, vc = quantized_pair(8, 32, 1, head_dim, torch.float8_e4m3fn, torch.device("cpu"))
+    kv_quant.cache_rows(kc).view(torch.uint8).zero_()  # values 0, scales 0.0
+    rows = kv_quant.cache_rows(vc).view(torch.uint8)
+    rows[..., :head_dim] = torch.arange(256, dtype=torch.uint8).view(8, 1, 1, head_dim)
+    rows[..., head_dim:] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    q = torch.zeros(8, num_heads, head_dim)
+    block_tables = torch.arange(8, dtype=torch.int32)[:, None]
+    seq_lens = torch.ones(8, dtype=torch.int32)  # position 0 of block i: bytes 32 i ...
+    got = ops.paged_attention_decode(q, kc, vc, block_tables, seq_lens, 1.0)
+    torch.testing.assert_close(got.flatten(), values, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("rows", [2, 9])
 @pytest.mark.parametrize("sliding_window", [None, 4])
-def test_cpu_short_runs_over_int8_match_reference(ops, threads, rows, sliding_window):
-    """A verification's rows over an int8 cache (each slot read once for every row, the
+def test_cpu_short_runs_over_a_quantized_cache_match_reference(
+    ops, threads, dtype, rows, sliding_window
+):
+    """A verification's rows over a quantized cache (each slot read once for every row, the
     per-slot scales applied to each score and weight), split over 2 threads."""
     threads(2)
     torch.manual_seed(5)
     nb, bs, num_heads, num_kv_heads, head_dim = 40, 16, 9, 3, 64
-    kc, vc = quantized_pair(nb, bs, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
+    kc, vc = quantized_pair(nb, bs, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     fill(kc, vc)
     table = torch.randperm(nb)[:30].int()
     lens = torch.arange(200, 200 + rows, dtype=torch.int32)
@@ -447,10 +481,11 @@ def test_cpu_short_runs_over_int8_match_reference(ops, threads, rows, sliding_wi
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
-def test_cpu_rope_and_store_quantizes_like_the_reference(ops):
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_cpu_rope_and_store_quantizes_like_the_reference(ops, dtype):
     num_heads, num_kv_heads, head_dim, n = 9, 3, 64, 13
-    kc, vc = quantized_pair(4, 8, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
-    rk, rv = quantized_pair(4, 8, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
+    kc, vc = quantized_pair(4, 8, num_kv_heads, head_dim, dtype, torch.device("cpu"))
+    rk, rv = quantized_pair(4, 8, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim)
     qkv[3] = 0.0
     cos, sin = torch.randn(n, head_dim), torch.randn(n, head_dim)
@@ -466,7 +501,7 @@ def test_cpu_rope_and_store_quantizes_like_the_reference(ops):
     for got, want in ((kc, rk), (vc, rv)):
         # the rotated K can differ in its last bit (FMA), so the bytes are equal where it did
         # not and one step apart at most where it did
-        diff = (got.float() - want.float()).abs()
+        diff = (codes(got) - codes(want)).abs()
         assert diff.max() <= 1
         assert (diff > 0).float().mean() < 0.01
         # (unwritten rows keep their 0x7f7f fill: a float16 NaN in both)
@@ -479,7 +514,59 @@ def test_cpu_rope_and_store_quantizes_like_the_reference(ops):
         )
 
 
-def test_cpu_rope_and_store_subtracts_the_key_offset_like_the_reference(ops):
+def edge_rows(num_kv_heads, head_dim, dtype):
+    """K or V rows [n, num_kv_heads, head_dim] at the quantization's edges: all zeros, one
+    huge value (a scale clamped to float16's 65504, the rest flushed to 0), an absmax landing
+    on or near +-QMAX, rows too small for a float16 scale, and rows whose absmax is QMAX
+    (scale 1, so values are quantized as they are): rounding ties of both formats (halves;
+    e4m3's between 8 and 16) and e4m3's subnormal grid (steps of 2**-9 below 2**-6) with its
+    ties. fp8 also gets an infinity and a NaN (an infinite key is NaN after the Hadamard
+    transform; int8's C++ absmax skips a NaN, so its rows would differ there)."""
+    qmax = kv_quant.QMAX[dtype]
+    g = torch.Generator().manual_seed(7)
+    rows = torch.randn(12, num_kv_heads, head_dim, generator=g)
+    rows[0] = 0.0
+    rows[1, :, 5] = 1e30
+    rows[3] = rows[3] / rows[3].abs().amax(-1, keepdim=True) * qmax
+    rows[4] = rows[4] / rows[4].abs().amax(-1, keepdim=True) * -(qmax - 0.1)
+    rows[5, :, 1:] *= 2.0**-16  # channel 0 sets the scale, the rest come out subnormal in e4m3
+    rows[6] *= 1e-9  # amax / QMAX under float16's smallest subnormal: scale 0, values 0
+    rows[7] = torch.arange(head_dim) * 0.5 - 16.0
+    rows[8] = (torch.arange(head_dim) % 33 - 16.0) * 2.0**-10
+    rows[7:9, :, 0] = qmax
+    if dtype == torch.float8_e4m3fn:
+        rows[2, :, 7] = float("inf")
+        rows[9, :, 3] = float("nan")
+    return rows
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_cpu_rope_and_store_writes_the_reference_bytes_at_the_edges(ops, dtype):
+    """With an exact rotation (cos 1, sin 0) the C++ store's bytes are the reference's bit
+    for bit, keys and values, at the edges of the format (edge_rows)."""
+    num_heads, num_kv_heads, head_dim = 2, 2, 64
+    fp8 = dtype == torch.float8_e4m3fn
+    keys = edge_rows(num_kv_heads, head_dim, dtype)
+    values = edge_rows(num_kv_heads, head_dim, dtype).flip(0)
+    n = keys.shape[0]
+    qkv = torch.cat((torch.randn(n, num_heads * head_dim), keys.flatten(1), values.flatten(1)), 1)
+    cos, sin = torch.ones(n, head_dim), torch.zeros(n, head_dim)
+    slots = torch.randperm(16)[:n]
+    kc, vc = quantized_pair(2, 8, num_kv_heads, head_dim, dtype, torch.device("cpu"))
+    rk, rv = quantized_pair(2, 8, num_kv_heads, head_dim, dtype, torch.device("cpu"))
+    ops.rope_and_store_(qkv.clone(), cos, sin, kc, vc, slots, num_heads, num_kv_heads)
+    reference.rope_and_store_(qkv.clone(), cos, sin, rk, rv, slots, num_heads, num_kv_heads)
+    assert torch.equal(raw_bytes(kc), raw_bytes(rk))
+    assert torch.equal(raw_bytes(vc), raw_bytes(rv))
+    if fp8:  # the edges were reached: saturated values, subnormal codes, scales clamped
+        stored = kv_quant.cache_rows(vc).view(torch.uint8)[..., :head_dim]
+        assert bool(((stored & 0x7F) == 0x7E).any())  # +-448
+        assert bool((((stored & 0x78) == 0) & ((stored & 0x07) != 0)).any())  # subnormals
+        assert bool((kv_quant.cache_scales(vc) == 65504).any())
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_cpu_rope_and_store_subtracts_the_key_offset_like_the_reference(ops, dtype):
     num_heads, num_kv_heads, head_dim, n = 9, 3, 64, 13
     keys, _ = offset_keys(n, num_kv_heads, head_dim, seed=2)
     offset = keys.mean(0)
@@ -489,23 +576,24 @@ def test_cpu_rope_and_store_subtracts_the_key_offset_like_the_reference(ops):
     cos, sin = torch.ones(n, head_dim), torch.zeros(n, head_dim)
     slots = torch.randperm(32)[:n]
     slots[::6] = -1
-    kc, vc = quantized_pair(4, 8, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
-    rk, rv = quantized_pair(4, 8, num_kv_heads, head_dim, torch.int8, torch.device("cpu"))
+    kc, vc = quantized_pair(4, 8, num_kv_heads, head_dim, dtype, torch.device("cpu"))
+    rk, rv = quantized_pair(4, 8, num_kv_heads, head_dim, dtype, torch.device("cpu"))
     ops.rope_and_store_(qkv.clone(), cos, sin, kc, vc, slots, num_heads, num_kv_heads, offset)
     reference.rope_and_store_(qkv.clone(), cos, sin, rk, rv, slots, num_heads, num_kv_heads, offset)
     assert torch.equal(raw_bytes(kc), raw_bytes(rk))
     assert torch.equal(raw_bytes(vc), raw_bytes(rv))
     plain_k, plain_v = (torch.zeros(4, 8, num_kv_heads, head_dim) for _ in "kv")
-    with pytest.raises(RuntimeError, match="int8 cache only"):
+    with pytest.raises(RuntimeError, match="quantized .* cache only"):
         ops.rope_and_store_(qkv, cos, sin, plain_k, plain_v, slots, num_heads, num_kv_heads, offset)
     with pytest.raises(RuntimeError, match="key_offset must be"):
         ops.rope_and_store_(qkv, cos, sin, kc, vc, slots, num_heads, num_kv_heads, offset[:2])
 
 
-def test_cpu_kernels_refuse_a_plain_int8_tensor(ops):
-    cache = torch.zeros(4, 8, 2, 64, dtype=torch.int8)  # no room for the scales
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_cpu_kernels_refuse_a_plain_8_bit_tensor(ops, dtype):
+    cache = torch.zeros(4, 8, 2, 64, dtype=dtype)  # no room for the scales
     q = torch.randn(1, 2, 64)
     tables = torch.zeros(1, 1, dtype=torch.int32)
     lens = torch.ones(1, dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="int8 caches must be"):
+    with pytest.raises(RuntimeError, match="caches must be the values view"):
         ops.paged_attention_decode(q, cache, cache, tables, lens, 0.1)

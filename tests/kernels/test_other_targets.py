@@ -25,9 +25,12 @@ KERNEL_TESTS = [
     "tests/kernels/test_cpu_kernels.py",
     "tests/kernels/test_gguf_matmul.py",
     "tests/kernels/test_int8_matmul.py",
-    # the int8 KV cache's C++ paths (vload_i8 has an AVX-512, an AVX2 and a portable form)
-    "tests/kernels/test_kv_quant.py::test_cpu_decode_over_int8_matches_reference",
+    # the int8 and fp8 KV caches' C++ paths (vload_i8 and vload_e4m3_scaled have an AVX-512,
+    # an AVX2 and a portable form)
+    "tests/kernels/test_kv_quant.py::test_cpu_decode_over_a_quantized_cache_matches_reference",
+    "tests/kernels/test_kv_quant.py::test_cpu_decode_reads_every_e4m3_byte_as_torch_does",
     "tests/kernels/test_kv_quant.py::test_cpu_rope_and_store_quantizes_like_the_reference",
+    "tests/kernels/test_kv_quant.py::test_cpu_rope_and_store_writes_the_reference_bytes_at_the_edges",
 ]
 X86 = platform.machine() in ("x86_64", "AMD64")
 # (target, the flags the CPU needs to run it, the flag whose absence makes a native build
