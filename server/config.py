@@ -390,8 +390,7 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--kv-cache-dtype", "kvpool", "cache_dtype", str, _K.cache_dtype,
            "auto (the model's dtype), int8 or fp8 (e4m3): 8-bit K/V with a float16 scale per "
            "token and KV head (keys Hadamard-transformed); ~2x the tokens of bf16 and ~4x of "
-           "float32 in the same --kv-cache-memory, lossy (fp8: CUDA/Triton or the torch "
-           "backend)",
+           "float32 in the same --kv-cache-memory, lossy",
            KV_CACHE_DTYPES),
     Option("--kv-key-offsets", "kvpool", "key_offsets", parse_bool, _K.key_offsets,
            "with --kv-cache-dtype int8/fp8: subtract a per-(layer, KV head) mean key, "
