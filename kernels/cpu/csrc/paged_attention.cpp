@@ -27,6 +27,7 @@
 #include <limits>
 #include <numeric>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "kv_quant.h"
@@ -346,6 +347,21 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
   // padding positions: finite, so their (discarded) scores are too
   for (int64_t d = 0; d < head_dim; ++d)
     for (int64_t t = ctx; t < ldk; ++t) kt[d * ldk + t] = 0.f;
+  // Every row's weighted sum reads the whole context's V again. An fp8 V is de-quantized
+  // once into float rows (q * s, the reference's values) that the rows read instead: its
+  // decode costs several instructions a vector (kv_quant.h), where int8's two cost less
+  // than the extra pass (benchmarks/RESULTS.md).
+  constexpr bool kDecodeValuesOnce = std::is_same_v<T, Fp8>;
+  thread_local std::vector<float> tl_values;
+  const int32_t one_block = 0;  // the float rows as one block of ctx positions
+  if constexpr (kDecodeValuesOnce) {
+    if (int64_t(tl_values.size()) < ctx * head_dim) tl_values.resize(size_t(ctx * head_dim));
+    float* vrows = tl_values.data();
+    for_each_slot(value_cache, block_table, 0, ctx, block_size, slot_stride, [&](int64_t t, const T* v) {
+      const vf s = vsplat(Row<T>::scale(v, head_dim));
+      for (int i = 0; i < D; ++i) vstore(vrows + t * head_dim + i * kVec, Row<T>::load(v + i * kVec) * s);
+    });
+  }
   const int64_t tile_rows = rows_per_tile(group);
   for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
     const int64_t nr = std::min(tile_rows, rows - r0);
@@ -371,8 +387,12 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
       for (int j = 0; j < group; ++j)  // before the window: weight exp(-inf) = 0
         std::fill_n(si + j * row_stride, start, -std::numeric_limits<float>::infinity());
       softmax_rows(si, group, row_stride, len);
-      weighted_values<T, D>(si + start, group, row_stride, value_cache, block_table, start, len, block_size,
-                         slot_stride, out + (r0 + i) * out_row_stride, out_stride);
+      if constexpr (kDecodeValuesOnce)
+        weighted_values<float, D>(si + start, group, row_stride, tl_values.data(), &one_block, start, len,
+                                  std::max<int64_t>(ctx, 1), head_dim, out + (r0 + i) * out_row_stride, out_stride);
+      else
+        weighted_values<T, D>(si + start, group, row_stride, value_cache, block_table, start, len, block_size,
+                              slot_stride, out + (r0 + i) * out_row_stride, out_stride);
     }
   }
 }
