@@ -209,5 +209,8 @@ class KVCacheStorage:
         dst = torch.tensor(list(dst_ids), dtype=torch.int64, device=device)
         for cache in self.raw_caches:
             # [num_copies, block_size, num_kv_heads, head_dim]: index_select materialises
-            # every source before index_copy_ writes.
+            # every source before index_copy_ writes. 8-bit caches are copied as their bytes
+            # (the same storage): torch's CPU index_copy_ has no float8_e4m3fn kernel.
+            if cache.element_size() == 1:
+                cache = cache.view(torch.uint8)
             cache.index_copy_(0, dst, cache.index_select(0, src))

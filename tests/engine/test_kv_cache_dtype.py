@@ -164,6 +164,20 @@ def test_cpu_and_torch_backends_agree_on_fp8(model_path, prompts):
     check(outs, [Reference.from_output(o) for o in torch_outs], "fp8: cpu vs torch backend")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_a_fully_cached_prompt_copies_its_last_block(model_path, prompts, kv_cache_dtype):
+    """A prompt whose every block is cached recomputes its last token into a copy of the
+    last block (copy-on-write: kvpool copy_blocks, whose 8-bit rows move as bytes)."""
+    prompt = prompts[0][:SYSTEM_LEN]  # whole blocks (16 tokens each)
+    llm = LLM(str(model_path), kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64, **DEVICE)
+    first = llm.generate([prompt], greedy(logprobs=2))[0]
+    again = llm.generate([prompt], greedy())[0]
+    assert llm.engine.kv_manager.stats().prefix_cache_hits > 0
+    assert again.finish_reason == "length"
+    check([again], [Reference.from_output(first)], f"{kv_cache_dtype}: the cached prompt again")
+    llm.engine.check_integrity()
+
+
 @pytest.fixture(scope="module")
 def biased_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with keys sharing a large part, as trained models' post-RoPE keys do:

@@ -82,3 +82,23 @@ def test_kv_cache_storage_is_zero_and_writable() -> None:
     storage.copy_blocks([5], [9])
     assert bool((storage.key_caches[1][9] == 1.0).all())
     assert not storage.key_caches[0].any()
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+def test_quantized_copy_blocks_copies_values_and_scales(cache_dtype: str) -> None:
+    """Copy-on-write of a quantized pool's block (a fully cached prompt's last block) moves
+    its rows' bytes, scales included; on CPU torch has no float8 index_copy_."""
+    capacity = KVCapacity(num_blocks=16, block_size=4, bytes_per_token=0, cache_dtype=cache_dtype)
+    storage = KVCacheStorage(
+        capacity,
+        num_layers=1,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    raw = storage.raw_caches[1].view(torch.uint8)  # the layer's V: [16, 4, 2, 32 + 2]
+    raw[5] = torch.randint(0, 255, raw[5].shape, dtype=torch.uint8)
+    storage.copy_blocks([5], [9])
+    assert torch.equal(raw[9], raw[5])
+    assert not storage.raw_caches[0].view(torch.uint8).any()
