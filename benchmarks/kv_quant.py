@@ -89,6 +89,7 @@ class QualityResult:
 
 @dataclass(slots=True)
 class ThroughputResult:
+    run: int  # 1, 2, ...: the round (--repeat), every dtype once a round
     kv_cache_dtype: str
     kv_tokens: int
     wall_s: float
@@ -278,7 +279,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def throughput(args: argparse.Namespace) -> list[ThroughputResult]:
     results = []
-    for kv in ["auto", *args.dtypes]:
+    rounds = [(run, kv) for run in range(1, args.repeat + 1) for kv in ["auto", *args.dtypes]]
+    for run, kv in rounds:
         llm = make_llm(
             kv, args, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.num_requests
         )
@@ -309,6 +311,7 @@ def throughput(args: argparse.Namespace) -> list[ThroughputResult]:
         total = out_tokens + args.num_requests * args.prompt_tokens
         results.append(
             ThroughputResult(
+                run=run,
                 kv_cache_dtype=kv,
                 kv_tokens=engine.kv_capacity.num_tokens,
                 wall_s=wall,
@@ -357,11 +360,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kv-cache-memory", type=int, default=300 * 2**20, help="bytes")
     p.add_argument("--progress", action="store_true", help="a line every 100 steps")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="--throughput: rounds, each running every dtype once (auto, int8, auto, ...): "
+        "on a shared machine, compare the rows of one round",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     if not 1 <= args.prompts <= len(PROMPT_TOPICS) + len(EXTRA_PROMPT_TOPICS):
         p.error(f"--prompts must be 1..{len(PROMPT_TOPICS) + len(EXTRA_PROMPT_TOPICS)}")
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     if not (args.quality or args.throughput):
         p.error("give --quality and/or --throughput")
     report: dict[str, object] = {}
@@ -393,16 +405,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.throughput:
         t = throughput(args)
         report["throughput"] = [asdict(r) for r in t]
-        base = t[0].output_tokens_per_s
+        base = {r.run: r.output_tokens_per_s for r in t if r.kv_cache_dtype == "auto"}
         print(
-            "| KV dtype | pool tokens | wall s | output tok/s | vs auto | total tok/s | "
+            "| run | KV dtype | pool tokens | wall s | output tok/s | vs auto | total tok/s | "
             "mean running | max running | preemptions |"
         )
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in t:
             print(
-                f"| {r.kv_cache_dtype} | {r.kv_tokens} | {r.wall_s:.1f} | "
-                f"{r.output_tokens_per_s:.1f} | {r.output_tokens_per_s / base:.2f}x | "
+                f"| {r.run} | {r.kv_cache_dtype} | {r.kv_tokens} | {r.wall_s:.1f} | "
+                f"{r.output_tokens_per_s:.1f} | {r.output_tokens_per_s / base[r.run]:.2f}x | "
                 f"{r.total_tokens_per_s:.0f} | {r.mean_running:.1f} | {r.max_running} | "
                 f"{r.preemptions} |"
             )

@@ -101,3 +101,21 @@ def test_quality_report_rows(tmp_path, capsys):
         assert 0.0 <= r["forced_agreement"] <= 1.0
         assert len(r["greedy_prefix"]) == 2
     assert rows["int8"]["bytes_per_token"] < auto["bytes_per_token"]
+
+
+def test_throughput_rounds_alternate_the_dtypes(model_path, capsys):
+    """--repeat runs every dtype once a round, and each row compares with its round's auto."""
+    from benchmarks.kv_quant import main
+
+    argv = ["--throughput", "--model", str(model_path), "--dtypes", "int8", "--repeat", "2"]
+    argv += ["--num-requests", "3", "--prompt-tokens", "20", "--max-tokens", "3"]
+    argv += ["--kv-cache-memory", str(16 * 2 * 16 * 512), "--json"]  # 16 float32 blocks
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    rows = json.loads(out[out.index("{") :])["throughput"]
+    assert [(r["run"], r["kv_cache_dtype"]) for r in rows] == [
+        (1, "auto"), (1, "int8"), (2, "auto"), (2, "int8"),
+    ]  # fmt: skip
+    auto, int8 = rows[0], rows[1]
+    assert int8["kv_tokens"] > 3 * auto["kv_tokens"]  # float32 -> int8: 3.88x per byte
+    assert all(r["output_tokens_per_s"] > 0 for r in rows)
