@@ -438,9 +438,9 @@ def test_cpu_decode_over_a_quantized_cache_matches_reference(
 
 def test_cpu_decode_reads_every_e4m3_byte_as_torch_does(ops):
     """The kernel's e4m3 decode (a half-to-float conversion, kv_quant.h) against torch's
-    cast for all 256 bytes, NaN included: one-hot queries over V rows built from every byte
-    (K all zero: uniform weights over one position), so the output is the byte's value
-    times the row's scale."""
+    cast for all 256 bytes, NaN included: queries over V rows built from every byte (K all
+    zero, one position: weight 1), so the output is the byte's value times the row's
+    scale."""
     head_dim, num_heads = 32, 1
     kc, vc = quantized_pair(8, 32, 1, head_dim, torch.float8_e4m3fn, torch.device("cpu"))
     kv_quant.cache_rows(kc).view(torch.uint8).zero_()  # values 0, scales 0.0
@@ -453,6 +453,16 @@ def test_cpu_decode_reads_every_e4m3_byte_as_torch_does(ops):
     seq_lens = torch.ones(8, dtype=torch.int32)  # position 0 of block i: bytes 32 i ...
     got = ops.paged_attention_decode(q, kc, vc, block_tables, seq_lens, 1.0)
     torch.testing.assert_close(got.flatten(), values, rtol=0, atol=0, equal_nan=True)
+    # A NaN byte in a K row (scale 1): that row's score is NaN, as in the reference (the
+    # kernel checks each row for NaN bytes instead of selecting per vector).
+    keys = kv_quant.cache_rows(kc).view(torch.uint8)
+    keys[3, 0, 0, 7] = 0xFF
+    keys[3, 0, 0, head_dim:] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    q = torch.randn(8, num_heads, head_dim)
+    got = ops.paged_attention_decode(q, kc, vc, block_tables, seq_lens, 1.0)
+    want = reference.paged_attention_decode(q, kc, vc, block_tables, seq_lens, 1.0)
+    assert bool(got[3].isnan().all()) and not bool(got[:3].isnan().any())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)

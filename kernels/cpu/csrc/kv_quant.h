@@ -113,27 +113,66 @@ inline std::array<float, 256> e4m3_scaled_table() {
 }
 inline const std::array<float, 256> kE4m3Scaled = e4m3_scaled_table();
 
-// kVec e4m3fn values (any alignment) as floats, times 2^-8.
-static inline vf vload_e4m3_scaled(const Fp8* p) {
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__))
+// e4m3fn's NaN bytes (x111 1111) decoded as floats come out +-1.875 (no other byte does):
+// those lanes become NaN.
+static inline vf e4m3_fix_nan(vf f) {
+  const vi32 magnitude = reinterpret_cast<vi32>(f) & 0x7FFFFFFF;
+  const vi32 nan = vi32{} + 0x7FC00000;
+  return magnitude == 0x3FF00000 ? reinterpret_cast<vf>(nan) : f;  // 1.875f
+}
+
+// kVec e4m3fn values (any alignment) as floats, times 2^-8, except that a NaN byte reads as
+// +-1.875 (e4m3_fix_nan makes it NaN).
+static inline vf vload_e4m3_scaled_raw(const Fp8* p) {
 #if defined(__AVX512F__)
   // vpmovsxbw: the sign lands in bits 15..7 of each 16-bit word; << 7 puts e and m in place
   // (bits 13..7) and the sign in 15 and 14; the mask clears bit 14.
   const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(int16_t(0xBF80)));
-  const vf f = reinterpret_cast<vf>(_mm512_cvtph_ps(h));
-#else
+  return reinterpret_cast<vf>(_mm512_cvtph_ps(h));
+#elif defined(__AVX2__) && defined(__F16C__)
   const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(int16_t(0xBF80)));
-  const vf f = reinterpret_cast<vf>(_mm256_cvtph_ps(h));
-#endif
-  const vi32 magnitude = reinterpret_cast<vi32>(f) & 0x7FFFFFFF;
-  const vi32 nan = vi32{} + 0x7FC00000;
-  return magnitude == 0x3FF00000 ? reinterpret_cast<vf>(nan) : f;  // 1.875f: e4m3fn's NaN
+  return reinterpret_cast<vf>(_mm256_cvtph_ps(h));
 #else
   vf v;
   for (int i = 0; i < kVec; ++i) v[i] = kE4m3Scaled[p[i].x];
   return v;
+#endif
+}
+
+// kVec e4m3fn values (any alignment) as floats, times 2^-8.
+static inline vf vload_e4m3_scaled(const Fp8* p) { return e4m3_fix_nan(vload_e4m3_scaled_raw(p)); }
+
+// Whether any of n bytes (a multiple of 32) is e4m3fn's NaN: a row's check, a compare per
+// 64 (AVX-512) or 32 bytes, in place of a NaN select per vector decoded (which cost the
+// decode loops ~20%: benchmarks/RESULTS.md). No CPU store writes a NaN byte beside a finite
+// scale (their absmax propagates NaN), so rows that have one take the slow path only when
+// a NaN is there to be read.
+static inline bool e4m3_has_nan(const Fp8* p, int64_t n) {
+  const auto* b = reinterpret_cast<const uint8_t*>(p);
+#if defined(__AVX512BW__)
+  const __m512i high = _mm512_set1_epi8(char(0x80)), ones = _mm512_set1_epi8(-1);
+  __mmask64 any = 0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    any |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(_mm512_loadu_si512(b + i), high), ones);
+  if (i < n) {
+    const __mmask64 tail = (~__mmask64(0)) >> (64 - (n - i));
+    any |= _mm512_mask_cmpeq_epi8_mask(tail, _mm512_or_si512(_mm512_maskz_loadu_epi8(tail, b + i), high), ones);
+  }
+  return any != 0;
+#elif defined(__AVX2__)
+  const __m256i high = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi8(-1);
+  int any = 0;
+  for (int64_t i = 0; i < n; i += 32)
+    any |= _mm256_movemask_epi8(_mm256_cmpeq_epi8(
+        _mm256_or_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i)), high), ones));
+  return any != 0;
+#else
+  bool any = false;
+  for (int64_t i = 0; i < n; ++i) any |= (b[i] & 0x7F) == 0x7F;
+  return any;
 #endif
 }
 

@@ -73,6 +73,19 @@ struct Row<Fp8> {
   static float scale(const Fp8* row, int64_t head_dim) { return load_scale(row, head_dim) * kE4m3Unscale; }
 };
 
+// A row's D vectors (its head_dim values) as Row<T>::load reads them. fp8: decoded without
+// the NaN select, then fixed up only in a row that holds a NaN byte (e4m3_has_nan).
+template <typename T, int D>
+inline void load_row(const T* p, vf* out) {
+  if constexpr (std::is_same_v<T, Fp8>) {
+    for (int i = 0; i < D; ++i) out[i] = vload_e4m3_scaled_raw(p + i * kVec);
+    if (__builtin_expect(e4m3_has_nan(p, D * kVec), 0))
+      for (int i = 0; i < D; ++i) out[i] = e4m3_fix_nan(out[i]);
+  } else {
+    for (int i = 0; i < D; ++i) out[i] = Row<T>::load(p + i * kVec);
+  }
+}
+
 // Calls f(t - t0, row) for context positions t in [t0, t1), row pointing at position t's slot
 // (one KV head's head_dim floats) through the block table: the block is looked up once per
 // block, not with a division per position. With `prefetch` > 0, each call first prefetches
@@ -140,7 +153,7 @@ inline void weighted_values_g(const float* scores, int64_t row_stride, const T* 
     for (int i = 0; i < D; ++i) acc[j][i] = vzero();
   for_each_slot(value_cache, block_table, t0, t1, block_size, slot_stride, [&](int64_t t, const T* v) {
     vf vv[D];
-    for (int i = 0; i < D; ++i) vv[i] = Row<T>::load(v + i * kVec);
+    load_row<T, D>(v, vv);
     [[maybe_unused]] const float v_scale = Row<T>::scale(v, D * kVec);
     for (int j = 0; j < G; ++j) {
       float pj = scores[j * row_stride + t];
@@ -200,7 +213,7 @@ inline void score_slots(const float* q,  // [heads, D * kVec], row stride q_stri
     for (int j0 = 0; j0 < heads; j0 += group) {
       const T* k = slot + (j0 / group) * row;
       vf kv[D];
-      for (int i = 0; i < D; ++i) kv[i] = Row<T>::load(k + i * kVec);
+      load_row<T, D>(k, kv);
       [[maybe_unused]] const float k_scale = Row<T>::scale(k, D * kVec) * scale;
       for (int j = j0; j < j0 + group; ++j) {
         const float* qj = q + j * q_stride;
@@ -359,7 +372,9 @@ void attend_run(const float* q, int64_t q_row_stride, int64_t q_stride, int grou
     float* vrows = tl_values.data();
     for_each_slot(value_cache, block_table, 0, ctx, block_size, slot_stride, [&](int64_t t, const T* v) {
       const vf s = vsplat(Row<T>::scale(v, head_dim));
-      for (int i = 0; i < D; ++i) vstore(vrows + t * head_dim + i * kVec, Row<T>::load(v + i * kVec) * s);
+      vf vv[D];
+      load_row<T, D>(v, vv);
+      for (int i = 0; i < D; ++i) vstore(vrows + t * head_dim + i * kVec, vv[i] * s);
     });
   }
   const int64_t tile_rows = rows_per_tile(group);
