@@ -114,18 +114,9 @@ def build_input_batch(
     rows = logits_indices + verify_indices + padding_indices
     lists = (input_ids, positions, slots, rows, seq_lens, query_start_loc)
     dtypes = (np.int64,) * 4 + (np.int32,) * 2
-    if staging is not None:
-        arrays = [np.array(v, dtype=d) for v, d in zip(lists, dtypes, strict=True)]
-        tensors = staging.to_device([*arrays, _block_tables([r.block_ids for r in ordered])])
-    else:
-        max_blocks = max(len(item.block_ids) for item in ordered)
-        tables = [list(r.block_ids) + [0] * (max_blocks - len(r.block_ids)) for r in ordered]
-        tensors = [
-            torch.tensor(v, dtype=d).to(device, non_blocking=True)
-            for v, d in zip(
-                (*lists, tables), (*[_TORCH_DTYPES[d] for d in dtypes], torch.int32), strict=True
-            )
-        ]
+    arrays = [np.array(v, dtype=d) for v, d in zip(lists, dtypes, strict=True)]
+    tables = _block_tables([r.block_ids for r in ordered])
+    tensors = _to_device([*arrays, tables], device, staging)
     return _input_batch(
         tensors,
         num_decodes=len(decodes),
@@ -217,9 +208,6 @@ def _input_batch(
         logits_are_all_rows=logits_are_all_rows,
         verifying=verifying if verifying is not None else [],
     )
-
-
-_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
 
 
 def _to_device(
