@@ -228,7 +228,7 @@ def quality(args: argparse.Namespace) -> list[QualityResult]:
             max_tokens=args.tokens, temperature=0.0, ignore_eos=True, logprobs=2
         )
         outs = llm.generate(prompts, params)
-        if kv == "auto" and not base_tokens:
+        if label == "auto":  # the first engine: the reference the others are read against
             margins = [[lp.top[0][1] - lp.top[1][1] for lp in o.logprobs] for o in outs]
             base_tokens = [o.token_ids for o in outs]
             forced = base_tokens
