@@ -129,6 +129,11 @@ class LLMEngine:
         # Asynchronous scheduling (module docstring): the step launched and not yet read,
         # and the requests that make a step synchronous while they run.
         self.async_scheduling = config.async_scheduling
+        if self.async_scheduling:
+            logger.info(
+                "asynchronous scheduling: each step is scheduled and launched while the one "
+                "before runs (requests with penalties or a grammar run synchronously)"
+            )
         self._in_flight: _InFlight | None = None
         self._synchronous: set[str] = set()
         # perf_counter() at the end of the last step while requests remained (the engine
