@@ -11,12 +11,13 @@ tokens are read after step k is queued behind it::
     device:         ... step k-1 ............ | step k .................................
 
 Step k's decodes take step k-1's picks as inputs on the device (``PENDING_TOKEN`` holds
-their place in the plan and in ``output_token_ids``), and step k is updated with pending
-tokens: counts advance and length limits apply at launch, EOS and stop tokens once a token
-is read (``Scheduler.resolve_token``). So each ``step()`` returns the tokens of the step
-launched before it, and a request that meets EOS has computed one row more than it keeps.
-Requests whose next pick depends on their last token on the host (penalties, a grammar)
-and speculative decoding run synchronously: such a step first waits for the one in flight.
+their place in the plan and in ``output_token_ids``). Step k's picks are queued after step
+k-1 is read, while step k's forward pass runs, so penalties and grammars see every token
+before them. Step k is updated with pending tokens: counts advance and length limits apply
+at launch, EOS and stop tokens once a token is read (``Scheduler.resolve_token``). So each
+``step()`` returns the tokens of the step launched before it, and a request that meets EOS
+has computed one row more than it keeps. Speculative decoding runs synchronously (its
+drafts follow the last token).
 """
 
 from __future__ import annotations
@@ -126,16 +127,14 @@ class LLMEngine:
             )
             self.sampler.constraint = self.structured
         self.last_step_stats: StepStats | None = None
-        # Asynchronous scheduling (module docstring): the step launched and not yet read,
-        # and the requests that make a step synchronous while they run.
+        # Asynchronous scheduling (module docstring): the step launched and not yet read.
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling:
             logger.info(
                 "asynchronous scheduling: each step is scheduled and launched while the one "
-                "before runs (requests with penalties or a grammar run synchronously)"
+                "before runs"
             )
         self._in_flight: _InFlight | None = None
-        self._synchronous: set[str] = set()
         # perf_counter() at the end of the last step while requests remained (the engine
         # loop's gap before the next step counts in its decodes' inter-token latency).
         self._busy_end: float | None = None
@@ -223,9 +222,6 @@ class LLMEngine:
             self._awaiting_grammar[request_id] = request
         else:
             self.scheduler.add_request(request)
-        if params.needs_penalties or params.structured is not None:
-            # Their picks read their last token on the host (penalties, the grammar's state).
-            self._synchronous.add(request_id)
 
     def _constrain(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """Start a constrained request's grammar; EOS ends it once the grammar is complete,
@@ -313,6 +309,8 @@ class LLMEngine:
         self.scheduler.check_integrity()
         if self.structured is not None:
             live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
+            if self._in_flight is not None:  # finished at launch: forgotten once read
+                live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)
             self.structured.check_integrity(live | set(self._awaiting_grammar))
 
     # ---- the step -------------------------------------------------------------------------
@@ -332,12 +330,8 @@ class LLMEngine:
 
     def _overlaps(self) -> bool:
         """Whether this step may be scheduled before the one in flight is read."""
-        return (
-            not self._synchronous
-            and self.speculator is None
-            # A test's wrapper of the runner may offer ``execute`` only.
-            and callable(getattr(self.runner, "launch", None))
-        )
+        # A test's wrapper of the runner may offer ``execute`` only.
+        return self.speculator is None and callable(getattr(self.runner, "launch", None))
 
     def _step_sync(self) -> list[RequestOutput]:
         start = time.perf_counter()
@@ -449,38 +443,50 @@ class LLMEngine:
             self._busy_end = end
 
     def _step_async(self) -> list[RequestOutput]:
-        """Schedule and launch a step, then read the one before it (module docstring)."""
+        """Schedule and launch a step, read the one before it, then sample this one (module
+        docstring)."""
         start = time.perf_counter()
         gap_s = start - self._busy_end if self._busy_end is not None else None
         self._busy_end = None
+        parked_outputs = self._admit_compiled() if self._awaiting_grammar else []
         plan = self.scheduler.schedule()
         if plan.is_empty:  # nothing to launch: finish the step in flight
-            outputs = self._drain()
-            if self.has_unfinished_requests():
+            was_idle = self._in_flight is None
+            outputs = parked_outputs + self._drain()
+            if was_idle and self.structured is not None and not parked_outputs:
+                self.structured.wait_any(0.05)  # nothing runs: wait for a grammar, not spin
+            if self.scheduler.has_unfinished():
                 self._busy_end = time.perf_counter()
             return outputs
         step = _StepTiming(start, time.perf_counter(), gap_s)
         self._predict(step, plan)
         previous = self._in_flight
         try:
-            launched = self.runner.launch(
-                plan, previous.launched if previous is not None else None, copy_out=True
-            )
+            launched = self.runner.launch(plan, previous.launched if previous is not None else None)
         except EngineFatalError:
             raise
         except Exception as exc:
             # Read the step before, give this step's decodes their inputs on the host, and
             # isolate the failing requests as a synchronous step does.
-            outputs = self._drain()
+            outputs = parked_outputs + self._drain()
             _fill_pending(plan)
-            result, failed = self._isolate(plan, exc)
-            return outputs + self._complete(plan, result, failed, step)
+            return outputs + self._complete(plan, *self._isolate(plan, exc), step)
         waited = time.perf_counter()
-        outputs = self._drain()
+        # The step before is read while this one's forward pass runs; its tokens are then
+        # in place for this step's picks (penalties and grammars read them on the host).
+        outputs = parked_outputs + self._drain()
+        drained_s = time.perf_counter() - waited
+        try:
+            self.runner.sample(launched, copy_out=True)
+        except EngineFatalError:
+            raise
+        except Exception as exc:
+            _fill_pending(plan)
+            return outputs + self._complete(plan, *self._isolate(plan, exc), step)
         phase_s = dict(launched.phase_s)
         # The wait for the step before and its read: what "sample" holds in a synchronous
         # step (the device's time, unless the host took longer).
-        phase_s["sample"] = phase_s.get("sample", 0.0) + time.perf_counter() - waited
+        phase_s["sample"] = phase_s.get("sample", 0.0) + drained_s
         update = self.scheduler.update_from_output(
             plan, dict.fromkeys(launched.request_ids, PENDING_TOKEN)
         )
@@ -500,6 +506,8 @@ class LLMEngine:
             # caller (the server's engine loop) fails every request in flight.
             logger.error("reading a launched step's tokens failed", exc_info=True)
             raise
+        if self.structured is not None:
+            self.structured.accept(result.request_ids, result.token_ids)
         tokens = dict(zip(result.request_ids, result.token_ids, strict=True))
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=True))
         aborted = RequestStatus.FINISHED_ABORTED
@@ -560,7 +568,6 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         """Drop a finished request's sampling (speculation, grammar) state."""
-        self._synchronous.discard(request_id)
         self.sampler.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,24 +55,18 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the scheduled tokens and sample for requests whose chunk ends their
         known tokens; wait for the picks."""
-        return self.launch(out).result()
+        step = self.launch(out)
+        self.sample(step)
+        return step.result()
 
-    def launch(
-        self,
-        out: SchedulerOutput,
-        previous: LaunchedStep | None = None,
-        *,
-        copy_out: bool = False,
-    ) -> LaunchedStep:
-        """Queue the step's forward pass and picks on the device and return without
-        waiting for them (on the CPU they are done on return).
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward pass on the device and return without waiting for it
+        (on the CPU it is done on return); ``sample`` then picks the tokens.
 
         Args:
             out: the step's plan; its decode rows may hold ``PENDING_TOKEN`` inputs, the
                 picks of ``previous`` (asynchronous scheduling).
             previous: the step launched before this one, whose picks feed those rows.
-            copy_out: start copying the picks to the host now, behind the step's work, so
-                that ``result()`` later waits for the copy only.
         """
         if out.blocks_to_copy:
             # Copy-on-write blocks of fully cached prompts: filled before anyone reads them.
@@ -95,17 +89,35 @@ class ModelRunner:
         # the GPU's.
         t2 = time.perf_counter()
         touched = self.experts_touched() if self.experts_touched is not None else None
-        phase_s = {"prepare": t1 - t0, "forward": t2 - t1}
-        if not batch.sampling and not batch.verifying:
-            return LaunchedStep([], {}, None, [], phase_s, touched)
+        return LaunchedStep(
+            [s.request.request_id for s in batch.sampling + batch.verifying],
+            {s.request.request_id: row for row, s in enumerate(batch.sampling)},
+            {"prepare": t1 - t0, "forward": t2 - t1},
+            touched,
+            batch,
+            logits if batch.sampling or batch.verifying else None,
+        )
+
+    def sample(self, step: LaunchedStep, *, copy_out: bool = False) -> None:
+        """Queue the picks of a launched step's sampling rows and verify its speculative
+        rows. Sampling reads the requests' tokens on the host (penalties, a grammar's state),
+        so with asynchronous scheduling it runs once the step before has been read.
+
+        Args:
+            copy_out: start copying the picks to the host now, behind the step's work, so
+                that ``result()`` later waits for the copy only.
+        """
+        batch, logits = step.batch, step.logits
+        step.logits = None  # the picks below are all that is kept of them
+        if logits is None:
+            return
+        t0 = time.perf_counter()
         # Rows past the sampling and verifying ones are static-batch padding: discarded.
         num_sampling = len(batch.sampling)
-        picked = None
         if batch.sampling:
-            picked = self.sampler.pick(logits[:num_sampling], batch.sampling)
+            step.picked = self.sampler.pick(logits[:num_sampling], batch.sampling)
             if copy_out:
-                picked.start_copy()
-        verified: list[tuple[list[int], list[TokenLogprob] | None]] = []
+                step.picked.start_copy()
         if batch.verifying:
             if self.speculator is None:
                 raise RuntimeError("a speculative row reached a runner without a speculator")
@@ -113,16 +125,8 @@ class ModelRunner:
             for result in self.speculator.verify(
                 logits[num_sampling : num_sampling + num_rows], batch.verifying
             ):
-                verified.append((result.token_ids, result.logprobs))
-        phase_s["sample"] = time.perf_counter() - t2
-        return LaunchedStep(
-            [s.request.request_id for s in batch.sampling + batch.verifying],
-            {s.request.request_id: row for row, s in enumerate(batch.sampling)},
-            picked,
-            verified,
-            phase_s,
-            touched,
-        )
+                step.verified.append((result.token_ids, result.logprobs))
+        step.phase_s["sample"] = time.perf_counter() - t0
 
     def _feed_pending(self, batch: InputBatch, previous: LaunchedStep | None) -> None:
         """Write the pending input tokens from the previous step's picks, on the device."""
@@ -139,18 +143,23 @@ class ModelRunner:
 
 @dataclass(slots=True)
 class LaunchedStep:
-    """A step whose forward pass and picks are queued on the device and not yet read."""
+    """A step whose forward pass is queued on the device; after ``ModelRunner.sample``
+    its picks are too. Nothing of it has been read."""
 
     request_ids: list[str]  # the sampling rows', then the verifying rows'
     rows: dict[str, int]  # request id -> its row of ``picked.tokens``
-    picked: Picked | None
-    # Speculative rows, verified when launched (verification reads its picks).
-    verified: list[tuple[list[int], list[TokenLogprob] | None]]
     phase_s: dict[str, float]
     experts_touched: int | None
+    batch: InputBatch
+    logits: torch.Tensor | None  # until sampled; None when no row samples
+    picked: Picked | None = None
+    # Speculative rows, verified when sampled (verification reads its picks).
+    verified: list[tuple[list[int], list[TokenLogprob] | None]] = field(default_factory=list)
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the picks and return them (the step's one synchronisation)."""
+        if self.logits is not None:
+            raise RuntimeError("a launched step is read before it is sampled")
         t0 = time.perf_counter()
         token_ids: list[int | list[int]] = []
         logprobs: list[TokenLogprob | list[TokenLogprob] | None] = []

@@ -34,6 +34,7 @@ class FaultInjectingRunner:
         self.token_id = token_id
         if hasattr(runner, "launch"):  # the engine overlaps steps only with a launch
             self.launch = self._launch
+            self.sample = runner.sample  # type: ignore[attr-defined]
 
     def _check(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
@@ -45,8 +46,6 @@ class FaultInjectingRunner:
         self._check(out)
         return self.runner.execute(out)
 
-    def _launch(
-        self, out: SchedulerOutput, previous: LaunchedStep | None = None, *, copy_out: bool = False
-    ) -> LaunchedStep:
+    def _launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         self._check(out)
-        return self.runner.launch(out, previous, copy_out=copy_out)  # type: ignore[attr-defined]
+        return self.runner.launch(out, previous)  # type: ignore[attr-defined]

@@ -183,9 +183,9 @@ def test_a_launch_that_raises_beside_pending_decodes(model_path: Path) -> None:
     launch = engine.runner.launch
     pending_rows_at_fault: list[int] = []
 
-    def watching(out, previous=None, *, copy_out=False):  # type: ignore[no-untyped-def]
+    def watching(out, previous=None):  # type: ignore[no-untyped-def]
         try:
-            return launch(out, previous, copy_out=copy_out)
+            return launch(out, previous)
         except Exception:
             pending_rows_at_fault.append(sum(s.token_ids[0] < 0 for s in out.scheduled))
             raise
