@@ -89,6 +89,8 @@ def overload_server(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TinyServer]:
     log = tmp_path_factory.mktemp("overload") / "server.log"
+    # Asynchronous scheduling here (the chaos soak below runs synchronous steps): the same
+    # tokens under a burst of admissions, aborts of refused streams and preemption.
     with tiny_server(
         model_dir, log,
         "--max-num-seqs", "4",
@@ -96,6 +98,7 @@ def overload_server(
         "--num-kv-blocks", "64",
         "--block-size", "4",
         "--check-integrity", "true",
+        "--async-scheduling",
     ) as server:  # fmt: skip
         yield server
 
