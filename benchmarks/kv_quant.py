@@ -400,7 +400,7 @@ def throughput(args: argparse.Namespace) -> list[ThroughputResult]:
 
 def capacity(args: argparse.Namespace) -> list[CapacityResult]:
     """Each dtype's pool at ``--kv-cache-memory``, from the engine that would serve it."""
-    results = []
+    results: list[CapacityResult] = []
     for kv in ["auto", *args.dtypes]:
         # Nothing runs on these engines: no CUDA graphs to capture.
         llm = make_llm(kv, args, kv_cache_memory=args.kv_cache_memory, enforce_eager=True)
@@ -568,11 +568,11 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         print(f"# {args.model}, {args.dtype} on {args.device}, --kv-cache-memory {mib:.0f} MiB")
         print(f"| KV dtype | bytes/token | blocks | pool tokens | vs {ref} |")
         print("|---|---|---|---|---|")
-        for r in c:
-            label = ref if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
+        for cr in c:
+            label = ref if cr.kv_cache_dtype == "auto" else cr.kv_cache_dtype
             print(
-                f"| {label} | {r.bytes_per_token} | {r.num_blocks} | {r.kv_tokens} | "
-                f"{r.ratio:.2f}x |"
+                f"| {label} | {cr.bytes_per_token} | {cr.num_blocks} | {cr.kv_tokens} | "
+                f"{cr.ratio:.2f}x |"
             )
     if args.quality:
         q = quality(args)
@@ -603,19 +603,19 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     if args.throughput:
         t = throughput(args)
         report["throughput"] = [asdict(r) for r in t]
-        base = {r.run: r.output_tokens_per_s for r in t if r.kv_cache_dtype == "auto"}
+        base = {tr.run: tr.output_tokens_per_s for tr in t if tr.kv_cache_dtype == "auto"}
         print(
             f"| run | KV dtype | pool tokens | wall s | output tok/s | vs {ref} | total tok/s | "
             "mean running | max running | preemptions |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in t:
-            label = ref if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
+        for tr in t:
+            label = ref if tr.kv_cache_dtype == "auto" else tr.kv_cache_dtype
             print(
-                f"| {r.run} | {label} | {r.kv_tokens} | {r.wall_s:.1f} | "
-                f"{r.output_tokens_per_s:.1f} | {r.output_tokens_per_s / base[r.run]:.2f}x | "
-                f"{r.total_tokens_per_s:.0f} | {r.mean_running:.1f} | {r.max_running} | "
-                f"{r.preemptions} |"
+                f"| {tr.run} | {label} | {tr.kv_tokens} | {tr.wall_s:.1f} | "
+                f"{tr.output_tokens_per_s:.1f} | {tr.output_tokens_per_s / base[tr.run]:.2f}x | "
+                f"{tr.total_tokens_per_s:.0f} | {tr.mean_running:.1f} | {tr.max_running} | "
+                f"{tr.preemptions} |"
             )
     return report
 

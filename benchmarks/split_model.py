@@ -102,10 +102,11 @@ def stage(parts_dir: Path, stage_dir: Path) -> Path:
     """Copy part 1 (checked) out of the repository, where the next call cannot touch it."""
     manifest = _manifest(parts_dir / "1")
     entry = manifest["parts"][0]
-    source = parts_dir / "1" / entry["file"]
+    name = str(entry["file"])
+    source = parts_dir / "1" / name
     _check(source, entry, "part 1")
     stage_dir.mkdir(parents=True, exist_ok=True)
-    target = stage_dir / entry["file"]
+    target = stage_dir / name
     shutil.copyfile(source, target)
     return target
 
@@ -115,18 +116,18 @@ def join(parts_dir: Path, stage_dir: Path) -> Path:
     ``parts_dir``/2, checked, joined into ``stage_dir``/<name>; returns its path."""
     manifest = _manifest(parts_dir / "2")
     first, second = manifest["parts"]
-    target = stage_dir / manifest["name"]
+    target = stage_dir / str(manifest["name"])
     if target.is_file() and target.stat().st_size == manifest["bytes"]:
         if sha256(target) == manifest["sha256"]:
             return target  # joined by an earlier call on this machine
-    part1 = stage_dir / first["file"]
+    part1 = stage_dir / str(first["file"])
     if not part1.is_file():
         raise SplitError(
             f"{part1} is missing: this machine did not run stage (a fresh one: the warm "
             "machine went back); run stage and join in two calls made back to back"
         )
     _check(part1, first, "part 1")
-    part2 = parts_dir / "2" / second["file"]
+    part2 = parts_dir / "2" / str(second["file"])
     _check(part2, second, "part 2")
     partial = target.with_name(target.name + ".joining")
     with partial.open("wb") as out:
