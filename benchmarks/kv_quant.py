@@ -135,19 +135,29 @@ class ThroughputResult:
     preemptions: int
 
 
+class SetupError(Exception):
+    """An engine these options cannot build (e.g. ``--attention-backend cpu`` in bfloat16):
+    ``main`` prints the engine's reason as one line."""
+
+
 def make_llm(kv_cache_dtype: str, args: argparse.Namespace, **kwargs: object) -> LLM:
     """An engine of ``args``' model, device, dtype and backend (``parse_args``) with this KV
     cache dtype; ``kwargs`` go to ``LLM`` (and override ``args``' backend)."""
     kwargs.setdefault("attention_backend", args.attention_backend)
-    return LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        tokenizer=args.tokenizer,
-        kv_cache_dtype=kv_cache_dtype,
-        **kwargs,  # type: ignore[arg-type]
-    )
+    try:
+        return LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            tokenizer=args.tokenizer,
+            kv_cache_dtype=kv_cache_dtype,
+            **kwargs,  # type: ignore[arg-type]
+        )
+    except ModelError:
+        raise
+    except ValueError as exc:  # the engine's config checks: an option to change
+        raise SetupError(f"--kv-cache-dtype {kv_cache_dtype}: {exc}") from exc
 
 
 def free_device_memory(device: str) -> None:
@@ -530,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         report = run(args)
-    except ModelError as exc:  # a --model (or --tokenizer) to change: one line
+    except (ModelError, SetupError) as exc:  # a --model or other option to change: one line
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:

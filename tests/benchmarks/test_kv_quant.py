@@ -227,8 +227,8 @@ def test_device_and_dtype_defaults(monkeypatch, capsys):
 
 
 def test_a_model_error_is_one_line(model_path, capsys):
-    """A preset without dummy weights, and text scoring without a tokenizer: one line each,
-    exit status 2."""
+    """A preset without dummy weights, text scoring without a tokenizer, and a backend the
+    dtype does not fit: one line each, exit status 2."""
     assert main(["--capacity", "--model", "llama-3-8b"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
@@ -236,6 +236,12 @@ def test_a_model_error_is_one_line(model_path, capsys):
     assert main(["--quality", "--model", str(model_path), *QUICK_QUALITY]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "has no tokenizer: --quality scores text" in err
+    # an engine the options cannot build: the engine's reason
+    argv = ["--capacity", "--model", str(model_path), "--dtype", "bfloat16"]
+    assert main([*argv, "--attention-backend", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "error: --kv-cache-dtype auto: the cpu attention backend needs float32" in err
 
 
 def test_a_missing_gguf_package_is_one_line(monkeypatch, capsys):
