@@ -113,23 +113,26 @@ def stage(parts_dir: Path, stage_dir: Path) -> Path:
 
 
 def join(parts_dir: Path, stage_dir: Path) -> Path:
-    """Part 1 from ``stage_dir`` (``stage``'s, an earlier call's) and part 2 from
-    ``parts_dir``/2, checked, joined into ``stage_dir``/<name>; returns its path."""
+    """Part 1 from ``stage_dir`` (``stage``'s, an earlier call's; else ``parts_dir``/1, if
+    an earlier call's copy of the repository kept it) and part 2 from ``parts_dir``/2,
+    checked, joined into ``stage_dir``/<name>; returns its path."""
     manifest = _manifest(parts_dir / "2")
     first, second = manifest["parts"]
     target = stage_dir / str(manifest["name"])
     if target.is_file() and target.stat().st_size == manifest["bytes"]:
         if sha256(target) == manifest["sha256"]:
             return target  # joined by an earlier call on this machine
-    part1 = stage_dir / str(first["file"])
+    staged = stage_dir / str(first["file"])
+    part1 = staged if staged.is_file() else parts_dir / "1" / str(first["file"])
     if not part1.is_file():
         raise SplitError(
-            f"{part1} is missing: this machine did not run stage (a fresh one: the warm "
+            f"{staged} is missing: this machine did not run stage (a fresh one: the warm "
             "machine went back); run stage and join in two calls made back to back"
         )
     _check(part1, first, "part 1")
     part2 = parts_dir / "2" / str(second["file"])
     _check(part2, second, "part 2")
+    stage_dir.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".joining")
     with partial.open("wb") as out:
         for part in (part1, part2):
@@ -139,7 +142,8 @@ def join(parts_dir: Path, stage_dir: Path) -> Path:
         partial.unlink()
         raise SplitError(f"the joined {manifest['name']} does not match its SHA-256")
     partial.rename(target)
-    part1.unlink()
+    if part1 == staged:
+        part1.unlink()
     return target
 
 

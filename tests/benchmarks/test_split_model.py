@@ -45,6 +45,7 @@ def test_split_stage_join_round_trip(model_file, tmp_path, capsys):
 def test_join_without_stage_says_the_machine_is_fresh(model_file, tmp_path, capsys):
     parts = tmp_path / "parts"
     assert main(split_args(model_file, parts)) == 0
+    (parts / "1" / "model.gguf.part1").unlink()  # call 2 carries part 2 alone
     capsys.readouterr()
     assert main(["join", "--parts-dir", str(parts), "--stage-dir", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
@@ -72,3 +73,14 @@ def test_a_file_of_one_part_is_refused(tmp_path, capsys):
     small.write_bytes(b"x" * 100)
     assert main(split_args(small, tmp_path / "parts")) == 2
     assert "one part: carry it as it is" in capsys.readouterr().err
+
+
+def test_join_takes_part_1_from_the_repository_copy_when_not_staged(model_file, tmp_path, capsys):
+    """A call that carried part 1 but did not stage it leaves it in the repository's copy,
+    which the machine keeps (an ignored path) for the next call."""
+    parts, stage = tmp_path / "parts", tmp_path / "stage"
+    assert main(split_args(model_file, parts)) == 0
+    capsys.readouterr()
+    assert main(["join", "--parts-dir", str(parts), "--stage-dir", str(stage)]) == 0
+    assert (stage / "model.gguf").read_bytes() == model_file.read_bytes()
+    assert (parts / "1" / "model.gguf.part1").is_file()  # not the joiner's to remove
