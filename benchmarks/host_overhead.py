@@ -95,15 +95,18 @@ class PhaseTimer:
 
 
 class _TimedSampler:
-    """The runner calls its sampler (``Sampler.__call__``); this times that call and passes
-    every other attribute through."""
+    """The runner queues its picks through its sampler (``Sampler.pick``) and reads them
+    after (``Picked.read``): both are timed as "sample"; every other attribute passes
+    through."""
 
-    def __init__(self, sampler: Any, timed: Callable[..., Any]) -> None:
+    def __init__(self, sampler: Any, timer: PhaseTimer) -> None:
         self._sampler = sampler
-        self._timed = timed
+        self._timer = timer
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(*args, **kwargs)
+    def pick(self, *args: Any, **kwargs: Any) -> Any:
+        picked = self._timer.wrap("sample", self._sampler.pick)(*args, **kwargs)
+        picked.read = self._timer.wrap("sample", picked.read)
+        return picked
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sampler, name)
@@ -166,7 +169,7 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     runner.prepare = timer.wrap("prepare", runner.prepare)
     runner.graphs.run = timer.wrap("forward", runner.graphs.run)
     runner.model = timer.wrap("forward", runner.model)  # eager steps only (none timed)
-    runner.sampler = _TimedSampler(runner.sampler, timer.wrap("sample", runner.sampler))
+    runner.sampler = _TimedSampler(runner.sampler, timer)
     engine._make_outputs = timer.wrap("outputs", engine._make_outputs)  # type: ignore[method-assign]
     engine._record_stats = timer.wrap("stats", engine._record_stats)  # type: ignore[method-assign]
 
