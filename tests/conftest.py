@@ -112,16 +112,17 @@ def _isolated(request: pytest.FixtureRequest):
         )
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """Under pytest-xdist, a worker whose CUDA context a test broke exits once that test's
     reports are sent: xdist then reports the test as the one the worker crashed in and runs
     the worker's remaining tests in a fresh process, instead of every one of them failing
     here on the same sticky error."""
-    yield
+    result = yield
     if _cuda_broken_by is not None and os.environ.get("PYTEST_XDIST_WORKER"):
         os.write(2, f"\n{_cuda_broken_by}: ending this pytest-xdist worker\n".encode())
         os._exit(3)
+    return result
 
 
 @pytest.fixture(scope="session")

@@ -93,3 +93,77 @@ def test_a_leaking_test_fails_by_name_and_the_next_one_runs_clean(tmp_path: Path
     assert "2 passed, 1 error" in out, out
     assert "ERROR at teardown of test_leaks" in out, out
     assert "torch default dtype torch.float32 -> torch.float64" in out, out
+
+
+class FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """tests/conftest.py's CUDA checks against a scripted ``torch.cuda``: what a GPU would
+    answer after a test, with ``_cuda_broken_by`` put back afterwards."""
+    from tests import conftest
+
+    state = {"capturing": False, "error": None, "usable": True, "stream": "default"}
+    streams = {"default": FakeStream("default"), "side": FakeStream("side")}
+
+    def synchronize() -> None:
+        if state["error"]:
+            raise RuntimeError(state["error"])
+
+    def set_stream(stream: FakeStream) -> None:
+        state["stream"] = stream.name
+
+    monkeypatch.setattr(conftest, "_cuda_broken_by", None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: streams[state["stream"]])
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda: streams["default"])
+    monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
+    monkeypatch.setattr(conftest, "_cuda_usable", lambda: state["usable"])
+    return conftest, state
+
+
+def test_a_clean_test_passes_the_cuda_checks(fake_cuda):
+    conftest, _ = fake_cuda
+    assert conftest._check_cuda("t.py::clean") == []
+    assert conftest._cuda_broken_by is None
+
+
+def test_a_sticky_fault_is_pinned_on_the_test_that_launched_it(fake_cuda):
+    conftest, state = fake_cuda
+    state["error"] = "CUDA error: an illegal memory access was encountered\nmore"
+    state["usable"] = False
+    [problem] = conftest._check_cuda("t.py::faulty")
+    assert "launched after its last synchronisation" in problem
+    assert "an illegal memory access was encountered; it is sticky" in problem
+    assert conftest._cuda_broken_by == (
+        "t.py::faulty broke this process's CUDA context "
+        "(CUDA error: an illegal memory access was encountered)"
+    )
+
+
+def test_a_passing_error_is_reported_without_breaking_the_process(fake_cuda):
+    conftest, state = fake_cuda
+    state["error"] = "CUDA error: out of memory"
+    [problem] = conftest._check_cuda("t.py::oom")
+    assert problem.endswith("CUDA error: out of memory")
+    assert conftest._cuda_broken_by is None
+
+
+def test_an_open_capture_and_a_changed_stream_are_reported(fake_cuda):
+    conftest, state = fake_cuda
+    state["stream"] = "side"
+    assert conftest._check_cuda("t.py::stream") == ["the current CUDA stream was left at side"]
+    assert state["stream"] == "default"
+    assert conftest._cuda_broken_by is None
+    state["capturing"] = True
+    assert conftest._check_cuda("t.py::capture") == [
+        "a CUDA graph capture was left open on the current stream"
+    ]
+    assert conftest._cuda_broken_by == "t.py::capture left a CUDA graph capture open"
