@@ -83,7 +83,7 @@ def _isolated(request: pytest.FixtureRequest):
     GPU one whose CUDA work fails when synchronised; then hands the memory the test freed
     back to the driver: torch's caching allocator keeps freed blocks for its own process, so
     under ``pytest -n`` on one GPU one worker's pools (the int64-offset tests' 8 GiB caches,
-    a dummy 8B model's weights) would starve the other workers."""
+    a dummy model's weights) would starve the other workers."""
     gpu_test = request.node.get_closest_marker("gpu") is not None
     if _cuda_broken_by is not None and gpu_test:
         pytest.fail(f"not run: {_cuda_broken_by}", pytrace=False)
@@ -91,7 +91,8 @@ def _isolated(request: pytest.FixtureRequest):
     held_before = torch.cuda.memory_allocated() if gpu_test and _cuda_in_use() else 0
     yield
     problems = isolation.restore(before)
-    if _cuda_in_use():
+    # Once the context is broken, its culprit is named; the tests after it are not.
+    if _cuda_in_use() and _cuda_broken_by is None:
         problems += _check_cuda(request.node.nodeid)
         if _cuda_broken_by is None:
             if gpu_test:

@@ -167,3 +167,85 @@ def test_an_open_capture_and_a_changed_stream_are_reported(fake_cuda):
         "a CUDA graph capture was left open on the current stream"
     ]
     assert conftest._cuda_broken_by == "t.py::capture left a CUDA graph capture open"
+
+
+# A child pytest run whose "GPU" is scripted: test_faults leaves an asynchronous fault behind
+# (as a kernel past a tensor's end would: its own body passes), which the next synchronise
+# reports and which stays (sticky) for the rest of that process.
+SCRIPTED_GPU_CONFTEST = """
+import pytest, torch
+from tests import conftest
+from tests.conftest import _isolated, pytest_runtest_protocol  # noqa: F401
+
+FAULT = []
+
+def synchronize():
+    if FAULT:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+conftest._cuda_in_use = lambda: True
+conftest._cuda_usable = lambda: not FAULT
+torch.cuda.synchronize = synchronize
+torch.cuda.is_current_stream_capturing = lambda: False
+torch.cuda.memory_allocated = lambda device=None: 0
+torch.cuda.empty_cache = lambda: None
+torch.cuda.current_stream = torch.cuda.default_stream = lambda device=None: "default"
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: scripted")
+"""
+
+SCRIPTED_GPU_TESTS = """
+import pytest
+from conftest import FAULT
+
+@pytest.mark.gpu
+def test_faults():
+    FAULT.append(1)
+
+@pytest.mark.gpu
+def test_after():
+    pass
+
+def test_cpu_only():
+    pass
+"""
+
+
+def run_scripted_gpu(tmp_path: Path, *args: str) -> str:
+    (tmp_path / "conftest.py").write_text(SCRIPTED_GPU_CONFTEST)
+    (tmp_path / "test_scripted.py").write_text(SCRIPTED_GPU_TESTS)
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--rootdir",
+         str(tmp_path), *args, str(tmp_path)],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    return done.stdout + done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the run below scripts a CPU-only torch")
+def test_a_sticky_fault_fails_its_test_and_the_gpu_tests_after_it_by_its_name(tmp_path):
+    out = run_scripted_gpu(tmp_path)
+    assert "ERROR at teardown of test_faults" in out, out
+    assert "device-side assert triggered; it is sticky" in out, out
+    assert "ERROR at setup of test_after" in out, out
+    assert (
+        "not run: test_scripted.py::test_faults broke this process's CUDA context "
+        "(CUDA error: device-side assert triggered)"
+    ) in out, out
+    assert "PASSED test_scripted.py::test_cpu_only" in out, out
+    assert "2 passed, 2 errors" in out, out  # test_faults' teardown and test_after's setup
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the run below scripts a CPU-only torch")
+def test_under_xdist_a_sticky_fault_ends_the_worker_and_the_rest_run_in_a_fresh_one(tmp_path):
+    pytest.importorskip("xdist")
+    out = run_scripted_gpu(tmp_path, "-n", "1")
+    assert "test_faults broke this process's CUDA context" in out, out
+    assert "worker 'gw0' crashed while running 'test_scripted.py::test_faults'" in out, out
+    assert "PASSED test_scripted.py::test_after" in out, out
+    assert "PASSED test_scripted.py::test_cpu_only" in out, out
+    # test_faults: its body passed, its teardown errored, then the worker's exit failed it.
+    assert "1 failed, 3 passed, 1 error" in out, out
