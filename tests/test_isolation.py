@@ -249,3 +249,45 @@ def test_under_xdist_a_sticky_fault_ends_the_worker_and_the_rest_run_in_a_fresh_
     assert "PASSED test_scripted.py::test_cpu_only" in out, out
     # test_faults: its body passed, its teardown errored, then the worker's exit failed it.
     assert "1 failed, 3 passed, 1 error" in out, out
+
+
+REAL_GPU_CONFTEST = """
+from tests.conftest import _isolated, pytest_runtest_protocol  # noqa: F401
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA")
+"""
+
+REAL_GPU_TESTS = """
+import pytest, torch
+
+@pytest.mark.gpu
+def test_faults():
+    x = torch.zeros(4, device="cuda")
+    x[torch.tensor([10], device="cuda")] += 1  # past the end: a device-side assert, later
+
+@pytest.mark.gpu
+def test_after():
+    assert torch.ones(1, device="cuda").item() == 1.0
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_real_device_side_assert_is_pinned_on_its_test(tmp_path):
+    """On the GPU, in a child process (the fault is sticky there): the assert fires after
+    test_faults' body returned, and the conftest names it, not test_after."""
+    (tmp_path / "conftest.py").write_text(REAL_GPU_CONFTEST)
+    (tmp_path / "test_scripted.py").write_text(REAL_GPU_TESTS)
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--rootdir",
+         str(tmp_path), str(tmp_path)],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    out = done.stdout + done.stderr
+    assert "ERROR at teardown of test_faults" in out, out
+    assert "device-side assert triggered; it is sticky" in out, out
+    assert "ERROR at setup of test_after" in out, out
+    assert "not run: test_scripted.py::test_faults broke this process's CUDA context" in out, out
