@@ -76,7 +76,8 @@ class _Launch:
         return f"{before} bytes before {self.names[below + 1]}"
 
 
-_current: _Launch | None = None
+_current: _Launch | None = None  # the launch being interpreted
+_depth = 0  # nested checked_launches() blocks (one conftest's fixture inside another's)
 
 
 def _tensors(args: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -89,10 +90,25 @@ def _tensors(args: dict[str, Any]) -> dict[str, torch.Tensor]:
     return found
 
 
+def _check(op: str, ptrs: Any, mask: Any) -> None:
+    if _current is not None:
+        _current.check(op, ptrs, mask)
+
+
 @contextlib.contextmanager
 def checked_launches() -> Iterator[None]:
-    """Within the block, every interpreted kernel launch checks each memory access."""
-    global _current
+    """Within the block, every interpreted kernel launch checks each memory access.
+
+    Wraps the interpreter's argument set-up (to learn each launch's tensors) and its memory
+    builders, passing their arguments through unchanged."""
+    global _current, _depth
+    if _depth:
+        _depth += 1
+        try:
+            yield
+        finally:
+            _depth -= 1
+        return
     executor = interpreter.GridExecutor
     builder = interpreter.InterpreterBuilder
     init_args = executor._init_args_hst
@@ -101,7 +117,7 @@ def checked_launches() -> Iterator[None]:
     atomic_rmw = builder.create_atomic_rmw
     atomic_cas = builder.create_atomic_cas
 
-    def _init_args_hst(self, args_dev, kwargs):  # type: ignore[no-untyped-def]
+    def _init_args_hst(self, args_dev, kwargs):
         global _current
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
         names = dict(zip(self.arg_names, args_hst, strict=False))
@@ -109,25 +125,21 @@ def checked_launches() -> Iterator[None]:
         _current = _Launch(self.fn.__name__, _tensors(names))
         return args_hst, kwargs_hst
 
-    def check(op: str, ptrs: Any, mask: Any) -> None:
-        if _current is not None:
-            _current.check(op, ptrs, mask)
+    def create_masked_load(self, ptrs, mask, *args, **kwargs):
+        _check("load", ptrs, mask)
+        return masked_load(self, ptrs, mask, *args, **kwargs)
 
-    def create_masked_load(self, ptrs, mask, other, cache_policy, is_volatile):  # type: ignore[no-untyped-def]
-        check("load", ptrs, mask)
-        return masked_load(self, ptrs, mask, other, cache_policy, is_volatile)
+    def create_masked_store(self, ptrs, value, mask, *args, **kwargs):
+        _check("store", ptrs, mask)
+        return masked_store(self, ptrs, value, mask, *args, **kwargs)
 
-    def create_masked_store(self, ptrs, value, mask, cache_policy):  # type: ignore[no-untyped-def]
-        check("store", ptrs, mask)
-        return masked_store(self, ptrs, value, mask, cache_policy)
+    def create_atomic_rmw(self, rmw_op, ptr, val, mask, *args, **kwargs):
+        _check("atomic", ptr, mask)
+        return atomic_rmw(self, rmw_op, ptr, val, mask, *args, **kwargs)
 
-    def create_atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope):  # type: ignore[no-untyped-def]
-        check("atomic", ptr, mask)
-        return atomic_rmw(self, rmw_op, ptr, val, mask, sem, scope)
-
-    def create_atomic_cas(self, ptr, cmp, val, sem, scope):  # type: ignore[no-untyped-def]
-        check("atomic_cas", ptr, interpreter.TensorHandle(np.ones_like(ptr.data, bool), None))
-        return atomic_cas(self, ptr, cmp, val, sem, scope)
+    def create_atomic_cas(self, ptr, *args, **kwargs):
+        _check("atomic_cas", ptr, interpreter.TensorHandle(np.ones_like(ptr.data, bool), None))
+        return atomic_cas(self, ptr, *args, **kwargs)
 
     patches = [
         (executor, "_init_args_hst", _init_args_hst),
@@ -137,6 +149,7 @@ def checked_launches() -> Iterator[None]:
         (builder, "create_atomic_cas", create_atomic_cas),
     ]
     saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    _depth = 1
     try:
         for owner, name, replacement in patches:
             setattr(owner, name, replacement)
@@ -145,3 +158,4 @@ def checked_launches() -> Iterator[None]:
         for owner, name, original in saved:
             setattr(owner, name, original)
         _current = None
+        _depth = 0
