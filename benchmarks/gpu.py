@@ -3,6 +3,7 @@
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy --enforce-eager   # no graphs
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy --quantization int8
+    python -m benchmarks.gpu --model llama-3-8b --load-format dummy --async-scheduling
     python -m benchmarks.gpu --model tiny-llama --load-format dummy --device cpu --quick  # smoke
 
 One engine (``LLM``, prefix caching off so every prompt is computed) measures:
@@ -59,6 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default=None)
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (for the HTTP part)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument(
+        "--async-scheduling", action="store_true",
+        help="schedule and launch each step while the one before runs (engine and server)",
+    )  # fmt: skip
     ap.add_argument(
         "--quantization", default=None, choices=("int8", "fp8"), help="weights quantized at load"
     )
@@ -124,16 +129,19 @@ def _prompt(n: int, vocab: int, salt: int) -> list[int]:
 
 
 def _run_alone(engine: LLMEngine, prompt: list[int], max_tokens: int, tag: str) -> list[float]:
-    """Per-step wall times of one request served alone: [TTFT, decode step, ...]."""
+    """Token arrival gaps of one request served alone: [TTFT, then one per output token].
+    Timed by the outputs, not the steps: with asynchronous scheduling a step returns the
+    token of the step launched before it."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     engine.add_request(tag, prompt, params)
     times = []
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
-        t1 = time.perf_counter()
-        times.append(t1 - t0)
-        t0 = t1
+        outs = engine.step()
+        if any(o.new_token_ids for o in outs):
+            t1 = time.perf_counter()
+            times.append(t1 - t0)
+            t0 = t1
     return times
 
 
@@ -352,6 +360,8 @@ def server_command(args: argparse.Namespace, max_num_seqs: int) -> str:
             flags += f" {flag} {value}"
     if args.enforce_eager:
         flags += " --enforce-eager"
+    if args.async_scheduling:
+        flags += " --async-scheduling"
     if args.server_args:
         flags += f" {args.server_args}"
     return f"{sys.executable} -m server --host {{host}} --port {{port}} {flags}"
@@ -437,11 +447,13 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager, max_num_seqs=max_seqs,
         max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        async_scheduling=args.async_scheduling,
     )  # fmt: skip
     engine = llm.engine
     print(
         f"engine ready in {time.perf_counter() - t0:.1f} s "
-        f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'}); "
+        f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'}"
+        f"{', async scheduling' if args.async_scheduling else ''}); "
         f"{engine.kv_capacity.describe()}",
         flush=True,
     )
@@ -455,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = engine.kv_capacity.bytes_per_token
     out: dict[str, Any] = {"device": name, "dtype": dtype_name, "model": args.model,
                            "quantization": args.quantization,
+                           "async_scheduling": args.async_scheduling,
                            "graphs": not args.enforce_eager and device.type == "cuda",
                            "bandwidth": bandwidth, "flops": flops}  # fmt: skip
 

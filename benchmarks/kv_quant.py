@@ -2,8 +2,23 @@
 
     python -m benchmarks.kv_quant --quality                 # the default model, float32 CPU
     python -m benchmarks.kv_quant --throughput              # concurrency 64, 1,024-token prompts
+    python -m benchmarks.kv_quant --capacity                # the pool's tokens per dtype
     python -m benchmarks.kv_quant --quality --dtypes int8 --json
     python -m benchmarks.kv_quant --quality --ab-key-offsets     # each dtype without and with
+    # on a GPU (bfloat16 by default there; the Triton kernels):
+    python -m benchmarks.kv_quant --capacity --device cuda --model llama-3-8b --load-format dummy
+    python -m benchmarks.kv_quant --quality --device cuda --model MODEL.gguf
+
+Every engine runs on ``--device`` (cpu or cuda) in ``--dtype`` (float32 on the CPU and
+bfloat16 on CUDA unless given), with ``--attention-backend`` (auto: the C++ kernels on the
+CPU in float32, the PyTorch reference in other CPU dtypes, Triton on CUDA). ``--model`` is
+the embedded default, an HF directory or a .gguf file; with ``--load-format dummy`` it may
+name a shape preset (``engine/presets.py``, e.g. ``llama-3-8b``) of random weights, which
+serves ``--capacity`` and ``--throughput`` (token ids, no text) but not ``--quality``.
+
+The reference (``auto``) is the model's own dtype: a float32 cache on the CPU, a bfloat16
+cache on a GPU. The report names it in its labels (``auto (bfloat16)``), and every "vs"
+column compares with it.
 
 Quality (each KV dtype against the model's own dtype, ``auto``, same engine otherwise):
 
@@ -21,37 +36,47 @@ Quality (each KV dtype against the model's own dtype, ``auto``, same engine othe
   those ``--tokens`` positions where the mode's top token is ``auto``'s, and ``auto``'s
   largest top-2 log-probability margin at a position where they differ. Unlike the prefix,
   one flipped near-tie costs one position, not the rest of the prompt.
-- **The rounding floor** (``--rounding-floor``): a row for ``auto`` with every K/V row
-  rounded to bfloat16 as it is stored (the reference attention path), what a 16-bit cache's
-  rounding alone does to these figures; a quantized dtype cannot be expected to beat it.
+- **The rounding floor** (``--rounding-floor``, float32 only): a row for ``auto`` with every
+  K/V row rounded to bfloat16 as it is stored (the reference attention path), what a 16-bit
+  cache's rounding alone does to these figures; a quantized dtype cannot be expected to beat
+  it. In bfloat16 the reference is such a cache already, so there is no floor row to add.
 
 Quantized dtypes run as the server's defaults do (keys stored as they are);
 ``--ab-key-offsets`` adds a row per dtype with the calibrated key offsets
 (``--kv-key-offsets``: ``kernels/kv_quant.py``, ``engine/kv_calibration.py``), from its own
 engine in the same run.
 
+Capacity (``--capacity``): an engine per dtype at the same ``--kv-cache-memory``, nothing
+run: the pool's bytes per token and tokens (what the start-up log and ``/health`` show), and
+the ratio to ``auto``'s tokens.
+
 Throughput (``--throughput``): ``--num-requests`` (64) requests of ``--prompt-tokens``
 (1,024) tokens submitted at once, ``--max-tokens`` (64) greedy tokens each, EOS ignored, in
 the step loop (``LLM.generate``'s path; no HTTP, no sockets) with the same
-``--kv-cache-memory`` for every dtype, chosen so that the float32 pool holds only a few of
-the requests: the batch is then bounded by KV memory, and the quantized pool runs more of
-them at once. Reported: the pool's tokens, wall time, output tokens/s, total tokens/s, the
-mean number of running requests per step, and preemptions.
+``--kv-cache-memory`` for every dtype, chosen so that the ``auto`` pool holds only a few of
+the requests (the default, 300 MiB, does so for the default model in float32; an 8B shape
+in bfloat16 needs a few GiB): the batch is then bounded by KV memory, and the quantized pool
+runs more of them at once. Reported: the pool's tokens, wall time, output tokens/s, total
+tokens/s, the mean number of running requests per step, and preemptions.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pydoc_data.topics import topics
 
 import torch
 
+from engine.config import ModelError
 from engine.input_batch import AttentionMetadata, InputBatch
 from engine.llm import LLM
+from engine.presets import PRESETS
 from scheduler.request import SamplingParams
 
 PPL_TOPIC = "compound"
@@ -71,6 +96,7 @@ EXTRA_PROMPT_TOPICS = [
 @dataclass(slots=True)
 class QualityResult:
     kv_cache_dtype: str  # the row's label: the dtype, "... (key offsets)" for the A/B row
+    attention_backend: str  # the backend the row's engine ran (the floor's: torch)
     bytes_per_token: int
     perplexity: float
     perplexity_change: float  # relative to auto
@@ -88,6 +114,15 @@ class QualityResult:
 
 
 @dataclass(slots=True)
+class CapacityResult:
+    kv_cache_dtype: str
+    bytes_per_token: int
+    num_blocks: int
+    kv_tokens: int
+    ratio: float  # kv_tokens / auto's, at the same --kv-cache-memory
+
+
+@dataclass(slots=True)
 class ThroughputResult:
     run: int  # 1, 2, ...: the round (--repeat), every dtype once a round
     kv_cache_dtype: str
@@ -100,14 +135,44 @@ class ThroughputResult:
     preemptions: int
 
 
+class SetupError(Exception):
+    """An engine these options cannot build (e.g. ``--attention-backend cpu`` in bfloat16):
+    ``main`` prints the engine's reason as one line."""
+
+
 def make_llm(kv_cache_dtype: str, args: argparse.Namespace, **kwargs: object) -> LLM:
-    return LLM(
-        args.model,
-        device="cpu",
-        dtype="float32",
-        kv_cache_dtype=kv_cache_dtype,
-        **kwargs,  # type: ignore[arg-type]
-    )
+    """An engine of ``args``' model, device, dtype and backend (``parse_args``) with this KV
+    cache dtype; ``kwargs`` go to ``LLM`` (and override ``args``' backend)."""
+    kwargs.setdefault("attention_backend", args.attention_backend)
+    try:
+        return LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            tokenizer=args.tokenizer,
+            kv_cache_dtype=kv_cache_dtype,
+            **kwargs,  # type: ignore[arg-type]
+        )
+    except ModelError:
+        raise
+    except ValueError as exc:  # the engine's config checks: an option to change
+        raise SetupError(f"--kv-cache-dtype {kv_cache_dtype}: {exc}") from exc
+
+
+def free_device_memory(device: str) -> None:
+    """Return a dropped engine's weights and pool to the device before the next engine is
+    built (an 8B shape's 16 GB must): call it once no name refers to the engine. On the
+    CPU the allocator returns it as the references go; a collection there costs a quarter
+    of a second for nothing the next engine needs."""
+    if device == "cuda":
+        gc.collect()  # the engine's parts refer to each other
+        torch.cuda.empty_cache()
+
+
+def reference_label(args: argparse.Namespace) -> str:
+    """What ``auto`` is in this run: a cache in the model's own dtype."""
+    return f"auto ({args.dtype})"
 
 
 def target_logprobs(llm: LLM, ids: list[int], chunk: int) -> torch.Tensor:
@@ -122,39 +187,41 @@ def score(llm: LLM, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Ten
     The text goes into blocks 0, 1, ... of this idle engine's pool directly (no request,
     so kvpool's allocator is not involved and keeps every block free): this engine is this
     benchmark's own, and nothing else runs in it meanwhile. Blocks the prefix cache kept
-    are overwritten, so score before ``generate``, never after.
+    are overwritten, so score before ``generate``, never after (the report's engines cache
+    no prefixes at all: on CUDA the start-up warm-up leaves its prompts' blocks cached).
     """
     engine = llm.engine
     assert engine.num_free_blocks == engine.num_total_blocks, "the engine must be idle"
-    storage, forward = engine.storage, engine.runner.model
+    storage, forward, device = engine.storage, engine.runner.model, engine.runner.device
     bs = storage.block_size
     num_blocks = -(-len(ids) // bs)
     assert num_blocks <= storage.num_blocks, "the text does not fit in the pool"
-    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
     out, tops = [], []
     for start in range(0, len(ids) - 1, chunk):
         end = min(start + chunk, len(ids) - 1)
         n = end - start
-        positions = torch.arange(start, end)
+        positions = torch.arange(start, end, device=device)
+        rows = torch.arange(n, device=device)
         batch = InputBatch(
-            input_ids=torch.tensor(ids[start:end]),
+            input_ids=torch.tensor(ids[start:end], device=device),
             positions=positions,
             slot_mapping=positions.clone(),  # blocks 0, 1, ...: slot == position
             attn=AttentionMetadata(
                 num_decodes=1 if n == 1 else 0,
                 block_tables=table,
-                seq_lens=torch.tensor([end], dtype=torch.int32),
-                query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                seq_lens=torch.tensor([end], dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
                 max_seq_len=end,
             ),
-            logits_indices=torch.arange(n),
+            logits_indices=rows,
             sampling=[],
             logits_are_all_rows=True,
         )
         logits = forward(batch, storage.key_caches, storage.value_caches)  # [n, vocab]
         logp = torch.log_softmax(logits.float(), dim=-1)
-        out.append(logp[torch.arange(n), torch.tensor(ids[start + 1 : end + 1])])
-        tops.append(logp.argmax(dim=-1))
+        out.append(logp[rows, torch.tensor(ids[start + 1 : end + 1], device=device)].cpu())
+        tops.append(logp.argmax(dim=-1).cpu())
     return torch.cat(out), torch.cat(tops)
 
 
@@ -194,7 +261,7 @@ def quality_modes(args: argparse.Namespace) -> list[tuple[str, str, bool]]:
 
 
 def quality(args: argparse.Namespace) -> list[QualityResult]:
-    runs: dict[str, tuple[torch.Tensor, list[list[int]], int, list[list[int]]]] = {}
+    runs: dict[str, tuple[torch.Tensor, list[list[int]], int, list[list[int]], str]] = {}
     margins: list[list[float]] = []  # auto's top-2 margin per prompt and position
     base_tokens: list[list[int]] = []
     for label, kv, offsets in quality_modes(args):
@@ -204,11 +271,14 @@ def quality(args: argparse.Namespace) -> list[QualityResult]:
             args,
             num_kv_blocks=256,
             kv_key_offsets=offsets,
+            enable_prefix_caching=False,
             **({"attention_backend": "torch"} if floor else {}),
         )
         if floor:
             round_stores_to_bfloat16(llm)
         tok = llm.tokenizer
+        if tok is None:
+            raise ModelError(f"{args.model} has no tokenizer: --quality scores text")
         passage = tok.encode(topics[PPL_TOPIC], add_special_tokens=False)[: args.ppl_tokens]
         prompts = [
             tok.encode(topics[t], add_special_tokens=False)[: args.prompt_len]
@@ -233,12 +303,20 @@ def quality(args: argparse.Namespace) -> list[QualityResult]:
             base_tokens = [o.token_ids for o in outs]
             forced = base_tokens
         per_token = llm.engine.kv_capacity.bytes_per_token
-        runs[label] = (lp, [o.token_ids for o in outs], per_token, forced)
-        print(f"# {label}: backend {llm.engine.attention_backend}, {len(passage)} passage tokens")
+        backend = llm.engine.attention_backend
+        runs[label] = (lp, [o.token_ids for o in outs], per_token, forced, backend)
+        print(
+            f"# {label}: {args.dtype} on {args.device}, backend {backend}, "
+            f"{len(passage)} passage tokens",
+            flush=True,
+        )
+        llm.shutdown()
+        del llm
+        free_device_memory(args.device)
     base_lp = runs["auto"][0]
     base_ppl = math.exp(-float(base_lp.mean()))
     results = []
-    for kv, (lp, tokens, per_token, forced) in runs.items():
+    for kv, (lp, tokens, per_token, forced, backend) in runs.items():
         ppl = math.exp(-float(lp.mean()))
         prefix = [common_prefix(a, b) for a, b in zip(tokens, base_tokens, strict=True)]
         diff = (lp - base_lp).abs()
@@ -253,6 +331,7 @@ def quality(args: argparse.Namespace) -> list[QualityResult]:
         results.append(
             QualityResult(
                 kv_cache_dtype=kv,
+                attention_backend=backend,
                 bytes_per_token=per_token,
                 perplexity=ppl,
                 perplexity_change=ppl / base_ppl - 1,
@@ -322,18 +401,75 @@ def throughput(args: argparse.Namespace) -> list[ThroughputResult]:
                 preemptions=engine.scheduler.num_preemptions_total,
             )
         )
-        print(f"# {kv}: {results[-1]}")
+        print(f"# {kv}: {results[-1]}", flush=True)
+        llm.shutdown()
         del llm, engine
+        free_device_memory(args.device)
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.kv_quant", description=__doc__.split("\n")[0]
-    )
+def capacity(args: argparse.Namespace) -> list[CapacityResult]:
+    """Each dtype's pool at ``--kv-cache-memory``, from the engine that would serve it."""
+    results: list[CapacityResult] = []
+    for kv in ["auto", *args.dtypes]:
+        # Nothing runs on these engines: no CUDA graphs to capture.
+        llm = make_llm(kv, args, kv_cache_memory=args.kv_cache_memory, enforce_eager=True)
+        cap = llm.engine.kv_capacity
+        base = results[0].kv_tokens if results else cap.num_tokens
+        results.append(
+            CapacityResult(
+                kv_cache_dtype=kv,
+                bytes_per_token=cap.bytes_per_token,
+                num_blocks=cap.num_blocks,
+                kv_tokens=cap.num_tokens,
+                ratio=cap.num_tokens / base,
+            )
+        )
+        print(f"# {kv}: {cap.describe()}", flush=True)
+        llm.shutdown()
+        del llm
+        free_device_memory(args.device)
+    return results
+
+
+PROG = "python -m benchmarks.kv_quant"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: each invalid combination is one line and exit status 2.
+    ``dtype`` comes back resolved (float32 on the CPU, bfloat16 on CUDA, unless given) and
+    ``dtypes`` as a list."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--quality", action="store_true", help="perplexity and greedy agreement")
     p.add_argument("--throughput", action="store_true", help="KV-bound batch throughput")
-    p.add_argument("--model", default="default")
+    p.add_argument("--capacity", action="store_true", help="each dtype's pool at --kv-cache-memory")
+    p.add_argument(
+        "--model",
+        default="default",
+        help="'default' (the embedded model), an HF directory or a .gguf file; with "
+        f"--load-format dummy also a shape preset ({', '.join(sorted(PRESETS))})",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy: random weights (--capacity and --throughput only)",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="the model's dtype, and auto's KV cache dtype (default: float32 on cpu, "
+        "bfloat16 on cuda)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "triton", "cpu", "torch"),
+        help="auto: Triton on cuda; on cpu the C++ kernels in float32, else torch",
+    )
     p.add_argument("--dtypes", default="int8,fp8", help="KV dtypes to compare with auto")
     p.add_argument(
         "--ab-key-offsets",
@@ -343,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--rounding-floor",
         action="store_true",
-        help="--quality: also run auto with its K/V rounded to bfloat16 (the reference path)",
+        help="--quality, float32 only: also run auto with its K/V rounded to bfloat16 (the "
+        "reference path)",
     )
     p.add_argument("--ppl-tokens", type=int, default=1024, help="passage length (tokens)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk when scoring")
@@ -358,7 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=1024)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--kv-cache-memory", type=int, default=300 * 2**20, help="bytes")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=300 * 2**20,
+        help="bytes, --throughput and --capacity (default 300 MiB: a few of the default "
+        "model's float32 requests; 4294967296 = 4 GiB bounds an 8B shape's bfloat16 batch)",
+    )
     p.add_argument("--progress", action="store_true", help="a line every 100 steps")
     p.add_argument(
         "--repeat",
@@ -370,29 +513,94 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if not 1 <= args.prompts <= len(PROMPT_TOPICS) + len(EXTRA_PROMPT_TOPICS):
         p.error(f"--prompts must be 1..{len(PROMPT_TOPICS) + len(EXTRA_PROMPT_TOPICS)}")
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
-    if not (args.quality or args.throughput):
-        p.error("give --quality and/or --throughput")
-    report: dict[str, object] = {}
+    if not (args.quality or args.throughput or args.capacity):
+        p.error("give --quality, --throughput and/or --capacity")
+    if args.quality and args.load_format == "dummy":
+        p.error(
+            "--quality needs real weights and text, and --load-format dummy gives random "
+            "ones: drop it (--capacity and --throughput take dummy weights)"
+        )
+    if args.rounding_floor and args.dtype != "float32":
+        p.error(
+            f"--rounding-floor rounds a float32 cache to bfloat16; with --dtype {args.dtype} "
+            "auto's cache is 16-bit already: drop it"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except (ModelError, SetupError) as exc:  # a --model or other option to change: one line
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        if "gguf" not in str(exc).lower():
+            raise
+        print(
+            f"{PROG}: error: {args.model} is (or converts from) a GGUF file, which needs the "
+            "gguf package: pip install gguf (benchmarks/README.md: on a GPU machine, carry "
+            "its wheel)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    """Each asked-for section, its table printed as it completes; the JSON report."""
+    ref = reference_label(args)
+    report: dict[str, object] = {
+        "setup": {
+            "model": args.model,
+            "load_format": args.load_format,
+            "device": args.device,
+            "dtype": args.dtype,
+            "attention_backend": args.attention_backend,
+            "reference": ref,
+        }
+    }
+    if args.capacity:
+        c = capacity(args)
+        report["capacity"] = [asdict(r) for r in c]
+        mib = args.kv_cache_memory / 2**20
+        print(f"# {args.model}, {args.dtype} on {args.device}, --kv-cache-memory {mib:.0f} MiB")
+        print(f"| KV dtype | bytes/token | blocks | pool tokens | vs {ref} |")
+        print("|---|---|---|---|---|")
+        for cr in c:
+            label = ref if cr.kv_cache_dtype == "auto" else cr.kv_cache_dtype
+            print(
+                f"| {label} | {cr.bytes_per_token} | {cr.num_blocks} | {cr.kv_tokens} | "
+                f"{cr.ratio:.2f}x |"
+            )
     if args.quality:
         q = quality(args)
         report["quality"] = [asdict(r) for r in q]
         print(
-            "| KV dtype | bytes/token | perplexity | vs auto | mean abs Δ logprob | max | "
-            f"greedy prefix agreement (first {args.tokens}) | per prompt | auto's top-2 margin "
-            "where they diverge | agreement on auto's text | auto's largest margin where "
-            "that differs |"
+            f"| KV dtype | backend | bytes/token | perplexity | vs {ref} | mean abs Δ logprob "
+            f"| max | greedy prefix agreement with {ref} (first {args.tokens}) | per prompt | "
+            f"{ref}'s top-2 margin where they diverge | agreement on {ref}'s text | {ref}'s "
+            "largest margin where that differs |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in q:
+            label = ref if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
             print(
-                f"| {r.kv_cache_dtype} | {r.bytes_per_token} | {r.perplexity:.4f} | "
-                f"{r.perplexity_change:+.3%} | {r.mean_abs_logprob_diff:.4f} | "
-                f"{r.max_abs_logprob_diff:.3f} | {r.greedy_agreement:.1%} | "
-                f"{' '.join(map(str, r.greedy_prefix))} | "
+                f"| {label} | {r.attention_backend} | {r.bytes_per_token} | "
+                f"{r.perplexity:.4f} | {r.perplexity_change:+.3%} | "
+                f"{r.mean_abs_logprob_diff:.4f} | {r.max_abs_logprob_diff:.3f} | "
+                f"{r.greedy_agreement:.1%} | {' '.join(map(str, r.greedy_prefix))} | "
                 f"{' '.join(map(str, r.divergence_margins)) or '-'} | "
                 f"{r.forced_agreement:.1%} | {r.forced_max_margin} |"
             )
@@ -405,22 +613,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.throughput:
         t = throughput(args)
         report["throughput"] = [asdict(r) for r in t]
-        base = {r.run: r.output_tokens_per_s for r in t if r.kv_cache_dtype == "auto"}
+        base = {tr.run: tr.output_tokens_per_s for tr in t if tr.kv_cache_dtype == "auto"}
         print(
-            "| run | KV dtype | pool tokens | wall s | output tok/s | vs auto | total tok/s | "
+            f"| run | KV dtype | pool tokens | wall s | output tok/s | vs {ref} | total tok/s | "
             "mean running | max running | preemptions |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
-        for r in t:
+        for tr in t:
+            label = ref if tr.kv_cache_dtype == "auto" else tr.kv_cache_dtype
             print(
-                f"| {r.run} | {r.kv_cache_dtype} | {r.kv_tokens} | {r.wall_s:.1f} | "
-                f"{r.output_tokens_per_s:.1f} | {r.output_tokens_per_s / base[r.run]:.2f}x | "
-                f"{r.total_tokens_per_s:.0f} | {r.mean_running:.1f} | {r.max_running} | "
-                f"{r.preemptions} |"
+                f"| {tr.run} | {label} | {tr.kv_tokens} | {tr.wall_s:.1f} | "
+                f"{tr.output_tokens_per_s:.1f} | {tr.output_tokens_per_s / base[tr.run]:.2f}x | "
+                f"{tr.total_tokens_per_s:.0f} | {tr.mean_running:.1f} | {tr.max_running} | "
+                f"{tr.preemptions} |"
             )
-    if args.json:
-        print(json.dumps(report, indent=2))
-    return 0
+    return report
 
 
 if __name__ == "__main__":

@@ -455,6 +455,11 @@ class EngineConfig:
             master_port 0 picks a free port. torchrun's RANK/WORLD_SIZE/MASTER_ADDR/
             MASTER_PORT, when set, take their place.
         speculative: speculative decoding (engine/spec_decode/config.py); None: off.
+        async_scheduling: schedule and launch each step while the one before still runs
+            on the device, reading its tokens after (engine/llm_engine.py): the host's
+            scheduling and input preparation hide behind the device's work. Same tokens;
+            a request that meets EOS computes one row more than it keeps. Continuous
+            batching only; not with tensor parallelism or speculative decoding yet.
     """
 
     model: str = "default"
@@ -477,8 +482,13 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0
     speculative: SpeculativeConfig | None = None
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("--async-scheduling does not run with tensor parallelism yet")
+        if self.async_scheduling and self.speculative is not None:
+            raise ValueError("--async-scheduling does not run with speculative decoding yet")
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding does not run with tensor parallelism yet")
         if self.tensor_parallel_size < 1:

@@ -27,6 +27,7 @@ import torch
 
 from kvpool.manager import slots_for
 from scheduler.output import ScheduledRequest, SchedulerOutput
+from scheduler.request import PENDING_TOKEN
 
 
 @dataclass(slots=True)
@@ -53,6 +54,10 @@ class InputBatch:
     logits_are_all_rows: bool = False
     # Speculative rows, whose logits follow the sampling rows': num_tokens rows each.
     verifying: list[ScheduledRequest] = field(default_factory=list)
+    # (position in input_ids, request id) of decode rows whose input token is still on the
+    # device (asynchronous scheduling: ``PENDING_TOKEN`` in the plan); the runner writes
+    # each from the step before's picks before the forward pass reads ``input_ids``.
+    pending: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -117,7 +122,7 @@ def build_input_batch(
     arrays = [np.array(v, dtype=d) for v, d in zip(lists, dtypes, strict=True)]
     tables = _block_tables([r.block_ids for r in ordered])
     tensors = _to_device([*arrays, tables], device, staging)
-    return _input_batch(
+    batch = _input_batch(
         tensors,
         num_decodes=len(decodes),
         max_seq_len=max(seq_lens),
@@ -125,6 +130,11 @@ def build_input_batch(
         logits_are_all_rows=rows == list(range(len(input_ids))),
         verifying=verifying,
     )
+    # Only a decode's one token can be pending, and decodes lead the batch.
+    batch.pending = [
+        (i, item.request_id) for i, item in enumerate(decodes) if item.token_ids[0] == PENDING_TOKEN
+    ]
+    return batch
 
 
 def _decode_batch(
@@ -159,13 +169,16 @@ def _decode_batch(
         device,
         staging,
     )
-    return _input_batch(
+    batch = _input_batch(
         tensors,
         num_decodes=n,
         max_seq_len=int(seq_lens.max()),
         sampling=list(scheduled) if all_rows else [s for s in scheduled if s.samples],
         logits_are_all_rows=all_rows,
     )
+    if input_ids.min() < 0:  # PENDING_TOKEN
+        batch.pending = [(int(i), scheduled[i].request_id) for i in np.flatnonzero(input_ids < 0)]
+    return batch
 
 
 def _block_tables(block_ids: list[tuple[int, ...]]) -> np.ndarray:

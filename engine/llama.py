@@ -216,7 +216,16 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.attention = attention
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Allocated, not initialised (like Linear): every weight is loaded or filled after
+        # construction. nn.Embedding's own init (normal_) on the meta device the builder
+        # constructs on runs a Python decomposition that imports torch._dynamo, which
+        # imports triton: every CPU process would load triton's extension for a random draw
+        # it throws away.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Never shares storage with the embedding, even for tied checkpoints: the embedding

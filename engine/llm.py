@@ -90,6 +90,7 @@ class LLM:
         speculative_load_format: str = "auto",
         speculative_max_step_tokens: int | None = None,
         speculative_row_cost: float | None = None,
+        async_scheduling: bool = False,
     ) -> None:
         """Arguments mirror the server's flags (server/README.md). Speculative decoding
         (engine/spec_decode/) is on when ``speculative_method`` is "ngram" or "draft"."""
@@ -123,6 +124,7 @@ class LLM:
                 generation_config=generation_config,
                 tensor_parallel_size=tensor_parallel_size,
                 speculative=speculative,
+                async_scheduling=async_scheduling,
             ),
             KVPoolConfig(
                 block_size=block_size,

@@ -2,6 +2,22 @@
 
 Not thread-safe: exactly one thread calls it (the server's engine thread, or the offline
 ``LLM``). The engine returns token ids; detokenizing and stop strings belong to the server.
+
+Asynchronous scheduling (``EngineConfig.async_scheduling``) overlaps the host's work with
+the device's: step k is scheduled and launched while step k-1 still runs, and step k-1's
+tokens are read after step k is queued behind it::
+
+    step() call k:  schedule k | launch k | wait for k-1, emit its tokens | update k
+    device:         ... step k-1 ............ | step k .................................
+
+Step k's decodes take step k-1's picks as inputs on the device (``PENDING_TOKEN`` holds
+their place in the plan and in ``output_token_ids``). Step k's picks are queued after step
+k-1 is read, while step k's forward pass runs, so penalties and grammars see every token
+before them. Step k is updated with pending tokens: counts advance and length limits apply
+at launch, EOS and stop tokens once a token is read (``Scheduler.resolve_token``). So each
+``step()`` returns the tokens of the step launched before it, and a request that meets EOS
+has computed one row more than it keeps. Speculative decoding runs synchronously (its
+drafts follow the last token).
 """
 
 from __future__ import annotations
@@ -16,6 +32,7 @@ from typing import Any
 from engine.builder import ServedModel, build_engine_parts
 from engine.config import EngineConfig
 from engine.faults import EngineFatalError, describe, execute_isolating
+from engine.model_runner import LaunchedStep
 from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
 from engine.stats import StepStatsRecorder
 from engine.step_predictor import StepShape
@@ -25,7 +42,7 @@ from engine.tp_launch import launch
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
 from scheduler.output import SchedulerOutput
-from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.request import PENDING_TOKEN, Request, RequestStatus, SamplingParams
 from scheduler.scheduler import SchedulerUpdate
 
 logger = logging.getLogger(__name__)
@@ -67,6 +84,10 @@ class LLMEngine:
         config = config or EngineConfig()
         kv_config = kv_config or KVPoolConfig()
         scheduler_config = scheduler_config or SchedulerConfig()
+        if config.async_scheduling and scheduler_config.batching != "continuous":
+            # Static and dynamic batches keep finished members as padding rows, which a
+            # step scheduled before the finish is known would have to take back.
+            raise ValueError("--async-scheduling needs --batching continuous")
         tp = None
         if config.tensor_parallel_size > 1:  # rank 0: start the other ranks, join them
             tp = launch(config, kv_config, scheduler_config, exit_on_failure=exit_on_tp_failure)
@@ -106,6 +127,14 @@ class LLMEngine:
             )
             self.sampler.constraint = self.structured
         self.last_step_stats: StepStats | None = None
+        # Asynchronous scheduling (module docstring): the step launched and not yet read.
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling:
+            logger.info(
+                "asynchronous scheduling: each step is scheduled and launched while the one "
+                "before runs"
+            )
+        self._in_flight: _InFlight | None = None
         # perf_counter() at the end of the last step while requests remained (the engine
         # loop's gap before the next step counts in its decodes' inter-token latency).
         self._busy_end: float | None = None
@@ -191,8 +220,8 @@ class LLMEngine:
             # compiled: the batch runs on while it compiles, and a grammar that fails always
             # fails the same way (an "error" output), however fast the compiler was.
             self._awaiting_grammar[request_id] = request
-            return
-        self.scheduler.add_request(request)
+        else:
+            self.scheduler.add_request(request)
 
     def _constrain(self, request_id: str, params: SamplingParams) -> SamplingParams:
         """Start a constrained request's grammar; EOS ends it once the grammar is complete,
@@ -248,7 +277,12 @@ class LLMEngine:
         return self.tp.failed if self.tp is not None else None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._awaiting_grammar)
+        """Whether a request waits or runs, or a launched step's tokens are still unread."""
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._awaiting_grammar)
+            or self._in_flight is not None
+        )
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -275,17 +309,31 @@ class LLMEngine:
         self.scheduler.check_integrity()
         if self.structured is not None:
             live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
+            if self._in_flight is not None:  # finished at launch: forgotten once read
+                live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)
             self.structured.check_integrity(live | set(self._awaiting_grammar))
 
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return an output per request that got a token or finished.
+        """Run one iteration; return an output per request that got a token or finished
+        (with asynchronous scheduling, in the step launched before: module docstring).
 
         If the forward pass or the sampler raises, only the requests whose rows raise on
         their own fail (``finish_reason="error"``, blocks freed); the others get their token
         (engine/faults.py). An exception from the scheduler itself propagates.
         """
+        if self.async_scheduling and self._overlaps():
+            return self._step_async()
+        outputs = self._drain() if self._in_flight is not None else []
+        return outputs + self._step_sync()
+
+    def _overlaps(self) -> bool:
+        """Whether this step may be scheduled before the one in flight is read."""
+        # A test's wrapper of the runner may offer ``execute`` only.
+        return self.speculator is None and callable(getattr(self.runner, "launch", None))
+
+    def _step_sync(self) -> list[RequestOutput]:
         start = time.perf_counter()
         gap_s = start - self._busy_end if self._busy_end is not None else None
         self._busy_end = None
@@ -305,41 +353,54 @@ class LLMEngine:
             if self.structured is not None and not parked_outputs:
                 self.structured.wait_any(0.05)  # nothing runs: wait for a grammar, not spin
             return parked_outputs
-        scheduled = time.perf_counter()
-        predictor = self.step_predictor
-        features = predicted_s = None
-        if predictor is not None:
-            features = predictor.plan_features(plan)
-            predicted_s = predictor.predict_features(features)
+        step = _StepTiming(start, time.perf_counter(), gap_s)
+        self._predict(step, plan)
         try:
             result = self.runner.execute(plan)
             failed: dict[str, str] = {}
         except EngineFatalError:
             raise
         except Exception as exc:
-            logger.error(
-                "a step of %d requests failed (%s); re-running it in parts to isolate the "
-                "failing requests",
-                len(plan.scheduled),
-                describe(exc),
-                exc_info=True,
-            )
-            result, failed = execute_isolating(self.runner, plan, exc)
+            result, failed = self._isolate(plan, exc)
+        return parked_outputs + self._complete(plan, result, failed, step)
+
+    def _isolate(
+        self, plan: SchedulerOutput, exc: Exception
+    ) -> tuple[ModelRunnerOutput, dict[str, str]]:
+        logger.error(
+            "a step of %d requests failed (%s); re-running it in parts to isolate the "
+            "failing requests",
+            len(plan.scheduled),
+            describe(exc),
+            exc_info=True,
+        )
+        return execute_isolating(self.runner, plan, exc)
+
+    def _predict(self, step: _StepTiming, plan: SchedulerOutput) -> None:
+        predictor = self.step_predictor
+        if predictor is not None:
+            step.features = predictor.plan_features(plan)
+            step.predicted_s = predictor.predict_features(step.features)
+
+    def _complete(
+        self,
+        plan: SchedulerOutput,
+        result: ModelRunnerOutput,
+        failed: dict[str, str],
+        step: _StepTiming,
+    ) -> list[RequestOutput]:
+        """A synchronous step's end: failures, the update, outputs and the step's figures."""
         # Failed requests leave the scheduler before the update, which then skips them.
-        error_outputs = parked_outputs + self._fail_requests(failed)
+        error_outputs = self._fail_requests(failed)
         if self.structured is not None:
             self.structured.accept(result.request_ids, result.token_ids)
         update = self.scheduler.update_from_output(
             plan, dict(zip(result.request_ids, result.token_ids, strict=True))
         )
         outputs = error_outputs + self._make_outputs(update, result)
+        speculator = self.speculator
         spec_stats = speculator.end_step(plan) if speculator is not None else None
-        end = time.perf_counter()
-        phase_s = dict(result.phase_s)
-        phase_s["schedule"] = scheduled - start
-        # What the runner did not time (a failed step's re-runs, the update) is "update".
-        phase_s["update"] = max(0.0, (end - scheduled) - sum(result.phase_s.values()))
-        self._record_stats(plan, end - start, phase_s, result.experts_touched)
+        self._end_step(plan, step, result.phase_s, result.experts_touched)
         if spec_stats is not None and self.last_step_stats is not None:
             stats = self.last_step_stats
             stats.num_draft_tokens = spec_stats.num_draft_tokens
@@ -347,17 +408,120 @@ class LLMEngine:
             stats.num_spec_verifications = spec_stats.num_verified_rows
             stats.spec_draft_s = spec_stats.draft_s
             stats.spec_verify_s = spec_stats.verify_s
-        if predictor is not None and features is not None:
+        return outputs
+
+    def _end_step(
+        self,
+        plan: SchedulerOutput,
+        step: _StepTiming,
+        runner_phase_s: dict[str, float],
+        experts_touched: int | None,
+    ) -> None:
+        """Record the step's figures (stats, latency targets, trace)."""
+        end = time.perf_counter()
+        start = step.start
+        phase_s = dict(runner_phase_s)
+        phase_s["schedule"] = step.scheduled - start
+        # What the runner did not time (a failed step's re-runs, the update) is "update".
+        phase_s["update"] = max(0.0, (end - step.scheduled) - sum(runner_phase_s.values()))
+        self._record_stats(plan, end - start, phase_s, experts_touched)
+        predictor = self.step_predictor
+        if predictor is not None and step.features is not None:
             had_decodes = any(s.num_tokens == 1 and not s.padding for s in plan.scheduled)
-            predictor.observe(features, end - start)
-            self.scheduler.observe_step(end - start, gap_s, had_decodes)
-            self._record_target(plan, end - start, gap_s, predicted_s, had_decodes)
+            predictor.observe(step.features, end - start)
+            self.scheduler.observe_step(end - start, step.gap_s, had_decodes)
+            self._record_target(plan, end - start, step.gap_s, step.predicted_s, had_decodes)
         if self.step_trace is not None:
             self.step_trace.record(
-                StepShape.of_plan(plan), end - start, gap_s, predicted_s, phase_s.get("forward")
+                StepShape.of_plan(plan),
+                end - start,
+                step.gap_s,
+                step.predicted_s,
+                phase_s.get("forward"),
             )
-        if self.scheduler.has_unfinished():
+        if self.scheduler.has_unfinished() or self._in_flight is not None:
             self._busy_end = end
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch a step, read the one before it, then sample this one (module
+        docstring)."""
+        start = time.perf_counter()
+        gap_s = start - self._busy_end if self._busy_end is not None else None
+        self._busy_end = None
+        parked_outputs = self._admit_compiled() if self._awaiting_grammar else []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:  # nothing to launch: finish the step in flight
+            was_idle = self._in_flight is None
+            outputs = parked_outputs + self._drain()
+            if was_idle and self.structured is not None and not parked_outputs:
+                self.structured.wait_any(0.05)  # nothing runs: wait for a grammar, not spin
+            if self.scheduler.has_unfinished():
+                self._busy_end = time.perf_counter()
+            return outputs
+        step = _StepTiming(start, time.perf_counter(), gap_s)
+        self._predict(step, plan)
+        previous = self._in_flight
+        try:
+            launched = self.runner.launch(plan, previous.launched if previous is not None else None)
+        except EngineFatalError:
+            raise
+        except Exception as exc:
+            # Read the step before, give this step's decodes their inputs on the host, and
+            # isolate the failing requests as a synchronous step does.
+            outputs = parked_outputs + self._drain()
+            _fill_pending(plan)
+            return outputs + self._complete(plan, *self._isolate(plan, exc), step)
+        waited = time.perf_counter()
+        # The step before is read while this one's forward pass runs; its tokens are then
+        # in place for this step's picks (penalties and grammars read them on the host).
+        outputs = parked_outputs + self._drain()
+        drained_s = time.perf_counter() - waited
+        try:
+            self.runner.sample(launched, copy_out=True)
+        except EngineFatalError:
+            raise
+        except Exception as exc:
+            _fill_pending(plan)
+            return outputs + self._complete(plan, *self._isolate(plan, exc), step)
+        phase_s = dict(launched.phase_s)
+        # The wait for the step before and its read: what "sample" holds in a synchronous
+        # step (the device's time, unless the host took longer).
+        phase_s["sample"] = phase_s.get("sample", 0.0) + drained_s
+        update = self.scheduler.update_from_output(
+            plan, dict.fromkeys(launched.request_ids, PENDING_TOKEN)
+        )
+        self._in_flight = _InFlight(launched, update)
+        self._end_step(plan, step, phase_s, launched.experts_touched)
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        """Wait for the step in flight, put its tokens in place and emit them."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return []
+        try:
+            result = in_flight.launched.result()
+        except Exception:
+            # Its requests hold pending tokens: they can never finish normally. The
+            # caller (the server's engine loop) fails every request in flight.
+            logger.error("reading a launched step's tokens failed", exc_info=True)
+            raise
+        if self.structured is not None:
+            self.structured.accept(result.request_ids, result.token_ids)
+        tokens = dict(zip(result.request_ids, result.token_ids, strict=True))
+        logprobs = dict(zip(result.request_ids, result.logprobs, strict=True))
+        aborted = RequestStatus.FINISHED_ABORTED
+        outputs = []
+        for request, _ in in_flight.update.new_tokens:
+            token = tokens[request.request_id]
+            assert isinstance(token, int)  # no speculative rows in an asynchronous step
+            self.scheduler.resolve_token(request, token)
+            if request.status is aborted:
+                continue  # its final output went out with the abort
+            lp = logprobs[request.request_id]
+            outputs.append(_output(request, [token], [lp] if lp is not None else None))
+            if request.status.finished:
+                self._forget(request.request_id)
         return outputs
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -440,6 +604,32 @@ class LLMEngine:
         stats.target_conflict = decision.conflict
         if had_decodes:
             stats.target_met = step_s + (gap_s or 0.0) <= decision.budget_s
+
+
+@dataclasses.dataclass(slots=True)
+class _StepTiming:
+    """When a step started and was scheduled, and what the latency targets predicted."""
+
+    start: float
+    scheduled: float
+    gap_s: float | None
+    features: Any = None
+    predicted_s: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    """The step launched and not yet read, and its update (applied with pending tokens)."""
+
+    launched: LaunchedStep
+    update: SchedulerUpdate
+
+
+def _fill_pending(plan: SchedulerOutput) -> None:
+    """Put the now-known tokens in place of a plan's pending inputs (for a re-run)."""
+    for item in plan.scheduled:
+        if item.token_ids and item.token_ids[0] == PENDING_TOKEN:
+            item.token_ids[0] = item.request.token_id_at(item.start)
 
 
 _RUNNING = RequestStatus.RUNNING

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +19,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import HostStaging, InputBatch, build_input_batch
 from engine.outputs import ModelRunnerOutput, TokenLogprob
 from engine.piecewise_graphs import PiecewiseGraphs
-from engine.sampler import Sampler
+from engine.sampler import Picked, Sampler
 from engine.spec_decode.speculator import SpeculativeDecoder
 from kvpool.storage import KVCacheStorage
 from scheduler.output import SchedulerOutput
@@ -53,13 +54,28 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Forward the scheduled tokens and sample for requests whose chunk ends their
-        known tokens."""
+        known tokens; wait for the picks."""
+        step = self.launch(out)
+        self.sample(step)
+        return step.result()
+
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step's forward pass on the device and return without waiting for it
+        (on the CPU it is done on return); ``sample`` then picks the tokens.
+
+        Args:
+            out: the step's plan; its decode rows may hold ``PENDING_TOKEN`` inputs, the
+                picks of ``previous`` (asynchronous scheduling).
+            previous: the step launched before this one, whose picks feed those rows.
+        """
         if out.blocks_to_copy:
             # Copy-on-write blocks of fully cached prompts: filled before anyone reads them.
             src_ids, dst_ids = zip(*out.blocks_to_copy, strict=True)
             self.storage.copy_blocks(src_ids, dst_ids)
         t0 = time.perf_counter()
         batch = self.prepare(out)
+        if batch.pending:
+            self._feed_pending(batch, previous)
         t1 = time.perf_counter()
         if self.graphs is not None and self.graphs.handles(batch):
             logits = self.graphs.run(batch)
@@ -68,21 +84,40 @@ class ModelRunner:
         else:
             logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
         # No synchronisation here: on CUDA the kernels run on while the sampler queues its
-        # work, and the sampler's read of the chosen tokens is the step's one wait. So on
-        # CUDA "forward" is the time to launch the step and "sample" includes the GPU's.
+        # work, and the read of the chosen tokens (``LaunchedStep.result``) is the step's one
+        # wait. So on CUDA "forward" is the time to launch the step and "sample" includes
+        # the GPU's.
         t2 = time.perf_counter()
         touched = self.experts_touched() if self.experts_touched is not None else None
-        if not batch.sampling and not batch.verifying:
-            phases = {"prepare": t1 - t0, "forward": t2 - t1}
-            return ModelRunnerOutput([], [], [], phases, experts_touched=touched)
+        return LaunchedStep(
+            [s.request.request_id for s in batch.sampling + batch.verifying],
+            {s.request.request_id: row for row, s in enumerate(batch.sampling)},
+            {"prepare": t1 - t0, "forward": t2 - t1},
+            touched,
+            batch,
+            logits if batch.sampling or batch.verifying else None,
+        )
+
+    def sample(self, step: LaunchedStep, *, copy_out: bool = False) -> None:
+        """Queue the picks of a launched step's sampling rows and verify its speculative
+        rows. Sampling reads the requests' tokens on the host (penalties, a grammar's state),
+        so with asynchronous scheduling it runs once the step before has been read.
+
+        Args:
+            copy_out: start copying the picks to the host now, behind the step's work, so
+                that ``result()`` later waits for the copy only.
+        """
+        batch, logits = step.batch, step.logits
+        step.logits = None  # the picks below are all that is kept of them
+        if logits is None:
+            return
+        t0 = time.perf_counter()
         # Rows past the sampling and verifying ones are static-batch padding: discarded.
         num_sampling = len(batch.sampling)
-        token_ids: list[int | list[int]] = []
-        logprobs: list[TokenLogprob | list[TokenLogprob] | None] = []
         if batch.sampling:
-            sampled, sampled_lps = self.sampler(logits[:num_sampling], batch.sampling)
-            token_ids.extend(sampled)
-            logprobs.extend(sampled_lps)
+            step.picked = self.sampler.pick(logits[:num_sampling], batch.sampling)
+            if copy_out:
+                step.picked.start_copy()
         if batch.verifying:
             if self.speculator is None:
                 raise RuntimeError("a speculative row reached a runner without a speculator")
@@ -90,13 +125,54 @@ class ModelRunner:
             for result in self.speculator.verify(
                 logits[num_sampling : num_sampling + num_rows], batch.verifying
             ):
-                token_ids.append(result.token_ids)
-                logprobs.append(result.logprobs)
-        phase_s = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
+                step.verified.append((result.token_ids, result.logprobs))
+        step.phase_s["sample"] = time.perf_counter() - t0
+
+    def _feed_pending(self, batch: InputBatch, previous: LaunchedStep | None) -> None:
+        """Write the pending input tokens from the previous step's picks, on the device."""
+        if previous is None or previous.picked is None:
+            raise RuntimeError("a pending input token without the step that picks it")
+        rows = previous.rows
+        dst = torch.tensor([position for position, _ in batch.pending])
+        src = torch.tensor([rows[request_id] for _, request_id in batch.pending])
+        if self.device.type != "cpu":  # no wait for the device's queue (engine/sampler.py)
+            dst = dst.to(self.device, non_blocking=True)
+            src = src.to(self.device, non_blocking=True)
+        batch.input_ids.index_copy_(0, dst, previous.picked.tokens.index_select(0, src))
+
+
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose forward pass is queued on the device; after ``ModelRunner.sample``
+    its picks are too. Nothing of it has been read."""
+
+    request_ids: list[str]  # the sampling rows', then the verifying rows'
+    rows: dict[str, int]  # request id -> its row of ``picked.tokens``
+    phase_s: dict[str, float]
+    experts_touched: int | None
+    batch: InputBatch
+    logits: torch.Tensor | None  # until sampled; None when no row samples
+    picked: Picked | None = None
+    # Speculative rows, verified when sampled (verification reads its picks).
+    verified: list[tuple[list[int], list[TokenLogprob] | None]] = field(default_factory=list)
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the picks and return them (the step's one synchronisation)."""
+        if self.logits is not None:
+            raise RuntimeError("a launched step is read before it is sampled")
+        t0 = time.perf_counter()
+        token_ids: list[int | list[int]] = []
+        logprobs: list[TokenLogprob | list[TokenLogprob] | None] = []
+        if self.picked is not None:
+            sampled, sampled_lps = self.picked.read()
+            token_ids.extend(sampled)
+            logprobs.extend(sampled_lps)
+        for verified_ids, verified_lps in self.verified:
+            token_ids.append(verified_ids)
+            logprobs.append(verified_lps)
+        phase_s = dict(self.phase_s)
+        if self.request_ids:
+            phase_s["sample"] = phase_s.get("sample", 0.0) + time.perf_counter() - t0
         return ModelRunnerOutput(
-            [s.request.request_id for s in batch.sampling + batch.verifying],
-            token_ids,
-            logprobs,
-            phase_s,
-            experts_touched=touched,
+            self.request_ids, token_ids, logprobs, phase_s, experts_touched=self.experts_touched
         )

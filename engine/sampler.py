@@ -36,7 +36,7 @@ finishes. Rows without a seed share one generator, drawn once per step for all o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -80,6 +80,64 @@ class LogitsConstraint(Protocol):
 NUM_CANDIDATES = 5
 
 
+class Picked:
+    """One step's chosen tokens (and logprobs, where asked for) on the device, not yet read.
+
+    ``read()`` is the step's one host-device synchronisation. ``start_copy()`` queues the
+    copy to host memory behind the step's work without waiting for it, so that the host can
+    prepare the next step meanwhile (asynchronous scheduling); ``read()`` then waits for the
+    copy only. ``tokens`` stays on the device for a next step that feeds them back in.
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,  # [rows] int64
+        params: list[SamplingParams],
+        chosen_logprobs: torch.Tensor | None = None,  # [rows] float32
+        top_values: torch.Tensor | None = None,  # [rows, num_top]
+        top_ids: torch.Tensor | None = None,  # [rows, num_top] int64
+    ) -> None:
+        self.tokens = tokens
+        self.params = params
+        self._device = [tokens, chosen_logprobs, top_values, top_ids]
+        self._host: list[torch.Tensor | None] | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        if self._host is not None or self.tokens.device.type == "cpu":
+            return
+        # non_blocking into pinned memory (torch pins a non-blocking copy's host result).
+        self._host = [t.to("cpu", non_blocking=True) if t is not None else None
+                      for t in self._device]  # fmt: skip
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def read(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The chosen token per row, and per row its ``TokenLogprob`` or None."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, chosen_lp, top_values, top_ids = (
+            self._host if self._host is not None else self._device
+        )
+        assert tokens is not None
+        token_ids = tokens.tolist()
+        if chosen_lp is None:
+            return token_ids, [None] * len(self.params)
+        chosen_values = chosen_lp.tolist()
+        top_v = top_values.tolist() if top_values is not None else None
+        top_i = top_ids.tolist() if top_ids is not None else None
+        logprobs: list[TokenLogprob | None] = []
+        for row, p in enumerate(self.params):
+            if p.logprobs is None:
+                logprobs.append(None)
+                continue
+            top: list[tuple[int, float]] = []
+            if p.logprobs > 0 and top_v is not None and top_i is not None:
+                top = list(zip(top_i[row][: p.logprobs], top_v[row][: p.logprobs], strict=True))
+            logprobs.append(TokenLogprob(token_ids[row], chosen_values[row], top))
+        return token_ids, logprobs
+
+
 class Sampler:
     def __init__(
         self,
@@ -113,7 +171,6 @@ class Sampler:
             self._generators[request_id] = gen
         return gen
 
-    @torch.inference_mode()
     def __call__(
         self,
         logits: torch.Tensor,  # [num_samples, vocab] float32
@@ -123,6 +180,13 @@ class Sampler:
         The chosen token per row, and per row its logprob (with top-N alternatives when
         the request asked for them) or None when the request did not ask for logprobs.
         """
+        return self.pick(logits, requests).read()
+
+    @torch.inference_mode()
+    def pick(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> Picked:
+        """Choose every row's token on the logits' device and return the choice unread
+        (``Picked.read`` is the step's synchronisation). Structured output's checked rows
+        read their picks mid-way: a constrained batch waits for the device here."""
         params = [r.request.sampling_params for r in requests]
         constraint = self.constraint
         if (constraint is None or not constraint.num_constrained) and all(
@@ -130,7 +194,7 @@ class Sampler:
         ):
             # The common batch: one argmax, one read; what the general path below computes
             # for it (no logprobs, penalties or noise).
-            return self._argmax(logits).tolist(), [None] * len(params)
+            return Picked(self._argmax(logits), params)
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if num_top is not None else None
 
@@ -139,7 +203,7 @@ class Sampler:
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalised:
             logits = logits.clone()
-            rows = torch.tensor(penalised, device=logits.device)
+            rows = _on(logits.device, penalised)
             logits[rows] = apply_penalties(
                 logits[rows], [requests[i] for i in penalised], [params[i] for i in penalised]
             )
@@ -148,7 +212,7 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         noise = scores = None
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = _on(logits.device, random_rows)
             probs = truncated_probs(logits[rows], [params[i] for i in random_rows])
             noise = self._exponential_noise(probs, [requests[i] for i in random_rows])
             scores = probs / noise
@@ -164,24 +228,10 @@ class Sampler:
                 self._pick_again(chosen, logits, params, refused, random_rows, noise)
 
         if raw_logprobs is None:
-            return chosen.tolist(), [None] * len(params)
+            return Picked(chosen, params)
         chosen_lp = raw_logprobs.gather(1, chosen[:, None]).squeeze(1)
         top_values, top_ids = raw_logprobs.topk(num_top, dim=-1) if num_top else (None, None)
-        # The step's one synchronisation: every read below is of the same finished work.
-        token_ids = chosen.tolist()
-        chosen_values = chosen_lp.tolist()
-        top_v = top_values.tolist() if top_values is not None else None
-        top_i = top_ids.tolist() if top_ids is not None else None
-        logprobs: list[TokenLogprob | None] = []
-        for row, p in enumerate(params):
-            if p.logprobs is None:
-                logprobs.append(None)
-                continue
-            top: list[tuple[int, float]] = []
-            if p.logprobs > 0 and top_v is not None and top_i is not None:
-                top = list(zip(top_i[row][: p.logprobs], top_v[row][: p.logprobs], strict=True))
-            logprobs.append(TokenLogprob(token_ids[row], chosen_values[row], top))
-        return token_ids, logprobs
+        return Picked(chosen, params, chosen_lp, top_values, top_ids)
 
     def _next_allowed(
         self,
@@ -236,13 +286,13 @@ class Sampler:
         probabilities over the allowed tokens are the masked-first ones)."""
         greedy = [i for i in rows if params[i].greedy]
         if greedy:
-            index = torch.tensor(greedy, device=logits.device)
+            index = _on(logits.device, greedy)
             chosen[index] = self._argmax(logits[index])
         sampled = [i for i in rows if not params[i].greedy]
         if sampled:
             assert noise is not None
-            index = torch.tensor(sampled, device=logits.device)
-            noise_rows = torch.tensor([random_rows.index(i) for i in sampled], device=noise.device)
+            index = _on(logits.device, sampled)
+            noise_rows = _on(noise.device, [random_rows.index(i) for i in sampled])
             probs = truncated_probs(logits[index], [params[i] for i in sampled])
             chosen[index] = (probs / noise[noise_rows]).argmax(dim=-1)
 
@@ -277,6 +327,16 @@ def _untied(values: list[float], j: int) -> bool:
     )
 
 
+def _on(
+    device: torch.device, values: list[Any] | torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied without waiting: ``torch.tensor(values,
+    device=cuda)`` would synchronise with the device's queue, so the host could not run
+    ahead of the step it samples for."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
@@ -290,7 +350,7 @@ def apply_penalties(
     rows, vocab = logits.shape
     device = logits.device
     if any(p.repetition_penalty != 1.0 for p in params):
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        rep = _on(device, [p.repetition_penalty for p in params])[:, None]
         seen = _token_mask(
             [r.request.prompt_token_ids + r.request.output_token_ids for r in requests],
             vocab,
@@ -300,8 +360,8 @@ def apply_penalties(
         logits = torch.where(seen, penalised, logits)
     if not any(p.frequency_penalty or p.presence_penalty for p in params):
         return logits
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    freq = _on(device, [p.frequency_penalty for p in params])[:, None]
+    pres = _on(device, [p.presence_penalty for p in params])[:, None]
     counts = _token_counts([r.request.output_token_ids for r in requests], vocab, device)
     counts = counts.to(logits.dtype)
     return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
@@ -310,7 +370,7 @@ def apply_penalties(
 def _padded(token_lists: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
     width = max((len(t) for t in token_lists), default=0)
     padded = [t + [fill] * (width - len(t)) for t in token_lists]
-    return torch.tensor(padded, dtype=torch.long).reshape(len(token_lists), width).to(device)
+    return _on(device, padded, torch.long).reshape(len(token_lists), width)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -331,15 +391,15 @@ def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     not need it)."""
     rows, vocab = logits.shape
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    temps = _on(device, [p.temperature for p in params])[:, None]
     logits = logits / temps
     if any(0 < p.top_k < vocab for p in params):
         ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, (ks.to(device) - 1)[:, None])
+        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, _on(device, ks - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+        top_p = _on(device, [p.top_p for p in params])[:, None]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
         # *before* it already does. A row with top_p = 1 keeps everything.
@@ -347,6 +407,6 @@ def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         sorted_probs = sorted_probs.masked_fill((before >= top_p) & (top_p < 1.0), 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
     if any(p.min_p > 0.0 for p in params):
-        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        min_p = _on(device, [p.min_p for p in params])[:, None]
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs

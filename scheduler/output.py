@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler.latency_targets import TargetDecision
-from scheduler.request import Request
+from scheduler.request import PENDING_TOKEN, Request
 
 
 @dataclass(slots=True)
@@ -54,7 +54,10 @@ class ScheduledRequest:
     @property
     def known_end(self) -> int:
         """End of the positions this step computes that hold known tokens (drafts excluded):
-        only these can fill a block whose hash is certain."""
+        only these can fill a block whose hash is certain. A decode of a pending token
+        (asynchronous scheduling) computes no known one."""
+        if self.token_ids[0] == PENDING_TOKEN:
+            return self.start
         return self.start + self.num_tokens - len(self.draft_token_ids)
 
     @property

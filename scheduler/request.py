@@ -79,6 +79,15 @@ class SamplingParams:
         )
 
 
+# An output token sampled by a step still running on the device (asynchronous scheduling,
+# engine/llm_engine.py): it holds the token's place in ``output_token_ids`` from the step's
+# launch until the engine reads the token (``Scheduler.resolve_token``). At most one per
+# request, always its last output token, and never part of a computed position: a decode
+# row whose input is pending gets the token on the device from the step before
+# (engine/model_runner.py). Never a real token id (those are >= 0).
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     """waiting -> running -> finished_*, and running -> preempted -> (front of) waiting."""
 

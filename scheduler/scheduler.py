@@ -60,9 +60,9 @@ from scheduler.latency_targets import (
 from scheduler.output import ScheduledRequest, SchedulerOutput, SchedulerUpdate
 from scheduler.padding import BatchPadding
 from scheduler.policy import BatchPolicy, make_policy
-from scheduler.request import Request, RequestStatus
+from scheduler.request import PENDING_TOKEN, Request, RequestStatus
 from scheduler.step_budget import StepBudget
-from scheduler.stopping import stop_status
+from scheduler.stopping import stop_status, stops_on
 
 __all__ = ["RequestTooLargeError", "Scheduler", "SchedulerUpdate"]
 
@@ -392,6 +392,38 @@ class Scheduler:
                     break  # tokens verified after a stop are dropped
         self._end_batch_if_done()
         return update
+
+    def resolve_token(self, request: Request, token_id: int) -> bool:
+        """Put a pending token's value in place (asynchronous scheduling: the step that
+        sampled it was updated with ``PENDING_TOKEN`` when it was launched) and apply the
+        stop checks that need the value, EOS and stop token ids; the count checks ran then.
+
+        The request may have moved on meanwhile: preempted (it waits, and recomputes the
+        token with the rest once re-admitted), finished by length at this very token (EOS
+        then outranks length, as in ``stop_status``) or aborted (nothing to do).
+
+        Returns:
+            True if the token finished the request now (its blocks are free).
+        """
+        outputs = request.output_token_ids
+        if not outputs or outputs[-1] != PENDING_TOKEN:
+            raise ValueError(f"{request.request_id!r} has no pending token")
+        outputs[-1] = token_id
+        if not stops_on(request, token_id):
+            return False
+        status = request.status
+        if status == RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return False
+        if status.finished:
+            return False
+        if status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:  # preempted while its token was on the device
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        self._end_batch_if_done()
+        return True
 
     def _advance_speculative(
         self, item: ScheduledRequest, emitted: int | list[int] | None

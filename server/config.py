@@ -198,6 +198,10 @@ class ServingConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
+    def __post_init__(self) -> None:
+        if self.engine.async_scheduling and self.scheduler.batching != "continuous":
+            raise ValueError("--async-scheduling needs --batching continuous")
+
     @classmethod
     def from_cli(
         cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
@@ -335,6 +339,12 @@ _OPTIONS: tuple[Option, ...] = (
            "CUDA: steps with prefill tokens of at most N tokens (a short prompt beside "
            "running decodes) replay piecewise graphs, attention eager between them; 0 = "
            "such steps launch every kernel from Python"),
+    Option("--async-scheduling", "engine", "async_scheduling", parse_bool,
+           _E.async_scheduling,
+           "schedule and launch each step while the one before still runs on the device, "
+           "so the host's per-step work hides behind the GPU's (same tokens; a request that "
+           "meets EOS computes one extra row); continuous batching, not with tensor "
+           "parallelism or speculative decoding"),
     Option("--tensor-parallel-size", "engine", "tensor_parallel_size", int,
            _E.tensor_parallel_size,
            "shard every layer over N ranks (torch.distributed: NCCL on CUDA, gloo on CPU); "

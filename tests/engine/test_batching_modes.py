@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kvpool.config import KVPoolConfig
 from scheduler import SchedulerConfig, SchedulerOutput
+from scheduler.request import PENDING_TOKEN
 from tests.engine.conftest import make_tiny_llama
 from tests.engine.parity import Reference, assert_parity, hf_greedy
 
@@ -151,6 +152,48 @@ def test_modes_return_identical_greedy_tokens(
         assert scheduler.num_preemptions_total > 0
     # Static/dynamic default to static_finished="compute": early finishers are padding.
     assert (recorder.num_padding_tokens > 0) == (batching != "continuous")
+
+
+@pytest.mark.parametrize("block_allocation", ["optimistic", "reserve"])
+def test_async_scheduling_returns_identical_greedy_tokens(
+    model_path: Path,
+    prompts: list[list[int]],
+    references: list[Reference],
+    params: list[SamplingParams],
+    block_allocation: str,
+) -> None:
+    """Each step scheduled and launched before the one in flight is read (its decodes fed
+    the pending tokens on the device): transformers' tokens and finish reasons still, with
+    preemption of requests whose last token is pending, chunked prompts, stop tokens met
+    while the next step is already scheduled, and the pool consistent at every step."""
+    llm = LLM(
+        str(model_path), batching="continuous", block_allocation=block_allocation,
+        async_scheduling=True, **POOL, **DEVICE,  # type: ignore[arg-type]
+    )  # fmt: skip
+    recorder = PlanRecorder(llm.engine)
+    pending_inputs = 0
+    real_schedule = recorder._schedule
+
+    def schedule() -> SchedulerOutput:
+        nonlocal pending_inputs
+        out = real_schedule()
+        pending_inputs += sum(1 for s in out.scheduled if s.token_ids[0] == PENDING_TOKEN)
+        return out
+
+    recorder._schedule = schedule  # type: ignore[method-assign]
+    outs = llm.generate(prompts, params)
+    notes = _check([o.token_ids for o in outs], references, f"async/{block_allocation}")
+    if not notes:
+        for out, ref, m in zip(outs, references, MAX_TOKENS, strict=True):
+            assert out.finish_reason == _finish_reason(ref, m)
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.num_free_blocks == engine.num_total_blocks
+    engine.check_integrity()
+    # The steps did overlap: most decodes took their input from the step before.
+    assert pending_inputs > sum(MAX_TOKENS) // 2
+    if block_allocation == "optimistic":
+        assert engine.scheduler.num_preemptions_total > 0
 
 
 def test_static_skip_and_a_dynamic_window_return_the_same_tokens(

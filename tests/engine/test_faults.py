@@ -36,10 +36,16 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-faults"), num_kv_heads=2, seed=3)
 
 
-def make_engine(model_path: Path, fault: int | None = MARKER) -> LLMEngine:
+def make_engine(
+    model_path: Path,
+    fault: int | None = MARKER,
+    *,
+    async_scheduling: bool = False,
+    num_blocks: int = 40,
+) -> LLMEngine:
     engine = LLMEngine(
-        EngineConfig(model=str(model_path), **DEVICE),
-        KVPoolConfig(num_blocks=40, block_size=4),
+        EngineConfig(model=str(model_path), async_scheduling=async_scheduling, **DEVICE),
+        KVPoolConfig(num_blocks=num_blocks, block_size=4),
         SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48),
     )
     if fault is not None:
@@ -78,9 +84,13 @@ def prompts() -> dict[str, list[int]]:
     return out
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_failing_requests_fail_alone_and_the_others_match_their_solo_runs(
-    model_path: Path,
+    model_path: Path, async_scheduling: bool
 ) -> None:
+    """Asynchronously, a launch that raises first reads the step in flight, then gives its
+    own pending decodes their tokens on the host and isolates the rows as a synchronous
+    step does."""
     requests = prompts()
     solo_engine = make_engine(model_path, fault=None)
     solo = {
@@ -88,7 +98,7 @@ def test_failing_requests_fail_alone_and_the_others_match_their_solo_runs(
         for request_id, prompt in requests.items()
         if not request_id.startswith("bad")
     }
-    engine = make_engine(model_path)
+    engine = make_engine(model_path, async_scheduling=async_scheduling)
     done = run(engine, requests, max_tokens=6)
     assert set(done) == set(requests)
     for request_id in ("bad0", "bad1"):
@@ -159,3 +169,45 @@ def test_isolation_runs_copy_on_write_once(model_path: Path) -> None:
         (["r1"], [(1, 2)]),
         (["r2", "r3"], []),
     ]
+
+
+def test_a_launch_that_raises_beside_pending_decodes(model_path: Path) -> None:
+    """Asynchronous scheduling: a poisoned prompt admitted while other requests decode makes
+    a launch raise whose decodes wait for the step in flight. That step is read first, the
+    decodes get their tokens on the host, the poisoned request fails alone, and the others
+    finish with their solo tokens."""
+    requests = {k: v for k, v in prompts().items() if k in ("r0", "r1", "r2", "r3")}
+    solo_engine = make_engine(model_path, fault=None)
+    solo = {rid: run(solo_engine, {rid: p}, max_tokens=12)[rid][0] for rid, p in requests.items()}
+    engine = make_engine(model_path, async_scheduling=True, num_blocks=100)
+    launch = engine.runner.launch
+    pending_rows_at_fault: list[int] = []
+
+    def watching(out, previous=None):  # type: ignore[no-untyped-def]
+        try:
+            return launch(out, previous)
+        except Exception:
+            pending_rows_at_fault.append(sum(s.token_ids[0] < 0 for s in out.scheduled))
+            raise
+
+    engine.runner.launch = watching
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for request_id, prompt in requests.items():
+        engine.add_request(request_id, prompt, params)
+    tokens: dict[str, list[int]] = {}
+    done: dict[str, tuple] = {}
+    for n in range(40):
+        if n == 6:  # every prompt above is computed by then: they all decode
+            engine.add_request("bad", [MARKER, 11, 12], params)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                done[out.request_id] = (tokens[out.request_id], out.finish_reason, out.error)
+        engine.check_integrity()
+        if n > 6 and not engine.has_unfinished_requests():
+            break
+    assert pending_rows_at_fault and pending_rows_at_fault[0] > 0
+    assert done["bad"][:2] == ([], "error")
+    for request_id, expected in solo.items():
+        assert done[request_id] == (expected, "length", None), request_id
+    assert engine.num_free_blocks == engine.num_total_blocks

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -345,7 +346,7 @@ def test_greedy_decoding_through_the_mask_ends_in_eos_inside_the_grammar(
 
 
 @pytest.fixture(scope="module")
-def tiny_llm(tmp_path_factory) -> LLM:
+def tiny_model(tmp_path_factory) -> Path:
     tok = tiny_tokenizer()
     path = make_tiny_llama(
         tmp_path_factory.mktemp("tiny-structured"),
@@ -354,7 +355,47 @@ def tiny_llm(tmp_path_factory) -> LLM:
         eos_token_id=tok.eos_token_id,
     )
     tok.save_pretrained(path)
-    return LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64)
+    return path
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def tiny_llm(tiny_model: Path, request: pytest.FixtureRequest) -> LLM:
+    """The offline engine, with synchronous steps and with asynchronous scheduling (where a
+    step's masks are filled after the step before it is read)."""
+    return LLM(
+        str(tiny_model), device="cpu", dtype="float32", num_kv_blocks=64,
+        async_scheduling=request.param,
+    )  # fmt: skip
+
+
+def test_async_scheduling_gives_the_constrained_outputs_of_synchronous_steps(
+    tiny_model: Path,
+) -> None:
+    """Greedy and seeded constrained requests beside plain ones: token for token what
+    synchronous steps give (each step's masks follow every token before it)."""
+    specs = [
+        StructuredOutputParams("choice", '["one two", "lazy", "hello there"]'),
+        StructuredOutputParams("regex", "(hello|stop) [a-z]{2,6}"),
+        StructuredOutputParams("json", '{"type": "object", "properties": {"n": {"type": '
+                               '"integer"}}, "required": ["n"]}'),
+    ]  # fmt: skip
+    prompts = ["the quick", "one two", "hello", "the quick", "lazy dog"]
+    params = [
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, structured=specs[0]),
+        SamplingParams(max_tokens=12, temperature=0.9, seed=3, structured=specs[1]),
+        SamplingParams(max_tokens=16, temperature=0.8, seed=5, structured=specs[2]),
+        SamplingParams(max_tokens=9, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+    ]
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            str(tiny_model), device="cpu", dtype="float32", num_kv_blocks=64,
+            async_scheduling=async_scheduling,
+        )  # fmt: skip
+        outs.append([(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)])
+        assert llm.engine.structured.num_constrained == 0
+    assert outs[1] == outs[0]
 
 
 def test_engine_constrains_some_requests_and_leaves_the_others_alone(tiny_llm: LLM) -> None:

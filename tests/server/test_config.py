@@ -163,6 +163,12 @@ def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys
         (["--target-itl-ms", "100", "--min-prefill-chunk-tokens", "0"],
          "min_prefill_chunk_tokens must be positive"),
         (["--chat-template", "/no/such/template.jinja"], "is not a readable file"),
+        (["--async-scheduling", "--batching", "static"],
+         "--async-scheduling needs --batching continuous"),
+        (["--async-scheduling", "--tensor-parallel-size", "2"],
+         "--async-scheduling does not run with tensor parallelism"),
+        (["--async-scheduling", "--speculative-method", "ngram"],
+         "--async-scheduling does not run with speculative decoding"),
     ],
 )
 def test_a_value_a_config_refuses_is_one_error_line(argv: list[str], message: str, capsys) -> None:
@@ -174,6 +180,13 @@ def test_a_value_a_config_refuses_is_one_error_line(argv: list[str], message: st
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("pagedserve serve: error: ") and message in lines[0], lines[0]
+
+
+def test_async_scheduling_flag_reaches_the_engine_config() -> None:
+    assert ServingConfig.from_cli(["--async-scheduling"], {}).engine.async_scheduling
+    from_env = ServingConfig.from_cli([], {"PAGEDSERVE_ASYNC_SCHEDULING": "true"})
+    assert from_env.engine.async_scheduling
+    assert not ServingConfig.from_cli([], {}).engine.async_scheduling
 
 
 def test_latency_target_flags_reach_the_scheduler_config() -> None:

@@ -61,6 +61,11 @@ class TinyServer:
                 return int(line.split()[1]) * 1024
         raise AssertionError("no VmRSS")
 
+    def mapped_files(self) -> set[str]:
+        """Names of the files mapped into the server process (its shared objects; Linux)."""
+        maps = Path(f"/proc/{self.process.pid}/maps").read_text().splitlines()
+        return {Path(fields[5]).name for fields in map(str.split, maps) if len(fields) >= 6}
+
     def wait_idle(self, timeout_s: float = 20.0) -> dict[str, Any]:
         """Wait until no request is left, every KV block is free, and the engine's
         check_integrity() passed after its last step; return the health body."""
@@ -78,6 +83,17 @@ class TinyServer:
                 return body
             time.sleep(0.05)
         raise AssertionError(f"server not idle after {timeout_s}s: {body}")
+
+
+def exit_output(log_text: str) -> list[str]:
+    """What the server printed after uvicorn's last line ("Finished server process [pid]"):
+    at-exit output such as an extension's leak report. Nothing, after a clean stop."""
+    lines = log_text.splitlines()
+    last = max(
+        (i for i, line in enumerate(lines) if "Finished server process" in line), default=None
+    )
+    assert last is not None, f"uvicorn never finished: {log_text[-2000:]}"
+    return lines[last + 1 :]
 
 
 @contextlib.contextmanager
