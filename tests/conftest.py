@@ -49,6 +49,23 @@ def _cuda_usable() -> bool:
         return False
 
 
+def _cuda_settings() -> tuple[float, int]:
+    """The allocator's per-process memory fraction and the sync debug mode."""
+    return torch.cuda.get_per_process_memory_fraction(), torch.cuda.get_sync_debug_mode()
+
+
+def _restore_cuda_settings(before: tuple[float, int]) -> list[str]:
+    fraction, debug_mode = _cuda_settings()
+    changes = []
+    if fraction != before[0]:
+        changes.append(f"the per-process CUDA memory fraction {before[0]} -> {fraction}")
+        torch.cuda.set_per_process_memory_fraction(before[0])
+    if debug_mode != before[1]:
+        changes.append(f"the CUDA sync debug mode {before[1]} -> {debug_mode}")
+        torch.cuda.set_sync_debug_mode(before[1])
+    return changes
+
+
 def _check_cuda(nodeid: str) -> list[str]:
     """After a test: its CUDA work finished without error, no stream is left capturing a
     graph and the default stream is current again. One line per problem; records a sticky
@@ -88,12 +105,16 @@ def _isolated(request: pytest.FixtureRequest):
     if _cuda_broken_by is not None and gpu_test:
         pytest.fail(f"not run: {_cuda_broken_by}", pytrace=False)
     before = isolation.snapshot()
+    # Compared only where CUDA was in use before the test (torch creates them at start-up).
+    settings_before = _cuda_settings() if _cuda_in_use() else None
     held_before = torch.cuda.memory_allocated() if gpu_test and _cuda_in_use() else 0
     yield
     problems = isolation.restore(before)
     # Once the context is broken, its culprit is named; the tests after it are not.
     if _cuda_in_use() and _cuda_broken_by is None:
         problems += _check_cuda(request.node.nodeid)
+        if settings_before is not None and _cuda_broken_by is None:
+            problems += _restore_cuda_settings(settings_before)
         if _cuda_broken_by is None:
             if gpu_test:
                 gc.collect()  # engines and graphs hold memory through reference cycles

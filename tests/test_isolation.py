@@ -169,6 +169,23 @@ def test_an_open_capture_and_a_changed_stream_are_reported(fake_cuda):
     assert conftest._cuda_broken_by == "t.py::capture left a CUDA graph capture open"
 
 
+def test_a_changed_memory_fraction_or_sync_debug_mode_is_reported_and_put_back(monkeypatch):
+    from tests import conftest
+
+    settings = {"fraction": 0.25, "mode": 2}
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda: settings["fraction"])
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: settings["mode"])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f: settings.update(fraction=f))  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: settings.update(mode=m))
+    assert conftest._restore_cuda_settings((1.0, 0)) == [
+        "the per-process CUDA memory fraction 1.0 -> 0.25",
+        "the CUDA sync debug mode 0 -> 2",
+    ]
+    assert settings == {"fraction": 1.0, "mode": 0}
+    assert conftest._restore_cuda_settings((1.0, 0)) == []
+
+
 # A child pytest run whose "GPU" is scripted: test_faults leaves an asynchronous fault behind
 # (as a kernel past a tensor's end would: its own body passes), which the next synchronise
 # reports and which stays (sticky) for the rest of that process.
@@ -185,6 +202,7 @@ def synchronize():
 
 conftest._cuda_in_use = lambda: True
 conftest._cuda_usable = lambda: not FAULT
+conftest._cuda_settings = lambda: (1.0, 0)
 torch.cuda.synchronize = synchronize
 torch.cuda.is_current_stream_capturing = lambda: False
 torch.cuda.memory_allocated = lambda device=None: 0
