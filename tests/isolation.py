@@ -18,8 +18,8 @@ What is checked, and why each matters here:
 - the globals of the Triton kernel modules (``kernels.*``): tests swap launch tables and
   device queries with ``monkeypatch``, which restores them; a plain assignment would not.
 
-The CUDA side (an asynchronous fault, a stream left capturing, a changed current stream) is
-checked in tests/conftest.py, where the process's CUDA context is.
+The CUDA side (an asynchronous fault, a stream left capturing, a changed current stream, the
+allocator's memory fraction, the sync debug mode) is checked in tests/conftest.py.
 """
 
 from __future__ import annotations
