@@ -105,7 +105,8 @@ def _isolated(request: pytest.FixtureRequest):
     if _cuda_broken_by is not None and gpu_test:
         pytest.fail(f"not run: {_cuda_broken_by}", pytrace=False)
     before = isolation.snapshot()
-    # Compared only where CUDA was in use before the test (torch creates them at start-up).
+    # Compared only where CUDA was in use before the test (the test that initialises CUDA
+    # has nothing to compare with).
     settings_before = _cuda_settings() if _cuda_in_use() else None
     held_before = torch.cuda.memory_allocated() if gpu_test and _cuda_in_use() else 0
     yield
@@ -128,8 +129,8 @@ def _isolated(request: pytest.FixtureRequest):
             torch.cuda.empty_cache()
     if problems:
         pytest.fail(
-            "the test left process-wide state changed (put back; later tests in this process "
-            "would have seen it):\n  " + "\n  ".join(problems),
+            "the test left this process changed for the tests after it (what can be put "
+            "back was):\n  " + "\n  ".join(problems),
             pytrace=False,
         )
 
