@@ -3,28 +3,149 @@
 Without CUDA the Triton kernels run under Triton's interpreter. Triton decides
 interpreter-or-compiler when a ``@triton.jit`` function is defined (when ``kernels.<name>``
 is first imported), so the switch is set here, before any test module imports a kernel.
+
+Every test runs isolated from the tests after it in the same process (``_isolated``): the
+process-wide state of tests/isolation.py is compared and put back, and on a GPU the test's
+CUDA work is synchronised, so that an asynchronous fault is reported at the test that caused
+it. A fault that leaves the CUDA context unusable (illegal address, device-side assert: the
+error is sticky, every later CUDA call in the process fails) fails that test, fails the GPU
+tests after it in a serial run with its name, and under ``pytest -n`` ends the worker after
+the test so that pytest-xdist runs the rest of its tests in a fresh process.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import warnings
 
 import pytest
 import torch
 
+from tests import isolation
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A GPU test that still holds this much more CUDA memory after it than before (its tensors
+# gone, the cache emptied) is named in a warning: under ``pytest -n`` every worker shares the
+# GPU, and memory one worker holds is missing for the others' kernels (Triton loads each
+# compiled kernel outside torch's allocator, so torch cannot free its cache to make room).
+LEAK_WARN_BYTES = 1 << 30
+
+# Set when a test left this process's CUDA context unusable: which test, and the error.
+_cuda_broken_by: str | None = None
+
+
+def _cuda_in_use() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _cuda_usable() -> bool:
+    """Whether a trivial CUDA round trip still works (a sticky error fails every call)."""
+    try:
+        return torch.ones(1, device="cuda").add_(1).item() == 2.0
+    except Exception:  # noqa: BLE001 - any failure means unusable
+        return False
+
+
+def _cuda_settings() -> tuple[float, int]:
+    """The allocator's per-process memory fraction and the sync debug mode."""
+    return torch.cuda.get_per_process_memory_fraction(), torch.cuda.get_sync_debug_mode()
+
+
+def _restore_cuda_settings(before: tuple[float, int]) -> list[str]:
+    fraction, debug_mode = _cuda_settings()
+    changes = []
+    if fraction != before[0]:
+        changes.append(f"the per-process CUDA memory fraction {before[0]} -> {fraction}")
+        torch.cuda.set_per_process_memory_fraction(before[0])
+    if debug_mode != before[1]:
+        changes.append(f"the CUDA sync debug mode {before[1]} -> {debug_mode}")
+        torch.cuda.set_sync_debug_mode(before[1])
+    return changes
+
+
+def _check_cuda(nodeid: str) -> list[str]:
+    """After a test: its CUDA work finished without error, no stream is left capturing a
+    graph and the default stream is current again. One line per problem; records a sticky
+    fault in ``_cuda_broken_by``."""
+    global _cuda_broken_by
+    problems: list[str] = []
+    if torch.cuda.is_current_stream_capturing():
+        # A synchronize would invalidate the capture; nothing later can run on this stream.
+        _cuda_broken_by = f"{nodeid} left a CUDA graph capture open"
+        return ["a CUDA graph capture was left open on the current stream"]
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError or a subclass
+        error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        sticky = not _cuda_usable()
+        if sticky:
+            _cuda_broken_by = f"{nodeid} broke this process's CUDA context ({error})"
+        return [
+            f"a CUDA error surfaced when the test's work was synchronised, so it comes from "
+            f"a kernel or copy this test launched after its last synchronisation: {error}"
+            + ("; it is sticky: every later CUDA call in this process fails" if sticky else "")
+        ]
+    if torch.cuda.current_stream() != torch.cuda.default_stream():
+        problems.append(f"the current CUDA stream was left at {torch.cuda.current_stream()}")
+        torch.cuda.set_stream(torch.cuda.default_stream())
+    return problems
+
 
 @pytest.fixture(autouse=True)
-def _release_cuda_cache():
-    """On a GPU, hand what a test freed back to the driver after it: torch's caching
-    allocator keeps freed blocks for its own process, so under ``pytest -n`` on one GPU the
-    pools one worker's large tests leave (the int64-offset tests' 8 GiB caches, the kernel
-    benchmarks' inputs) would starve the other workers."""
+def _isolated(request: pytest.FixtureRequest):
+    """Fails a test that leaves process-wide state changed (after putting it back), and on a
+    GPU one whose CUDA work fails when synchronised; then hands the memory the test freed
+    back to the driver: torch's caching allocator keeps freed blocks for its own process, so
+    under ``pytest -n`` on one GPU one worker's pools (the int64-offset tests' 8 GiB caches,
+    a dummy model's weights) would starve the other workers."""
+    gpu_test = request.node.get_closest_marker("gpu") is not None
+    if _cuda_broken_by is not None and gpu_test:
+        pytest.fail(f"not run: {_cuda_broken_by}", pytrace=False)
+    before = isolation.snapshot()
+    # Compared only where CUDA was in use before the test (the test that initialises CUDA
+    # has nothing to compare with).
+    settings_before = _cuda_settings() if _cuda_in_use() else None
+    held_before = torch.cuda.memory_allocated() if gpu_test and _cuda_in_use() else 0
     yield
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    problems = isolation.restore(before)
+    # Once the context is broken, its culprit is named; the tests after it are not.
+    if _cuda_in_use() and _cuda_broken_by is None:
+        problems += _check_cuda(request.node.nodeid)
+        if settings_before is not None and _cuda_broken_by is None:
+            problems += _restore_cuda_settings(settings_before)
+        if _cuda_broken_by is None:
+            if gpu_test:
+                gc.collect()  # engines and graphs hold memory through reference cycles
+                held = torch.cuda.memory_allocated() - held_before
+                if held >= LEAK_WARN_BYTES:
+                    warnings.warn(
+                        f"{request.node.nodeid} still holds {held / 2**30:.1f} GiB of CUDA "
+                        "memory after it (a module-scoped fixture, or a leak)",
+                        stacklevel=1,
+                    )
+            torch.cuda.empty_cache()
+    if problems:
+        pytest.fail(
+            "the test left this process changed for the tests after it (what can be put "
+            "back was):\n  " + "\n  ".join(problems),
+            pytrace=False,
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Under pytest-xdist, a worker whose CUDA context a test broke exits once that test's
+    reports are sent: xdist then reports the test as the one the worker crashed in and runs
+    the worker's remaining tests in a fresh process, instead of every one of them failing
+    here on the same sticky error."""
+    result = yield
+    if _cuda_broken_by is not None and os.environ.get("PYTEST_XDIST_WORKER"):
+        os.write(2, f"\n{_cuda_broken_by}: ending this pytest-xdist worker\n".encode())
+        os._exit(3)
+    return result
 
 
 @pytest.fixture(scope="session")

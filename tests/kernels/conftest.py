@@ -38,6 +38,20 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _checked_addresses():
+    """Under the interpreter, every kernel load and store must stay inside the tensors it
+    was given (tests/kernels/bounds.py): what would be an illegal memory access on a GPU,
+    faulting a later test of the same process, fails the test that made it here."""
+    if not INTERPRET:
+        yield
+        return
+    from tests.kernels.bounds import checked_launches
+
+    with checked_launches():
+        yield
+
+
 @pytest.fixture
 def threads():
     """Sets torch's thread count for one test, then puts it back."""
