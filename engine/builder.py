@@ -468,7 +468,7 @@ def build_engine_parts(
         experts_touched=model.experts_touched if mc.num_experts else None,
     )
     if tp is not None and tp.rank == 0:
-        runner = TensorParallelRunner(runner, tp)
+        runner = TensorParallelRunner(runner, tp, shares_picks=config.async_scheduling)
     if use_graphs:
         runner.graphs = DecodeGraphs(
             forward,

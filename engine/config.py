@@ -459,7 +459,7 @@ class EngineConfig:
             on the device, reading its tokens after (engine/llm_engine.py): the host's
             scheduling and input preparation hide behind the device's work. Same tokens;
             a request that meets EOS computes one row more than it keeps. Continuous
-            batching only; not with tensor parallelism or speculative decoding yet.
+            batching only; not with speculative decoding yet.
     """
 
     model: str = "default"
@@ -485,8 +485,6 @@ class EngineConfig:
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("--async-scheduling does not run with tensor parallelism yet")
         if self.async_scheduling and self.speculative is not None:
             raise ValueError("--async-scheduling does not run with speculative decoding yet")
         if self.speculative is not None and self.tensor_parallel_size > 1:

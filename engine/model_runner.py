@@ -9,7 +9,7 @@ and a short step with prefill tokens replays piecewise ones (``engine/piecewise_
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -129,16 +129,24 @@ class ModelRunner:
         step.phase_s["sample"] = time.perf_counter() - t0
 
     def _feed_pending(self, batch: InputBatch, previous: LaunchedStep | None) -> None:
-        """Write the pending input tokens from the previous step's picks, on the device."""
         if previous is None or previous.picked is None:
             raise RuntimeError("a pending input token without the step that picks it")
-        rows = previous.rows
-        dst = torch.tensor([position for position, _ in batch.pending])
-        src = torch.tensor([rows[request_id] for _, request_id in batch.pending])
-        if self.device.type != "cpu":  # no wait for the device's queue (engine/sampler.py)
-            dst = dst.to(self.device, non_blocking=True)
-            src = src.to(self.device, non_blocking=True)
-        batch.input_ids.index_copy_(0, dst, previous.picked.tokens.index_select(0, src))
+        feed_pending(batch, previous.picked.tokens, previous.rows)
+
+
+def feed_pending(batch: InputBatch, picks: torch.Tensor, rows: Mapping[str, int]) -> None:
+    """Write a batch's pending input tokens from the step before's picks, on their device.
+
+    Args:
+        picks: [rows] int64, that step's chosen tokens, on the batch's device.
+        rows: request id -> its row of ``picks``.
+    """
+    dst = torch.tensor([position for position, _ in batch.pending])
+    src = torch.tensor([rows[request_id] for _, request_id in batch.pending])
+    if picks.device.type != "cpu":  # no wait for the device's queue (engine/sampler.py)
+        dst = dst.to(picks.device, non_blocking=True)
+        src = src.to(picks.device, non_blocking=True)
+    batch.input_ids.index_copy_(0, dst, picks.index_select(0, src))
 
 
 @dataclass(slots=True)
@@ -155,6 +163,9 @@ class LaunchedStep:
     picked: Picked | None = None
     # Speculative rows, verified when sampled (verification reads its picks).
     verified: list[tuple[list[int], list[TokenLogprob] | None]] = field(default_factory=list)
+    # Tensor parallelism with asynchronous scheduling: the picks go to the other ranks once
+    # queued (engine/tp_group.py).
+    shares_picks: bool = False
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the picks and return them (the step's one synchronisation)."""

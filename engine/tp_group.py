@@ -5,7 +5,7 @@ Who owns what::
     rank 0 (the server, or the offline LLM)             ranks 1..N-1 (worker processes)
     ───────────────────────────────────────             ────────────────────────────────
     scheduler, kvpool's block tables, sampler           the same model shard code, its own
-    TensorParallelRunner.execute(plan):                 KV pool (its own KV heads, the same
+    TensorParallelRunner.launch(plan):                  KV pool (its own KV heads, the same
       broadcast StepPlan ──────── gloo ───────────────>   block ids); run_worker() loop
       copy blocks, build the batch, forward               (engine/tp_launch.py): receive the
         (all-reduce / all-gather with every rank) <─────>  StepPlan, copy blocks, build the
@@ -39,6 +39,7 @@ import multiprocessing.connection
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -48,10 +49,9 @@ import torch
 import torch.distributed as dist
 
 from engine.faults import EngineFatalError
-from engine.model_runner import ModelRunner
-from engine.outputs import ModelRunnerOutput
+from engine.model_runner import LaunchedStep, ModelRunner
 from scheduler.output import ScheduledRequest, SchedulerOutput
-from scheduler.request import Request, SamplingParams
+from scheduler.request import PENDING_TOKEN, Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ class PlanRow:
     block_ids: tuple[int, ...]
     samples: bool
     padding: bool
+    # Asynchronous scheduling: the row of the step before's picks its pending input token
+    # is (``PENDING_TOKEN`` in ``token_ids``); -1 when its tokens are all known.
+    pick_row: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,21 +88,37 @@ class StepPlan:
 
     rows: list[PlanRow]
     blocks_to_copy: list[tuple[int, int]]
+    # Asynchronous scheduling: after this step's forward pass rank 0 broadcasts the step's
+    # picks over the device group (``TensorParallelRunner.sample``), and every worker takes
+    # them for the next step's pending inputs.
+    shares_picks: bool = False
 
     @classmethod
-    def of(cls, out: SchedulerOutput) -> StepPlan:
+    def of(
+        cls, out: SchedulerOutput, previous_rows: Mapping[str, int], shares_picks: bool
+    ) -> StepPlan:
+        """``previous_rows``: request id -> its row of the step before's picks."""
         rows = [
-            PlanRow(s.start, s.num_tokens, s.token_ids, s.block_ids, s.samples, s.padding)
+            PlanRow(
+                s.start, s.num_tokens, s.token_ids, s.block_ids, s.samples, s.padding,
+                previous_rows[s.request_id] if s.token_ids[0] == PENDING_TOKEN else -1,
+            )
             for s in out.scheduled
-        ]
-        return cls(rows, list(out.blocks_to_copy))
+        ]  # fmt: skip
+        return cls(rows, list(out.blocks_to_copy), shares_picks)
+
+    @property
+    def num_sampling_rows(self) -> int:
+        """The rows rank 0 picks a token for (the length of the picks it shares)."""
+        return sum(1 for r in self.rows if r.samples and not r.padding)
 
     def to_output(self) -> SchedulerOutput:
-        # A worker never samples nor reads request state: every row names one placeholder.
+        # A worker never samples nor reads request state: every row names one placeholder,
+        # but for a pending input's, which names its row of the picks (``feed_pending``).
         placeholder = Request("tp-worker-row", [0], SamplingParams())
         scheduled = [
             ScheduledRequest(
-                placeholder,
+                placeholder if r.pick_row < 0 else _pick_placeholder(r.pick_row),
                 r.start,
                 r.num_tokens,
                 r.token_ids,
@@ -110,6 +129,11 @@ class StepPlan:
             for r in self.rows
         ]
         return SchedulerOutput(scheduled=scheduled, blocks_to_copy=self.blocks_to_copy)
+
+
+def _pick_placeholder(pick_row: int) -> Request:
+    """A worker's row whose input is pending: its id names its row of the picks."""
+    return Request(f"pick-{pick_row}", [0], SamplingParams())
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,21 +289,68 @@ class TensorParallelRunner(ModelRunner):
     A forward that raises under TP fails the group (``EngineFatalError``): the other ranks may
     be waiting inside a collective of the same step, and no retry can line them up again.
     Sampling runs after the step's last collective, so its errors stay per-request.
+
+    With asynchronous scheduling (``shares_picks``) the workers feed a step's pending inputs
+    as rank 0 does, from the step before's picks, which rank 0 broadcasts over the device
+    group once they are queued (a zero row per pick when sampling raised: the engine then
+    re-runs the step's rows with their tokens known). ``lock`` is held from a step's launch
+    to the end of its sampling, so the heartbeat never comes between the two.
     """
 
-    def __init__(self, base: ModelRunner, group: TensorParallelGroup) -> None:
+    def __init__(
+        self, base: ModelRunner, group: TensorParallelGroup, *, shares_picks: bool = False
+    ) -> None:
         super().__init__(_Guarded(base.model, group), base.storage, base.sampler, base.device)
         self.group = group
+        self.shares_picks = shares_picks
+        self._unsampled = False  # a step launched, its sampling not yet run: ``lock`` held
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        with self.group.lock:
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        if self._unsampled:
+            # The step before was never sampled (its caller raised in between): the workers
+            # wait for its picks, and no later plan can line them up again.
+            self.group.fail("a step was launched and never sampled")
+            raise EngineFatalError("tensor-parallel group failed: a step was never sampled")
+        self.group.lock.acquire()
+        try:
             self.group.check()
+            rows = previous.rows if previous is not None else {}
+            plan = StepPlan.of(out, rows, self.shares_picks)
             try:
-                self.group.send(StepPlan.of(out))
+                self.group.send(plan)
             except Exception as exc:
                 self.group.fail(f"sending the step plan failed: {exc}")
                 raise EngineFatalError(f"tensor-parallel group failed: {exc}") from exc
-            return super().execute(out)
+            step = super().launch(out, previous)
+        except BaseException:
+            self.group.lock.release()
+            raise
+        step.shares_picks = plan.shares_picks
+        self._unsampled = True
+        return step
+
+    def sample(self, step: LaunchedStep, *, copy_out: bool = False) -> None:
+        try:
+            super().sample(step, copy_out=copy_out)
+        finally:
+            try:
+                if step.shares_picks:
+                    self._share(step)
+            finally:
+                self._unsampled = False
+                self.group.lock.release()
+
+    def _share(self, step: LaunchedStep) -> None:
+        picks = (
+            step.picked.tokens
+            if step.picked is not None
+            else torch.zeros(len(step.batch.sampling), dtype=torch.int64, device=self.device)
+        )
+        try:
+            dist.broadcast(picks.contiguous(), src=0, group=self.group.device_group)
+        except Exception as exc:
+            self.group.fail(f"sharing the step's picks failed: {exc}")
+            raise EngineFatalError(f"tensor-parallel group failed: {exc}") from exc
 
 
 class _Guarded:

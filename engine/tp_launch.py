@@ -34,6 +34,7 @@ from engine.builder import build_engine_parts
 from engine.config import EngineConfig, ModelConfig
 from engine.faults import EngineFatalError
 from engine.loader import read_hf_config, resolve_model
+from engine.model_runner import feed_pending
 from engine.presets import preset
 from engine.tensor_parallel import check_shardable
 from engine.tp_group import HEARTBEAT, STOP, Rendezvous, StepPlan, TensorParallelGroup
@@ -205,6 +206,9 @@ def run_worker(
     parts = build_engine_parts(config, kv_config, scheduler_config, tp=group)
     runner = parts.runner
     storage = runner.storage
+    # Asynchronous scheduling: the step before's picks, shared by rank 0 after its forward
+    # pass, feed this step's pending inputs (``StepPlan.shares_picks``).
+    picks: torch.Tensor | None = None
     while True:
         box: list[Any] = [None]
         try:
@@ -226,7 +230,15 @@ def run_worker(
             storage.copy_blocks(src_ids, dst_ids)
         batch = runner.prepare(out)
         try:
+            if batch.pending:
+                if picks is None:
+                    raise RuntimeError("a pending input token without the picks before it")
+                feed_pending(batch, picks, {f"pick-{i}": i for i in range(picks.shape[0])})
             runner.model(batch, storage.key_caches, storage.value_caches)
+            if message.shares_picks:
+                picks = torch.empty(message.num_sampling_rows, dtype=torch.int64,
+                                    device=runner.device)  # fmt: skip
+                dist.broadcast(picks, src=0, group=group.device_group)
         except Exception as exc:  # noqa: BLE001 - the group is broken
             logger.error("rank %d: forward failed (%s); exiting", group.rank, exc)
             return 1

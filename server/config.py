@@ -343,8 +343,8 @@ _OPTIONS: tuple[Option, ...] = (
            _E.async_scheduling,
            "schedule and launch each step while the one before still runs on the device, "
            "so the host's per-step work hides behind the GPU's (same tokens; a request that "
-           "meets EOS computes one extra row); continuous batching, not with tensor "
-           "parallelism or speculative decoding"),
+           "meets EOS computes one extra row); continuous batching, not with speculative "
+           "decoding"),
     Option("--tensor-parallel-size", "engine", "tensor_parallel_size", int,
            _E.tensor_parallel_size,
            "shard every layer over N ranks (torch.distributed: NCCL on CUDA, gloo on CPU); "

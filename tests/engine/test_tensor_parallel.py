@@ -1,7 +1,7 @@
-"""Tensor parallelism offline: TP=2 (two gloo ranks: this process and one spawned worker)
-against transformers, on a tiny GQA model whose heads, KV heads and vocabulary need padding
-at N=2, and the failure of a worker. One TP=2 engine serves the module: spawning and
-loading a rank costs seconds."""
+"""Tensor parallelism offline: TP=2 (two gloo ranks: this process and one spawned worker),
+scheduling asynchronously, against transformers, on a tiny GQA model whose heads, KV heads
+and vocabulary need padding at N=2, and the failure of a worker. One TP=2 engine serves the
+module: spawning and loading a rank costs seconds."""
 
 from __future__ import annotations
 
@@ -110,7 +110,12 @@ def reference(padded_model):
 
 @pytest.fixture(scope="module")
 def tp_llm(padded_model):
-    llm = LLM(str(padded_model), tensor_parallel_size=2, num_kv_blocks=64, max_num_seqs=8)
+    # Asynchronous scheduling (the server's TP test, tests/server/test_tensor_parallel_server.py,
+    # runs synchronous steps).
+    llm = LLM(
+        str(padded_model), tensor_parallel_size=2, num_kv_blocks=64, max_num_seqs=8,
+        async_scheduling=True,
+    )  # fmt: skip
     yield llm
     llm.shutdown()
 
@@ -127,6 +132,40 @@ def test_tp2_matches_transformers_and_tp1(tp_llm, padded_model, reference):
     # Again, alone: a prefix-cache hit and a different batch shape take the same tokens.
     (again,) = tp_llm.generate([PROMPTS[1]], params)
     assert_parity(again.token_ids, reference[1], "TP=2 prompt 1 alone")
+
+
+def test_tp2_with_async_scheduling_feeds_the_workers_the_picks(tp_llm, padded_model):
+    """The module's engine schedules asynchronously: rank 0 shares each step's picks over
+    the device group and the worker feeds the next step's pending inputs from them, as rank
+    0 does (the test above checks greedy tokens). Seeded sampling, penalties and stop tokens
+    give TP=1's tokens (one process cannot hold a second TP=2 group to compare with)."""
+    engine = tp_llm.engine
+    assert engine.async_scheduling
+    pending = 0
+    schedule = engine.scheduler.schedule
+
+    def counting(*args, **kwargs):
+        nonlocal pending
+        out = schedule(*args, **kwargs)
+        pending += sum(1 for s in out.scheduled if s.token_ids[0] < 0)
+        return out
+
+    engine.scheduler.schedule = counting
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    stop = tp_llm.generate([PROMPTS[0]], greedy)[0].token_ids[5]
+    mixed = [
+        SamplingParams(max_tokens=10, temperature=0.9, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0, stop_token_ids=(stop,), ignore_eos=True),
+    ]
+    prompts = [PROMPTS[1], PROMPTS[1][:9], PROMPTS[0]]
+    got = [(o.token_ids, o.finish_reason) for o in tp_llm.generate(prompts, mixed)]
+    tp1 = LLM(str(padded_model), num_kv_blocks=64, max_num_seqs=8)
+    want = [(o.token_ids, o.finish_reason) for o in tp1.generate(prompts, mixed)]
+    assert got == want
+    assert got[2][1] == "stop"
+    assert pending > 0
+    assert engine.num_free_blocks == engine.num_total_blocks
 
 
 def test_a_killed_worker_fails_the_engine_not_hangs(tp_llm):

@@ -165,8 +165,6 @@ def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys
         (["--chat-template", "/no/such/template.jinja"], "is not a readable file"),
         (["--async-scheduling", "--batching", "static"],
          "--async-scheduling needs --batching continuous"),
-        (["--async-scheduling", "--tensor-parallel-size", "2"],
-         "--async-scheduling does not run with tensor parallelism"),
         (["--async-scheduling", "--speculative-method", "ngram"],
          "--async-scheduling does not run with speculative decoding"),
     ],
