@@ -307,10 +307,11 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
+        if self._in_flight is not None:  # finished at launch: forgotten once read
+            live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)
+        self.sampler.check_integrity(live)
         if self.structured is not None:
-            live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
-            if self._in_flight is not None:  # finished at launch: forgotten once read
-                live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)
             self.structured.check_integrity(live | set(self._awaiting_grammar))
 
     # ---- the step -------------------------------------------------------------------------
@@ -470,7 +471,9 @@ class LLMEngine:
             # isolate the failing requests as a synchronous step does.
             outputs = parked_outputs + self._drain()
             _fill_pending(plan)
-            return outputs + self._complete(plan, *self._isolate(plan, exc), step)
+            outputs += self._complete(plan, *self._isolate(plan, exc), step)
+            self._forget_ended(plan)
+            return outputs
         waited = time.perf_counter()
         # The step before is read while this one's forward pass runs; its tokens are then
         # in place for this step's picks (penalties and grammars read them on the host).
@@ -482,7 +485,10 @@ class LLMEngine:
             raise
         except Exception as exc:
             _fill_pending(plan)
-            return outputs + self._complete(plan, *self._isolate(plan, exc), step)
+            outputs += self._complete(plan, *self._isolate(plan, exc), step)
+            self._forget_ended(plan)
+            return outputs
+        self._forget_ended(plan)
         phase_s = dict(launched.phase_s)
         # The wait for the step before and its read: what "sample" holds in a synchronous
         # step (the device's time, unless the host took longer).
@@ -493,6 +499,14 @@ class LLMEngine:
         self._in_flight = _InFlight(launched, update)
         self._end_step(plan, step, phase_s, launched.experts_touched)
         return outputs
+
+    def _forget_ended(self, plan: SchedulerOutput) -> None:
+        """Forget the sampling state of the plan's requests that have finished: those the
+        read of the step before ended (EOS, a stop token) still had a row in this step,
+        and sampling that row made a seeded generator for them again."""
+        for item in plan.scheduled:
+            if item.request.status.finished:
+                self._forget(item.request_id)
 
     def _drain(self) -> list[RequestOutput]:
         """Wait for the step in flight, put its tokens in place and emit them."""
@@ -506,11 +520,16 @@ class LLMEngine:
             # caller (the server's engine loop) fails every request in flight.
             logger.error("reading a launched step's tokens failed", exc_info=True)
             raise
-        if self.structured is not None:
-            self.structured.accept(result.request_ids, result.token_ids)
         tokens = dict(zip(result.request_ids, result.token_ids, strict=True))
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=True))
         aborted = RequestStatus.FINISHED_ABORTED
+        # The tokens kept: not those of rows whose request finished before the step was
+        # updated, nor of requests aborted since. Their ids may already name new requests,
+        # whose grammars such a token must not advance.
+        kept = [r for r, _ in in_flight.update.new_tokens if r.status is not aborted]
+        if self.structured is not None:
+            ids = [r.request_id for r in kept]
+            self.structured.accept(ids, [tokens[r] for r in ids])
         outputs = []
         for request, _ in in_flight.update.new_tokens:
             token = tokens[request.request_id]

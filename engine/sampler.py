@@ -163,6 +163,11 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def check_integrity(self, live_request_ids: set[str]) -> None:
+        """Every seeded request's generator belongs to a request still in the engine."""
+        stale = set(self._generators) - live_request_ids
+        assert not stale, f"sampling generators of finished requests: {sorted(stale)[:5]}"
+
     def _generator(self, request_id: str, seed: int) -> torch.Generator:
         gen = self._generators.get(request_id)
         if gen is None:

@@ -11,6 +11,7 @@ tests/engine/test_batching_modes.py.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -278,3 +279,43 @@ def test_random_traffic_matches_synchronous_steps(tiny_llama_gqa: Path) -> None:
             assert long[: len(short)] == short, rid
         else:
             assert (ours, reason) == (want, want_reason), rid
+
+
+def test_requests_that_stop_on_a_token_leave_no_sampling_state(tiny_llama_gqa: Path) -> None:
+    """A seeded request that ends on a stop token still has a row in the step launched
+    before its token was read; that row's pick is dropped, and the generator its sampling
+    made again must go with the request. Else every such request leaks one, and a request
+    that reuses the id continues the old draws instead of starting from its seed."""
+    prompts = _prompts(4, seed=29)
+    free = [
+        SamplingParams(max_tokens=10, temperature=0.9, seed=40 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    sync, overlapped = _engines(tiny_llama_gqa)
+    # Each request stops on the token it samples fourth (or earlier, where it repeats).
+    params = [
+        dataclasses.replace(p, stop_token_ids=(out.token_ids[3],))
+        for p, out in zip(free, sync.generate(prompts, free), strict=True)
+    ]
+
+    def run(llm: LLM) -> list[dict[str, tuple[list[int], str | None]]]:
+        engine = llm.engine
+        rounds = []
+        for _ in range(2):  # the second round reuses the first one's ids
+            tokens: dict[str, list[int]] = {}
+            reasons: dict[str, str | None] = {}
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                engine.add_request(f"s{i}", prompt, p)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    if out.finished:
+                        reasons[out.request_id] = out.finish_reason
+                engine.check_integrity()  # no generator of a finished request is left
+            rounds.append({rid: (tokens[rid], reasons[rid]) for rid in tokens})
+        return rounds
+
+    expected = run(sync)
+    assert expected[0] == expected[1]
+    assert all(reason == "stop" for _, reason in expected[0].values())
+    assert run(overlapped) == expected

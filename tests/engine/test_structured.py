@@ -500,3 +500,33 @@ def test_constrained_requests_get_no_drafts_beside_speculating_ones(tmp_path_fac
 
 def tok_ids(text: str) -> list[int]:
     return list(tiny_tokenizer().encode(text))
+
+
+def test_an_id_reused_after_an_abort_starts_its_grammar_afresh(tiny_model: Path) -> None:
+    """Asynchronous scheduling: a constrained request aborted while its token is on the
+    device, then its id reused at once for the same request. The aborted row's token is
+    read in the next step, and must not advance the new request's grammar: the new request
+    gets what the same request gets on a fresh engine."""
+    spec = StructuredOutputParams("regex", "[a-z]{4,9}")  # the old token fits anywhere
+    params = SamplingParams(max_tokens=16, temperature=0, structured=spec)
+    prompt = tok_ids("hello")
+    llm = LLM(
+        str(tiny_model), device="cpu", dtype="float32", num_kv_blocks=64,
+        async_scheduling=True,
+    )  # fmt: skip
+    expected = llm.generate([prompt], params)[0].token_ids
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    seen = 0
+    while seen < 3:  # a few tokens out, and one more on the device
+        seen += sum(len(o.new_token_ids) for o in engine.step())
+    assert engine._in_flight is not None
+    (aborted,) = engine.abort_request(["r"])
+    assert aborted.finish_reason == "abort"
+    engine.add_request("r", prompt, params)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+        engine.check_integrity()
+    assert tokens == expected
