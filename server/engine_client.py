@@ -455,6 +455,10 @@ class EngineLoop:
         # perf_counter() when the last step returned, while there has been work ever since:
         # the time until the next step starts is the "between_steps" phase of that step.
         last_step_end: float | None = None
+        # The engine's last step figures already delivered: a step() call that computes no
+        # step (nothing could run, or it only read the step in flight, as asynchronous
+        # scheduling's last call does) leaves them in place, and they must count once.
+        seen_stats: StepStats | None = None
         while True:
             with self._cond:
                 while not self._intake and not self._stopping and not has_work:
@@ -477,6 +481,10 @@ class EngineLoop:
                 try:
                     outputs.extend(engine.step())
                     stats = engine.last_step_stats
+                    if stats is seen_stats:
+                        stats = None
+                    else:
+                        seen_stats = stats
                     if stats is not None and last_step_end is not None:
                         stats.phase_s["between_steps"] = step_start - last_step_end
                 except EngineFatalError:

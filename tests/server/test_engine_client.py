@@ -176,3 +176,36 @@ async def test_step_stats_reach_the_metrics_hook(client: AsyncEngineClient) -> N
     await drain(await client.add(requests("m")))
     await asyncio.sleep(0.05)
     assert len(seen) >= 5 and all(s.num_kv_blocks_total == 64 for s in seen)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+async def test_each_computed_step_reaches_the_metrics_hook_once(
+    tmp_path_factory: pytest.TempPathFactory, async_scheduling: bool
+) -> None:
+    """A real engine: every step it computes reaches ``on_step`` once. With asynchronous
+    scheduling each request's last ``step()`` call only reads the step in flight and
+    computes none; its figures were the step before's, and counted twice (step counts,
+    tokens, FLOPs and bytes in /metrics) until the loop learned to tell."""
+    from engine import LLM
+    from tests.engine.conftest import make_tiny_llama
+
+    model = make_tiny_llama(tmp_path_factory.mktemp("tiny-steps"), num_kv_heads=2)
+    llm = LLM(
+        str(model), device="cpu", dtype="float32", block_size=4, num_kv_blocks=32,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    c = AsyncEngineClient(llm.engine, idle_wake_s=0.05)
+    seen = []
+    c.on_step = seen.append
+    c.start()
+    try:
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+        for i in range(3):  # one at a time: the engine goes idle after each
+            await drain(await c.add([EngineRequest(f"r{i}", [5 + i, 6, 7, 8, 9], params)]))
+        await asyncio.sleep(0.1)
+    finally:
+        await c.shutdown()
+    # Each request: its prompt's step, then three decodes.
+    assert len(seen) == 12
+    assert len({id(s) for s in seen}) == 12
+    assert sum(s.num_decode_tokens for s in seen) == 9
