@@ -517,8 +517,12 @@ class LLMEngine:
             result = in_flight.launched.result()
         except Exception:
             # Its requests hold pending tokens: they can never finish normally. The
-            # caller (the server's engine loop) fails every request in flight.
+            # caller (the server's engine loop) fails every request in flight; those that
+            # finished at launch are out of the scheduler, so no abort reaches them.
             logger.error("reading a launched step's tokens failed", exc_info=True)
+            for request, _ in in_flight.update.new_tokens:
+                if request.status.finished:
+                    self._forget(request.request_id)
             raise
         tokens = dict(zip(result.request_ids, result.token_ids, strict=True))
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=True))

@@ -319,3 +319,51 @@ def test_requests_that_stop_on_a_token_leave_no_sampling_state(tiny_llama_gqa: P
     assert expected[0] == expected[1]
     assert all(reason == "stop" for _, reason in expected[0].values())
     assert run(overlapped) == expected
+
+
+class _FailingRead:
+    """A launched step whose read raises, as a device fault would."""
+
+    def __init__(self, launched: object) -> None:
+        self._launched = launched
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._launched, name)
+
+    def result(self) -> None:
+        raise RuntimeError("injected: the device failed")
+
+
+def test_a_failed_read_leaves_nothing_behind_once_its_requests_are_aborted(
+    tiny_llama_gqa: Path,
+) -> None:
+    """When reading a step's tokens raises, the server's engine loop aborts every request
+    it has in flight and checks the engine's integrity before serving on. A request that
+    finished by length at that step's launch is out of the scheduler, so no abort reaches
+    it: its sampling state must go all the same, or the check fails and the loop dies."""
+    (prompt,) = _prompts(1, seed=31)
+    short = SamplingParams(max_tokens=3, temperature=0.9, seed=1, ignore_eos=True)
+    long = SamplingParams(max_tokens=10, temperature=0.9, seed=2, ignore_eos=True)
+    sync, overlapped = _engines(tiny_llama_gqa)
+    expected = sync.generate([prompt], long)[0].token_ids
+    engine = overlapped.engine
+    engine.add_request("short", prompt, short)
+    engine.add_request("long", prompt, long)
+    for _ in range(3):
+        engine.step()
+    in_flight = engine._in_flight
+    assert in_flight is not None
+    assert [r.request_id for r in in_flight.update.finished] == ["short"]
+    in_flight.launched = _FailingRead(in_flight.launched)  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    # What the server's engine loop does then (server/engine_client.py, _fail_active).
+    assert [o.request_id for o in engine.abort_request(["short", "long"])] == ["long"]
+    engine.check_integrity()
+    assert engine.num_free_blocks == engine.num_total_blocks
+    engine.add_request("again", prompt, long)  # and the engine serves on
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+    assert tokens == expected
