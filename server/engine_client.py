@@ -300,7 +300,9 @@ class AsyncEngineClient:
             stream._put(output)
             if output.finished:
                 del self._streams[output.request_id]
-        if stats is not None:
+        # A step() call that computed no step may still finish requests (asynchronous
+        # scheduling reads the step before): they count, though the call has no figures.
+        if stats is not None or num_finished:
             self.drain_rate.on_step(time.monotonic(), num_finished)
         if stats is not None and self.on_step is not None:
             try:

@@ -185,7 +185,8 @@ async def test_each_computed_step_reaches_the_metrics_hook_once(
     """A real engine: every step it computes reaches ``on_step`` once. With asynchronous
     scheduling each request's last ``step()`` call only reads the step in flight and
     computes none; its figures were the step before's, and counted twice (step counts,
-    tokens, FLOPs and bytes in /metrics) until the loop learned to tell."""
+    tokens, FLOPs and bytes in /metrics) until the loop learned to tell. The requests that
+    call finishes still count for the queue-time estimate (``DrainRate``)."""
     from engine import LLM
     from tests.engine.conftest import make_tiny_llama
 
@@ -197,6 +198,9 @@ async def test_each_computed_step_reaches_the_metrics_hook_once(
     c = AsyncEngineClient(llm.engine, idle_wake_s=0.05)
     seen = []
     c.on_step = seen.append
+    finishes: list[int] = []
+    on_step = c.drain_rate.on_step
+    c.drain_rate.on_step = lambda now, n: (finishes.append(n), on_step(now, n))  # type: ignore[method-assign]
     c.start()
     try:
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -209,3 +213,4 @@ async def test_each_computed_step_reaches_the_metrics_hook_once(
     assert len(seen) == 12
     assert len({id(s) for s in seen}) == 12
     assert sum(s.num_decode_tokens for s in seen) == 9
+    assert sum(finishes) == 3  # the queue-time estimate counts every finish
