@@ -665,6 +665,9 @@ def _output(request: Request, new_token_ids: list[int], logprobs: Any) -> Reques
         finished, finish_reason = status.finished, request.finish_reason
         if status == RequestStatus.FINISHED_STOPPED and request.output_token_ids:
             stop_token = request.output_token_ids[-1]
+    num_output_tokens = len(request.output_token_ids)
+    if num_output_tokens and request.output_token_ids[-1] == PENDING_TOKEN:
+        num_output_tokens -= 1  # aborted with a token on the device: never emitted
     return RequestOutput(
         request_id=request.request_id,
         new_token_ids=new_token_ids,
@@ -672,7 +675,7 @@ def _output(request: Request, new_token_ids: list[int], logprobs: Any) -> Reques
         finished=finished,
         finish_reason=finish_reason,
         num_prompt_tokens=len(request.prompt_token_ids),
-        num_output_tokens=len(request.output_token_ids),
+        num_output_tokens=num_output_tokens,
         stop_token_id=stop_token,
         first_scheduled_time=request.first_scheduled_time,
     )

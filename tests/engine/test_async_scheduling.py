@@ -170,8 +170,11 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_gqa: Path) -> None:
     for _ in range(4):
         collect(engine.step())
         engine.check_integrity()
-    collect(engine.abort_request(["r1"]))
+    (aborted,) = engine.abort_request(["r1"])
+    collect([aborted])
     assert finished["r1"] == "abort"
+    # Its token on the device is never emitted, so never counted.
+    assert aborted.num_output_tokens == len(tokens["r1"])
     while engine.has_unfinished_requests():
         collect(engine.step())
         engine.check_integrity()
