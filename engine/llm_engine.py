@@ -200,6 +200,8 @@ class LLMEngine:
         """
         if not prompt_token_ids:
             raise ValueError("the prompt must contain at least one token")
+        if request_id in self._awaiting_grammar or self._finished_unread(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -251,6 +253,14 @@ class LLMEngine:
                 self.scheduler.add_request(request)
             del self._awaiting_grammar[request_id]
         return outputs
+
+    def _finished_unread(self, request_id: str) -> bool:
+        """Whether the request finished at the launch of the step in flight: its final
+        output comes once that step is read (an abort meanwhile finds nothing to abort)."""
+        in_flight = self._in_flight
+        return in_flight is not None and any(
+            r.request_id == request_id for r in in_flight.update.finished
+        )
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         request_ids = list(request_ids)

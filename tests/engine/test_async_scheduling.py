@@ -370,3 +370,26 @@ def test_a_failed_read_leaves_nothing_behind_once_its_requests_are_aborted(
         for out in engine.step():
             tokens.extend(out.new_token_ids)
     assert tokens == expected
+
+
+def test_an_id_is_in_use_until_its_final_output(tiny_llama_gqa: Path) -> None:
+    """A request that reaches max_tokens at a step's launch is finished, but its last token
+    and final output come once that step is read: an abort meanwhile has nothing to abort,
+    and the id stays in use until the final output is out (a new request under it would
+    get the old one's final output)."""
+    (prompt,) = _prompts(1, seed=37)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    _, overlapped = _engines(tiny_llama_gqa)
+    engine = overlapped.engine
+    engine.add_request("a", prompt, params)
+    outputs = engine.step() + engine.step()  # its prompt's step, then its last decode
+    assert [len(o.new_token_ids) for o in outputs] == [1] and not outputs[0].finished
+    assert engine.abort_request(["a"]) == []
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", prompt, params)
+    (last,) = engine.step()
+    assert (last.request_id, last.finished, last.finish_reason) == ("a", True, "length")
+    engine.add_request("a", prompt, params)  # free again
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()

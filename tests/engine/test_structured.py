@@ -440,6 +440,8 @@ def test_a_request_waits_for_its_grammar_without_blocking_the_batch(tiny_llm: LL
     engine.add_request("plain", tok_ids("the quick"), SamplingParams(max_tokens=4, temperature=0))
     engine.add_request("parked", tok_ids("hello"), SamplingParams(max_tokens=8, structured=spec))
     assert engine.num_unfinished_requests == 2
+    with pytest.raises(ValueError, match="already in use"):  # parked, its id is taken
+        engine.add_request("parked", tok_ids("hello"), SamplingParams(max_tokens=2))
     finished: dict[str, str | None] = {}
     steps_while_parked = 0
     while engine.has_unfinished_requests():
