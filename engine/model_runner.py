@@ -91,7 +91,6 @@ class ModelRunner:
         touched = self.experts_touched() if self.experts_touched is not None else None
         return LaunchedStep(
             [s.request.request_id for s in batch.sampling + batch.verifying],
-            {s.request.request_id: row for row, s in enumerate(batch.sampling)},
             {"prepare": t1 - t0, "forward": t2 - t1},
             touched,
             batch,
@@ -155,7 +154,6 @@ class LaunchedStep:
     its picks are too. Nothing of it has been read."""
 
     request_ids: list[str]  # the sampling rows', then the verifying rows'
-    rows: dict[str, int]  # request id -> its row of ``picked.tokens``
     phase_s: dict[str, float]
     experts_touched: int | None
     batch: InputBatch
@@ -166,6 +164,12 @@ class LaunchedStep:
     # Tensor parallelism with asynchronous scheduling: the picks go to the other ranks once
     # queued (engine/tp_group.py).
     shares_picks: bool = False
+
+    @property
+    def rows(self) -> dict[str, int]:
+        """Request id -> its row of ``picked.tokens`` (the sampling rows lead the ids)."""
+        sampling = self.request_ids[: len(self.batch.sampling)]
+        return {request_id: row for row, request_id in enumerate(sampling)}
 
     def result(self) -> ModelRunnerOutput:
         """Wait for the picks and return them (the step's one synchronisation)."""
