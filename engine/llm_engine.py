@@ -482,7 +482,7 @@ class LLMEngine:
             outputs = parked_outputs + self._drain()
             _fill_pending(plan)
             outputs += self._complete(plan, *self._isolate(plan, exc), step)
-            self._forget_ended(plan)
+            self._forget_ended(outputs)
             return outputs
         waited = time.perf_counter()
         # The step before is read while this one's forward pass runs; its tokens are then
@@ -496,9 +496,9 @@ class LLMEngine:
         except Exception as exc:
             _fill_pending(plan)
             outputs += self._complete(plan, *self._isolate(plan, exc), step)
-            self._forget_ended(plan)
+            self._forget_ended(outputs)
             return outputs
-        self._forget_ended(plan)
+        self._forget_ended(outputs)
         phase_s = dict(launched.phase_s)
         # The wait for the step before and its read: what "sample" holds in a synchronous
         # step (the device's time, unless the host took longer).
@@ -510,13 +510,13 @@ class LLMEngine:
         self._end_step(plan, step, phase_s, launched.experts_touched)
         return outputs
 
-    def _forget_ended(self, plan: SchedulerOutput) -> None:
-        """Forget the sampling state of the plan's requests that have finished: those the
-        read of the step before ended (EOS, a stop token) still had a row in this step,
+    def _forget_ended(self, outputs: list[RequestOutput]) -> None:
+        """Forget again the sampling state of the requests this step's outputs finish: those
+        the read of the step before ended (EOS, a stop token) still had a row in this step,
         and sampling that row made a seeded generator for them again."""
-        for item in plan.scheduled:
-            if item.request.status.finished:
-                self._forget(item.request_id)
+        for output in outputs:
+            if output.finished:
+                self._forget(output.request_id)
 
     def _drain(self) -> list[RequestOutput]:
         """Wait for the step in flight, put its tokens in place and emit them."""

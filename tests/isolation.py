@@ -53,7 +53,9 @@ class ProcessState:
 def _kernel_modules() -> list[tuple[str, ModuleType]]:
     return [
         (name, module)
-        for name, module in list(sys.modules.items())
+        # A copy made in one C call: a thread left by an earlier test may import meanwhile,
+        # and iterating the live dict then raises ("dictionary changed size").
+        for name, module in sys.modules.copy().items()
         if module is not None
         and (name == KERNEL_MODULE_PREFIX or name.startswith(KERNEL_MODULE_PREFIX + "."))
     ]
