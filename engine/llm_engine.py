@@ -537,12 +537,11 @@ class LLMEngine:
         tokens = dict(zip(result.request_ids, result.token_ids, strict=True))
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=True))
         aborted = RequestStatus.FINISHED_ABORTED
-        # The tokens kept: not those of rows whose request finished before the step was
-        # updated, nor of requests aborted since. Their ids may already name new requests,
-        # whose grammars such a token must not advance.
-        kept = [r for r, _ in in_flight.update.new_tokens if r.status is not aborted]
-        if self.structured is not None:
-            ids = [r.request_id for r in kept]
+        if self.structured is not None and self.structured.num_constrained:
+            # Only the tokens kept: not those of rows whose request finished before the
+            # step was updated, nor of requests aborted since. Their ids may already name
+            # new requests, whose grammars such a token must not advance.
+            ids = [r.request_id for r, _ in in_flight.update.new_tokens if r.status is not aborted]
             self.structured.accept(ids, [tokens[r] for r in ids])
         outputs = []
         for request, _ in in_flight.update.new_tokens:
