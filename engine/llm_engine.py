@@ -129,7 +129,14 @@ class LLMEngine:
         self.last_step_stats: StepStats | None = None
         # Asynchronous scheduling (module docstring): the step launched and not yet read.
         self.async_scheduling = config.async_scheduling
-        if self.async_scheduling:
+        if self.async_scheduling and self.device.type == "cpu":
+            # The forward pass runs on the calling thread: there is no device to overlap,
+            # and each token is read one forward pass later.
+            logger.warning(
+                "--async-scheduling on the CPU hides no host work and delays each token by "
+                "one step; it is meant for GPUs"
+            )
+        elif self.async_scheduling:
             logger.info(
                 "asynchronous scheduling: each step is scheduled and launched while the one "
                 "before runs"
