@@ -142,6 +142,9 @@ class LLMEngine:
                 "before runs"
             )
         self._in_flight: _InFlight | None = None
+        # perf_counter() when the last launched step was read: the next one's figures are
+        # timed from there while the steps are pipelined.
+        self._last_read_end: float | None = None
         # perf_counter() at the end of the last step while requests remained (the engine
         # loop's gap before the next step counts in its decodes' inter-token latency).
         self._busy_end: float | None = None
@@ -434,30 +437,36 @@ class LLMEngine:
         step: _StepTiming,
         runner_phase_s: dict[str, float],
         experts_touched: int | None,
+        *,
+        read: tuple[float, float, float | None] | None = None,
     ) -> None:
-        """Record the step's figures (stats, latency targets, trace)."""
-        end = time.perf_counter()
-        start = step.start
+        """Record the step's figures (stats, latency targets, trace), timed from its start
+        to now; or, for a step read after a later one was launched (asynchronous
+        scheduling), ``read``: (from, to, gap) as ``_drain`` measured it."""
+        if read is None:
+            start, end, gap_s = step.start, time.perf_counter(), step.gap_s
+        else:
+            start, end, gap_s = read
         phase_s = dict(runner_phase_s)
-        phase_s["schedule"] = step.scheduled - start
+        phase_s["schedule"] = step.scheduled - step.start
         # What the runner did not time (a failed step's re-runs, the update) is "update".
-        phase_s["update"] = max(0.0, (end - step.scheduled) - sum(runner_phase_s.values()))
+        phase_s["update"] = max(0.0, (end - start) - sum(phase_s.values()))
         self._record_stats(plan, end - start, phase_s, experts_touched)
         predictor = self.step_predictor
         if predictor is not None and step.features is not None:
             had_decodes = any(s.num_tokens == 1 and not s.padding for s in plan.scheduled)
             predictor.observe(step.features, end - start)
-            self.scheduler.observe_step(end - start, step.gap_s, had_decodes)
-            self._record_target(plan, end - start, step.gap_s, step.predicted_s, had_decodes)
+            self.scheduler.observe_step(end - start, gap_s, had_decodes)
+            self._record_target(plan, end - start, gap_s, step.predicted_s, had_decodes)
         if self.step_trace is not None:
             self.step_trace.record(
                 StepShape.of_plan(plan),
                 end - start,
-                step.gap_s,
+                gap_s,
                 step.predicted_s,
                 phase_s.get("forward"),
             )
-        if self.scheduler.has_unfinished() or self._in_flight is not None:
+        if read is None and (self.scheduler.has_unfinished() or self._in_flight is not None):
             self._busy_end = end
 
     def _step_async(self) -> list[RequestOutput]:
@@ -491,11 +500,9 @@ class LLMEngine:
             outputs += self._complete(plan, *self._isolate(plan, exc), step)
             self._forget_ended(outputs)
             return outputs
-        waited = time.perf_counter()
         # The step before is read while this one's forward pass runs; its tokens are then
         # in place for this step's picks (penalties and grammars read them on the host).
         outputs = parked_outputs + self._drain()
-        drained_s = time.perf_counter() - waited
         try:
             self.runner.sample(launched, copy_out=True)
         except EngineFatalError:
@@ -506,15 +513,12 @@ class LLMEngine:
             self._forget_ended(outputs)
             return outputs
         self._forget_ended(outputs)
-        phase_s = dict(launched.phase_s)
-        # The wait for the step before and its read: what "sample" holds in a synchronous
-        # step (the device's time, unless the host took longer).
-        phase_s["sample"] = phase_s.get("sample", 0.0) + drained_s
         update = self.scheduler.update_from_output(
             plan, dict.fromkeys(launched.request_ids, PENDING_TOKEN)
         )
-        self._in_flight = _InFlight(launched, update)
-        self._end_step(plan, step, phase_s, launched.experts_touched)
+        # Its figures are recorded when it is read (``_drain``).
+        self._in_flight = _InFlight(launched, update, plan, step)
+        self._busy_end = time.perf_counter()
         return outputs
 
     def _forget_ended(self, outputs: list[RequestOutput]) -> None:
@@ -532,6 +536,7 @@ class LLMEngine:
             return []
         try:
             result = in_flight.launched.result()
+            read_end = time.perf_counter()
         except Exception:
             # Its requests hold pending tokens: they can never finish normally. The
             # caller (the server's engine loop) fails every request in flight; those that
@@ -561,6 +566,17 @@ class LLMEngine:
             outputs.append(_output(request, [token], [lp] if lp is not None else None))
             if request.status.finished:
                 self._forget(request.request_id)
+        # The step's time: from the read of the step before it, when the device went on to
+        # this one (steps pipelined: the interval between reads, what each token waits), or
+        # from its own start after an idle spell. Its shape and this time are what the
+        # latency targets learn from, as a synchronous step's.
+        timing, last_read = in_flight.timing, self._last_read_end
+        self._last_read_end = read_end
+        if last_read is not None and last_read > timing.start:  # pipelined
+            read: tuple[float, float, float | None] = (last_read, read_end, 0.0)
+        else:
+            read = (timing.start, read_end, timing.gap_s)
+        self._end_step(in_flight.plan, timing, result.phase_s, result.experts_touched, read=read)
         return outputs
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -662,6 +678,8 @@ class _InFlight:
 
     launched: LaunchedStep
     update: SchedulerUpdate
+    plan: SchedulerOutput
+    timing: _StepTiming
 
 
 def _fill_pending(plan: SchedulerOutput) -> None:

@@ -104,7 +104,9 @@ class StepStats:
     num_spec_verifications: int = 0
     spec_draft_s: float = 0.0
     spec_verify_s: float = 0.0
-    # Seconds per phase of STEP_PHASES; the phases of engine.step() add up to step_time_s.
+    # Seconds per phase of STEP_PHASES; the phases of engine.step() add up to step_time_s
+    # (with asynchronous scheduling a step's phases overlap the steps beside it, and
+    # step_time_s is the interval between two reads: "update" is then what is left, or 0).
     phase_s: dict[str, float] = field(default_factory=dict)
     # Latency targets (scheduler/latency_targets.py); None without targets.
     predicted_step_s: float | None = None  # the step-time model's figure, before the step ran

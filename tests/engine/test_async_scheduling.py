@@ -393,3 +393,22 @@ def test_an_id_is_in_use_until_its_final_output(tiny_llama_gqa: Path) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
+
+
+def test_a_steps_figures_are_recorded_when_it_is_read(tiny_llama_gqa: Path) -> None:
+    """The step figures (metrics, latency targets, the step trace) describe the step whose
+    tokens the call returns, timed from the read before it: a call that only launches
+    records nothing, and the one that reads the prefill records the prefill's shape."""
+    _, overlapped = _engines(tiny_llama_gqa)
+    engine = overlapped.engine
+    engine.last_step_stats = None
+    prompt = _prompts(1, seed=29)[0]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert engine.step() == [] and engine.last_step_stats is None  # the prefill, launched
+    shapes = []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        stats = engine.last_step_stats
+        assert stats is not None and stats.step_time_s > 0
+        shapes.append((stats.num_prefill_tokens, stats.num_decode_tokens, len(outputs)))
+    assert shapes == [(len(prompt), 0, 1), (0, 1, 1), (0, 1, 1), (0, 1, 1)]
