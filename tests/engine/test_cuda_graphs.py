@@ -87,6 +87,22 @@ def test_stand_in_replay_matches_transformers_and_eager(request, fixture, monkey
     assert_parity(alone[0], hf_greedy(hf, prompts[0], 12, None), "alone with graphs")
 
 
+def test_stand_in_replay_with_async_scheduling(tiny_llama_gqa) -> None:
+    """Asynchronous steps write their decodes' pending inputs into the batch before the
+    graphs copy it into their buffers: the replayed steps give the eager steps' tokens."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = _prompts(256, 11)
+    sync = LLM(str(tiny_llama_gqa), max_num_seqs=16)
+    eager = [o.token_ids for o in sync.generate(prompts, params)]
+    llm = LLM(str(tiny_llama_gqa), max_num_seqs=16, async_scheduling=True)
+    graphs = _with_stand_in(llm, [1, 2, 4, 8, 16])
+    replayed = []
+    run = graphs.run
+    graphs.run = lambda batch: replayed.append(bool(batch.pending)) or run(batch)  # type: ignore[method-assign]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == eager
+    assert any(replayed)  # replays of steps fed on the device
+
+
 def test_steps_the_graphs_do_not_take_run_eagerly(tiny_llama_gqa) -> None:
     """Prefill and mixed steps, and decode batches above the largest bucket, bypass them."""
     llm = LLM(str(tiny_llama_gqa), max_num_seqs=8)
