@@ -154,11 +154,16 @@ def test_overload_10x_capacity_gets_full_answers_or_503(overload_server: TinySer
 # ------------------------------------------------------------------------------ chaos
 
 
-@pytest.fixture(scope="module")
-def chaos_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyServer]:
+@pytest.fixture(scope="module", params=["sync", "async"])
+def chaos_server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[TinyServer]:
     log = tmp_path_factory.mktemp("chaos") / "server.log"
     # 48 blocks of 4 tokens: 8 sequences of up to 40 + 12 tokens do not all fit, so the
-    # scheduler preempts and recomputes during the soak, on top of everything else.
+    # scheduler preempts and recomputes during the soak, on top of everything else. Once
+    # with synchronous steps, once with asynchronous scheduling (the poisoned requests
+    # then fail inside a launch beside decodes fed on the device).
+    extra = ["--async-scheduling"] if request.param == "async" else []
     with tiny_server(
         model_dir, log,
         "--max-num-seqs", "8",
@@ -167,6 +172,7 @@ def chaos_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         "--block-size", "4",
         "--fault-token-id", str(MARKER),
         "--check-integrity", "true",
+        *extra,
         module="tests.server.fault_server",
     ) as server:  # fmt: skip
         yield server
