@@ -1,5 +1,9 @@
 """ModelRunner: turns a step's plan into tensors, runs the model, samples.
 
+``execute`` does the three parts of a step in turn: ``launch`` (inputs and the forward pass,
+queued on the device), ``sample`` (the picks, queued) and ``LaunchedStep.result`` (the one
+read of the picks). Asynchronous scheduling (engine/llm_engine.py) calls them apart.
+
 Owns: the model weights on their device, the sampler, a reference to the KV storage
 (whose tensors only the attention's ``store`` writes), and the decode graphs, if any
 (``engine/cuda_graphs.py``): a decode-only step replays one instead of running the model,
