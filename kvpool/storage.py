@@ -205,8 +205,10 @@ class KVCacheStorage:
         if not src_ids:
             return
         device = self.key_caches[0].device
-        src = torch.tensor(list(src_ids), dtype=torch.int64, device=device)
-        dst = torch.tensor(list(dst_ids), dtype=torch.int64, device=device)
+        # Built on the host and copied without waiting: torch.tensor(..., device=cuda) would
+        # wait for the device's queue, and the step before may still be running on it.
+        src = torch.tensor(list(src_ids), dtype=torch.int64).to(device, non_blocking=True)
+        dst = torch.tensor(list(dst_ids), dtype=torch.int64).to(device, non_blocking=True)
         for cache in self.raw_caches:
             # [num_copies, block_size, num_kv_heads, head_dim]: index_select materialises
             # every source before index_copy_ writes. 8-bit caches are copied as their bytes

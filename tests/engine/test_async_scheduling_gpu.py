@@ -58,3 +58,42 @@ def test_async_steps_give_the_tokens_of_synchronous_steps(tiny_llama_gqa, dtype:
         for i in range(0, len(prompts), 4):  # the plain greedy requests
             ref = hf_greedy(hf, prompts[i], 14, None)
             assert_parity(got[i].token_ids, ref, f"prompt {i}, async, CUDA graphs")
+
+
+def test_launch_and_sample_never_wait_for_the_device(tiny_llama_gqa) -> None:
+    """No host-device synchronisation inside a step but the read of its picks (issue 35):
+    under torch's sync debug mode "error", launching and sampling asynchronous steps raise at
+    any hidden one. Decode graphs, piecewise graphs and eager mixed steps; greedy, seeded
+    top-k/top-p sampling, logprobs, penalties; shared prompts (copy-on-write blocks)."""
+    prompts = _prompts(6)
+    prompts += [prompts[0]] * 2  # fully cached: copy-on-write of the last block
+    params = [
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=1, logprobs=3),
+        SamplingParams(max_tokens=10, temperature=0, frequency_penalty=0.5,
+                       repetition_penalty=1.2),  # fmt: skip
+        SamplingParams(max_tokens=10, temperature=1.0, min_p=0.05, seed=9, ignore_eos=True),
+    ] * 2
+    llm = LLM(
+        str(tiny_llama_gqa), device="cuda", dtype="bfloat16", kv_cache_memory=KV,
+        max_num_seqs=8, max_num_batched_tokens=48, async_scheduling=True,
+    )  # fmt: skip
+    runner = llm.engine.runner
+    calls = []
+
+    def strict(fn):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            calls.append(fn.__name__)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        return call
+
+    runner.launch = strict(runner.launch)
+    runner.sample = strict(runner.sample)
+    outs = llm.generate(prompts, params)
+    assert all(o.token_ids for o in outs)
+    assert calls.count("launch") > 10 and calls.count("sample") == calls.count("launch")
