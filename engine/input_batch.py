@@ -132,7 +132,7 @@ def build_input_batch(
     )
     # Only a decode's one token can be pending, and decodes lead the batch.
     batch.pending = [
-        (i, item.request_id) for i, item in enumerate(decodes) if item.token_ids[0] == PENDING_TOKEN
+        (i, item.request_id) for i, item in enumerate(decodes) if item.input_pending
     ]
     return batch
 
@@ -176,8 +176,9 @@ def _decode_batch(
         sampling=list(scheduled) if all_rows else [s for s in scheduled if s.samples],
         logits_are_all_rows=all_rows,
     )
-    if input_ids.min() < 0:  # PENDING_TOKEN
-        batch.pending = [(int(i), scheduled[i].request_id) for i in np.flatnonzero(input_ids < 0)]
+    pending = np.flatnonzero(input_ids == PENDING_TOKEN)
+    if pending.size:
+        batch.pending = [(int(i), scheduled[i].request_id) for i in pending]
     return batch
 
 

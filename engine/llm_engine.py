@@ -685,7 +685,7 @@ class _InFlight:
 def _fill_pending(plan: SchedulerOutput) -> None:
     """Put the now-known tokens in place of a plan's pending inputs (for a re-run)."""
     for item in plan.scheduled:
-        if item.token_ids and item.token_ids[0] == PENDING_TOKEN:
+        if item.input_pending:
             item.token_ids[0] = item.request.token_id_at(item.start)
 
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from engine.faults import EngineFatalError
 from engine.model_runner import LaunchedStep, ModelRunner
 from scheduler.output import ScheduledRequest, SchedulerOutput
-from scheduler.request import PENDING_TOKEN, Request, SamplingParams
+from scheduler.request import Request, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class StepPlan:
         rows = [
             PlanRow(
                 s.start, s.num_tokens, s.token_ids, s.block_ids, s.samples, s.padding,
-                previous_rows[s.request_id] if s.token_ids[0] == PENDING_TOKEN else -1,
+                previous_rows[s.request_id] if s.input_pending else -1,
             )
             for s in out.scheduled
         ]  # fmt: skip

@@ -52,11 +52,17 @@ class ScheduledRequest:
         return self.request.request_id
 
     @property
+    def input_pending(self) -> bool:
+        """Whether the row's one input token is still on the device (asynchronous
+        scheduling: ``PENDING_TOKEN``, a decode of the step before's pick)."""
+        return self.token_ids[0] == PENDING_TOKEN
+
+    @property
     def known_end(self) -> int:
         """End of the positions this step computes that hold known tokens (drafts excluded):
         only these can fill a block whose hash is certain. A decode of a pending token
         (asynchronous scheduling) computes no known one."""
-        if self.token_ids[0] == PENDING_TOKEN:
+        if self.input_pending:
             return self.start
         return self.start + self.num_tokens - len(self.draft_token_ids)
 
