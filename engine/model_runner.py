@@ -23,7 +23,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import HostStaging, InputBatch, build_input_batch
 from engine.outputs import ModelRunnerOutput, TokenLogprob
 from engine.piecewise_graphs import PiecewiseGraphs
-from engine.sampler import Picked, Sampler
+from engine.sampler import Picked, Sampler, on_device
 from engine.spec_decode.speculator import SpeculativeDecoder
 from kvpool.storage import KVCacheStorage
 from scheduler.output import SchedulerOutput
@@ -144,11 +144,8 @@ def feed_pending(batch: InputBatch, picks: torch.Tensor, rows: Mapping[str, int]
         picks: [rows] int64, that step's chosen tokens, on the batch's device.
         rows: request id -> its row of ``picks``.
     """
-    dst = torch.tensor([position for position, _ in batch.pending])
-    src = torch.tensor([rows[request_id] for _, request_id in batch.pending])
-    if picks.device.type != "cpu":  # no wait for the device's queue (engine/sampler.py)
-        dst = dst.to(picks.device, non_blocking=True)
-        src = src.to(picks.device, non_blocking=True)
+    dst = on_device(picks.device, [position for position, _ in batch.pending])
+    src = on_device(picks.device, [rows[request_id] for _, request_id in batch.pending])
     batch.input_ids.index_copy_(0, dst, picks.index_select(0, src))
 
 

@@ -208,7 +208,7 @@ class Sampler:
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalised:
             logits = logits.clone()
-            rows = _on(logits.device, penalised)
+            rows = on_device(logits.device, penalised)
             logits[rows] = apply_penalties(
                 logits[rows], [requests[i] for i in penalised], [params[i] for i in penalised]
             )
@@ -217,7 +217,7 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         noise = scores = None
         if random_rows:
-            rows = _on(logits.device, random_rows)
+            rows = on_device(logits.device, random_rows)
             probs = truncated_probs(logits[rows], [params[i] for i in random_rows])
             noise = self._exponential_noise(probs, [requests[i] for i in random_rows])
             scores = probs / noise
@@ -291,13 +291,13 @@ class Sampler:
         probabilities over the allowed tokens are the masked-first ones)."""
         greedy = [i for i in rows if params[i].greedy]
         if greedy:
-            index = _on(logits.device, greedy)
+            index = on_device(logits.device, greedy)
             chosen[index] = self._argmax(logits[index])
         sampled = [i for i in rows if not params[i].greedy]
         if sampled:
             assert noise is not None
-            index = _on(logits.device, sampled)
-            noise_rows = _on(noise.device, [random_rows.index(i) for i in sampled])
+            index = on_device(logits.device, sampled)
+            noise_rows = on_device(noise.device, [random_rows.index(i) for i in sampled])
             probs = truncated_probs(logits[index], [params[i] for i in sampled])
             chosen[index] = (probs / noise[noise_rows]).argmax(dim=-1)
 
@@ -332,12 +332,12 @@ def _untied(values: list[float], j: int) -> bool:
     )
 
 
-def _on(
+def on_device(
     device: torch.device, values: list[Any] | torch.Tensor, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """``values`` as a tensor on ``device``, copied without waiting: ``torch.tensor(values,
     device=cuda)`` would synchronise with the device's queue, so the host could not run
-    ahead of the step it samples for."""
+    ahead of the step it samples for (or feeds: ``engine.model_runner.feed_pending``)."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     return t if device.type == "cpu" else t.to(device, non_blocking=True)
 
@@ -355,7 +355,7 @@ def apply_penalties(
     rows, vocab = logits.shape
     device = logits.device
     if any(p.repetition_penalty != 1.0 for p in params):
-        rep = _on(device, [p.repetition_penalty for p in params])[:, None]
+        rep = on_device(device, [p.repetition_penalty for p in params])[:, None]
         seen = _token_mask(
             [r.request.prompt_token_ids + r.request.output_token_ids for r in requests],
             vocab,
@@ -365,8 +365,8 @@ def apply_penalties(
         logits = torch.where(seen, penalised, logits)
     if not any(p.frequency_penalty or p.presence_penalty for p in params):
         return logits
-    freq = _on(device, [p.frequency_penalty for p in params])[:, None]
-    pres = _on(device, [p.presence_penalty for p in params])[:, None]
+    freq = on_device(device, [p.frequency_penalty for p in params])[:, None]
+    pres = on_device(device, [p.presence_penalty for p in params])[:, None]
     counts = _token_counts([r.request.output_token_ids for r in requests], vocab, device)
     counts = counts.to(logits.dtype)
     return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
@@ -375,7 +375,7 @@ def apply_penalties(
 def _padded(token_lists: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
     width = max((len(t) for t in token_lists), default=0)
     padded = [t + [fill] * (width - len(t)) for t in token_lists]
-    return _on(device, padded, torch.long).reshape(len(token_lists), width)
+    return on_device(device, padded, torch.long).reshape(len(token_lists), width)
 
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -396,15 +396,16 @@ def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     not need it)."""
     rows, vocab = logits.shape
     device = logits.device
-    temps = _on(device, [p.temperature for p in params])[:, None]
+    temps = on_device(device, [p.temperature for p in params])[:, None]
     logits = logits / temps
     if any(0 < p.top_k < vocab for p in params):
         ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, _on(device, ks - 1)[:, None])
+        kth_index = on_device(device, ks - 1)[:, None]
+        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, kth_index)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1.0 for p in params):
-        top_p = _on(device, [p.top_p for p in params])[:, None]
+        top_p = on_device(device, [p.top_p for p in params])[:, None]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
         # *before* it already does. A row with top_p = 1 keeps everything.
@@ -412,6 +413,6 @@ def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         sorted_probs = sorted_probs.masked_fill((before >= top_p) & (top_p < 1.0), 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
     if any(p.min_p > 0.0 for p in params):
-        min_p = _on(device, [p.min_p for p in params])[:, None]
+        min_p = on_device(device, [p.min_p for p in params])[:, None]
         probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
     return probs
