@@ -493,13 +493,8 @@ class LLMEngine:
         except EngineFatalError:
             raise
         except Exception as exc:
-            # Read the step before, give this step's decodes their inputs on the host, and
-            # isolate the failing requests as a synchronous step does.
-            outputs = parked_outputs + self._drain()
-            _fill_pending(plan)
-            outputs += self._complete(plan, *self._isolate(plan, exc), step)
-            self._forget_ended(outputs)
-            return outputs
+            # Read the step before, then re-run this one as a synchronous step does.
+            return self._rerun_isolating(plan, exc, step, parked_outputs + self._drain())
         # The step before is read while this one's forward pass runs; its tokens are then
         # in place for this step's picks (penalties and grammars read them on the host).
         outputs = parked_outputs + self._drain()
@@ -508,10 +503,7 @@ class LLMEngine:
         except EngineFatalError:
             raise
         except Exception as exc:
-            _fill_pending(plan)
-            outputs += self._complete(plan, *self._isolate(plan, exc), step)
-            self._forget_ended(outputs)
-            return outputs
+            return self._rerun_isolating(plan, exc, step, outputs)
         self._forget_ended(outputs)
         update = self.scheduler.update_from_output(
             plan, dict.fromkeys(launched.request_ids, PENDING_TOKEN)
@@ -519,6 +511,21 @@ class LLMEngine:
         # Its figures are recorded when it is read (``_drain``).
         self._in_flight = _InFlight(launched, update, plan, step)
         self._busy_end = time.perf_counter()
+        return outputs
+
+    def _rerun_isolating(
+        self,
+        plan: SchedulerOutput,
+        exc: Exception,
+        step: _StepTiming,
+        outputs: list[RequestOutput],
+    ) -> list[RequestOutput]:
+        """A launched step whose launch or sampling raised, the step before it read: give its
+        decodes their inputs on the host and isolate the failing requests as a synchronous
+        step does. Returns ``outputs`` and this step's."""
+        _fill_pending(plan)
+        outputs += self._complete(plan, *self._isolate(plan, exc), step)
+        self._forget_ended(outputs)
         return outputs
 
     def _forget_ended(self, outputs: list[RequestOutput]) -> None:
