@@ -45,6 +45,23 @@ def _engines(model: Path, **overrides: object) -> tuple[LLM, LLM]:
     )
 
 
+class _Collected:
+    """A step loop's outputs, per request: its tokens and finish reason. An output after a
+    request's final one, or a pending token among them, fails the test."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.reasons: dict[str, str | None] = {}
+
+    def __call__(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            assert out.request_id not in self.reasons, f"{out.request_id} emitted after it finished"
+            assert PENDING_TOKEN not in out.new_token_ids
+            self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                self.reasons[out.request_id] = out.finish_reason
+
+
 def _count_pending_inputs(engine: LLMEngine, on_plan: Callable[[int], None]) -> None:
     """Call ``on_plan(number of rows fed a pending token)`` after every ``schedule()``."""
     schedule = engine.scheduler.schedule
@@ -128,19 +145,16 @@ def test_penalised_requests_overlap_with_the_tokens_they_read(tiny_llama_gqa: Pa
 
     def run(llm: LLM) -> dict[str, list[int]]:
         e = llm.engine
-        tokens: dict[str, list[int]] = {}
+        collect = _Collected()
         for i, prompt in enumerate(prompts[:2]):
             e.add_request(f"r{i}", prompt, plain)
         for _ in range(4):  # the plain requests decode on their own first
-            for out in e.step():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            collect(e.step())
         e.add_request("pen0", prompts[2], penalised)
         e.add_request("pen1", prompts[3], seeded)
         while e.has_unfinished_requests():
-            for out in e.step():
-                assert PENDING_TOKEN not in out.new_token_ids
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        return tokens
+            collect(e.step())
+        return collect.tokens
 
     assert run(overlapped) == run(sync)
     assert pending_penalised > 0
@@ -157,16 +171,8 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_gqa: Path) -> None:
     engine = overlapped.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, params)
-    tokens: dict[str, list[int]] = {}
-    finished: dict[str, str | None] = {}
-
-    def collect(outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            assert out.request_id not in finished, f"{out.request_id} emitted after it finished"
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                finished[out.request_id] = out.finish_reason
-
+    collect = _Collected()
+    tokens, finished = collect.tokens, collect.reasons
     for _ in range(4):
         collect(engine.step())
         engine.check_integrity()
@@ -244,17 +250,9 @@ def test_random_traffic_matches_synchronous_steps(tiny_llama_gqa: Path) -> None:
 
     def replay(llm: LLM) -> dict[str, tuple[list[int], str | None]]:
         engine = llm.engine
-        tokens: dict[str, list[int]] = {}
-        reasons: dict[str, str | None] = {}
+        collect = _Collected()
+        tokens, reasons = collect.tokens, collect.reasons
         added: set[str] = set()
-
-        def collect(outputs: list[RequestOutput]) -> None:
-            for out in outputs:
-                assert out.request_id not in reasons, f"{out.request_id} after its finish"
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if out.finished:
-                    reasons[out.request_id] = out.finish_reason
-
         step = 0
         while step < 60 or engine.has_unfinished_requests():
             for at, rid, prompt, params in schedule:
@@ -305,16 +303,13 @@ def test_requests_that_stop_on_a_token_leave_no_sampling_state(tiny_llama_gqa: P
         engine = llm.engine
         rounds = []
         for _ in range(2):  # the second round reuses the first one's ids
-            tokens: dict[str, list[int]] = {}
-            reasons: dict[str, str | None] = {}
+            collect = _Collected()
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 engine.add_request(f"s{i}", prompt, p)
             while engine.has_unfinished_requests():
-                for out in engine.step():
-                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                    if out.finished:
-                        reasons[out.request_id] = out.finish_reason
+                collect(engine.step())
                 engine.check_integrity()  # no generator of a finished request is left
+            tokens, reasons = collect.tokens, collect.reasons
             rounds.append({rid: (tokens[rid], reasons[rid]) for rid in tokens})
         return rounds
 
