@@ -1,8 +1,10 @@
 """StepStatsRecorder: one ``StepStats`` per engine step, from the step's plan.
 
-Owns: the prefix cache's cumulative counters at the last step (to report per-step deltas).
-Reads the scheduler's and kvpool's counts, and prices the step with the engine's
-``StepCostModel`` (``engine/cost.py``); writes nothing back.
+Owns nothing between steps. A step's own counts (its rows, preemptions and prefix-cache
+lookups) come from its plan, which with asynchronous scheduling is recorded after the next
+step was scheduled; the occupancy gauges are the scheduler's and kvpool's counts when it is
+recorded. Prices the step with the engine's ``StepCostModel`` (``engine/cost.py``); writes
+nothing back.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ class StepStatsRecorder:
     def __init__(self, cost_model: StepCostModel, kv_capacity: KVCapacity) -> None:
         self.cost_model = cost_model
         self.kv_capacity = kv_capacity
-        self._prefix_totals = (0, 0)  # (queries, hits) at the last step
 
     def record(
         self,
@@ -55,15 +56,13 @@ class StepStatsRecorder:
         copied = len(plan.blocks_to_copy) * self.kv_capacity.block_size * per_token
         cost = self.cost_model.step(chunks, num_logit_rows, experts_touched)
         kv = kv_manager.stats()
-        last_queries, last_hits = self._prefix_totals
-        self._prefix_totals = (kv.prefix_cache_queries, kv.prefix_cache_hits)
         return StepStats(
             step_time_s=step_time_s,
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             num_prefill_tokens=num_tokens - decode - padding,
             num_decode_tokens=decode,
-            num_preemptions=scheduler.last_step_preemptions,
+            num_preemptions=len(plan.preempted_ids),
             num_kv_blocks_used=kv_manager.num_used_blocks,
             num_kv_blocks_total=kv_manager.num_blocks,
             weight_bytes=cost.weight_bytes,
@@ -71,8 +70,8 @@ class StepStatsRecorder:
             kv_bytes_written=(num_tokens - padding) * per_token + copied,
             flops=cost.flops,
             num_padding_tokens=padding,
-            prefix_cache_queries=kv.prefix_cache_queries - last_queries,
-            prefix_cache_hits=kv.prefix_cache_hits - last_hits,
+            prefix_cache_queries=plan.num_prefix_cache_queries,
+            prefix_cache_hits=plan.num_prefix_cache_hits,
             num_kv_blocks_cached=kv.num_cached_blocks,
             num_kv_blocks_evictable=kv.num_evictable_blocks,
             num_kv_slots_allocated=kv.num_allocated_slots,

@@ -81,12 +81,20 @@ class SchedulerOutput:
     those K/V blocks (``KVCacheStorage.copy_blocks``) before this step's forward pass.
 
     ``target`` is what the latency targets decided for this step (None without targets).
+
+    ``num_prefix_cache_queries`` / ``num_prefix_cache_hits``: the prompt tokens this step's
+    admissions looked up in the prefix cache, and of those the ones found cached. They are
+    the step's own, as ``preempted_ids`` are: with asynchronous scheduling a step's figures
+    are recorded after the next step was scheduled, so kvpool's running totals then
+    already include the next step's admissions.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     target: TargetDecision | None = None
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -116,7 +116,6 @@ class Scheduler:
         self.padding = BatchPadding()
         self._requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
-        self.last_step_preemptions = 0
         self.targets: LatencyTargets | None = None
         if config.has_latency_targets:
             if step_time_predictor is None:
@@ -179,7 +178,6 @@ class Scheduler:
             when nothing can run (e.g. dynamic batching waiting for its window).
         """
         out = SchedulerOutput()
-        self.last_step_preemptions = 0
         chunk = self.config.prefill_chunk_tokens
         assert chunk is not None  # resolved for a device in __init__
         step = StepBudget.for_step(
@@ -196,7 +194,11 @@ class Scheduler:
         self._schedule_padding(out, step)
         # No admission in a step that had to preempt: memory is short already.
         if not out.preempted_ids:
+            kv = self.kv
+            queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
             self._admit(out, step)
+            out.num_prefix_cache_queries = kv.prefix_cache_queries - queries
+            out.num_prefix_cache_hits = kv.prefix_cache_hits - hits
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
         return out
 
@@ -510,7 +512,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.last_step_preemptions += 1
         self.waiting.appendleft(request)
 
     def _admit(self, out: SchedulerOutput, step: StepBudget) -> None:

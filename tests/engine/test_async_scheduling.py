@@ -407,3 +407,37 @@ def test_a_steps_figures_are_recorded_when_it_is_read(tiny_llama_gqa: Path) -> N
         assert stats is not None and stats.step_time_s > 0
         shapes.append((stats.num_prefill_tokens, stats.num_decode_tokens, len(outputs)))
     assert shapes == [(len(prompt), 0, 1), (0, 1, 1), (0, 1, 1), (0, 1, 1)]
+
+
+def test_a_steps_preemptions_and_prefix_hits_are_its_own(tiny_llama_gqa: Path) -> None:
+    """The per-step counters (preemptions, prefix-cache lookups and hits) belong to the step
+    whose figures carry them: asynchronous steps run the synchronous steps' plans here (no
+    stop tokens, so no step waits for a token to be read), so each step's figures must be
+    the synchronous step's, not those of the step scheduled after it."""
+    (shared,) = _prompts(1, seed=41)  # a block and a token: the later requests hit a block
+    prompts = [shared + q for q in _prompts(6, seed=43)]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    tiny = {"num_kv_blocks": 26, "max_num_seqs": 6, "max_num_batched_tokens": 64}
+
+    def figures(llm: LLM) -> list[tuple[int, int, int, int, int]]:
+        engine = llm.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt, params)
+        seen, rows = None, []
+        while engine.has_unfinished_requests():
+            engine.step()
+            stats = engine.last_step_stats
+            if stats is not None and stats is not seen:
+                seen = stats
+                rows.append((
+                    stats.num_prefill_tokens, stats.num_decode_tokens, stats.num_preemptions,
+                    stats.prefix_cache_queries, stats.prefix_cache_hits,
+                ))  # fmt: skip
+        assert sum(r[2] for r in rows) == engine.scheduler.num_preemptions_total > 0
+        kv = engine.kv_manager.stats()
+        assert sum(r[3] for r in rows) == kv.prefix_cache_queries
+        assert sum(r[4] for r in rows) == kv.prefix_cache_hits > 0
+        return rows
+
+    sync, overlapped = _engines(tiny_llama_gqa, **tiny)
+    assert figures(overlapped) == figures(sync)
