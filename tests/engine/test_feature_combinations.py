@@ -141,13 +141,19 @@ def references(tiny_llama_cpu_shapes: Path, prompts: list[list[int]]) -> dict[st
     return refs
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"async_scheduling": True}, {"async_scheduling": True, "target_itl_ms": 1.0}],
+    ids=["sync", "async", "async-itl-target"],
+)
 def test_prefix_caching_preemption_and_stops_match_transformers(
     tiny_llama_cpu_shapes: Path,
     prompts: list[list[int]],
     references: dict[str, Reference],
-    async_scheduling: bool,
+    kwargs: dict[str, object],
 ) -> None:
+    """With a latency target too, which caps each step's prompt tokens by measured step
+    times (so the plans vary from run to run; the tokens may not)."""
     requests = [
         (at, f"r{i}", prompts[i], SamplingParams(
             max_tokens=m, temperature=0.0,
@@ -157,10 +163,15 @@ def test_prefix_caching_preemption_and_stops_match_transformers(
     ]  # fmt: skip
     llm = LLM(
         str(tiny_llama_cpu_shapes), block_size=16, num_kv_blocks=8, max_num_seqs=4,
-        max_num_batched_tokens=32, async_scheduling=async_scheduling, **DEVICE,
+        max_num_batched_tokens=32, **DEVICE, **kwargs,  # type: ignore[arg-type]
     )  # fmt: skip
-    copies = []
-    got = run(llm, requests, lambda plan: copies.extend(plan.blocks_to_copy))
+    copies, decisions = [], []
+
+    def on_plan(plan: SchedulerOutput) -> None:
+        copies.extend(plan.blocks_to_copy)
+        decisions.append(plan.target)
+
+    got = run(llm, requests, on_plan)
     for rid, ref in references.items():
         if assert_parity(got.tokens[rid], ref, f"{rid}") is None:
             reason = "stop" if int(rid[1:]) in STOP_AT or ref.token_ids[-1] == EOS else "length"
@@ -169,6 +180,39 @@ def test_prefix_caching_preemption_and_stops_match_transformers(
     assert engine.scheduler.num_preemptions_total > 0
     assert engine.kv_manager.stats().prefix_cache_hits > 0
     assert copies, "the prompt cached whole copies its last block"
+    assert all((d is not None) == ("target_itl_ms" in kwargs) for d in decisions)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_prompt_aborted_mid_prefill_leaves_valid_cached_blocks(
+    tiny_llama_cpu_shapes: Path, references: dict[str, Reference], prompts: list[list[int]],
+    async_scheduling: bool,
+) -> None:  # fmt: skip
+    """A long prompt chunked over steps and aborted after two chunks (with asynchronous
+    steps, while its next chunk is on the device): the blocks its chunks filled stay cached,
+    and the same prompt sent again starts from them and gets transformers' tokens."""
+    prompt, ref = prompts[4], references["r4"]  # 64 tokens: 4 chunks of 16
+    params = SamplingParams(max_tokens=len(ref.token_ids), temperature=0.0)
+    llm = LLM(
+        str(tiny_llama_cpu_shapes), block_size=8, num_kv_blocks=32, max_num_batched_tokens=16,
+        async_scheduling=async_scheduling, **DEVICE,
+    )  # fmt: skip
+    engine = llm.engine
+    engine.add_request("first", prompt, params)
+    outputs = Outputs()
+    for _ in range(2):
+        outputs.add(engine.step())
+        engine.check_integrity()
+    assert "first" not in outputs.tokens  # still prefilling
+    (aborted,) = engine.abort_request(["first"])
+    assert (aborted.finish_reason, aborted.num_output_tokens) == ("abort", 0)
+    while engine.has_unfinished_requests():  # the chunk in flight, if any, is read
+        assert engine.step() == []
+    engine.check_integrity()
+    assert engine.num_free_blocks == engine.num_total_blocks
+    again = run(llm, [(0, "again", prompt, params)])
+    assert engine.kv_manager.stats().prefix_cache_hits >= 16
+    assert_parity(again.tokens["again"], ref, "sent again")
 
 
 # ----------------------------------------------------------------------------- lossy modes
