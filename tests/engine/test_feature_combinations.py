@@ -12,6 +12,8 @@ request finished once with a valid reason and nothing after it, every block free
   accept a divergence only at a reference near-tie (margins from the reference's logprobs).
 - The CUDA decode and piecewise graphs' CPU stand-ins x an int8 cache x prefix caching x
   preemption x speculative rows or asynchronous steps: the eager engine's tokens.
+- The Triton kernels (interpreted on the CPU, compiled on CUDA) x an int8 cache x prefix
+  caching (copy-on-write) x preemption x asynchronous steps: the torch reference's tokens.
 - Structured output x asynchronous scheduling x preemption x stop tokens (and beside n-gram
   speculation): the synchronous engine's tokens, every output in its grammar.
 - Tensor parallelism (2 gloo ranks) x an int8 cache x prefix caching (copy-on-write) x
@@ -27,6 +29,7 @@ test_quantization.py, test_async_scheduling.py).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -314,6 +317,55 @@ def test_graph_stand_ins_with_an_int8_cache_preemption_and_cached_prefixes(
     assert replays["decode"] > 0 and replays["piecewise"] > 0
     assert engine.scheduler.num_preemptions_total > 0
     assert engine.kv_manager.stats().prefix_cache_hits > 0
+
+
+# ------------------------------------------------------------------------ Triton kernels
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.skipif(
+            not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")),
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available() or INTERPRET,
+            reason="needs CUDA and compiled (not interpreted) Triton")]),
+    ],
+)  # fmt: skip
+def test_triton_with_an_int8_cache_cached_prefixes_preemption_and_async(
+    tiny_llama_gqa: Path, device: str
+) -> None:
+    """The GPU's path: the Triton store, decode and prefill kernels over an int8 cache, with
+    prompts that start from cached (and copied) blocks, recomputed after preemption, and
+    decodes fed on the device: the torch reference backend's tokens over the same cache,
+    near-ties aside."""
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 256, (16,), generator=g).tolist()
+    prompts = [system + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    requests = [
+        (at, f"r{i}", prompt, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
+                                             logprobs=2))
+        for i, (at, prompt, m) in enumerate(
+            [(0, prompts[0], 8), (0, prompts[1], 10), (0, prompts[2], 6), (5, system, 8)]
+        )
+    ]  # fmt: skip
+    common = {"block_size": 8, "max_num_seqs": 4, "max_num_batched_tokens": 16,
+              "kv_cache_dtype": "int8", "device": device, "dtype": "float32"}  # fmt: skip
+    ref = run(LLM(str(tiny_llama_gqa), attention_backend="torch", num_kv_blocks=64,
+                  enable_prefix_caching=False, **common), requests)  # fmt: skip
+    llm = LLM(
+        str(tiny_llama_gqa), attention_backend="triton", num_kv_blocks=9,
+        async_scheduling=True, **common,
+    )  # fmt: skip
+    assert llm.engine.attention_backend == "triton"
+    copies = []
+    got = run(llm, requests, lambda plan: copies.extend(plan.blocks_to_copy))
+    for rid in ref.tokens:
+        assert_parity(got.tokens[rid], ref.reference(rid), f"triton {rid}")
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert copies, "the system prompt alone is cached whole"
 
 
 # ---------------------------------------------------------------------- structured output
