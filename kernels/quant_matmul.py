@@ -399,8 +399,8 @@ def quant_matmul(
     w = weight.view(torch.uint8) if fp8 else weight
     b = bias if bias is not None else scale
     if isinstance(launch, TiledLaunch):
-        grid = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n))
-        _quant_matmul_kernel[grid](
+        tiles = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n))
+        _quant_matmul_kernel[tiles](
             out, x, w, scale, b, m, n, k, x.stride(0),
             HAS_BIAS=bias is not None, FP8=fp8, BLOCK_M=launch.block_m,
             BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, DTYPE=TL_DTYPES[x.dtype],
