@@ -154,7 +154,12 @@ class RowSweep:
 
         if isinstance(launch, str):
             return lambda s: s.x @ s.weight
-        return lambda s: quant_matmul(s.x, s.weight, s.scale, launch=launch)
+
+        def run(s: WeightSet) -> torch.Tensor:
+            assert s.scale is not None, "a quantized set"
+            return quant_matmul(s.x, s.weight, s.scale, launch=launch)
+
+        return run
 
     def best(self) -> tuple[Launch, Measured] | None:
         ok = [(launch, m) for launch, m in self.results.items() if m.ok and launch != TORCH]

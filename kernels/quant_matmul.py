@@ -189,6 +189,9 @@ def _quant_matmul_split_k_kernel(
     BLOCK_M: tl.constexpr,  # a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    # K tiles in flight: tl.range copies the weight tiles of either form into shared memory
+    # this many iterations ahead (without it only loads that feed tl.dot are pipelined)
+    NUM_STAGES: tl.constexpr,
     DTYPE: tl.constexpr,  # the activations' (and output's) dtype
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
@@ -207,7 +210,7 @@ def _quant_matmul_split_k_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     if DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + offs_k
             mask_k = k < K
             x = tl.load(
@@ -229,7 +232,7 @@ def _quant_matmul_split_k_kernel(
         # significant bits times int8's 7 or e4m3's 4), rounded once for float32 x, as
         # tl.dot's "ieee" products are.
         acc3 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + offs_k
             mask_k = k < K
             x = tl.load(
@@ -319,10 +322,11 @@ def choose_launch(rows: int, n: int, k: int, num_sms: int) -> QuantLaunch:
     - one row multiplies without tl.dot (``dot=False``, ``block_m`` 1): a 16-row dot tile
       would be 15/16 padding, and its operands change layout through shared memory. More
       rows use tl.dot on one 16-row tile (the broadcast tile's registers grow with rows);
-    - ``block_k`` 64: a 128 x 64 tile is 8 KiB a load. The broadcast form runs 8 warps: its
+    - ``block_k`` 64: a 128 x 64 tile is 8 KiB a load, copied into shared memory 2 tiles
+      ahead (``num_stages`` 3) in either form. The broadcast form runs 8 warps: its
       accumulator tile is ``block_m * block_k * block_n`` float32 values, 32 a thread here
-      (about 120 registers at sm_90; 64 a thread takes ~224, 128 spills: the sweep stays
-      within 64). tl.dot runs 4 warps, its weight tiles copied asynchronously 3 stages ahead;
+      (about 100 registers at sm_90, so 2 programs an SM; 64 a thread still fits without
+      spilling, the sweep's bound). tl.dot runs 4 warps;
     - split-K: about ``TARGET_WAVES`` programs per SM (each in flight keeps its loads
       outstanding; several waves make the last, partial wave short), with every split at
       least ``MIN_SPLIT_ROWS`` K rows. On an H100 (132 SMs) at batch 1 the Llama-3-8B
@@ -419,7 +423,8 @@ def quant_matmul(
         out, partial, x, w, scale, b, m, n, k, k_per_split, x.stride(0),
         HAS_BIAS=bias is not None, FP8=fp8, SPLIT=split, DOT=launch.dot,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        DTYPE=TL_DTYPES[x.dtype], **dot_args(_quant_matmul_split_k_kernel, x.dtype),
+        NUM_STAGES=launch.num_stages, DTYPE=TL_DTYPES[x.dtype],
+        **dot_args(_quant_matmul_split_k_kernel, x.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if split:

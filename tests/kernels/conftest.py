@@ -312,7 +312,7 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
                  weight_ptr="*i8" if mode == "int8" else "*u8", scale_ptr="*fp32",
                  bias_ptr="*bf16", M="i32", N="i32", K="i32", k_per_split="i32"),
             dict(HAS_BIAS=bias, FP8=mode == "fp8", SPLIT=split, DOT=dot, BLOCK_M=block[0],
-                 BLOCK_N=block[1], BLOCK_K=block[2], DTYPE="tl.bfloat16",
+                 BLOCK_N=block[1], BLOCK_K=block[2], NUM_STAGES=3, DTYPE="tl.bfloat16",
                  DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32"),
         )
         for name, mode, bias, split, dot, block in (
