@@ -467,6 +467,9 @@ def main(argv: list[str] | None = None) -> None:
     if (args.sweep or args.quant_matmul) and not triton_runs_on(device):
         parser.exit(2, "error: --sweep and --quant-matmul time Triton kernels: they need "
                        "CUDA, or TRITON_INTERPRET=1 with --quick\n")  # fmt: skip
+    if args.quant_matmul and device.type != "cuda" and not args.quick:
+        parser.exit(2, "error: --quant-matmul off CUDA runs only with --quick (the interpreter "
+                       "would take hours on the 8B shapes)\n")  # fmt: skip
     quant_modes = tuple(args.quant_modes.split(","))
     if args.quant_matmul and not set(quant_modes) <= {"int8", "fp8"}:
         parser.exit(2, f"error: --quant-modes takes int8 and/or fp8, not {args.quant_modes}\n")

@@ -44,12 +44,16 @@ def test_quick_sweep_times_each_launch_and_prints_the_best(device, capsys):
     assert isinstance(launch, SplitKLaunch)
 
 
-def test_unknown_mode_is_one_line(capsys):
+@pytest.mark.parametrize(
+    "argv,says",
+    [(["--quick", "--quant-modes", "int4"], "int4"), ([], "only with --quick")],
+)
+def test_bad_use_is_one_line(capsys, argv, says):
     with pytest.raises(SystemExit) as e:
-        main(["--device", "cpu", "--quant-matmul", "--quick", "--quant-modes", "int4"])
+        main(["--device", "cpu", "--quant-matmul", *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "int4" in err
+    assert err.count("\n") == 1 and says in err, err
 
 
 def _row(rows: int, k: int, n: int) -> RowSweep:
