@@ -29,6 +29,9 @@ Three paths, by the number of rows M (``choose_launch``; ``launch=`` overrides i
   without them (``dot=False``: a broadcast multiply accumulated in a ``[BLOCK_M, BLOCK_K,
   BLOCK_N]`` float32 tile, summed over K once after the loop, as Inductor's reductions do;
   no layout change to dot operands, but ``BLOCK_M`` times the registers, so for 1-4 rows).
+  Either form copies its weight tiles into shared memory ``num_stages - 1`` iterations ahead
+  (``tl.range``), and the broadcast form converts int8 to float32 with an integer add and a
+  float subtract rather than the slower int-to-float conversion.
 - **17..LIBRARY_ROWS rows: the tiled kernel** (``TiledLaunch``, ``_quant_matmul_kernel``),
   grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``, every program a strip through the whole K.
   Above 16 rows a tile reuses each weight byte for 32-64 rows, and split-K partials would
@@ -58,6 +61,7 @@ __all__ = [
     "DECODE_ROWS",
     "LIBRARY_ROWS",
     "WEIGHT_DTYPES",
+    "QuantLaunch",
     "SplitKLaunch",
     "TiledLaunch",
     "choose_launch",
