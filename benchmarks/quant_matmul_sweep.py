@@ -15,10 +15,11 @@ weight in L2 (``decode_cases.time_sets``). Bandwidth counts the weight's bytes a
 The grid is searched in stages, all rows at each stage before the next, so that a run cut
 short by ``--budget-s`` (compiles included) still has every row's first stage::
 
-    A  today's launch, the heuristic's, and split-K at column strips {64, 128, 256} x
+    A  today's launch, the heuristic's, and split-K at column strips {32, 64, 128, 256} x
        splits for {1, 2, 4, 8} programs per SM (deduplicated after the launcher's recount),
        on tl.dot (16 rows a tile; 64 at M = 64) and, for M <= 4, the broadcast form
-    B  num_warps {2, 4, 8} x num_stages {1, 2, 3, 4} at each row's best split-K launch of A
+    B  num_warps {2, 4, 8} x num_stages {2, 3, 4, 6} at each row's best split-K launch of A
+       (unsplit narrow strips with deep pipelines are the alternative to split-K's partials)
     C  block_k {16, 32, 64, 128, 256} at the best of B
 
 The broadcast form's accumulator tile (``block_m * block_k * block_n`` float32 values) is
@@ -65,10 +66,10 @@ SHAPES = {
 }
 ROWS = (1, 4, 16, 64)
 MODES = ("int8", "fp8")
-SWEEP_BLOCK_N = (64, 128, 256)
+SWEEP_BLOCK_N = (32, 64, 128, 256)
 SWEEP_WAVES = (0, 2, 4, 8)  # programs per SM the split count aims at (0: unsplit)
 SWEEP_WARPS = (2, 4, 8)
-SWEEP_STAGES = (1, 2, 3, 4)
+SWEEP_STAGES = (2, 3, 4, 6)
 SWEEP_BLOCK_K = (16, 32, 64, 128, 256)
 BROADCAST_MAX_ROWS = 4  # the broadcast form's registers grow with block_m
 MAX_ACC_PER_THREAD = 64  # broadcast accumulators a thread: beyond it ptxas spills

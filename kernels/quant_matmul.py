@@ -21,10 +21,12 @@ Three paths, by the number of rows M (``choose_launch``; ``launch=`` overrides i
   a ``BLOCK_N``-column strip (64-256 bytes contiguous a K row: whole 32-byte sectors and 128-byte
   lines) over one of ``num_splits`` equal runs of whole ``BLOCK_K`` tiles of K, so that even a
   4,096-column matmul is several programs per SM. A split run writes float32 partials
-  ``[num_splits, M, N]``; ``_reduce_splits_kernel`` sums them in a fixed order (one
-  compiled reduction tree: no atomics, so results are the same run to run and between a CUDA
-  graph's replay and an eager call), scales each column, adds the bias and casts. One split
-  does all of that in the first kernel. Each program multiplies either on the tensor cores
+  ``[num_splits, M, N]``; a second kernel, ``_reduce_splits_kernel``, sums them in a fixed
+  order (one compiled reduction tree: no atomics, so results are the same run to run and
+  between a CUDA graph's replay and an eager call), scales each column, adds the bias and
+  casts. (Not a merge by the last split to arrive: for split-K decode attention on an H100
+  a second kernel in the same graph was faster, kernels/README.md.) One split does all of
+  that in the first kernel. Each program multiplies either on the tensor cores
   (``dot``: ``tl.dot`` on a tile of at least 16 rows, most of them masked off at M = 1) or
   without them (``dot=False``: a broadcast multiply accumulated in a ``[BLOCK_M, BLOCK_K,
   BLOCK_N]`` float32 tile, summed over K once after the loop, as Inductor's reductions do;

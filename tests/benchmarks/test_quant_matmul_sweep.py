@@ -71,7 +71,7 @@ def test_stage_a_covers_both_forms_within_the_register_bound():
     assert launches[:2] == [row.today, row.heuristic]
     split_k = [launch for launch in launches if isinstance(launch, SplitKLaunch)]
     assert {launch.dot for launch in split_k} == {True, False}
-    assert {launch.block_n for launch in split_k} == {64, 128, 256}
+    assert {launch.block_n for launch in split_k} == {32, 64, 128, 256}
     assert {launch.num_splits for launch in split_k} >= {1, 9, 17, 33}  # 0-8 waves at 128
     for launch in split_k:
         if launch.dot:
@@ -98,7 +98,7 @@ def test_later_stages_search_around_the_best_split_k_launch():
     b = stage_b(row)
     # 2 warps would hold 128 accumulators a thread: left out
     assert {(launch.num_warps, launch.num_stages) for launch in b} == {
-        (w, s) for w in (4, 8) for s in (1, 2, 3, 4)
+        (w, s) for w in (4, 8) for s in (2, 3, 4, 6)
     }
     assert all(launch.block_k == 64 and launch.num_splits == 16 for launch in b)
     assert [launch.block_k for launch in stage_c(row)] == [16, 32, 64, 128]
