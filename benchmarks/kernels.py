@@ -2,6 +2,7 @@
 
     python -m benchmarks.kernels [--targets] [--fused] [--quick] [--peak-gbps N]
     python -m benchmarks.kernels --sweep [--budget-s S]
+    python -m benchmarks.kernels --quant-matmul [--budget-s S] [--quant-modes int8,fp8]
 
 
 Decode paged attention. For each configuration (batch size x context length x GQA shape x
@@ -39,6 +40,13 @@ Every row checks its output against the reference (``max_err``), so a fast wrong
 ``--sweep`` times the decode kernel's launches (one- and two-launch split-K, split counts,
 ``num_warps``, ``num_stages``, tile) on the ``--targets`` rows and prints the best per row
 beside today's, bounded by ``--budget-s`` (``benchmarks/decode_sweep.py``).
+
+``--quant-matmul`` times the weight-only int8/fp8 matmul's launches (``kernels/quant_matmul.py``:
+today's tiles, the heuristic's split-K launch, column strips, split counts, tl.dot or not,
+warps, stages, K tiles) on the Llama-3-8B decode matmuls at 1, 4, 16 and 64 rows beside
+torch's ``x @ w`` on the bf16 weight, and prints the best per row, bounded by ``--budget-s``
+(``benchmarks/quant_matmul_sweep.py``; ``--quick``: a tiny CPU smoke run under
+``TRITON_INTERPRET=1``).
 
 The issue's figures on an H100/H200 (``make test-gpu`` runs this)::
 
@@ -438,16 +446,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="time the decode kernel's launches on the --targets rows "
                              "(with --quick: one small row, a CPU smoke run)")  # fmt: skip
-    parser.add_argument("--budget-s", type=float, default=100.0,
-                        help="--sweep: time no new launch after this many seconds")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="--sweep / --quant-matmul: time no new launch after this many "
+                             "seconds (default 100 / 240)")  # fmt: skip
+    parser.add_argument(
+        "--quant-matmul",
+        action="store_true",
+        help="sweep the int8/fp8 weight-only matmul's launches on the "
+        "Llama-3-8B decode shapes (with --quick: a tiny CPU smoke run)",
+    )
+    parser.add_argument("--quant-modes", default="int8,fp8",
+                        help="--quant-matmul: weight formats, e.g. int8")  # fmt: skip
+    parser.add_argument("--quant-rows", type=_int_list, default=None,
+                        help="--quant-matmul: row counts M (default 1,4,16,64)")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.dtype is None:
         args.dtype = "bf16" if device.type == "cuda" else "fp32"
     torch.manual_seed(0)
-    if args.sweep and not triton_runs_on(device):
-        parser.exit(2, "error: --sweep times the Triton kernel: it needs CUDA, or "
-                       "TRITON_INTERPRET=1 with --quick\n")  # fmt: skip
+    if (args.sweep or args.quant_matmul) and not triton_runs_on(device):
+        parser.exit(2, "error: --sweep and --quant-matmul time Triton kernels: they need "
+                       "CUDA, or TRITON_INTERPRET=1 with --quick\n")  # fmt: skip
+    if args.quant_matmul and device.type != "cuda" and not args.quick:
+        parser.exit(2, "error: --quant-matmul off CUDA runs only with --quick (the interpreter "
+                       "would take hours on the 8B shapes)\n")  # fmt: skip
+    quant_modes = tuple(args.quant_modes.split(","))
+    if args.quant_matmul and not set(quant_modes) <= {"int8", "fp8"}:
+        parser.exit(2, f"error: --quant-modes takes int8 and/or fp8, not {args.quant_modes}\n")
 
     peak, source = peak_bandwidth(device, args.peak_gbps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
@@ -458,7 +483,15 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.decode_sweep import run_sweep
 
         dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-        run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s)
+        run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s or 100.0)
+        return
+    if args.quant_matmul:
+        from benchmarks.quant_matmul_sweep import DEFAULT_BUDGET_S, ROWS, run_quant_sweep
+
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+        run_quant_sweep(device, dtype, peak, quick=args.quick,
+                        budget_s=args.budget_s or DEFAULT_BUDGET_S, modes=quant_modes,
+                        rows=tuple(args.quant_rows or ROWS))  # fmt: skip
         return
     if device.type != "cuda":
         print("# CPU: the Triton kernels run here only under TRITON_INTERPRET=1 (numpy, not")

@@ -5,36 +5,118 @@ Import the launcher explicitly (``kernels/__init__.py`` never imports triton)::
     from kernels.quant_matmul import quant_matmul
 
 Same signature and semantics as ``kernels.reference.quant_matmul``: ``y = x @ (weight *
-scale) + bias`` with ``weight`` stored ``[in_features, out_features]`` (the model's
-``Linear`` layout) in 1 byte a value. Weight-only quantization: the activations stay in the
-model's dtype, each weight tile is converted to it in registers (exact: int8 and e4m3 values
-are bf16/fp16/fp32 values), multiplied on the tensor cores with float32 accumulation, and
-each output column is scaled once at the end. A decode step reads 1 byte a weight instead of
-2 (bf16); its time is the weight bytes read, which is why decode does not quantize the
-activations as ``torch._int_mm`` would (that needs ``M > 16`` and pays a per-token
-quantization per matmul).
+scale) + bias`` with ``weight`` stored ``[in_features K, out_features N]`` (the model's
+``Linear`` layout, N contiguous) in 1 byte a value. Weight-only quantization: the activations
+stay in the model's dtype, each weight tile is converted in registers (exact: int8 and e4m3
+values are bf16/fp16/fp32 values), products are summed in float32, and each output column is
+scaled once at the end. A decode step reads 1 byte a weight instead of 2 (bf16); its time is
+the weight bytes read, which is why decode does not quantize the activations as
+``torch._int_mm`` would (that needs ``M > 16`` and pays a per-token quantization per matmul).
 
-Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``; every program streams a ``BLOCK_N``-column
-strip of the weight through K. Shapes and the grid come from the arguments only (CUDA-graph
-safe). Large batches (prefill) use the library's matmul on the weight converted to the
-activation dtype instead (``LIBRARY_ROWS``): this kernel is not tuned for compute-bound shapes.
+Three paths, by the number of rows M (``choose_launch``; ``launch=`` overrides it):
+
+- **Decode, M <= DECODE_ROWS (16): split-K** (``SplitKLaunch``, ``_quant_matmul_split_k_kernel``).
+  A decode matmul is a weight stream: the bound is how many bytes are in flight, not the
+  arithmetic. Grid ``(cdiv(N, BLOCK_N), num_splits, cdiv(M, BLOCK_M))``: each program streams
+  a ``BLOCK_N``-column strip (64-256 bytes contiguous a K row: whole 32-byte sectors and 128-byte
+  lines) over one of ``num_splits`` equal runs of whole ``BLOCK_K`` tiles of K, so that even a
+  4,096-column matmul is several programs per SM. A split run writes float32 partials
+  ``[num_splits, M, N]``; a second kernel, ``_reduce_splits_kernel``, sums them in a fixed
+  order (one compiled reduction tree: no atomics, so results are the same run to run and
+  between a CUDA graph's replay and an eager call), scales each column, adds the bias and
+  casts. (Not a merge by the last split to arrive: for split-K decode attention on an H100
+  a second kernel in the same graph was faster, kernels/README.md.) One split does all of
+  that in the first kernel. Each program multiplies either on the tensor cores
+  (``dot``: ``tl.dot`` on a tile of at least 16 rows, most of them masked off at M = 1) or
+  without them (``dot=False``: a broadcast multiply accumulated in a ``[BLOCK_M, BLOCK_K,
+  BLOCK_N]`` float32 tile, summed over K once after the loop, as Inductor's reductions do;
+  no layout change to dot operands, but ``BLOCK_M`` times the registers, so for 1-4 rows).
+  Either form copies its weight tiles into shared memory ``num_stages - 1`` iterations ahead
+  (``tl.range``), and the broadcast form converts int8 to float32 with an integer add and a
+  float subtract rather than the slower int-to-float conversion.
+- **17..LIBRARY_ROWS rows: the tiled kernel** (``TiledLaunch``, ``_quant_matmul_kernel``),
+  grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``, every program a strip through the whole K.
+  Above 16 rows a tile reuses each weight byte for 32-64 rows, and split-K partials would
+  cost ``8 * num_splits * M * N`` bytes more.
+- **More than LIBRARY_ROWS rows** (prefill): the library's matmul on the weight converted to
+  the activation dtype: these kernels are not tuned for compute-bound shapes.
+
+The decode launch parameters are a first guess (``choose_launch``'s docstring gives the
+reasoning), not yet measured on a GPU: ``python -m benchmarks.kernels --quant-matmul``
+(benchmarks/quant_matmul_sweep.py) times the candidates at the Llama-3-8B shapes and prints the
+best per row. Shapes and grids come from the arguments only (CUDA-graph safe: no host sync,
+nothing read from the data).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._common import SUPPORTED_DTYPES
+from kernels._common import SUPPORTED_DTYPES, next_power_of_2, num_compute_units
 from kernels._triton_common import TL_DTYPES, dot_args
 
-__all__ = ["quant_matmul", "tile_shape", "LIBRARY_ROWS", "WEIGHT_DTYPES"]
+__all__ = [
+    "DECODE_ROWS",
+    "LIBRARY_ROWS",
+    "WEIGHT_DTYPES",
+    "QuantLaunch",
+    "SplitKLaunch",
+    "TiledLaunch",
+    "choose_launch",
+    "quant_matmul",
+    "split_k_rows",
+    "tile_shape",
+]
 
 WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # Batches of more rows multiply on the library (cuBLAS) path; decode batches and CUDA graphs
 # stay within it.
 LIBRARY_ROWS = 256
+# Batches of at most this many rows take the split-K decode kernel: one tl.dot tile of rows
+# (16, its minimum), so the weight is read once; above it the tiled kernel reuses each weight
+# tile over 32-64 rows without partials to write (module docstring).
+DECODE_ROWS = 16
+# choose_launch's split-K targets: at least this many programs per SM (enough loads in
+# flight to cover DRAM latency, and a last wave of programs that is a small share of the
+# run), and K runs of at least this many rows (shorter runs spend more of their time in
+# the pipeline's fill and the partials).
+TARGET_WAVES = 4
+MIN_SPLIT_ROWS = 256
+# ... and partials (8 bytes a value: written, then read) of at most 1/PARTIAL_SHARE of the
+# weight's bytes.
+PARTIAL_SHARE = 8
+# _reduce_splits_kernel's column strip.
+REDUCE_BLOCK_N = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SplitKLaunch:
+    """How one call of the split-K decode kernel runs (what the tuning sweep varies)."""
+
+    block_m: int = 16  # rows a program multiplies: >= 16 with dot, a power of two
+    block_n: int = 128  # columns (bytes of a K row) a program streams
+    block_k: int = 64  # K rows a loop iteration loads; splits are whole tiles
+    num_splits: int = 1  # split-K factor before split_k_rows recounts it (1 = no split)
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = True  # tl.dot on the tensor cores; False: broadcast multiply + sum over K
+
+
+@dataclass(frozen=True, slots=True)
+class TiledLaunch:
+    """How one call of the tiled kernel runs (``tile_shape``'s tiles, Triton's default
+    warps and stages)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+
+
+QuantLaunch = SplitKLaunch | TiledLaunch
 
 
 @triton.jit
@@ -93,14 +175,206 @@ def _quant_matmul_kernel(
     )
 
 
+@triton.jit
+def _quant_matmul_split_k_kernel(
+    out_ptr,  # [M, N] contiguous, x's dtype (written when not SPLIT)
+    partial_ptr,  # [num_splits, M, N] float32 (written when SPLIT)
+    x_ptr,  # [M, K], rows strided
+    weight_ptr,  # [K, N] contiguous, int8, or uint8 holding float8e4nv bits (FP8)
+    scale_ptr,  # [N] float32
+    bias_ptr,  # [N] x's dtype (unused without HAS_BIAS)
+    M,
+    N,
+    K,
+    k_per_split,  # K rows of each split, a multiple of BLOCK_K (the last split may be short)
+    stride_x_m: tl.int64,
+    HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr,  # the weight's bytes are e4m3 values (else int8)
+    SPLIT: tl.constexpr,  # write unscaled float32 partials (else the finished output)
+    DOT: tl.constexpr,  # tl.dot (BLOCK_M >= 16); else broadcast multiply, summed over K
+    BLOCK_M: tl.constexpr,  # a power of two
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    # K tiles in flight: tl.range copies the weight tiles of either form into shared memory
+    # this many iterations ahead (without it only loads that feed tl.dot are pipelined)
+    NUM_STAGES: tl.constexpr,
+    DTYPE: tl.constexpr,  # the activations' (and output's) dtype
+    DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_k * k_per_split
+    # NOTE: split boundaries are whole BLOCK_K tiles, so a tile never crosses into the next
+    # split and `k < K` is the only K mask a tile needs.
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            k = k0 + offs_k
+            mask_k = k < K
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_x_m + k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                weight_ptr + k[:, None] * N + offs_n[None, :],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0,
+            )
+            if FP8:  # loaded as bytes: masked-off bytes are 0, which is e4m3's +0.0
+                w = w.to(tl.float8e4nv, bitcast=True)
+            acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    else:
+        # Products accumulate element by element; the one cross-thread sum over K is after
+        # the loop, not in it. x * w in float32 is exact for bf16/fp16 x (8 or 11
+        # significant bits times int8's 7 or e4m3's 4), rounded once for float32 x, as
+        # tl.dot's "ieee" products are.
+        acc3 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+            k = k0 + offs_k
+            mask_k = k < K
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_x_m + k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                weight_ptr + k[:, None] * N + offs_n[None, :],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0,
+            )
+            if FP8:
+                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                # Exactly w, without the int-to-float conversion unit (16 a clock an SM on
+                # sm_90, about the weight bytes an SM must consume at full bandwidth): the
+                # float32 with bits 0x4B000000 + (w + 128) is 2^23 + 128 + w.
+                w = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+            acc3 += x.to(tl.float32)[:, :, None] * w[None, :, :]
+        acc = tl.sum(acc3, axis=1)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT:
+        row = pid_k * M + offs_m  # int64: partial row of (split, m)
+        tl.store(partial_ptr + row[:, None] * N + offs_n[None, :], acc, mask=mask)
+    else:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [M, N] contiguous, x's dtype
+    partial_ptr,  # [num_splits, M, N] float32
+    scale_ptr,  # [N] float32
+    bias_ptr,  # [N] x's dtype (unused without HAS_BIAS)
+    M,
+    N,
+    num_splits,
+    HAS_BIAS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
+    BLOCK_N: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """One row's column strip: the sum of its splits' partials (all loaded at once, summed
+    by one reduction tree fixed at compile time), times the column scale, plus the bias."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    splits = tl.arange(0, SPLITS_PAD).to(tl.int64)
+    mask_n = offs_n < N
+    partial = tl.load(
+        partial_ptr + (splits[:, None] * M + m) * N + offs_n[None, :],
+        mask=(splits[:, None] < num_splits) & mask_n[None, :],
+        other=0.0,
+    )
+    acc = tl.sum(partial, axis=0) * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * N + offs_n, acc.to(DTYPE), mask=mask_n)
+
+
 def tile_shape(rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) for a batch of ``rows``. Decode batches (<= 16 rows) take
-    narrow column strips so that a 4,096-column matmul is 128 programs, about one per SM of
-    an H100 (64-wide strips would leave half of them idle while the weights stream), and
-    long K steps. Not yet tuned on a GPU (benchmarks/RESULTS.md lists the run owed)."""
-    if rows <= 16:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) of the tiled kernel for a batch of ``rows``. Batches of
+    17-256 rows run it (32 or 64 rows a tile, 64 x 64 weight tiles). Decode batches (<= 16
+    rows) take the split-K kernel instead; their tiled launch (narrow 32-column strips,
+    128-row K steps: about one program per SM at 4,096 columns) is what the split-K path
+    replaced, kept as the sweep's baseline."""
+    if rows <= DECODE_ROWS:
         return 16, 32, 128
     return (32 if rows <= 32 else 64), 64, 64
+
+
+def split_k_rows(k: int, block_k: int, num_splits: int) -> tuple[int, int]:
+    """(K rows per split, splits): ``num_splits`` runs of whole ``block_k`` tiles, recounted
+    so that none is empty (e.g. K 200 in tiles of 32 at 3 splits: 3 tiles, 96 rows each, 3
+    splits; at 5 splits: 2 tiles each, 4 splits)."""
+    tiles = max(1, triton.cdiv(k, block_k))
+    tiles_per_split = triton.cdiv(tiles, max(1, min(num_splits, tiles)))
+    return tiles_per_split * block_k, triton.cdiv(tiles, tiles_per_split)
+
+
+def choose_launch(rows: int, n: int, k: int, num_sms: int) -> QuantLaunch:
+    """The launch ``quant_matmul`` uses for ``[rows, k] @ [k, n]`` on ``num_sms`` SMs.
+
+    Decode batches (``rows <= DECODE_ROWS``) run split-K (module docstring):
+
+    - ``block_n`` 128: each K row of a tile is 128 contiguous bytes, a whole cache line, where
+      the tiled launch's 32 bytes was one sector a row, four times the requests per byte;
+    - one row multiplies without tl.dot (``dot=False``, ``block_m`` 1): a 16-row dot tile
+      would be 15/16 padding, and its operands change layout through shared memory. More
+      rows use tl.dot on one 16-row tile (the broadcast tile's registers grow with rows);
+    - ``block_k`` 64: a 128 x 64 tile is 8 KiB a load, copied into shared memory 2 tiles
+      ahead (``num_stages`` 3) in either form. The broadcast form runs 8 warps: its
+      accumulator tile is ``block_m * block_k * block_n`` float32 values, 32 a thread here
+      (about 100 registers at sm_90, so 2 programs an SM; 64 a thread still fits without
+      spilling, the sweep's bound). tl.dot runs 4 warps;
+    - split-K: about ``TARGET_WAVES`` programs per SM (each in flight keeps its loads
+      outstanding; several waves make the last, partial wave short), with every split at
+      least ``MIN_SPLIT_ROWS`` K rows. On an H100 (132 SMs) at batch 1 the Llama-3-8B
+      shapes take: qkv 4,096 x 6,144 (48 strips) 11 splits of 384 rows; o 4,096 x 4,096
+      (32) 16 of 256; gate/up 4,096 x 28,672 (224) 3; down 14,336 x 4,096 (32) 16 of 896;
+      the LM head (1,002 strips) 1. The partials add ``8 * splits * rows * n`` bytes
+      (written, then read back), capped at ``1 / PARTIAL_SHARE`` of the weight's ``k * n``:
+      1-3% at batch 1, and at 16 rows the o projection's 16 splits become 4.
+
+    ``num_sms`` 0 (off CUDA, where the interpreter runs programs one after another and a
+    split only adds work) gives one split. Larger batches run the tiled kernel
+    (``tile_shape``). Not yet measured on a GPU: ``python -m benchmarks.kernels
+    --quant-matmul`` sweeps the alternatives.
+    """
+    if rows > DECODE_ROWS:
+        return TiledLaunch(*tile_shape(rows))
+    dot = rows > 1
+    block_m = 16 if dot else 1
+    block_n, block_k = 128, 64
+    num_warps = 4 if dot else 8
+    programs = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
+    by_parallelism = triton.cdiv(TARGET_WAVES * num_sms, programs)
+    by_length = k // MIN_SPLIT_ROWS
+    by_traffic = k // (8 * PARTIAL_SHARE * rows)
+    num_splits = max(1, min(by_parallelism, by_length, by_traffic))
+    return SplitKLaunch(block_m, block_n, block_k, num_splits, num_warps, 3, dot)
+
+
+def _check_split_k(launch: SplitKLaunch) -> None:
+    for name in ("block_m", "block_n", "block_k"):
+        size = getattr(launch, name)
+        assert size >= 1 and size == next_power_of_2(size), (name, launch)
+    assert not launch.dot or (launch.block_m >= 16 and launch.block_k >= 16), (
+        "tl.dot needs at least 16 rows and 16 K a tile",
+        launch,
+    )
+    assert launch.num_splits >= 1 and launch.num_warps >= 1 and launch.num_stages >= 1, launch
 
 
 def quant_matmul(
@@ -108,8 +382,15 @@ def quant_matmul(
     weight: torch.Tensor,  # [in_features, out_features] int8 or float8_e4m3fn, contiguous
     scale: torch.Tensor,  # [out_features] float32
     bias: torch.Tensor | None = None,  # [out_features]
+    *,
+    launch: QuantLaunch | None = None,
 ) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
-    """``x @ (weight * scale) + bias``; rows of ``x`` may be strided, not columns."""
+    """``x @ (weight * scale) + bias``; rows of ``x`` may be strided, not columns.
+
+    ``launch``: run this launch instead of ``choose_launch``'s (tuning and tests); any
+    launch computes the same product, up to float32 summation order. Batches of more than
+    ``LIBRARY_ROWS`` rows always take the library's matmul.
+    """
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[0], (
         tuple(x.shape),
         tuple(weight.shape),
@@ -127,13 +408,40 @@ def quant_matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k = tile_shape(m)
+    if launch is None:
+        launch = choose_launch(m, n, k, num_compute_units(x.device) if x.is_cuda else 0)
     fp8 = weight.dtype == torch.float8_e4m3fn
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _quant_matmul_kernel[grid](
-        out, x, weight.view(torch.uint8) if fp8 else weight, scale,
-        bias if bias is not None else scale, m, n, k, x.stride(0),
-        HAS_BIAS=bias is not None, FP8=fp8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DTYPE=TL_DTYPES[x.dtype], **dot_args(_quant_matmul_kernel, x.dtype),
+    w = weight.view(torch.uint8) if fp8 else weight
+    b = bias if bias is not None else scale
+    if isinstance(launch, TiledLaunch):
+        tiles = (triton.cdiv(m, launch.block_m), triton.cdiv(n, launch.block_n))
+        _quant_matmul_kernel[tiles](
+            out, x, w, scale, b, m, n, k, x.stride(0),
+            HAS_BIAS=bias is not None, FP8=fp8, BLOCK_M=launch.block_m,
+            BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, DTYPE=TL_DTYPES[x.dtype],
+            **dot_args(_quant_matmul_kernel, x.dtype),
+        )  # fmt: skip
+        return out
+    _check_split_k(launch)
+    k_per_split, num_splits = split_k_rows(k, launch.block_k, launch.num_splits)
+    split = num_splits > 1
+    # One float32 partial row per (split, row); unsplit, the kernel writes `out` itself.
+    partial = (
+        torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if split else out
+    )
+    grid = (triton.cdiv(n, launch.block_n), num_splits, triton.cdiv(m, launch.block_m))
+    _quant_matmul_split_k_kernel[grid](
+        out, partial, x, w, scale, b, m, n, k, k_per_split, x.stride(0),
+        HAS_BIAS=bias is not None, FP8=fp8, SPLIT=split, DOT=launch.dot,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        NUM_STAGES=launch.num_stages, DTYPE=TL_DTYPES[x.dtype],
+        **dot_args(_quant_matmul_split_k_kernel, x.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
+    if split:
+        _reduce_splits_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
+            out, partial, scale, b, m, n, num_splits, HAS_BIAS=bias is not None,
+            SPLITS_PAD=next_power_of_2(num_splits), BLOCK_N=REDUCE_BLOCK_N,
+            DTYPE=TL_DTYPES[x.dtype],
+        )  # fmt: skip
     return out

@@ -302,6 +302,33 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
         # the decode tiles (kernels.quant_matmul.tile_shape) and the larger batches'
         for mode, bias, block in (("int8", False, (16, 32, 128)), ("fp8", True, (64, 64, 64)))
     },
+    # the split-K decode kernel (kernels.quant_matmul.choose_launch): one row without tl.dot,
+    # finished in the same kernel; a few rows on tl.dot into partials; a broadcast tile of
+    # 4 rows at 8 warps (the sweep's shapes); the partials' reduction
+    **{
+        f"quant_matmul_split_k_{name}": (
+            "kernels.quant_matmul", "_quant_matmul_split_k_kernel",
+            dict(out_ptr="*bf16", partial_ptr="*fp32" if split else "*bf16", x_ptr="*bf16",
+                 weight_ptr="*i8" if mode == "int8" else "*u8", scale_ptr="*fp32",
+                 bias_ptr="*bf16", M="i32", N="i32", K="i32", k_per_split="i32"),
+            dict(HAS_BIAS=bias, FP8=mode == "fp8", SPLIT=split, DOT=dot, BLOCK_M=block[0],
+                 BLOCK_N=block[1], BLOCK_K=block[2], NUM_STAGES=3, DTYPE="tl.bfloat16",
+                 DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32"),
+        )
+        for name, mode, bias, split, dot, block in (
+            ("int8_row", "int8", True, False, False, (1, 128, 64)),
+            ("int8_dot", "int8", False, True, True, (16, 128, 64)),
+            ("fp8_row", "fp8", False, True, False, (1, 256, 32)),
+            ("fp8_dot", "fp8", True, False, True, (16, 64, 128)),
+            ("int8_rows4", "int8", False, True, False, (4, 128, 32)),
+        )
+    },
+    "quant_matmul_reduce_splits": (
+        "kernels.quant_matmul", "_reduce_splits_kernel",
+        dict(out_ptr="*bf16", partial_ptr="*fp32", scale_ptr="*fp32", bias_ptr="*bf16",
+             M="i32", N="i32", num_splits="i32"),
+        dict(HAS_BIAS=True, SPLITS_PAD=16, BLOCK_N=256, DTYPE="tl.bfloat16"),
+    ),
     "rope_and_store": (
         "kernels.rope_and_store", "_rope_and_store_kernel",
         dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",

@@ -2,10 +2,16 @@
 float matmul with the de-quantized weight.
 
 CPU: under TRITON_INTERPRET=1 (conftest.py). CUDA: compiled. Tolerance: both sum in float32
-and scale each column once, in different orders: float32 within ``TOLERANCES`` of the
-kernel tests; bf16/fp16 outputs within one ulp of the dtype at the output's magnitude (both
-round a float32 sum once). The reference against ``x @ (q * scale)`` in float64: 1e-6 of
-``|x| @ |W|`` (float32 summation error).
+and scale each column once, in different orders (split-K sums each split's run of K, then
+the splits; the broadcast form sums a tile's K rows as a tree): float32 within
+``TOLERANCES`` of the kernel tests (atol 2e-5, rtol 1e-4: at K <= 200 and outputs of
+magnitude ~10 the orders differ by ~1e-6); bf16/fp16 outputs within one ulp of the dtype at
+the output's magnitude (both round a float32 sum once). The reference against ``x @ (q *
+scale)`` in float64: 1e-6 of ``|x| @ |W|`` (float32 summation error).
+
+The split-K decode launches are forced with ``launch=`` (off CUDA the default launch never
+splits): shapes with N not a multiple of any strip, K not a multiple of a tile or of a
+split's run of tiles, and rows beyond one program's ``block_m``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,17 @@ import torch
 
 from engine.quantization import dequantize_weight, quantize_weight
 from kernels import reference
-from kernels.quant_matmul import LIBRARY_ROWS, quant_matmul
+from kernels.quant_matmul import (
+    DECODE_ROWS,
+    LIBRARY_ROWS,
+    TARGET_WAVES,
+    SplitKLaunch,
+    TiledLaunch,
+    choose_launch,
+    quant_matmul,
+    split_k_rows,
+    tile_shape,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODES = ["int8", "fp8"]
@@ -82,7 +98,133 @@ def test_rejects_bad_input(device):
         quant_matmul(x[:, :32], q, scale)  # inner sizes differ
 
 
-@pytest.mark.parametrize("build", ["quant_matmul_int8", "quant_matmul_fp8"])
+# Forced split-K launches over K = 200 (tiles of 16/32/64 do not divide it) and N = 100:
+# (block_m, block_n, block_k, num_splits, num_warps, num_stages, dot).
+SPLIT_K_LAUNCHES = {
+    "row": SplitKLaunch(1, 64, 32, 1, 4, 3, dot=False),
+    "row-split3": SplitKLaunch(1, 64, 32, 3, 8, 3, dot=False),  # 3 runs of 96, 96, 8 rows
+    "rows2-split5": SplitKLaunch(2, 32, 16, 5, 4, 2, dot=False),  # 5 of 48 (the last 8)
+    "dot": SplitKLaunch(16, 32, 64, 1, 4, 3, dot=True),
+    "dot-split4": SplitKLaunch(16, 64, 32, 4, 4, 3, dot=True),  # 4 of 64 (the last 8)
+}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize("name", list(SPLIT_K_LAUNCHES))
+def test_split_k_launches_match_reference(device, close, name, rows):
+    x, q, scale, b = _case(rows, 200, 100, torch.float32, "int8", device, bias=rows % 2 == 1)
+    got = quant_matmul(x, q, scale, b, launch=SPLIT_K_LAUNCHES[name])
+    assert_matches(got, reference.quant_matmul(x, q, scale, b), close)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["row-split3", "dot-split4"])
+def test_split_k_dtypes_and_formats(device, close, mode, dtype, name):
+    rows = 1 if name.startswith("row") else 3
+    x, q, scale, b = _case(rows, 200, 100, dtype, mode, device, bias=True)
+    got = quant_matmul(x, q, scale, b, launch=SPLIT_K_LAUNCHES[name])
+    assert_matches(got, reference.quant_matmul(x, q, scale, b), close)
+
+
+@pytest.mark.parametrize("name", ["row-split3", "rows2-split5", "dot-split4"])
+def test_split_k_strided_rows(device, close, name):
+    x, q, scale, b = _case(6, 200, 100, torch.float32, "int8", device, bias=True)
+    wide = torch.zeros(6, 232, device=device)
+    wide[:, :200] = x
+    launch = SPLIT_K_LAUNCHES[name]
+    for view in (wide[:, :200], x[::2]):
+        want = reference.quant_matmul(view.contiguous(), q, scale, b)
+        close(quant_matmul(view, q, scale, b, launch=launch), want)
+
+
+def test_split_k_is_deterministic(device):
+    """No atomics: the splits are summed in one fixed order, so two calls agree bit for bit."""
+    x, q, scale, b = _case(3, 200, 100, torch.bfloat16, "int8", device, bias=True)
+    for launch in (SPLIT_K_LAUNCHES["rows2-split5"], SPLIT_K_LAUNCHES["dot-split4"]):
+        first = quant_matmul(x, q, scale, b, launch=launch)
+        assert torch.equal(first, quant_matmul(x, q, scale, b, launch=launch))
+
+
+def test_tiled_launch_runs_at_decode_rows(device, close):
+    """The tiled kernel at the decode tiles (the sweep's baseline) on one row."""
+    x, q, scale, b = _case(1, 200, 100, torch.float32, "fp8", device, bias=True)
+    got = quant_matmul(x, q, scale, b, launch=TiledLaunch(*tile_shape(1)))
+    close(got, reference.quant_matmul(x, q, scale, b))
+
+
+def test_split_k_rows_are_whole_tiles_and_none_empty():
+    assert split_k_rows(200, 32, 3) == (96, 3)
+    assert split_k_rows(200, 32, 5) == (64, 4)  # 7 tiles: 2 a split fill 4 splits
+    assert split_k_rows(200, 32, 64) == (32, 7)  # at most one split a tile
+    assert split_k_rows(4096, 64, 1) == (4096, 1)
+    for k, block_k, splits in ((200, 16, 5), (14336, 64, 17), (100, 128, 4)):
+        rows, count = split_k_rows(k, block_k, splits)
+        assert rows % block_k == 0 and (count - 1) * rows < k <= count * rows
+
+
+# Llama-3-8B's matmuls (K, N) at batch 1 on an H100's 132 SMs: the heuristic's splits after
+# the recount (qkv, o, gate/up, down, LM head).
+LLAMA_3_8B = {(4096, 6144): 11, (4096, 4096): 16, (4096, 28672): 3, (14336, 4096): 16,
+              (4096, 128256): 1}  # fmt: skip
+
+
+def test_choose_launch_fills_an_h100_at_batch_1():
+    for (k, n), splits in LLAMA_3_8B.items():
+        launch = choose_launch(1, n, k, 132)
+        assert isinstance(launch, SplitKLaunch) and not launch.dot and launch.block_m == 1
+        _, count = split_k_rows(k, launch.block_k, launch.num_splits)
+        assert count == splits, (k, n, launch)
+        programs = -(-n // launch.block_n) * count
+        # several programs per SM (the LM head's 1,002 strips already are), none idle
+        assert programs >= 0.9 * TARGET_WAVES * 132 or count == 1, (k, n, programs)
+
+
+def test_choose_launch_by_rows():
+    # 2-16 rows: one 16-row tl.dot tile, fewer splits as the partials grow with rows
+    for rows in (2, 16):
+        launch = choose_launch(rows, 4096, 4096, 132)
+        assert isinstance(launch, SplitKLaunch) and launch.dot and launch.block_m == 16
+    assert choose_launch(16, 4096, 4096, 132).num_splits == 4
+    assert choose_launch(DECODE_ROWS + 1, 4096, 4096, 132) == TiledLaunch(32, 64, 64)
+    assert choose_launch(64, 4096, 4096, 132) == TiledLaunch(*tile_shape(64))
+    # off CUDA (no SMs to fill): never a split
+    for rows in (1, 16):
+        assert choose_launch(rows, 100, 1 << 14, 0).num_splits == 1
+
+
+def test_rejects_bad_launch(device):
+    x, q, scale, _ = _case(2, 64, 48, torch.float32, "int8", device, bias=False)
+    with pytest.raises(AssertionError):  # tl.dot needs 16 rows
+        quant_matmul(x, q, scale, launch=SplitKLaunch(8, 64, 32, dot=True))
+    with pytest.raises(AssertionError):  # tiles are powers of two
+        quant_matmul(x, q, scale, launch=SplitKLaunch(1, 48, 32, dot=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_k_graph_replay_is_bitwise_eager():
+    """Captured in a CUDA graph (the workspace from the graph's pool, no host reads), a
+    split launch replays to the eager call's bits, on new input values too."""
+    x, q, scale, b = _case(4, 4096, 4096, torch.bfloat16, "int8", "cuda", bias=True)
+    launch = choose_launch(4, 4096, 4096, 132)
+    assert isinstance(launch, SplitKLaunch) and launch.num_splits > 1
+    quant_matmul(x, q, scale, b, launch=launch)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = quant_matmul(x, q, scale, b, launch=launch)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(out, quant_matmul(x, q, scale, b, launch=launch))
+
+
+@pytest.mark.parametrize(
+    "build",
+    ["quant_matmul_int8", "quant_matmul_fp8", "quant_matmul_reduce_splits"]
+    + [f"quant_matmul_split_k_{name}"
+       for name in ("int8_row", "int8_dot", "fp8_row", "fp8_dot", "int8_rows4")],
+)  # fmt: skip
 def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors[build] is None, sm90_build_errors[build]

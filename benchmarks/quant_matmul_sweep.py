@@ -1,0 +1,420 @@
+"""Launch sweep of the weight-only quantized matmul (``python -m benchmarks.kernels
+--quant-matmul``).
+
+For each Llama-3-8B decode matmul (K x N: qkv 4,096 x 6,144, o 4,096 x 4,096, gate/up 4,096
+x 28,672, down 14,336 x 4,096, LM head 4,096 x 128,256) at M = 1, 4, 16 and 64 rows, in
+int8 and fp8 weights, it times launches of ``kernels.quant_matmul.quant_matmul``
+(``launch=``) beside bf16 ``x @ w`` (cuBLAS) on the same shape, and prints per row the
+fastest launch beside today's (``TiledLaunch`` at ``tile_shape``, what decode ran before the
+split-K kernel) and the heuristic's (``choose_launch``), with a ``SplitKLaunch(...)`` to
+paste. Each launch is timed as ``benchmarks.kernels`` times the decode kernels: one CUDA
+graph over enough independent input sets (each its own weight) that no call finds its
+weight in L2 (``decode_cases.time_sets``). Bandwidth counts the weight's bytes and scales
+(and bf16's 2 bytes a weight for the cuBLAS row), against the device's peak.
+
+The grid is searched in stages, all rows at each stage before the next, so that a run cut
+short by ``--budget-s`` (compiles included) still has every row's first stage::
+
+    A  today's launch, the heuristic's, and split-K at column strips {32, 64, 128, 256} x
+       splits for {1, 2, 4, 8} programs per SM (deduplicated after the launcher's recount),
+       on tl.dot (16 rows a tile; 64 at M = 64) and, for M <= 4, the broadcast form
+    B  num_warps {2, 4, 8} x num_stages {2, 3, 4, 6} at each row's best split-K launch of A
+       (unsplit narrow strips with deep pipelines are the alternative to split-K's partials)
+    C  block_k {16, 32, 64, 128, 256} at the best of B
+
+The broadcast form's accumulator tile (``block_m * block_k * block_n`` float32 values) is
+kept within 64 values a thread, beyond which it spills registers. Every timing line is
+printed (and flushed) as it is measured, with its relative error against
+``kernels.reference.quant_matmul`` (``MISMATCH`` launches are never "best"; a launch that
+fails prints its error and the sweep goes on; torch's row is checked against ``x @ w`` in
+float32). Then bf16 ``x @ w``, the heuristic's launch and the best are timed again,
+interleaved, each keeping its least, and the summary printed.
+
+CPU: only with ``TRITON_INTERPRET=1`` and ``--quick`` (one small shape at M = 1 and 3: today's
+and the heuristic's launches and stage A at strips of 64 with an H100's split counts, wall
+clock): a smoke test of this code, not a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from benchmarks.decode_cases import num_input_sets, time_sets
+from kernels import reference
+
+if TYPE_CHECKING:
+    from kernels.quant_matmul import SplitKLaunch, TiledLaunch
+
+    # a quant_matmul launch, or TORCH: x @ w on the unquantized weight (the library's)
+    Launch = SplitKLaunch | TiledLaunch | str
+
+TORCH = "torch"
+
+# Llama-3-8B's matmuls of one decoder layer and the LM head: name -> (K, N).
+SHAPES = {
+    "qkv": (4096, 6144),
+    "o": (4096, 4096),
+    "gate_up": (4096, 28672),
+    "down": (14336, 4096),
+    "lm_head": (4096, 128256),
+}
+ROWS = (1, 4, 16, 64)
+MODES = ("int8", "fp8")
+SWEEP_BLOCK_N = (32, 64, 128, 256)
+SWEEP_WAVES = (0, 2, 4, 8)  # programs per SM the split count aims at (0: unsplit)
+SWEEP_WARPS = (2, 4, 8)
+SWEEP_STAGES = (2, 3, 4, 6)
+SWEEP_BLOCK_K = (16, 32, 64, 128, 256)
+BROADCAST_MAX_ROWS = 4  # the broadcast form's registers grow with block_m
+MAX_ACC_PER_THREAD = 64  # broadcast accumulators a thread: beyond it ptxas spills
+# |launch - reference| / max |reference| above this marks a wrong launch (bf16/fp16 outputs
+# are rounded once: ~4e-3; float32 differs by summation order).
+MISMATCH_ABOVE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+DEFAULT_BUDGET_S = 240.0
+# The confirmation (two more timings of three launches per row, nothing new to compile)
+# runs within this much past the budget.
+CONFIRM_RESERVE_S = 30.0
+
+
+@dataclass
+class WeightSet:
+    x: torch.Tensor  # [rows, K] activations
+    weight: torch.Tensor  # [K, N] the activations' dtype (torch's row), or quantized
+    scale: torch.Tensor | None  # [N] float32 (quantized sets only)
+
+
+@dataclass
+class Measured:
+    seconds: float
+    error: float
+    ok: bool
+
+
+def describe(launch: Launch) -> str:
+    from kernels.quant_matmul import SplitKLaunch
+
+    if isinstance(launch, str):
+        return "x @ w, unquantized (torch)"
+    if isinstance(launch, SplitKLaunch):
+        form = "dot" if launch.dot else "bcast"
+        return (
+            f"{form:<5} m{launch.block_m:<2} n{launch.block_n:<3} k{launch.block_k:<3} "
+            f"split={launch.num_splits:<2} w={launch.num_warps} s={launch.num_stages}"
+        )
+    return f"tiled m{launch.block_m:<2} n{launch.block_n:<3} k{launch.block_k:<3}"
+
+
+@dataclass
+class RowSweep:
+    """One (shape, rows, mode): its input sets, reference output and launches measured."""
+
+    shape: str
+    k: int
+    n: int
+    rows: int
+    mode: str
+    dtype: torch.dtype
+    device: torch.device
+    peak: float | None  # GB/s
+    sets: list[WeightSet]  # quantized
+    torch_sets: list[WeightSet]  # the unquantized weights
+    expected: torch.Tensor  # [rows, N] float32, reference on sets[0]
+    torch_expected: torch.Tensor  # [rows, N] float32, x @ w in float32 on torch_sets[0]
+    today: Launch = TORCH  # set by make_rows
+    heuristic: Launch = TORCH
+    results: dict[Launch, Measured] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.shape:<7} {self.k:>5}x{self.n:<6} M={self.rows:<3} {self.mode:<4}"
+
+    def weight_bytes(self, launch: Launch) -> int:
+        """Bytes a call must read of its weight: the dtype's (2 a value in bf16) for
+        torch's matmul, else 1 a value and the scales."""
+        if isinstance(launch, str):
+            return self.dtype.itemsize * self.k * self.n
+        return self.k * self.n + 4 * self.n
+
+    def effective(self, launch: Launch) -> Launch:
+        """The launch as the launcher runs it (splits recounted to whole tiles)."""
+        from kernels.quant_matmul import SplitKLaunch, split_k_rows
+
+        if not isinstance(launch, SplitKLaunch):
+            return launch
+        return replace(launch, num_splits=split_k_rows(self.k, launch.block_k,
+                                                       launch.num_splits)[1])  # fmt: skip
+
+    def impl(self, launch: Launch) -> Callable[[WeightSet], torch.Tensor]:
+        from kernels.quant_matmul import quant_matmul
+
+        if isinstance(launch, str):
+            return lambda s: s.x @ s.weight
+
+        def run(s: WeightSet) -> torch.Tensor:
+            assert s.scale is not None, "a quantized set"
+            return quant_matmul(s.x, s.weight, s.scale, launch=launch)
+
+        return run
+
+    def best(self) -> tuple[Launch, Measured] | None:
+        ok = [(launch, m) for launch, m in self.results.items() if m.ok and launch != TORCH]
+        return min(ok, key=lambda lm: lm[1].seconds) if ok else None
+
+    def best_split_k(self) -> SplitKLaunch | None:
+        from kernels.quant_matmul import SplitKLaunch
+
+        ok = [(launch, m) for launch, m in self.results.items()
+              if m.ok and isinstance(launch, SplitKLaunch)]  # fmt: skip
+        return min(ok, key=lambda lm: lm[1].seconds)[0] if ok else None
+
+    def measure(self, launch: Launch, out: Callable[[str], None]) -> None:
+        """Time ``launch`` (as the launcher will run it) unless it was, and print the line."""
+        launch = self.effective(launch)
+        if launch in self.results:
+            return
+        sets = self.sets_for(launch)
+        try:
+            seconds = time_sets(self.impl(launch), sets, self.device)
+            got = self.impl(launch)(sets[0]).float()
+            want = self.torch_expected if isinstance(launch, str) else self.expected
+            error = float((got - want).abs().max() / want.abs().max())
+        except Exception as e:  # a launch the device cannot run (shared memory, registers)
+            out(f"{self.label} {describe(launch):<42} failed: {type(e).__name__}: "
+                f"{str(e)[:150]}")  # fmt: skip
+            self.results[launch] = Measured(math.inf, math.inf, False)
+            return
+        ok = error <= MISMATCH_ABOVE[self.dtype]
+        self.results[launch] = Measured(seconds, error, ok)
+        marks = "".join(
+            f" {name}" for name, which in (("today", self.today), ("heuristic", self.heuristic))
+            if launch == which
+        )  # fmt: skip
+        out(f"{self.label} {describe(launch):<42} {self.figures(launch)} err {error:.1e}"
+            f"{'' if ok else ' MISMATCH'}{marks}")  # fmt: skip
+
+    def figures(self, launch: Launch) -> str:
+        """Time, GB/s of the weight bytes, % of peak, and speed-up over torch's matmul."""
+        seconds = self.results[launch].seconds
+        if not math.isfinite(seconds):
+            return f"{'failed':>9}"
+        gbps = self.weight_bytes(launch) / seconds / 1e9
+        pct = f"{100 * gbps / self.peak:5.1f}%" if self.peak else "   n/a"
+        return f"{seconds * 1e6:>9.1f} us {gbps:>7.0f} GB/s {pct} {self.ratio(seconds):>6}"
+
+    def ratio(self, seconds: float) -> str:
+        """torch's time on the unquantized weight over ``seconds`` (> 1: faster)."""
+        base = self.results.get(TORCH)
+        return f"{base.seconds / seconds:.2f}x" if base is not None and base.ok else "n/a"
+
+    def sets_for(self, launch: Launch) -> list[WeightSet]:
+        return self.torch_sets if isinstance(launch, str) else self.sets
+
+    def confirm(self, out: Callable[[str], None]) -> None:
+        """Time torch's matmul, the heuristic's launch and the best again, interleaved (A,
+        B, C, A, B, C: the figures compared come from the same minutes); each keeps its
+        least."""
+        best = self.best()
+        named: dict[Launch, str] = {TORCH: "torch", self.heuristic: "heuristic"}
+        if best is not None and best[0] not in named:
+            named[best[0]] = "best"
+        measured = [(launch, self.results.get(launch)) for launch in named]
+        runs = [(launch, m) for launch, m in measured if m is not None and m.ok]
+        for _ in range(2):
+            for launch, m in runs:
+                m.seconds = min(
+                    m.seconds, time_sets(self.impl(launch), self.sets_for(launch), self.device)
+                )
+        out(f"{self.label} confirmed: " + ", ".join(
+            f"{named[launch]} {m.seconds * 1e6:.1f} us" for launch, m in runs
+        ))  # fmt: skip
+
+
+def split_counts(row: RowSweep, block_m: int, block_n: int, sms: int) -> list[int]:
+    """Split counts that give each of ``SWEEP_WAVES`` programs per SM (at least 1)."""
+    programs = -(-row.n // block_n) * -(-row.rows // block_m)
+    return sorted({max(1, -(-waves * sms // programs)) for waves in SWEEP_WAVES})
+
+
+def fits(block_m: int, block_n: int, block_k: int, num_warps: int, dot: bool) -> bool:
+    """A split-K tile the kernel accepts and the device holds in registers."""
+    if dot:
+        return block_m >= 16 and block_k >= 16
+    return block_m * block_k * block_n <= MAX_ACC_PER_THREAD * 32 * num_warps
+
+
+def stage_a(row: RowSweep, sms: int, quick: bool) -> list[Launch]:
+    """Today's launch, the heuristic's, then split-K over strips x splits x forms."""
+    from kernels.quant_matmul import SplitKLaunch
+
+    launches: list[Launch] = [row.today, row.heuristic]
+    forms: list[tuple[bool, int, int]] = [(True, 16 if row.rows <= 16 else 64, 4)]
+    if row.rows <= BROADCAST_MAX_ROWS:
+        forms.append((False, 1 << (row.rows - 1).bit_length(), 8))
+    for block_n in (64,) if quick else SWEEP_BLOCK_N:
+        for dot, block_m, warps in forms:
+            block_k = 64
+            while not fits(block_m, block_n, block_k, warps, dot):
+                block_k //= 2
+            if block_k < 8:
+                continue
+            for splits in split_counts(row, block_m, block_n, sms):
+                launches.append(SplitKLaunch(block_m, block_n, block_k, splits, warps, 3, dot))
+    return launches
+
+
+def stage_b(row: RowSweep) -> list[Launch]:
+    b = row.best_split_k()
+    if b is None:
+        return []
+    return [replace(b, num_warps=w, num_stages=s) for w in SWEEP_WARPS for s in SWEEP_STAGES
+            if fits(b.block_m, b.block_n, b.block_k, w, b.dot)]  # fmt: skip
+
+
+def stage_c(row: RowSweep) -> list[Launch]:
+    b = row.best_split_k()
+    if b is None:
+        return []
+    return [replace(b, block_k=k) for k in SWEEP_BLOCK_K
+            if fits(b.block_m, b.block_n, k, b.num_warps, b.dot)]  # fmt: skip
+
+
+def make_rows(
+    device: torch.device,
+    dtype: torch.dtype,
+    peak: float | None,
+    shapes: dict[str, tuple[int, int]],
+    rows: tuple[int, ...],
+    modes: tuple[str, ...],
+    sms: int,
+) -> list[RowSweep]:
+    """Every (shape, rows, mode) with its input sets: per shape, independent random weights
+    (bf16, and each mode's quantization of them), enough sets that a CUDA graph over them
+    streams more than L2 (one set off CUDA)."""
+    from engine.quantization import quantize_weight
+    from kernels.quant_matmul import TiledLaunch, choose_launch, tile_shape
+
+    out: list[RowSweep] = []
+    for shape, (k, n) in shapes.items():
+        count = num_input_sets(k * n, device)
+        weights = [(torch.randn(k, n, device=device) * 0.02).to(dtype) for _ in range(count)]
+        quantized = {mode: [quantize_weight(w, mode) for w in weights] for mode in modes}
+        for m in rows:
+            xs = [torch.randn(m, k, device=device).to(dtype) for _ in range(count)]
+            torch_sets = [WeightSet(x, w, None) for x, w in zip(xs, weights, strict=True)]
+            torch_expected = xs[0].float() @ weights[0].float()
+            for mode in modes:
+                sets = [WeightSet(x, q, s) for x, (q, s) in zip(xs, quantized[mode], strict=True)]
+                q, s = quantized[mode][0]
+                expected = reference.quant_matmul(xs[0], q, s).float()
+                row = RowSweep(shape, k, n, m, mode, dtype, device, peak, sets, torch_sets,
+                               expected, torch_expected)  # fmt: skip
+                row.today = TiledLaunch(*tile_shape(m))
+                row.heuristic = row.effective(choose_launch(m, n, k, sms))
+                out.append(row)
+    return out
+
+
+def paste_line(row: RowSweep) -> str:
+    best = row.best()
+    if best is None:
+        return f"# {row.label}: no launch ran"
+    launch = best[0]
+    return f"{launch!r},  # {row.shape} {row.k}x{row.n} M={row.rows} {row.mode}"
+
+
+def run_quant_sweep(
+    device: torch.device,
+    dtype: torch.dtype,
+    peak: float | None,
+    *,
+    quick: bool = False,
+    budget_s: float = DEFAULT_BUDGET_S,
+    modes: tuple[str, ...] = MODES,
+    rows: tuple[int, ...] = ROWS,
+    out: Callable[[str], None] | None = None,
+) -> list[RowSweep]:
+    """Run the sweep, printing as it goes; returns the rows with their measurements."""
+    from kernels._common import num_compute_units
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    out = out or say
+    start = time.perf_counter()
+    sms = num_compute_units(device) if device.type == "cuda" else 0
+    if quick:  # interpreter-sized: one shape, small K and N, no stage B or C
+        shapes, rows = {"tiny": (96, 80)}, (1, 3)
+        stages: list[tuple[str, Callable[[RowSweep], list[Launch]]]] = [
+            ("A", lambda r: stage_a(r, 132, quick=True))
+        ]
+    else:
+        shapes = SHAPES
+        stages = [("A", lambda r: stage_a(r, sms, quick=False)), ("B", stage_b),
+                  ("C", stage_c)]  # fmt: skip
+    torch.manual_seed(0)
+    sweep = make_rows(device, dtype, peak, shapes, rows, modes, sms)
+    out(f"# quant_matmul launch sweep: {len(sweep)} rows ({', '.join(shapes)} x M "
+        f"{'/'.join(map(str, rows))} x {'/'.join(modes)}), stages "
+        f"{'/'.join(s for s, _ in stages)}, budget {budget_s:.0f} s (compiles included), "
+        f"{sms} SMs")  # fmt: skip
+    out(
+        f"# columns: time, GB/s of the weight's bytes, % of peak, speed-up over torch's x @ w "
+        f"on the {str(dtype).removeprefix('torch.')} weight"
+    )
+    torch_rows: dict[tuple[str, int], Measured] = {}
+    for row in sweep:  # torch's matmul first (once per shape and rows): lines print ratios
+        key = (row.shape, row.rows)
+        if key in torch_rows:
+            row.results[TORCH] = torch_rows[key]
+        else:
+            row.measure(TORCH, out)
+            torch_rows[key] = row.results[TORCH]
+    skipped = 0
+    for name, stage in stages:
+        out(f"# stage {name}")
+        for row in sweep:
+            for launch in stage(row):
+                if time.perf_counter() - start > budget_s:
+                    skipped += 1
+                    continue
+                row.measure(launch, out)
+    if skipped:
+        out(f"# budget of {budget_s:.0f} s spent: {skipped} launches not timed")
+    out("# confirm: torch's matmul, the heuristic's launch and the best, interleaved")
+    for row in sweep:
+        if time.perf_counter() - start > budget_s + CONFIRM_RESERVE_S:
+            out("# no time left to confirm the remaining rows")
+            break
+        try:
+            row.confirm(out)
+        except Exception as e:  # keep the first measurements; the summary still prints
+            out(f"# confirm failed: {type(e).__name__}: {str(e)[:150]}")
+    out(f"# sweep took {time.perf_counter() - start:.0f} s")
+    out("")
+    out(f"{'shape':<7} {'K x N':<12} {'M':<5} {'mode':<4} {'torch_us':>8} {'today':>15} "
+        f"{'heuristic':>15} {'best':>15}  best launch")  # fmt: skip
+
+    def cell(row: RowSweep, launch: Launch | None) -> str:
+        m = row.results.get(launch) if launch is not None else None
+        if m is None or not m.ok:
+            return f"{'-':>15}"
+        return f"{m.seconds * 1e6:>8.1f} {row.ratio(m.seconds):>6}"
+
+    for row in sweep:
+        base = row.results.get(TORCH)
+        best = row.best()
+        best_cell = cell(row, best[0] if best else None)
+        out(f"{row.label} {base.seconds * 1e6 if base else math.nan:>8.1f} "
+            f"{cell(row, row.today)} {cell(row, row.heuristic)} "
+            f"{best_cell}  {describe(best[0]) if best else '-'}")  # fmt: skip
+    out("")
+    out("# the best launch per row, to paste (kernels/quant_matmul.py choose_launch):")
+    for row in sweep:
+        out(f"#   {paste_line(row)}")
+    return sweep

@@ -1,0 +1,105 @@
+"""Smoke test of ``python -m benchmarks.kernels --quant-matmul`` (benchmarks/quant_matmul_sweep.py):
+the sweep runs end to end, every launch it times computes the reference's product, and the
+later stages search around the best launch within the register bound.
+
+CPU: the Triton launches run under the interpreter (conftest.py sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.kernels import main
+from benchmarks.quant_matmul_sweep import (
+    MAX_ACC_PER_THREAD,
+    TORCH,
+    Measured,
+    RowSweep,
+    fits,
+    stage_a,
+    stage_b,
+    stage_c,
+)
+from kernels.quant_matmul import SplitKLaunch, TiledLaunch, choose_launch, tile_shape
+
+
+def test_quick_sweep_times_each_launch_and_prints_the_best(device, capsys):
+    main(["--device", device.type, "--quant-matmul", "--quick", "--peak-gbps", "100",
+          "--quant-modes", "int8"])  # fmt: skip
+    out = capsys.readouterr().out
+    timed = [line for line in out.splitlines() if line.startswith("tiny ") and " us " in line]
+    for rows in (1, 3):
+        mine = [line for line in timed if f" M={rows} " in line]
+        assert sum("unquantized (torch)" in line for line in mine) == 1, mine
+        assert sum(line.endswith(" today") for line in mine) == 1, mine
+        assert sum(line.endswith(" heuristic") for line in mine) == 1, mine
+        assert sum(" split=2 " in line for line in mine) >= 2, mine  # dot and broadcast
+    for line in timed:
+        assert "MISMATCH" not in line and "failed" not in line, line
+    assert "confirmed: torch " in out and "best launch" in out
+    pasted = [line for line in out.splitlines() if line.startswith("#   SplitKLaunch(")]
+    assert len(pasted) == 2, out
+    launch = eval(pasted[0][4:].split("  #")[0].rstrip(","), {"SplitKLaunch": SplitKLaunch})
+    assert isinstance(launch, SplitKLaunch)
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [(["--quick", "--quant-modes", "int4"], "int4"), ([], "only with --quick")],
+)
+def test_bad_use_is_one_line(capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--quant-matmul", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+
+
+def _row(rows: int, k: int, n: int) -> RowSweep:
+    empty = torch.empty(0)
+    row = RowSweep("x", k, n, rows, "int8", torch.bfloat16, torch.device("cpu"), None, [], [],
+                   empty, empty)  # fmt: skip
+    row.today = TiledLaunch(*tile_shape(rows))
+    row.heuristic = row.effective(choose_launch(rows, n, k, 132))
+    return row
+
+
+def test_stage_a_covers_both_forms_within_the_register_bound():
+    row = _row(1, 4096, 4096)
+    launches = stage_a(row, 132, quick=False)
+    assert launches[:2] == [row.today, row.heuristic]
+    split_k = [launch for launch in launches if isinstance(launch, SplitKLaunch)]
+    assert {launch.dot for launch in split_k} == {True, False}
+    assert {launch.block_n for launch in split_k} == {32, 64, 128, 256}
+    assert {launch.num_splits for launch in split_k} >= {1, 9, 17, 33}  # 0-8 waves at 128
+    for launch in split_k:
+        if launch.dot:
+            assert launch.block_m == 16
+        else:
+            per_thread = launch.block_m * launch.block_k * launch.block_n // (32 * launch.num_warps)
+            assert per_thread <= MAX_ACC_PER_THREAD, launch
+    # 64 rows: tl.dot on 64-row tiles only
+    wide = [launch for launch in stage_a(_row(64, 4096, 4096), 132, quick=False)
+            if isinstance(launch, SplitKLaunch)]  # fmt: skip
+    assert wide and {(launch.dot, launch.block_m) for launch in wide} == {(True, 64)}
+
+
+def test_later_stages_search_around_the_best_split_k_launch():
+    row = _row(1, 4096, 4096)
+    best = SplitKLaunch(1, 128, 64, 16, 8, 3, dot=False)
+    row.results = {
+        TORCH: Measured(1e-6, 0.0, True),  # never "best": not a quant_matmul launch
+        row.today: Measured(2e-6, 0.0, True),  # faster than `best`, but not split-K
+        best: Measured(3e-6, 0.0, True),
+        SplitKLaunch(16, 128, 64, 16, 4, 3): Measured(1e-9, 1.0, False),  # a mismatch
+    }
+    assert row.best_split_k() == best
+    b = stage_b(row)
+    # 2 warps would hold 128 accumulators a thread: left out
+    assert {(launch.num_warps, launch.num_stages) for launch in b} == {
+        (w, s) for w in (4, 8) for s in (2, 3, 4, 6)
+    }
+    assert all(launch.block_k == 64 and launch.num_splits == 16 for launch in b)
+    assert [launch.block_k for launch in stage_c(row)] == [16, 32, 64, 128]
+    assert fits(16, 256, 256, 2, dot=True) and not fits(16, 64, 8, 4, dot=True)
