@@ -17,6 +17,21 @@ writes the same slots of the same blocks and builds the same ``InputBatch``. It 
 gloo group (``broadcast_object_list``) even when the model's collectives run on NCCL, so it is
 plain host data on every device (vLLM keeps such a CPU group beside its NCCL one).
 
+Joining: rank 0 owns the rendezvous, so it never waits blind. It serves the group's
+``TCPStore`` itself (``listen``, before it spawns anyone: the workers get its address), each
+worker connects and sets its key (``pagedserve/joined/<rank>``) just before
+``init_process_group``, and rank 0 polls for the keys every ``JOIN_POLL_S`` while watching
+the processes it spawned. Only when every rank has registered does rank 0 call
+``init_process_group`` on the same store. A spawned worker that exits first fails the start
+within a poll (``TensorParallelStartError``: its rank, its exit status, and the
+``if __name__ == "__main__":`` hint when it died re-importing the user's script); the other
+workers are killed and reaped and the store closed, so nothing is left blocked and a new
+group can start in the same process at once. A rank on another host is no process of rank
+0's: its death before joining costs the whole timeout (its host's ``pagedserve serve
+--node-rank`` exits non-zero), though rank 0 still goes on as soon as every rank has joined,
+and the timeout error names the ranks that never did. Under torchrun (``env://``) torchrun
+owns the store and watches every rank; rank 0 joins with ``init_process_group`` directly.
+
 Failure: never a hang.
 
 - Every collective has the group's timeout (``PAGEDSERVE_TP_TIMEOUT_S``, default 120 s;
@@ -37,6 +52,8 @@ from __future__ import annotations
 import logging
 import multiprocessing.connection
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -44,6 +61,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -59,6 +77,20 @@ STOP = "stop"  # rank 0 exits: workers return
 HEARTBEAT = "heartbeat"  # rank 0 is idle and alive
 DEFAULT_TIMEOUT_S = 120.0
 EXIT_GRACE_S = 1.0  # between failing /health and exiting, so the failure is seen
+JOIN_POLL_S = 0.1  # rank 0's poll for registrations and dead workers while joining
+# A spawned worker that finds itself re-importing the user's script (the spawn start
+# method runs the main module's top level again) exits with this status
+# (engine/tp_launch.py: ``refuse_in_spawn_bootstrap``).
+REIMPORT_EXIT_CODE = 3
+
+
+class TensorParallelStartError(EngineFatalError):
+    """The group could not be formed: a rank exited before joining, or did not join within
+    the timeout. Nothing of the attempt is left running."""
+
+
+def _joined_key(rank: int) -> str:
+    return f"pagedserve/joined/{rank}"
 
 
 def collective_timeout_s() -> float:
@@ -143,7 +175,7 @@ class Rendezvous:
     rank: int
     local_rank: int  # the rank on its host: picks the GPU
     world_size: int
-    init_method: str  # tcp://addr:port, or env:// under torchrun
+    init_method: str  # tcp://addr:port (rank 0 serves the store there), or env:// (torchrun)
 
 
 class TensorParallelGroup:
@@ -169,21 +201,68 @@ class TensorParallelGroup:
         self.closed = False
         self._last_send = time.monotonic()
         self._rendezvous = rendezvous
+        # The rendezvous store (tcp:// only): rank 0 serves it from ``listen`` until the group
+        # is destroyed or the start fails; a worker holds a client of it.
+        self._store: Any = None
         self.device_group: Any = None
         self.plan_group: Any = None
 
+    def listen(self) -> str:
+        """Rank 0: serve the rendezvous store, before any worker starts. Returns the init
+        method the other ranks join with: the address with the port bound (port 0 in
+        ``init_method`` asks for any free one)."""
+        url = urlsplit(self._rendezvous.init_method)
+        if self.rank != 0 or url.scheme != "tcp" or url.hostname is None:
+            raise ValueError(f"rank {self.rank} cannot serve {self._rendezvous.init_method}")
+        if self._store is None:
+            self._store = dist.TCPStore(  # type: ignore[attr-defined]
+                url.hostname,
+                url.port or 0,
+                self.world_size,
+                is_master=True,
+                timeout=timedelta(seconds=self.timeout_s),
+                wait_for_workers=False,  # rank 0 waits itself, watching its workers
+            )
+        return f"tcp://{url.hostname}:{self._store.port}"
+
     def join(self) -> None:
-        """Join the group (blocks until every rank has joined, up to the timeout)."""
+        """Join the group: returns when every rank has joined. On rank 0 (tcp://), raises
+        ``TensorParallelStartError`` when a spawned worker exits first or the timeout
+        passes, after stopping every worker in ``processes`` and closing the store."""
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed group already exists in this process")
         rendezvous, backend = self._rendezvous, self.backend
-        dist.init_process_group(
-            backend,
-            init_method=rendezvous.init_method,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(seconds=self.timeout_s),
-        )
+        timeout = timedelta(seconds=self.timeout_s)
+        if urlsplit(rendezvous.init_method).scheme != "tcp":  # env://: torchrun's store
+            dist.init_process_group(
+                backend,
+                init_method=rendezvous.init_method,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
+        elif self.rank == 0:
+            try:
+                self.listen()
+                self._await_ranks()
+                dist.init_process_group(
+                    backend, store=self._store, rank=0, world_size=self.world_size,
+                    timeout=timeout,
+                )  # fmt: skip
+            except BaseException as exc:
+                self.abort(f"joining the tensor-parallel group failed: {exc}")
+                raise
+        else:
+            url = urlsplit(rendezvous.init_method)
+            assert url.hostname is not None and url.port is not None, rendezvous.init_method
+            self._store = dist.TCPStore(  # type: ignore[attr-defined]
+                url.hostname, url.port, self.world_size, is_master=False, timeout=timeout
+            )
+            self._store.set(_joined_key(self.rank), str(os.getpid()))
+            dist.init_process_group(
+                backend, store=self._store, rank=self.rank, world_size=self.world_size,
+                timeout=timeout,
+            )  # fmt: skip
         self.device_group = dist.group.WORLD
         self.plan_group = (
             dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
@@ -193,14 +272,54 @@ class TensorParallelGroup:
 
     # ---- rank 0 ---------------------------------------------------------------------------
 
+    def _await_ranks(self) -> None:
+        """Rank 0: poll the store until every other rank has registered, failing as soon as
+        a spawned worker has exited (its exit is read before the keys, so a worker that
+        registered and died at once is caught too) or when the timeout has passed."""
+        missing = set(range(1, self.world_size))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            for rank, p in enumerate(self.processes, start=1):  # node 0's ranks 1..
+                if p.exitcode is not None:  # polls (and reaps) the process
+                    raise TensorParallelStartError(_describe_early_exit(rank, p))
+            missing = {r for r in missing if not self._store.check([_joined_key(r)])}
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise TensorParallelStartError(
+                    f"tensor-parallel rank(s) {', '.join(map(str, sorted(missing)))} did not "
+                    f"join the group at {self._rendezvous.init_method} within "
+                    f"{self.timeout_s:g} s (PAGEDSERVE_TP_TIMEOUT_S); a rank on another host "
+                    "joins when that host runs `pagedserve serve --node-rank K` with the "
+                    "same --master-addr/--master-port"
+                )
+            sentinels = [p.sentinel for p in self.processes]
+            if sentinels:
+                multiprocessing.connection.wait(sentinels, timeout=JOIN_POLL_S)
+            else:
+                time.sleep(JOIN_POLL_S)
+
+    def abort(self, reason: str) -> None:
+        """Rank 0, a start that failed: kill and reap every spawned worker and close the
+        store, so nothing of the attempt is left and a new group can start in this process."""
+        if self.failed is None:
+            self.failed = reason
+        self.closed = True
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._store = None  # the last reference: its server stops and the port is free
+
     def send(self, message: StepPlan | str) -> None:
         """Rank 0: broadcast a plan, HEARTBEAT or STOP (call with ``lock`` held)."""
         dist.broadcast_object_list([message], src=0, group=self.plan_group)
         self._last_send = time.monotonic()
 
     def start_watchdog(self) -> None:
-        """Rank 0: watch the spawned workers, from before the group is joined (a worker that
-        fails to start must not leave rank 0 waiting for it)."""
+        """Rank 0, once joined: watch the spawned workers (``join`` watched them until then)."""
         threading.Thread(target=self._watch, name="pagedserve-tp-watchdog", daemon=True).start()
 
     def start_heartbeat(self) -> None:
@@ -280,7 +399,46 @@ class TensorParallelGroup:
                 p.join(timeout=5.0)
         if self.device_group is not None and dist.is_initialized():
             dist.destroy_process_group()
+        self._store = None
         logger.info("tensor-parallel group stopped")
+
+
+def _describe_early_exit(rank: int, p: BaseProcess) -> str:
+    """Why a spawned worker's start failed, as far as its exit status tells."""
+    code = p.exitcode
+    assert code is not None
+    head = f"tensor-parallel rank {rank} (pid {p.pid})"
+    if code == REIMPORT_EXIT_CODE:
+        return (
+            f"{head} exited with status {code} before joining the group: it re-imported "
+            f"the main script ({_main_script() or '__main__'}), whose top level creates a "
+            "tensor-parallel engine again. Workers are started with the spawn method, which "
+            "runs the main script's top level in every worker: put the code that builds "
+            'the LLM under `if __name__ == "__main__":`'
+        )
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = " (the kernel's out-of-memory killer sends SIGKILL)" if -code == 9 else ""
+        return f"{head} was killed by {name} before joining the group{why}"
+    hint = ""
+    if _main_script() is not None:
+        hint = (
+            "; if it failed while re-importing the main script (the spawn method runs its "
+            'top level in every worker), guard that code with `if __name__ == "__main__":`'
+        )
+    return (
+        f"{head} exited with status {code} before joining the group: its error, if it "
+        f"printed one, is on stderr above (workers share this process's){hint}"
+    )
+
+
+def _main_script() -> str | None:
+    """The main script's path when this process runs one (spawned workers import it)."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path if isinstance(path, str) and path.endswith(".py") else None
 
 
 class TensorParallelRunner(ModelRunner):

@@ -22,6 +22,7 @@ import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import threading
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -32,12 +33,18 @@ import torch.multiprocessing as mp
 
 from engine.builder import build_engine_parts
 from engine.config import EngineConfig, ModelConfig
-from engine.faults import EngineFatalError
 from engine.loader import read_hf_config, resolve_model
 from engine.model_runner import feed_pending
 from engine.presets import preset
 from engine.tensor_parallel import check_shardable
-from engine.tp_group import HEARTBEAT, STOP, Rendezvous, StepPlan, TensorParallelGroup
+from engine.tp_group import (
+    HEARTBEAT,
+    REIMPORT_EXIT_CODE,
+    STOP,
+    Rendezvous,
+    StepPlan,
+    TensorParallelGroup,
+)
 from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
@@ -75,10 +82,12 @@ def launch(
     *,
     exit_on_failure: bool,
 ) -> TensorParallelGroup:
-    """Rank 0 (node 0): spawn this host's other ranks, join the group, start the watchdog.
+    """Rank 0 (node 0): serve the rendezvous store, spawn this host's other ranks, join the
+    group (failing fast when a worker dies first: engine/tp_group.py), start the watchdog.
 
     On the CPU the host's threads are split between its ranks (torch's count divided by
     the ranks on the host), so N ranks on N cores do not oversubscribe them."""
+    refuse_in_spawn_bootstrap()
     world = config.tensor_parallel_size
     # Once, here, before any other rank starts: converting a GGUF and compiling the C++
     # kernels (every rank then finds them cached).
@@ -88,7 +97,6 @@ def launch(
     if backend_for(config) == "gloo":
         cpu_kernels.load()
     rendezvous = torchrun_rendezvous()
-    processes: list[BaseProcess] = []
     backend = backend_for(config)
     if rendezvous is not None:
         if rendezvous.world_size != world or rendezvous.rank != 0:
@@ -96,18 +104,24 @@ def launch(
                 f"torchrun started {rendezvous.world_size} ranks (this is rank "
                 f"{rendezvous.rank}); --tensor-parallel-size is {world}"
             )
+        group = TensorParallelGroup(rendezvous, backend, exit_on_failure=exit_on_failure)
     else:
         local = world // config.nnodes
-        port = config.master_port or _free_port()
-        init = f"tcp://{config.master_addr}:{port}"
-        rendezvous = Rendezvous(0, 0, world, init)
+        rendezvous = Rendezvous(0, 0, world, f"tcp://{config.master_addr}:{config.master_port}")
+        group = TensorParallelGroup(rendezvous, backend, exit_on_failure=exit_on_failure)
+        init = group.listen()  # before any worker starts: they connect to it
         threads = 0
         if backend == "gloo":
             threads = max(1, torch.get_num_threads() // local)
             torch.set_num_threads(threads)
-        processes = spawn_local_ranks(
-            config, kv_config, scheduler_config, node_rank=0, init_method=init, threads=threads
-        )
+        try:
+            group.processes = spawn_local_ranks(
+                config, kv_config, scheduler_config, node_rank=0, init_method=init,
+                threads=threads,
+            )  # fmt: skip
+        except BaseException as exc:
+            group.abort(f"spawning the tensor-parallel workers failed: {exc}")
+            raise
         logger.info(
             "tensor parallel: %d ranks (%d on this host), %s, rendezvous %s%s",
             world,
@@ -116,18 +130,27 @@ def launch(
             init,
             f", {threads} CPU threads per rank" if threads else "",
         )
-    group = TensorParallelGroup(rendezvous, backend, exit_on_failure=exit_on_failure)
-    group.processes = processes
+    group.join()  # on failure: every worker stopped and reaped, the store closed
     atexit.register(group.shutdown)
     group.start_watchdog()
-    try:
-        group.join()
-    except Exception as exc:
-        if group.failed is not None:  # a worker died first: that is the cause
-            raise EngineFatalError(group.failed) from exc
-        group.fail(f"joining the tensor-parallel group failed: {exc}")
-        raise
     return group
+
+
+def refuse_in_spawn_bootstrap() -> None:
+    """A spawned process that is still importing the main script (spawn runs its top level
+    again) must not start a group of its own: it exits with ``REIMPORT_EXIT_CODE``, which
+    rank 0 turns into the ``if __name__ == "__main__":`` hint (engine/tp_group.py)."""
+    # multiprocessing's spawn sets ``_inheriting`` while it prepares the child, which is
+    # when it runs the main script (``parent_process()`` is not known yet then).
+    if not getattr(mp.current_process(), "_inheriting", False):
+        return
+    sys.stderr.write(
+        "pagedserve: a tensor-parallel engine was created while this spawned process was "
+        "re-importing the main script; exiting. Put the code that builds it under "
+        '`if __name__ == "__main__":`\n'
+    )
+    sys.stderr.flush()
+    raise SystemExit(REIMPORT_EXIT_CODE)
 
 
 def spawn_local_ranks(
