@@ -3,7 +3,9 @@ serves the rendezvous store and watches its workers (engine/tp_group.py), fails 
 within a poll of the death with the rank and its exit status, stops and reaps the other
 workers and closes the store; a TP=2 engine then starts in the same process and gives TP=1's
 tokens. A script that builds the engine at its top level, outside
-``if __name__ == "__main__":``, fails at once with that hint instead of hanging."""
+``if __name__ == "__main__":``, fails at once with that hint instead of hanging. Over two
+"hosts" (two processes here), a node that never comes costs the timeout and the error names
+its ranks; one that comes joins, and its ranks follow rank 0 to a clean stop."""
 
 from __future__ import annotations
 
@@ -21,7 +23,12 @@ import pytest
 import torch.distributed as dist
 
 from engine import LLM, SamplingParams, tp_launch
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.tp_group import TensorParallelGroup, TensorParallelStartError
+from engine.tp_launch import _free_port
+from kvpool.config import KVPoolConfig
+from scheduler.config import SchedulerConfig
 from tests.engine import tp_faults
 from tests.engine.conftest import make_tiny_llama
 
@@ -111,3 +118,50 @@ def test_a_script_building_the_engine_unguarded_fails_with_the_hint(model, tmp_p
     assert "re-imported the main script" in done.stderr
     assert 'if __name__ == "__main__":' in done.stderr
     assert elapsed < FAIL_BOUND_S, f"the script failed after {elapsed:.1f} s"
+
+
+def _greedy(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    for request_id, prompt in zip(tokens, PROMPTS, strict=True):
+        engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return list(tokens.values())
+
+
+def test_two_nodes_join_and_a_missing_node_costs_the_timeout(model, monkeypatch):
+    port = _free_port()
+    config = EngineConfig(model=str(model), device="cpu", tensor_parallel_size=2, nnodes=2,
+                          master_port=port)  # fmt: skip
+    kv, scheduler = KVPoolConfig(num_blocks=32), SchedulerConfig(max_num_seqs=4)
+    # Node 1 never starts: rank 0 cannot see its process, so it waits out the timeout.
+    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT_S", "2")
+    start = time.monotonic()
+    with pytest.raises(TensorParallelStartError, match=r"rank\(s\) 1 did not join .* within 2 s"):
+        LLMEngine(config, kv, scheduler)
+    assert time.monotonic() - start < FAIL_BOUND_S
+    assert not dist.is_initialized()
+    # Node 1 starts (before or after node 0 listens: its ranks retry the store until the
+    # timeout), and node 0 goes on as soon as its rank has joined.
+    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT_S", str(TIMEOUT_S))
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", str(model), "--tensor-parallel-size", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "--device", "cpu",
+         "--num-kv-blocks", "32", "--max-num-seqs", "4", "--log-level", "warning"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        engine = LLMEngine(config, kv, scheduler)
+        try:
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            tp2 = _greedy(engine, params)
+        finally:
+            engine.shutdown()
+        assert node1.wait(timeout=TIMEOUT_S) == 0  # its rank stopped on rank 0's STOP
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+    tp1 = [o.token_ids for o in LLM(str(model), num_kv_blocks=32).generate(PROMPTS, params)]
+    assert tp2 == tp1
