@@ -63,6 +63,7 @@ def serve(config: ServingConfig) -> int:
     signal drains it."""
     from engine.llm_engine import LLMEngine
     from engine.threads import configure_threads
+    from engine.tp_group import TensorParallelStartError
     from server.api import create_app
     from server.engine_client import AsyncEngineClient
     from server.metrics import ServerMetrics
@@ -75,12 +76,18 @@ def serve(config: ServingConfig) -> int:
     if worker_status is not None:
         return worker_status
     logger.info("loading model %r (%s)", config.engine.model, config.engine)
-    engine = on_worker_thread(
-        functools.partial(LLMEngine, exit_on_tp_failure=True),
-        config.engine,
-        config.kvpool,
-        config.scheduler,
-    )
+    try:
+        engine = on_worker_thread(
+            functools.partial(LLMEngine, exit_on_tp_failure=True),
+            config.engine,
+            config.kvpool,
+            config.scheduler,
+        )
+    except TensorParallelStartError as exc:
+        # A rank died before joining, or one on another host never came: every local rank
+        # is already stopped (engine/tp_group.py); one line, no traceback.
+        logger.critical("%s", exc)
+        return 1
     if engine.tokenizer is None:
         # The HTTP API returns text, so it cannot serve a model without a tokenizer (a shape
         # preset with dummy weights has none); the offline LLM takes token ids instead.

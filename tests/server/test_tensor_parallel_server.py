@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -140,3 +141,20 @@ def test_killed_worker_makes_the_server_exit_non_zero(tp_server):
     log = tp_server.log_path.read_text()
     assert "tensor-parallel worker" in log and "exiting with status 1" in log, log[-2000:]
     print(f"server exited {time.monotonic() - start:.1f} s after its worker was killed")
+
+
+def test_a_node_that_never_joins_exits_1_with_one_line() -> None:
+    """Node 0 of two whose node 1 never starts: the start fails after the group timeout,
+    naming the rank, as one log line and status 1 (no traceback). Shape preset, dummy
+    weights: nothing is loaded before the join."""
+    argv = [
+        sys.executable, "-m", "server", "--model", "smollm2-135m", "--load-format", "dummy",
+        "--device", "cpu", "--host", HOST, "--port", str(free_port()),
+        "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "0",
+        "--master-port", str(free_port()),
+    ]  # fmt: skip
+    env = {**os.environ, "PAGEDSERVE_TP_TIMEOUT_S": "1"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "rank(s) 1 did not join the group" in done.stderr
+    assert "Traceback" not in done.stderr
