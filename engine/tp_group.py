@@ -204,6 +204,7 @@ class TensorParallelGroup:
         # The rendezvous store (tcp:// only): rank 0 serves it from ``listen`` until the group
         # is destroyed or the start fails; a worker holds a client of it.
         self._store: Any = None
+        self.address = rendezvous.init_method  # rank 0: with the port ``listen`` bound
         self.device_group: Any = None
         self.plan_group: Any = None
 
@@ -223,7 +224,8 @@ class TensorParallelGroup:
                 timeout=timedelta(seconds=self.timeout_s),
                 wait_for_workers=False,  # rank 0 waits itself, watching its workers
             )
-        return f"tcp://{url.hostname}:{self._store.port}"
+        self.address = f"tcp://{url.hostname}:{self._store.port}"
+        return self.address
 
     def join(self) -> None:
         """Join the group: returns when every rank has joined. On rank 0 (tcp://), raises
@@ -231,24 +233,14 @@ class TensorParallelGroup:
         passes, after stopping every worker in ``processes`` and closing the store."""
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed group already exists in this process")
-        rendezvous, backend = self._rendezvous, self.backend
-        timeout = timedelta(seconds=self.timeout_s)
+        rendezvous = self._rendezvous
         if urlsplit(rendezvous.init_method).scheme != "tcp":  # env://: torchrun's store
-            dist.init_process_group(
-                backend,
-                init_method=rendezvous.init_method,
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timeout,
-            )
+            self._init(init_method=rendezvous.init_method)
         elif self.rank == 0:
             try:
                 self.listen()
                 self._await_ranks()
-                dist.init_process_group(
-                    backend, store=self._store, rank=0, world_size=self.world_size,
-                    timeout=timeout,
-                )  # fmt: skip
+                self._init(store=self._store)
             except BaseException as exc:
                 self.abort(f"joining the tensor-parallel group failed: {exc}")
                 raise
@@ -256,17 +248,27 @@ class TensorParallelGroup:
             url = urlsplit(rendezvous.init_method)
             assert url.hostname is not None and url.port is not None, rendezvous.init_method
             self._store = dist.TCPStore(  # type: ignore[attr-defined]
-                url.hostname, url.port, self.world_size, is_master=False, timeout=timeout
+                url.hostname,
+                url.port,
+                self.world_size,
+                is_master=False,
+                timeout=timedelta(seconds=self.timeout_s),
             )
             self._store.set(_joined_key(self.rank), str(os.getpid()))
-            dist.init_process_group(
-                backend, store=self._store, rank=self.rank, world_size=self.world_size,
-                timeout=timeout,
-            )  # fmt: skip
+            self._init(store=self._store)
+
+    def _init(self, **rendezvous: Any) -> None:
+        """``init_process_group`` (``rendezvous``: its ``store`` or ``init_method``), and
+        the plan group beside a device group that is not gloo."""
+        timeout = timedelta(seconds=self.timeout_s)
+        dist.init_process_group(
+            self.backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
+            **rendezvous,
+        )  # fmt: skip
         self.device_group = dist.group.WORLD
         self.plan_group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
-            if backend != "gloo"
+            dist.new_group(backend="gloo", timeout=timeout)
+            if self.backend != "gloo"
             else dist.group.WORLD
         )
 
@@ -286,12 +288,17 @@ class TensorParallelGroup:
             if not missing:
                 return
             if time.monotonic() > deadline:
+                remote = any(r > len(self.processes) for r in missing)
                 raise TensorParallelStartError(
                     f"tensor-parallel rank(s) {', '.join(map(str, sorted(missing)))} did not "
-                    f"join the group at {self._rendezvous.init_method} within "
-                    f"{self.timeout_s:g} s (PAGEDSERVE_TP_TIMEOUT_S); a rank on another host "
-                    "joins when that host runs `pagedserve serve --node-rank K` with the "
-                    "same --master-addr/--master-port"
+                    f"join the group at {self.address} within {self.timeout_s:g} s "
+                    "(PAGEDSERVE_TP_TIMEOUT_S)"
+                    + (
+                        "; a rank on another host joins when that host runs `pagedserve "
+                        "serve --node-rank K` with the same --master-addr/--master-port"
+                        if remote
+                        else ""
+                    )
                 )
             sentinels = [p.sentinel for p in self.processes]
             if sentinels:
