@@ -26,11 +26,14 @@ the processes it spawned. Only when every rank has registered does rank 0 call
 within a poll (``TensorParallelStartError``: its rank, its exit status, and the
 ``if __name__ == "__main__":`` hint when it died re-importing the user's script); the other
 workers are killed and reaped and the store closed, so nothing is left blocked and a new
-group can start in the same process at once. A rank on another host is no process of rank
-0's: its death before joining costs the whole timeout (its host's ``pagedserve serve
---node-rank`` exits non-zero), though rank 0 still goes on as soon as every rank has joined,
-and the timeout error names the ranks that never did. Under torchrun (``env://``) torchrun
-owns the store and watches every rank; rank 0 joins with ``init_process_group`` directly.
+group can start in the same process at once. (A worker that dies in the instant between
+setting its key and entering ``init_process_group`` is the one case left to the timeout.)
+
+A rank on another host is no process of rank 0's: its death before joining costs the whole
+timeout (its host's ``pagedserve serve --node-rank`` exits non-zero), though rank 0 still
+goes on as soon as every rank has joined, and the timeout error names the ranks that never
+did. Under torchrun (``env://``) torchrun owns the store and watches every rank; rank 0
+joins with ``init_process_group`` directly.
 
 Failure: never a hang.
 
