@@ -242,6 +242,14 @@ def build_engine_parts(
     max_model_len = min(
         mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings
     )
+    if config.max_model_len is not None and config.max_model_len > max_model_len:
+        # RoPE tables and the model's training stop at its positions: capped, said once.
+        logger.warning(
+            "max_model_len %d exceeds the model's %d positions: using %d",
+            config.max_model_len,
+            max_model_len,
+            max_model_len,
+        )
     tokenizer_dir = config.tokenizer or (resolved.path if resolved is not None else None)
     tokenizer = load_tokenizer(Path(tokenizer_dir)) if tokenizer_dir is not None else None
     eos_token_id = mc.eos_token_id
@@ -420,6 +428,11 @@ def build_engine_parts(
         if int(count) != capacity.num_blocks:
             capacity = dataclasses.replace(capacity, num_blocks=int(count))
     key_offsets = None
+    if kv_config.key_offsets and kv_config.cache_dtype not in QUANTIZED_KV_DTYPES:
+        logger.warning(
+            "key offsets apply to a quantized KV cache only (--kv-cache-dtype %s): ignored",
+            "|".join(QUANTIZED_KV_DTYPES),
+        )
     if kv_config.cache_dtype in QUANTIZED_KV_DTYPES and kv_config.key_offsets:
         # Before the pool exists, from the float model (engine/kv_calibration.py).
         key_offsets = calibrate_key_offsets(

@@ -56,3 +56,13 @@ def test_bf16_checkpoint_is_cast_to_the_configured_dtype(tmp_path):
     ).eval()
     out = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0))[0]
     assert_parity(out.token_ids, hf_greedy(ref, PROMPT, 12, eos_token_id=2), label="bf16")
+
+
+def test_max_model_len_beyond_the_models_positions_is_capped_with_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="engine.builder"):
+        llm = LLM(
+            "tiny-llama", load_format="dummy", max_model_len=4096, num_kv_blocks=8,
+            device="cpu", dtype="float32",
+        )  # fmt: skip
+    assert llm.engine.max_model_len == 2048  # the preset's max_position_embeddings
+    assert any("exceeds the model's 2048 positions" in r.getMessage() for r in caplog.records)

@@ -199,7 +199,7 @@ def biased_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_key_offsets_are_calibrated_per_layer_and_reach_the_stores(model_path):
+def test_key_offsets_are_calibrated_per_layer_and_reach_the_stores(model_path, caplog):
     llm = LLM(
         str(model_path), kv_cache_dtype="int8", kv_key_offsets=True, num_kv_blocks=16, **DEVICE
     )
@@ -210,9 +210,14 @@ def test_key_offsets_are_calibrated_per_layer_and_reach_the_stores(model_path):
         assert bool(offset.isfinite().all()) and float(offset.abs().max()) > 0
         assert attention.key_offset(cache) is offset
     for kwargs in ({"kv_cache_dtype": "int8"}, {"kv_key_offsets": True}):  # off; unquantized
-        llm = LLM(str(model_path), num_kv_blocks=16, **kwargs, **DEVICE)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="engine.builder"):
+            llm = LLM(str(model_path), num_kv_blocks=16, **kwargs, **DEVICE)
         assert llm.engine.storage.key_offsets is None
         assert llm.engine.model.attention.key_offset(llm.engine.storage.key_caches[0]) is None
+        # Asked for on a float cache, the flag does nothing, and says so.
+        ignored = [r for r in caplog.records if "key offsets apply" in r.getMessage()]
+        assert len(ignored) == ("kv_key_offsets" in kwargs)
     # Random weights and no tokenizer (--load-format dummy): the text's bytes calibrate.
     dummy = LLM(
         "tiny-llama", load_format="dummy", kv_cache_dtype="int8", kv_key_offsets=True,
