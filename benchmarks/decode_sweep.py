@@ -44,6 +44,7 @@ from benchmarks.decode_cases import (
     num_input_sets,
     time_sets,
 )
+from benchmarks.staged_sweep import Stages
 from kernels import reference
 
 if TYPE_CHECKING:
@@ -244,36 +245,18 @@ def run_sweep(
     start = time.perf_counter()
     if quick:  # off CUDA one SM: stage A is unsplit and 2 splits of each merge
         cfgs = [Config(2, 128, 4, 2, 16, 32, dtype)]
-        stages = [("A", stage_a)]
+        stages = Stages([("A", stage_a)])
     else:
         cfgs = [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in TARGET_ROWS]
-        stages = [("A", stage_a), ("B", stage_b), ("C", stage_c)]
-    out(f"# decode launch sweep: {len(cfgs)} rows, stages {'/'.join(s for s, _ in stages)}, "
+        stages = Stages([("A", stage_a), ("B", stage_b), ("C", stage_c)])
+    out(f"# decode launch sweep: {len(cfgs)} rows, stages {stages.names}, "
         f"budget {budget_s:.0f} s (compiles included)")  # fmt: skip
     rows = [RowSweep(cfg, device, peak, quick) for cfg in cfgs]
-    skipped = 0
-    for name, stage in stages:
-        out(f"# stage {name}")
-        for row in rows:
-            for launch in stage(row):
-                if time.perf_counter() - start > budget_s:
-                    skipped += 1
-                    continue
-                row.measure(launch, out)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    if skipped:
-        out(f"# budget of {budget_s:.0f} s spent: {skipped} launches not timed")
-    out("# confirm: today's launch and the best, interleaved (nothing new to compile)")
-    for row in rows:
-        if time.perf_counter() - start > budget_s + CONFIRM_RESERVE_S:
-            out("# no time left to confirm the remaining rows")
-            break
-        try:
-            row.confirm(out)
-        except Exception as e:  # keep the first measurement; the summary still prints
-            out(f"# confirm failed: {type(e).__name__}: {str(e)[:150]}")
-    out(f"# sweep took {time.perf_counter() - start:.0f} s")
+    stages.run(
+        rows, start=start, budget_s=budget_s, confirm_reserve_s=CONFIRM_RESERVE_S,
+        confirm_note="today's launch and the best (nothing new to compile)", out=out,
+        after_row=torch.cuda.empty_cache if device.type == "cuda" else None,
+    )  # fmt: skip
     out("")
     out(f"{'batch x ctx':<13} {'':<8}{'launch':<35} {'time_us':>9} {'%peak':>7} "
         f"{'speed-up':>8}")  # fmt: skip

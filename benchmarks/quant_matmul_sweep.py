@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from benchmarks.decode_cases import num_input_sets, time_sets
+from benchmarks.staged_sweep import Stages
 from kernels import reference
 
 if TYPE_CHECKING:
@@ -350,18 +351,16 @@ def run_quant_sweep(
     sms = num_compute_units(device) if device.type == "cuda" else 0
     if quick:  # interpreter-sized: one shape, small K and N, no stage B or C
         shapes, rows = {"tiny": (96, 80)}, (1, 3)
-        stages: list[tuple[str, Callable[[RowSweep], list[Launch]]]] = [
-            ("A", lambda r: stage_a(r, 132, quick=True))
-        ]
+        stages: Stages[Launch] = Stages([("A", lambda r: stage_a(r, 132, quick=True))])
     else:
         shapes = SHAPES
-        stages = [("A", lambda r: stage_a(r, sms, quick=False)), ("B", stage_b),
-                  ("C", stage_c)]  # fmt: skip
+        stages = Stages([("A", lambda r: stage_a(r, sms, quick=False)), ("B", stage_b),
+                         ("C", stage_c)])  # fmt: skip
     torch.manual_seed(0)
     sweep = make_rows(device, dtype, peak, shapes, rows, modes, sms)
     out(f"# quant_matmul launch sweep: {len(sweep)} rows ({', '.join(shapes)} x M "
         f"{'/'.join(map(str, rows))} x {'/'.join(modes)}), stages "
-        f"{'/'.join(s for s, _ in stages)}, budget {budget_s:.0f} s (compiles included), "
+        f"{stages.names}, budget {budget_s:.0f} s (compiles included), "
         f"{sms} SMs")  # fmt: skip
     out(
         f"# columns: time, GB/s of the weight's bytes, % of peak, speed-up over torch's x @ w "
@@ -375,27 +374,10 @@ def run_quant_sweep(
         else:
             row.measure(TORCH, out)
             torch_rows[key] = row.results[TORCH]
-    skipped = 0
-    for name, stage in stages:
-        out(f"# stage {name}")
-        for row in sweep:
-            for launch in stage(row):
-                if time.perf_counter() - start > budget_s:
-                    skipped += 1
-                    continue
-                row.measure(launch, out)
-    if skipped:
-        out(f"# budget of {budget_s:.0f} s spent: {skipped} launches not timed")
-    out("# confirm: torch's matmul, the heuristic's launch and the best, interleaved")
-    for row in sweep:
-        if time.perf_counter() - start > budget_s + CONFIRM_RESERVE_S:
-            out("# no time left to confirm the remaining rows")
-            break
-        try:
-            row.confirm(out)
-        except Exception as e:  # keep the first measurements; the summary still prints
-            out(f"# confirm failed: {type(e).__name__}: {str(e)[:150]}")
-    out(f"# sweep took {time.perf_counter() - start:.0f} s")
+    stages.run(
+        sweep, start=start, budget_s=budget_s, confirm_reserve_s=CONFIRM_RESERVE_S,
+        confirm_note="torch's matmul, the heuristic's launch and the best", out=out,
+    )  # fmt: skip
     out("")
     out(f"{'shape':<7} {'K x N':<12} {'M':<5} {'mode':<4} {'torch_us':>8} {'today':>15} "
         f"{'heuristic':>15} {'best':>15}  best launch")  # fmt: skip
