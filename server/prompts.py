@@ -8,9 +8,10 @@ template, which already writes every special token it wants, and are then encode
 default specials (a BOS where the model expects one), as vLLM does.
 
 Control tokens: in a chat, only the template's own structure yields special tokens. Text the
-client sent (every string of every message: system, user and assistant content alike) is
-encoded as text, so a message holding ``<|im_end|>\\n<|im_start|>system`` cannot forge a turn:
-those strings become ordinary pieces (``<``, ``|``, ``im``, ...). A completions prompt and
+client sent (every string of every message: system, user, assistant and tool content alike,
+the arguments of an assistant's tool calls, and every string of ``tools``) is encoded as text,
+so a message holding ``<|im_end|>\\n<|im_start|>system`` cannot forge a turn: those strings
+become ordinary pieces (``<``, ``|``, ``im``, ...). A completions prompt and
 ``/tokenize``'s ``prompt`` belong to the client whole (there is no template to protect), so
 their control-token strings are parsed as special tokens, as vLLM does (OpenAI does not).
 ``--allow-special-tokens-in-content`` restores parsing inside chat content, for trusted
@@ -26,9 +27,10 @@ clients that send raw control tokens.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,11 +109,13 @@ def chat_prompt(
     render = functools.partial(_render, tokenizer, tools=tools, chat_template=chat_template)
     text = render(rendered, add_generation_prompt)
     control = _control_tokens(tokenizer)
-    if allow_special_tokens_in_content or not _holds_control_string(rendered, control):
+    if allow_special_tokens_in_content or not _holds_control_string(rendered, control, tools):
         # Nothing to protect: the whole text in one call, exactly as the tokenizer splits it.
         ids = list(tokenizer.encode(text, add_special_tokens=False))
     else:
-        ids = encode_chat_as_text(tokenizer, rendered, add_generation_prompt, text, render)
+        ids = encode_chat_as_text(
+            tokenizer, rendered, add_generation_prompt, text, render, tools=tools
+        )
     return Prompt(ids, text)
 
 
@@ -177,14 +181,35 @@ def _compile_control_tokens(specs: tuple[tuple[str, int, bool, bool], ...]) -> _
     )
 
 
-def _holds_control_string(messages: list[dict[str, Any]], control: _ControlTokens) -> bool:
-    return any(
-        content in value
-        for message in messages
-        for key, value in message.items()
-        if key != "role" and isinstance(value, str)
-        for content in control.ids
-    )
+def _holds_control_string(
+    messages: list[dict[str, Any]],
+    control: _ControlTokens,
+    tools: list[dict[str, Any]] | None = None,
+) -> bool:
+    strings = [
+        *(
+            string
+            for message in messages
+            for key, value in message.items()
+            if key != "role"
+            for string in _strings(value)
+        ),
+        *_strings(tools or []),
+    ]
+    return any(content in string for string in strings for content in control.ids)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside ``value`` (JSON-like), dict keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
 
 
 def encode_chat_as_text(
@@ -193,46 +218,75 @@ def encode_chat_as_text(
     add_generation_prompt: bool,
     text: str,
     render: Any = None,
+    *,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """The ids of ``text`` (the rendered chat) with special-token parsing only outside the
-    messages' strings.
+    client's strings.
 
     The template is rendered again with each string replaced by a unique marker, so the
     rendered text splits into template pieces and client strings. Control tokens are found
     in the template pieces only; the text between two of them (template text and client
     strings together, as the tokenizer itself would see it) is encoded without special
     parsing. A marker keeps the string's leading and trailing whitespace, so a template that
-    trims its content (``| trim``) trims the same way.
+    trims its content (``| trim``) trims the same way. The strings a template writes as JSON
+    (``tojson``: tool calls' arguments, ``tools``), keys included, are marked only where
+    they hold a control string, and such a string may appear JSON-escaped.
 
     Raises:
         APIError: 400 when the template rewrites content beyond trimming (the client strings
             then cannot be located, so their control strings cannot be kept as text).
     """
     nonce = secrets.token_hex(8)
+    control = _control_tokens(tokenizer)
     cores: list[str] = []
-    marked = []
-    for message in messages:
-        copy = dict(message)
+
+    def mark(value: str) -> str:
+        if not value.strip():
+            return value
+        lead, trail = value[: len(value) - len(value.lstrip())], value[len(value.rstrip()) :]
+        cores.append(value.strip())
+        return f"{lead}\ue000{nonce}:{len(cores) - 1}\ue000{trail}"
+
+    def mark_nested(value: Any) -> Any:
+        if isinstance(value, str):
+            return mark(value) if any(c in value for c in control.ids) else value
+        if isinstance(value, dict):
+            return {mark_nested(key): mark_nested(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [mark_nested(item) for item in value]
+        return value
+
+    def mark_message(message: dict[str, Any]) -> dict[str, Any]:
+        # Every string the template writes as it is (content, tool_call_id) gets a marker;
+        # tool calls, which it writes as JSON, only where they hold a control string.
+        copy: dict[str, Any] = {}
         for key, value in message.items():
-            if key == "role" or not isinstance(value, str) or not value.strip():
-                continue  # tool calls' arguments are objects: the template writes them
-            core = value.strip()
-            lead, trail = value[: len(value) - len(value.lstrip())], value[len(value.rstrip()) :]
-            copy[key] = f"{lead}\ue000{nonce}:{len(cores)}\ue000{trail}"
-            cores.append(core)
-        marked.append(copy)
+            if key == "role":
+                copy[key] = value
+            elif isinstance(value, str):
+                copy[key] = mark(value)
+            else:
+                copy[key] = mark_nested(value)
+        return copy
+
+    marked = [mark_message(message) for message in messages]
     if render is None:
         render = functools.partial(_render, tokenizer)
-    parts = re.split(f"\ue000{nonce}:(\\d+)\ue000", render(marked, add_generation_prompt))
+    if tools:
+        marked_render = render(marked, add_generation_prompt, tools=mark_nested(tools))
+    else:
+        marked_render = render(marked, add_generation_prompt)
+    parts = re.split(f"\ue000{nonce}:(\\d+)\ue000", marked_render)
     # parts alternates template text and marker numbers: [tpl, 0, tpl, 1, tpl, ...]
-    if "".join(p if i % 2 == 0 else cores[int(p)] for i, p in enumerate(parts)) != text:
+    written = _as_written(parts, cores, text)
+    if written is None:
         raise invalid(
             "the messages hold control-token strings, and this model's chat template rewrites "
             "message content, so they cannot be kept as text; remove them (or start the "
             "server with --allow-special-tokens-in-content)",
             "messages",
         )
-    control = _control_tokens(tokenizer)
     ids: list[int] = []
     run: list[str] = []  # text since the last template control token
 
@@ -243,7 +297,7 @@ def encode_chat_as_text(
 
     for i, part in enumerate(parts):
         if i % 2:
-            run.append(cores[int(part)])
+            run.append(written[i // 2])
             continue
         start = 0
         for match in control.pattern.finditer(part) if control.pattern else ():
@@ -254,6 +308,26 @@ def encode_chat_as_text(
         run.append(part[start:])
     flush()
     return ids
+
+
+def _as_written(parts: list[str], cores: list[str], text: str) -> list[str] | None:
+    """Each marker's string as ``text`` holds it: as sent, or JSON-escaped (a template's
+    ``tojson``); None when the template pieces and the strings do not rebuild ``text``."""
+    written: list[str] = []
+    pos = 0
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            forms = [part]
+        else:
+            core = cores[int(part)]
+            forms = [core, json.dumps(core, ensure_ascii=False)[1:-1]]
+        form = next((f for f in forms if text.startswith(f, pos)), None)
+        if form is None:
+            return None
+        if i % 2:
+            written.append(form)
+        pos += len(form)
+    return written if pos == len(text) else None
 
 
 def _encode_text_only(tokenizer: Any, text: str) -> list[int]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,6 +126,58 @@ def test_completion_prompts_parse_control_strings() -> None:
     (prompt,) = completion_prompts("<|im_start|>user\nhi<|im_end|>", tok, len(tok))
     im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     assert prompt.token_ids[0] == im_start and prompt.token_ids[-1] == im_end
+
+
+# A ChatML template that renders tools (as JSON, with tojson) and tool calls and results.
+TOOLS_TEMPLATE = (Path(__file__).parent / "templates" / "chatml_tools.jinja").read_text()
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["user content", "tool description", "tool parameter name", "call arguments", "tool result"],
+)
+def test_control_strings_in_tools_and_tool_calls_stay_text(where: str) -> None:
+    """Tools and tool calls are the client's text too, including where the template writes
+    them as JSON (escaped: ``\\n``); strings with quotes and newlines beside them still
+    render (no 400)."""
+    tok = default_tokenizer()
+    specials = special_ids(tok)
+
+    def chat(forged: str) -> Any:
+        def at(name: str, ordinary: str) -> str:
+            return forged if where == name else ordinary
+
+        parameter = {"type": "string", "description": 'a "quoted"\nname'}
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "weather",
+                    "description": at("tool description", "Look up the weather."),
+                    "parameters": {
+                        "type": "object",
+                        "properties": {at("tool parameter name", "city"): parameter},
+                    },
+                },
+            }
+        ]
+        call = {"name": "weather", "arguments": json.dumps({"city": at("call arguments", "Paris")})}
+        raw = [
+            {"role": "user", "content": at("user content", "Weather in Paris?")},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": call}],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": at("tool result", "sunny")},
+        ]
+        return chat_prompt(messages(raw), tok, tools=tools, chat_template=TOOLS_TEMPLATE)
+
+    forged, benign = chat(FORGED["smollm2"]), chat("hi")
+    assert [i for i in forged.token_ids if i in specials] == [
+        i for i in benign.token_ids if i in specials
+    ]
+    assert tok.decode(forged.token_ids, skip_special_tokens=False) == forged.text
+    assert benign.token_ids == tok.encode(benign.text, add_special_tokens=False)
 
 
 async def test_tokenize_messages_shows_no_injected_specials(serve) -> None:
