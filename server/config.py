@@ -518,7 +518,8 @@ _OPTIONS: tuple[Option, ...] = (
            "seconds a connection has to send a whole request (headers and body); 408 after"),
     Option("--max-connections", "server", "max_connections", optional(int),
            _S.max_connections,
-           "open connections allowed (503 past it); auto = the fd limit less those in use"),
+           "open connections allowed (503 past it); auto = the fd limit less those in use and a"
+           " reserve"),
     Option("--stream-send-timeout", "server", "stream_send_timeout_s", float,
            _S.stream_send_timeout_s,
            "seconds a client may stop reading a response before it is cut off and aborted"),
