@@ -120,6 +120,41 @@ QuantLaunch = SplitKLaunch | TiledLaunch
 
 
 @triton.jit
+def _load_tiles(x_ptr, weight_ptr, offs_m, offs_n, k, mask_m, mask_n, K, N, stride_x_m,
+                FP8: tl.constexpr):  # fmt: skip
+    """The ``[BLOCK_M, BLOCK_K]`` activation tile and the ``[BLOCK_K, BLOCK_N]`` weight tile
+    at K rows ``k`` (masked loads read 0); an FP8 weight comes back as e4m3 values."""
+    mask_k = k < K
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_x_m + k[None, :],
+        mask=mask_m[:, None] & mask_k[None, :],
+        other=0.0,
+    )
+    w = tl.load(
+        weight_ptr + k[:, None] * N + offs_n[None, :],
+        mask=mask_k[:, None] & mask_n[None, :],
+        other=0,
+    )
+    if FP8:  # loaded as bytes: masked-off bytes are 0, which is e4m3's +0.0
+        w = w.to(tl.float8e4nv, bitcast=True)
+    return x, w
+
+
+@triton.jit
+def _store_scaled(out_ptr, acc, scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, N,
+                  HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """``acc`` (float32 sums) times each column's scale, plus the bias, cast and stored."""
+    acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * N + offs_n[None, :],
+        acc.to(DTYPE),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
+
+
+@triton.jit
 def _quant_matmul_kernel(
     out_ptr,  # [M, N] contiguous, x's dtype
     x_ptr,  # [M, K], rows strided
@@ -148,30 +183,13 @@ def _quant_matmul_kernel(
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        mask_k = k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_x_m + k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
+        x, w = _load_tiles(
+            x_ptr, weight_ptr, offs_m, offs_n, k0 + offs_k, mask_m, mask_n, K, N, stride_x_m, FP8
         )
-        w = tl.load(
-            weight_ptr + k[:, None] * N + offs_n[None, :],
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0,
-        )
-        if FP8:  # loaded as bytes: masked-off bytes are 0, which is e4m3's +0.0
-            w = w.to(tl.float8e4nv, bitcast=True)
         # The weight's integer (or e4m3) values convert exactly to the dot's dtype.
         acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
-    scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-    acc = acc * scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * N + offs_n[None, :],
-        acc.to(DTYPE),
-        mask=mask_m[:, None] & mask_n[None, :],
+    _store_scaled(
+        out_ptr, acc, scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, HAS_BIAS, DTYPE
     )
 
 
@@ -217,20 +235,10 @@ def _quant_matmul_split_k_kernel(
     if DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            k = k0 + offs_k
-            mask_k = k < K
-            x = tl.load(
-                x_ptr + offs_m[:, None] * stride_x_m + k[None, :],
-                mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                weight_ptr + k[:, None] * N + offs_n[None, :],
-                mask=mask_k[:, None] & mask_n[None, :],
-                other=0,
-            )
-            if FP8:  # loaded as bytes: masked-off bytes are 0, which is e4m3's +0.0
-                w = w.to(tl.float8e4nv, bitcast=True)
+            x, w = _load_tiles(
+                x_ptr, weight_ptr, offs_m, offs_n, k0 + offs_k, mask_m, mask_n, K, N,
+                stride_x_m, FP8,
+            )  # fmt: skip
             acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     else:
         # Products accumulate element by element; the one cross-thread sum over K is after
@@ -239,20 +247,12 @@ def _quant_matmul_split_k_kernel(
         # tl.dot's "ieee" products are.
         acc3 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            k = k0 + offs_k
-            mask_k = k < K
-            x = tl.load(
-                x_ptr + offs_m[:, None] * stride_x_m + k[None, :],
-                mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
-            )
-            w = tl.load(
-                weight_ptr + k[:, None] * N + offs_n[None, :],
-                mask=mask_k[:, None] & mask_n[None, :],
-                other=0,
-            )
+            x, w = _load_tiles(
+                x_ptr, weight_ptr, offs_m, offs_n, k0 + offs_k, mask_m, mask_n, K, N,
+                stride_x_m, FP8,
+            )  # fmt: skip
             if FP8:
-                w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                w = w.to(tl.float32)
             else:
                 # Exactly w, without the int-to-float conversion unit (16 a clock an SM on
                 # sm_90, about the weight bytes an SM must consume at full bandwidth): the
@@ -260,15 +260,18 @@ def _quant_matmul_split_k_kernel(
                 w = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
             acc3 += x.to(tl.float32)[:, :, None] * w[None, :, :]
         acc = tl.sum(acc3, axis=1)
-    mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT:
         row = pid_k * M + offs_m  # int64: partial row of (split, m)
-        tl.store(partial_ptr + row[:, None] * N + offs_n[None, :], acc, mask=mask)
+        tl.store(
+            partial_ptr + row[:, None] * N + offs_n[None, :],
+            acc,
+            mask=mask_m[:, None] & mask_n[None, :],
+        )
     else:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(DTYPE), mask=mask)
+        _store_scaled(
+            out_ptr, acc, scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, HAS_BIAS,
+            DTYPE,
+        )  # fmt: skip
 
 
 @triton.jit
