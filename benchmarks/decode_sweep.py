@@ -44,7 +44,7 @@ from benchmarks.decode_cases import (
     num_input_sets,
     time_sets,
 )
-from benchmarks.staged_sweep import Stages
+from benchmarks.staged_sweep import Stages, print_line
 from kernels import reference
 
 if TYPE_CHECKING:
@@ -238,10 +238,7 @@ def run_sweep(
     """Run the sweep, printing as it goes; returns the rows with their measurements."""
     from kernels._common import num_compute_units
 
-    def say(line: str) -> None:
-        print(line, flush=True)
-
-    out = out or say
+    out = out or print_line
     start = time.perf_counter()
     if quick:  # off CUDA one SM: stage A is unsplit and 2 splits of each merge
         cfgs = [Config(2, 128, 4, 2, 16, 32, dtype)]

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from benchmarks.decode_cases import num_input_sets, time_sets
-from benchmarks.staged_sweep import Stages
+from benchmarks.staged_sweep import Stages, print_line
 from kernels import reference
 
 if TYPE_CHECKING:
@@ -343,10 +343,7 @@ def run_quant_sweep(
     """Run the sweep, printing as it goes; returns the rows with their measurements."""
     from kernels._common import num_compute_units
 
-    def say(line: str) -> None:
-        print(line, flush=True)
-
-    out = out or say
+    out = out or print_line
     start = time.perf_counter()
     sms = num_compute_units(device) if device.type == "cuda" else 0
     if quick:  # interpreter-sized: one shape, small K and N, no stage B or C

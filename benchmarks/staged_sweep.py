@@ -20,6 +20,11 @@ Launch_contra = TypeVar("Launch_contra", contravariant=True)
 Out = Callable[[str], None]
 
 
+def print_line(line: str) -> None:
+    """The sweeps' default ``out``: each line as it comes (a run cut by a timeout keeps it)."""
+    print(line, flush=True)
+
+
 class SweepRow(Protocol[Launch_contra]):
     def measure(self, launch: Launch_contra, out: Out) -> None:
         """Time one launch on this row (compiling it first), print its line, keep it."""

@@ -245,9 +245,8 @@ def build_engine_parts(
     if config.max_model_len is not None and config.max_model_len > max_model_len:
         # RoPE tables and the model's training stop at its positions: capped, said once.
         logger.warning(
-            "max_model_len %d exceeds the model's %d positions: using %d",
+            "max_model_len %d exceeds the model's %d positions: capped",
             config.max_model_len,
-            max_model_len,
             max_model_len,
         )
     tokenizer_dir = config.tokenizer or (resolved.path if resolved is not None else None)
@@ -433,7 +432,7 @@ def build_engine_parts(
             "key offsets apply to a quantized KV cache only (--kv-cache-dtype %s): ignored",
             "|".join(QUANTIZED_KV_DTYPES),
         )
-    if kv_config.cache_dtype in QUANTIZED_KV_DTYPES and kv_config.key_offsets:
+    elif kv_config.key_offsets:
         # Before the pool exists, from the float model (engine/kv_calibration.py).
         key_offsets = calibrate_key_offsets(
             forward,
