@@ -72,11 +72,13 @@ def _check_cuda(nodeid: str) -> list[str]:
     fault in ``_cuda_broken_by``."""
     global _cuda_broken_by
     problems: list[str] = []
-    if torch.cuda.is_current_stream_capturing():
-        # A synchronize would invalidate the capture; nothing later can run on this stream.
-        _cuda_broken_by = f"{nodeid} left a CUDA graph capture open"
-        return ["a CUDA graph capture was left open on the current stream"]
     try:
+        # Asked first: a synchronize would invalidate an open capture. The query itself
+        # raises once a kernel has faulted (it reads the stream's status), so it sits in
+        # the same try as the synchronize.
+        if torch.cuda.is_current_stream_capturing():
+            _cuda_broken_by = f"{nodeid} left a CUDA graph capture open"
+            return ["a CUDA graph capture was left open on the current stream"]
         torch.cuda.synchronize()
     except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError or a subclass
         error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
