@@ -41,11 +41,10 @@ Three paths, by the number of rows M (``choose_launch``; ``launch=`` overrides i
 - **More than LIBRARY_ROWS rows** (prefill): the library's matmul on the weight converted to
   the activation dtype: these kernels are not tuned for compute-bound shapes.
 
-The decode launch parameters are a first guess (``choose_launch``'s docstring gives the
-reasoning), not yet measured on a GPU: ``python -m benchmarks.kernels --quant-matmul``
-(benchmarks/quant_matmul_sweep.py) times the candidates at the Llama-3-8B shapes and prints the
-best per row. Shapes and grids come from the arguments only (CUDA-graph safe: no host sync,
-nothing read from the data).
+The decode launch parameters come from a sweep on an H100 (``choose_launch``'s docstring):
+``python -m benchmarks.kernels --quant-matmul`` (benchmarks/quant_matmul_sweep.py) times the
+candidates at the Llama-3-8B shapes and prints the best per row. Shapes and grids come from
+the arguments only (CUDA-graph safe: no host sync, nothing read from the data).
 """
 
 from __future__ import annotations
@@ -80,15 +79,12 @@ LIBRARY_ROWS = 256
 # (16, its minimum), so the weight is read once; above it the tiled kernel reuses each weight
 # tile over 32-64 rows without partials to write (module docstring).
 DECODE_ROWS = 16
-# choose_launch's split-K targets: at least this many programs per SM (enough loads in
-# flight to cover DRAM latency, and a last wave of programs that is a small share of the
-# run), and K runs of at least this many rows (shorter runs spend more of their time in
-# the pipeline's fill and the partials).
-TARGET_WAVES = 4
+# choose_launch's split-K targets: at least this many weight columns streamed at once per
+# SM (programs in flight times their strip width: enough loads outstanding to cover DRAM
+# latency, and a last wave that is a small share of the run), and K runs of at least this
+# many rows (shorter runs spend more of their time in the pipeline's fill and the partials).
+TARGET_COLUMNS = 512
 MIN_SPLIT_ROWS = 256
-# ... and partials (8 bytes a value: written, then read) of at most 1/PARTIAL_SHARE of the
-# weight's bytes.
-PARTIAL_SHARE = 8
 # _reduce_splits_kernel's column strip.
 REDUCE_BLOCK_N = 256
 
@@ -329,43 +325,42 @@ def split_k_rows(k: int, block_k: int, num_splits: int) -> tuple[int, int]:
 def choose_launch(rows: int, n: int, k: int, num_sms: int) -> QuantLaunch:
     """The launch ``quant_matmul`` uses for ``[rows, k] @ [k, n]`` on ``num_sms`` SMs.
 
-    Decode batches (``rows <= DECODE_ROWS``) run split-K (module docstring):
+    Decode batches (``rows <= DECODE_ROWS``) run split-K (module docstring), with what the
+    sweep (``python -m benchmarks.kernels --quant-matmul``) found fastest at the Llama-3-8B
+    shapes on an H100 (benchmarks/RESULTS.md):
 
-    - ``block_n`` 128: each K row of a tile is 128 contiguous bytes, a whole cache line, where
-      the tiled launch's 32 bytes was one sector a row, four times the requests per byte;
     - one row multiplies without tl.dot (``dot=False``, ``block_m`` 1): a 16-row dot tile
-      would be 15/16 padding, and its operands change layout through shared memory. More
-      rows use tl.dot on one 16-row tile (the broadcast tile's registers grow with rows);
-    - ``block_k`` 64: a 128 x 64 tile is 8 KiB a load, copied into shared memory 2 tiles
-      ahead (``num_stages`` 3) in either form. The broadcast form runs 8 warps: its
-      accumulator tile is ``block_m * block_k * block_n`` float32 values, 32 a thread here
-      (about 100 registers at sm_90, so 2 programs an SM; 64 a thread still fits without
-      spilling, the sweep's bound). tl.dot runs 4 warps;
-    - split-K: about ``TARGET_WAVES`` programs per SM (each in flight keeps its loads
-      outstanding; several waves make the last, partial wave short), with every split at
-      least ``MIN_SPLIT_ROWS`` K rows. On an H100 (132 SMs) at batch 1 the Llama-3-8B
-      shapes take: qkv 4,096 x 6,144 (48 strips) 11 splits of 384 rows; o 4,096 x 4,096
-      (32) 16 of 256; gate/up 4,096 x 28,672 (224) 3; down 14,336 x 4,096 (32) 16 of 896;
-      the LM head (1,002 strips) 1. The partials add ``8 * splits * rows * n`` bytes
-      (written, then read back), capped at ``1 / PARTIAL_SHARE`` of the weight's ``k * n``:
-      1-3% at batch 1, and at 16 rows the o projection's 16 splits become 4.
+      would be 15/16 padding. Strips of ``block_n`` 256 (each K row 256 contiguous bytes),
+      8 warps: the accumulator tile ``block_m * block_k * block_n`` is 64 float32 values a
+      thread, the most that fits without spilling. 128-column strips were 1.2-1.4x slower;
+    - more rows use tl.dot on one 16-row tile (the broadcast tile's registers grow with
+      rows), 128-column strips, 4 warps;
+    - ``block_k`` 64, copied into shared memory 2 tiles ahead (``num_stages`` 3) in either
+      form (32-row K tiles and 2, 4 or 6 stages were within the run-to-run spread, or slower);
+    - split-K: ``TARGET_COLUMNS`` weight columns in flight per SM (2 programs of 256, 4 of
+      128), every split at least ``MIN_SPLIT_ROWS`` K rows. On an H100 (132 SMs) at batch 1
+      the Llama-3-8B shapes take: qkv 4,096 x 6,144 (24 strips) 11 splits of 384 rows; o
+      4,096 x 4,096 (16) 16 of 256; gate/up 4,096 x 28,672 (112) 3; down 14,336 x 4,096
+      (16) 16 of 896; the LM head (501 strips) 1. The float32 partials add ``8 * splits *
+      rows * n`` bytes (written, then read back, mostly in L2), so runs of at least
+      ``MIN_SPLIT_ROWS`` keep them within ``rows / 32`` of the weight's ``k * n`` bytes: at
+      most half, at 16 rows. A tighter cap (1/8) cost more than it saved: at 16 rows, 11
+      splits of the qkv projection were 1.18x faster than the 4 it allowed.
 
     ``num_sms`` 0 (off CUDA, where the interpreter runs programs one after another and a
     split only adds work) gives one split. Larger batches run the tiled kernel
-    (``tile_shape``). Not yet measured on a GPU: ``python -m benchmarks.kernels
-    --quant-matmul`` sweeps the alternatives.
+    (``tile_shape``).
     """
     if rows > DECODE_ROWS:
         return TiledLaunch(*tile_shape(rows))
     dot = rows > 1
     block_m = 16 if dot else 1
-    block_n, block_k = 128, 64
+    block_n, block_k = (128, 64) if dot else (256, 64)
     num_warps = 4 if dot else 8
-    programs = triton.cdiv(n, block_n) * triton.cdiv(rows, block_m)
-    by_parallelism = triton.cdiv(TARGET_WAVES * num_sms, programs)
+    columns = n * triton.cdiv(rows, block_m)
+    by_parallelism = triton.cdiv(TARGET_COLUMNS * num_sms, columns)
     by_length = k // MIN_SPLIT_ROWS
-    by_traffic = k // (8 * PARTIAL_SHARE * rows)
-    num_splits = max(1, min(by_parallelism, by_length, by_traffic))
+    num_splits = max(1, min(by_parallelism, by_length))
     return SplitKLaunch(block_m, block_n, block_k, num_splits, num_warps, 3, dot)
 
 

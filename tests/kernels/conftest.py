@@ -316,7 +316,7 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
                  DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32"),
         )
         for name, mode, bias, split, dot, block in (
-            ("int8_row", "int8", True, False, False, (1, 128, 64)),
+            ("int8_row", "int8", True, False, False, (1, 256, 64)),
             ("int8_dot", "int8", False, True, True, (16, 128, 64)),
             ("fp8_row", "fp8", False, True, False, (1, 256, 32)),
             ("fp8_dot", "fp8", True, False, True, (16, 64, 128)),
