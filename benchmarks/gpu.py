@@ -3,7 +3,7 @@
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy --enforce-eager   # no graphs
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy --quantization int8
-    python -m benchmarks.gpu --model llama-3-8b --load-format dummy --async-scheduling
+    python -m benchmarks.gpu --model llama-3-8b --load-format dummy --async-scheduling off
     python -m benchmarks.gpu --model tiny-llama --load-format dummy --device cpu --quick  # smoke
 
 One engine (``LLM``, prefix caching off so every prompt is computed) measures:
@@ -48,6 +48,8 @@ from engine.outputs import StepStats
 from planner.devices import device_for_cuda_name
 
 GIGA = 1e9
+# --async-scheduling's values and what LLM(async_scheduling=) gets for each.
+ASYNC_CHOICES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,8 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (for the HTTP part)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument(
-        "--async-scheduling", action="store_true",
-        help="schedule and launch each step while the one before runs (engine and server)",
+        "--async-scheduling", nargs="?", const="on", default="auto", choices=ASYNC_CHOICES,
+        help="schedule and launch each step while the one before runs (engine and server); "
+             "auto: the engine's default (on for one CUDA device); given alone: on",
     )  # fmt: skip
     ap.add_argument(
         "--quantization", default=None, choices=("int8", "fp8"), help="weights quantized at load"
@@ -360,8 +363,8 @@ def server_command(args: argparse.Namespace, max_num_seqs: int) -> str:
             flags += f" {flag} {value}"
     if args.enforce_eager:
         flags += " --enforce-eager"
-    if args.async_scheduling:
-        flags += " --async-scheduling"
+    if args.async_scheduling != "auto":
+        flags += f" --async-scheduling {args.async_scheduling}"
     if args.server_args:
         flags += f" {args.server_args}"
     return f"{sys.executable} -m server --host {{host}} --port {{port}} {flags}"
@@ -447,13 +450,13 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager, max_num_seqs=max_seqs,
         max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=ASYNC_CHOICES[args.async_scheduling],
     )  # fmt: skip
     engine = llm.engine
     print(
         f"engine ready in {time.perf_counter() - t0:.1f} s "
         f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'}"
-        f"{', async scheduling' if args.async_scheduling else ''}); "
+        f"{', async scheduling' if engine.async_scheduling else ''}); "
         f"{engine.kv_capacity.describe()}",
         flush=True,
     )
@@ -467,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = engine.kv_capacity.bytes_per_token
     out: dict[str, Any] = {"device": name, "dtype": dtype_name, "model": args.model,
                            "quantization": args.quantization,
-                           "async_scheduling": args.async_scheduling,
+                           "async_scheduling": engine.async_scheduling,
                            "graphs": not args.enforce_eager and device.type == "cuda",
                            "bandwidth": bandwidth, "flops": flops}  # fmt: skip
 

@@ -135,6 +135,9 @@ def build_engine(device: str, max_batch: int, context: int, steps: int) -> LLMEn
             attention_backend="torch",
             enforce_eager=True,  # the stand-in below takes the graphs' place
             max_model_len=max_len + 16,
+            # The synchronous step's phases, one after another (the CUDA default overlaps
+            # them with the device's step, which the stand-in does not have).
+            async_scheduling=False,
         ),
         KVPoolConfig(num_blocks=max_batch * per_request + 8, enable_prefix_caching=False),
         SchedulerConfig(

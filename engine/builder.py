@@ -176,6 +176,8 @@ class EngineParts:
     step_predictor: StepTimePredictor | None = None
     tp: TensorParallelGroup | None = None  # this process's tensor-parallel group
     speculator: SpeculativeDecoder | None = None  # speculative decoding, when configured
+    # Whether steps are scheduled asynchronously (EngineConfig.async_scheduling_for).
+    async_scheduling: bool = False
 
 
 def pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -479,8 +481,9 @@ def build_engine_parts(
         device,
         experts_touched=model.experts_touched if mc.num_experts else None,
     )
+    async_scheduling = config.async_scheduling_for(device.type, scheduler_config.batching)
     if tp is not None and tp.rank == 0:
-        runner = TensorParallelRunner(runner, tp, shares_picks=config.async_scheduling)
+        runner = TensorParallelRunner(runner, tp, shares_picks=async_scheduling)
     if use_graphs:
         runner.graphs = DecodeGraphs(
             forward,
@@ -548,6 +551,7 @@ def build_engine_parts(
         step_predictor=step_predictor,
         tp=tp,
         speculator=speculator,
+        async_scheduling=async_scheduling,
     )
 
 

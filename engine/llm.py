@@ -90,7 +90,7 @@ class LLM:
         speculative_load_format: str = "auto",
         speculative_max_step_tokens: int | None = None,
         speculative_row_cost: float | None = None,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
         """Arguments mirror the server's flags (server/README.md). Speculative decoding
         (engine/spec_decode/) is on when ``speculative_method`` is "ngram" or "draft"."""

@@ -17,7 +17,8 @@ before them. Step k is updated with pending tokens: counts advance and length li
 at launch, EOS and stop tokens once a token is read (``Scheduler.resolve_token``). So each
 ``step()`` returns the tokens of the step launched before it, and a request that meets EOS
 has computed one row more than it keeps. Speculative decoding runs synchronously (its
-drafts follow the last token).
+drafts follow the last token). By default it is on for one CUDA device with continuous
+batching (``EngineConfig.async_scheduling_for``).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class LLMEngine:
             self.sampler.constraint = self.structured
         self.last_step_stats: StepStats | None = None
         # Asynchronous scheduling (module docstring): the step launched and not yet read.
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = parts.async_scheduling
         if self.async_scheduling and self.device.type == "cpu":
             # The forward pass runs on the calling thread: there is no device to overlap,
             # and each token is read one forward pass later.
@@ -138,8 +139,9 @@ class LLMEngine:
             )
         elif self.async_scheduling:
             logger.info(
-                "asynchronous scheduling: each step is scheduled and launched while the one "
-                "before runs"
+                "asynchronous scheduling%s: each step is scheduled and launched while the one "
+                "before runs (--async-scheduling false: one step at a time)",
+                "" if config.async_scheduling else " (the CUDA default)",
             )
         self._in_flight: _InFlight | None = None
         # perf_counter() when the last launched step was read: the next one's figures are

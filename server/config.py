@@ -26,6 +26,7 @@ from server.flags import (
     build_arg_parser,
     optional,
     parse_bool,
+    parse_bool_or_auto,
     parse_int_list,
     parse_list,
     parse_size,
@@ -339,12 +340,13 @@ _OPTIONS: tuple[Option, ...] = (
            "CUDA: steps with prefill tokens of at most N tokens (a short prompt beside "
            "running decodes) replay piecewise graphs, attention eager between them; 0 = "
            "such steps launch every kernel from Python"),
-    Option("--async-scheduling", "engine", "async_scheduling", parse_bool,
+    Option("--async-scheduling", "engine", "async_scheduling", parse_bool_or_auto,
            _E.async_scheduling,
            "schedule and launch each step while the one before still runs on the device, "
            "so the host's per-step work hides behind the GPU's (same tokens; a request that "
            "meets EOS computes one extra row); continuous batching, not with speculative "
-           "decoding"),
+           "decoding. auto (default): on for one CUDA device with continuous batching and "
+           "no speculative decoding, off elsewhere; false turns it off"),
     Option("--tensor-parallel-size", "engine", "tensor_parallel_size", int,
            _E.tensor_parallel_size,
            "shard every layer over N ranks (torch.distributed: NCCL on CUDA, gloo on CPU); "

@@ -67,6 +67,12 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+def parse_bool_or_auto(text: str) -> bool | None:
+    """A boolean, or ``auto`` (also ``none`` or empty) for None: the config decides."""
+    lowered = text.strip().lower()
+    return None if lowered in ("auto", "none", "") else parse_bool(text)
+
+
 def parse_int_list(text: str) -> tuple[int, ...]:
     """``1,2,4,8`` -> (1, 2, 4, 8)."""
     try:
@@ -123,9 +129,22 @@ class _ExtendList(argparse.Action):
         setattr(namespace, self.dest, (*current, *values))
 
 
+def _is_bool(option: Option) -> bool:
+    return option.parse in (parse_bool, parse_bool_or_auto)
+
+
+def _shown_default(option: Option) -> str:
+    if option.default is None and option.parse is parse_bool_or_auto:
+        return "'auto'"
+    return repr(option.default)
+
+
 def _metavar(option: Option) -> str:
     """How ``--help`` shows the value: BOOL for switches and booleans (never the last word
-    of the field, "--no-prefix-caching [CACHING]"), else the field's last word."""
+    of the field, "--no-prefix-caching [CACHING]"), BOOL|auto where auto lets the config
+    decide, else the field's last word."""
+    if option.parse is parse_bool_or_auto:
+        return "BOOL|auto"
     if option.negate or option.parse is parse_bool:
         return "BOOL"
     return option.dest.split("_")[-1].upper()
@@ -170,9 +189,9 @@ def build_arg_parser(
             default=default,
             choices=option.choices,
             metavar=None if option.choices else _metavar(option),
-            help=f"{option.help} [env {option.env}; default {option.default!r}]",
+            help=f"{option.help} [env {option.env}; default {_shown_default(option)}]",
             # A boolean given alone means true (--enforce-eager), as argparse switches do.
-            nargs="?" if option.negate or option.parse is parse_bool else None,
-            const=True if option.negate or option.parse is parse_bool else None,
+            nargs="?" if option.negate or _is_bool(option) else None,
+            const=True if option.negate or _is_bool(option) else None,
         )
     return parser

@@ -53,3 +53,7 @@ def test_the_http_servers_command_serves_what_the_engine_part_measured() -> None
         "--model llama-3-8b --load-format dummy --max-num-seqs 64 --kv-cache-dtype int8 "
         "--enforce-eager --target-itl-ms 20"
     )
+    # auto (the default) leaves the server its own default; on and off are passed on
+    for given, passed in ((["--async-scheduling"], "on"), (["--async-scheduling", "off"], "off")):
+        args = gpu.parse_args(["--model", "llama-3-8b", *given])
+        assert f" --async-scheduling {passed}" in gpu.server_command(args, 64)

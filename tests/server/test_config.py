@@ -181,10 +181,35 @@ def test_a_value_a_config_refuses_is_one_error_line(argv: list[str], message: st
 
 
 def test_async_scheduling_flag_reaches_the_engine_config() -> None:
-    assert ServingConfig.from_cli(["--async-scheduling"], {}).engine.async_scheduling
-    from_env = ServingConfig.from_cli([], {"PAGEDSERVE_ASYNC_SCHEDULING": "true"})
-    assert from_env.engine.async_scheduling
-    assert not ServingConfig.from_cli([], {}).engine.async_scheduling
+    def parsed(argv: list[str], env: dict[str, str] | None = None) -> bool | None:
+        return ServingConfig.from_cli(argv, env or {}).engine.async_scheduling
+
+    # Given alone it means on; auto (the default) leaves it to the device; false is off.
+    assert parsed(["--async-scheduling"]) is True
+    assert parsed([]) is None and parsed(["--async-scheduling", "auto"]) is None
+    assert parsed(["--async-scheduling", "false"]) is False
+    assert parsed([], {"PAGEDSERVE_ASYNC_SCHEDULING": "true"}) is True
+    assert parsed([], {"PAGEDSERVE_ASYNC_SCHEDULING": "off"}) is False
+    assert parsed(["--async-scheduling", "auto"], {"PAGEDSERVE_ASYNC_SCHEDULING": "1"}) is None
+    # auto never refuses what the flag refuses: it turns itself off there
+    for argv in (["--batching", "static"], ["--speculative-method", "ngram"]):
+        assert parsed(argv) is None
+
+
+def test_async_scheduling_auto_is_on_for_one_cuda_device_only() -> None:
+    from engine.config import EngineConfig
+    from engine.spec_decode.config import SpeculativeConfig
+
+    auto = EngineConfig()
+    assert auto.async_scheduling_for("cuda", "continuous")
+    assert not auto.async_scheduling_for("cpu", "continuous")
+    assert not auto.async_scheduling_for("cuda", "static")
+    assert not EngineConfig(tensor_parallel_size=2).async_scheduling_for("cuda", "continuous")
+    spec = EngineConfig(speculative=SpeculativeConfig(method="ngram"))
+    assert not spec.async_scheduling_for("cuda", "continuous")
+    # what is asked for is what runs (the CPU warns, engine/llm_engine.py)
+    assert EngineConfig(async_scheduling=True).async_scheduling_for("cpu", "continuous")
+    assert not EngineConfig(async_scheduling=False).async_scheduling_for("cuda", "continuous")
 
 
 def test_latency_target_flags_reach_the_scheduler_config() -> None:
