@@ -42,6 +42,7 @@ from server.engine_client import AsyncEngineClient
 from server.errors import install_error_handlers, invalid
 from server.metrics import HTTPMetricsMiddleware, ServerMetrics, config_info
 from server.prompts import chat_prompt, encode
+from server.tools import check_tools
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -196,12 +197,15 @@ def create_app(
         check_unknown_fields(body, ctx.limits)
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of 'prompt' and 'messages'", "prompt")
+        if body.tools and body.messages is None:
+            raise invalid("'tools' go with 'messages'", "tools")
         if body.messages is not None:
             ids = chat_prompt(
                 body.messages,
                 client.tokenizer,
                 body.add_generation_prompt,
                 allow_special_tokens_in_content=config.server.allow_special_tokens_in_content,
+                tools=check_tools(body.tools) if body.tools else None,
                 chat_template=ctx.chat_template,
             )
             tokens = ids.token_ids

@@ -132,6 +132,9 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompt only; chat templates carry their own specials
     add_generation_prompt: bool = True  # messages only
+    # messages only: rendered by the chat template as the chat route renders them, so the
+    # count is the one a chat request with these tools is charged
+    tools: list[Any] | None = None
 
 
 class DetokenizeRequest(_Request):

@@ -300,6 +300,33 @@ async def test_tool_history_is_rendered_with_the_template(serve) -> None:
     assert reply.status_code == 200, reply.text
 
 
+async def test_tokenize_counts_the_tools_as_the_chat_route_renders_them(serve) -> None:
+    """``/tokenize`` with ``messages`` and ``tools`` gives the chat route's prompt (what a
+    user counting a tool-calling request's tokens needs); a template that never reads
+    tools, malformed tools and tools without messages are the chat route's 400s."""
+    engine = GrammarFakeEngine(max_model_len=2048, num_blocks=1024)
+    s = await serve(engine=engine, chat_template=TOOLS_TEMPLATE)
+    with_tools = await s.http.post("/tokenize", json={"messages": MSG, "tools": [WEATHER]})
+    assert with_tools.status_code == 200, with_tools.text
+    tokens = with_tools.json()["tokens"]
+    plain = (await s.http.post("/tokenize", json={"messages": MSG})).json()["tokens"]
+    assert len(tokens) > len(plain) and "get_weather" in tiny_tokenizer().decode(tokens)
+    chat = await s.http.post(
+        CHAT, json={"messages": MSG, "tools": [WEATHER], "max_tokens": 1, "return_token_ids": True}
+    )
+    assert chat.json()["choices"][0]["prompt_token_ids"] == tokens
+    bad = await s.http.post("/tokenize", json={"messages": MSG, "tools": [{"type": "function"}]})
+    assert_openai_error(bad, 400, "tools[0].function")
+    alone = await s.http.post("/tokenize", json={"prompt": "hi", "tools": [WEATHER]})
+    assert_openai_error(alone, 400, "tools")
+    plain_template = await serve(engine=GrammarFakeEngine())
+    refused = await plain_template.http.post(
+        "/tokenize", json={"messages": MSG, "tools": [WEATHER]}
+    )
+    assert_openai_error(refused, 400, "tools")
+    assert refused.json()["error"]["code"] == "tools_not_supported"
+
+
 async def test_structured_requests_are_counted(serve) -> None:
     s = await serve(engine=GrammarFakeEngine())
     body = {"messages": MSG, "max_tokens": 2, "n": 2, "guided_choice": ["a", "b"]}
