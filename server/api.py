@@ -42,7 +42,6 @@ from server.engine_client import AsyncEngineClient
 from server.errors import install_error_handlers, invalid
 from server.metrics import HTTPMetricsMiddleware, ServerMetrics, config_info
 from server.prompts import chat_prompt, encode
-from server.tools import check_tools
 from server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -58,6 +57,7 @@ from server.protocol import (
 )
 from server.router_api import add_router_routes
 from server.shutdown import DrainMiddleware, DrainState
+from server.tools import check_tools
 from server.validation import (
     BodySizeLimitMiddleware,
     check_model,
