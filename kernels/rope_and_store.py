@@ -174,6 +174,8 @@ def rope_and_store_(
     num_heads: int,
     num_kv_heads: int,
     key_offset: torch.Tensor | None = None,  # [num_kv_heads, head_dim] float32
+    *,
+    block_h: int | None = None,  # Q/K heads a program rotates (a power of two); None: ~4,096 values
 ) -> torch.Tensor:  # rotated queries [num_tokens, num_heads, head_dim], a view of qkv
     """Rotate Q (in place in ``qkv``) and K, store rotated K and V at ``slot_mapping``.
 
@@ -208,8 +210,11 @@ def rope_and_store_(
         return q
     num_rows = num_heads + num_kv_heads
     # About 4,096 values of Q/K a program (32 heads of 128): Llama-3-8B's 40 rows are two
-    # programs a token. Rows are heads, so a program never splits one.
-    block_h = min(next_power_of_2(num_rows), max(1, 4096 // head_dim))
+    # programs a token. Rows are heads, so a program never splits one. (``--fused`` in
+    # benchmarks/kernels.py also times tiles of 8 heads: 5 programs a token, none masked.)
+    if block_h is None:
+        block_h = min(next_power_of_2(num_rows), max(1, 4096 // head_dim))
+    assert block_h >= 1 and block_h == next_power_of_2(block_h), block_h
     _rope_and_store_kernel[(num_tokens, triton.cdiv(num_rows, block_h))](
         qkv, cos, sin, key_cache, value_cache, slot_mapping, offset_ptr,
         qkv.stride(0), cos.stride(0), sin.stride(0),

@@ -329,13 +329,18 @@ SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
              M="i32", N="i32", num_splits="i32"),
         dict(HAS_BIAS=True, SPLITS_PAD=16, BLOCK_N=256, DTYPE="tl.bfloat16"),
     ),
-    "rope_and_store": (
-        "kernels.rope_and_store", "_rope_and_store_kernel",
-        dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",
-             value_cache_ptr="*bf16", slot_mapping_ptr="*i64", key_offset_ptr="*bf16"),
-        dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32, BLOCK_SIZE=16,
-             DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, HAS_KEY_OFFSET=False, **_NOT_QUANTIZED),
-    ),
+    **{
+        name: (
+            "kernels.rope_and_store", "_rope_and_store_kernel",
+            dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",
+                 value_cache_ptr="*bf16", slot_mapping_ptr="*i64", key_offset_ptr="*bf16"),
+            dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=block_h,
+                 BLOCK_SIZE=16, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False,
+                 HAS_KEY_OFFSET=False, **_NOT_QUANTIZED),
+        )
+        # the default tile (32 heads) and the benchmark's alternative (8)
+        for name, block_h in (("rope_and_store", 32), ("rope_and_store_h8", 8))
+    },
     **{
         f"rope_and_store_{name}": (
             "kernels.rope_and_store", "_rope_and_store_kernel",

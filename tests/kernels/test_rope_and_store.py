@@ -42,10 +42,11 @@ def case(num_tokens, num_heads, num_kv_heads, head_dim, dtype, device, *, block_
     return [t.to(device) for t in (qkv, cos, sin, key_cache, value_cache, slots.to(slot_dtype))]
 
 
-def run_both(num_heads, num_kv_heads, args):
+def run_both(num_heads, num_kv_heads, args, block_h=None):
     qkv, cos, sin, key_cache, value_cache, slots = args
     ref = [qkv.clone(), cos, sin, key_cache.clone(), value_cache.clone(), slots]
-    q = rope_and_store_(qkv, cos, sin, key_cache, value_cache, slots, num_heads, num_kv_heads)
+    q = rope_and_store_(qkv, cos, sin, key_cache, value_cache, slots, num_heads, num_kv_heads,
+                        block_h=block_h)  # fmt: skip
     ref_q = reference.rope_and_store_(*ref, num_heads, num_kv_heads)
     assert q.data_ptr() == qkv.data_ptr() and q.shape == ref_q.shape
     assert torch.equal(q, ref_q)
@@ -60,6 +61,19 @@ def run_both(num_heads, num_kv_heads, args):
 def test_matches_reference(device, dtype, head_dim, num_heads, num_kv_heads):
     args = case(9, num_heads, num_kv_heads, head_dim, dtype, device)
     run_both(num_heads, num_kv_heads, args)
+
+
+@pytest.mark.parametrize("block_h", [1, 2, 8, 64])
+def test_every_tile_of_heads_gives_the_same_bits(device, block_h):
+    """``block_h`` heads a program (the benchmark's alternative launches): tiles that end in
+    the K heads, straddle Q and K, or hold every row with most masked off."""
+    run_both(8, 2, case(5, 8, 2, 64, torch.bfloat16, device), block_h=block_h)
+
+
+def test_rejects_a_tile_that_is_not_a_power_of_two(device):
+    args = case(2, 4, 2, 64, torch.float32, device)
+    with pytest.raises(AssertionError):
+        rope_and_store_(*args, 4, 2, block_h=3)
 
 
 def test_smollm2_shape_int32_slots_and_2d_tables(device):
@@ -123,7 +137,7 @@ def test_reference_is_the_engine_op(dtype):
     assert torch.equal(key_cache, engine_k) and torch.equal(value_cache, engine_v)
 
 
-@pytest.mark.parametrize("build", ["rope_and_store"])
+@pytest.mark.parametrize("build", ["rope_and_store", "rope_and_store_h8"])
 def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors[build] is None, sm90_build_errors[build]
