@@ -44,6 +44,8 @@ class ServingEngine(Protocol):
     def matmul_weights(self) -> str: ...
     @property
     def decode_step_weight_bytes(self) -> int: ...
+    # Whether steps are scheduled asynchronously (EngineConfig.async_scheduling_for).
+    async_scheduling: bool
     # The structured-output grammar cache (engine/structured.py's GrammarCache), thread-safe:
     # the server compiles a request's grammar before queueing it. None: no tokenizer.
     @property

@@ -338,6 +338,7 @@ class ServerMetrics:
             dtype=dtype,
             attention=engine.attention_backend,
             matmul_weights=engine.matmul_weights,
+            async_scheduling=str(engine.async_scheduling).lower(),
         )
         return cls(
             config.server.served_model_name or engine.model_id,
