@@ -73,7 +73,7 @@ def test_scored_top_token_is_the_engines_greedy_choice(tmp_path, ops):
     borrowed are back in the pool."""
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=4, hidden_size=128,
                            intermediate_size=256)  # fmt: skip
-    llm = LLM(str(path), quantization="int8", max_num_seqs=2, num_kv_blocks=16)
+    llm = LLM(str(path), quantization="int8", max_num_seqs=2, num_kv_blocks=16, device="cpu")
     ids = [1, 40, 41, 7, 99, 250, 3, 3, 18, 64, 12, 200, 5, 77, 31, 9, 140, 2, 66, 8]
     logprobs, top = quality.prompt_logprobs(llm, ids)
     assert logprobs.shape == top.shape == (len(ids) - 1,) and (logprobs <= 0).all()

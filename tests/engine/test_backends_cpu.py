@@ -42,7 +42,7 @@ def llm(tmp_path_factory, ops) -> LLM:
         intermediate_size=256,
         attention_bias=True,
     )
-    return LLM(str(path), attention_backend="cpu", num_kv_blocks=32)
+    return LLM(str(path), attention_backend="cpu", num_kv_blocks=32, device="cpu")
 
 
 def test_spec_weights_list_every_tensor_at_its_enum_slot(llm):
@@ -98,7 +98,7 @@ def test_a_head_that_may_get_more_rows_than_the_panels_keeps_its_weight(tmp_path
     """With more sequences than the panels' rows, a step's head can reach the library's
     matmul, which reads the plain weight: the head keeps it, the layers still drop theirs."""
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
-    llm = LLM(str(path), attention_backend="cpu", num_kv_blocks=32, max_num_seqs=300)
+    llm = LLM(str(path), attention_backend="cpu", num_kv_blocks=32, max_num_seqs=300, device="cpu")
     model = llm.engine.model
     assert not model.lm_head.weight.is_meta
     assert all(layer.o_proj.weight.is_meta for layer in model.layers)
@@ -109,6 +109,6 @@ def test_passes_past_the_panels_keep_the_plain_weights(tmp_path, monkeypatch, op
     """A test's larger passes reach the library's matmul, which reads the plain weight."""
     path = make_tiny_llama(tmp_path, num_kv_heads=2, seed=1, hidden_size=128, intermediate_size=256)
     monkeypatch.setattr(CpuForward, "rows_per_pass", 1 << 30)
-    llm = LLM(str(path), attention_backend="cpu", num_kv_blocks=32)
+    llm = LLM(str(path), attention_backend="cpu", num_kv_blocks=32, device="cpu")
     assert not any(p.is_meta for p in llm.engine.model.parameters())
     assert llm.engine.memory.dropped == 0

@@ -58,9 +58,10 @@ def test_stand_in_replay_matches_transformers_and_eager(request, fixture, monkey
     path = request.getfixturevalue(fixture)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = _prompts(256, 11)
-    eager = [o.token_ids for o in LLM(str(path), max_num_seqs=16).generate(prompts, params)]
+    eager_llm = LLM(str(path), max_num_seqs=16, device="cpu")
+    eager = [o.token_ids for o in eager_llm.generate(prompts, params)]
 
-    llm = LLM(str(path), max_num_seqs=16)
+    llm = LLM(str(path), max_num_seqs=16, device="cpu")
     graphs = _with_stand_in(llm, [1, 2, 4, 8, 16])
     assert graphs.widths[16] == [2, 8, 32]
     calls = []
@@ -92,9 +93,9 @@ def test_stand_in_replay_with_async_scheduling(tiny_llama_gqa) -> None:
     graphs copy it into their buffers: the replayed steps give the eager steps' tokens."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = _prompts(256, 11)
-    sync = LLM(str(tiny_llama_gqa), max_num_seqs=16)
+    sync = LLM(str(tiny_llama_gqa), max_num_seqs=16, device="cpu")
     eager = [o.token_ids for o in sync.generate(prompts, params)]
-    llm = LLM(str(tiny_llama_gqa), max_num_seqs=16, async_scheduling=True)
+    llm = LLM(str(tiny_llama_gqa), max_num_seqs=16, async_scheduling=True, device="cpu")
     graphs = _with_stand_in(llm, [1, 2, 4, 8, 16])
     replayed = []
     run = graphs.run
@@ -105,7 +106,7 @@ def test_stand_in_replay_with_async_scheduling(tiny_llama_gqa) -> None:
 
 def test_steps_the_graphs_do_not_take_run_eagerly(tiny_llama_gqa) -> None:
     """Prefill and mixed steps, and decode batches above the largest bucket, bypass them."""
-    llm = LLM(str(tiny_llama_gqa), max_num_seqs=8)
+    llm = LLM(str(tiny_llama_gqa), max_num_seqs=8, device="cpu")
     graphs = _with_stand_in(llm, [1, 2])
     sizes = []
     run = graphs.run
@@ -117,7 +118,7 @@ def test_steps_the_graphs_do_not_take_run_eagerly(tiny_llama_gqa) -> None:
 
 
 def test_dummy_preset_runs_without_a_checkpoint() -> None:
-    llm = LLM("tiny-llama", load_format="dummy")
+    llm = LLM("tiny-llama", load_format="dummy", device="cpu")
     assert llm.engine.model_config.vocab_size == 512 and llm.tokenizer is None
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 5
@@ -129,7 +130,7 @@ def test_padding_rows_are_the_inert_batch_and_write_no_kv(tiny_llama_gqa) -> Non
     """The graphs' padding rows and gpu_memory.py's measuring steps are both
     ``inert_batch``'s rows: after a 3-row step has used the buffers, a 1-row step pads
     rows 1..3 back to them, and a forward over inert rows leaves the KV cache as it was."""
-    llm = LLM(str(tiny_llama_gqa), attention_backend="torch", max_num_seqs=4)
+    llm = LLM(str(tiny_llama_gqa), attention_backend="torch", max_num_seqs=4, device="cpu")
     engine = llm.engine
     graphs = _with_stand_in(llm, [4])
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)

@@ -56,7 +56,8 @@ def test_stand_in_matches_transformers_and_eager(tiny_llama_gqa, with_decode_gra
     lengths = [45, 3, 17, 30, 8, 21, 5]
     prompts = _prompts(256, lengths)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    kwargs = dict(attention_backend="torch", max_num_seqs=8, max_num_batched_tokens=24)
+    kwargs = dict(attention_backend="torch", max_num_seqs=8, max_num_batched_tokens=24,
+                  device="cpu")  # fmt: skip
     eager = [o.token_ids for o in LLM(str(tiny_llama_gqa), **kwargs).generate(prompts, params)]
 
     llm = LLM(str(tiny_llama_gqa), **kwargs)
@@ -89,7 +90,8 @@ def test_stand_in_matches_transformers_and_eager(tiny_llama_gqa, with_decode_gra
 def test_padding_rows_write_no_kv_after_a_larger_step(tiny_llama_gqa) -> None:
     """A 20-token step leaves its slots in the buffer; a following 5-token step of the same
     bucket must give rows 5..24 slot -1 again, or their K/V would land on live slots."""
-    llm = LLM(str(tiny_llama_gqa), attention_backend="torch", max_num_batched_tokens=24)
+    llm = LLM(str(tiny_llama_gqa), attention_backend="torch", max_num_batched_tokens=24,
+              device="cpu")
     engine = llm.engine
     pieces, seen = _with_stand_in(llm, [24])
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -109,7 +111,8 @@ def test_padding_rows_write_no_kv_after_a_larger_step(tiny_llama_gqa) -> None:
 
 
 def test_larger_steps_run_eagerly(tiny_llama_gqa) -> None:
-    llm = LLM(str(tiny_llama_gqa), attention_backend="torch", max_num_batched_tokens=64)
+    llm = LLM(str(tiny_llama_gqa), attention_backend="torch", max_num_batched_tokens=64,
+              device="cpu")
     _, seen = _with_stand_in(llm, [16])
     llm.generate(_prompts(256, [40]), SamplingParams(max_tokens=2, temperature=0))
     # The 40-token prefill has no bucket among [16]; the decode step after it (no decode

@@ -161,7 +161,8 @@ PROMPTS = [[1, 17, 33, 90, 4], [1, 200, 5, 5, 5, 5, 71, 12, 9, 100, 3, 44, 44, 1
 def test_int8_engine_matches_transformers_with_the_dequantized_weights(ops, tiny_path, backend):
     """Greedy, alone and batched together, on the C++ stack (int8 panels: every step here
     has at most max_quant_rows() rows but the prefill of the batch) and the plain path."""
-    llm = LLM(str(tiny_path), quantization="int8", attention_backend=backend, num_kv_blocks=32)
+    llm = LLM(str(tiny_path), quantization="int8", attention_backend=backend, num_kv_blocks=32,
+              device="cpu")
     assert llm.engine.matmul_weights == "int8"
     if backend == "cpu":
         forward = llm.engine.runner.model
@@ -181,8 +182,9 @@ def test_int8_engine_matches_transformers_with_the_dequantized_weights(ops, tiny
 def test_int8_decode_step_reads_fewer_weight_bytes(ops, tiny_path):
     """The MBU byte model (engine/cost.py) counts what a decode step reads: the int8 blocks
     (9 bits a weight) instead of float32 on the C++ stack."""
-    plain = LLM(str(tiny_path), attention_backend="cpu", num_kv_blocks=32)
-    quant = LLM(str(tiny_path), attention_backend="cpu", num_kv_blocks=32, quantization="int8")
+    plain = LLM(str(tiny_path), attention_backend="cpu", num_kv_blocks=32, device="cpu")
+    quant = LLM(str(tiny_path), attention_backend="cpu", num_kv_blocks=32, quantization="int8",
+                device="cpu")
     step = lambda llm: llm.engine.cost_model.step([(10, 1)], 1).weight_bytes  # noqa: E731
     matmul_params = sum(
         m.qweight.numel() for m in quant.engine.model.modules() if isinstance(m, QuantizedLinear)

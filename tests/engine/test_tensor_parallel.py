@@ -81,7 +81,7 @@ def test_llm_refuses_before_starting_any_rank(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["num_key_value_heads"] == 4
     start = time.monotonic()
     with pytest.raises(UnsupportedModelError, match="multiple of num_kv_heads"):
-        LLM(str(tmp_path), tensor_parallel_size=2)
+        LLM(str(tmp_path), tensor_parallel_size=2, device="cpu")
     assert time.monotonic() - start < 10
 
 
@@ -114,7 +114,7 @@ def tp_llm(padded_model):
     # runs synchronous steps).
     llm = LLM(
         str(padded_model), tensor_parallel_size=2, num_kv_blocks=64, max_num_seqs=8,
-        async_scheduling=True,
+        async_scheduling=True, device="cpu",
     )  # fmt: skip
     yield llm
     llm.shutdown()
@@ -125,7 +125,9 @@ def test_tp2_matches_transformers_and_tp1(tp_llm, padded_model, reference):
     assert tp_llm.engine.tp is not None and tp_llm.engine.tp.world_size == 2
     assert tp_llm.engine.storage.key_caches[0].shape[2] == 2  # its 2 of the 4 padded KV heads
     tp2 = tp_llm.generate(PROMPTS, params)  # batched: both prompts in the same steps
-    tp1 = LLM(str(padded_model), num_kv_blocks=64, max_num_seqs=8).generate(PROMPTS, params)
+    tp1 = LLM(str(padded_model), num_kv_blocks=64, max_num_seqs=8, device="cpu").generate(
+        PROMPTS, params
+    )
     for i, ref in enumerate(reference):
         assert_parity(tp2[i].token_ids, ref, f"TP=2 prompt {i}")
         assert_parity(tp1[i].token_ids, ref, f"TP=1 prompt {i}")
@@ -160,7 +162,7 @@ def test_tp2_with_async_scheduling_feeds_the_workers_the_picks(tp_llm, padded_mo
     ]
     prompts = [PROMPTS[1], PROMPTS[1][:9], PROMPTS[0]]
     got = [(o.token_ids, o.finish_reason) for o in tp_llm.generate(prompts, mixed)]
-    tp1 = LLM(str(padded_model), num_kv_blocks=64, max_num_seqs=8)
+    tp1 = LLM(str(padded_model), num_kv_blocks=64, max_num_seqs=8, device="cpu")
     want = [(o.token_ids, o.finish_reason) for o in tp1.generate(prompts, mixed)]
     assert got == want
     assert got[2][1] == "stop"

@@ -64,7 +64,7 @@ def test_a_worker_dying_before_the_join_fails_the_start_and_leaves_nothing(model
     threads = set(threading.enumerate())
     start = time.monotonic()
     with pytest.raises(TensorParallelStartError) as failure:
-        LLM(str(model), tensor_parallel_size=3, num_kv_blocks=32, max_num_seqs=4)
+        LLM(str(model), tensor_parallel_size=3, num_kv_blocks=32, max_num_seqs=4, device="cpu")
     elapsed = time.monotonic() - start
     message = str(failure.value)
     assert f"rank {tp_faults.DYING_RANK}" in message
@@ -81,13 +81,14 @@ def test_a_worker_dying_before_the_join_fails_the_start_and_leaves_nothing(model
 
 def test_a_group_starts_in_the_same_process_after_a_failed_start(model):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    llm = LLM(str(model), tensor_parallel_size=2, num_kv_blocks=32, max_num_seqs=4)
+    llm = LLM(str(model), tensor_parallel_size=2, num_kv_blocks=32, max_num_seqs=4, device="cpu")
     try:
         tp2 = [o.token_ids for o in llm.generate(PROMPTS, params)]
     finally:
         llm.shutdown()
     assert not dist.is_initialized()
-    tp1 = [o.token_ids for o in LLM(str(model), num_kv_blocks=32).generate(PROMPTS, params)]
+    tp1_llm = LLM(str(model), num_kv_blocks=32, device="cpu")
+    tp1 = [o.token_ids for o in tp1_llm.generate(PROMPTS, params)]
     assert tp2 == tp1
 
 
@@ -101,7 +102,7 @@ def test_a_script_building_the_engine_unguarded_fails_with_the_hint(model, tmp_p
             f"""
             from engine import LLM
 
-            llm = LLM({str(model)!r}, tensor_parallel_size=2, num_kv_blocks=32)
+            llm = LLM({str(model)!r}, tensor_parallel_size=2, num_kv_blocks=32, device="cpu")
             print("unreachable")
             """
         )
@@ -163,5 +164,6 @@ def test_two_nodes_join_and_a_missing_node_costs_the_timeout(model, monkeypatch)
         if node1.poll() is None:
             node1.kill()
             node1.wait()
-    tp1 = [o.token_ids for o in LLM(str(model), num_kv_blocks=32).generate(PROMPTS, params)]
+    tp1_llm = LLM(str(model), num_kv_blocks=32, device="cpu")
+    tp1 = [o.token_ids for o in tp1_llm.generate(PROMPTS, params)]
     assert tp2 == tp1
