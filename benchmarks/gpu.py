@@ -558,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         out["http"] = http
         for c, row in http["points"].items():
             print(
-                f"HTTP c={c}: TPOT p50 {row['tpot_p50_s'] * 1e3:.2f} ms "
+                f"HTTP c={c}: TTFT p50 {_ms(row['ttft_p50_s'])} ms (server's histogram "
+                f"{_ms(row.get('server_ttft_p50_s'))} ms), "
+                f"TPOT p50 {row['tpot_p50_s'] * 1e3:.2f} ms "
                 f"(engine step at batch 1: {tpot * 1e3:.2f} ms -> "
                 f"{row['tpot_p50_s'] / tpot:.2f}x), ITL p50 / p99 {_ms(row['itl_p50_s'])} / "
                 f"{_ms(row['itl_p99_s'])} ms (server's histogram "

@@ -90,6 +90,7 @@ def server_peak_bandwidth(metrics: Mapping[str, float] | None) -> float | None:
 
 
 ITL_METRIC = "pagedserve_inter_token_latency_seconds"
+TTFT_METRIC = "pagedserve_time_to_first_token_seconds"
 
 
 def server_histogram_quantile(
@@ -213,6 +214,11 @@ def measure_server(
                 ),
                 "server_itl_p99_s": server_histogram_quantile(
                     sweep.metrics_before, point.server_metrics_after, ITL_METRIC, 0.99
+                ),
+                # ... and its time to first token, arrival to the first token from the
+                # engine: what the client's TTFT adds to it is the HTTP path's and its own.
+                "server_ttft_p50_s": server_histogram_quantile(
+                    sweep.metrics_before, point.server_metrics_after, TTFT_METRIC, 0.5
                 ),
                 "output_tok_s": s.output_throughput_tok_s,
                 "num_completed": s.num_completed,

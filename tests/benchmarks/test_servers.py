@@ -207,3 +207,13 @@ def test_server_histogram_quantile_interpolates_between_two_scrapes() -> None:
     assert p99 is not None and 0.04 < p99 <= 0.05  # (40, 50] ms
     assert server_histogram_quantile(after, after, ITL_METRIC, 0.5) is None  # none between
     assert server_histogram_quantile(None, None, ITL_METRIC, 0.5) is None
+
+
+def test_the_histograms_read_are_the_ones_the_server_exports() -> None:
+    """The server-side ITL and TTFT the HTTP rows print come from these names."""
+    from benchmarks.servers import ITL_METRIC, TTFT_METRIC
+    from server.metrics import ServerMetrics
+
+    text = ServerMetrics("m").exposition(None)[0].decode()
+    for name in (ITL_METRIC, TTFT_METRIC):
+        assert f"{name}_bucket{{" in text, name
