@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
+
 from benchmarks import gpu
 
 
@@ -57,3 +59,19 @@ def test_the_http_servers_command_serves_what_the_engine_part_measured() -> None
     for given, passed in ((["--async-scheduling"], "on"), (["--async-scheduling", "off"], "off")):
         args = gpu.parse_args(["--model", "llama-3-8b", *given])
         assert f" --async-scheduling {passed}" in gpu.server_command(args, 64)
+
+
+def test_the_first_request_probe_reads_the_servers_own_ttft(tmp_path: Path) -> None:
+    """Against a real server (the tiny random Llama on one CPU thread): the client's TTFTs
+    and the server's histogram for the first request and the steady ones, each positive,
+    the server's within the client's (it starts later and ends earlier)."""
+    from tests.server.tiny_server import make_tiny_model_dir, tiny_server
+
+    model = make_tiny_model_dir(tmp_path / "tiny")
+    with tiny_server(model, tmp_path / "server.log") as server:
+        served = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+        first, steady, server_first, server_steady = gpu.first_request_ttft(
+            server.url, served, 8, reps=3
+        )
+    assert server_first is not None and server_steady is not None
+    assert 0 < server_first <= first and 0 < server_steady <= steady * 1.5
