@@ -500,7 +500,6 @@ class EngineConfig:
                 f"nnodes must divide tensor_parallel_size ({self.tensor_parallel_size} ranks "
                 f"over {self.nnodes} nodes)"
             )
-
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and self.master_port == 0:
