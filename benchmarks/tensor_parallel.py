@@ -67,11 +67,11 @@ def _allreduce_rank(rank: int, world: int, port: int, rows: int, hidden: int, q:
 def allreduce_us(world: int, rows: int, hidden: int) -> float:
     """Mean microseconds of one gloo all-reduce of ``[rows, hidden]`` float32 over ``world``
     ranks on this host."""
-    from engine.tp_launch import _free_port
+    from loadtest.launcher import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_allreduce_rank, args=(r, world, port, rows, hidden, q))
         for r in range(world)

@@ -21,7 +21,6 @@ import logging
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 from multiprocessing.process import BaseProcess
@@ -50,12 +49,6 @@ from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def torchrun_rendezvous() -> Rendezvous | None:

@@ -12,8 +12,8 @@ from engine.builder import build_engine_parts
 from engine.config import EngineConfig
 from engine.tensor_parallel import RowParallelLinear, VocabParallelHead
 from engine.tp_group import Rendezvous, TensorParallelGroup, TensorParallelRunner
-from engine.tp_launch import _free_port
 from kvpool.config import KVPoolConfig
+from loadtest.launcher import free_port
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request, SamplingParams
 from tests.engine.parity import assert_parity, hf_greedy
@@ -40,7 +40,7 @@ def _generate(parts, prompts: list[list[int]]) -> list[list[int]]:
 def _run_single_rank(model_path, device: str, backend: str) -> None:
     from transformers import LlamaForCausalLM
 
-    group = TensorParallelGroup(Rendezvous(0, 0, 1, f"tcp://127.0.0.1:{_free_port()}"), backend)
+    group = TensorParallelGroup(Rendezvous(0, 0, 1, f"tcp://127.0.0.1:{free_port()}"), backend)
     group.join()
     try:
         parts = build_engine_parts(

@@ -26,8 +26,8 @@ from engine import LLM, SamplingParams, tp_launch
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.tp_group import TensorParallelGroup, TensorParallelStartError
-from engine.tp_launch import _free_port
 from kvpool.config import KVPoolConfig
+from loadtest.launcher import free_port
 from scheduler.config import SchedulerConfig
 from tests.engine import tp_faults
 from tests.engine.conftest import make_tiny_llama
@@ -132,7 +132,7 @@ def _greedy(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
 
 
 def test_two_nodes_join_and_a_missing_node_costs_the_timeout(model, monkeypatch):
-    port = _free_port()
+    port = free_port()
     config = EngineConfig(model=str(model), device="cpu", tensor_parallel_size=2, nnodes=2,
                           master_port=port)  # fmt: skip
     kv, scheduler = KVPoolConfig(num_blocks=32), SchedulerConfig(max_num_seqs=4)
