@@ -46,6 +46,7 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
 from planner.devices import device_for_cuda_name
+from planner.measured import Histogram
 
 GIGA = 1e9
 # --async-scheduling's values and what LLM(async_scheduling=) gets for each.
@@ -321,18 +322,17 @@ def profile_offline(llm: LLM, num: int, prompt_len: int, output_len: int) -> dic
 # ---- HTTP --------------------------------------------------------------------------------
 
 
-def server_ttft_total(base_url: str) -> tuple[float, float]:
-    """The server's TTFT histogram so far: (seconds summed, requests), from ``/metrics``."""
+def server_ttft(base_url: str) -> Histogram | None:
+    """The server's TTFT histogram so far (``/metrics``); None if it exports none."""
     from benchmarks.servers import TTFT_METRIC
     from loadtest.probe import parse_prometheus_text
 
     text = httpx.get(f"{base_url.rstrip('/')}/metrics", timeout=30, trust_env=False).text
-    samples = parse_prometheus_text(text)
+    return Histogram.from_samples(parse_prometheus_text(text), TTFT_METRIC)
 
-    def total(suffix: str) -> float:
-        return sum(v for k, v in samples.items() if k.split("{", 1)[0] == TTFT_METRIC + suffix)
 
-    return total("_sum"), total("_count")
+def _mean_between(before: Histogram | None, after: Histogram | None) -> float | None:
+    return after.minus(before).mean() if after is not None else None
 
 
 def first_request_ttft(
@@ -362,14 +362,12 @@ def first_request_ttft(
                         return time.perf_counter() - t0
         raise RuntimeError("no token streamed")
 
-    s0, n0 = server_ttft_total(base_url)
+    h0 = server_ttft(base_url)
     first = one(0)
-    s1, n1 = server_ttft_total(base_url)
+    h1 = server_ttft(base_url)
     steady = statistics.median(one(i) for i in range(1, reps + 1))
-    s2, n2 = server_ttft_total(base_url)
-    server_first = (s1 - s0) / (n1 - n0) if n1 > n0 else None
-    server_steady = (s2 - s1) / (n2 - n1) if n2 > n1 else None
-    return first, steady, server_first, server_steady
+    h2 = server_ttft(base_url)
+    return first, steady, _mean_between(h0, h1), _mean_between(h1, h2)
 
 
 def server_command(args: argparse.Namespace, max_num_seqs: int) -> str:
