@@ -67,12 +67,6 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def parse_bool_or_auto(text: str) -> bool | None:
-    """A boolean, or ``auto`` (also ``none`` or empty) for None: the config decides."""
-    lowered = text.strip().lower()
-    return None if lowered in ("auto", "none", "") else parse_bool(text)
-
-
 def parse_int_list(text: str) -> tuple[int, ...]:
     """``1,2,4,8`` -> (1, 2, 4, 8)."""
     try:
@@ -89,6 +83,11 @@ def optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
     parse_optional.__name__ = getattr(parse, "__name__", "value")
     return parse_optional
+
+
+# A boolean, or auto (none, empty) for None: the config decides (--async-scheduling). One
+# object, so that the parser and --help can tell it from other optional values.
+parse_bool_or_auto = optional(parse_bool)
 
 
 @dataclass(frozen=True, slots=True)
