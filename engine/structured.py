@@ -5,7 +5,9 @@ Owns:
   - ``GrammarCache``: compiled grammars, keyed by ``(kind, spec)``, compiled in its own small
     thread pool (never on the engine thread, never on the event loop). Thread-safe: the
     server compiles a request's grammar before queueing it (a bad schema is a 400 there) and
-    the engine thread later finds it compiled.
+    the engine thread later finds it compiled. It also checks, without compiling, grammars a
+    request carries that its output need not follow (tool parameters), on a thread of their
+    own, and caches which passed.
   - ``StructuredDecoder`` (engine thread only): the matcher of every constrained request,
     the bitmask buffer, and the requests parked until their grammar is compiled.
 
@@ -46,6 +48,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -105,6 +108,10 @@ class GrammarCache:
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str], Future[CompiledEntry]] = {}
+        # Checks (``check``) have a thread of their own: one never waits behind a
+        # compilation, which can take seconds where a check takes milliseconds.
+        self._check_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
+        self._checks: dict[tuple[str, str], Future[None]] = {}
         # The tokenizer's token table is read once (tenths of a second for a 50k vocab),
         # started now so the first constrained request rarely waits for it.
         self._compiler: Future[Any] = self._executor.submit(
@@ -115,48 +122,91 @@ class GrammarCache:
         """The compiled grammar of ``params``: a finished future when cached, else the
         running compilation (its exception is a ``GrammarError`` for bad input); and whether
         this call started the compilation (what the compile-time metric counts)."""
+        return self._cached(self._entries, self._executor, self._compile, params)
+
+    def check(self, params: StructuredOutputParams) -> Future[None]:
+        """Whether ``params`` would compile, without compiling it: its conversion to a
+        grammar (``to_grammar``), the step of a compilation that rejects bad input, which
+        takes a millisecond where the compilation (the token masks) can take seconds. For
+        grammars a request carries but its output need not follow (the ``parameters`` of
+        tools under ``tool_choice: auto``). A passed check is cached; a failed one raises
+        ``GrammarError``."""
+        return self._cached(self._checks, self._check_executor, _check, params)[0]
+
+    def _cached(
+        self,
+        entries: dict[tuple[str, str], Future[Any]],
+        executor: ThreadPoolExecutor,
+        work: Callable[[StructuredOutputParams], Any],
+        params: StructuredOutputParams,
+    ) -> tuple[Future[Any], bool]:
         key = (params.kind, params.spec)
         with self._lock:
-            future = self._entries.get(key)
+            future = entries.get(key)
             if future is not None:
                 return future, False
-            future = self._executor.submit(self._compile, params)
-            self._entries[key] = future
-            while len(self._entries) > self.max_entries:
-                self._entries.pop(next(iter(self._entries)))
-        # A failed compilation is not cached: the next request gets its own error.
-        future.add_done_callback(lambda f: self._drop_failed(key, f))
+            future = executor.submit(work, params)
+            entries[key] = future
+            while len(entries) > self.max_entries:
+                entries.pop(next(iter(entries)))
+        # A failure is not cached: the next request gets its own error.
+        future.add_done_callback(lambda f: self._drop_failed(entries, key, f))
         return future, True
 
-    def _drop_failed(self, key: tuple[str, str], future: Future[CompiledEntry]) -> None:
+    def _drop_failed(
+        self, entries: dict[tuple[str, str], Future[Any]], key: tuple[str, str], future: Future[Any]
+    ) -> None:
         if future.exception() is not None:
             with self._lock:
-                if self._entries.get(key) is future:
-                    del self._entries[key]
+                if entries.get(key) is future:
+                    del entries[key]
 
     def _compile(self, params: StructuredOutputParams) -> CompiledEntry:
         compiler = self._compiler.result()
         start = time.perf_counter()
+        grammar = to_grammar(params)
         try:
-            if params.kind == "json":
-                # Compact JSON: "any whitespace" lets a small model loop on spaces forever.
-                grammar = compiler.compile_json_schema(params.spec, any_whitespace=False)
-            elif params.kind == "regex":
-                grammar = compiler.compile_regex(params.spec)
-            elif params.kind == "choice":
-                grammar = compiler.compile_grammar(choice_grammar(json.loads(params.spec)))
-            elif params.kind == "grammar":
-                grammar = compiler.compile_grammar(params.spec)
-            else:
-                raise GrammarError(f"unknown structured output kind {params.kind!r}")
-        except GrammarError:
-            raise
+            compiled = compiler.compile_grammar(grammar)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
-            raise GrammarError(_CPP_PREFIX.sub("", str(exc)).strip()) from None
-        return CompiledEntry(grammar, time.perf_counter() - start)
+            raise GrammarError(_reason(exc)) from None
+        return CompiledEntry(compiled, time.perf_counter() - start)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._check_executor.shutdown(wait=False, cancel_futures=True)
+
+
+def to_grammar(params: StructuredOutputParams) -> Any:
+    """``params`` as an xgrammar ``Grammar``: the conversion every compilation starts with,
+    and where a schema xgrammar does not support, a bad regex or an undefined rule fails.
+    Needs no tokenizer.
+
+    Raises:
+        GrammarError: with xgrammar's reason.
+    """
+    import xgrammar as xgr
+
+    try:
+        if params.kind == "json":
+            # Compact JSON: "any whitespace" lets a small model loop on spaces forever.
+            return xgr.Grammar.from_json_schema(params.spec, any_whitespace=False)
+        if params.kind == "regex":
+            return xgr.Grammar.from_regex(params.spec)
+        if params.kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_grammar(json.loads(params.spec)))
+        if params.kind == "grammar":
+            return xgr.Grammar.from_ebnf(params.spec)
+    except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
+        raise GrammarError(_reason(exc)) from None
+    raise GrammarError(f"unknown structured output kind {params.kind!r}")
+
+
+def _check(params: StructuredOutputParams) -> None:
+    to_grammar(params)
+
+
+def _reason(exc: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(exc)).strip()
 
 
 def _make_compiler(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:

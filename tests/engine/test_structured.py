@@ -80,6 +80,55 @@ def test_bad_grammars_raise_with_the_compilers_reason(
     assert cache.compile(StructuredOutputParams(kind, spec))[1]
 
 
+@pytest.mark.parametrize(
+    ("kind", "spec"),
+    [
+        ("json", '{"type": "nope"}'),
+        ("json", '{"$ref": "#/$defs/missing"}'),
+        ("json", '{"type": "integer", "minimum": 5, "maximum": 1}'),
+        ("json", '{"type": "object", "properties": {"a": 3}}'),
+        ("json", '{"type": "string", "pattern": "(("}'),
+        ("json", '{"type": "object", "properties": {"s": {"type": "string", "maxLength": 9}}}'),
+        ("regex", "[a-"),
+        ("grammar", "root ::= missing"),
+        ("choice", '["a", "b"]'),
+    ],
+)
+def test_check_rejects_what_compile_rejects_with_the_same_reason(
+    cache: GrammarCache, kind: str, spec: str
+) -> None:
+    params = StructuredOutputParams(kind, spec)
+
+    def outcome(future) -> str | None:
+        try:
+            future.result(timeout=10)
+        except GrammarError as exc:
+            return str(exc)
+        return None
+
+    assert outcome(cache.check(params)) == outcome(cache.compile(params)[0])
+
+
+def test_check_is_cached_and_does_not_wait_for_compilations(cache: GrammarCache) -> None:
+    from concurrent.futures import Future
+
+    params = StructuredOutputParams("json", '{"type": "object", "properties": {}}')
+    first = cache.check(params)
+    assert first.result(timeout=10) is None
+    assert cache.check(params) is first
+    # Every compile thread busy (a slow compilation each): a check still runs at once.
+    blockers = [Future() for _ in range(4)]
+    busy = [cache._executor.submit(b.result, 10) for b in blockers]
+    try:
+        fresh = StructuredOutputParams("json", '{"type": "array", "items": {"type": "integer"}}')
+        assert cache.check(fresh).result(timeout=5) is None
+    finally:
+        for b in blockers:
+            b.set_result(None)
+        for f in busy:
+            f.result(timeout=10)
+
+
 def test_choice_grammar_escapes_quotes_and_backslashes() -> None:
     assert choice_grammar(['a "b"', "c\\d"]) == 'root ::= "a \\"b\\"" | "c\\\\d"'
 
