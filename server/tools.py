@@ -150,6 +150,19 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
     )
 
 
+def parameter_checks(tools: list[dict[str, Any]] | None) -> list[Constraint]:
+    """Each of ``check_tools``' tools' ``parameters`` as a JSON-schema grammar to check before
+    the request goes on (server/structured.py ``check_constraints``), whatever
+    ``tool_choice`` is: a schema the grammar library rejects is a 400 naming
+    ``tools[i].function.parameters``, not a schema the model is shown and may try to follow."""
+    checks = []
+    for i, tool in enumerate(tools or []):
+        param = f"tools[{i}].function.parameters"
+        spec = schema_spec(tool["function"]["parameters"], param)
+        checks.append(Constraint(StructuredOutputParams("json", spec), param))
+    return checks
+
+
 def _tool_param(tools: list[dict[str, Any]], name: str) -> str:
     index = next(i for i, t in enumerate(tools) if t["function"]["name"] == name)
     return f"tools[{index}].function.parameters"
