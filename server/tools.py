@@ -7,9 +7,10 @@ learn of them. ``tool_choice``:
 
 - ``none``: tools are rendered, the output is plain content;
 - ``auto`` (the default with tools): free output, parsed by the server's
-  ``--tool-call-parser`` (``hermes``: ``<tool_call>{"name", "arguments"}</tool_call>`` blocks,
-  Qwen 2.5/3 and Hermes write them; ``llama3_json``: a bare ``{"name", "parameters"}`` object,
-  or several joined by ``;``, optionally after ``<|python_tag|>``);
+  ``--tool-call-parser`` (``hermes``, alias ``qwen``: ``<tool_call>{"name", "arguments"}
+  </tool_call>`` blocks, Qwen 2.5/3 and Hermes write them; ``llama3_json``, alias
+  ``llama3-json``: a bare ``{"name", "parameters"}`` object, or several joined by ``;``,
+  optionally after ``<|python_tag|>``; server/config.py resolves the aliases);
 - ``required``: the output is constrained to a JSON array of one or more
   ``{"name", "arguments"}`` objects, each ``arguments`` following its function's
   ``parameters`` schema (one at most with ``parallel_tool_calls: false``). When
