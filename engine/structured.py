@@ -13,9 +13,10 @@ Owns:
 
 A step, for the rows of constrained requests only, in one of two modes (``check_first``):
 
-  - mask first (CUDA): fill bitmask rows (host, xgrammar) ──> copy to the logits' device ──>
-    apply_token_bitmask_inplace(logits, bitmask, indices=rows) ──> sampler's pick. The fill
-    runs on the host while the GPU runs the forward pass it was queued behind.
+  - mask first (CUDA): fill bitmask rows (host, xgrammar) ──> copy those rows alone to the
+    logits' device (``copy_rows``) ──> apply_token_bitmask_inplace(logits, bitmask,
+    indices=rows) ──> sampler's pick. The fill runs on the host while the GPU runs the
+    forward pass it was queued behind.
   - check first (CPU): sampler's pick on the unmasked logits ──> matcher.accept_token(pick)
     and rollback(1), microseconds a row ──> a refused row tries its next-best few tokens
     the same way ──> only rows still without a pick are filled, masked and picked again
@@ -245,6 +246,8 @@ class StructuredDecoder:
         self._matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
         self._pending: dict[str, Future[CompiledEntry]] = {}  # compiling, not yet matched
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, host
+        # Its twin on the logits' device (CUDA), written only at constrained rows.
+        self._device_bitmask: torch.Tensor | None = None
 
     @property
     def num_constrained(self) -> int:
@@ -356,11 +359,11 @@ class StructuredDecoder:
         import xgrammar as xgr
 
         num_rows = logits.shape[0]
-        bitmask = self._bitmask
-        if bitmask is None or bitmask.shape[0] < num_rows:
-            bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.cache.vocab_size)
-            self._bitmask = bitmask
-        bitmask = bitmask[:num_rows]
+        host = self._bitmask
+        if host is None or host.shape[0] < num_rows:
+            host = xgr.allocate_token_bitmask(max(num_rows, 8), self.cache.vocab_size)
+            self._bitmask = host
+        bitmask = host[:num_rows]
         matchers = [self._matchers[requests[row].request_id] for row in rows]
         if len(rows) == 1 or self._fill_threads == 1:
             for row, matcher in zip(rows, matchers, strict=True):
@@ -370,9 +373,16 @@ class StructuredDecoder:
                 self._batch_matcher = xgr.BatchGrammarMatcher(self._fill_threads)
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         if logits.device.type != "cpu":
-            # From pageable memory the copy is staged before the call returns, so the host
-            # buffer may be refilled next step.
-            bitmask = bitmask.to(logits.device, non_blocking=True)
+            on_device = self._device_bitmask
+            if (
+                on_device is None
+                or on_device.shape[0] < num_rows
+                or on_device.device != logits.device
+            ):
+                on_device = torch.empty_like(host, device=logits.device)
+                self._device_bitmask = on_device
+            bitmask = on_device[:num_rows]
+            copy_rows(host, rows, bitmask)
         xgr.apply_token_bitmask_inplace(
             logits, bitmask, vocab_size=self.cache.vocab_size, indices=rows
         )
@@ -401,6 +411,29 @@ class StructuredDecoder:
                     logger.error(
                         "request %s: token %d is outside its grammar", request_id, token_id
                     )
+
+
+def copy_rows(
+    source: torch.Tensor,  # [>= rows, ceil(vocab / 32)] int32, host
+    rows: list[int],
+    target: torch.Tensor,  # [>= rows, ceil(vocab / 32)] int32, any device
+) -> None:
+    """``target[rows] = source[rows]``, with only those rows crossing to ``target``'s device:
+    the constrained rows of a step, not the whole batch's. They stay at their own indices
+    because ``apply_token_bitmask_inplace(indices=rows)`` reads row i's mask at bitmask row
+    i; the other rows of ``target`` keep whatever they held, which it never reads.
+
+    NOTE: the rows are gathered into a new host tensor, and a copy from pageable memory is
+    staged before the call returns, so ``source`` may be refilled next step while the copy
+    is still queued on the device.
+    """
+    index = torch.tensor(rows, dtype=torch.int64)
+    gathered = source.index_select(0, index)  # [len(rows), ceil(vocab / 32)]
+    target.index_copy_(
+        0,
+        index.to(target.device, non_blocking=True),
+        gathered.to(target.device, non_blocking=True),
+    )
 
 
 def samples_whole_distribution(params: SamplingParams, vocab_size: int) -> bool:

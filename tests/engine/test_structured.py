@@ -14,7 +14,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, _untied
-from engine.structured import GrammarCache, GrammarError, StructuredDecoder, choice_grammar
+from engine.structured import (
+    GrammarCache,
+    GrammarError,
+    StructuredDecoder,
+    choice_grammar,
+    copy_rows,
+)
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request, StructuredOutputParams
 from tests.engine.conftest import make_tiny_llama
@@ -328,19 +334,33 @@ def test_a_check_refuses_padding_ids_and_leaves_the_matcher_as_it_was(
     assert torch.equal(a, b)  # the accepted pick was rolled back
 
 
+def test_copy_rows_writes_only_the_given_rows_at_their_own_indices() -> None:
+    source = torch.arange(5 * 4, dtype=torch.int32).reshape(5, 4)
+    target = torch.full((8, 4), -1, dtype=torch.int32)
+    copy_rows(source, [3, 0], target)
+    assert torch.equal(target[[0, 3]], source[[0, 3]])
+    assert (target[[1, 2, 4, 5, 6, 7]] == -1).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_mask_on_cuda_logits_equals_the_cpu_mask(cache: GrammarCache) -> None:
-    """The bitmask is copied to the logits' device and applied there (xgrammar's CUDA or
-    Triton kernel): the same rows get the same -inf entries as on the CPU."""
-    grammar = StructuredOutputParams("regex", "(quick|lazy) [a-z]+")
-    decoder = _decoder(cache, {"c": grammar}, check_first=False)
-    requests = [_scheduled("a"), _scheduled("c"), _scheduled("b")]
-    cpu = torch.randn(3, cache.vocab_size)
-    cuda = cpu.to("cuda")
-    decoder.mask_before_sampling(cpu, requests)
-    decoder.mask_before_sampling(cuda, requests)
-    assert torch.equal(cuda.cpu(), cpu)
+    """Only the constrained rows' bitmasks are copied to the logits' device, and applied
+    there (xgrammar's CUDA or Triton kernel): the same rows get the same -inf entries as on
+    the CPU, with constrained rows apart, and after the rows move (the device buffer's
+    stale rows are never read)."""
+    grammars = {
+        "c": StructuredOutputParams("regex", "(quick|lazy) [a-z]+"),
+        "d": StructuredOutputParams("choice", '["hello", "dog"]'),
+    }
+    decoder = _decoder(cache, grammars, check_first=False)
+    for order in (["a", "c", "b", "d", "e"], ["d", "a", "b", "c"], ["b", "c"]):
+        requests = [_scheduled(r) for r in order]
+        cpu = torch.randn(len(order), cache.vocab_size)
+        cuda = cpu.to("cuda")
+        decoder.mask_before_sampling(cpu, requests)
+        decoder.mask_before_sampling(cuda, requests)
+        assert torch.equal(cuda.cpu(), cpu), order
 
 
 @pytest.mark.parametrize(
