@@ -96,6 +96,7 @@ async def serve_generation(
             compile_s = await compile_constraint(ctx.client.grammars, constraint)
             ctx.metrics.record_structured(constraint.params.kind, len(params), compile_s)
             params = [dataclasses.replace(p, structured=constraint.params) for p in params]
+        ctx.metrics.record_accepted(constraint.params.kind if constraint else None, len(params))
         request_id = new_request_id(endpoint.id_prefix)
         run = GenerationRun(
             ctx.client,

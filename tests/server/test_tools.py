@@ -395,6 +395,14 @@ async def test_structured_requests_are_counted(serve) -> None:
     s = await serve(engine=GrammarFakeEngine())
     body = {"messages": MSG, "max_tokens": 2, "n": 2, "guided_choice": ["a", "b"]}
     assert (await s.http.post(CHAT, json=body)).status_code == 200
+    plain = {"prompt": ["hi", "ho"], "max_tokens": 2, "n": 3}
+    assert (await s.http.post("/v1/completions", json=plain)).status_code == 200
+    bad = {**body, "guided_choice": []}  # a 400: not counted
+    assert (await s.http.post(CHAT, json=bad)).status_code == 400
     text = (await s.http.get("/metrics")).text
     assert 'pagedserve_structured_requests_total{kind="choice",model_name="fake-model"} 2.0' in text
     assert 'pagedserve_grammar_compile_seconds_count{model_name="fake-model"} 1.0' in text
+    by_constraint = "pagedserve_requests_by_constraint_total"
+    assert f'{by_constraint}{{constraint="choice",model_name="fake-model"}} 2.0' in text
+    assert f'{by_constraint}{{constraint="none",model_name="fake-model"}} 6.0' in text
+    assert f'{by_constraint}{{constraint="json",model_name="fake-model"}} 0.0' in text
