@@ -110,7 +110,7 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str], Future[CompiledEntry]] = {}
         # Checks (``check``) have a thread of their own: one never waits behind a
-        # compilation, which can take seconds where a check takes milliseconds.
+        # compilation, which can take seconds where a check usually takes a millisecond.
         self._check_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
         self._checks: dict[tuple[str, str], Future[None]] = {}
         # The tokenizer's token table is read once (tenths of a second for a 50k vocab),
@@ -128,7 +128,8 @@ class GrammarCache:
     def check(self, params: StructuredOutputParams) -> Future[None]:
         """Whether ``params`` would compile, without compiling it: its conversion to a
         grammar (``to_grammar``), the step of a compilation that rejects bad input, which
-        takes a millisecond where the compilation (the token masks) can take seconds. For
+        usually takes a millisecond where the compilation (the token masks) can take
+        seconds. For
         grammars a request carries but its output need not follow (the ``parameters`` of
         tools under ``tool_choice: auto``). A passed check is cached; a failed one raises
         ``GrammarError``."""
