@@ -271,8 +271,9 @@ class ServerMetrics:
                                     "target")
         self.target_steps_met = counter("target_steps_met", "Of those, steps whose time (with "
                                         "the engine loop's gap before it) kept the budget")
-        self.target_prefill_cap = histogram("target_prefill_cap_tokens", "Prompt tokens a "
-                                            "step could compute under the latency targets",
+        self.target_prefill_cap = histogram("target_prefill_cap_tokens", "Prompt tokens the "
+                                            "latency targets let a step with decodes compute "
+                                            "(its cap, whether or not prompts filled it)",
                                             STEP_TOKEN_BUCKETS)
         self.target_ttft_boosts = counter("target_ttft_boosts", "Steps whose prefill share "
                                           "grew to keep the TTFT target")

@@ -190,7 +190,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   "exact.", soft_max=1.5),
         PanelSpec("Prefill chunk chosen per step", "short", (
             *quantiles("pagedserve_target_prefill_cap_tokens", (0.1, 0.5, 0.9)),
-        ), "Prompt tokens a step could compute under the targets."),
+        ), "Prompt tokens the targets let a step with decodes compute: its cap, whether or "
+           "not prompts filled it. Steps without decodes are not capped and not counted."),
         PanelSpec("TTFT target: boosts and conflicts", "short", (
             ("prefill share grown for TTFT /s", rate_sum("pagedserve_target_ttft_boosts_total")),
             ("TTFT missed even so /s", rate_sum("pagedserve_target_conflicts_total")),
