@@ -164,6 +164,45 @@ def test_family_configs_read_what_differs():
     assert "q/k norms" in config("qwen3").family_differences()
 
 
+# Gemma 3 config.json files on the hub, written before transformers 5's rope_parameters:
+# rope_theta and rope_scaling belong to the global layers, rope_local_base_freq (10000 when
+# absent) to the sliding ones, and sliding_window_pattern replaces layer_types.
+GEMMA3_HUB_FORMS = {
+    "gemma-3-1b-it": dict(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling=None),
+    "gemma-3-4b-it": dict(
+        rope_theta=1_000_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(GEMMA3_HUB_FORMS))
+def test_gemma3_hub_config_form_rotates_sliding_layers_with_their_local_base(form, tmp_path):
+    """The tiny Gemma 3 checkpoint with its config.json rewritten into the hub's older form:
+    pagedserve and transformers (reading the same rewritten file) agree, so sliding layers
+    rotate with the local base, not the global one (nor its scaling)."""
+    import json
+
+    import transformers
+
+    path, _ = make_tiny(tmp_path, "gemma3", seed=6)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    for key in ("rope_parameters", "layer_types", "rope_theta"):
+        config.pop(key, None)
+    config.update(GEMMA3_HUB_FORMS[form], sliding_window_pattern=2)
+    config_file.write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    hf = hf.float().eval()
+    assert hf.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    mc = ModelConfig.from_hf(config)
+    assert mc.sliding_rope_theta == hf.config.rope_parameters["sliding_attention"]["rope_theta"]
+    assert mc.rope_scaling.rope_type == hf.config.rope_parameters["full_attention"]["rope_type"]
+    prompts = _prompts(256, seed=6)[2:]  # longer than the window and than a few rotations
+    refs = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=2) for p in prompts]
+    llm = LLM(str(path), block_size=8, max_num_batched_tokens=16, num_kv_blocks=32, **ENGINE)
+    _check(llm, prompts, refs, f"gemma3 {form} config")
+
+
 @pytest.mark.parametrize(
     "overrides,named",
     [
