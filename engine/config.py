@@ -51,7 +51,8 @@ class Family:
     - ``fused_checkpoint``: the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3).
     - ``sliding_pattern``: every n-th layer is global, the others slide (Gemma 2: 2,
       Gemma 3: 6), when config.json has no ``layer_types``; 0: every layer slides when
-      config.json sets ``sliding_window`` (Mistral); None: sliding only by ``layer_types``.
+      config.json sets ``sliding_window`` (Mistral, Phi-3); None: sliding only by
+      ``layer_types``.
     - ``query_pre_attn_scalar``: softmax scale is ``query_pre_attn_scalar ** -0.5``.
     - ``norm_topk_prob``: a mixture of experts renormalises its top-k routing weights
       whatever config.json says (Mixtral); False: as config.json's ``norm_topk_prob``.
@@ -92,7 +93,9 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": dataclasses.replace(
         _GEMMA, qk_norm=True, sliding_pattern=6, rope_theta=1_000_000.0, local_rope=True
     ),
-    "phi3": Family(fused_checkpoint=True),
+    # transformers' Phi-3 masks every layer by sliding_window, as Mistral's does
+    # (Phi-3-mini-4k: 2047).
+    "phi3": Family(fused_checkpoint=True, sliding_pattern=0),
     # Mixtures of experts (engine/moe.py): the attention of mistral and qwen3.
     "mixtral": Family(sliding_pattern=0, norm_topk_prob=True, rope_theta=1_000_000.0),
     "qwen3_moe": Family(qk_norm=True),

@@ -59,7 +59,7 @@ FAMILIES = {
             },
         ),
     ),
-    "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    "phi3": ("Phi3Config", dict(pad_token_id=0, sliding_window=WINDOW)),
     # Mixtures of experts (engine/moe.py): 4 experts, 2 per token.
     "mixtral": (
         "MixtralConfig",
@@ -160,7 +160,9 @@ def test_family_configs_read_what_differs():
     assert gemma3.rope_theta == 1_000_000.0
     assert config("mistral-sliding").sliding_layers == (True, True)
     assert config("qwen3").qk_norm and not config("qwen3").attention_bias
-    assert config("phi3").fused_checkpoint and config("phi3").is_plain_llama
+    phi3 = config("phi3")
+    assert phi3.fused_checkpoint and phi3.sliding_layers == (True, True)
+    assert phi3.family_differences() == f"sliding window {WINDOW}"
     assert "q/k norms" in config("qwen3").family_differences()
 
 
