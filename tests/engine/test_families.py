@@ -120,6 +120,25 @@ def _check(llm: LLM, prompts, refs, label: str) -> None:
         assert_parity(out.token_ids, ref, label=f"{label}, prompt of {len(prompt)} tokens")
 
 
+def _check_alone_and_preempted(path, prompts, refs, label: str, **engine) -> LLM:
+    """The longest request alone, then all of them, in a pool that holds only the longest:
+    the others are preempted and recomputed. Returns the engine, for its backend."""
+    needed = -(-(max(len(p) for p in prompts) + MAX_TOKENS) // 4)
+    llm = LLM(
+        str(path),
+        block_size=4,
+        num_kv_blocks=needed,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        **ENGINE,
+        **engine,
+    )
+    _check(llm, prompts[-1:], refs[-1:], f"{label} alone")
+    _check(llm, prompts, refs, f"{label} preempted")
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    return llm
+
+
 def test_family_batched_with_chunked_prefill(family):
     name, path, prompts, refs = family
     llm = LLM(str(path), block_size=8, max_num_batched_tokens=16, num_kv_blocks=64, **ENGINE)
@@ -129,18 +148,7 @@ def test_family_batched_with_chunked_prefill(family):
 
 def test_family_alone_and_preempted(family):
     name, path, prompts, refs = family
-    needed = -(-(max(PROMPT_LENS) + MAX_TOKENS) // 4)
-    llm = LLM(
-        str(path),
-        block_size=4,
-        num_kv_blocks=needed,  # the longest request alone: the others preempt
-        max_num_batched_tokens=64,
-        enable_prefix_caching=False,
-        **ENGINE,
-    )
-    _check(llm, prompts[-1:], refs[-1:], f"{name} alone")
-    _check(llm, prompts, refs, f"{name} preempted")
-    assert llm.engine.scheduler.num_preemptions_total > 0
+    _check_alone_and_preempted(path, prompts, refs, name)
 
 
 def test_family_configs_read_what_differs():
@@ -267,17 +275,24 @@ def test_phi3_on_the_cpu_kernels(tmp_path):
     prompts = _prompts(256, seed=4)
     refs = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=2) for p in prompts]
     _check(llm, prompts, refs, "phi3 cpu")
+    small = _check_alone_and_preempted(tmp_path, prompts, refs, "phi3 cpu", attention_backend="cpu")
+    assert small.engine.attention_backend == "cpu" and small.engine.model_config.is_plain_llama
 
 
 # head_dim 32: the smallest shapes the C++ CPU kernels take.
 CPU_SHAPES = dict(hidden_size=128, intermediate_size=256, head_dim=32)
 
 
-@pytest.mark.parametrize("name", ["mistral-sliding"])
-def test_sliding_window_families_on_the_cpu_attention_kernel(name, tmp_path, caplog):
+# Every family the C++ attention kernel serves (all but gemma2's soft-capped scores).
+CPU_KERNEL_FAMILIES = ["qwen3", "mistral-sliding", "gemma3", "phi3", "mixtral", "qwen3-moe"]
+
+
+@pytest.mark.parametrize("name", CPU_KERNEL_FAMILIES)
+def test_family_on_the_cpu_attention_kernel(name, tmp_path, caplog):
     """Families the fused C++ stack does not compute run their own forward around the C++
     attention kernel (auto picks it, and says so in one log line), its sliding window
-    included: batched with chunked prefill, then preempted in a pool that holds one request."""
+    included: batched with chunked prefill, then alone and preempted in a pool that holds
+    one request."""
     import logging
 
     path, hf = make_tiny(tmp_path, name, seed=5, **CPU_SHAPES)
@@ -288,11 +303,8 @@ def test_sliding_window_families_on_the_cpu_attention_kernel(name, tmp_path, cap
     assert llm.engine.attention_backend == "cpu"
     assert [r for r in caplog.records if "around the C++ attention kernel" in r.message]
     _check(llm, prompts, refs, f"{name} cpu, chunked")
-    needed = -(-(max(PROMPT_LENS) + MAX_TOKENS) // 4)
-    small = LLM(str(path), block_size=4, num_kv_blocks=needed, enable_prefix_caching=False,
-                **ENGINE)  # fmt: skip
-    _check(small, prompts, refs, f"{name} cpu, preempted")
-    assert small.engine.scheduler.num_preemptions_total > 0
+    small = _check_alone_and_preempted(path, prompts, refs, f"{name} cpu")
+    assert small.engine.attention_backend == "cpu"
 
 
 def test_soft_capping_families_refuse_the_kernels():
