@@ -39,11 +39,16 @@ GGUF_ARCHITECTURES = {
 
 
 def _value(field: Any) -> Any:
+    """A GGUFReader field's scalar or string value, across gguf versions."""
     if hasattr(field, "contents"):
         return field.contents()
-    # gguf < 0.11: a scalar's value is its last part; a string's, those bytes.
+    # Older gguf: parts holds raw numpy arrays, data indexes the value's part.
+    from gguf import GGUFValueType
+
     part = field.parts[field.data[0]]
-    return bytes(part).decode("utf-8") if part.dtype.kind == "u" and len(part) > 1 else part[0]
+    if field.types and field.types[-1] == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    return part.tolist()[0]
 
 
 def check_gguf_family(path: Path) -> str:

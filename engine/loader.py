@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelNotFoundError, UnsupportedModelError, cache_dir
-from engine.gguf_families import check_gguf_family
+from engine.gguf_families import GGUF_ARCHITECTURES, check_gguf_family
 from engine.presets import preset
 from kernels.cpu.scratch import make_scratch_dir, remove_stale_scratch_dirs
 
@@ -161,8 +161,8 @@ def convert_gguf(gguf: Path) -> Path:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsupportedModelError(
                 f"could not read {str(gguf)!r} as a GGUF model ({reason}): pass a GGUF file of "
-                "an architecture transformers reads (llama, mistral, qwen2, qwen3, phi3, "
-                "gemma2, gemma3...), or an HF directory"
+                f"an architecture transformers reads ({', '.join(sorted(GGUF_ARCHITECTURES))}), "
+                "or an HF directory"
             ) from exc
         # The de-quantized weights are plain float32 now; drop the GGUF quantizer so the
         # checkpoint saves and reloads as an ordinary one.
