@@ -35,7 +35,8 @@ rows never pay for grammars.
 Finishing. The matcher's stop tokens are the engine's EOS ids: once the grammar is complete
 the mask allows those alone, so the request finishes with ``stop`` through the scheduler's
 ordinary EOS check (``ignore_eos`` is overridden for constrained requests by adding them to
-their stop token ids). ``max_tokens`` reached first finishes with ``length`` mid-structure, as OpenAI does.
+their stop token ids). ``max_tokens`` reached first finishes with ``length`` mid-structure,
+as OpenAI does.
 
 Vocabulary. The model's head may have more rows than the tokenizer has tokens (padding for
 matmul shapes); ``TokenizerInfo`` is built with the head's size, so those ids are never
