@@ -178,6 +178,20 @@ def test_family_configs_read_what_differs():
     assert "q/k norms" in config("qwen3").family_differences()
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mixtral", "qwen3", "phi3"])
+def test_rope_bases_a_config_leaves_out_are_transformers_defaults(family):
+    import transformers
+
+    name, overrides = FAMILIES[family]
+    d = {**_COMMON, **overrides, "model_type": getattr(transformers, name).model_type}
+    d.pop("rope_parameters", None)
+    hf = getattr(transformers, name)(**d).rope_parameters
+    mc = ModelConfig.from_hf(d)
+    assert mc.rope_theta == hf.get("full_attention", hf)["rope_theta"]
+    if "sliding_attention" in hf:
+        assert mc.sliding_rope_theta == hf["sliding_attention"]["rope_theta"]
+
+
 # Gemma 3 config.json files on the hub, written before transformers 5's rope_parameters:
 # rope_theta and rope_scaling belong to the global layers, rope_local_base_freq (10000 when
 # absent) to the sliding ones, and sliding_window_pattern replaces layer_types.
