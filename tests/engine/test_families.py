@@ -133,8 +133,7 @@ def _check_alone_and_preempted(
         num_kv_blocks=needed,
         max_num_batched_tokens=64,
         enable_prefix_caching=False,
-        **ENGINE,
-        **engine,
+        **{**ENGINE, **engine},
     )
     _check(llm, prompts[longest : longest + 1], refs[longest : longest + 1], f"{label} alone",
            max_tokens)  # fmt: skip
@@ -268,32 +267,44 @@ TRITON_FAMILIES = [
 ]
 
 
-@pytest.mark.skipif(
-    not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set without CUDA)"
-)
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.skipif(
+            not INTERPRET,
+            reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set without CUDA)",
+        )),
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available() or INTERPRET,
+            reason="needs CUDA and compiled (not interpreted) Triton",
+        )]),
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("name", TRITON_FAMILIES)
-def test_family_on_the_triton_kernels(name, tmp_path):
-    """The Triton decode and prefill kernels (under the interpreter), their sliding window
-    included, through chunked prefill and mixed steps, against transformers; Gemma 3 (sliding
-    and global layers) also alone and preempted. tests/kernels/ check the kernels case by
-    case."""
+def test_family_on_the_triton_kernels(name, device, tmp_path):
+    """The Triton decode and prefill kernels (on the CPU under the interpreter, on CUDA
+    compiled), their sliding window included, through chunked prefill and mixed steps,
+    against transformers in float32 on the CPU; Gemma 3 (sliding and global layers) also
+    alone and preempted. tests/kernels/ check the kernels case by case."""
     path, hf = make_tiny(tmp_path, name)
     prompts = _prompts(256, seed=1, lens=TRITON_PROMPT_LENS)
     refs = [hf_greedy(hf, p, TRITON_TOKENS, eos_token_id=2) for p in prompts]
+    engine = {**ENGINE, "device": device}
     llm = LLM(
         str(path),
         attention_backend="triton",
         block_size=8,
         max_num_batched_tokens=16,
         num_kv_blocks=64,
-        **ENGINE,
+        **engine,
     )
     assert llm.engine.attention_backend == "triton"
-    _check(llm, prompts, refs, f"{name} triton, chunked", TRITON_TOKENS)
+    _check(llm, prompts, refs, f"{name} triton on {device}, chunked", TRITON_TOKENS)
     if name == "gemma3":
         small = _check_alone_and_preempted(
-            path, prompts, refs, f"{name} triton", TRITON_TOKENS, attention_backend="triton"
-        )
+            path, prompts, refs, f"{name} triton on {device}", TRITON_TOKENS,
+            attention_backend="triton", device=device,
+        )  # fmt: skip
         assert small.engine.attention_backend == "triton"
 
 
