@@ -284,11 +284,11 @@ TRITON_FAMILIES = [
 def test_family_on_the_triton_kernels(name, device, tmp_path):
     """The Triton decode and prefill kernels (on the CPU under the interpreter, on CUDA
     compiled), their sliding window included, through chunked prefill and mixed steps,
-    against transformers in float32 on the CPU; Gemma 3 (sliding and global layers) also
-    alone and preempted. tests/kernels/ check the kernels case by case."""
+    against transformers in float32 on the same device; Gemma 3 (sliding and global layers)
+    also alone and preempted. tests/kernels/ check the kernels case by case."""
     path, hf = make_tiny(tmp_path, name)
     prompts = _prompts(256, seed=1, lens=TRITON_PROMPT_LENS)
-    refs = [hf_greedy(hf, p, TRITON_TOKENS, eos_token_id=2) for p in prompts]
+    refs = [hf_greedy(hf.to(device), p, TRITON_TOKENS, eos_token_id=2) for p in prompts]
     engine = {**ENGINE, "device": device}
     llm = LLM(
         str(path),
