@@ -64,7 +64,7 @@ def check_gguf_family(path: Path) -> str:
         reader = GGUFReader(str(path))
     except (ValueError, OSError) as exc:
         raise UnsupportedModelError(
-            f"could not read {str(path)!r} as a GGUF file ({exc}): pass a GGUF file or an HF "
+            f"could not read {str(path)!r} as a GGUF model ({exc}): pass a GGUF file or an HF "
             "directory"
         ) from exc
     fields = reader.fields
