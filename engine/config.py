@@ -51,10 +51,16 @@ class Family:
     - ``fused_checkpoint``: the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3).
     - ``sliding_pattern``: every n-th layer is global, the others slide (Gemma 2: 2,
       Gemma 3: 6), when config.json has no ``layer_types``; 0: every layer slides when
-      config.json sets ``sliding_window`` (Mistral); None: sliding only by ``layer_types``.
+      config.json sets ``sliding_window`` (Mistral, Phi-3); None: sliding only by
+      ``layer_types``.
     - ``query_pre_attn_scalar``: softmax scale is ``query_pre_attn_scalar ** -0.5``.
     - ``norm_topk_prob``: a mixture of experts renormalises its top-k routing weights
       whatever config.json says (Mixtral); False: as config.json's ``norm_topk_prob``.
+    - ``rope_theta``: the RoPE base when config.json names none (transformers' default
+      for the family: Gemma 3's global layers and Mixtral 1e6).
+    - ``local_rope``: sliding layers rotate with their own default RoPE base, config.json's
+      ``rope_local_base_freq`` (10000 if absent) or ``rope_parameters.sliding_attention``;
+      ``rope_scaling`` then applies to the global layers only (Gemma 3).
     """
 
     qkv_bias: bool = False
@@ -67,6 +73,8 @@ class Family:
     sliding_pattern: int | None = None
     query_pre_attn_scalar: bool = False
     norm_topk_prob: bool = False
+    rope_theta: float = 10_000.0
+    local_rope: bool = False
 
 
 _GEMMA = Family(
@@ -82,10 +90,14 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family(qkv_bias=True),
     "qwen3": Family(qk_norm=True),
     "gemma2": dataclasses.replace(_GEMMA, sliding_pattern=2),
-    "gemma3_text": dataclasses.replace(_GEMMA, qk_norm=True, sliding_pattern=6),
-    "phi3": Family(fused_checkpoint=True),
+    "gemma3_text": dataclasses.replace(
+        _GEMMA, qk_norm=True, sliding_pattern=6, rope_theta=1_000_000.0, local_rope=True
+    ),
+    # transformers' Phi-3 masks every layer by sliding_window, as Mistral's does
+    # (Phi-3-mini-4k: 2047).
+    "phi3": Family(fused_checkpoint=True, sliding_pattern=0),
     # Mixtures of experts (engine/moe.py): the attention of mistral and qwen3.
-    "mixtral": Family(sliding_pattern=0, norm_topk_prob=True),
+    "mixtral": Family(sliding_pattern=0, norm_topk_prob=True, rope_theta=1_000_000.0),
     "qwen3_moe": Family(qk_norm=True),
 }
 SUPPORTED_ARCHITECTURES = set(FAMILIES)
@@ -224,17 +236,28 @@ class ModelConfig:
         # transformers >= 5 folds rope_theta into rope_parameters; older versions keep both
         # rope_theta and an optional rope_scaling dict at the top level.
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        # Gemma 3 keeps one set of RoPE parameters per layer type.
-        sliding_rope = rope.get("sliding_attention") if "full_attention" in rope else None
+        # Gemma 3 keeps one set of RoPE parameters per layer type: transformers >= 5 as
+        # rope_parameters.{full,sliding}_attention; hub configs written before it (such as
+        # gemma-3-1b-it's) as rope_theta and rope_scaling for the global layers and
+        # rope_local_base_freq for the sliding ones.
+        sliding_rope: dict[str, Any] | None = None
+        sliding_rope_theta: float | None = None
+        if "full_attention" in rope or "sliding_attention" in rope:
+            sliding_rope = rope.get("sliding_attention") or {}
+            rope = rope.get("full_attention") or {}
+        elif family.local_rope:
+            sliding_rope = {}
         if sliding_rope is not None:
-            rope = rope["full_attention"]
             if _rope_type(sliding_rope) != "default":
                 raise UnsupportedModelError(
                     f"unsupported rope scaling {_rope_type(sliding_rope)!r} on sliding layers "
                     "(config.json rope_parameters.sliding_attention); pagedserve supports "
                     "default RoPE there"
                 )
-        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+            sliding_rope_theta = float(
+                sliding_rope.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+            )
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", family.rope_theta))
         rope_type = _rope_type(rope)
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
@@ -328,9 +351,7 @@ class ModelConfig:
             final_logit_softcap=_optional_float(d.get("final_logit_softcapping")),
             sliding_window=int(window) if window is not None else None,
             sliding_layers=sliding,
-            sliding_rope_theta=(
-                float(sliding_rope.get("rope_theta", 10000.0)) if sliding_rope is not None else None
-            ),
+            sliding_rope_theta=sliding_rope_theta,
             fused_checkpoint=family.fused_checkpoint,
             num_experts=num_experts if moe_layers else 0,
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if moe_layers else 0,

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.moe import SparseMoe, expert_sources, stack_experts
+from engine.moe import SparseMoe, expert_sources, split_fused_experts, stack_experts
 from engine.rope import RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -309,6 +309,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy an HF Llama checkpoint's tensors in (``checkpoint_sources``), fusing q/k/v
         and gate/up and transposing every matmul weight to ``Linear``'s ``[in, out]``."""
         own = self.state_dict()
+        if any(self.config.layer_is_moe()):
+            state = split_fused_experts(state, self.config)
         sources = checkpoint_sources(self.config)
         missing = own.keys() - sources.keys()
         if missing:

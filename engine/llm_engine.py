@@ -117,8 +117,12 @@ class LLMEngine:
         self.structured: StructuredDecoder | None = None
         self._awaiting_grammar: dict[str, Request] = {}
         if self.tokenizer is not None and self.eos_token_id is not None:
+            # A completed grammar ends at any id a request stops at (Llama 3's <|eot_id|>
+            # as well as <|end_of_text|>), not only the first EOS.
             self.grammars = GrammarCache(
-                self.tokenizer, self.model_config.vocab_size, [self.eos_token_id]
+                self.tokenizer,
+                self.model_config.vocab_size,
+                list(self.eos_token_ids) or [self.eos_token_id],
             )
             # On CUDA the host fills masks while the GPU runs the forward pass; on the CPU
             # the forward pass has used every core, so picks are checked and only refused
@@ -238,16 +242,17 @@ class LLMEngine:
             self.scheduler.add_request(request)
 
     def _constrain(self, request_id: str, params: SamplingParams) -> SamplingParams:
-        """Start a constrained request's grammar; EOS ends it once the grammar is complete,
-        even under ``ignore_eos`` (the mask then allows nothing else)."""
+        """Start a constrained request's grammar; an EOS id ends it once the grammar is
+        complete, even under ``ignore_eos`` (the mask then allows nothing else)."""
         if self.structured is None or self.eos_token_id is None:
             raise ValueError("structured output needs the model's tokenizer and EOS token")
         assert params.structured is not None
         self.structured.add(request_id, params.structured)
-        if params.ignore_eos and self.eos_token_id not in params.stop_token_ids:
-            params = dataclasses.replace(
-                params, stop_token_ids=(*params.stop_token_ids, self.eos_token_id)
-            )
+        ends = [
+            t for t in self.eos_token_ids or (self.eos_token_id,) if t not in params.stop_token_ids
+        ]
+        if params.ignore_eos and ends:
+            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *ends))
         return params
 
     def _admit_compiled(self) -> list[RequestOutput]:

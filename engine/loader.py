@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelNotFoundError, UnsupportedModelError, cache_dir
+from engine.gguf_families import GGUF_ARCHITECTURES, check_gguf_family
 from engine.presets import preset
 from kernels.cpu.scratch import make_scratch_dir, remove_stale_scratch_dirs
 
@@ -75,6 +76,7 @@ def resolve_model(spec: str) -> ResolvedModel:
         return ResolvedModel(DEFAULT_MODEL_ID, convert_gguf(gguf), gguf)
     path = Path(spec).expanduser().resolve()
     if path.is_file() and path.suffix == ".gguf":
+        check_gguf_family(path)  # an architecture transformers misreads: one line, no conversion
         return ResolvedModel(path.stem, convert_gguf(path), path)
     if path.is_dir() and (path / "config.json").is_file():
         return ResolvedModel(path.name, path)
@@ -153,11 +155,14 @@ def convert_gguf(gguf: Path) -> Path:
             tokenizer = AutoTokenizer.from_pretrained(
                 gguf.parent, gguf_file=gguf.name, local_files_only=True
             )
-        except ValueError as exc:  # not GGUF, or an architecture transformers cannot read
+        # Not GGUF, an architecture transformers cannot read (ValueError, NotImplementedError
+        # from gguf-py's name map), or tensors that do not fit the config it read.
+        except (ValueError, NotImplementedError, RuntimeError) as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsupportedModelError(
-                f"could not read {str(gguf)!r} as a GGUF model ({exc}): pass a GGUF file of "
-                "an architecture transformers reads (llama, mistral, qwen2, qwen3, phi3, "
-                "gemma2, gemma3...), or an HF directory"
+                f"could not read {str(gguf)!r} as a GGUF model ({reason}): pass a GGUF file of "
+                f"an architecture transformers reads ({', '.join(sorted(GGUF_ARCHITECTURES))}), "
+                "or an HF directory"
             ) from exc
         # The de-quantized weights are plain float32 now; drop the GGUF quantizer so the
         # checkpoint saves and reloads as an ordinary one.

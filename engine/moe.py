@@ -86,6 +86,31 @@ def expert_sources(
     return (moe + "gate.weight",), gate_up, downs
 
 
+def split_fused_experts(
+    state: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """``state`` with transformers' in-memory expert layout, one tensor per layer
+    (``mlp.experts.gate_up_proj`` ``[experts, 2 * width, hidden]``, gate rows first, and
+    ``mlp.experts.down_proj`` ``[experts, hidden, width]``), split into the per-expert tensors
+    ``expert_sources`` names. That layout is what transformers saves a model in when no
+    checkpoint conversion maps it back, as after reading a GGUF file (engine/loader.py)."""
+    fused = [k for k in state if k.endswith("mlp.experts.gate_up_proj")]
+    if not fused:
+        return state
+    state = dict(state)
+    for key in fused:
+        layer_prefix = key.removesuffix("mlp.experts.gate_up_proj")
+        _, gate_up_names, down_names = expert_sources(config, layer_prefix)
+        gate_up = state.pop(key)  # [experts, 2 * width, hidden]
+        down = state.pop(layer_prefix + "mlp.experts.down_proj")  # [experts, hidden, width]
+        width = gate_up.shape[1] // 2
+        for j in range(gate_up.shape[0]):
+            state[gate_up_names[2 * j]] = gate_up[j, :width]
+            state[gate_up_names[2 * j + 1]] = gate_up[j, width:]
+            state[down_names[j]] = down[j]
+    return state
+
+
 def stack_experts(parts: list[torch.Tensor], num_experts: int) -> torch.Tensor:
     """Per-expert ``[out, in]`` checkpoint tensors (an expert's in a row) -> ``[experts, in,
     out]``, the input-major layout ``SparseMoe`` multiplies by."""
@@ -93,4 +118,4 @@ def stack_experts(parts: list[torch.Tensor], num_experts: int) -> torch.Tensor:
     return stacked.view(num_experts, -1, stacked.shape[-1]).transpose(1, 2)
 
 
-__all__ = ["SparseMoe", "expert_sources", "stack_experts"]
+__all__ = ["SparseMoe", "expert_sources", "split_fused_experts", "stack_experts"]

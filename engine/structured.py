@@ -32,10 +32,11 @@ then matcher.accept_token(sampled) for each constrained row.
 With no constrained request in the engine the hooks return at their first line: unconstrained
 rows never pay for grammars.
 
-Finishing. The matcher's stop token is the engine's EOS: once the grammar is complete the
-mask allows EOS alone, so the request finishes with ``stop`` through the scheduler's ordinary
-EOS check (``ignore_eos`` is overridden for constrained requests by adding EOS to their stop
-token ids). ``max_tokens`` reached first finishes with ``length`` mid-structure, as OpenAI does.
+Finishing. The matcher's stop tokens are the engine's EOS ids: once the grammar is complete
+the mask allows those alone, so the request finishes with ``stop`` through the scheduler's
+ordinary EOS check (``ignore_eos`` is overridden for constrained requests by adding them to
+their stop token ids). ``max_tokens`` reached first finishes with ``length`` mid-structure,
+as OpenAI does.
 
 Vocabulary. The model's head may have more rows than the tokenizer has tokens (padding for
 matmul shapes); ``TokenizerInfo`` is built with the head's size, so those ids are never
@@ -90,7 +91,7 @@ class GrammarCache:
     Args:
         tokenizer: the served model's transformers tokenizer.
         vocab_size: rows of the model's output head (>= the tokenizer's size).
-        stop_token_ids: what ends a completed grammar (the engine's EOS).
+        stop_token_ids: what ends a completed grammar (the engine's EOS ids).
         max_workers: compile threads; compiles of different schemas run in parallel.
         max_entries: cached grammars kept; the oldest is dropped past it.
     """

@@ -59,7 +59,7 @@ FAMILIES = {
             },
         ),
     ),
-    "phi3": ("Phi3Config", dict(pad_token_id=0)),
+    "phi3": ("Phi3Config", dict(pad_token_id=0, sliding_window=WINDOW)),
     # Mixtures of experts (engine/moe.py): 4 experts, 2 per token.
     "mixtral": (
         "MixtralConfig",
@@ -101,9 +101,9 @@ def make_tiny(path, family: str, seed: int = 0, **shape):
     return path, model
 
 
-def _prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+def _prompts(vocab: int, seed: int = 0, lens: list[int] = PROMPT_LENS) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -114,10 +114,32 @@ def family(request, tmp_path_factory):
     return request.param, path, prompts, refs
 
 
-def _check(llm: LLM, prompts, refs, label: str) -> None:
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+def _check(llm: LLM, prompts, refs, label: str, max_tokens: int = MAX_TOKENS) -> None:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
     for prompt, out, ref in zip(prompts, outs, refs, strict=True):
         assert_parity(out.token_ids, ref, label=f"{label}, prompt of {len(prompt)} tokens")
+
+
+def _check_alone_and_preempted(
+    path, prompts, refs, label: str, max_tokens: int = MAX_TOKENS, **engine
+) -> LLM:
+    """The longest request alone, then all of them, in a pool that holds only the longest:
+    the others are preempted and recomputed. Returns the engine, for its backend."""
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    needed = -(-(len(prompts[longest]) + max_tokens) // 4)
+    llm = LLM(
+        str(path),
+        block_size=4,
+        num_kv_blocks=needed,
+        max_num_batched_tokens=64,
+        enable_prefix_caching=False,
+        **{**ENGINE, **engine},
+    )
+    _check(llm, prompts[longest : longest + 1], refs[longest : longest + 1], f"{label} alone",
+           max_tokens)  # fmt: skip
+    _check(llm, prompts, refs, f"{label} preempted", max_tokens)
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    return llm
 
 
 def test_family_batched_with_chunked_prefill(family):
@@ -129,18 +151,7 @@ def test_family_batched_with_chunked_prefill(family):
 
 def test_family_alone_and_preempted(family):
     name, path, prompts, refs = family
-    needed = -(-(max(PROMPT_LENS) + MAX_TOKENS) // 4)
-    llm = LLM(
-        str(path),
-        block_size=4,
-        num_kv_blocks=needed,  # the longest request alone: the others preempt
-        max_num_batched_tokens=64,
-        enable_prefix_caching=False,
-        **ENGINE,
-    )
-    _check(llm, prompts[-1:], refs[-1:], f"{name} alone")
-    _check(llm, prompts, refs, f"{name} preempted")
-    assert llm.engine.scheduler.num_preemptions_total > 0
+    _check_alone_and_preempted(path, prompts, refs, name)
 
 
 def test_family_configs_read_what_differs():
@@ -160,8 +171,63 @@ def test_family_configs_read_what_differs():
     assert gemma3.rope_theta == 1_000_000.0
     assert config("mistral-sliding").sliding_layers == (True, True)
     assert config("qwen3").qk_norm and not config("qwen3").attention_bias
-    assert config("phi3").fused_checkpoint and config("phi3").is_plain_llama
+    phi3 = config("phi3")
+    assert phi3.fused_checkpoint and phi3.sliding_layers == (True, True)
+    assert phi3.family_differences() == f"sliding window {WINDOW}"
     assert "q/k norms" in config("qwen3").family_differences()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mixtral", "qwen3", "phi3"])
+def test_rope_bases_a_config_leaves_out_are_transformers_defaults(family):
+    import transformers
+
+    name, overrides = FAMILIES[family]
+    d = {**_COMMON, **overrides, "model_type": getattr(transformers, name).model_type}
+    d.pop("rope_parameters", None)
+    hf = getattr(transformers, name)(**d).rope_parameters
+    mc = ModelConfig.from_hf(d)
+    assert mc.rope_theta == hf.get("full_attention", hf)["rope_theta"]
+    if "sliding_attention" in hf:
+        assert mc.sliding_rope_theta == hf["sliding_attention"]["rope_theta"]
+
+
+# Gemma 3 config.json files on the hub, written before transformers 5's rope_parameters:
+# rope_theta and rope_scaling belong to the global layers, rope_local_base_freq (10000 when
+# absent) to the sliding ones, and sliding_window_pattern replaces layer_types.
+GEMMA3_HUB_FORMS = {
+    "gemma-3-1b-it": dict(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling=None),
+    "gemma-3-4b-it": dict(
+        rope_theta=1_000_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0}
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(GEMMA3_HUB_FORMS))
+def test_gemma3_hub_config_form_rotates_sliding_layers_with_their_local_base(form, tmp_path):
+    """The tiny Gemma 3 checkpoint with its config.json rewritten into the hub's older form:
+    pagedserve and transformers (reading the same rewritten file) agree, so sliding layers
+    rotate with the local base, not the global one (nor its scaling)."""
+    import json
+
+    import transformers
+
+    path, _ = make_tiny(tmp_path, "gemma3", seed=6)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    for key in ("rope_parameters", "layer_types", "rope_theta"):
+        config.pop(key, None)
+    config.update(GEMMA3_HUB_FORMS[form], sliding_window_pattern=2)
+    config_file.write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    hf = hf.float().eval()
+    assert hf.config.layer_types == ["sliding_attention", "full_attention", "sliding_attention"]
+    mc = ModelConfig.from_hf(config)
+    assert mc.sliding_rope_theta == hf.config.rope_parameters["sliding_attention"]["rope_theta"]
+    assert mc.rope_scaling.rope_type == hf.config.rope_parameters["full_attention"]["rope_type"]
+    prompts = _prompts(256, seed=6)[2:]  # longer than the window and than a few rotations
+    refs = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=2) for p in prompts]
+    llm = LLM(str(path), block_size=8, max_num_batched_tokens=16, num_kv_blocks=32, **ENGINE)
+    _check(llm, prompts, refs, f"gemma3 {form} config")
 
 
 @pytest.mark.parametrize(
@@ -182,29 +248,64 @@ def test_unsupported_architecture_or_rope_is_one_clear_error(overrides, named):
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
 
 
-@pytest.mark.skipif(
-    not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set without CUDA)"
-)
-def test_sliding_window_family_on_the_triton_kernels(tmp_path):
-    """The Triton decode and prefill kernels' sliding window (under the interpreter), through
-    chunked prefill and mixed steps, against transformers: Gemma 3's sliding and global
-    layers, with prompts longer than the window. (Kept to two prompts: the interpreter is
-    slow; tests/kernels/ check the kernels' windows case by case.)"""
-    name = "gemma3"
+# Under the interpreter every kernel launch runs in Python: two prompts, a few tokens each.
+# The first is past the window and over two chunks; it comes first, so that in a pool that
+# holds only it the second one's growth preempts.
+TRITON_PROMPT_LENS = [30, 3]
+TRITON_TOKENS = 4
+TRITON_FAMILIES = [
+    pytest.param(
+        name,
+        marks=pytest.mark.skip(
+            reason="gemma2's soft-capped scores: the Triton kernels have no soft-cap, so auto "
+            "falls back to the reference and 'triton' is refused (tested below)"
+        ),
+    )
+    if name == "gemma2"
+    else name
+    for name in FAMILIES
+]
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.skipif(
+            not INTERPRET,
+            reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set without CUDA)",
+        )),
+        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+            not torch.cuda.is_available() or INTERPRET,
+            reason="needs CUDA and compiled (not interpreted) Triton",
+        )]),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("name", TRITON_FAMILIES)
+def test_family_on_the_triton_kernels(name, device, tmp_path):
+    """The Triton decode and prefill kernels (on the CPU under the interpreter, on CUDA
+    compiled), their sliding window included, through chunked prefill and mixed steps,
+    against transformers in float32 on the same device; Gemma 3 (sliding and global layers)
+    also alone and preempted. tests/kernels/ check the kernels case by case."""
     path, hf = make_tiny(tmp_path, name)
-    prompts = _prompts(256, seed=1)[2:]
-    refs = [hf_greedy(hf, p, 6, eos_token_id=2) for p in prompts]
+    prompts = _prompts(256, seed=1, lens=TRITON_PROMPT_LENS)
+    refs = [hf_greedy(hf.to(device), p, TRITON_TOKENS, eos_token_id=2) for p in prompts]
+    engine = {**ENGINE, "device": device}
     llm = LLM(
         str(path),
         attention_backend="triton",
         block_size=8,
         max_num_batched_tokens=16,
         num_kv_blocks=64,
-        **ENGINE,
+        **engine,
     )
-    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
-    for prompt, out, ref in zip(prompts, outs, refs, strict=True):
-        assert_parity(out.token_ids, ref, label=f"{name} triton, prompt of {len(prompt)}")
+    assert llm.engine.attention_backend == "triton"
+    _check(llm, prompts, refs, f"{name} triton on {device}, chunked", TRITON_TOKENS)
+    if name == "gemma3":
+        small = _check_alone_and_preempted(
+            path, prompts, refs, f"{name} triton on {device}", TRITON_TOKENS,
+            attention_backend="triton", device=device,
+        )  # fmt: skip
+        assert small.engine.attention_backend == "triton"
 
 
 def test_phi3_on_the_cpu_kernels(tmp_path):
@@ -226,17 +327,24 @@ def test_phi3_on_the_cpu_kernels(tmp_path):
     prompts = _prompts(256, seed=4)
     refs = [hf_greedy(hf, p, MAX_TOKENS, eos_token_id=2) for p in prompts]
     _check(llm, prompts, refs, "phi3 cpu")
+    small = _check_alone_and_preempted(tmp_path, prompts, refs, "phi3 cpu", attention_backend="cpu")
+    assert small.engine.attention_backend == "cpu" and small.engine.model_config.is_plain_llama
 
 
 # head_dim 32: the smallest shapes the C++ CPU kernels take.
 CPU_SHAPES = dict(hidden_size=128, intermediate_size=256, head_dim=32)
 
 
-@pytest.mark.parametrize("name", ["mistral-sliding"])
-def test_sliding_window_families_on_the_cpu_attention_kernel(name, tmp_path, caplog):
+# Every family the C++ attention kernel serves (all but gemma2's soft-capped scores).
+CPU_KERNEL_FAMILIES = ["qwen3", "mistral-sliding", "gemma3", "phi3", "mixtral", "qwen3-moe"]
+
+
+@pytest.mark.parametrize("name", CPU_KERNEL_FAMILIES)
+def test_family_on_the_cpu_attention_kernel(name, tmp_path, caplog):
     """Families the fused C++ stack does not compute run their own forward around the C++
     attention kernel (auto picks it, and says so in one log line), its sliding window
-    included: batched with chunked prefill, then preempted in a pool that holds one request."""
+    included: batched with chunked prefill, then alone and preempted in a pool that holds
+    one request."""
     import logging
 
     path, hf = make_tiny(tmp_path, name, seed=5, **CPU_SHAPES)
@@ -247,11 +355,8 @@ def test_sliding_window_families_on_the_cpu_attention_kernel(name, tmp_path, cap
     assert llm.engine.attention_backend == "cpu"
     assert [r for r in caplog.records if "around the C++ attention kernel" in r.message]
     _check(llm, prompts, refs, f"{name} cpu, chunked")
-    needed = -(-(max(PROMPT_LENS) + MAX_TOKENS) // 4)
-    small = LLM(str(path), block_size=4, num_kv_blocks=needed, enable_prefix_caching=False,
-                **ENGINE)  # fmt: skip
-    _check(small, prompts, refs, f"{name} cpu, preempted")
-    assert small.engine.scheduler.num_preemptions_total > 0
+    small = _check_alone_and_preempted(path, prompts, refs, f"{name} cpu")
+    assert small.engine.attention_backend == "cpu"
 
 
 def test_soft_capping_families_refuse_the_kernels():

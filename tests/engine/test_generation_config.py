@@ -105,3 +105,45 @@ def test_generation_config_flag_is_checked():
         from engine.config import EngineConfig
 
         EngineConfig(generation_config="vllm")
+
+
+def test_a_completed_grammar_ends_at_every_eos_id(tmp_path):
+    """Structured output (engine/structured.py): once the grammar is complete, the mask
+    allows each of the checkpoint's EOS ids, and nothing else."""
+    import time
+
+    import torch
+
+    from engine.structured import StructuredDecoder
+    from scheduler.output import ScheduledRequest
+    from scheduler.request import Request, StructuredOutputParams
+
+    tok = tiny_tokenizer()
+    path = make_tiny_llama(
+        tmp_path, num_kv_heads=2, vocab_size=len(tok) + 8, eos_token_id=tok.eos_token_id
+    )
+    tok.save_pretrained(path)
+    other = tok.convert_tokens_to_ids("x")  # a second EOS id, as Llama 3's <|eot_id|>
+    _write(path, "generation_config.json", eos_token_id=[tok.eos_token_id, other])
+    llm = LLM(str(path), **ENGINE)
+    assert llm.engine.grammars is not None
+    assert {tok.eos_token_id, other} <= set(llm.engine.eos_token_ids)
+    decoder = StructuredDecoder(llm.engine.grammars, check_first=False)
+    decoder.add("r", StructuredOutputParams("choice", '["hello"]'))
+    deadline = time.monotonic() + 10
+    while not decoder.ready("r"):
+        assert time.monotonic() < deadline
+        decoder.wait_any(0.1)
+    for token_id in tok.encode("hello", add_special_tokens=False):
+        decoder.accept(["r"], [token_id])
+    request = Request("r", [1, 2, 3], SamplingParams())
+    row = ScheduledRequest(request, start=3, num_tokens=1, token_ids=[3], block_ids=(0,),
+                           samples=True)  # fmt: skip
+    logits = torch.zeros(1, llm.engine.model_config.vocab_size)
+    decoder.mask_before_sampling(logits, [row])
+    allowed = set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+    assert allowed == set(llm.engine.eos_token_ids)
+    # ignore_eos cannot outlive the grammar: every EOS id becomes a stop id.
+    choice = StructuredOutputParams("choice", '["hello"]')
+    params = llm.engine._constrain("s", SamplingParams(structured=choice, ignore_eos=True))
+    assert set(llm.engine.eos_token_ids) <= set(params.stop_token_ids)
