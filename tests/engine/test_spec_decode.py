@@ -1,8 +1,9 @@
 """Speculative decoding end to end on tiny random models, and its verification's statistics.
 
-Exactness: greedy output with speculation (n-gram and draft model, k sampled over 1..8) is
-transformers' greedy output (tests/engine/parity.py's near-tie rule), for prompts run
-together, alone, arriving at different steps, and in a pool small enough to preempt. The
+Exactness: greedy output with speculation (n-gram and draft model, every k in 1..8, each
+alone and with prompts arriving at different steps; k = 1, 5 and 8 in a pool small enough to
+preempt) is transformers' greedy output (tests/engine/parity.py's near-tie rule), and a row
+of k drafts was verified in each run. The
 target is the suite's tiny C++-kernel Llama; drafts are its first layer (a truncated draft,
 engine/spec_decode/truncate.py) and an unrelated random model with the same vocabulary.
 
@@ -30,8 +31,11 @@ from tests.engine.parity import Reference, assert_parity, hf_greedy
 
 MAX_TOKENS = 24
 # Random tiny models' drafts are mostly wrong, so the acceptance-aware rule would soon stop
-# them proposing; the exactness tests turn it off (row cost 0: every request proposes k).
-CPU = {"device": "cpu", "dtype": "float32", "speculative_row_cost": 0.0}
+# them proposing; the exactness tests turn it off (row cost 0: every request proposes k),
+# and lift the auto-disable cap (16 rows on the CPU: four requests would get 3 drafts each)
+# so that k is the k verified.
+CPU = {"device": "cpu", "dtype": "float32", "speculative_row_cost": 0.0,
+       "speculative_max_step_tokens": 64}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -63,20 +67,25 @@ def references(target: Path, prompts: list[list[int]]) -> list[Reference]:
     return [hf_greedy(hf, p, MAX_TOKENS, None) for p in prompts]
 
 
-def generate(llm: LLM, prompts, arrivals=None, params=None) -> tuple[dict[int, list[int]], int]:
+def generate(
+    llm: LLM, prompts, arrivals=None, params=None
+) -> tuple[dict[int, list[int]], int, int]:
     """Run prompts (all at step 0, or step -> prompt indices), checking integrity after every
-    step. Returns the tokens per prompt and the drafts accepted."""
+    step. Returns the tokens per prompt, the drafts accepted and the most drafts any row
+    verified."""
     engine = llm.engine
     params = params or SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     arrivals = arrivals if arrivals is not None else {0: list(range(len(prompts)))}
     tokens: dict[int, list[int]] = {}
-    accepted = step = 0
+    accepted = step = longest = 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for i in arrivals.get(step, []):
             engine.add_request(f"p{i}-{id(params)}", prompts[i], params)
             tokens[i] = []
         for out in engine.step():
             tokens[int(out.request_id[1:].split("-")[0])].extend(out.new_token_ids)
+        if engine.speculator is not None:
+            longest = max([longest, *engine.speculator._proposed.values()])
         if engine.last_step_stats is not None:
             accepted += engine.last_step_stats.num_accepted_tokens
         engine.check_integrity()
@@ -85,7 +94,7 @@ def generate(llm: LLM, prompts, arrivals=None, params=None) -> tuple[dict[int, l
     draft = engine.speculator.draft if engine.speculator is not None else None
     if draft is not None:
         assert draft.kv.num_free_blocks == draft.kv.num_blocks, "draft K/V leaked"
-    return tokens, accepted
+    return tokens, accepted, longest
 
 
 def check(tokens: dict[int, list[int]], references: list[Reference], label: str) -> None:
@@ -93,23 +102,30 @@ def check(tokens: dict[int, list[int]], references: list[Reference], label: str)
         assert_parity(ours, references[i], label=f"{label}, prompt {i}")
 
 
-@pytest.mark.parametrize("k", [1, 8])
-def test_ngram_greedy_together_matches_transformers(target, prompts, references, k):
-    llm = LLM(str(target), num_kv_blocks=64, speculative_method="ngram",
-              num_speculative_tokens=k, ngram_min=1, **CPU)  # fmt: skip
-    tokens, accepted = generate(llm, prompts)
-    check(tokens, references, f"ngram k={k}")
-    assert accepted > 0, "no draft was accepted: speculation did not run"
+# Each prompt alone (one after another in one engine), or all four arriving at different
+# steps so rows of different lengths and drafts share steps.
+LOADS = {"alone": None, "together": {0: [2], 3: [0, 3], 5: [1]}}
 
 
-@pytest.mark.parametrize("k", [3])
-def test_truncated_draft_greedy_matches_transformers(
-    target, truncated_draft, prompts, references, k
+@pytest.mark.parametrize("load", list(LOADS))
+@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_with_speculation_matches_transformers(
+    target, truncated_draft, prompts, references, method, k, load
 ):
-    llm = LLM(str(target), num_kv_blocks=64, speculative_method="draft",
-              speculative_model=str(truncated_draft), num_speculative_tokens=k, **CPU)  # fmt: skip
-    tokens, _ = generate(llm, prompts, arrivals={0: [2], 3: [0, 3], 5: [1]})
-    check(tokens, references, f"draft k={k}")
+    """Every k in 1..8, both methods, alone and together: transformers' tokens, and the
+    step really verified k-draft rows (the cap of the auto-disable rule is lifted)."""
+    extra = {"ngram_min": 1} if method == "ngram" else {"speculative_model": str(truncated_draft)}
+    llm = LLM(str(target), num_kv_blocks=64, speculative_method=method,
+              num_speculative_tokens=k, **extra, **CPU)  # fmt: skip
+    if LOADS[load] is None:
+        runs = [generate(llm, prompts, arrivals={0: [i]}) for i in range(len(prompts))]
+    else:
+        runs = [generate(llm, prompts, arrivals=LOADS[load])]
+    for tokens, _, _ in runs:
+        check(tokens, references, f"{method} k={k}, {load}")
+    assert sum(accepted for _, accepted, _ in runs) > 0, "no draft was accepted"
+    assert max(longest for _, _, longest in runs) == k, "no row verified k drafts"
 
 
 def test_unrelated_random_draft_alone_matches_transformers(
@@ -119,24 +135,25 @@ def test_unrelated_random_draft_alone_matches_transformers(
     llm = LLM(str(target), num_kv_blocks=64, speculative_method="draft",
               speculative_model=str(tiny_llama_gqa), num_speculative_tokens=3, **CPU)  # fmt: skip
     for i in range(len(prompts)):
-        tokens, _ = generate(llm, prompts, arrivals={0: [i]})
+        tokens, _, _ = generate(llm, prompts, arrivals={0: [i]})
         check(tokens, references, "random draft, alone")
 
 
+@pytest.mark.parametrize("k", [1, 5, 8])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_preemption_mid_speculation_stays_exact(
-    target, truncated_draft, prompts, references, method
+    target, truncated_draft, prompts, references, method, k
 ):
     block_size = 4
     needed = -(-(max(len(p) for p in prompts) + MAX_TOKENS) // block_size)
     extra = {"speculative_model": str(truncated_draft)} if method == "draft" else {}
     llm = LLM(str(target), block_size=block_size, num_kv_blocks=needed + 4,
               enable_prefix_caching=False, speculative_method=method,
-              num_speculative_tokens=5, ngram_min=1, **extra, **CPU)  # fmt: skip
-    tokens, accepted = generate(llm, prompts)
+              num_speculative_tokens=k, ngram_min=1, **extra, **CPU)  # fmt: skip
+    tokens, accepted, longest = generate(llm, prompts)
     assert llm.engine.scheduler.num_preemptions_total > 0
-    check(tokens, references, f"{method}, preempting")
-    assert accepted > 0
+    check(tokens, references, f"{method} k={k}, preempting")
+    assert accepted > 0 and longest == k
 
 
 def test_abort_mid_speculation_frees_both_pools(target, truncated_draft, prompts):
@@ -419,6 +436,6 @@ def test_speculative_rows_on_every_attention_backend(tiny_llama_gqa, backend, de
     plain = LLM(str(tiny_llama_gqa), **kwargs).generate(prompts, params)
     spec = LLM(str(tiny_llama_gqa), speculative_method="ngram", ngram_min=1,
                num_speculative_tokens=3, speculative_row_cost=0.0, **kwargs)  # fmt: skip
-    tokens, accepted = generate(spec, prompts, params=params)
+    tokens, accepted, _ = generate(spec, prompts, params=params)
     assert [tokens[i] for i in range(len(prompts))] == [out.token_ids for out in plain]
     assert accepted > 0
