@@ -294,6 +294,38 @@ def test_auto_disable_shrinks_k_with_the_batch():
     assert policy.wanted("any") == 4  # row cost 0: the acceptance rule is off
 
 
+def test_cuda_auto_disable_is_half_the_steps_ridge_at_the_devices_peaks():
+    from engine.config import ModelConfig
+    from engine.cost import StepCostModel
+    from engine.presets import preset
+    from engine.spec_decode.policy import (
+        CUDA_STEP_TOKENS,
+        default_max_step_tokens,
+        ridge_rows_for,
+    )
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    bf16 = StepCostModel.from_config(ModelConfig.from_hf(preset("llama-3-8b")), 2)
+    ridge = ridge_rows_for(bf16, h100, "bfloat16")
+    # The first row count whose matmul time reaches its weight-reading time.
+    for rows, memory_bound in ((ridge - 1, True), (ridge, False)):
+        weight_bytes, flops, _ = bf16.parts(rows, rows, 0)
+        assert (flops / 989.4e12 < weight_bytes / 3350e9) == memory_bound
+    # Dense bf16: 2 bytes and 2 FLOPs a weight and row, so about the peaks' ratio (295.3).
+    assert ridge == 296
+    assert default_max_step_tokens("cuda", 0, ridge) == 148
+    assert ridge_rows_for(bf16, "NVIDIA H200", "bfloat16") == 207  # 4.8 TB/s
+    # int8 weights: half the bytes a step reads, half the ridge.
+    int8 = bf16.with_blocks(2**62, bf16.body_weight_bytes // 2, bf16.lm_head_bytes // 2)
+    assert ridge_rows_for(int8, h100, "bfloat16") == 148
+    # A GPU not in the table, a dtype without a peak, a mixture: the fixed default.
+    assert ridge_rows_for(bf16, "Some GPU", "bfloat16") is None
+    assert ridge_rows_for(bf16, h100, "float64") is None
+    moe = StepCostModel.from_config(ModelConfig.from_hf(preset("mixtral-8x7b")), 2)
+    assert ridge_rows_for(moe, h100, "bfloat16") is None
+    assert default_max_step_tokens("cuda", 0, None) == CUDA_STEP_TOKENS == 128
+
+
 def test_best_num_drafts_proposes_what_acceptance_pays_for():
     from engine.spec_decode.policy import best_num_drafts
 
