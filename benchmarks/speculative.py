@@ -226,7 +226,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer directory (default: the model's; for a preset, the "
                          "default model's)")  # fmt: skip
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                    help="default: cuda when present")  # fmt: skip
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                     help="default: bfloat16 on CUDA, float32 on CPU")  # fmt: skip
     ap.add_argument("--num-kv-blocks", type=int, default=2048, help="each engine's pool")

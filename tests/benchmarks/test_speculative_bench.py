@@ -44,6 +44,7 @@ def test_the_benchmark_compares_two_engines_on_every_part(tmp_path: Path) -> Non
         (["--model", "llama-3.2-1b", "--load-format", "dummy"], "add --skip-draft"),
         (["--concurrency", "16,x"], "comma-separated integers"),
         (["--dtype", "float64"], "invalid choice"),
+        (["--device", "tpu"], "invalid choice"),
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(argv, message, capsys) -> None:
