@@ -326,6 +326,22 @@ def test_cuda_auto_disable_is_half_the_steps_ridge_at_the_devices_peaks():
     assert default_max_step_tokens("cuda", 0, None) == CUDA_STEP_TOKENS == 128
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_engine_caps_speculation_at_its_ridge(tiny_llama_gqa):
+    """The builder's CUDA path: the engine's cap is the rule's for its GPU, dtype and
+    model (the table's half ridge, or 128 for a GPU not in the table)."""
+    from engine.spec_decode.policy import default_max_step_tokens, ridge_rows_for
+
+    llm = LLM(str(tiny_llama_gqa), device="cuda", dtype="bfloat16", num_kv_blocks=16,
+              speculative_method="ngram")  # fmt: skip
+    engine = llm.engine
+    ridge = ridge_rows_for(engine.cost_model, torch.cuda.get_device_name(), "bfloat16")
+    assert engine.speculator.policy.max_step_tokens == default_max_step_tokens("cuda", 0, ridge)
+    print(f"{torch.cuda.get_device_name()}: ridge {ridge}, cap "
+          f"{engine.speculator.policy.max_step_tokens}")  # fmt: skip
+
+
 def test_best_num_drafts_proposes_what_acceptance_pays_for():
     from engine.spec_decode.policy import best_num_drafts
 
