@@ -3,10 +3,16 @@
     python -m benchmarks.speculative                  # all parts, prints a table
     python -m benchmarks.speculative --skip-draft --out results/speculative.json
     python -m benchmarks.speculative --skip-draft --concurrency "" --threads 1  # busy machine
+    python -m benchmarks.speculative --device cuda --dtype bfloat16             # on a GPU
+    python -m benchmarks.speculative --device cuda --model llama-3.2-1b --load-format dummy \
+        --skip-draft                 # a preset's shapes, random weights: the cost side only
 
-Parts, each measured with speculation off and on in the *same* engine (the speculator is
-detached for the "off" runs, so weights, pool and threads are identical), alternating the
-order per prompt, greedy, prefix caching off so no run warms the next:
+Each part is measured with speculation off and on in two engines built side by side in this
+process from the same model and flags, the "off" one without speculation: on CUDA it keeps
+what the engine does by default (asynchronous scheduling, which speculation turns off:
+engine/config.py ``async_scheduling_for``), so "off" is what a user gets without the flag.
+Runs alternate between them (A, B, B, A, ...), greedy, prefix caching off so no run warms
+the next:
 
 1. **Input-grounded, concurrency 1.** Copy a passage of Python's own documentation
    (loadtest/workloads.py ``grounded_prompt``): the output repeats the prompt, the case
@@ -19,14 +25,20 @@ order per prompt, greedy, prefix caching off so no run warms the next:
    has its first token); each mode ``--repeats`` times, the fastest run counting. The
    auto-disable rule (engine/spec_decode/policy.py) decides how
    much these speculate.
-4. **Draft model.** The default model as target, its first ``--draft-layers`` layers as the
-   draft (engine/spec_decode/truncate.py), on parts 1 and 2: it shows the machinery; a
-   truncated draft is not a trained one.
+4. **Draft model.** The model as target, its first ``--draft-layers`` layers as the draft
+   (engine/spec_decode/truncate.py), on parts 1 and 2: it shows the machinery; a truncated
+   draft is not a trained one. It needs a checkpoint to truncate (not with
+   ``--load-format dummy``).
 
-Greedy outputs with speculation must equal those without (the near-tie rule aside): the
-table says whether they did. Acceptance = accepted drafts / verified drafts. The c=1 parts
-also give the process's CPU time per output token (every thread), the work done, which a
-busy shared machine disturbs less than TPOT; TPOT is what the targets are set on.
+Greedy outputs with speculation must equal those without (the near-tie rule aside; in
+bfloat16 the two engines' steps round differently more often): the table says whether they
+did. Acceptance = accepted drafts / verified drafts. The c=1 parts also give the process's
+CPU time per output token (every thread), the work done, which a busy shared machine
+disturbs less than TPOT; TPOT is what the targets are set on. With random weights
+(``--load-format dummy``) acceptance says nothing about real text: such a run measures what
+verification and the loss of asynchronous scheduling cost. A model without a tokenizer
+(a preset) takes the default model's (``--tokenizer`` overrides), whose ids fit any
+vocabulary at least as large.
 """
 
 from __future__ import annotations
@@ -36,12 +48,12 @@ import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,6 +61,7 @@ from benchmarks import wave as engine_wave
 from engine.llm import LLM
 from engine.loader import resolve_model
 from engine.outputs import RequestOutput
+from engine.presets import preset
 from engine.spec_decode.truncate import write_truncated_checkpoint
 from loadtest.workloads import GROUNDED_MODULES, grounded_passage, grounded_prompt
 from scheduler.request import SamplingParams
@@ -79,18 +92,6 @@ class Run:
     @property
     def acceptance(self) -> float | None:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-
-
-@contextmanager
-def speculation(llm: LLM, on: bool) -> Iterator[None]:
-    """Run with the engine's speculator attached (on) or detached (off)."""
-    engine = llm.engine
-    saved = engine.speculator
-    engine.speculator = saved if on else None
-    try:
-        yield
-    finally:
-        engine.speculator = saved
 
 
 def run_wave(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Run:
@@ -145,21 +146,22 @@ def story_ids(llm: LLM, index: int) -> list[int]:
     return chat_ids(llm, f"Write a short story about {STORY_TOPICS[index % len(STORY_TOPICS)]}.")
 
 
-def compare_c1(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict[str, object]:
-    """Each prompt alone, off and on (alternating which goes first)."""
+def compare_c1(
+    plain: LLM, spec: LLM, prompts: list[list[int]], max_tokens: int
+) -> dict[str, object]:
+    """Each prompt alone, off (``plain``) and on (``spec``), alternating which goes first."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     off: list[Run] = []
     on: list[Run] = []
     for i, prompt in enumerate(prompts):
         order = (False, True) if i % 2 == 0 else (True, False)
         for mode in order:
-            with speculation(llm, mode):
-                (on if mode else off).append(run_wave(llm, [prompt], params))
+            (on if mode else off).append(run_wave(spec if mode else plain, [prompt], params))
     return summarize(off, on, per_token=True)
 
 
 def compare_wave(
-    llm: LLM, prompts: list[list[int]], max_tokens: int, repeats: int
+    plain: LLM, spec: LLM, prompts: list[list[int]], max_tokens: int, repeats: int
 ) -> dict[str, object]:
     """The wave off and on, ``repeats`` times each in the order off, on, on, off, ...; the
     fastest run of each mode counts (a busy shared machine only ever slows a run down)."""
@@ -167,8 +169,7 @@ def compare_wave(
     runs: dict[bool, list[Run]] = {False: [], True: []}
     for i in range(repeats):
         for mode in (False, True) if i % 2 == 0 else (True, False):
-            with speculation(llm, mode):
-                runs[mode].append(run_wave(llm, prompts, params))
+            runs[mode].append(run_wave(spec if mode else plain, prompts, params))
     best = {mode: min(r, key=lambda run: run.seconds) for mode, r in runs.items()}
     out = summarize([best[False]], [best[True]], per_token=False)
     out["seconds_off"] = [round(r.seconds, 2) for r in runs[False]]
@@ -214,10 +215,22 @@ def summarize(off: list[Run], on: list[Run], *, per_token: bool) -> dict[str, ob
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.speculative", description=__doc__.split("\n")[0]
     )
+    ap.add_argument("--model", default="default",
+                    help="a checkpoint, 'default' (the embedded model), or with --load-format "
+                         "dummy a shape preset (engine/presets.py)")  # fmt: skip
+    ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    ap.add_argument("--tokenizer", default=None,
+                    help="tokenizer directory (default: the model's; for a preset, the "
+                         "default model's)")  # fmt: skip
+    ap.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                    help="default: cuda when present")  # fmt: skip
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                    help="default: bfloat16 on CUDA, float32 on CPU")  # fmt: skip
+    ap.add_argument("--num-kv-blocks", type=int, default=2048, help="each engine's pool")
     ap.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     ap.add_argument("--c1-prompts", type=int, default=2, help="prompts per c=1 part")
     ap.add_argument("--grounded-tokens", type=int, default=128, help="max_tokens, grounded c=1")
@@ -234,53 +247,109 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads (default: torch's); 1 makes the CPU time per token "
                          "a measure of work that other processes barely disturb")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.load_format == "dummy" and not args.skip_draft:
+        ap.error("--load-format dummy has no checkpoint to truncate into a draft: add --skip-draft")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device is available")
+    try:
+        args.waves = [int(c) for c in args.concurrency.split(",") if c]
+    except ValueError:
+        ap.error(f"--concurrency takes comma-separated integers, got {args.concurrency!r}")
+    if args.tokenizer is None and args.load_format == "dummy" and preset(args.model) is not None:
+        args.tokenizer = str(resolve_model("default").path)
+    return args
+
+
+def build_pair(args: argparse.Namespace, **speculative: Any) -> tuple[LLM, LLM]:
+    """Two engines of the same model and flags, the second with ``speculative`` (LLM's
+    speculative_* arguments) and the first without."""
+    common = dict(
+        model=args.model, load_format=args.load_format, tokenizer=args.tokenizer,
+        device=args.device, dtype=args.dtype, enable_prefix_caching=False,
+        num_kv_blocks=args.num_kv_blocks,
+    )  # fmt: skip
+    plain = LLM(**common)
+    spec = LLM(**common, num_speculative_tokens=args.k, **speculative)
+    return plain, spec
+
+
+def describe(plain: LLM, spec: LLM) -> dict[str, object]:
+    """What differs between the two engines besides speculation, and the speculation rules."""
+    engine = spec.engine
+    return {
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "async_scheduling_off": plain.engine.async_scheduling,
+        "async_scheduling_on": engine.async_scheduling,
+        "max_step_tokens": engine.speculator.policy.max_step_tokens,
+        "row_cost": engine.speculator.policy.row_cost,
+    }
+
+
+def warm_up(plain: LLM, spec: LLM, prompt: list[int]) -> None:
+    """First-call costs (kernel loads, CUDA graphs' first replays), outside the figures."""
+    for llm in (plain, spec):
+        llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    waves = [int(c) for c in args.concurrency.split(",") if c]
 
     result: dict[str, object] = {
+        "model": args.model,
         "k": args.k,
         "threads": torch.get_num_threads(),
         "load_average_start": os.getloadavg(),
     }
-    llm = LLM("default", enable_prefix_caching=False, num_kv_blocks=2048,
-              speculative_method="ngram", num_speculative_tokens=args.k)  # fmt: skip
-    result["max_step_tokens"] = llm.engine.speculator.policy.max_step_tokens
-    with speculation(llm, False):  # first-call costs
-        llm.generate([grounded_ids(llm, 0, 20)], SamplingParams(max_tokens=4, temperature=0))
+    plain, llm = build_pair(args, speculative_method="ngram")
+    vocab, tokenizer = plain.engine.model_config.vocab_size, plain.tokenizer
+    if tokenizer is None:
+        print("the model has no tokenizer: pass --tokenizer DIR", file=sys.stderr)
+        return 2
+    if len(tokenizer) > vocab:
+        print(f"the tokenizer has {len(tokenizer)} tokens, more than the model's {vocab}: "
+              "pass --tokenizer DIR with a smaller vocabulary", file=sys.stderr)  # fmt: skip
+        return 2
+    result["ngram"] = describe(plain, llm)
+    print("ngram engines:", result["ngram"], flush=True)
+    warm_up(plain, llm, grounded_ids(llm, 0, 20))
     n = args.c1_prompts
     grounded = [grounded_ids(llm, i, args.passage_words) for i in range(n)]
     stories = [story_ids(llm, i) for i in range(n)]
-    result["ngram_grounded_c1"] = compare_c1(llm, grounded, args.grounded_tokens)
+    result["ngram_grounded_c1"] = compare_c1(plain, llm, grounded, args.grounded_tokens)
     print("grounded c=1:", result["ngram_grounded_c1"], flush=True)
-    result["ngram_free_c1"] = compare_c1(llm, stories, args.free_tokens)
+    result["ngram_free_c1"] = compare_c1(plain, llm, stories, args.free_tokens)
     print("free c=1:", result["ngram_free_c1"], flush=True)
-    for c in waves:
+    for c in args.waves:
         prompts = [
             grounded_ids(llm, i, args.wave_passage_words) if i % 2 == 0 else story_ids(llm, i)
             for i in range(c)
         ]
-        result[f"ngram_wave_c{c}"] = compare_wave(llm, prompts, args.wave_tokens, args.repeats)
+        result[f"ngram_wave_c{c}"] = compare_wave(
+            plain, llm, prompts, args.wave_tokens, args.repeats
+        )
         print(f"wave c={c}:", result[f"ngram_wave_c{c}"], flush=True)
-    del llm
+    del plain, llm
     gc.collect()
 
     if not args.skip_draft:
         with tempfile.TemporaryDirectory() as tmp:
             draft_dir = write_truncated_checkpoint(
-                resolve_model("default").path, Path(tmp) / "draft", args.draft_layers
+                resolve_model(args.model).path, Path(tmp) / "draft", args.draft_layers
             )
-            llm = LLM("default", enable_prefix_caching=False, num_kv_blocks=1024,
-                      speculative_method="draft", speculative_model=str(draft_dir),
-                      num_speculative_tokens=args.k)  # fmt: skip
-            with speculation(llm, False):
-                llm.generate([grounded[0][:20]], SamplingParams(max_tokens=4, temperature=0))
-            result["draft_layers"] = args.draft_layers
-            result["draft_grounded_c1"] = compare_c1(llm, grounded, args.grounded_tokens)
+            plain, llm = build_pair(
+                args, speculative_method="draft", speculative_model=str(draft_dir)
+            )
+            result["draft"] = describe(plain, llm) | {"draft_layers": args.draft_layers}
+            print("draft engines:", result["draft"], flush=True)
+            warm_up(plain, llm, grounded[0][:20])
+            result["draft_grounded_c1"] = compare_c1(plain, llm, grounded, args.grounded_tokens)
             print("draft grounded c=1:", result["draft_grounded_c1"], flush=True)
-            result["draft_free_c1"] = compare_c1(llm, stories, args.free_tokens)
+            result["draft_free_c1"] = compare_c1(plain, llm, stories, args.free_tokens)
             print("draft free c=1:", result["draft_free_c1"], flush=True)
-            del llm
+            del plain, llm
             gc.collect()
     result["load_average_end"] = os.getloadavg()
     print(json.dumps(result, indent=2, default=str))

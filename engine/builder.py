@@ -49,7 +49,7 @@ from engine.rope import RotaryEmbedding
 from engine.sampler import Sampler
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer
-from engine.spec_decode.policy import default_max_step_tokens, default_row_cost
+from engine.spec_decode.policy import default_max_step_tokens, default_row_cost, ridge_rows_for
 from engine.spec_decode.speculator import SpeculativeDecoder
 from engine.step_predictor import StepTimePredictor
 from engine.tensor_parallel import check_shardable, shard_model
@@ -644,8 +644,12 @@ def build_speculator(
         proposer = DraftModelProposer(
             draft.forward, storage, device, argmax if argmax is not None else _torch_argmax
         )
+    ridge_rows = None
+    if device.type == "cuda":
+        name, dtype_name = torch.cuda.get_device_name(device), str(dtype).removeprefix("torch.")
+        ridge_rows = ridge_rows_for(cost_model, name, dtype_name)
     max_step_tokens = spec.max_step_tokens or default_max_step_tokens(
-        device.type, cost_model.block_rows
+        device.type, cost_model.block_rows, ridge_rows
     )
     row_cost = spec.row_cost if spec.row_cost is not None else default_row_cost(device.type)
     # A draft token costs a draft step: about the draft's weights over the target's.

@@ -122,6 +122,19 @@ class StepCostModel:
             experts_per_token=config.num_experts_per_tok,
         )
 
+    def ridge_rows(self, bandwidth: float, flops: float, max_rows: int = 1 << 16) -> int:
+        """The fewest rows at which a step of that many tokens, each with logits (as a
+        verification's rows are), takes as long for its matmul FLOPs at ``flops`` FLOP/s as
+        for reading its weights at ``bandwidth`` bytes/s: the roofline's ridge, below which
+        the step is memory-bound. Attention and the K/V it reads are left out (both grow
+        with the context, not with the rows); ``max_rows`` if no row count reaches it.
+        """
+        for rows in range(1, max_rows + 1):
+            weight_bytes, matmul_flops, _ = self.parts(rows, rows, 0)
+            if matmul_flops * bandwidth >= weight_bytes * flops:
+                return rows
+        return max_rows
+
     def step(
         self,
         chunks: Iterable[tuple[int, int]],

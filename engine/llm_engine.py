@@ -435,7 +435,7 @@ class LLMEngine:
             stats.num_accepted_tokens = spec_stats.num_accepted_tokens
             stats.num_spec_verifications = spec_stats.num_verified_rows
             stats.spec_draft_s = spec_stats.draft_s
-            stats.spec_verify_s = spec_stats.verify_s
+            stats.spec_accept_s = spec_stats.accept_s
         return outputs
 
     def _end_step(

@@ -98,12 +98,13 @@ class StepStats:
     num_kv_slots_live: int = 0  # of those, slots holding a computed token (shared ones once)
     # Speculative decoding (engine/spec_decode/): drafts verified this step, how many were
     # accepted, speculative rows (each also emits the target's own token), and the seconds
-    # spent proposing and verifying (inside "schedule" and "sample" of phase_s).
+    # spent proposing and choosing the accepted drafts from the logits (inside "schedule" and
+    # "sample" of phase_s; the forward pass that scores the drafts is the step's own).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_verifications: int = 0
     spec_draft_s: float = 0.0
-    spec_verify_s: float = 0.0
+    spec_accept_s: float = 0.0
     # Seconds per phase of STEP_PHASES; the phases of engine.step() add up to step_time_s
     # (with asynchronous scheduling a step's phases overlap the steps beside it, and
     # step_time_s is the interval between two reads: "update" is then what is left, or 0).

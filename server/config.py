@@ -392,8 +392,9 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--speculative-max-step-tokens", "speculative", "speculative_max_step_tokens",
            optional(int), _SPEC.max_step_tokens,
            "speculate only while a step's decodes and drafts stay within this many tokens; "
-           "auto = the device's (16 on the CPU, fewer where GGUF blocks stop sooner; 128 on "
-           "CUDA)"),
+           "auto = the device's (16 on the CPU, fewer where GGUF blocks stop sooner; on CUDA "
+           "half the step's roofline ridge at the GPU's datasheet peaks, 148 for bf16 on an "
+           "H100, or 128)"),
     Option("--speculative-row-cost", "speculative", "speculative_row_cost",
            optional(float), _SPEC.row_cost,
            "what verifying one more draft row costs, relative to a one-row decode step: a "

@@ -240,10 +240,11 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         PanelSpec("Speculative decoding: time per step", "s", (
             ("draft p50", "histogram_quantile(0.5, sum by (le) (rate("
              f"pagedserve_spec_decode_draft_seconds_bucket{{{SEL}}}[{RATE}])))"),
-            ("verify p50", "histogram_quantile(0.5, sum by (le) (rate("
-             f"pagedserve_spec_decode_verify_seconds_bucket{{{SEL}}}[{RATE}])))"),
-        ), "Seconds proposing (n-gram lookup or the draft model) and verifying (after the "
-           "target's forward pass) in steps that speculate."),
+            ("accept p50", "histogram_quantile(0.5, sum by (le) (rate("
+             f"pagedserve_spec_decode_accept_seconds_bucket{{{SEL}}}[{RATE}])))"),
+        ), "Seconds proposing (n-gram lookup or the draft model) and choosing the accepted "
+           "drafts from the target's logits, in steps that speculate. The forward pass that "
+           "scores the drafts is the step's own (Engine step time)."),
         PanelSpec("Serving configuration", "none", (
             ("{{batching}} batching, {{dtype}} on {{device}}", f"pagedserve_config_info{{{SEL}}}"),
         ), "Batching mode, dtype and device (pagedserve_config_info).", kind="stat"),

@@ -15,8 +15,19 @@ below 1. The default for the device (``default_max_step_tokens``):
   their small-batch path there). A smaller GGUF block-row limit (``max_quant_rows()``: 12
   with AVX-512, 8 with AVX2), above which a matmul reads the float32 copy (4.8x the
   bytes), caps it further;
-* CUDA: 128 rows, well below the ridge point of a bf16 GPU matmul (H100:
-  ~990 TFLOP/s / 3.35 TB/s, about 300 rows).
+* CUDA: half the step's ridge, the rows at which a step of verification rows (each with
+  logits) spends as long on its matmul FLOPs as on reading its weights
+  (``StepCostModel.ridge_rows`` of engine/cost.py, for the model, dtype and weight format
+  served), at the device table's peaks (planner/devices.py; ``ridge_rows_for``). For a
+  dense model in bfloat16 that is about peak FLOP/s over peak bandwidth: an H100 SXM's
+  989 TFLOP/s and 3.35 TB/s give 296 rows, so a cap of 148; an H200 (4.8 TB/s) 103; an
+  A100 80GB 77; int8 weights (half the bytes) half as many. Half, not the ridge itself,
+  because a matmul of a few hundred rows reaches less than the peak FLOP/s, which moves
+  the real ridge below the roofline's. A GPU not in the table, a dtype without a peak
+  there, or a mixture of experts (whose rows are not free below the ridge: each may read
+  experts no other row did) takes ``CUDA_STEP_TOKENS`` (128, the rule's value for an
+  H100 before it was derived). Both are datasheet estimates, owed a measurement on the
+  GPU: the step time of n rows against one row's, as the CPU's 16 was measured.
 
 **Acceptance-aware k (per request).** A verification of ``k`` drafts makes a batch-1 step
 cost ``1 + k c`` decode steps, where ``c`` (``row_cost``) is what one more row costs,
@@ -51,7 +62,11 @@ grown.
   decode steps. A one-row step is bound by reading the weights; each further row adds its
   integer dot products (three per weight and row, for exactness: kernels/cpu/csrc/
   gemm_q.cpp), about 0.4 of a decode step's time;
-* CUDA: 0.02. A GPU step of a few rows is bound by reading the weights alone.
+* CUDA: 0.02, an estimate owed a GPU measurement (a verification step of k + 1 rows
+  against a decode step). A GPU step of a few rows is bound by reading the weights alone:
+  the roofline's own figure for one more row, one over the ridge rows (0.003 on an H100),
+  counts only the matmul FLOPs; 0.02 leaves room for what grows with the rows besides them
+  (attention, the LM head's logits at every position, sampling), none of which is measured.
 
 ``row_cost=0`` disables the rule (every request proposes ``K``, never pauses).
 """
@@ -59,6 +74,12 @@ grown.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from planner.devices import device_for_cuda_name
+
+if TYPE_CHECKING:
+    from engine.cost import StepCostModel
 
 DECAY = 0.9
 MIN_PAUSE = 8
@@ -69,15 +90,38 @@ CPU_ROW_COST = 0.4
 CUDA_ROW_COST = 0.02
 
 
-def default_max_step_tokens(device_type: str, block_rows: int) -> int:
+# The device table's key for each torch dtype's matmuls (float32 runs without TF32).
+_PEAK_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def ridge_rows_for(cost_model: StepCostModel, cuda_name: str, dtype: str) -> int | None:
+    """The step's ridge rows (``StepCostModel.ridge_rows``) at the peaks of the GPU named
+    ``cuda_name`` (``torch.cuda.get_device_name()``) in ``dtype`` ("bfloat16", ...), from
+    the device table; None when the GPU or its peak for the dtype is not in it, or for a
+    mixture of experts, whose rows below the ridge are not free (each may read experts no
+    other row did)."""
+    if cost_model.num_moe_layers:
+        return None
+    device = device_for_cuda_name(cuda_name)
+    key = _PEAK_KEYS.get(dtype)
+    if device is None or key is None or key not in device.peak_flops:
+        return None
+    return cost_model.ridge_rows(device.memory_bandwidth, device.peak_flops[key])
+
+
+def default_max_step_tokens(
+    device_type: str, block_rows: int, ridge_rows: int | None = None
+) -> int:
     """The auto-disable threshold for a device (module docstring).
 
     Args:
         device_type: "cpu" or "cuda".
         block_rows: the cost model's GGUF block-row limit (0 when no blocks are read).
+        ridge_rows: on CUDA, the step's ridge rows at the device's peaks (``ridge_rows_for``;
+            None: not known, ``CUDA_STEP_TOKENS``).
     """
     if device_type == "cuda":
-        return CUDA_STEP_TOKENS
+        return max(2, ridge_rows // 2) if ridge_rows else CUDA_STEP_TOKENS
     if block_rows > 0:
         return min(block_rows, CPU_STEP_TOKENS)
     return CPU_STEP_TOKENS

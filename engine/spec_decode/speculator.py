@@ -41,7 +41,7 @@ class SpecStepStats:
     num_accepted_tokens: int = 0  # of those, kept
     num_verified_rows: int = 0  # speculative rows (each also emits one target token)
     draft_s: float = 0.0  # proposing
-    verify_s: float = 0.0  # verification after the forward pass
+    accept_s: float = 0.0  # choosing the accepted drafts from the logits (verify())
 
 
 class SpeculativeDecoder:
@@ -182,7 +182,7 @@ class SpeculativeDecoder:
             self._verified[item.request_id] = result
             results.append(result)
             offset += rows
-        self.last_stats.verify_s += time.perf_counter() - start
+        self.last_stats.accept_s += time.perf_counter() - start
         return results
 
     # ---- after the step -------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """Speculative decoding end to end on tiny random models, and its verification's statistics.
 
-Exactness: greedy output with speculation (n-gram and draft model, k sampled over 1..8) is
-transformers' greedy output (tests/engine/parity.py's near-tie rule), for prompts run
-together, alone, arriving at different steps, and in a pool small enough to preempt. The
-target is the suite's tiny C++-kernel Llama; drafts are its first layer (a truncated draft,
-engine/spec_decode/truncate.py) and an unrelated random model with the same vocabulary.
+Exactness: greedy output with speculation (n-gram and draft model, every k in 1..8, each
+alone and with prompts arriving at different steps; k = 1, 5 and 8 in a pool small enough to
+preempt) is transformers' greedy output (tests/engine/parity.py's near-tie rule), and a row
+of k drafts was verified in each run (n-gram lookups under preemption: as many as the text
+offers). The target is the suite's tiny C++-kernel Llama; drafts are its first layer (a
+truncated draft, engine/spec_decode/truncate.py) and an unrelated random model with the
+same vocabulary.
 
 Distribution: rejection sampling is tested where it lives (engine/spec_decode/verify.py),
 with many draws on a peaked vocabulary against the target distribution (chi-square).
@@ -30,8 +32,11 @@ from tests.engine.parity import Reference, assert_parity, hf_greedy
 
 MAX_TOKENS = 24
 # Random tiny models' drafts are mostly wrong, so the acceptance-aware rule would soon stop
-# them proposing; the exactness tests turn it off (row cost 0: every request proposes k).
-CPU = {"device": "cpu", "dtype": "float32", "speculative_row_cost": 0.0}
+# them proposing; the exactness tests turn it off (row cost 0: every request proposes k),
+# and lift the auto-disable cap (16 rows on the CPU: four requests would get 3 drafts each)
+# so that k is the k verified.
+CPU = {"device": "cpu", "dtype": "float32", "speculative_row_cost": 0.0,
+       "speculative_max_step_tokens": 64}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -56,27 +61,50 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(target: Path, prompts: list[list[int]]) -> list[Reference]:
+def every_token() -> list[int]:
+    """Every token of the vocabulary once: whatever a request emits has an earlier match
+    here, mostly far from the end, so n-gram lookups propose the full k (a random model's own
+    repeats are too short for k up to 8)."""
+    return random.Random(1).sample(range(256), 256)
+
+
+@pytest.fixture(scope="module")
+def hf_target(target: Path):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    return [hf_greedy(hf, p, MAX_TOKENS, None) for p in prompts]
+    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
 
 
-def generate(llm: LLM, prompts, arrivals=None, params=None) -> tuple[dict[int, list[int]], int]:
+@pytest.fixture(scope="module")
+def references(hf_target, prompts: list[list[int]]) -> list[Reference]:
+    return [hf_greedy(hf_target, p, MAX_TOKENS, None) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def every_token_reference(hf_target, every_token: list[int]) -> Reference:
+    return hf_greedy(hf_target, every_token, MAX_TOKENS, None)
+
+
+def generate(
+    llm: LLM, prompts, arrivals=None, params=None
+) -> tuple[dict[int, list[int]], int, int]:
     """Run prompts (all at step 0, or step -> prompt indices), checking integrity after every
-    step. Returns the tokens per prompt and the drafts accepted."""
+    step. Returns the tokens per prompt, the drafts accepted and the most drafts any row
+    verified."""
     engine = llm.engine
     params = params or SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     arrivals = arrivals if arrivals is not None else {0: list(range(len(prompts)))}
     tokens: dict[int, list[int]] = {}
-    accepted = step = 0
+    accepted = step = longest = 0
     while step <= max(arrivals) or engine.has_unfinished_requests():
         for i in arrivals.get(step, []):
             engine.add_request(f"p{i}-{id(params)}", prompts[i], params)
             tokens[i] = []
         for out in engine.step():
             tokens[int(out.request_id[1:].split("-")[0])].extend(out.new_token_ids)
+        if engine.speculator is not None:  # this step's verified rows
+            verified = engine.speculator._verified.values()
+            longest = max([longest, *(v.num_drafts for v in verified)])
         if engine.last_step_stats is not None:
             accepted += engine.last_step_stats.num_accepted_tokens
         engine.check_integrity()
@@ -85,7 +113,7 @@ def generate(llm: LLM, prompts, arrivals=None, params=None) -> tuple[dict[int, l
     draft = engine.speculator.draft if engine.speculator is not None else None
     if draft is not None:
         assert draft.kv.num_free_blocks == draft.kv.num_blocks, "draft K/V leaked"
-    return tokens, accepted
+    return tokens, accepted, longest
 
 
 def check(tokens: dict[int, list[int]], references: list[Reference], label: str) -> None:
@@ -93,23 +121,38 @@ def check(tokens: dict[int, list[int]], references: list[Reference], label: str)
         assert_parity(ours, references[i], label=f"{label}, prompt {i}")
 
 
-@pytest.mark.parametrize("k", [1, 8])
-def test_ngram_greedy_together_matches_transformers(target, prompts, references, k):
-    llm = LLM(str(target), num_kv_blocks=64, speculative_method="ngram",
-              num_speculative_tokens=k, ngram_min=1, **CPU)  # fmt: skip
-    tokens, accepted = generate(llm, prompts)
-    check(tokens, references, f"ngram k={k}")
-    assert accepted > 0, "no draft was accepted: speculation did not run"
+# Each prompt alone (one after another in one engine), or all four arriving at different
+# steps so rows of different lengths and drafts share steps.
+LOADS = {"alone": None, "together": {0: [2], 3: [0, 3], 5: [1]}}
 
 
-@pytest.mark.parametrize("k", [3])
-def test_truncated_draft_greedy_matches_transformers(
-    target, truncated_draft, prompts, references, k
-):
-    llm = LLM(str(target), num_kv_blocks=64, speculative_method="draft",
-              speculative_model=str(truncated_draft), num_speculative_tokens=k, **CPU)  # fmt: skip
-    tokens, _ = generate(llm, prompts, arrivals={0: [2], 3: [0, 3], 5: [1]})
-    check(tokens, references, f"draft k={k}")
+@pytest.mark.parametrize("load", list(LOADS))
+@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_with_speculation_matches_transformers(
+    target, truncated_draft, prompts, references, every_token, every_token_reference, method,
+    k, load
+):  # fmt: skip
+    """Every k in 1..8, both methods, alone and together: transformers' tokens, and the
+    step really verified k-draft rows (the cap of the auto-disable rule is lifted). n-gram
+    lookups also get the every-token prompt, as prompt 4 (a draft model proposes k drafts
+    whatever the text)."""
+    if method == "ngram":
+        extra = {"ngram_min": 1}
+        prompts, references = [*prompts, every_token], [*references, every_token_reference]
+    else:
+        extra = {"speculative_model": str(truncated_draft)}
+    llm = LLM(str(target), num_kv_blocks=64, speculative_method=method,
+              num_speculative_tokens=k, **extra, **CPU)  # fmt: skip
+    if LOADS[load] is None:
+        runs = [generate(llm, prompts, arrivals={0: [i]}) for i in range(len(prompts))]
+    else:
+        arrivals = LOADS[load] if method == "draft" else {**LOADS[load], 4: [4]}
+        runs = [generate(llm, prompts, arrivals=arrivals)]
+    for tokens, _, _ in runs:
+        check(tokens, references, f"{method} k={k}, {load}")
+    assert sum(accepted for _, accepted, _ in runs) > 0, "no draft was accepted"
+    assert max(longest for _, _, longest in runs) == k, "no row verified k drafts"
 
 
 def test_unrelated_random_draft_alone_matches_transformers(
@@ -119,24 +162,28 @@ def test_unrelated_random_draft_alone_matches_transformers(
     llm = LLM(str(target), num_kv_blocks=64, speculative_method="draft",
               speculative_model=str(tiny_llama_gqa), num_speculative_tokens=3, **CPU)  # fmt: skip
     for i in range(len(prompts)):
-        tokens, _ = generate(llm, prompts, arrivals={0: [i]})
+        tokens, _, _ = generate(llm, prompts, arrivals={0: [i]})
         check(tokens, references, "random draft, alone")
 
 
+@pytest.mark.parametrize("k", [1, 5, 8])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_preemption_mid_speculation_stays_exact(
-    target, truncated_draft, prompts, references, method
+    target, truncated_draft, prompts, references, method, k
 ):
     block_size = 4
     needed = -(-(max(len(p) for p in prompts) + MAX_TOKENS) // block_size)
     extra = {"speculative_model": str(truncated_draft)} if method == "draft" else {}
     llm = LLM(str(target), block_size=block_size, num_kv_blocks=needed + 4,
               enable_prefix_caching=False, speculative_method=method,
-              num_speculative_tokens=5, ngram_min=1, **extra, **CPU)  # fmt: skip
-    tokens, accepted = generate(llm, prompts)
+              num_speculative_tokens=k, ngram_min=1, **extra, **CPU)  # fmt: skip
+    tokens, accepted, longest = generate(llm, prompts)
     assert llm.engine.scheduler.num_preemptions_total > 0
-    check(tokens, references, f"{method}, preempting")
+    check(tokens, references, f"{method} k={k}, preempting")
     assert accepted > 0
+    # n-gram lookups find at most 5 tokens to copy in these prompts' outputs (the
+    # every-token prompt would not fit this pool beside them).
+    assert longest == (k if method == "draft" else min(k, 5))
 
 
 def test_abort_mid_speculation_frees_both_pools(target, truncated_draft, prompts):
@@ -275,6 +322,54 @@ def test_auto_disable_shrinks_k_with_the_batch():
     assert default_max_step_tokens("cpu", 8) == 8
     assert default_max_step_tokens("cpu", 64) == 16
     assert policy.wanted("any") == 4  # row cost 0: the acceptance rule is off
+
+
+def test_cuda_auto_disable_is_half_the_steps_ridge_at_the_devices_peaks():
+    from engine.config import ModelConfig
+    from engine.cost import StepCostModel
+    from engine.presets import preset
+    from engine.spec_decode.policy import (
+        CUDA_STEP_TOKENS,
+        default_max_step_tokens,
+        ridge_rows_for,
+    )
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    bf16 = StepCostModel.from_config(ModelConfig.from_hf(preset("llama-3-8b")), 2)
+    ridge = ridge_rows_for(bf16, h100, "bfloat16")
+    # The first row count whose matmul time reaches its weight-reading time.
+    for rows, memory_bound in ((ridge - 1, True), (ridge, False)):
+        weight_bytes, flops, _ = bf16.parts(rows, rows, 0)
+        assert (flops / 989.4e12 < weight_bytes / 3350e9) == memory_bound
+    # Dense bf16: 2 bytes and 2 FLOPs a weight and row, so about the peaks' ratio (295.3).
+    assert ridge == 296
+    assert default_max_step_tokens("cuda", 0, ridge) == 148
+    assert ridge_rows_for(bf16, "NVIDIA H200", "bfloat16") == 207  # 4.8 TB/s
+    # int8 weights: half the bytes a step reads, half the ridge.
+    int8 = bf16.with_blocks(2**62, bf16.body_weight_bytes // 2, bf16.lm_head_bytes // 2)
+    assert ridge_rows_for(int8, h100, "bfloat16") == 148
+    # A GPU not in the table, a dtype without a peak, a mixture: the fixed default.
+    assert ridge_rows_for(bf16, "Some GPU", "bfloat16") is None
+    assert ridge_rows_for(bf16, h100, "float64") is None
+    moe = StepCostModel.from_config(ModelConfig.from_hf(preset("mixtral-8x7b")), 2)
+    assert ridge_rows_for(moe, h100, "bfloat16") is None
+    assert default_max_step_tokens("cuda", 0, None) == CUDA_STEP_TOKENS == 128
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_engine_caps_speculation_at_its_ridge(tiny_llama_gqa):
+    """The builder's CUDA path: the engine's cap is the rule's for its GPU, dtype and
+    model (the table's half ridge, or 128 for a GPU not in the table)."""
+    from engine.spec_decode.policy import default_max_step_tokens, ridge_rows_for
+
+    llm = LLM(str(tiny_llama_gqa), device="cuda", dtype="bfloat16", num_kv_blocks=16,
+              speculative_method="ngram")  # fmt: skip
+    engine = llm.engine
+    ridge = ridge_rows_for(engine.cost_model, torch.cuda.get_device_name(), "bfloat16")
+    assert engine.speculator.policy.max_step_tokens == default_max_step_tokens("cuda", 0, ridge)
+    print(f"{torch.cuda.get_device_name()}: ridge {ridge}, cap "
+          f"{engine.speculator.policy.max_step_tokens}")  # fmt: skip
 
 
 def test_best_num_drafts_proposes_what_acceptance_pays_for():
@@ -419,6 +514,6 @@ def test_speculative_rows_on_every_attention_backend(tiny_llama_gqa, backend, de
     plain = LLM(str(tiny_llama_gqa), **kwargs).generate(prompts, params)
     spec = LLM(str(tiny_llama_gqa), speculative_method="ngram", ngram_min=1,
                num_speculative_tokens=3, speculative_row_cost=0.0, **kwargs)  # fmt: skip
-    tokens, accepted = generate(spec, prompts, params=params)
+    tokens, accepted, _ = generate(spec, prompts, params=params)
     assert [tokens[i] for i in range(len(prompts))] == [out.token_ids for out in plain]
     assert accepted > 0

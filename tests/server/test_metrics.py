@@ -394,12 +394,12 @@ def test_speculative_decoding_counters_and_step_times() -> None:
     assert get("spec_decode_draft_seconds_count") == 0
     metrics.record_step(_step(num_draft_tokens=8, num_accepted_tokens=5,
                               num_spec_verifications=2, spec_draft_s=0.002,
-                              spec_verify_s=0.003))  # fmt: skip
+                              spec_accept_s=0.003))  # fmt: skip
     metrics.record_step(_step(num_draft_tokens=4, num_accepted_tokens=1,
                               num_spec_verifications=1, spec_draft_s=0.001,
-                              spec_verify_s=0.001))  # fmt: skip
+                              spec_accept_s=0.001))  # fmt: skip
     assert get("spec_decode_draft_tokens_total") == 12
     assert get("spec_decode_accepted_tokens_total") == 6
     assert get("spec_decode_verifications_total") == 3
     assert get("spec_decode_draft_seconds_count") == 2
-    assert get("spec_decode_verify_seconds_sum") == pytest.approx(0.004)
+    assert get("spec_decode_accept_seconds_sum") == pytest.approx(0.004)
