@@ -78,15 +78,9 @@ class TPLayout:
             or self.padded_vocab_size != self.vocab_size
         )
 
-    def describe(self) -> str:
-        """One line for the log: what each rank holds, and any padding."""
-        n = self.world_size
-        parts = [
-            f"tensor parallel over {n} ranks: each holds {self.num_local_heads} query heads, "
-            f"{self.num_local_kv_heads} KV heads, {self.local_intermediate_size} of the MLP's "
-            f"intermediate and {self.local_vocab_size} of the vocabulary"
-        ]
-        pads = [
+    def padding(self) -> list[str]:
+        """What is padded, e.g. ``["query heads 9 -> 12", "KV heads 3 -> 4"]``."""
+        return [
             f"{what} {own} -> {padded}"
             for what, own, padded in (
                 ("query heads", self.num_heads, self.padded_num_heads),
@@ -96,6 +90,16 @@ class TPLayout:
             )
             if own != padded
         ]
+
+    def describe(self) -> str:
+        """One line for the log: what each rank holds, and any padding."""
+        n = self.world_size
+        parts = [
+            f"tensor parallel over {n} ranks: each holds {self.num_local_heads} query heads, "
+            f"{self.num_local_kv_heads} KV heads, {self.local_intermediate_size} of the MLP's "
+            f"intermediate and {self.local_vocab_size} of the vocabulary"
+        ]
+        pads = self.padding()
         if pads:
             parts.append(
                 f"padded with zero weights (they add nothing to any output): {', '.join(pads)}"

@@ -132,18 +132,7 @@ def tp_size_problem(cfg: ModelConfig, n: int) -> str | None:
 def tp_padding(cfg: ModelConfig, n: int) -> str | None:
     """What ``n`` GPUs pad (``"query heads 64 -> 72, ..."``), or None when N divides every
     count; as the engine's start-up log says it."""
-    layout = TPLayout.of(cfg, n)
-    pads = [
-        f"{what} {own} -> {padded}"
-        for what, own, padded in (
-            ("query heads", layout.num_heads, layout.padded_num_heads),
-            ("KV heads", layout.num_kv_heads, layout.padded_num_kv_heads),
-            ("intermediate", layout.intermediate_size, layout.padded_intermediate_size),
-            ("vocabulary", layout.vocab_size, layout.padded_vocab_size),
-        )
-        if own != padded
-    ]
-    return ", ".join(pads) or None
+    return ", ".join(TPLayout.of(cfg, n).padding()) or None
 
 
 def kv_heads_per_gpu(num_kv_heads: int, n: int) -> int:
