@@ -175,7 +175,7 @@ def test_requests_sharing_a_prefix_land_on_one_replica(replicas: Replicas) -> No
     Other policies fail step 2. Round robin sends the two A's in a row (and the two B's) to
     different replicas. A load-only policy (least loaded, first on a tie) sends every request
     of step 2 to replica 0, so one group lands on the other's replica. Random placement
-    passes with probability 2**-6.
+    passes both steps with probability 2**-7.
     """
     a_first = f"{PREFIX_A} question 0:"
     body = {"model": replicas.model, "prompt": a_first, "max_tokens": A_FIRST_TOKENS,
