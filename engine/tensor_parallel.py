@@ -17,7 +17,8 @@ The norms, RoPE tables and residual stream are replicated. So each decoder layer
 all-reduces of ``[num_tokens, hidden]`` and a step one more for the embedding and one
 all-gather of ``[num_samples, vocab]``.
 
-Counts that do not divide by N are padded with zero weights, never refused (``TPLayout``):
+Counts that do not divide by N are padded with zero weights, never refused (``TPLayout``,
+engine/tp_layout.py, which also says what is refused):
 
 - KV heads are padded to a multiple of N, and each padded KV head gets its group of padded
   query heads, so query head j still reads KV head j // group on every rank. A padded query
@@ -38,7 +39,6 @@ rank's GPU, so a GPU only ever holds its shard.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,95 +46,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig, UnsupportedModelError
 from engine.llama import DecoderLayer, Linear, LlamaForCausalLM
+from engine.tp_layout import TPLayout as TPLayout
+from engine.tp_layout import check_shardable as check_shardable
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TPLayout:
-    """The padded head, intermediate and vocabulary counts of a model at ``world_size`` ranks,
-    and one rank's share of each."""
-
-    world_size: int
-    num_heads: int  # the model's own counts
-    num_kv_heads: int
-    intermediate_size: int
-    vocab_size: int
-    padded_num_heads: int  # multiples of world_size
-    padded_num_kv_heads: int
-    padded_intermediate_size: int
-    padded_vocab_size: int
-
-    @classmethod
-    def of(cls, config: ModelConfig, world_size: int) -> TPLayout:
-        n = world_size
-        group = config.num_heads // config.num_kv_heads
-        kv = _round_up(config.num_kv_heads, n)
-        return cls(
-            world_size=n,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            intermediate_size=config.intermediate_size,
-            vocab_size=config.vocab_size,
-            padded_num_heads=kv * group,
-            padded_num_kv_heads=kv,
-            padded_intermediate_size=_round_up(config.intermediate_size, n),
-            padded_vocab_size=_round_up(config.vocab_size, n),
-        )
-
-    @property
-    def num_local_heads(self) -> int:
-        return self.padded_num_heads // self.world_size
-
-    @property
-    def num_local_kv_heads(self) -> int:
-        return self.padded_num_kv_heads // self.world_size
-
-    @property
-    def local_intermediate_size(self) -> int:
-        return self.padded_intermediate_size // self.world_size
-
-    @property
-    def local_vocab_size(self) -> int:
-        return self.padded_vocab_size // self.world_size
-
-    @property
-    def is_padded(self) -> bool:
-        return (
-            self.padded_num_heads != self.num_heads
-            or self.padded_intermediate_size != self.intermediate_size
-            or self.padded_vocab_size != self.vocab_size
-        )
-
-    def describe(self) -> str:
-        """One line for the log: what each rank holds, and any padding."""
-        n = self.world_size
-        parts = [
-            f"tensor parallel over {n} ranks: each holds {self.num_local_heads} query heads, "
-            f"{self.num_local_kv_heads} KV heads, {self.local_intermediate_size} of the MLP's "
-            f"intermediate and {self.local_vocab_size} of the vocabulary"
-        ]
-        pads = [
-            f"{what} {own} -> {padded}"
-            for what, own, padded in (
-                ("query heads", self.num_heads, self.padded_num_heads),
-                ("KV heads", self.num_kv_heads, self.padded_num_kv_heads),
-                ("intermediate", self.intermediate_size, self.padded_intermediate_size),
-                ("vocabulary", self.vocab_size, self.padded_vocab_size),
-            )
-            if own != padded
-        ]
-        if pads:
-            parts.append(
-                f"padded with zero weights (they add nothing to any output): {', '.join(pads)}"
-            )
-        return "; ".join(parts)
-
-
-def _round_up(x: int, n: int) -> int:
-    return -(-x // n) * n
 
 
 class RowParallelLinear(nn.Module):
@@ -304,18 +220,3 @@ def shard_model(model: LlamaForCausalLM, group: Any) -> TPLayout:
             head_b = _slice(head.bias.detach(), layout.padded_vocab_size, rank, world)
         model.lm_head = VocabParallelHead(head_w.t().contiguous(), head_b, config.vocab_size, group)
     return layout
-
-
-def check_shardable(config: ModelConfig) -> None:
-    """Raise ``UnsupportedModelError`` (one line for the user) for a shape padding cannot
-    fix: query heads that are not a whole group per KV head."""
-    if config.num_heads % config.num_kv_heads:
-        raise UnsupportedModelError(
-            f"tensor parallelism needs num_heads ({config.num_heads}) to be a multiple of "
-            f"num_kv_heads ({config.num_kv_heads})"
-        )
-    if config.num_experts:
-        raise UnsupportedModelError(
-            f"tensor parallelism does not shard a mixture of experts ({config.model_type}): "
-            "serve it with --tensor-parallel-size 1"
-        )

@@ -35,7 +35,6 @@ from engine.config import EngineConfig, ModelConfig
 from engine.loader import read_hf_config, resolve_model
 from engine.model_runner import feed_pending
 from engine.presets import preset
-from engine.tensor_parallel import check_shardable
 from engine.tp_group import (
     HEARTBEAT,
     REIMPORT_EXIT_CODE,
@@ -44,6 +43,7 @@ from engine.tp_group import (
     StepPlan,
     TensorParallelGroup,
 )
+from engine.tp_layout import check_shardable
 from kernels import cpu as cpu_kernels
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig

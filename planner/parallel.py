@@ -4,9 +4,12 @@ GPUs a model and a workload need, and the KV cache a batch needs per KV dtype.
 Tensor parallelism over N GPUs (Megatron-style, as ``--tensor-parallel-size`` shards the
 model): q/k/v and gate/up are split by columns, o_proj and down_proj by rows, each followed
 by one all-reduce of the hidden state; the embedding and the LM head are split over the
-vocabulary (padded to a multiple of N) and the logits gathered; norms are replicated. KV
-heads are split too, N / H_kv GPUs sharing each head when N > H_kv (every GPU then holds
-one).
+vocabulary and the logits gathered; norms are replicated. Every count N does not divide is
+padded with zero weights exactly as the engine pads it (``engine.tp_layout.TPLayout``: KV
+heads to a multiple of N, so one per GPU when N > H_kv, query heads to the padded KV heads
+times the group size, the intermediate size and the vocabulary to multiples of N), and the
+per-GPU figures count the padding: a plan and a running group hold the same shapes. Only a
+model no N can shard is refused (``engine.tp_layout.shardable_problem``).
 
 Symbols as in :mod:`planner.arithmetic`, plus N (GPUs), B_a (bytes per activation
 element), BW_link (one direction of a GPU's link, :class:`planner.devices.Link`).
@@ -21,6 +24,7 @@ from typing import Any
 
 import planner.arithmetic as ar
 from engine.config import ModelConfig
+from engine.tp_layout import TPLayout, shardable_problem
 from kvpool.kv_dtype import kv_bytes_per_token as kvpool_bytes_per_token
 from planner.devices import Device, Link
 from planner.dtypes import canonical_dtype, dtype_bytes
@@ -66,7 +70,8 @@ class KVTable:
         bytes_per_token: k of each column, whole model (all GPUs together).
         batches: the row batch sizes.
         bytes: ``bytes[row][column]``, all GPUs together.
-        tensor_parallel_size: N; per GPU is ``bytes / N`` when N <= H_kv (heads split evenly).
+        tensor_parallel_size: N; per GPU is ``bytes * ceil(H_kv / N) / H_kv`` (``bytes / N``
+            when N divides H_kv; more where padded KV heads are stored too).
         per_gpu_bytes: ``per_gpu_bytes[row][column]`` on one of N GPUs.
     """
 
@@ -113,45 +118,49 @@ def kv_cache_table(
 
 
 def tp_size_problem(cfg: ModelConfig, n: int) -> str | None:
-    """Why ``n`` GPUs cannot shard ``cfg`` evenly, or None if they can.
+    """Why ``n`` GPUs cannot shard ``cfg``, or None if they can.
 
-    Query heads and the MLP's intermediate size must divide by N; KV heads must divide by
-    N, or N by them (each KV head then replicated on N / H_kv GPUs). The vocabulary is
-    padded, so it never stops a size.
+    Counts that ``n`` does not divide are padded (``tp_padding``), never a problem; what is
+    left is a size below 1 and the engine's own refusals, which hold at every N > 1 (one GPU
+    runs the model unsharded).
     """
     if n < 1:
         return f"the tensor-parallel size must be at least 1, got {n}"
-    if cfg.num_heads % n:
-        return f"{cfg.num_heads} attention heads do not divide by {n}"
-    if cfg.num_kv_heads % n and n % cfg.num_kv_heads:
-        return f"{cfg.num_kv_heads} KV heads and {n} GPUs: neither divides the other"
-    if cfg.intermediate_size % n:
-        return f"the MLP's {cfg.intermediate_size} intermediate size does not divide by {n}"
-    return None
+    return shardable_problem(cfg) if n > 1 else None
 
 
-def kv_heads_per_gpu(num_kv_heads: int, n: int) -> float:
-    """H_kv / N, at least 1: with more GPUs than KV heads each GPU keeps a replica of one."""
-    return max(num_kv_heads / n, 1.0)
+def tp_padding(cfg: ModelConfig, n: int) -> str | None:
+    """What ``n`` GPUs pad (``"query heads 64 -> 72, ..."``), or None when N divides every
+    count; as the engine's start-up log says it."""
+    return ", ".join(TPLayout.of(cfg, n).padding()) or None
+
+
+def kv_heads_per_gpu(num_kv_heads: int, n: int) -> int:
+    """H_kv' = ceil(H_kv / N): the KV heads padded to a multiple of N, over N GPUs (one each
+    when N > H_kv; the padding heads' KV is stored like any other)."""
+    return -(-num_kv_heads // n)
 
 
 def params_per_gpu(cfg: ModelConfig, n: int) -> int:
-    """Parameters one of N GPUs holds.
+    """Parameters one of N GPUs holds, padding included.
 
-    P_gpu = L * (2*h*H*d/N + 2*h*H_kv'*d + 3*h*i/N + 2*h + biases) + ceil(V/N)*h*(1 or 2) + h
+    P_gpu = L * (2*h*H'*d + 2*h*H_kv'*d + 3*h*i' + 2*h + biases) + V'*h*(1 or 2) + h
 
-    with H_kv' = max(H_kv/N, 1) KV heads per GPU; norms (2*h per layer and the final h) are
-    replicated, as are row-parallel biases. Llama 2 70B on 4 GPUs: 17,245,151,232
-    (of 68,976,648,192).
+    with the per-GPU counts H_kv' = ceil(H_kv/N), H' = H_kv' * H/H_kv, i' = ceil(i/N) and
+    V' = ceil(V/N) (``TPLayout``); norms (2*h per layer and the final h) are replicated, as
+    are row-parallel biases. Llama 2 70B on 4 GPUs (nothing padded): 17,245,151,232 (of
+    68,976,648,192); on 3, where 64 heads pad to 72, 8 KV heads to 9, 28,672 to 28,674 and
+    32,000 to 32,001: 23,497,728,000.
     """
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    q = cfg.num_heads * d // n
-    kv = round(kv_heads_per_gpu(cfg.num_kv_heads, n) * d)
+    layout = TPLayout.of(cfg, n)
+    h, d = cfg.hidden_size, cfg.head_dim
+    i = layout.local_intermediate_size
+    q = layout.num_local_heads * d
+    kv = layout.num_local_kv_heads * d
     attention = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if cfg.attention_bias else 0)
-    mlp = 3 * h * i // n + ((2 * i // n + h) if cfg.mlp_bias else 0)
+    mlp = 3 * h * i + ((2 * i + h) if cfg.mlp_bias else 0)
     per_layer = attention + mlp + 2 * h
-    vocab_shard = math.ceil(cfg.vocab_size / n)
-    embedding = vocab_shard * h * (1 if cfg.tie_word_embeddings else 2)
+    embedding = layout.local_vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     return cfg.num_layers * per_layer + embedding + h
 
 
@@ -189,6 +198,7 @@ class TPPlan:
 
     tensor_parallel_size: int
     problem: str | None  # why N cannot shard this model, or None
+    padding: str | None  # what N pads with zero weights, or None
     params_per_gpu: int
     weight_bytes_per_gpu: float
     kv_heads_per_gpu: float
@@ -242,6 +252,7 @@ def plan_tp(
     return TPPlan(
         tensor_parallel_size=n,
         problem=problem,
+        padding=tp_padding(cfg, n),
         params_per_gpu=p_gpu,
         weight_bytes_per_gpu=w_gpu,
         kv_heads_per_gpu=heads,
@@ -280,7 +291,7 @@ def fewest_gpus(
     ``max_gpus``.
 
     Llama 2 70B in bf16 (138 GB of weights) on A100-40GB: 1 and 2 GPUs are too small
-    (2 x 69 GB), 3 does not divide 64 heads, 4 hold 34.5 GB each: 4.
+    (2 x 69 GB), 3 pad the 64 heads to 72 and hold 47 GB each, 4 hold 34.5 GB each: 4.
     """
     for n in range(1, max_gpus + 1):
         tp = plan_tp(

@@ -69,7 +69,9 @@ def _tp_rows(tp: TPPlan) -> list[tuple[str, str]]:
         f"weights {fmt_time(tp.decode_step_weight_time_s)} + all-reduce "
         f"{fmt_time(tp.decode_step_allreduce_time_s)} (lower bounds)"
     )
+    padded = [("padded (zero weights)", tp.padding)] if tp.padding is not None else []
     return [
+        *padded,
         ("weights per GPU", weights),
         ("KV heads per GPU", f"{tp.kv_heads_per_gpu:g}"),
         ("KV per token per GPU", fmt_bytes(tp.kv_bytes_per_token_per_gpu)),
@@ -93,16 +95,19 @@ def render_parallel(
         lines.append(f"tensor parallel: {n} x {device.name}, link {tp.link} "
                      f"({tp.link_bandwidth / 1e9:,.1f} GB/s each way)")  # fmt: skip
         if tp.problem is not None:
-            lines.append(f"  cannot shard evenly: {tp.problem}")
+            lines.append(f"  cannot shard: {tp.problem}")
         else:
             lines += [f"  {label:<32}{value}" for label, value in _tp_rows(tp)]
-        if fewest is None:
+        if fewest is None and tp.problem is not None:
+            lines.append(f"  fewest GPUs: one {device.name} does not hold this workload")
+        elif fewest is None:
             lines.append(f"  fewest GPUs: none up to 64 x {device.name} hold this workload")
         else:
             lines.append(
                 f"  fewest GPUs: {fewest.tensor_parallel_size} x {device.name} "
                 f"({fmt_bytes(fewest.weight_bytes_per_gpu)} weights + "
-                f"{fmt_bytes(fewest.kv_bytes_per_gpu)} KV per GPU)"
+                f"{fmt_bytes(fewest.kv_bytes_per_gpu)} KV per GPU"
+                + (f"; padded: {fewest.padding})" if fewest.padding is not None else ")")
             )
         lines.append("")
     per_gpu = table.tensor_parallel_size > 1 and tp is not None

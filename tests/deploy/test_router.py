@@ -4,10 +4,11 @@ Each replica is a real ``python -m server`` on the tiny random Llama (one CPU th
 router is the PyPI ``vllm-router`` binary with its default ``cache_aware`` policy. The test
 sends requests through the router and reads where they went from each replica's
 ``/metrics``: finished requests and the ``vllm:prefix_cache_hits_total`` counter. Requests
-are sent one at a time so the per-replica deltas belong to one group of requests.
+are sent one at a time (but for one that streams while another is routed) so the
+per-replica deltas between two scrapes belong to one request.
 
-The module starts three processes once (~10 s on a quiet 2-core machine) and sends a few dozen short
-requests.
+The module starts three processes once (~10 s on a quiet 2-core machine) and sends a few
+dozen short requests.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ BLOCK_SIZE = 16
 # Two long prefixes that share nothing: ~25 full KV blocks of the byte-level tokenizer each.
 PREFIX_A = "Replica routing test, document A. " * 12
 PREFIX_B = "Completely different text for B! " * 12
-REQUESTS_PER_GROUP = 4
+# A's first request runs this long (its prompt is 357 tokens of the 512 the model takes), so B's
+# first request is routed while it is in flight.
+A_FIRST_TOKENS = 128
 
 
 class Replicas:
@@ -149,26 +152,69 @@ def test_the_router_renders_prompts_on_the_replicas(replicas: Replicas) -> None:
     assert renders >= 1 and tokenizes == 0 and not_found == 0
 
 
+def _where(before: list[Scrape], after: list[Scrape]) -> int:
+    """The one replica that finished exactly one request between two scrapes."""
+    finished = _per_replica(before, after, finished_requests)
+    assert sorted(finished) == [0, 1], f"requests finished per replica: {finished}"
+    return finished.index(1)
+
+
 def test_requests_sharing_a_prefix_land_on_one_replica(replicas: Replicas) -> None:
-    # Where a prefix matching nothing cached goes is the router's choice (vllm-router 0.1.17
-    # takes the least loaded worker, the first on a tie, so sequential requests may all land
-    # on one replica); only that a group stays together is checked.
-    for prefix in (PREFIX_A, PREFIX_B):
+    """vllm-router's cache_aware policy, as it is in 0.1.17: a prompt whose prefix matches
+    more than ``--cache-threshold`` (0.3) of the router's radix tree goes to the replica that
+    the tree holds it for; any other prompt goes to the replica with the fewest requests in
+    flight through the router, the first on a tie (and all of them do while the loads differ
+    by more than ``--balance-abs-threshold``, 64, which one request at a time never reaches).
+
+    1. A's first request streams a long answer; while it runs on its replica X, B's first
+       request matches nothing in the tree, so it goes to the other replica, Y: the one with
+       no request in flight.
+    2. Then A, A, B, B, A, B, one at a time: each group must stay on its replica, which
+       serves every later request of the group from its prefix cache.
+
+    Other policies fail step 2. Round robin sends the two A's in a row (and the two B's) to
+    different replicas. A load-only policy (least loaded, first on a tie) sends every request
+    of step 2 to replica 0, so one group lands on the other's replica. Random placement
+    passes both steps with probability 2**-7.
+    """
+    a_first = f"{PREFIX_A} question 0:"
+    body = {"model": replicas.model, "prompt": a_first, "max_tokens": A_FIRST_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    before = replicas.scrape_all()
+    with replicas.http.stream("POST", "/v1/completions", json=body) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # A runs now
+        running = [m["vllm:num_requests_running"] for m in replicas.scrape_all()]
+        assert sorted(running) == [0, 1], running
+        x = running.index(1)
+        r = replicas.complete(f"{PREFIX_B} question 0:")
+        assert r.status_code == 200, r.text
+        where = _where(before, replicas.scrape_all())
+        assert where == 1 - x, f"B's first request went to replica {where}, where A runs"
+        for _ in lines:  # A's stream to its end
+            pass
+    placement = {"A": x, "B": 1 - x}
+
+    counts = {"A": 1, "B": 1}
+    for group in "AABBAB":
         before = replicas.scrape_all()
-        for i in range(REQUESTS_PER_GROUP):
-            r = replicas.complete(f"{prefix} question {i}:")
-            assert r.status_code == 200, r.text
-            assert r.json()["usage"]["completion_tokens"] == 2
+        prefix = PREFIX_A if group == "A" else PREFIX_B
+        r = replicas.complete(f"{prefix} question {counts[group]}:")
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
         after = replicas.scrape_all()
-        finished = _per_replica(before, after, finished_requests)
+        target = placement[group]
+        where = _where(before, after)
+        assert where == target, (
+            f"{group} request {counts[group]} went to replica {where}, its group's is {target}"
+        )
+        # Served from that replica's prefix cache: the prefix's full blocks (at least 20 of
+        # 16 tokens) were hits there, and nothing was looked up on the other.
         hits = _per_replica(before, after, prefix_cache_hits)
-        # Every request of the group went to one replica...
-        assert sorted(finished) == [0, REQUESTS_PER_GROUP], (prefix[:20], finished)
-        target = finished.index(REQUESTS_PER_GROUP)
-        # ...which served all but the first from its prefix cache: the prefix's full blocks
-        # (at least 20 of 16 tokens) were hits for each of the others, and none elsewhere.
         assert hits[1 - target] == 0, hits
-        assert hits[target] >= (REQUESTS_PER_GROUP - 1) * 20 * BLOCK_SIZE, hits
+        assert hits[target] >= 20 * BLOCK_SIZE, hits
+        counts[group] += 1
 
 
 def test_a_killed_replica_is_routed_around(replicas: Replicas) -> None:

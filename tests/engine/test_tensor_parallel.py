@@ -5,6 +5,7 @@ module: spawning and loading a rank costs seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig, UnsupportedModelError
 from engine.faults import EngineFatalError
-from engine.tensor_parallel import TPLayout, check_shardable
+from engine.tp_layout import TPLayout, check_shardable
 from tests.engine.conftest import make_tiny_llama
 from tests.engine.parity import assert_parity, hf_greedy
 
@@ -65,6 +66,15 @@ def test_layout_pads_what_does_not_divide():
 def test_heads_that_are_not_whole_groups_are_refused():
     config = ModelConfig.from_hf(_hf_config(num_attention_heads=6, num_key_value_heads=4))
     with pytest.raises(UnsupportedModelError, match="multiple of num_kv_heads"):
+        check_shardable(config)
+
+
+def test_a_mixture_of_experts_is_refused():
+    config = dataclasses.replace(
+        ModelConfig.from_hf(_hf_config()), model_type="mixtral", num_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    with pytest.raises(UnsupportedModelError, match="does not shard a mixture of experts"):
         check_shardable(config)
 
 

@@ -5,10 +5,12 @@ Every expected figure is worked out by hand in the comment beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from engine.tp_layout import TPLayout
 from planner.cli import main
 from planner.devices import LINKS, default_link, get_device
 from planner.models import load_model
@@ -22,6 +24,7 @@ from planner.parallel import (
     logits_gather_bytes,
     params_per_gpu,
     plan_tp,
+    tp_padding,
     tp_size_problem,
 )
 
@@ -43,21 +46,59 @@ def test_params_per_gpu_llama2_70b_on_4() -> None:
     assert params_per_gpu(LLAMA2_70B, 1) == 68_976_648_192
 
 
-def test_kv_heads_replicate_beyond_their_count() -> None:
-    # 16 GPUs, 8 KV heads: each GPU keeps one head (two GPUs per head), so KV per token per
-    # GPU is 2 * 80 * 1 * 128 * 2 = 40,960 bytes, not half of it.
+def test_kv_heads_pad_beyond_their_count() -> None:
+    # 16 GPUs, 8 KV heads: the engine pads them to 16, one per GPU (and the 64 query heads to
+    # 128, 8 per GPU), so KV per token per GPU is 2 * 80 * 1 * 128 * 2 = 40,960 bytes, not
+    # half of it.
     tp = plan_tp(LLAMA2_70B, get_device("h100-sxm"), LINKS["nvlink4"], 16,
                  **_bf16(batch=1, tokens_per_sequence=100))  # fmt: skip
     assert tp.problem is None
     assert tp.kv_heads_per_gpu == 1
     assert tp.kv_bytes_per_token_per_gpu == 40_960
+    assert tp.padding == "query heads 64 -> 128, KV heads 8 -> 16"
+    # Per layer: q and o 2 * 8192 * 8 * 128 = 16,777,216; k and v 2 * 8192 * 128 = 2,097,152;
+    # MLP 3 * 8192 * 1,792 = 44,040,192; norms 16,384: 62,930,944, x 80 = 5,034,475,520.
+    # Embedding and head 2 * 2,000 * 8192 = 32,768,000; final norm 8,192.
+    assert tp.params_per_gpu == 5_034_475_520 + 32_768_000 + 8_192
 
 
-def test_sizes_that_do_not_shard() -> None:
-    assert "64 attention heads do not divide by 3" in (tp_size_problem(LLAMA2_70B, 3) or "")
-    # 12 divides neither way with 8 KV heads (and 64 heads do not divide by 12 either).
-    assert tp_size_problem(LLAMA2_70B, 12) is not None
-    assert tp_size_problem(LLAMA2_70B, 8) is None
+def test_sizes_that_do_not_divide_are_padded_as_the_engine_pads() -> None:
+    # Llama 2 70B on 3: KV heads 8 -> 9 (3 each), query heads 9 x 8 = 72 (24 each),
+    # intermediate 28,672 -> 28,674 (9,558 each), vocabulary 32,000 -> 32,001 (10,667 each).
+    assert tp_size_problem(LLAMA2_70B, 3) is None
+    assert tp_padding(LLAMA2_70B, 3) == (
+        "query heads 64 -> 72, KV heads 8 -> 9, intermediate 28672 -> 28674, "
+        "vocabulary 32000 -> 32001"
+    )
+    assert tp_padding(LLAMA2_70B, 4) is None and tp_padding(LLAMA2_70B, 1) is None
+    # The planner's counts are the engine's: one TPLayout for both.
+    layout = TPLayout.of(LLAMA2_70B, 3)
+    assert (layout.num_local_heads, layout.num_local_kv_heads) == (24, 3)
+    assert (layout.local_intermediate_size, layout.local_vocab_size) == (9_558, 10_667)
+    # Per layer: q and o 2 * 8192 * 24 * 128 = 50,331,648; k and v 2 * 8192 * 3 * 128 =
+    # 6,291,456; MLP 3 * 8192 * 9,558 = 234,897,408; norms 16,384: 291,536,896, x 80 =
+    # 23,322,951,680. Embedding and head 2 * 10,667 * 8192 = 174,768,128; final norm 8,192.
+    assert params_per_gpu(LLAMA2_70B, 3) == 23_322_951_680 + 174_768_128 + 8_192
+    tp = plan_tp(LLAMA2_70B, get_device("a100-40gb"), LINKS["nvlink3"], 3,
+                 **_bf16(batch=1, tokens_per_sequence=100))  # fmt: skip
+    assert tp.problem is None and tp.kv_heads_per_gpu == 3
+    # KV per token per GPU: 2 * 80 * 3 * 128 * 2 = 122,880 bytes (the padding head's too).
+    assert tp.kv_bytes_per_token_per_gpu == 122_880
+
+
+def test_only_what_no_size_can_shard_is_refused() -> None:
+    # 6 query heads over 4 KV heads are not whole groups: refused at every N, as the engine
+    # refuses it (engine/tp_layout.py), with the engine's line.
+    odd = dataclasses.replace(LLAMA3_8B, num_heads=6, num_kv_heads=4)
+    for n in (2, 3):
+        assert "multiple of num_kv_heads (4)" in (tp_size_problem(odd, n) or "")
+    assert tp_size_problem(odd, 1) is None  # one GPU runs it unsharded
+    moe = dataclasses.replace(LLAMA3_8B, model_type="mixtral", num_experts=8)
+    assert "mixture of experts" in (tp_size_problem(moe, 2) or "")
+    assert tp_size_problem(moe, 1) is None
+    assert not plan_tp(odd, get_device("a100-40gb"), LINKS["nvlink3"], 2,
+                       **_bf16(batch=1, tokens_per_sequence=1)).fits  # fmt: skip
+    assert tp_size_problem(LLAMA2_70B, 12) is None
     with pytest.raises(ValueError, match="at least 1"):
         plan_tp(LLAMA2_70B, get_device("a100-40gb"), LINKS["nvlink3"], 0,
                 **_bf16(batch=1, tokens_per_sequence=1))  # fmt: skip
@@ -85,8 +126,8 @@ def test_allreduce_traffic_per_token() -> None:
 
 def test_fewest_gpus_llama2_70b() -> None:
     a100_40 = get_device("a100-40gb")
-    # bf16 weights are 137.95 GB: 1 GPU no, 2 GPUs 68.98 GB each no, 3 does not divide, 4
-    # hold 34.49 GB each plus 500 tokens x 81,920 bytes of KV.
+    # bf16 weights are 137.95 GB: 1 GPU no, 2 GPUs 68.98 GB each no, 3 (padded) hold
+    # 47.00 GB each no, 4 hold 34.49 GB each plus 500 tokens x 81,920 bytes of KV.
     tp = fewest_gpus(LLAMA2_70B, a100_40, default_link("a100-40gb"),
                      **_bf16(batch=1, tokens_per_sequence=500))  # fmt: skip
     assert tp is not None and tp.tensor_parallel_size == 4
@@ -96,15 +137,23 @@ def test_fewest_gpus_llama2_70b() -> None:
                      **_bf16(batch=1, tokens_per_sequence=500))  # fmt: skip
     assert tp is not None and tp.tensor_parallel_size == 2
     # ...but not for 64 sequences of 4,096 tokens: at N = 2, 262,144 tokens x 163,840 bytes
-    # = 42.95 GB of KV beside 68.98 GB of weights > 80 GB; at N = 4, 21.47 + 34.49 GB fit.
+    # = 42.95 GB of KV beside 68.98 GB of weights > 80 GB; at N = 3 (padded: 3 KV heads per
+    # GPU) 262,144 x 122,880 = 32.21 GB of KV beside 47.00 GB of weights: 79.21 GB fit.
     tp = fewest_gpus(LLAMA2_70B, get_device("h100-sxm"), LINKS["nvlink4"],
                      **_bf16(batch=64, tokens_per_sequence=4096))  # fmt: skip
-    assert tp is not None and tp.tensor_parallel_size == 4
-    # On 16 GB cards 137.95 GB needs 9 or more, and the first size from there that shards
-    # 64 heads, 8 KV heads and 28,672 intermediate evenly is 16.
+    assert tp is not None and tp.tensor_parallel_size == 3
+    assert tp.weight_bytes_per_gpu + tp.kv_bytes_per_gpu == 46_995_456_000 + 32_212_254_720
+    # On 16 GB cards: 8 GPUs hold 17.25 GB each; 9 pad KV heads to 9 (one each), query heads
+    # to 72 (8 each), intermediate to 28,674 (3,186 each) and vocabulary to 32,004 (3,556
+    # each): per layer 2*8192*8*128 + 2*8192*128 + 3*8192*3186 + 2*8192 = 97,189,888, x 80
+    # plus 2 * 3,556 * 8192 + 8192 = 7,833,460,736 params, 15.67 GB, and 500 tokens x 2 * 80
+    # * 128 * 2 = 20.48 MB of KV fit in 16 GB. (A runtime that refuses what N does not
+    # divide would need 16.)
     tp = fewest_gpus(LLAMA2_70B, get_device("t4"), LINKS["pcie3"],
                      **_bf16(batch=1, tokens_per_sequence=500))  # fmt: skip
-    assert tp is not None and tp.tensor_parallel_size == 16
+    assert tp is not None and tp.tensor_parallel_size == 9
+    assert tp.params_per_gpu == 7_833_460_736
+    assert tp.padding is not None and "KV heads 8 -> 9" in tp.padding
 
 
 def test_kv_table_llama3_8b() -> None:
