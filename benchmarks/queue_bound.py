@@ -359,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
 
     summaries = [r.summary() for r in runs]
     keys = [k for k in summaries[0] if k != "name"]
-    print(f"\n{'':32}" + "".join(f"{s['name']:>34}" for s in summaries))
+    print(f"\n{'':32}" + "".join(f"  {s['name']:>36}" for s in summaries))
     for key in keys:
-        print(f"{key:32}" + "".join(f"{_fmt(s[key]):>34}" for s in summaries))
+        print(f"{key:32}" + "".join(f"  {_fmt(s[key]):>36}" for s in summaries))
     unbounded, bounded = summaries
     ratios = {
         "tokens_per_s": bounded["tokens_per_s"] / max(unbounded["tokens_per_s"], 1e-9),
