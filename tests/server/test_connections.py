@@ -175,6 +175,7 @@ class HoldingApp:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.num_holding = 0
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -182,15 +183,18 @@ class HoldingApp:
                 await send({"type": message["type"] + ".complete"})
             await send({"type": "lifespan.shutdown.complete"})
             return
-        while scope["path"] == "/hold" and not self.release.is_set():
-            await asyncio.sleep(0.01)
+        if scope["path"] == "/hold":
+            self.num_holding += 1
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
 
 @contextlib.contextmanager
-def bounded_uvicorn(app: Any, limits: ConnectionLimits) -> Iterator[int]:
-    """uvicorn with ``limits`` on a free port, in a thread of this process; yields the port."""
+def bounded_uvicorn(app: Any, limits: ConnectionLimits) -> Iterator[tuple[int, Any]]:
+    """uvicorn with ``limits`` on a free port, in a thread of this process; yields the port
+    and the ``uvicorn.Server``."""
     import uvicorn
 
     port = free_port()
@@ -206,7 +210,7 @@ def bounded_uvicorn(app: Any, limits: ConnectionLimits) -> Iterator[int]:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield port
+        yield port, server
     finally:
         server.should_exit = True
         thread.join(timeout=10)
@@ -230,7 +234,7 @@ def test_past_the_cap_the_oldest_header_reader_makes_room() -> None:
     app holds, the new connection gets the 503 itself, and the held ones finish."""
     app = HoldingApp()
     limits = ConnectionLimits(max_connections=3, header_timeout_s=30, stream_send_timeout_s=60)
-    with bounded_uvicorn(app, limits) as port:
+    with bounded_uvicorn(app, limits) as (port, server):
         slow = []
         for victim in range(2):
             while len(slow) < victim + 3:  # the cap's worth of slow connections open
@@ -244,14 +248,20 @@ def test_past_the_cap_the_oldest_header_reader_makes_room() -> None:
             assert read_response(newer, timeout_s=0.2) == b""  # still open
         for sock in slow:
             sock.close()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while server.server_state.connections:  # the server has seen them all closed
+            assert time.monotonic() < deadline, len(server.server_state.connections)
+            time.sleep(0.01)
 
         held = []
         for _ in range(3):
             sock = socket.create_connection(("127.0.0.1", port), timeout=5)
             sock.sendall(b"GET /hold HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             held.append(sock)
-        time.sleep(0.3)  # all three requests are in the app
+        deadline = time.monotonic() + 10
+        while app.num_holding < 3:  # all three requests are in the app
+            assert time.monotonic() < deadline, app.num_holding
+            time.sleep(0.01)
         refused = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
         assert refused.status_code == 503, refused.text
         assert refused.json()["error"]["code"] == "too_many_connections"
