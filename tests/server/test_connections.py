@@ -198,8 +198,9 @@ def bounded_uvicorn(app: Any, limits: ConnectionLimits) -> Iterator[tuple[int, A
     import uvicorn
 
     port = free_port()
+    # log_config=None: this process's logging stays as pytest set it.
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, http=bounded_protocol(limits), log_level="warning",
+        app, host="127.0.0.1", port=port, http=bounded_protocol(limits), log_config=None,
         loop="asyncio",
     )  # fmt: skip
     server = uvicorn.Server(config)
