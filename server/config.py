@@ -97,8 +97,9 @@ class ServerConfig:
             body, counted from its opening (or, on a kept-alive connection, from the next
             request's first byte); past it the connection gets a 408 and is closed
             (server/connections.py).
-        max_connections: open connections beyond this get a 503 and are closed at once;
-            None = derived from the file-descriptor limit at start.
+        max_connections: past this many open connections, the oldest one still sending its
+            request headers is closed with a 503 to make room, or, when none is, the new one
+            gets the 503; None = derived from the file-descriptor limit at start.
         stream_send_timeout_s: a response whose client has not read for this long (the
             socket buffers full) is cut off, and its request aborted.
         max_queue_time_s: a request that would wait longer than this for the engine, judged
@@ -529,8 +530,8 @@ _OPTIONS: tuple[Option, ...] = (
            "seconds a connection has to send a whole request (headers and body); 408 after"),
     Option("--max-connections", "server", "max_connections", optional(int),
            _S.max_connections,
-           "open connections allowed (503 past it); auto = the fd limit less those in use and a"
-           " reserve"),
+           "open connections allowed (past it, the oldest one still sending headers, else the new"
+           " one, gets a 503); auto = the fd limit less those in use and a reserve"),
     Option("--stream-send-timeout", "server", "stream_send_timeout_s", float,
            _S.stream_send_timeout_s,
            "seconds a client may stop reading a response before it is cut off and aborted"),

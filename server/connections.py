@@ -6,9 +6,12 @@ reading a response, holds its socket for as long as it likes, and enough of them
 file descriptors, after which asyncio logs every failed ``accept()``. ``BoundedH11Protocol``
 is uvicorn's own protocol with these bounds added::
 
-    connection opens ──> over --max-connections? ──yes──> 503 too_many_connections; closed
-           │ no                                           once its request is read (at most
-           ▼                                              1 s later)
+    connection opens ──> over --max-connections? ──yes──> the oldest connection still sending
+           │ no            its request's headers (a slowloris, most likely) gets 503
+           │               too_many_connections and is closed, making room; if none is (every
+           │               connection has a request in the app, or idles between requests),
+           │               the new one gets that 503, closed once its request is read (at
+           ▼               most 1 s later)
     request read timer (--header-timeout), armed on opening and on a new request's first
     byte ──> headers and body all arrived: disarmed
           ──> fired before that: 408 request_read_timeout (or, once the app has the request,
@@ -19,6 +22,12 @@ is uvicorn's own protocol with these bounds added::
                                                   ──> fired: connection aborted; the app sees
                                                       a disconnect, which aborts the engine
                                                       request (server/streaming.py)
+
+Displacing the oldest header reader rather than refusing the newcomer keeps a liveness probe
+or an ordinary client answered while slow connections hold every slot: their requests are
+not in the app yet, so closing one costs no work done, and a slowloris cannot hold a slot
+past the next newcomer. An idle kept-alive connection is not displaced (uvicorn closes it
+after ``timeout_keep_alive``, 5 s), nor one whose request the app holds.
 
 ``AcceptErrorLog`` replaces asyncio's log line per failed ``accept()`` with one line per
 interval and a count: out of file descriptors, Python's selector loop goes on calling
@@ -195,11 +204,22 @@ def bounded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
     refused = RateLimitedLog(
         f"connection refused with 503: {limits.max_connections} connections open"
     )
+    displaced = RateLimitedLog(
+        f"connection still sending its request headers closed with 503 to make room: "
+        f"{limits.max_connections} connections open"
+    )
     stalls = RateLimitedLog(
         f"connection cut off: client read nothing for {limits.stream_send_timeout_s:g} s"
     )
 
     class BoundedH11Protocol(H11Protocol):
+        # Shared by this server's connections (the class is made per server). NOTE: a
+        # connection is in _reading_headers from its read timer's arming (opening, or a
+        # kept-alive request's first byte) until its headers are in; dicts keep insertion
+        # order, so the first entry is the oldest.
+        _reading_headers: dict[BoundedH11Protocol, None] = {}
+        _num_turned_away = 0  # refused or displaced, not yet closed: not counted as open
+
         _read_timer: asyncio.TimerHandle | None = None
         _stall_timer: asyncio.TimerHandle | None = None
         _refused = False
@@ -209,13 +229,36 @@ def bounded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             sock = transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-            if len(self.connections) > limits.max_connections:
-                self._refuse()
-                return
+            if len(self.connections) - self._num_turned_away > limits.max_connections:
+                oldest = self._oldest_reading_headers()
+                if oldest is None:
+                    self._refuse()
+                    return
+                oldest._displace()
             self._arm_read_timer()
 
-        def _refuse(self) -> None:
+        def _oldest_reading_headers(self) -> BoundedH11Protocol | None:
+            for connection in self._reading_headers:
+                if not connection.transport.is_closing():  # one the client closed meanwhile
+                    return connection
+            return None
+
+        def _turn_away(self) -> None:
+            self._cancel_read_timer()
             self._refused = True
+            type(self)._num_turned_away += 1
+
+        def _displace(self) -> None:
+            """Close this connection, still sending its request's headers, with a 503 to make
+            room for a newer one. Every byte it sent has been read, so the close sends a FIN,
+            not a reset that could destroy the 503."""
+            self._turn_away()
+            displaced.note(f"client {self.client}")
+            self.transport.write(_raw_response(too_many_connections(limits.max_connections)))
+            self.transport.close()
+
+        def _refuse(self) -> None:
+            self._turn_away()
             refused.note(f"client {self.client}")
             self.transport.write(_raw_response(too_many_connections(limits.max_connections)))
             # Half-close, and close once the request has been read (data_received) or after
@@ -232,12 +275,16 @@ def bounded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
             if self._read_timer is None and self.conn.their_state is h11.IDLE:
                 self._arm_read_timer()  # the first byte of a request on a kept-alive connection
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.SEND_BODY:
-                self._cancel_read_timer()  # the whole request is in (or the connection is done)
+            if self.conn.their_state is not h11.IDLE:
+                self._reading_headers.pop(self, None)  # the headers are in
+                if self.conn.their_state is not h11.SEND_BODY:
+                    self._cancel_read_timer()  # the whole request is in (or the connection is done)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_read_timer()
             self._cancel_stall_timer()
+            if self._refused:
+                type(self)._num_turned_away -= 1
             super().connection_lost(exc)
 
         def pause_writing(self) -> None:
@@ -253,8 +300,10 @@ def bounded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def _arm_read_timer(self) -> None:
             self._read_timer = self.loop.call_later(limits.header_timeout_s, self._on_read_timeout)
+            self._reading_headers[self] = None
 
         def _cancel_read_timer(self) -> None:
+            self._reading_headers.pop(self, None)
             if self._read_timer is not None:
                 self._read_timer.cancel()
                 self._read_timer = None
@@ -266,6 +315,7 @@ def bounded_protocol(limits: ConnectionLimits) -> type[H11Protocol]:
 
         def _on_read_timeout(self) -> None:
             self._read_timer = None
+            self._reading_headers.pop(self, None)
             if self.transport.is_closing():
                 return
             read_timeouts.note(f"client {self.client}")

@@ -182,6 +182,11 @@ def serve_until_drained(
         port=port,
         log_level=log_level,
         http=bounded_protocol(limits),
+        # The stdlib loop whatever is installed: uvicorn's "auto" would pick uvloop when it is
+        # present, which handles accept() failures inside libuv, where neither the loop's
+        # exception handler (AcceptErrorLog) nor asyncio's ACCEPT_RETRY_DELAY applies, so
+        # the fd-exhaustion behaviour tested in tests/server/test_connections.py would not hold.
+        loop="asyncio",
         # After the drain, only idle or cut-off connections remain: close them quickly.
         timeout_graceful_shutdown=5,
     )

@@ -8,10 +8,14 @@ OOM killer, a container restart) leaves its scratch directory behind; the next p
 runs the job removes it, and only it: the name says which process on which host made the
 directory, so a live job's directory, possibly another server's, is never touched.
 
-Owner identity is ``<host>+<pid>+<start time>``: the start time (``/proc/<pid>/stat``) tells
-a dead owner from a new process that reuses its pid, as happens when a container restarts
-and its server is again pid 1. A directory from another host (a cache on a shared volume)
-cannot be checked, so it is removed only once it is older than ``max_age_s``.
+Owner identity is ``<host>+<pid namespace>+<pid>+<start time>``: the start time
+(``/proc/<pid>/stat``) tells a dead owner from a new process that reuses its pid, as happens
+when a container restarts and its server is again pid 1. A pid means something only inside
+its pid namespace (the inode of ``/proc/self/ns/pid``): containers that share a hostname and
+a cache volume but not a pid namespace would otherwise take each other's live owners for
+dead ones (pid 1 in one container is not pid 1 in the other). A directory from another
+host or pid namespace (a cache on a shared volume) cannot be checked, so it is removed only
+once it is older than ``max_age_s``.
 """
 
 from __future__ import annotations
@@ -41,9 +45,17 @@ def _host() -> str:
     return socket.gethostname().replace("+", "-") or "localhost"
 
 
+def _pid_namespace() -> str:
+    """The inode of this process's pid namespace, or "0" where there is none to read."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
 def owner_token() -> str:
     """This process's identity as it appears in the names of its scratch directories."""
-    return f"{_host()}+{os.getpid()}+{_start_time(os.getpid()) or 0}"
+    return f"{_host()}+{_pid_namespace()}+{os.getpid()}+{_start_time(os.getpid()) or 0}"
 
 
 def make_scratch_dir(parent: Path, prefix: str) -> Path:
@@ -53,9 +65,10 @@ def make_scratch_dir(parent: Path, prefix: str) -> Path:
 
 
 def _owner_gone(token: str) -> bool:
-    """Whether the process named by ``<host>+<pid>+<start>`` has certainly exited."""
-    host, pid_text, start = token.split("+")
-    if host != _host() or not pid_text.isdigit():
+    """Whether the process named by ``<host>+<pid namespace>+<pid>+<start>`` has certainly
+    exited (never, for one of another host or pid namespace: its pid cannot be checked)."""
+    host, namespace, pid_text, start = token.split("+")
+    if host != _host() or namespace != _pid_namespace() or not pid_text.isdigit():
         return False
     pid = int(pid_text)
     if pid == os.getpid():
@@ -84,13 +97,14 @@ def remove_stale_scratch_dirs(parent: Path, prefix: str, *, max_age_s: float) ->
     for entry in entries:
         if not entry.name.startswith(prefix) or not entry.is_dir():
             continue
-        # <prefix><host>+<pid>+<start>+<random>; the prefix may hold '+' itself.
+        # <prefix><host>+<pid namespace>+<pid>+<start>+<random>; the prefix may hold '+'
+        # itself. A name of fewer fields (an older version's) is judged by its age alone.
         parts = entry.name[len(prefix) :].split("+")
         try:
             old = now - entry.stat().st_mtime > max_age_s
         except OSError:
             continue  # removed meanwhile
-        if old or (len(parts) >= 4 and _owner_gone("+".join(parts[-4:-1]))):
+        if old or (len(parts) >= 5 and _owner_gone("+".join(parts[-5:-1]))):
             shutil.rmtree(entry, ignore_errors=True)
             if not entry.exists():
                 removed.append(entry)

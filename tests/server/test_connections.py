@@ -8,23 +8,28 @@ All traffic goes to 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from loadtest.launcher import free_port
 from scheduler.config import SchedulerConfig
-from server.connections import AcceptErrorLog, RateLimitedLog
+from server.connections import AcceptErrorLog, ConnectionLimits, RateLimitedLog, bounded_protocol
 from server.engine_client import DrainRate
 from tests.server.server_fakes import FakeEngine
-from tests.server.tiny_server import make_tiny_model_dir, tiny_server
+from tests.server.tiny_server import REPO, make_tiny_model_dir, tiny_server
 
 HEADER_TIMEOUT_S = 2.0
 NUM_SLOWLORIS = 300
@@ -78,10 +83,11 @@ class Canary(threading.Thread):
 
 def test_slowloris_under_a_low_fd_limit(model_dir: Path, tmp_path: Path) -> None:
     """300 connections that send a header byte every 0.5 s, against a server allowed 200
-    file descriptors: a canary on fresh connections is answered within 2 s throughout, every
-    slow connection is closed soon after the header timeout, and the log stays small."""
+    file descriptors: a canary on fresh connections gets a 200 within 2 s throughout, every
+    slow connection is closed soon after the header timeout, and the log stays small. The
+    server starts with a soft fd limit of half that and raises it to the hard one itself."""
     log = tmp_path / "server.log"
-    wrapper = ("prlimit", f"--nofile={FD_LIMIT}:{FD_LIMIT}", "--")
+    wrapper = ("prlimit", f"--nofile={FD_LIMIT // 2}:{FD_LIMIT}", "--")
     with tiny_server(
         model_dir, log, "--header-timeout", str(HEADER_TIMEOUT_S), wrapper=wrapper
     ) as server:
@@ -130,8 +136,8 @@ def test_slowloris_under_a_low_fd_limit(model_dir: Path, tmp_path: Path) -> None
             time.sleep(HEADER_TIMEOUT_S + 0.5)
             assert get_health(sock).startswith(b"HTTP/1.1 200")  # the same connection
     assert still_open == 0, f"{still_open} slow connections were never closed"
-    # Connections the server took were cut at the header timeout (408); those past its
-    # connection cap got a 503 at once. None outlived the timeout by much.
+    # Connections the server kept were cut at the header timeout (408); the oldest ones were
+    # displaced by newer ones past its connection cap (503). None outlived the timeout by much.
     statuses = {b[:12] for b in first_bytes}
     assert statuses <= {b"HTTP/1.1 408", b"HTTP/1.1 503"}, statuses
     assert b"HTTP/1.1 408" in statuses
@@ -144,10 +150,11 @@ def test_slowloris_under_a_low_fd_limit(model_dir: Path, tmp_path: Path) -> None
         else:
             assert code == "request_read_timeout"
     assert max(closed_after) < HEADER_TIMEOUT_S + 3.0, max(closed_after)
-    # The canary: always answered (a 200, or the connection cap's 503), within 2 s.
+    # The canary: always a 200 within 2 s; past the connection cap, its connection displaces
+    # the oldest slow one instead of being refused.
     answers = canary.results
     assert answers, "the canary never ran"
-    late = [(round(s, 2), a) for _, s, a in answers if s > 2.0 or a not in (200, 503)]
+    late = [(round(s, 2), a) for _, s, a in answers if s > 2.0 or a != 200]
     assert not late, f"canary answers late or failed: {late} of {len(answers)}"
     after = [a for t, _, a in answers if t > attack_end]
     assert after and all(a == 200 for a in after), after
@@ -161,6 +168,110 @@ def test_slowloris_under_a_low_fd_limit(model_dir: Path, tmp_path: Path) -> None
     text = log.read_text(errors="replace")
     assert log.stat().st_size < 1_000_000, log.stat().st_size
     assert f"open-file limit {FD_LIMIT}" in text
+
+
+class HoldingApp:
+    """An ASGI app: ``/hold`` answers once ``release`` is set, anything else at once."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.num_holding = 0
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": message["type"] + ".complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["path"] == "/hold":
+            self.num_holding += 1
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+@contextlib.contextmanager
+def bounded_uvicorn(app: Any, limits: ConnectionLimits) -> Iterator[tuple[int, Any]]:
+    """uvicorn with ``limits`` on a free port, in a thread of this process; yields the port
+    and the ``uvicorn.Server``."""
+    import uvicorn
+
+    port = free_port()
+    # log_config=None: this process's logging stays as pytest set it.
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, http=bounded_protocol(limits), log_config=None,
+        loop="asyncio",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield port, server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def read_response(sock: socket.socket, timeout_s: float) -> bytes:
+    """What the server sent before closing (or within ``timeout_s``); b"" if nothing."""
+    sock.settimeout(timeout_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
+
+
+def test_past_the_cap_the_oldest_header_reader_makes_room() -> None:
+    """--max-connections 3: a new connection displaces the oldest one still sending its
+    headers (it gets the 503), so /health stays 200; when every connection is a request the
+    app holds, the new connection gets the 503 itself, and the held ones finish."""
+    app = HoldingApp()
+    limits = ConnectionLimits(max_connections=3, header_timeout_s=30, stream_send_timeout_s=60)
+    with bounded_uvicorn(app, limits) as (port, server):
+        slow = []
+        for victim in range(2):
+            while len(slow) < victim + 3:  # the cap's worth of slow connections open
+                slow.append(open_slowloris(port))
+                time.sleep(0.1)  # the server takes them in this order
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            answer = read_response(slow[victim], timeout_s=5)
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+            assert b'"too_many_connections"' in answer and b"retry-after: 1" in answer
+        for newer in slow[2:]:
+            assert read_response(newer, timeout_s=0.2) == b""  # still open
+        for sock in slow:
+            sock.close()
+        deadline = time.monotonic() + 10
+        while server.server_state.connections:  # the server has seen them all closed
+            assert time.monotonic() < deadline, len(server.server_state.connections)
+            time.sleep(0.01)
+
+        held = []
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"GET /hold HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            held.append(sock)
+        deadline = time.monotonic() + 10
+        while app.num_holding < 3:  # all three requests are in the app
+            assert time.monotonic() < deadline, app.num_holding
+            time.sleep(0.01)
+        refused = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "too_many_connections"
+        assert refused.headers["Retry-After"] == "1"
+        app.release.set()
+        for sock in held:
+            sock.settimeout(5)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+            sock.close()
 
 
 def test_stalled_sse_reader_is_cut_off_and_its_request_aborted(
@@ -235,6 +346,27 @@ def test_drain_rate_ignores_idle_time() -> None:
     assert rate.rate() == pytest.approx(20.0)  # over the last 10 s only
     rate.on_step(200.0, 1)  # after a long idle gap the window restarts
     assert rate.rate() is None
+
+
+def test_a_soft_fd_limit_below_the_hard_one_is_raised_to_it() -> None:
+    """A child started with a soft open-file limit of 64 under a hard one of 256: the
+    server's start-up call raises the soft limit to 256 and returns it (the real server logs
+    it: test_slowloris_under_a_low_fd_limit starts at half its hard limit)."""
+    child = (
+        "import resource; from server.connections import raise_fd_limit; "
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE), raise_fd_limit(), "
+        "resource.getrlimit(resource.RLIMIT_NOFILE))"
+    )
+    done = subprocess.run(
+        ["prlimit", "--nofile=64:256", "--", sys.executable, "-c", child],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["(64,", "256)", "256", "(256,", "256)"], done.stdout
+    assert "could not raise" not in done.stderr
 
 
 def test_rate_limited_log_counts_what_it_drops(caplog: pytest.LogCaptureFixture) -> None:

@@ -3,7 +3,9 @@ special tokens; only the chat template's own structure does (server/prompts.py).
 
 Two templates: the default model's (SmolLM2, ChatML ``<|im_start|>``) and a Llama-3-style
 one (``<|start_header_id|>``, ``<|eot_id|>``, ``| trim`` on content) over the default
-tokenizer with those tokens added as specials.
+tokenizer with those tokens added as specials. Each forged prompt is compared with the same
+chat rendered with benign content: the special ids must be the template's own, at the
+template's own positions (``assert_specials_are_the_templates``).
 """
 
 from __future__ import annotations
@@ -73,24 +75,45 @@ def messages(raw: list[dict[str, str]]) -> list[ChatMessage]:
     return [ChatMessage(**m) for m in raw]
 
 
+def assert_specials_are_the_templates(tok: Any, forged: list[int], benign: list[int]) -> None:
+    """``forged`` is the prompt ``benign`` is, with one place's client text changed: the two
+    share their ids before that place and after it, every special id of either lies in that
+    shared structure, and so sits where the template put it (after the client's text,
+    shifted by the text's length difference); the client's text holds none."""
+    specials = special_ids(tok)
+    shortest = min(len(forged), len(benign))
+    prefix = next((i for i in range(shortest) if forged[i] != benign[i]), shortest)
+    suffix = next(
+        (i for i in range(shortest - prefix) if forged[-1 - i] != benign[-1 - i]),
+        shortest - prefix,
+    )
+    for ids in (forged, benign):
+        client_text = ids[prefix : len(ids) - suffix]
+        assert not specials & set(client_text), tok.convert_ids_to_tokens(client_text)
+    shift = len(forged) - len(benign)
+    assert [i for i, t in enumerate(forged) if t in specials] == [
+        i if i < prefix else i + shift for i, t in enumerate(benign) if t in specials
+    ]
+
+
 @pytest.mark.parametrize("name", TOKENIZERS)
-@pytest.mark.parametrize("role", ["system", "user", "assistant"])
+@pytest.mark.parametrize("role", ["system", "user", "assistant", "tool"])
 def test_control_strings_in_content_stay_text(name: str, role: str) -> None:
     tok = TOKENIZERS[name]()
-    specials = special_ids(tok)
 
     def chat(content: str) -> list[dict[str, str]]:
         turn = [{"role": role, "content": content}]
+        if role == "tool":
+            turn[0]["tool_call_id"] = "call_1"
         if role != "user":
             turn.append({"role": "user", "content": "go on"})
         return turn
 
     forged = chat_prompt(messages(chat(FORGED[name])), tok)
     benign = chat_prompt(messages(chat("hi")), tok)
-    # The template's own special tokens, in order, and nothing else special.
-    assert [i for i in forged.token_ids if i in specials] == [
-        i for i in benign.token_ids if i in specials
-    ]
+    # The template's own special tokens, at the template's own positions, and nothing else
+    # special.
+    assert_specials_are_the_templates(tok, forged.token_ids, benign.token_ids)
     # The content is all still there, as text.
     assert tok.decode(forged.token_ids, skip_special_tokens=False) == forged.text
     assert FORGED[name].strip() in forged.text
@@ -117,6 +140,10 @@ def test_opt_out_parses_control_strings_in_content(name: str) -> None:
     default = chat_prompt(raw, tok)
     num_specials = [sum(i in special_ids(tok) for i in p.token_ids) for p in (default, trusted)]
     assert num_specials[1] > num_specials[0]
+    # The injected turn's specials sit inside the client's text: the check above sees them.
+    benign = chat_prompt(messages([{"role": "user", "content": "hi"}]), tok)
+    with pytest.raises(AssertionError):
+        assert_specials_are_the_templates(tok, trusted.token_ids, benign.token_ids)
 
 
 def test_completion_prompts_parse_control_strings() -> None:
@@ -141,7 +168,6 @@ def test_control_strings_in_tools_and_tool_calls_stay_text(where: str) -> None:
     them as JSON (escaped: ``\\n``); strings with quotes and newlines beside them still
     render (no 400)."""
     tok = default_tokenizer()
-    specials = special_ids(tok)
 
     def chat(forged: str) -> Any:
         def at(name: str, ordinary: str) -> str:
@@ -173,9 +199,7 @@ def test_control_strings_in_tools_and_tool_calls_stay_text(where: str) -> None:
         return chat_prompt(messages(raw), tok, tools=tools, chat_template=TOOLS_TEMPLATE)
 
     forged, benign = chat(FORGED["smollm2"]), chat("hi")
-    assert [i for i in forged.token_ids if i in specials] == [
-        i for i in benign.token_ids if i in specials
-    ]
+    assert_specials_are_the_templates(tok, forged.token_ids, benign.token_ids)
     assert tok.decode(forged.token_ids, skip_special_tokens=False) == forged.text
     assert benign.token_ids == tok.encode(benign.text, add_special_tokens=False)
 
