@@ -316,6 +316,11 @@ class LLMEngine:
         return self.cost_model.step([(0, 1)], 1).weight_bytes
 
     @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's config as built: the device's defaults (the prefill chunk) filled in."""
+        return self.scheduler.config
+
+    @property
     def enable_prefix_caching(self) -> bool:
         return self.kv_manager.enable_prefix_caching
 
