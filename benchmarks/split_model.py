@@ -1,16 +1,15 @@
-"""A model file too large for one device call, carried in two parts and joined there.
+"""A model file too large for one capped transfer, copied in two parts and joined there.
 
-The device machines (``run``) take at most 64 MiB of working tree a call, and the default
-model's GGUF file is 98 MB. Split it here, carry part 1 in one call and part 2 in the next,
-made at once while the machine is still warm (a warm machine keeps its files between
-calls; it goes back after 30 s idle), and join them there::
+Where files reach a GPU host only in transfers capped below 98 MB (the default model's GGUF
+file, whose 4- and 8-bit blocks hardly compress), split it here, copy part 1 in one
+transfer and part 2 in the next, and join them there::
 
     # here, once (writes .model-parts/, which .gitignore keeps out of git):
     python -m benchmarks.split_model split                  # the default model's GGUF file
-    # device call 1, carry [".model-parts/1"]: copy part 1 out of the repository
-    python3 -m benchmarks.split_model stage
-    # device call 2, at once, carry [".model-parts/2", ".whl"] (.whl: the gguf wheel):
-    python3 -m benchmarks.split_model join      # prints the joined file's path
+    # there, after the first transfer, if the working tree is replaced by the second:
+    python3 -m benchmarks.split_model stage                 # keeps part 1 outside the tree
+    # there, after the second transfer (with the gguf wheel installed):
+    python3 -m benchmarks.split_model join                  # prints the joined file's path
 
 ``join`` checks each part's and the whole file's SHA-256 against the manifest ``split``
 wrote. The joined file is what ``--model`` takes (a .gguf file converts once, with the
@@ -126,8 +125,8 @@ def join(parts_dir: Path, stage_dir: Path) -> Path:
     part1 = staged if staged.is_file() else parts_dir / "1" / str(first["file"])
     if not part1.is_file():
         raise SplitError(
-            f"{staged} is missing: this machine did not run stage (a fresh one: the warm "
-            "machine went back); run stage and join in two calls made back to back"
+            f"{staged} is missing and {parts_dir / '1'} holds no part 1: copy part 1 here "
+            "(and run stage) before joining"
         )
     _check(part1, first, "part 1")
     part2 = parts_dir / "2" / str(second["file"])
@@ -158,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--first-part-mib", type=int, default=DEFAULT_FIRST_PART_MIB)
     for name, text in (
-        ("stage", "device call 1: copy part 1 out of the repository"),
-        ("join", "device call 2: join the parts, check them, print the file's path"),
+        ("stage", "after the first transfer: keep part 1 outside the working tree"),
+        ("join", "after the second transfer: join the parts, check them, print the path"),
     ):
         sub.add_parser(name, help=text).add_argument("--stage-dir", type=Path, default=STAGE_DIR)
     for parser in sub.choices.values():

@@ -2,8 +2,9 @@
 
 Result layout (also the JSON written by ``--out``)::
 
-    floors:        {"decode_s", "prefill_s"}                  # from the run's first probe
+    floors:        {"decode_s", "decode_served_s", "prefill_s"}  # from the run's first probe
     weight_bytes:  what a float32 decode step streams
+    decode_weight_bytes: what the default server's batch-1 decode step reads (GGUF blocks)
     pagedserve:    {"startup_s", "points": {"<c>": row}}      # row: see servers.measure_server
     pagedserve_f32: same, concurrency 1 only: ``--matmul-weights float32``
     vllm:          same, when --vllm-cmd was given
@@ -200,17 +201,20 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
     ``xfloor`` is TTFT / prefill floor and TPOT / decode floor (the float32 weights'
     floor, for every row, over the bandwidth probed beside the row's point when it was:
     ``decode_floor``); ``MBU`` is the weight bytes the row's server reads per decode
-    step / bandwidth / TPOT: the float32 weights, or what the server's
-    ``pagedserve_decode_step_weight_bytes`` says it reads (GGUF blocks); ``srvMBU`` is the
+    step / bandwidth / TPOT: what the server's ``pagedserve_decode_step_weight_bytes`` says
+    it reads, else for the default pagedserve row the run's count of the same bytes
+    (``decode_weight_bytes``: GGUF blocks), else the float32 weights; ``srvMBU`` is the
     server's own gauge, the median of the scrapes during the point, at the bandwidth probed
     beside the point when it was (``gauge_mbu``); ``MFU`` is model FLOP/s over the best
     matmul ceiling the run measured at any row count (``benchmarks.speed``).
     """
     floors = result["floors"]
 
-    def read_share(r: dict[str, Any]) -> float:
+    def read_share(server: str | None, r: dict[str, Any]) -> float:
         # the row's decode-step bytes as a share of the float32 weights the floor streams
         own, f32 = r.get("decode_weight_bytes"), result.get("weight_bytes")
+        if not own and server == "pagedserve":
+            own = result.get("decode_weight_bytes")
         return own / f32 if own and f32 else 1.0
 
     header = (
@@ -219,14 +223,14 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
     )
     lines = [header]
 
-    def row(name: str, c: int, r: dict[str, Any]) -> str:
+    def row(name: str, c: int, r: dict[str, Any], server: str | None = None) -> str:
         ttft, tpot = r.get("ttft_p50_s"), r.get("tpot_p50_s")
         return (
             f"{name:28}{c:>5}{_fmt(ttft, '.0f', 1e3):>9}"
             f"{_fmt(ratio(ttft, floors['prefill_s']), '.2f'):>7}"
             f"{_fmt(tpot, '.1f', 1e3):>9}{_fmt(ratio(tpot, decode_floor(result, r)), '.2f'):>7}"
             f"{_fmt(r.get('itl_p99_s'), '.1f', 1e3):>10}{_fmt(r.get('output_tok_s'), '.1f'):>8}"
-            f"{_fmt(ratio(decode_floor(result, r) * read_share(r), tpot), '.2f'):>6}"
+            f"{_fmt(ratio(decode_floor(result, r) * read_share(server, r), tpot), '.2f'):>6}"
             f"{_fmt(gauge_mbu(r), '.2f'):>7}{_fmt(r.get('mfu'), '.1%'):>8}"
         )
 
@@ -234,7 +238,7 @@ def format_table(result: dict[str, Any], concurrencies: list[int]) -> str:
     for c in concurrencies:
         for server, label in SERVER_LABELS.items():
             if point := _point(result, server, c):
-                lines.append(row(label, c, point))
+                lines.append(row(label, c, point, server))
         if hf is None:
             continue
         if c == 1:

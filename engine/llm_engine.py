@@ -668,7 +668,9 @@ class LLMEngine:
             return
         stats.predicted_step_s = predicted_s
         stats.target_budget_s = decision.budget_s
-        stats.target_prefill_cap = decision.prefill_cap
+        # The cap the targets chose, only where they chose it: a step planned without
+        # decodes takes the whole prompt budget, which says nothing about the targets.
+        stats.target_prefill_cap = decision.prefill_cap if decision.sized else None
         stats.target_ttft_boost = decision.ttft_boost
         stats.target_conflict = decision.conflict
         if had_decodes:

@@ -111,7 +111,8 @@ class StepStats:
     # Latency targets (scheduler/latency_targets.py); None without targets.
     predicted_step_s: float | None = None  # the step-time model's figure, before the step ran
     target_budget_s: float | None = None  # iteration time its prompt tokens were sized for
-    target_prefill_cap: int | None = None  # prompt tokens it could compute
+    # Prompt tokens the targets let it compute; None for a step planned without decodes.
+    target_prefill_cap: int | None = None
     # For steps with decodes: whether the gap before it plus its time kept the budget.
     target_met: bool | None = None
     target_ttft_boost: bool = False  # the TTFT target grew the prefill share

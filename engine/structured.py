@@ -5,15 +5,18 @@ Owns:
   - ``GrammarCache``: compiled grammars, keyed by ``(kind, spec)``, compiled in its own small
     thread pool (never on the engine thread, never on the event loop). Thread-safe: the
     server compiles a request's grammar before queueing it (a bad schema is a 400 there) and
-    the engine thread later finds it compiled.
+    the engine thread later finds it compiled. It also checks, without compiling, grammars a
+    request carries that its output need not follow (tool parameters), on a thread of their
+    own, and caches which passed.
   - ``StructuredDecoder`` (engine thread only): the matcher of every constrained request,
     the bitmask buffer, and the requests parked until their grammar is compiled.
 
 A step, for the rows of constrained requests only, in one of two modes (``check_first``):
 
-  - mask first (CUDA): fill bitmask rows (host, xgrammar) ──> copy to the logits' device ──>
-    apply_token_bitmask_inplace(logits, bitmask, indices=rows) ──> sampler's pick. The fill
-    runs on the host while the GPU runs the forward pass it was queued behind.
+  - mask first (CUDA): fill bitmask rows (host, xgrammar) ──> copy those rows alone to the
+    logits' device (``copy_rows``) ──> apply_token_bitmask_inplace(logits, bitmask,
+    indices=rows) ──> sampler's pick. The fill runs on the host while the GPU runs the
+    forward pass it was queued behind.
   - check first (CPU): sampler's pick on the unmasked logits ──> matcher.accept_token(pick)
     and rollback(1), microseconds a row ──> a refused row tries its next-best few tokens
     the same way ──> only rows still without a pick are filled, masked and picked again
@@ -46,6 +49,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -105,6 +109,10 @@ class GrammarCache:
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str], Future[CompiledEntry]] = {}
+        # Checks (``check``) have a thread of their own: one never waits behind a
+        # compilation, which can take seconds where a check usually takes a millisecond.
+        self._check_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
+        self._checks: dict[tuple[str, str], Future[None]] = {}
         # The tokenizer's token table is read once (tenths of a second for a 50k vocab),
         # started now so the first constrained request rarely waits for it.
         self._compiler: Future[Any] = self._executor.submit(
@@ -115,48 +123,92 @@ class GrammarCache:
         """The compiled grammar of ``params``: a finished future when cached, else the
         running compilation (its exception is a ``GrammarError`` for bad input); and whether
         this call started the compilation (what the compile-time metric counts)."""
+        return self._cached(self._entries, self._executor, self._compile, params)
+
+    def check(self, params: StructuredOutputParams) -> Future[None]:
+        """Whether ``params`` would compile, without compiling it: its conversion to a
+        grammar (``to_grammar``), the step of a compilation that rejects bad input, which
+        usually takes a millisecond where the compilation (the token masks) can take
+        seconds. For
+        grammars a request carries but its output need not follow (the ``parameters`` of
+        tools under ``tool_choice: auto``). A passed check is cached; a failed one raises
+        ``GrammarError``."""
+        return self._cached(self._checks, self._check_executor, _check, params)[0]
+
+    def _cached(
+        self,
+        entries: dict[tuple[str, str], Future[Any]],
+        executor: ThreadPoolExecutor,
+        work: Callable[[StructuredOutputParams], Any],
+        params: StructuredOutputParams,
+    ) -> tuple[Future[Any], bool]:
         key = (params.kind, params.spec)
         with self._lock:
-            future = self._entries.get(key)
+            future = entries.get(key)
             if future is not None:
                 return future, False
-            future = self._executor.submit(self._compile, params)
-            self._entries[key] = future
-            while len(self._entries) > self.max_entries:
-                self._entries.pop(next(iter(self._entries)))
-        # A failed compilation is not cached: the next request gets its own error.
-        future.add_done_callback(lambda f: self._drop_failed(key, f))
+            future = executor.submit(work, params)
+            entries[key] = future
+            while len(entries) > self.max_entries:
+                entries.pop(next(iter(entries)))
+        # A failure is not cached: the next request gets its own error.
+        future.add_done_callback(lambda f: self._drop_failed(entries, key, f))
         return future, True
 
-    def _drop_failed(self, key: tuple[str, str], future: Future[CompiledEntry]) -> None:
+    def _drop_failed(
+        self, entries: dict[tuple[str, str], Future[Any]], key: tuple[str, str], future: Future[Any]
+    ) -> None:
         if future.exception() is not None:
             with self._lock:
-                if self._entries.get(key) is future:
-                    del self._entries[key]
+                if entries.get(key) is future:
+                    del entries[key]
 
     def _compile(self, params: StructuredOutputParams) -> CompiledEntry:
         compiler = self._compiler.result()
         start = time.perf_counter()
+        grammar = to_grammar(params)
         try:
-            if params.kind == "json":
-                # Compact JSON: "any whitespace" lets a small model loop on spaces forever.
-                grammar = compiler.compile_json_schema(params.spec, any_whitespace=False)
-            elif params.kind == "regex":
-                grammar = compiler.compile_regex(params.spec)
-            elif params.kind == "choice":
-                grammar = compiler.compile_grammar(choice_grammar(json.loads(params.spec)))
-            elif params.kind == "grammar":
-                grammar = compiler.compile_grammar(params.spec)
-            else:
-                raise GrammarError(f"unknown structured output kind {params.kind!r}")
-        except GrammarError:
-            raise
+            compiled = compiler.compile_grammar(grammar)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
-            raise GrammarError(_CPP_PREFIX.sub("", str(exc)).strip()) from None
-        return CompiledEntry(grammar, time.perf_counter() - start)
+            raise GrammarError(_reason(exc)) from None
+        return CompiledEntry(compiled, time.perf_counter() - start)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._check_executor.shutdown(wait=False, cancel_futures=True)
+
+
+def to_grammar(params: StructuredOutputParams) -> Any:
+    """``params`` as an xgrammar ``Grammar``: the conversion every compilation starts with,
+    and where a schema xgrammar does not support, a bad regex or an undefined rule fails.
+    Needs no tokenizer.
+
+    Raises:
+        GrammarError: with xgrammar's reason.
+    """
+    import xgrammar as xgr
+
+    try:
+        if params.kind == "json":
+            # Compact JSON: "any whitespace" lets a small model loop on spaces forever.
+            return xgr.Grammar.from_json_schema(params.spec, any_whitespace=False)
+        if params.kind == "regex":
+            return xgr.Grammar.from_regex(params.spec)
+        if params.kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_grammar(json.loads(params.spec)))
+        if params.kind == "grammar":
+            return xgr.Grammar.from_ebnf(params.spec)
+    except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
+        raise GrammarError(_reason(exc)) from None
+    raise GrammarError(f"unknown structured output kind {params.kind!r}")
+
+
+def _check(params: StructuredOutputParams) -> None:
+    to_grammar(params)
+
+
+def _reason(exc: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(exc)).strip()
 
 
 def _make_compiler(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:
@@ -195,6 +247,8 @@ class StructuredDecoder:
         self._matchers: dict[str, Any] = {}  # request id -> xgrammar.GrammarMatcher
         self._pending: dict[str, Future[CompiledEntry]] = {}  # compiling, not yet matched
         self._bitmask: torch.Tensor | None = None  # [rows, ceil(vocab / 32)] int32, host
+        # Its twin on the logits' device (CUDA), written only at constrained rows.
+        self._device_bitmask: torch.Tensor | None = None
 
     @property
     def num_constrained(self) -> int:
@@ -306,11 +360,11 @@ class StructuredDecoder:
         import xgrammar as xgr
 
         num_rows = logits.shape[0]
-        bitmask = self._bitmask
-        if bitmask is None or bitmask.shape[0] < num_rows:
-            bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.cache.vocab_size)
-            self._bitmask = bitmask
-        bitmask = bitmask[:num_rows]
+        host = self._bitmask
+        if host is None or host.shape[0] < num_rows:
+            host = xgr.allocate_token_bitmask(max(num_rows, 8), self.cache.vocab_size)
+            self._bitmask = host
+        bitmask = host[:num_rows]
         matchers = [self._matchers[requests[row].request_id] for row in rows]
         if len(rows) == 1 or self._fill_threads == 1:
             for row, matcher in zip(rows, matchers, strict=True):
@@ -320,9 +374,16 @@ class StructuredDecoder:
                 self._batch_matcher = xgr.BatchGrammarMatcher(self._fill_threads)
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         if logits.device.type != "cpu":
-            # From pageable memory the copy is staged before the call returns, so the host
-            # buffer may be refilled next step.
-            bitmask = bitmask.to(logits.device, non_blocking=True)
+            on_device = self._device_bitmask
+            if (
+                on_device is None
+                or on_device.shape[0] < num_rows
+                or on_device.device != logits.device
+            ):
+                on_device = torch.empty_like(host, device=logits.device)
+                self._device_bitmask = on_device
+            bitmask = on_device[:num_rows]
+            copy_rows(host, rows, bitmask)
         xgr.apply_token_bitmask_inplace(
             logits, bitmask, vocab_size=self.cache.vocab_size, indices=rows
         )
@@ -351,6 +412,29 @@ class StructuredDecoder:
                     logger.error(
                         "request %s: token %d is outside its grammar", request_id, token_id
                     )
+
+
+def copy_rows(
+    source: torch.Tensor,  # [>= rows, ceil(vocab / 32)] int32, host
+    rows: list[int],
+    target: torch.Tensor,  # [>= rows, ceil(vocab / 32)] int32, any device
+) -> None:
+    """``target[rows] = source[rows]``, with only those rows crossing to ``target``'s device:
+    the constrained rows of a step, not the whole batch's. They stay at their own indices
+    because ``apply_token_bitmask_inplace(indices=rows)`` reads row i's mask at bitmask row
+    i; the other rows of ``target`` keep whatever they held, which it never reads.
+
+    NOTE: the rows are gathered into a new host tensor, and a copy from pageable memory is
+    staged before the call returns, so ``source`` may be refilled next step while the copy
+    is still queued on the device.
+    """
+    index = torch.tensor(rows, dtype=torch.int64)
+    gathered = source.index_select(0, index)  # [len(rows), ceil(vocab / 32)]
+    target.index_copy_(
+        0,
+        index.to(target.device, non_blocking=True),
+        gathered.to(target.device, non_blocking=True),
+    )
 
 
 def samples_whole_distribution(params: SamplingParams, vocab_size: int) -> bool:

@@ -31,8 +31,13 @@ from planner.models import PRESETS, PlannedModel, gguf_blocks, load_model
 from planner.parallel import DEFAULT_KV_TABLE_BATCHES
 from planner.parallel_report import parallel_section, render_parallel
 from planner.plan import Plan, Workload, default_dtype, make_plan
-from planner.report import render_comparison, render_plan, render_targets_measured
-from planner.targets import Targets, measured_against
+from planner.report import (
+    render_comparison,
+    render_plan,
+    render_targets_held,
+    render_targets_measured,
+)
+from planner.targets import Targets, largest_concurrency_held, measured_against
 
 _DEFAULT_PROMPT_TOKENS = 350
 _DEFAULT_OUTPUT_TOKENS = 150
@@ -371,6 +376,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     texts.append(render_parallel(device, tp, fewest, table, plan.dtypes["kv"]))
     if points:
         comparisons = []
+        checks = []
         for measured in points:
             point_plan = plan if measured is points[0] else plan_for(measured)
             rows = compare(point_plan, measured)
@@ -378,13 +384,22 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             text = render_comparison(point_plan, measured, rows)
             if targets.any:
                 check = measured_against(
-                    targets, measured.tpot_s, measured.ttft_s, measured.concurrency
+                    targets,
+                    measured.tpot_s,
+                    measured.ttft_s,
+                    measured.concurrency,
+                    itl_p99_s=measured.itl_p99_s,
                 )
+                checks.append(check)
                 comparison["latency_targets"] = check
                 text += "\n" + render_targets_measured(check)
             comparisons.append(comparison)
             texts.append(text)
         out["comparisons"] = comparisons
+        if checks:
+            held = largest_concurrency_held(checks)
+            out["latency_targets_measured"] = held
+            texts.append(render_targets_held(held))
     return out, "\n\n".join(texts)
 
 

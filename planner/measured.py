@@ -12,6 +12,8 @@ and takes every object that has a TTFT, TPOT or output-throughput key as one mea
   ``time_per_output_token`` (``itl`` / ``inter_token`` as a fallback for TPOT), or
   ``output_throughput`` / ``output_tokens_per_s``; a nested ``{"ttft": {"p50": ...}}`` works;
 - the statistic preferred is the median (``p50`` / ``median``), then the ``mean``;
+- the ITL's p99 (``itl_p99_s``, vLLM's ``p99_itl_ms``, ``{"itl": {"p99": ...}}``) is read
+  on its own, for the ITL latency target: a stalled step shows there, not in a median;
 - values are seconds unless the key says ``ms`` (``median_ttft_ms``) or ``us``;
 - the concurrency comes from ``concurrency`` / ``max_concurrency`` / ``batch`` in the object
   or an enclosing one (e.g. loadtest's ``point``), prompt and output lengths from keys with
@@ -19,7 +21,8 @@ and takes every object that has a TTFT, TPOT or output-throughput key as one mea
 
 Prometheus. ``pagedserve_time_to_first_token_seconds`` and
 ``pagedserve_time_per_output_token_seconds`` histograms give the median (interpolated in the
-buckets, as PromQL's ``histogram_quantile``) and mean; ``pagedserve_generation_tokens_total``
+buckets, as PromQL's ``histogram_quantile``) and mean, and
+``pagedserve_inter_token_latency_seconds`` the ITL's p99; ``pagedserve_generation_tokens_total``
 divided by the scrape window gives throughput (only with ``--window``, which scrapes twice).
 """
 
@@ -47,6 +50,10 @@ class Measured:
     tpot_s: float | None = None
     tpot_stat: str = ""
     output_tokens_per_s: float | None = None
+    # The 99th percentile of every gap between two tokens of a request, pooled: what an ITL
+    # target bounds (a TPOT median averages a stalled step away).
+    itl_p99_s: float | None = None
+    itl_p99_stat: str = ""
     concurrency: int | None = None
     prompt_tokens: float | None = None
     output_tokens: float | None = None
@@ -122,6 +129,19 @@ def _pick(numbers: dict[str, float], metric: str, timed: bool) -> tuple[int, flo
     return best
 
 
+_P99 = re.compile(r"p99(?!\d)")
+_NOT_A_SUMMARY = re.compile(r"slo|goodput|bucket|_sum\b|_count\b|\{")
+
+
+def _pick_p99(numbers: dict[str, float], metric: str) -> tuple[float, str] | None:
+    """(value in seconds, key) of ``metric``'s 99th percentile, if the object has one."""
+    for key, value in numbers.items():
+        if _METRIC_PATTERNS[metric].search(key) and _P99.search(key):
+            if not _NOT_A_SUMMARY.search(key):
+                return value * _unit_scale(key), key
+    return None
+
+
 def _length(numbers: dict[str, float], kind: str) -> float | None:
     words = ("prompt", "input") if kind == "prompt" else ("output", "completion")
     for key, value in numbers.items():
@@ -181,6 +201,7 @@ def measurements_from_json(data: Any, source: str) -> list[Measured]:
         ttft = _pick(numbers, "ttft", timed=True)
         tpot = _pick(numbers, "tpot", timed=True) or _pick(numbers, "itl", timed=True)
         throughput = _pick(numbers, "throughput", timed=False)
+        itl_p99 = _pick_p99(numbers, "itl")
         if ttft is None and tpot is None and throughput is None:
             continue
         best_rank = min(pick[0] for pick in (ttft, tpot) if pick) if (ttft or tpot) else 2
@@ -195,6 +216,8 @@ def measurements_from_json(data: Any, source: str) -> list[Measured]:
                     tpot_s=tpot[1] if tpot else None,
                     tpot_stat=tpot[2] if tpot else "",
                     output_tokens_per_s=throughput[1] if throughput else None,
+                    itl_p99_s=itl_p99[0] if itl_p99 else None,
+                    itl_p99_stat=itl_p99[1] if itl_p99 else "",
                     concurrency=_concurrency(obj, ancestors),
                     prompt_tokens=_length(numbers, "prompt"),
                     output_tokens=_length(numbers, "output"),
@@ -332,6 +355,8 @@ def measurement_from_prometheus(
     e2e_h, _ = hist("e2e_request_latency", "request_latency", "e2e")
     ttft, ttft_stat = stat(ttft_h, ttft_name)
     tpot, tpot_stat = stat(tpot_h, tpot_name)
+    itl_h, itl_name = hist("inter_token_latency")
+    itl_p99 = itl_h.quantile(0.99) if itl_h is not None else None
 
     def counter_delta(*patterns: str) -> float | None:
         name = _find(now.counters, *patterns)
@@ -353,6 +378,8 @@ def measurement_from_prometheus(
         tpot_s=tpot,
         tpot_stat=tpot_stat,
         output_tokens_per_s=throughput,
+        itl_p99_s=itl_p99,
+        itl_p99_stat=f"{itl_name} p99 (histogram)" if itl_p99 is not None else "",
         prompt_tokens=prompted / requests if prompted is not None and requests > 0 else None,
         output_tokens=generated / requests if generated is not None and requests > 0 else None,
     )

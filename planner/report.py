@@ -199,15 +199,33 @@ def _targets_lines(targets: dict[str, Any], n_in: int, n_out: int) -> list[str]:
 
 def render_targets_measured(check: dict[str, Any]) -> str:
     """Whether a measured point kept the targets."""
+
     def word(held: bool | None) -> str:
         return "no figure" if held is None else ("held" if held else "missed")
 
     held = ", ".join(f"{name.upper()} {word(v)}" for name, v in check["held"].items())
     c = check["concurrency"]
+    figures = [f"TPOT {fmt_time(check['tpot_s'])}", f"TTFT {fmt_time(check['ttft_s'])}"]
+    if "itl" in check["held"]:
+        if check["itl_from"] == "itl_p99":
+            figures.insert(0, f"ITL p99 {fmt_time(check['itl_p99_s'])}")
+        else:
+            figures.append("no ITL p99 in the measurement, so the TPOT stands for the ITL")
     return (
         f"  latency targets at the measured concurrency {c if c is not None else '?'}: {held} "
-        f"(TPOT {fmt_time(check['tpot_s'])}, TTFT {fmt_time(check['ttft_s'])}; the measured "
-        "TPOT stands for the ITL)"
+        f"({', '.join(figures)})"
+    )
+
+
+def render_targets_held(held: dict[str, Any]) -> str:
+    """The largest measured concurrency that kept every target."""
+    best, n = held["max_concurrency"], held["points"]
+    points = f"{n} measured point{'s' if n != 1 else ''}"
+    if best is None:
+        return f"latency targets, measured: no point kept every target ({points})"
+    return (
+        f"latency targets, measured: the largest concurrency that kept every target is {best} "
+        f"({points})"
     )
 
 

@@ -170,16 +170,50 @@ def plan_targets(
 
 
 def measured_against(
-    targets: Targets, tpot_s: float | None, ttft_s: float | None, concurrency: int | None
+    targets: Targets,
+    tpot_s: float | None,
+    ttft_s: float | None,
+    concurrency: int | None,
+    itl_p99_s: float | None = None,
 ) -> dict[str, Any]:
-    """Whether a measurement kept the targets (TPOT stands for the ITL too when the
-    measurement has no ITL of its own)."""
+    """Whether a measurement kept the targets.
+
+    The ITL target bounds every gap between two tokens, so it is checked against the
+    measured ITL p99; only a measurement without one falls back to the TPOT (a median or
+    mean, which averages a stalled step away), and ``itl_from`` says which was used. TPOT
+    and TTFT targets are checked against the measurement's TPOT and TTFT statistics.
+    """
+    itl_from = "itl_p99" if itl_p99_s is not None else "tpot"
     checks: dict[str, bool | None] = {}
     for name, target, got in (
-        ("itl", targets.itl_s, tpot_s),
+        ("itl", targets.itl_s, itl_p99_s if itl_p99_s is not None else tpot_s),
         ("tpot", targets.tpot_s, tpot_s),
         ("ttft", targets.ttft_s, ttft_s),
     ):
         if target is not None:
             checks[name] = None if got is None else got <= target
-    return {"concurrency": concurrency, "tpot_s": tpot_s, "ttft_s": ttft_s, "held": checks}
+    return {
+        "concurrency": concurrency,
+        "tpot_s": tpot_s,
+        "ttft_s": ttft_s,
+        "itl_p99_s": itl_p99_s,
+        "itl_from": itl_from,
+        "held": checks,
+    }
+
+
+def largest_concurrency_held(checks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The largest measured concurrency at which every target held.
+
+    Args:
+        checks: ``measured_against`` results, one per measured point.
+    Returns:
+        ``{"max_concurrency": c or None, "points": n}``: a point counts only when it has a
+        concurrency and a figure for every target set, each within its target.
+    """
+    held = [
+        check["concurrency"]
+        for check in checks
+        if check["concurrency"] is not None and all(v is True for v in check["held"].values())
+    ]
+    return {"max_concurrency": max(held) if held else None, "points": len(checks)}

@@ -95,12 +95,15 @@ class TargetDecision:
         prefill_cap: prompt tokens the step could compute.
         ttft_boost: the TTFT target grew the budget beyond the ITL/TPOT one.
         conflict: the TTFT target would be missed even at the largest budget allowed.
+        sized: the step was planned with decodes, so the targets chose ``prefill_cap``;
+            False for a step without decodes, whose cap is the whole prompt budget.
     """
 
     budget_s: float
     prefill_cap: int
     ttft_boost: bool = False
     conflict: bool = False
+    sized: bool = True
 
 
 class LatencyTargets:
@@ -168,7 +171,7 @@ class LatencyTargets:
         budget_s = self._base_budget_s()
         if load.num_rows == 0:
             # Nobody decodes: no inter-token latency to keep. The whole budget goes to prompts.
-            return TargetDecision(budget_s, max_prompt)
+            return TargetDecision(budget_s, max_prompt, sized=False)
         cap = self._cap(load, budget_s, max_prompt)
         if self.ttft_s is None or cap >= max_prompt:
             return TargetDecision(budget_s, cap)

@@ -57,7 +57,8 @@ from server.protocol import (
 )
 from server.router_api import add_router_routes
 from server.shutdown import DrainMiddleware, DrainState
-from server.tools import check_tools
+from server.structured import check_constraints
+from server.tools import check_tools, parameter_checks
 from server.validation import (
     BodySizeLimitMiddleware,
     check_model,
@@ -200,12 +201,14 @@ def create_app(
         if body.tools and body.messages is None:
             raise invalid("'tools' go with 'messages'", "tools")
         if body.messages is not None:
+            tools = check_tools(body.tools) if body.tools else None
+            await check_constraints(client.grammars, parameter_checks(tools))
             ids = chat_prompt(
                 body.messages,
                 client.tokenizer,
                 body.add_generation_prompt,
                 allow_special_tokens_in_content=config.server.allow_special_tokens_in_content,
-                tools=check_tools(body.tools) if body.tools else None,
+                tools=tools,
                 chat_template=ctx.chat_template,
             )
             tokens = ids.token_ids

@@ -42,7 +42,7 @@ from server.protocol import (
 )
 from server.streaming import sse_frame, stream_run
 from server.structured import Constraint, request_constraint
-from server.tools import ToolPlan, parse_output, streamable_prefix, tool_plan
+from server.tools import ToolPlan, parameter_checks, parse_output, streamable_prefix, tool_plan
 from server.validation import (
     chat_logprobs,
     chat_max_tokens,
@@ -236,6 +236,7 @@ CHAT_COMPLETIONS: GenerationEndpoint[ChatCompletionRequest] = GenerationEndpoint
     response=_response,
     stream=_stream,
     constraint=chat_constraint,
+    grammar_checks=lambda req: parameter_checks(tool_plan(req).tools),
 )
 
 

@@ -34,7 +34,15 @@ from server.flags import (
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tools.py implements each
+# Other names for the same formats: Qwen 2.5/3 write Hermes' <tool_call> blocks; llama3-json
+# is the hyphenated spelling. The flag and its env variable resolve them to the name above.
+TOOL_CALL_PARSER_ALIASES = {"qwen": "hermes", "llama3-json": "llama3_json"}
 UNKNOWN_FIELD_POLICIES = ("reject", "ignore")
+
+
+def tool_call_parser_name(name: str) -> str:
+    """A ``--tool-call-parser`` value as its ``TOOL_CALL_PARSERS`` name (aliases resolved)."""
+    return TOOL_CALL_PARSER_ALIASES.get(name, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +107,7 @@ class ServerConfig:
         chat_template: a Jinja chat template file used instead of the tokenizer's (e.g. one
             that renders ``tools``); None = the tokenizer's.
         tool_call_parser: how ``tool_choice: auto`` output becomes ``tool_calls``: one of
-            ``TOOL_CALL_PARSERS`` (server/tools.py).
+            ``TOOL_CALL_PARSERS`` (server/tools.py); the flag also takes their aliases.
     """
 
     host: str = "127.0.0.1"
@@ -532,9 +540,11 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--chat-template", "server", "chat_template", optional(str), _S.chat_template,
            "a Jinja chat template file to use instead of the tokenizer's (e.g. one that "
            "renders tools)"),
-    Option("--tool-call-parser", "server", "tool_call_parser", str, _S.tool_call_parser,
-           "how tool_choice auto output becomes tool_calls: hermes (<tool_call> blocks; "
-           "Qwen, Hermes) or llama3_json (a bare JSON object)", TOOL_CALL_PARSERS),
+    Option("--tool-call-parser", "server", "tool_call_parser", tool_call_parser_name,
+           _S.tool_call_parser,
+           "how tool_choice auto output becomes tool_calls: hermes, or its alias qwen "
+           "(<tool_call> blocks; Qwen 2.5/3, Hermes), or llama3_json, alias llama3-json (a "
+           "bare JSON object)", (*TOOL_CALL_PARSERS, *TOOL_CALL_PARSER_ALIASES)),
 )
 # fmt: on
 

@@ -2,9 +2,10 @@
 
 Every generation request goes through ``serve_generation``, in this order::
 
-    check values (400) ──> grammar fields (400) ──> deadline ──> hold room (503, before any
-    tokenizing) ──> prompts (tokenize / chat template) ──> SamplingParams per choice ──>
-    compile the grammar, if any, off the event loop (400 if the compiler rejects it) ──>
+    check values (400) ──> grammar fields (400; tools' schemas checked off the event loop) ──>
+    deadline ──> hold room (503, before any tokenizing) ──> prompts (tokenize / chat
+    template) ──> SamplingParams per choice ──> compile the grammar, if any, off the event
+    loop (400 if the compiler rejects it) ──>
     submit ──>
     start (400/503/504 while the status line can still say so; with --max-queue-time, until
     the first token) ──> SSE stream or JSON
@@ -31,7 +32,12 @@ from server.generation import GenerationRun
 from server.prompts import Prompt
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.streaming import run_to_end, sse_response
-from server.structured import Constraint, compile_constraint, request_constraint
+from server.structured import (
+    Constraint,
+    check_constraints,
+    compile_constraint,
+    request_constraint,
+)
 from server.validation import RequestLimits, request_deadline, stop_strings
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"; nobody reads it
@@ -54,6 +60,8 @@ class GenerationEndpoint(Generic[Req]):
         stream: the SSE frames of a run: ``(req, raw_request, ctx, run, request_id, created)``.
         constraint: the grammar the request's output must follow, or None (server/structured.py;
             chat adds tool calls, server/tools.py).
+        grammar_checks: grammars the request carries but its output need not follow (chat:
+            each tool's ``parameters``), checked like ``constraint`` but not compiled.
     """
 
     id_prefix: str
@@ -63,6 +71,7 @@ class GenerationEndpoint(Generic[Req]):
     response: Callable[[Req, ServingContext, GenerationRun, str, int], BaseModel]
     stream: Callable[[Req, Request, ServingContext, GenerationRun, str, int], AsyncIterator[bytes]]
     constraint: Callable[[Req], Constraint | None] = request_constraint
+    grammar_checks: Callable[[Req], list[Constraint]] = lambda _: []
 
 
 async def serve_generation(
@@ -74,6 +83,9 @@ async def serve_generation(
     arrival_time = time.monotonic()
     endpoint.check(req, ctx.limits)
     constraint = endpoint.constraint(req)
+    # Fields first: a schema the grammar library rejects is a 400 before the room, prompt
+    # length or deadline are looked at. A check compiles nothing, and a passed one is cached.
+    await check_constraints(ctx.client.grammars, endpoint.grammar_checks(req))
     server = ctx.config.server
     deadline = request_deadline(raw_request.headers, server.request_timeout_s, arrival_time)
     # Room is held before the prompts are tokenized or templated: a burst past the queue
@@ -84,6 +96,7 @@ async def serve_generation(
             compile_s = await compile_constraint(ctx.client.grammars, constraint)
             ctx.metrics.record_structured(constraint.params.kind, len(params), compile_s)
             params = [dataclasses.replace(p, structured=constraint.params) for p in params]
+        ctx.metrics.record_accepted(constraint.params.kind if constraint else None, len(params))
         request_id = new_request_id(endpoint.id_prefix)
         run = GenerationRun(
             ctx.client,

@@ -13,6 +13,9 @@ Data flows in as plain values, always on the event loop thread:
 * ``record_structured(kind, n, compile_s)`` once per HTTP request with a grammar
   (server/generation_endpoint.py): constrained requests by kind, and the compile time when
   this request compiled the grammar (not when the cache had it);
+* ``record_accepted(kind, n)`` once per generation HTTP request about to be queued, with its
+  grammar's kind or None: requests by constraint, so the constrained share is one metric's
+  ratio;
 * ``record_http(handler, status)`` for every HTTP response, from ``HTTPMetricsMiddleware``
   (below).
 
@@ -217,8 +220,11 @@ class ServerMetrics:
                                      ("handler", "status"))
         self._structured = family("structured_requests", "Requests whose output follows a "
                                   "grammar (JSON schema, regex, choice, EBNF, tool calls), by "
-                                  "kind; over requests_finished: the constrained share",
-                                  ("kind",))
+                                  "kind", ("kind",))
+        self._by_constraint = family("requests_by_constraint", "Generation requests accepted, "
+                                     "by the grammar their output follows (none: "
+                                     "unconstrained); the constrained share is the sum "
+                                     "without none over the sum", ("constraint",))
         self.grammar_compile = histogram("grammar_compile_seconds", "Time to compile a new "
                                          "grammar (cache misses only)", GRAMMAR_COMPILE_BUCKETS)
         self.weight_bytes = counter("weight_bytes_read", "Weight bytes read by engine steps")
@@ -265,8 +271,9 @@ class ServerMetrics:
                                     "target")
         self.target_steps_met = counter("target_steps_met", "Of those, steps whose time (with "
                                         "the engine loop's gap before it) kept the budget")
-        self.target_prefill_cap = histogram("target_prefill_cap_tokens", "Prompt tokens a "
-                                            "step could compute under the latency targets",
+        self.target_prefill_cap = histogram("target_prefill_cap_tokens", "Prompt tokens the "
+                                            "latency targets let a step with decodes compute "
+                                            "(its cap, whether or not prompts filled it)",
                                             STEP_TOKEN_BUCKETS)
         self.target_ttft_boosts = counter("target_ttft_boosts", "Steps whose prefill share "
                                           "grew to keep the TTFT target")
@@ -294,6 +301,8 @@ class ServerMetrics:
             self._series(self._step_phase, phase)
         for kind in STRUCTURED_KINDS:
             self._series(self._structured, kind)
+        for constraint in ("none", *STRUCTURED_KINDS):
+            self._series(self._by_constraint, constraint)
         # The main route's successes from 0, like the series above: a series first scraped
         # after a burst holds its final value in every sample, so rate() reads 0 and the
         # dashboard's error-rate denominator NaN until the next burst.
@@ -458,6 +467,11 @@ class ServerMetrics:
         self._series(self._structured, kind).inc(num_requests)
         if compile_s is not None:
             self.grammar_compile.observe(compile_s)
+
+    def record_accepted(self, kind: str | None, num_requests: int) -> None:
+        """A generation HTTP request is about to be queued: ``num_requests`` engine requests
+        (its choices) constrained by a grammar of ``kind``, or by none."""
+        self._series(self._by_constraint, kind or "none").inc(num_requests)
 
     def record_http(self, handler: str, status: int) -> None:
         self._series(self._http_requests, handler, str(status)).inc()

@@ -22,13 +22,16 @@ Tool calls with ``tool_choice`` ``required`` or a named function become a JSON s
 (server/tools.py). Shapes are checked here (400 naming the field); the grammar itself is
 compiled by the engine's ``GrammarCache`` in its own threads while the handler awaits it, so
 an invalid schema, regex or grammar is a 400 with the compiler's reason before anything is
-queued, and the engine later finds the grammar compiled.
+queued, and the engine later finds the grammar compiled. Grammars a request carries but its
+output need not follow (each tool's ``parameters`` under ``tool_choice`` ``auto`` or ``none``)
+are checked the same way without being compiled (``check_constraints``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,12 +185,43 @@ async def compile_constraint(
             constraint.param,
         )
     future, started = grammars.compile(constraint.params)
+    entry = await _grammar_result(future, constraint, timeout_s, "compile")
+    return entry.compile_s if started else None
+
+
+async def check_constraints(
+    grammars: Any, constraints: list[Constraint], timeout_s: float = COMPILE_TIMEOUT_S
+) -> None:
+    """Check grammars a request carries but its output need not follow (each tool's
+    ``parameters``): what compiling them would reject is a 400 naming the first such field,
+    in the request's order. Nothing is compiled (``GrammarCache.check``), and a grammar that
+    passed once is not checked again.
+
+    An engine without a grammar cache (no tokenizer, so no chat template either) checks
+    nothing: it constrains no output, and the grammars only reach a chat template.
+    """
+    if grammars is None or not constraints:
+        return
+    results = await asyncio.gather(
+        *(_grammar_result(grammars.check(c.params), c, timeout_s, "check") for c in constraints),
+        return_exceptions=True,
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+
+
+async def _grammar_result(
+    future: Future[Any], constraint: Constraint, timeout_s: float, verb: str
+) -> Any:
+    """``future``'s result, awaited off the event loop; the compiler's errors as 400s."""
     try:
-        entry = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout_s)
     except asyncio.TimeoutError:
         raise invalid(
-            f"'{constraint.param}' did not compile within {timeout_s:g} s; simplify it "
-            "(large maxLength, minItems or repetition counts are the usual cause)",
+            f"'{constraint.param}' did not {verb} within {timeout_s:g} s; simplify it "
+            "(large maxLength, minItems or repetition counts, or deep nesting, are the usual "
+            "cause)",
             constraint.param,
             "grammar_too_complex",
         ) from None
@@ -196,4 +230,3 @@ async def compile_constraint(
         raise invalid(
             f"Invalid {what} in '{constraint.param}': {exc}", constraint.param, "invalid_grammar"
         ) from None
-    return entry.compile_s if started else None

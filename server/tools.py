@@ -7,9 +7,10 @@ learn of them. ``tool_choice``:
 
 - ``none``: tools are rendered, the output is plain content;
 - ``auto`` (the default with tools): free output, parsed by the server's
-  ``--tool-call-parser`` (``hermes``: ``<tool_call>{"name", "arguments"}</tool_call>`` blocks,
-  Qwen 2.5/3 and Hermes write them; ``llama3_json``: a bare ``{"name", "parameters"}`` object,
-  or several joined by ``;``, optionally after ``<|python_tag|>``);
+  ``--tool-call-parser`` (``hermes``, alias ``qwen``: ``<tool_call>{"name", "arguments"}
+  </tool_call>`` blocks, Qwen 2.5/3 and Hermes write them; ``llama3_json``, alias
+  ``llama3-json``: a bare ``{"name", "parameters"}`` object, or several joined by ``;``,
+  optionally after ``<|python_tag|>``; server/config.py resolves the aliases);
 - ``required``: the output is constrained to a JSON array of one or more
   ``{"name", "arguments"}`` objects, each ``arguments`` following its function's
   ``parameters`` schema (one at most with ``parallel_tool_calls: false``). When
@@ -148,6 +149,19 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         f"'tool_choice' must be none, auto, required or a named function; got {choice!r}",
         "tool_choice",
     )
+
+
+def parameter_checks(tools: list[dict[str, Any]] | None) -> list[Constraint]:
+    """Each of ``check_tools``' tools' ``parameters`` as a JSON-schema grammar to check before
+    the request goes on (server/structured.py ``check_constraints``), whatever
+    ``tool_choice`` is: a schema the grammar library rejects is a 400 naming
+    ``tools[i].function.parameters``, not a schema the model is shown and may try to follow."""
+    checks = []
+    for i, tool in enumerate(tools or []):
+        param = f"tools[{i}].function.parameters"
+        spec = schema_spec(tool["function"]["parameters"], param)
+        checks.append(Constraint(StructuredOutputParams("json", spec), param))
+    return checks
 
 
 def _tool_param(tools: list[dict[str, Any]], name: str) -> str:

@@ -77,6 +77,8 @@ def _per_busy_second(counters: tuple[str, ...], peak: str) -> str:
 
 
 FINISHED = "pagedserve_requests_finished_total"
+BY_CONSTRAINT = "pagedserve_requests_by_constraint_total"
+CONSTRAINED = 'constraint!="none"'
 HTTP = "pagedserve_http_requests_total"
 ERROR, ABORT = 'finished_reason="error"', 'finished_reason="abort"'
 HTTP_5XX, HTTP_4XX = 'status=~"5.."', 'status=~"4.."'
@@ -153,10 +155,12 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
     )),
     ("Structured output", (
         PanelSpec("Constrained requests", "percentunit", (
-            ("{{kind}}", f"{rate_sum('pagedserve_structured_requests_total', by='kind')} "
-                         f"/ ignoring(kind) group_left {rate_sum(FINISHED)}"),
-        ), "Share of engine requests whose output follows a grammar (JSON schema, regex, "
-           "choice, EBNF; tool_choice required / named are JSON schemas), by kind."),
+            ("all kinds", f"{rate_sum(BY_CONSTRAINT, CONSTRAINED)} / {rate_sum(BY_CONSTRAINT)}"),
+            ("{{constraint}}", f"{rate_sum(BY_CONSTRAINT, CONSTRAINED, by='constraint')} "
+                               f"/ ignoring(constraint) group_left {rate_sum(BY_CONSTRAINT)}"),
+        ), "Share of accepted engine requests whose output follows a grammar (JSON schema, "
+           "regex, choice, EBNF; tool_choice required / named are JSON schemas), in all and "
+           "by kind."),
         PanelSpec("Grammar compile time", "s", (
             *quantiles("pagedserve_grammar_compile_seconds", (0.5, 0.99)),
             ("compiles/s", rate_sum("pagedserve_grammar_compile_seconds_count")),
@@ -186,7 +190,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                   "exact.", soft_max=1.5),
         PanelSpec("Prefill chunk chosen per step", "short", (
             *quantiles("pagedserve_target_prefill_cap_tokens", (0.1, 0.5, 0.9)),
-        ), "Prompt tokens a step could compute under the targets."),
+        ), "Prompt tokens the targets let a step with decodes compute: its cap, whether or "
+           "not prompts filled it. Steps without decodes are not capped and not counted."),
         PanelSpec("TTFT target: boosts and conflicts", "short", (
             ("prefill share grown for TTFT /s", rate_sum("pagedserve_target_ttft_boosts_total")),
             ("TTFT missed even so /s", rate_sum("pagedserve_target_conflicts_total")),

@@ -283,8 +283,9 @@ def _build_locked(
     failed_log = root / f"{name}-{key}.failed.log"
     started = time.monotonic()
     log.info(
-        "compiling the C++ CPU kernels for this machine (once per machine, typically 30 s to "
-        "2 min); cached in %s",
+        "compiling the C++ CPU kernels for this machine (once per machine; up to a few "
+        "minutes, progress every %g s); cached in %s",
+        PROGRESS_EVERY_S,
         final_dir,
     )
     try:

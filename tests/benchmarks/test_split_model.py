@@ -1,4 +1,4 @@
-"""benchmarks/split_model.py: a file split here, staged by one device call and joined by the
+"""benchmarks/split_model.py: a file split here, staged after one transfer and joined after the
 next, comes back byte for byte; a missing or altered part is one line and exit status 2."""
 
 from __future__ import annotations
@@ -42,15 +42,15 @@ def test_split_stage_join_round_trip(model_file, tmp_path, capsys):
     assert main(["join", "--parts-dir", str(parts), "--stage-dir", str(stage)]) == 0
 
 
-def test_join_without_stage_says_the_machine_is_fresh(model_file, tmp_path, capsys):
+def test_join_without_part_1_says_so(model_file, tmp_path, capsys):
     parts = tmp_path / "parts"
     assert main(split_args(model_file, parts)) == 0
-    (parts / "1" / "model.gguf.part1").unlink()  # call 2 carries part 2 alone
+    (parts / "1" / "model.gguf.part1").unlink()  # the second transfer replaced the tree
     capsys.readouterr()
     assert main(["join", "--parts-dir", str(parts), "--stage-dir", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "did not run stage (a fresh one" in err
+    assert "holds no part 1" in err
 
 
 def test_an_altered_part_is_refused(model_file, tmp_path, capsys):

@@ -200,3 +200,19 @@ def test_gauge_mbu_moves_to_the_bandwidth_beside_the_point() -> None:
     data["pagedserve"]["points"]["1"].update(row)
     check = by_label(checks(data, [1]))["c=1 MBU pagedserve (gauge, bytes read)"]
     assert check.value == pytest.approx(0.8) and check.passed is True
+
+
+def test_mbu_counts_the_bytes_each_row_reads() -> None:
+    """The MBU column divides the bytes a row's decode step reads: the server's own gauge
+    figure where it exported one; else, for the default pagedserve row, the run's count of
+    the GGUF blocks it reads (benchmarks.speed.served_decode_weight_bytes); else (vLLM,
+    transformers) the float32 weights the floor counts."""
+    data = result()
+    data["weight_bytes"] = 500e6  # float32: the 10 ms floor at 50 GB/s
+    data["decode_weight_bytes"] = 100e6  # GGUF blocks: 2 ms
+    lines = format_table(data, [1]).splitlines()
+    paged, vllm = lines[1].split(), lines[2].split()
+    assert paged[0] == "pagedserve" and paged[8] == "0.10"  # 2 ms / 20.0 ms TPOT
+    assert vllm[:2] == ["vLLM", "(CPU)"] and vllm[9] == "0.25"  # 10 ms / 40.0 ms
+    data["pagedserve"]["points"]["1"]["decode_weight_bytes"] = 150e6  # the server's gauge
+    assert format_table(data, [1]).splitlines()[1].split()[8] == "0.15"

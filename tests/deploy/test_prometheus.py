@@ -270,6 +270,9 @@ def test_counters_and_histograms_agree_with_the_requests_sent(stack: Stack, sent
     assert total(finished, 'finished_reason="length"') == 4
     assert total(finished, 'finished_reason="stop"') == 1
     assert total(finished, 'finished_reason=~"abort|error"') == 0
+    by_constraint = "pagedserve_requests_by_constraint_total"
+    assert total(by_constraint, 'constraint="regex"') == 1
+    assert total(by_constraint, 'constraint="none"') == 4
     assert total("pagedserve_prompt_tokens_total") == prompt
     assert total("pagedserve_generation_tokens_total") == sum(generated)
     assert total("pagedserve_request_prompt_tokens_sum") == prompt

@@ -157,7 +157,7 @@ def test_latency_targets_leave_greedy_tokens_unchanged(prompts, references, tmp_
     engine = llm.engine
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     arrivals = {0: [7, 0], 2: [3], 3: [5, 1], 9: [6], 12: [2, 4]}
-    capped = []
+    capped, chosen = [], []
     original_step = engine.step
 
     def step_and_record():
@@ -165,6 +165,8 @@ def test_latency_targets_leave_greedy_tokens_unchanged(prompts, references, tmp_
         stats = engine.last_step_stats
         if stats is not None and stats.num_decode_tokens and stats.num_prefill_tokens:
             capped.append(stats.num_prefill_tokens)
+        if stats is not None:
+            chosen.append(stats.target_prefill_cap)
         return outputs
 
     engine.step = step_and_record
@@ -172,6 +174,9 @@ def test_latency_targets_leave_greedy_tokens_unchanged(prompts, references, tmp_
     # The first step prefills prompt 7 beside prompt 0, whose one token looks like a decode
     # row; nobody was decoding when that step was planned, so it was not capped.
     assert len(capped) > 10 and max(capped[1:]) <= 24, capped
+    # The chosen chunk is recorded where the targets chose it: the minimum chunk on every
+    # step planned with decodes, nothing on that first step (its cap was the whole budget).
+    assert chosen[0] is None and set(chosen[1:]) - {None} == {24}, chosen
     assert engine.step_predictor is not None and engine.step_predictor.num_observed > 20
     engine.shutdown()
     trace = read_trace(tmp_path / f"steps-{os.getpid()}.jsonl")

@@ -146,8 +146,14 @@ def references(tiny_llama_cpu_shapes: Path, prompts: list[list[int]]) -> dict[st
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"async_scheduling": True}, {"async_scheduling": True, "target_itl_ms": 1.0}],
-    ids=["sync", "async", "async-itl-target"],
+    [
+        {},
+        {"async_scheduling": True},
+        # A minimum chunk below the 32-token budget, so that the targets bind.
+        {"async_scheduling": True, "target_itl_ms": 1.0, "min_prefill_chunk_tokens": 4},
+        {"target_tpot_ms": 1.0, "target_ttft_ms": 50.0, "min_prefill_chunk_tokens": 4},
+    ],
+    ids=["sync", "async", "async-itl-target", "sync-tpot-ttft-targets"],
 )
 def test_prefix_caching_preemption_and_stops_match_transformers(
     tiny_llama_cpu_shapes: Path,
@@ -155,8 +161,10 @@ def test_prefix_caching_preemption_and_stops_match_transformers(
     references: dict[str, Reference],
     kwargs: dict[str, object],
 ) -> None:
-    """With a latency target too, which caps each step's prompt tokens by measured step
-    times (so the plans vary from run to run; the tokens may not)."""
+    """With latency targets too (an ITL target; a TPOT target, whose credit carries from
+    step to step, with a TTFT target that may widen a step's prompt share), which cap each
+    step's prompt tokens by measured step times (so the plans vary from run to run; the
+    tokens may not)."""
     requests = [
         (at, f"r{i}", prompts[i], SamplingParams(
             max_tokens=m, temperature=0.0,
@@ -183,7 +191,10 @@ def test_prefix_caching_preemption_and_stops_match_transformers(
     assert engine.scheduler.num_preemptions_total > 0
     assert engine.kv_manager.stats().prefix_cache_hits > 0
     assert copies, "the prompt cached whole copies its last block"
-    assert all((d is not None) == ("target_itl_ms" in kwargs) for d in decisions)
+    targeted = any(key.startswith("target_") for key in kwargs)
+    assert all((d is not None) == targeted for d in decisions)
+    if targeted:  # the targets bound: some step's prompt tokens were capped below 32
+        assert any(d is not None and d.prefill_cap < 32 for d in decisions), decisions
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

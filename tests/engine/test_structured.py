@@ -14,7 +14,13 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, _untied
-from engine.structured import GrammarCache, GrammarError, StructuredDecoder, choice_grammar
+from engine.structured import (
+    GrammarCache,
+    GrammarError,
+    StructuredDecoder,
+    choice_grammar,
+    copy_rows,
+)
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request, StructuredOutputParams
 from tests.engine.conftest import make_tiny_llama
@@ -78,6 +84,55 @@ def test_bad_grammars_raise_with_the_compilers_reason(
     assert not str(info.value).startswith("[")  # the C++ source location is stripped
     # Not cached: the next request compiles (and fails) on its own.
     assert cache.compile(StructuredOutputParams(kind, spec))[1]
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec"),
+    [
+        ("json", '{"type": "nope"}'),
+        ("json", '{"$ref": "#/$defs/missing"}'),
+        ("json", '{"type": "integer", "minimum": 5, "maximum": 1}'),
+        ("json", '{"type": "object", "properties": {"a": 3}}'),
+        ("json", '{"type": "string", "pattern": "(("}'),
+        ("json", '{"type": "object", "properties": {"s": {"type": "string", "maxLength": 9}}}'),
+        ("regex", "[a-"),
+        ("grammar", "root ::= missing"),
+        ("choice", '["a", "b"]'),
+    ],
+)
+def test_check_rejects_what_compile_rejects_with_the_same_reason(
+    cache: GrammarCache, kind: str, spec: str
+) -> None:
+    params = StructuredOutputParams(kind, spec)
+
+    def outcome(future) -> str | None:
+        try:
+            future.result(timeout=10)
+        except GrammarError as exc:
+            return str(exc)
+        return None
+
+    assert outcome(cache.check(params)) == outcome(cache.compile(params)[0])
+
+
+def test_check_is_cached_and_does_not_wait_for_compilations(cache: GrammarCache) -> None:
+    from concurrent.futures import Future
+
+    params = StructuredOutputParams("json", '{"type": "object", "properties": {}}')
+    first = cache.check(params)
+    assert first.result(timeout=10) is None
+    assert cache.check(params) is first
+    # Every compile thread busy (a slow compilation each): a check still runs at once.
+    blockers = [Future() for _ in range(4)]
+    busy = [cache._executor.submit(b.result, 10) for b in blockers]
+    try:
+        fresh = StructuredOutputParams("json", '{"type": "array", "items": {"type": "integer"}}')
+        assert cache.check(fresh).result(timeout=5) is None
+    finally:
+        for b in blockers:
+            b.set_result(None)
+        for f in busy:
+            f.result(timeout=10)
 
 
 def test_choice_grammar_escapes_quotes_and_backslashes() -> None:
@@ -279,19 +334,33 @@ def test_a_check_refuses_padding_ids_and_leaves_the_matcher_as_it_was(
     assert torch.equal(a, b)  # the accepted pick was rolled back
 
 
+def test_copy_rows_writes_only_the_given_rows_at_their_own_indices() -> None:
+    source = torch.arange(5 * 4, dtype=torch.int32).reshape(5, 4)
+    target = torch.full((8, 4), -1, dtype=torch.int32)
+    copy_rows(source, [3, 0], target)
+    assert torch.equal(target[[0, 3]], source[[0, 3]])
+    assert (target[[1, 2, 4, 5, 6, 7]] == -1).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_mask_on_cuda_logits_equals_the_cpu_mask(cache: GrammarCache) -> None:
-    """The bitmask is copied to the logits' device and applied there (xgrammar's CUDA or
-    Triton kernel): the same rows get the same -inf entries as on the CPU."""
-    grammar = StructuredOutputParams("regex", "(quick|lazy) [a-z]+")
-    decoder = _decoder(cache, {"c": grammar}, check_first=False)
-    requests = [_scheduled("a"), _scheduled("c"), _scheduled("b")]
-    cpu = torch.randn(3, cache.vocab_size)
-    cuda = cpu.to("cuda")
-    decoder.mask_before_sampling(cpu, requests)
-    decoder.mask_before_sampling(cuda, requests)
-    assert torch.equal(cuda.cpu(), cpu)
+    """Only the constrained rows' bitmasks are copied to the logits' device, and applied
+    there (xgrammar's CUDA or Triton kernel): the same rows get the same -inf entries as on
+    the CPU, with constrained rows apart, and after the rows move (the device buffer's
+    stale rows are never read)."""
+    grammars = {
+        "c": StructuredOutputParams("regex", "(quick|lazy) [a-z]+"),
+        "d": StructuredOutputParams("choice", '["hello", "dog"]'),
+    }
+    decoder = _decoder(cache, grammars, check_first=False)
+    for order in (["a", "c", "b", "d", "e"], ["d", "a", "b", "c"], ["b", "c"]):
+        requests = [_scheduled(r) for r in order]
+        cpu = torch.randn(len(order), cache.vocab_size)
+        cuda = cpu.to("cuda")
+        decoder.mask_before_sampling(cpu, requests)
+        decoder.mask_before_sampling(cuda, requests)
+        assert torch.equal(cuda.cpu(), cpu), order
 
 
 @pytest.mark.parametrize(

@@ -1,16 +1,18 @@
 """kernels/cpu/build.py: the first build survives a crash, a race and a broken toolchain.
 
 Each scenario runs in child processes over a private ``TORCH_EXTENSIONS_DIR``. The real
-compile takes 25-80 s, so the children replace ``build._compile`` by a stand-in: one that
-"compiles" until it is killed (the kill window is then certain), or one that copies the
-library this session already built (the ``ops`` fixture) into the build directory. Loading,
-locking, renaming into place and cleaning up are the real code. The broken-toolchain
-scenario runs the real compile with a compiler that fails.
+compile takes minutes on a busy 2-core machine, so the children replace ``build._compile``
+by a stand-in: one that "compiles" until it is killed (the kill window is then certain), or
+one that copies the library this session already built (the ``ops`` fixture) into the
+build directory. Loading, locking, renaming into place and cleaning up are the real code.
+The broken-toolchain scenario runs the real compile with a compiler that fails. What a
+first build logs is checked in this process, with the same kind of stand-in.
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -181,3 +183,49 @@ def test_a_broken_compiler_gives_one_warning_and_the_reference(tmp_path):
         for lock in ext.glob("*.lock"):
             with open(lock) as f:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if still held
+
+
+def test_a_first_build_logs_what_it_does_its_progress_and_time(monkeypatch, tmp_path, caplog):
+    """A first start's log: one line naming the compile, once per machine, before it;
+    progress lines while it runs (how many sources are done); a line with its time after.
+    The stand-in "compiles" one source, waits for the progress line that counts it, then
+    the other; nothing is loaded (the library it writes is not a real one)."""
+    sources = [tmp_path / "a.cpp", tmp_path / "b.cpp"]
+    for source in sources:
+        source.write_text(f"// {source.name}\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("CXX", sys.executable)  # found on PATH; the stand-in runs nothing
+    monkeypatch.setattr(build, "PROGRESS_EVERY_S", 0.02)
+    loaded: list[Path] = []
+    monkeypatch.setattr(build, "_load", loaded.append)
+
+    def progress_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "sources done" in r.getMessage()]
+
+    def stand_in(name, sources, build_dir, *args):
+        (build_dir / "a.o").write_bytes(b"")
+        deadline = time.monotonic() + 30
+        while not any("1/2 sources done" in line for line in progress_lines()):
+            assert time.monotonic() < deadline, "no progress line within 30 s"
+            time.sleep(0.01)
+        (build_dir / "b.o").write_bytes(b"")
+        (build_dir / f"{name}.so").write_bytes(b"")
+        return build_dir / f"{name}.so"
+
+    monkeypatch.setattr(build, "_compile", stand_in)
+    caplog.set_level(logging.INFO, logger="kernels.cpu")
+    library = build.load_or_build("pagedserve_test", sources, [], ["-O2"], [])
+    assert loaded == [library] and library.is_file()
+
+    messages = [r.getMessage() for r in caplog.records if r.name == "kernels.cpu"]
+    first, last = messages[0], messages[-1]
+    assert first.startswith("compiling the C++ CPU kernels for this machine (once per machine")
+    assert "progress every 0.02 s" in first and str(library.parent) in first
+    assert re.fullmatch(r"compiled the C\+\+ CPU kernels in \d+ s", last), last
+    progress = progress_lines()
+    assert progress and messages.index(progress[0]) > 0
+    assert all(
+        re.fullmatch(r"compiling the C\+\+ CPU kernels: [0-2]/2 sources done, \d+ s so far", line)
+        for line in progress
+    ), progress
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,9 @@ from planner.measured import load_measured, measurement_from_prometheus, measure
 BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
-def _summary(ttft: float, tpot: float, tps: float, concurrency: int) -> dict[str, Any]:
+def _summary(
+    ttft: float, tpot: float, tps: float, concurrency: int, itl_p99: float
+) -> dict[str, Any]:
     return {
         "num_requests": 8,
         "num_completed": 8,
@@ -34,20 +37,25 @@ def _summary(ttft: float, tpot: float, tps: float, concurrency: int) -> dict[str
         "tpot_p50_s": tpot,
         "tpot_p90_s": 8.0,
         "itl_p50_s": tpot * 0.9,
+        "itl_p90_s": itl_p99 * 0.5,
+        "itl_p99_s": itl_p99,
+        "itl_max_s": itl_p99 * 2,
     }
 
 
 def _loadtest_result() -> dict[str, Any]:
     """The shape of ``loadtest.run.SweepResult.to_json``: points with summaries and records."""
 
-    def point(concurrency: int, ttft: float, tpot: float, tps: float) -> dict[str, Any]:
+    def point(
+        concurrency: int, ttft: float, tpot: float, tps: float, itl_p99: float
+    ) -> dict[str, Any]:
         return {
             "point": {
                 "kind": "concurrency",
                 "label": f"concurrency={concurrency}",
                 "concurrency": concurrency,
             },
-            "summary": _summary(ttft, tpot, tps, concurrency),
+            "summary": _summary(ttft, tpot, tps, concurrency, itl_p99),
             "server_metrics_after": {
                 'pagedserve_time_to_first_token_seconds_bucket{le="0.1"}': 3.0,
                 "pagedserve_time_to_first_token_seconds_sum": 0.4,
@@ -64,7 +72,8 @@ def _loadtest_result() -> dict[str, Any]:
             "max_concurrency": None,
             "slo": {"ttft_s": 2.0, "tpot_s": 0.2, "e2e_s": None},
         },
-        "points": [point(1, 0.15, 0.03, 30.0), point(4, 0.25, 0.04, 95.0)],
+        # At concurrency 4 a stalled step shows in the ITL p99, three times the TPOT median.
+        "points": [point(1, 0.15, 0.03, 30.0, 0.035), point(4, 0.25, 0.04, 95.0, 0.12)],
     }
 
 
@@ -75,6 +84,8 @@ def test_loadtest_sweep_gives_one_measurement_per_point() -> None:
     # Medians are preferred over means; records, SLOs and raw samples are not summaries.
     assert (one.ttft_s, one.tpot_s, one.output_tokens_per_s) == (0.15, 0.03, 30.0)
     assert one.ttft_stat == "ttft_p50_s" and one.tpot_stat == "tpot_p50_s"
+    # The ITL's p99 is read beside them, for the ITL target; not its p90, max or an SLO.
+    assert (one.itl_p99_s, four.itl_p99_s, four.itl_p99_stat) == (0.035, 0.12, "itl_p99_s")
     assert (four.concurrency, four.prompt_tokens, four.output_tokens) == (4, 350.0, 150.0)
 
 
@@ -105,12 +116,14 @@ def test_vllm_benchmark_serving_result_in_milliseconds() -> None:
         "p99_ttft_ms": 900.0,
         "mean_tpot_ms": 25.0,
         "median_itl_ms": 20.0,
+        "p99_itl_ms": 180.0,
         "output_throughput": 310.0,
         "total_token_throughput": 900.0,
     }
     (m,) = measurements_from_json(data, "vllm.json")
     assert m.ttft_s == pytest.approx(0.12)
     assert m.tpot_s == pytest.approx(0.025)  # TPOT preferred over ITL
+    assert m.itl_p99_s == pytest.approx(0.18) and m.itl_p99_stat == "p99_itl_ms"
     assert m.output_tokens_per_s == 310.0
     assert m.concurrency == 8
 
@@ -118,14 +131,21 @@ def test_vllm_benchmark_serving_result_in_milliseconds() -> None:
 def test_minimal_and_nested_schemas() -> None:
     (bare,) = measurements_from_json({"ttft_s": 0.5, "tpot_s": 0.05, "batch": 2}, "m")
     assert (bare.ttft_s, bare.tpot_s, bare.concurrency) == (0.5, 0.05, 2)
+    assert bare.itl_p99_s is None  # no ITL percentile: the ITL target falls back to TPOT
     (nested,) = measurements_from_json(
-        {"ttft": {"p50_ms": 40, "p99_ms": 90}, "tpot": {"mean": 0.01}}, "n"
+        {"ttft": {"p50_ms": 40, "p99_ms": 90}, "tpot": {"mean": 0.01}, "itl": {"p99_ms": 70}},
+        "n",
     )
     assert nested.ttft_s == pytest.approx(0.04)
     assert nested.tpot_s == pytest.approx(0.01)
+    assert nested.itl_p99_s == pytest.approx(0.07)
+    (slo_only,) = measurements_from_json({"tpot_p50_s": 0.02, "slo_itl_p99_s": 0.1}, "s")
+    assert slo_only.itl_p99_s is None  # a target is not a measurement
 
 
-def _prometheus_text(ttfts: list[float], tpots: list[float], generated: int) -> str:
+def _prometheus_text(
+    ttfts: list[float], tpots: list[float], generated: int, itls: Sequence[float] = ()
+) -> str:
     registry = CollectorRegistry()
     ttft = Histogram(
         "pagedserve_time_to_first_token_seconds",
@@ -141,12 +161,21 @@ def _prometheus_text(ttfts: list[float], tpots: list[float], generated: int) -> 
         buckets=BUCKETS,
         registry=registry,
     )
+    itl = Histogram(
+        "pagedserve_inter_token_latency_seconds",
+        "ITL",
+        ["model_name"],
+        buckets=BUCKETS,
+        registry=registry,
+    )
     tokens = Counter("pagedserve_generation_tokens", "generated", ["model_name"], registry=registry)
     prompt = Counter("pagedserve_prompt_tokens", "prompted", ["model_name"], registry=registry)
     for value in ttfts:
         ttft.labels("m").observe(value)
     for value in tpots:
         tpot.labels("m").observe(value)
+    for value in itls:
+        itl.labels("m").observe(value)
     tokens.labels("m").inc(generated)
     prompt.labels("m").inc(100 * len(ttfts))
     return generate_latest(registry).decode()
@@ -155,8 +184,13 @@ def _prometheus_text(ttfts: list[float], tpots: list[float], generated: int) -> 
 def test_prometheus_histograms_median_and_means() -> None:
     # TTFT: 4 of 8 observations in (0.05, 0.1] and 4 in (0.1, 0.2]; the median is the 0.1
     # boundary, as PromQL's histogram_quantile interpolates it.
-    text = _prometheus_text([0.08] * 4 + [0.15] * 4, [0.015] * 10 + [0.03] * 10, 800)
+    # ITL: 98 gaps in (0.01, 0.02] and 2 stalls in (0.5, 1.0]; rank 99 of 100 lies halfway
+    # through the stalls' bucket.
+    itls = [0.015] * 98 + [0.7] * 2
+    text = _prometheus_text([0.08] * 4 + [0.15] * 4, [0.015] * 10 + [0.03] * 10, 800, itls)
     m = measurement_from_prometheus(text, "metrics.txt")
+    assert m.itl_p99_s == pytest.approx(0.75)
+    assert m.itl_p99_stat == "pagedserve_inter_token_latency_seconds p99 (histogram)"
     assert m.ttft_s == pytest.approx(0.1)
     assert m.tpot_s == pytest.approx(0.02)  # rank 10 of 20: top of the (0.01, 0.02] bucket
     assert m.output_tokens_per_s is None  # one scrape has totals, not a rate

@@ -86,6 +86,7 @@ def test_the_itl_target_sizes_each_steps_prompt_tokens_beside_the_decodes() -> N
         chunks.append(prompt_tokens(s))
         assert len([x for x in s.out.scheduled if x.num_tokens == 1]) == 8  # decodes never capped
         assert s.out.target is not None and s.out.target.budget_s == pytest.approx(0.050)
+        assert s.out.target.sized
     # 50 ms - 10 ms fixed - 8 decode rows x 1 ms = 32 ms: 32 prompt tokens a step.
     assert chunks == [32] * 6 + [8]
     assert predictor.loads[-1].num_rows == 8
@@ -100,6 +101,7 @@ def test_a_step_without_decodes_is_not_capped() -> None:
     s = step(sched, FakeRunner(16)) if sched.add_request(req("a", 300, 2)) is None else None
     assert s is not None and s.batch == [("a", 300)]
     assert s.out.target is not None and s.out.target.prefill_cap == 512
+    assert not s.out.target.sized  # the targets chose nothing: no chunk is reported
 
 
 def test_an_impossible_target_still_moves_prefill_by_the_minimum_chunk() -> None:

@@ -279,3 +279,22 @@ def test_tool_flags_reach_the_server_config(tmp_path) -> None:
     )
     assert (c.server.chat_template, c.server.tool_call_parser) == (str(template), "llama3_json")
     assert ServingConfig.from_cli([], {}).server.tool_call_parser == "hermes"
+
+
+@pytest.mark.parametrize(
+    ("value", "parser"),
+    [("qwen", "hermes"), ("hermes", "hermes"), ("llama3-json", "llama3_json")],
+)
+def test_tool_call_parser_aliases_resolve_to_the_parser(value: str, parser: str) -> None:
+    flag = ServingConfig.from_cli(["--tool-call-parser", value], {})
+    env = ServingConfig.from_cli([], {"PAGEDSERVE_TOOL_CALL_PARSER": value})
+    assert flag.server.tool_call_parser == env.server.tool_call_parser == parser
+
+
+def test_an_unknown_tool_call_parser_is_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        ServingConfig.from_cli(["--tool-call-parser", "mistral"], {})
+    assert info.value.code != 0
+    err = capsys.readouterr().err
+    assert "invalid choice: 'mistral'" in err and "qwen" in err and "llama3-json" in err
+    assert "Traceback" not in err

@@ -125,6 +125,8 @@ def test_required_schema_lists_every_function() -> None:
 # ------------------------------------------------------------------------------- the API
 
 
+_REF = {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}
+_RANGE = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 9, "maximum": 1}}}
 BAD = [
     (
         {"tools": [{"type": "function", "function": {"name": "has space"}}]},
@@ -134,6 +136,33 @@ BAD = [
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     (
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]},
+        "tools[0].function.parameters",
+    ),
+    # A parameters schema the grammar library rejects, whatever tool_choice is: checked
+    # without being compiled under auto and none.
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "no"}}}]},
+        "tools[0].function.parameters",
+    ),
+    (
+        {
+            "tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": _REF}}],
+            "tool_choice": "none",
+        },
+        "tools[1].function.parameters",
+    ),
+    (
+        {
+            "tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": _REF}}],
+            "tool_choice": "required",
+        },
+        "tools[1].function.parameters",
+    ),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": _RANGE}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
         "tools[0].function.parameters",
     ),
     ({"tool_choice": "required"}, "tool_choice"),
@@ -204,6 +233,37 @@ async def test_bad_structured_and_tool_requests_get_400_and_reach_no_engine(
     assert s.engine.added == []
     ok = await s.http.post(CHAT, json={"messages": MSG, "max_tokens": 2})
     assert ok.status_code == 200
+
+
+async def test_tool_schemas_are_checked_once_and_not_compiled_under_auto(serve) -> None:
+    """``tool_choice: auto``: each tool's parameters are checked (cached: a repeat checks
+    nothing) but not compiled, and the request's output is not constrained."""
+    engine = GrammarFakeEngine(max_model_len=2048, num_blocks=1024)
+    s = await serve(engine=engine, chat_template=TOOLS_TEMPLATE)
+    checked: list[str] = []
+    check = engine.grammars.check
+
+    def counting_check(params):
+        checked.append(params.spec)
+        return check(params)
+
+    engine.grammars.check = counting_check
+    structured = []
+    add_request = engine.add_request
+
+    def recording_add_request(request_id, prompt_token_ids, params, arrival_time=None):
+        structured.append(params.structured)
+        add_request(request_id, prompt_token_ids, params, arrival_time)
+
+    engine.add_request = recording_add_request
+    body = {"messages": MSG, "tools": [WEATHER], "max_tokens": 2}
+    for _ in range(2):
+        assert (await s.http.post(CHAT, json=body)).status_code == 200
+    assert checked == [json.dumps(WEATHER["function"]["parameters"], separators=(",", ":"))] * 2
+    assert len(engine.grammars._checks) == 1  # the second request found it checked
+    assert structured == [None, None]
+    text = (await s.http.get("/metrics")).text
+    assert 'pagedserve_grammar_compile_seconds_count{model_name="fake-model"} 0.0' in text
 
 
 async def test_completions_reject_bad_grammars_too(serve) -> None:
@@ -303,7 +363,8 @@ async def test_tool_history_is_rendered_with_the_template(serve) -> None:
 async def test_tokenize_counts_the_tools_as_the_chat_route_renders_them(serve) -> None:
     """``/tokenize`` with ``messages`` and ``tools`` gives the chat route's prompt (what a
     user counting a tool-calling request's tokens needs); a template that never reads
-    tools, malformed tools and tools without messages are the chat route's 400s."""
+    tools, malformed tools (a parameters schema the grammar library rejects included) and
+    tools without messages are the chat route's 400s."""
     engine = GrammarFakeEngine(max_model_len=2048, num_blocks=1024)
     s = await serve(engine=engine, chat_template=TOOLS_TEMPLATE)
     with_tools = await s.http.post("/tokenize", json={"messages": MSG, "tools": [WEATHER]})
@@ -317,6 +378,9 @@ async def test_tokenize_counts_the_tools_as_the_chat_route_renders_them(serve) -
     assert chat.json()["choices"][0]["prompt_token_ids"] == tokens
     bad = await s.http.post("/tokenize", json={"messages": MSG, "tools": [{"type": "function"}]})
     assert_openai_error(bad, 400, "tools[0].function")
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": _REF}}
+    bad = await s.http.post("/tokenize", json={"messages": MSG, "tools": [WEATHER, bad_schema]})
+    assert_openai_error(bad, 400, "tools[1].function.parameters")
     alone = await s.http.post("/tokenize", json={"prompt": "hi", "tools": [WEATHER]})
     assert_openai_error(alone, 400, "tools")
     plain_template = await serve(engine=GrammarFakeEngine())
@@ -331,6 +395,14 @@ async def test_structured_requests_are_counted(serve) -> None:
     s = await serve(engine=GrammarFakeEngine())
     body = {"messages": MSG, "max_tokens": 2, "n": 2, "guided_choice": ["a", "b"]}
     assert (await s.http.post(CHAT, json=body)).status_code == 200
+    plain = {"prompt": ["hi", "ho"], "max_tokens": 2, "n": 3}
+    assert (await s.http.post("/v1/completions", json=plain)).status_code == 200
+    bad = {**body, "guided_choice": []}  # a 400: not counted
+    assert (await s.http.post(CHAT, json=bad)).status_code == 400
     text = (await s.http.get("/metrics")).text
     assert 'pagedserve_structured_requests_total{kind="choice",model_name="fake-model"} 2.0' in text
     assert 'pagedserve_grammar_compile_seconds_count{model_name="fake-model"} 1.0' in text
+    by_constraint = "pagedserve_requests_by_constraint_total"
+    assert f'{by_constraint}{{constraint="choice",model_name="fake-model"}} 2.0' in text
+    assert f'{by_constraint}{{constraint="none",model_name="fake-model"}} 6.0' in text
+    assert f'{by_constraint}{{constraint="json",model_name="fake-model"}} 0.0' in text
