@@ -3,7 +3,8 @@ engine requests, and the translation of its values into the engine's ``SamplingP
 
 In the order a request meets them. Steps 1 and 2 run before any handler; for a generation
 request ``serve_generation`` (server/generation_endpoint.py) is the one entry point that runs
-the rest:
+the rest (the renderer, server/router_api.py's ``render``, runs steps 3, 6 and 7 the same way
+and generates nothing):
 
 1. **Body size** (``BodySizeLimitMiddleware``, 413): plain ASGI, before anything is parsed.
 2. **Types and shapes**: the strict pydantic schemas of server/protocol.py (422).
@@ -14,7 +15,9 @@ the rest:
    (``request_constraint``: ``response_format``, ``guided_*``, ``structured_outputs``) and,
    for chat, server/tools.py (``tool_plan``: ``tools``, ``tool_choice``), which
    server/chat.py's ``chat_constraint`` combines (a tool choice that forces a grammar
-   excludes a grammar of the request's own).
+   excludes a grammar of the request's own). Then each tool's ``parameters`` schema is
+   checked by the grammar library, without compiling (tools.py's ``parameter_checks``,
+   structured.py's ``check_constraints``).
 5. **Deadline** (``request_deadline``): ``--request-timeout`` and the ``X-Request-Timeout``
    header, 400 when the header is not a positive number.
 6. **Prompts** (``check_chat_messages``, ``check_text``, ``check_token_ids``; an assistant
