@@ -126,8 +126,8 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
 // Why not whole panels per thread: the model's 576 columns are 9 panels of 64 (5 + 4 on 2
 // threads, one thread idle a ninth of the matmul), its q/k/v 15 (8 + 7). Why not each thread
 // a half of every panel's K range (what this kernel did before for those shapes): a thread
-// then reads 9-15 short runs instead of one, and equal contiguous shares measured faster on
-// every matmul shape of the model. The GGUF-block kernel (gemm_q.cpp) keeps whole panels:
+// then reads 9-15 short runs instead of one, and equal contiguous shares measured faster
+// over the model's one-row matmuls. The GGUF-block kernel (gemm_q.cpp) keeps whole panels:
 // its one-row matmuls are compute-bound, and a piece de-quantized apart from its thread's
 // other panels cost more than the balance saved.
 static void one_row_shared(const float* x, const float* wp, int64_t K, int64_t nb, int64_t NP,

@@ -481,10 +481,10 @@ static inline void tile(const Rows& rows, const uint8_t* panel, int64_t pstride,
 // How many panels one row walks in lockstep (streams from memory at once), and how many rows
 // share a panel's weights, so that the accumulators, the scales and the weights stay in
 // registers.
-// - Float path, one row: 4 panels of Q8 blocks (the default model's tied lm_head): 2
-//   streams left the memory idle while the core de-quantized, 4 keep it busy on AVX-512 and
-//   AVX2. Q4's heavier de-quantization leaves less to gain: 4 panels still gain a little on
-//   AVX-512, but lose on AVX2 (16 registers), which keeps 2.
+// - Float path, one row: 4 panels of Q8 blocks (the default model's tied lm_head): with 2
+//   the memory sat partly idle while the core de-quantized, and 4 read faster on AVX-512
+//   and AVX2. Q4's heavier de-quantization leaves less to gain: 4 panels still gain a little
+//   on AVX-512, but lose on AVX2 (16 registers), which keeps 2.
 // - Float path, rows per tile: 6 with AVX-512's 32 registers; with AVX2's 16, 4 (the most
 //   that fit, and faster than 3 or 2).
 // - Integer path: a panel is one vector wide, so a row's tile is 3 digit sums + 1 float
