@@ -1,9 +1,19 @@
 """Assemble an engine from its three configs.
 
-``build_engine_parts`` picks the device and dtype, loads the model, hands it to the backend
-for its device (``engine/backends/``), sizes and allocates the KV cache, and wires the
-scheduler, sampler and runner; ``LLMEngine`` runs the step loop over what it returns. At the
-end it logs where the process's memory went (``MemoryReport``).
+``build_engine_parts`` is the recipe; each step is a function below it, in order:
+
+1. ``pick_device`` and ``read_model_source``: device and dtype; what ``--model`` names (its
+   config, tokenizer, stop ids, sampling defaults), before any weight is read.
+2. ``load_model_shard``: the plain model (``load_model``), or this rank's shard of it.
+3. ``attach_backend``: ``--quantization``, then the device's fast path
+   (``engine/backends/``) and the cost model of a step on it.
+4. ``plan_graphs``, ``size_kv_pool``, ``allocate_kv_cache``: the KV cache is sized last,
+   from what the model, the draft and the CUDA graphs leave.
+5. ``build_scheduler``, ``build_runner``, ``build_speculator``: the components the step
+   drives, wired together.
+
+``LLMEngine`` runs the step loop over what it returns. At the end it logs where the
+process's memory went (``MemoryReport``).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from engine.gpu_memory import gpu_kv_budget
 from engine.kv_calibration import CALIBRATION_TOKENS, calibrate_key_offsets, calibration_ids
 from engine.llama import LlamaForCausalLM
 from engine.loader import (
+    ResolvedModel,
     fill_dummy_weights,
     load_state_dict,
     load_tokenizer,
@@ -229,17 +240,139 @@ def build_engine_parts(
     *,
     tp: TensorParallelGroup | None = None,
 ) -> EngineParts:
-    """``tp``: this process's tensor-parallel group, joined (engine/tp_launch.py); the model
+    """The recipe: read what ``--model`` names, load the model (this rank's shard), hand it
+    to the device's backend, size and allocate the KV cache last (it takes what the rest
+    leaves), then wire the scheduler, sampler, runner and speculator over them.
+
+    ``tp``: this process's tensor-parallel group, joined (engine/tp_launch.py); the model
     is sharded to its rank. Needed when ``config.tensor_parallel_size`` > 1."""
     rss_before = resident_bytes()
     device, dtype = pick_device(config)
     scheduler_config = scheduler_config.for_device(device.type)
+    source = read_model_source(config)
+    mc = source.model_config
+    if config.quantization is not None:
+        check_supported(config.quantization, device)  # one clear line before the model loads
+
+    t0 = time.perf_counter()
+    backend = resolve_backend(config.attention_backend, device, dtype, mc, kv_config.cache_dtype)
+    model, device, num_kv_heads = load_model_shard(config, source, backend, device, dtype, tp)
+    spec = config.speculative
+    draft = None
+    if spec is not None and spec.method == "draft":
+        # Before the KV cache is sized: its pool shares the budget, its weights the memory.
+        draft = load_draft(config, spec, mc, device, dtype, source.max_model_len, scheduler_config)
+    attached = attach_backend(config, source, model, backend, scheduler_config, device, dtype, tp)
+    logger.info(
+        "loaded %s from %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
+        source.model_id,
+        source.checkpoint or "random weights (--load-format dummy)",
+        mc.num_params / 1e6,
+        str(dtype).removeprefix("torch."),
+        device,
+        backend,
+        time.perf_counter() - t0,
+    )
+
+    plain = attached.forward is model
+    graphs = plan_graphs(config, mc, scheduler_config, device, backend, tp, plain_forward=plain)
+    capacity = size_kv_pool(
+        config, kv_config, scheduler_config, model, draft, graphs, num_kv_heads, device, dtype, tp
+    )
+    storage = allocate_kv_cache(
+        kv_config, capacity, attached.forward, model, source, num_kv_heads, device, dtype
+    )
+    kv_manager, scheduler, step_predictor = build_scheduler(
+        kv_config, scheduler_config, capacity, attached.cost_model, source.max_model_len
+    )
+    async_scheduling = config.async_scheduling_for(device.type, scheduler_config.batching)
+    sampler, runner = build_runner(
+        config, model, attached, storage, graphs, source.max_model_len, device, tp, async_scheduling
+    )
+    speculator = None
+    if spec is not None:
+        argmax = attached.cpu_ops.argmax_rows if attached.cpu_ops is not None else None
+        speculator = build_speculator(
+            spec, draft, capacity, attached.cost_model, device, dtype, config.seed, argmax
+        )
+        runner.speculator = speculator
+
+    if tp is not None:
+        # Every rank is built once this returns; from then on an idle rank 0 sends
+        # heartbeats (engine/tp_group.py).
+        torch.distributed.barrier(group=tp.plan_group)
+        if tp.rank == 0:
+            tp.start_heartbeat()
+    release_freed_heap()
+    memory = MemoryReport(
+        rss=resident_bytes() if device.type == "cpu" else 0,  # else the parts are on the GPU
+        rss_before=rss_before,
+        weights=sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta),
+        packed=attached.packed_bytes,
+        blocks=attached.block_bytes,
+        kv_cache=capacity.total_bytes + (speculator.draft_kv_bytes if speculator else 0),
+        dropped=attached.dropped_bytes,
+    )
+    logger.info("%s", memory.describe())
+    served = ServedModel(
+        config=config,
+        device=device,
+        dtype=dtype,
+        model_id=source.model_id,
+        model_config=mc,
+        max_model_len=source.max_model_len,
+        tokenizer=source.tokenizer,
+        eos_token_id=source.eos_token_id,
+        eos_token_ids=source.eos_token_ids,
+        sampling_defaults=source.sampling_defaults,
+        attention_backend=backend,
+        matmul_weights=attached.matmul_weights,
+        memory=memory,
+    )
+    return EngineParts(
+        served=served,
+        model=model,
+        cost_model=attached.cost_model,
+        kv_capacity=capacity,
+        storage=storage,
+        kv_manager=kv_manager,
+        scheduler=scheduler,
+        sampler=sampler,
+        runner=runner,
+        step_predictor=step_predictor,
+        tp=tp,
+        speculator=speculator,
+        async_scheduling=async_scheduling,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """What ``--model`` names, read before any weight is: the checkpoint (or a shape preset),
+    its config, tokenizer, stop ids and sampling defaults."""
+
+    model_id: str
+    model_config: ModelConfig
+    max_model_len: int  # the configured limit, capped at the model's positions
+    checkpoint: Path | None  # the HF directory the weights load from; None: random weights
+    gguf: Path | None  # the GGUF file the checkpoint was converted from, if any
+    tokenizer: Any  # a transformers tokenizer, or None
+    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sampling_defaults: SamplingDefaults
+
+
+def read_model_source(config: EngineConfig) -> ModelSource:
+    """Resolve ``config.model`` (converting a GGUF file once), read its config, tokenizer and
+    generation config. With dummy weights ``--model`` may name a shape preset instead."""
     dummy = config.load_format == "dummy"
-    # With dummy weights --model may name a shape preset instead of a checkpoint.
     shape = preset(config.model) if dummy else None
-    resolved = None if shape is not None else resolve_model(config.model)
-    model_id = config.model if resolved is None else resolved.model_id
-    hf_config = shape if resolved is None else read_hf_config(resolved.path)
+    resolved: ResolvedModel | None = None
+    if shape is not None:
+        model_id, hf_config = config.model, shape
+    else:
+        resolved = resolve_model(config.model)
+        model_id, hf_config = resolved.model_id, read_hf_config(resolved.path)
     mc = ModelConfig.from_hf(hf_config)
     max_model_len = min(
         mc.max_position_embeddings, config.max_model_len or mc.max_position_embeddings
@@ -266,11 +399,31 @@ def build_engine_parts(
         list(stop_ids),
         defaults.as_dict() or "none",
     )
-    if config.quantization is not None:
-        check_supported(config.quantization, device)  # one clear line before the model loads
+    checkpoint = None if dummy or resolved is None else resolved.path
+    return ModelSource(
+        model_id=model_id,
+        model_config=mc,
+        max_model_len=max_model_len,
+        checkpoint=checkpoint,
+        gguf=resolved.gguf if checkpoint is not None and resolved is not None else None,
+        tokenizer=tokenizer,
+        eos_token_id=eos_token_id,
+        eos_token_ids=stop_ids,
+        sampling_defaults=defaults,
+    )
 
-    t0 = time.perf_counter()
-    backend = resolve_backend(config.attention_backend, device, dtype, mc, kv_config.cache_dtype)
+
+def load_model_shard(
+    config: EngineConfig,
+    source: ModelSource,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallelGroup | None,
+) -> tuple[LlamaForCausalLM, torch.device, int]:
+    """The model on ``device``; under tensor parallelism, this rank's shard of it, on the
+    rank's own CUDA device. Returns the model, its device and the KV heads it computes."""
+    mc, max_model_len = source.model_config, source.max_model_len
     if config.tensor_parallel_size > 1 or tp is not None:
         check_shardable(mc)
         if tp is None:
@@ -278,28 +431,55 @@ def build_engine_parts(
         if device.type == "cuda":
             device = torch.device("cuda", tp.local_rank)
             torch.cuda.set_device(device)
-    checkpoint = None if dummy or resolved is None else resolved.path
-    num_kv_heads = mc.num_kv_heads
     if tp is None:
-        model = load_model(checkpoint, mc, backend, max_model_len, device, dtype, seed=config.seed)
-    else:
-        # Loaded whole on the host, sharded, and only the shard moves to the device.
-        host = torch.device("cpu")
-        model = load_model(checkpoint, mc, backend, max_model_len, host, dtype, seed=config.seed)
-        layout = shard_model(model, tp.device_group)
-        if device.type != "cpu":
-            model = model.to(device)
-            model.rope = RotaryEmbedding(mc, max_model_len, device)
-            if model.sliding_rope is not None:
-                model.sliding_rope = RotaryEmbedding(mc, max_model_len, device, sliding=True)
-        num_kv_heads = layout.num_local_kv_heads
-        if tp.rank == 0:
-            logger.info("%s", layout.describe())
+        model = load_model(
+            source.checkpoint, mc, backend, max_model_len, device, dtype, seed=config.seed
+        )
+        return model, device, mc.num_kv_heads
+    # Loaded whole on the host, sharded, and only the shard moves to the device.
+    host = torch.device("cpu")
+    model = load_model(source.checkpoint, mc, backend, max_model_len, host, dtype, seed=config.seed)
+    layout = shard_model(model, tp.device_group)
+    if device.type != "cpu":
+        model = model.to(device)
+        model.rope = RotaryEmbedding(mc, max_model_len, device)
+        if model.sliding_rope is not None:
+            model.sliding_rope = RotaryEmbedding(mc, max_model_len, device, sliding=True)
+    if tp.rank == 0:
+        logger.info("%s", layout.describe())
+    return model, device, layout.num_local_kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class AttachedBackend:
+    """The loaded model as its device's backend runs it, and what a step costs there."""
+
+    # The model's own forward, or the cpu backend's fused C++ stack (engine/backends/cpu.py).
+    forward: ModelForward
+    cpu_ops: Any  # ``kernels.cpu.load()`` with the cpu attention backend, else None
+    cost_model: StepCostModel
+    # "gguf" when the cpu backend reads GGUF blocks, "int8"/"fp8" with --quantization, else
+    # the serving dtype's name
+    matmul_weights: str
+    packed_bytes: int = 0  # the cpu backend's panel copies
+    block_bytes: int = 0  # the cpu backend's GGUF or int8 blocks
+    dropped_bytes: int = 0  # plain weights the backend made unnecessary and freed
+
+
+def attach_backend(
+    config: EngineConfig,
+    source: ModelSource,
+    model: LlamaForCausalLM,
+    backend: str,
+    scheduler_config: SchedulerConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallelGroup | None,
+) -> AttachedBackend:
+    """Quantize the model's matmuls (``--quantization``), then hand it to its device's fast
+    path: the fused C++ stack on the CPU, fused layer ops for Triton on CUDA."""
+    mc = source.model_config
     spec = config.speculative
-    draft = None
-    if spec is not None and spec.method == "draft":
-        # Before the KV cache is sized: its pool shares the budget, its weights the memory.
-        draft = load_draft(config, spec, mc, device, dtype, max_model_len, scheduler_config)
     # The cpu attention backend brings the fused C++ stack along (engine/backends/cpu.py);
     # every other one runs the model's own forward.
     forward: ModelForward = model
@@ -318,9 +498,7 @@ def build_engine_parts(
     # The fused stack computes Llama's layer; another family runs its own forward with the
     # C++ attention kernel (engine/attention.py).
     if cpu_ops is not None and tp is None and mc.is_plain_llama:
-        gguf = None
-        if config.matmul_weights == "gguf" and checkpoint is not None and resolved is not None:
-            gguf = resolved.gguf
+        gguf = source.gguf if config.matmul_weights == "gguf" else None
         # A speculative row needs logits at each of its 1 + k positions; the step's
         # speculative rows hold at most the auto-disable rule's tokens (an upper bound of
         # it: the device default without the GGUF cap, which is only known further down).
@@ -357,17 +535,38 @@ def build_engine_parts(
         from engine.backends.cuda import fuse_layer_ops
 
         fuse_layer_ops(model)
-    logger.info(
-        "loaded %s from %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
-        model_id,
-        checkpoint or "random weights (--load-format dummy)",
-        mc.num_params / 1e6,
-        str(dtype).removeprefix("torch."),
-        device,
-        backend,
-        time.perf_counter() - t0,
+    return AttachedBackend(
+        forward=forward,
+        cpu_ops=cpu_ops,
+        cost_model=cost_model,
+        matmul_weights=matmul_weights,
+        packed_bytes=packed_bytes,
+        block_bytes=block_bytes,
+        dropped_bytes=dropped_bytes,
     )
 
+
+@dataclass(frozen=True, slots=True)
+class GraphPlan:
+    """The CUDA graphs the runner will capture, by step size; empty: those steps run eagerly."""
+
+    decode_sizes: list[int]  # decode steps, by number of rows
+    piecewise_sizes: list[int]  # short steps with prefill tokens, by number of tokens
+
+
+def plan_graphs(
+    config: EngineConfig,
+    mc: ModelConfig,
+    scheduler_config: SchedulerConfig,
+    device: torch.device,
+    backend: str,
+    tp: TensorParallelGroup | None,
+    *,
+    plain_forward: bool,
+) -> GraphPlan:
+    """Which step sizes get CUDA graphs: decided before the KV cache is sized, since on
+    CUDA the graphs' memory is measured first. ``plain_forward``: steps run the model's own
+    forward, not a backend's replacement."""
     # Decode graphs would capture the collectives too; TP steps run eagerly for now.
     # The torch reference backend plans attention with host reads: not capturable.
     use_graphs = (
@@ -377,6 +576,8 @@ def build_engine_parts(
         # engine/moe.py splits a step by expert on the host: not capturable.
         logger.info("a mixture of experts runs eagerly: no CUDA graphs")
         use_graphs = False
+    if not use_graphs:
+        return GraphPlan([], [])
     graph_sizes = [
         size
         for size in config.cuda_graph_sizes or default_graph_sizes(scheduler_config.max_num_seqs)
@@ -387,21 +588,40 @@ def build_engine_parts(
         default_piecewise_sizes(
             min(config.cuda_graph_max_prefill_tokens, scheduler_config.max_num_batched_tokens)
         )
-        if use_graphs and forward is model
+        if plain_forward
         else []
     )
+    return GraphPlan(graph_sizes, piecewise_sizes)
+
+
+def size_kv_pool(
+    config: EngineConfig,
+    kv_config: KVPoolConfig,
+    scheduler_config: SchedulerConfig,
+    model: LlamaForCausalLM,
+    draft: DraftModel | None,
+    graphs: GraphPlan,
+    num_kv_heads: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallelGroup | None,
+) -> KVCapacity:
+    """How many blocks the KV cache gets: the budget (on CUDA, what the largest step and the
+    graphs leave), less the draft model's share, and under tensor parallelism the smallest
+    count any rank can hold."""
+    mc = model.config
     if device.type == "cuda" and kv_config.memory_bytes is None and kv_config.num_blocks is None:
         # The KV cache takes what is left after the largest step's activations and the
         # decode graphs, measured here, so neither runs out of memory later.
-        budget = gpu_kv_budget(
+        gpu_budget = gpu_kv_budget(
             model,
             device,
             max_tokens=scheduler_config.max_num_batched_tokens,
-            graph_sizes=graph_sizes if use_graphs else [],
-            piecewise_sizes=piecewise_sizes,
+            graph_sizes=graphs.decode_sizes,
+            piecewise_sizes=graphs.piecewise_sizes,
             block_size=kv_config.block_size,
         )
-        kv_config = dataclasses.replace(kv_config, memory_bytes=budget)
+        kv_config = dataclasses.replace(kv_config, memory_bytes=gpu_budget)
     if draft is not None and kv_config.num_blocks is None:
         # Target and draft pools hold the same tokens and split the budget by bytes/token.
         budget = kv_config.memory_bytes
@@ -428,6 +648,22 @@ def build_engine_parts(
         torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MIN, group=tp.plan_group)
         if int(count) != capacity.num_blocks:
             capacity = dataclasses.replace(capacity, num_blocks=int(count))
+    return capacity
+
+
+def allocate_kv_cache(
+    kv_config: KVPoolConfig,
+    capacity: KVCapacity,
+    forward: ModelForward,
+    model: LlamaForCausalLM,
+    source: ModelSource,
+    num_kv_heads: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> KVCacheStorage:
+    """The KV tensors for ``capacity``, with the keys' calibrated offsets when asked for
+    (``--kv-key-offsets``), handed to the model's attention."""
+    mc = source.model_config
     key_offsets = None
     if kv_config.key_offsets and kv_config.cache_dtype not in QUANTIZED_KV_DTYPES:
         logger.warning(
@@ -436,9 +672,10 @@ def build_engine_parts(
         )
     elif kv_config.key_offsets:
         # Before the pool exists, from the float model (engine/kv_calibration.py).
+        num_tokens = min(CALIBRATION_TOKENS, source.max_model_len)
         key_offsets = calibrate_key_offsets(
             forward,
-            calibration_ids(tokenizer, mc.vocab_size, min(CALIBRATION_TOKENS, max_model_len)),
+            calibration_ids(source.tokenizer, mc.vocab_size, num_tokens),
             num_layers=mc.num_layers,
             num_kv_heads=num_kv_heads,
             head_dim=mc.head_dim,
@@ -456,6 +693,18 @@ def build_engine_parts(
         key_offsets=key_offsets,
     )
     model.attention.set_key_offsets(storage.key_caches, storage.key_offsets)
+    return storage
+
+
+def build_scheduler(
+    kv_config: KVPoolConfig,
+    scheduler_config: SchedulerConfig,
+    capacity: KVCapacity,
+    cost_model: StepCostModel,
+    max_model_len: int,
+) -> tuple[KVCacheManager, Scheduler, StepTimePredictor | None]:
+    """The block manager over the pool, and the scheduler over it; with latency targets,
+    the step-time model the scheduler sizes prefill with."""
     kv_manager = KVCacheManager(
         capacity.num_blocks,
         capacity.block_size,
@@ -473,86 +722,50 @@ def build_engine_parts(
     scheduler = Scheduler(
         scheduler_config, kv_manager, max_model_len, step_time_predictor=step_predictor
     )
+    return kv_manager, scheduler, step_predictor
+
+
+def build_runner(
+    config: EngineConfig,
+    model: LlamaForCausalLM,
+    attached: AttachedBackend,
+    storage: KVCacheStorage,
+    graphs: GraphPlan,
+    max_model_len: int,
+    device: torch.device,
+    tp: TensorParallelGroup | None,
+    async_scheduling: bool,
+) -> tuple[Sampler, ModelRunner]:
+    """The sampler, and the runner over the backend's forward and the KV cache (rank 0's
+    wraps it to broadcast each plan under tensor parallelism), with its CUDA graphs
+    captured."""
+    cpu_ops = attached.cpu_ops
     sampler = Sampler(config.seed, device, cpu_ops.argmax_rows if cpu_ops is not None else None)
     runner = ModelRunner(
-        forward,
+        attached.forward,
         storage,
         sampler,
         device,
-        experts_touched=model.experts_touched if mc.num_experts else None,
+        experts_touched=model.experts_touched if model.config.num_experts else None,
     )
-    async_scheduling = config.async_scheduling_for(device.type, scheduler_config.batching)
     if tp is not None and tp.rank == 0:
         runner = TensorParallelRunner(runner, tp, shares_picks=async_scheduling)
-    if use_graphs:
+    if graphs.decode_sizes:
         runner.graphs = DecodeGraphs(
-            forward,
+            attached.forward,
             storage,
-            graph_sizes,
-            -(-max_model_len // capacity.block_size),
+            graphs.decode_sizes,
+            -(-max_model_len // storage.block_size),
             device,
             capture=True,
         )
         runner.graphs.capture_all()
-    if piecewise_sizes:
-        runner.piecewise = PiecewiseGraphs(model, storage, piecewise_sizes, device, capture=True)
-        runner.piecewise.capture_all()
-
-    speculator = None
-    if spec is not None:
-        argmax = cpu_ops.argmax_rows if cpu_ops is not None else None
-        speculator = build_speculator(
-            spec, draft, capacity, cost_model, device, dtype, config.seed, argmax
+    if graphs.piecewise_sizes:
+        runner.piecewise = PiecewiseGraphs(
+            model, storage, graphs.piecewise_sizes, device, capture=True
         )
-        runner.speculator = speculator
-
-    if tp is not None:
-        # Every rank is built once this returns; from then on an idle rank 0 sends
-        # heartbeats (engine/tp_group.py).
-        torch.distributed.barrier(group=tp.plan_group)
-        if tp.rank == 0:
-            tp.start_heartbeat()
-    release_freed_heap()
-    memory = MemoryReport(
-        rss=resident_bytes() if device.type == "cpu" else 0,  # else the parts are on the GPU
-        rss_before=rss_before,
-        weights=sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta),
-        packed=packed_bytes,
-        blocks=block_bytes,
-        kv_cache=capacity.total_bytes + (speculator.draft_kv_bytes if speculator else 0),
-        dropped=dropped_bytes,
-    )
-    logger.info("%s", memory.describe())
-    served = ServedModel(
-        config=config,
-        device=device,
-        dtype=dtype,
-        model_id=model_id,
-        model_config=mc,
-        max_model_len=max_model_len,
-        tokenizer=tokenizer,
-        eos_token_id=eos_token_id,
-        eos_token_ids=stop_ids,
-        sampling_defaults=defaults,
-        attention_backend=backend,
-        matmul_weights=matmul_weights,
-        memory=memory,
-    )
-    return EngineParts(
-        served=served,
-        model=model,
-        cost_model=cost_model,
-        kv_capacity=capacity,
-        storage=storage,
-        kv_manager=kv_manager,
-        scheduler=scheduler,
-        sampler=sampler,
-        runner=runner,
-        step_predictor=step_predictor,
-        tp=tp,
-        speculator=speculator,
-        async_scheduling=async_scheduling,
-    )
+        runner.piecewise.capture_all()
+    return sampler, runner
 
 
 @dataclass(frozen=True, slots=True)

@@ -561,10 +561,9 @@ class EngineConfig:
     def async_scheduling_for(self, device_type: str, batching: str) -> bool:
         """Whether steps run asynchronously on ``device_type`` with ``batching``: as set, or
         for None, on one CUDA device with continuous batching and no speculative decoding.
-        Those are where it was measured (an H100: 1.07x at batch 1, 1.11x at 64, 1.13x
-        offline, benchmarks/RESULTS.md). On the CPU the forward pass runs on the calling
-        thread, so there is nothing to hide and each token comes a step later; tensor
-        parallelism runs it only when asked (not yet measured on GPUs)."""
+        Those are where it was measured faster (benchmarks/RESULTS.md). On the CPU the forward
+        pass runs on the calling thread, so there is nothing to hide and each token comes a
+        step later; tensor parallelism runs it only when asked (not yet measured on GPUs)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         return (

@@ -32,11 +32,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.input_batch import AttentionMetadata, InputBatch
 from kvpool.storage import KVCacheStorage
+
+if TYPE_CHECKING:
+    from engine.backends import ModelForward
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +94,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: ModelForward,  # the model, or a backend's forward in its place
         storage: KVCacheStorage,
         sizes: Sequence[int],
         max_blocks_per_seq: int,

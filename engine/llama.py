@@ -50,7 +50,7 @@ class Linear(nn.Module):
     """``y = x @ weight + bias`` with ``weight`` stored ``[in_features, out_features]``.
 
     ``nn.Linear`` keeps ``[out, in]`` and multiplies by its transpose. On CPUs (MKL/oneDNN
-    float32 sgemm, AVX2), the transposed-B case is 2-3x slower for 4 to 48 rows, exactly the
+    float32 sgemm, AVX2), the transposed-B case is markedly slower for 4 to 48 rows, the
     decode batch sizes a server runs, while 1 row and large prefill chunks are the same speed
     either way (``benchmarks/mfu.py`` sweeps the model's weight shapes). The checkpoint's
     ``[out, in]`` tensors are transposed once at load. A backend that wants another layout

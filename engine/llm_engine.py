@@ -19,6 +19,17 @@ at launch, EOS and stop tokens once a token is read (``Scheduler.resolve_token``
 has computed one row more than it keeps. Speculative decoding runs synchronously (its
 drafts follow the last token). By default it is on for one CUDA device with continuous
 batching (``EngineConfig.async_scheduling_for``).
+
+Where pending tokens go: the runner writes step k's decode inputs from step k-1's picks with
+one device-side ``index_copy_`` before the forward pass reads them. A block is hashed only
+once every token in it is known (``ScheduledRequest.known_end``), so the prefix cache never
+holds a pending value. Under tensor parallelism rank 0 broadcasts each step's picks over the
+device group once they are queued, and the workers feed their pending inputs from them
+(``StepPlan.shares_picks``, ``PlanRow.pick_row``). A step's figures (``StepStats``, the
+latency targets' observation, the step trace) are recorded when it is read, timed from the
+read before it while steps are pipelined; its counts (rows, preemptions, prefix-cache
+lookups and hits) come from its plan, since the scheduler and the pool have moved on to the
+next step by then.
 """
 
 from __future__ import annotations
@@ -319,6 +330,11 @@ class LLMEngine:
     def decode_step_weight_bytes(self) -> int:
         """Weight bytes a one-token decode step reads (GGUF blocks where they serve it)."""
         return self.cost_model.step([(0, 1)], 1).weight_bytes
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's config as built: the device's defaults (the prefill chunk) filled in."""
+        return self.scheduler.config
 
     @property
     def enable_prefix_caching(self) -> bool:

@@ -17,6 +17,8 @@ import torch
 from engine.config import ModelConfig
 from engine.generation_config import SamplingDefaults
 from engine.outputs import RequestOutput, StepStats
+from kvpool.storage import KVCapacity
+from scheduler.config import SchedulerConfig
 from scheduler.request import SamplingParams
 
 
@@ -44,6 +46,10 @@ class ServingEngine(Protocol):
     def matmul_weights(self) -> str: ...
     @property
     def decode_step_weight_bytes(self) -> int: ...
+    # The scheduler's config as the engine resolved it (the device's defaults filled in,
+    # e.g. the prefill chunk), which is what the server reports.
+    @property
+    def scheduler_config(self) -> SchedulerConfig: ...
     # Whether steps are scheduled asynchronously (EngineConfig.async_scheduling_for).
     async_scheduling: bool
     # The structured-output grammar cache (engine/structured.py's GrammarCache), thread-safe:
@@ -56,6 +62,8 @@ class ServingEngine(Protocol):
     def num_free_blocks(self) -> int: ...
     @property
     def num_total_blocks(self) -> int: ...
+    @property
+    def kv_capacity(self) -> KVCapacity: ...  # the pool's size and bytes per token
     @property
     def last_step_stats(self) -> StepStats | None: ...
 
@@ -73,3 +81,4 @@ class ServingEngine(Protocol):
     def check_integrity(self) -> None: ...
     @property
     def fatal_error(self) -> str | None: ...  # why the engine can never step again, or None
+    def shutdown(self) -> None: ...  # stop what the engine started (TP workers, the trace)

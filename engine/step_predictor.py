@@ -53,8 +53,8 @@ GGUF blocks, kernel efficiency at each size). The fit:
 
   They come a few seconds apart between runs of short decode steps, and the decode steps'
   speed did not carry over to them: replayed step traces (``benchmarks.step_replay``)
-  of a quiet machine had them within 20% for 96% with their own median and 40% with the
-  decode steps' speed (benchmarks/RESULTS.md). Classes and kinds are still learnt for them
+  of a quiet machine had them far closer with their own median than with the decode
+  steps' speed (benchmarks/RESULTS.md). Classes and kinds are still learnt for them
   (the fallback before any such step).
 
 Ownership: the fit's sums are this object's. The engine calls ``features``/``observe`` per

@@ -332,7 +332,7 @@ def choose_launch(rows: int, n: int, k: int, num_sms: int) -> QuantLaunch:
     - one row multiplies without tl.dot (``dot=False``, ``block_m`` 1): a 16-row dot tile
       would be 15/16 padding. Strips of ``block_n`` 256 (each K row 256 contiguous bytes),
       8 warps: the accumulator tile ``block_m * block_k * block_n`` is 64 float32 values a
-      thread, the most that fits without spilling. 128-column strips were 1.2-1.4x slower;
+      thread, the most that fits without spilling (128-column strips were slower);
     - more rows use tl.dot on one 16-row tile (the broadcast tile's registers grow with
       rows), 128-column strips, 4 warps;
     - ``block_k`` 64, copied into shared memory 2 tiles ahead (``num_stages`` 3) in either
@@ -344,8 +344,8 @@ def choose_launch(rows: int, n: int, k: int, num_sms: int) -> QuantLaunch:
       (16) 16 of 896; the LM head (501 strips) 1. The float32 partials add ``8 * splits *
       rows * n`` bytes (written, then read back, mostly in L2), so runs of at least
       ``MIN_SPLIT_ROWS`` keep them within ``rows / 32`` of the weight's ``k * n`` bytes: at
-      most half, at 16 rows. A tighter cap (1/8) cost more than it saved: at 16 rows, 11
-      splits of the qkv projection were 1.18x faster than the 4 it allowed.
+      most half, at 16 rows. A tighter cap (1/8) cost more than it saved: at 16 rows it
+      allowed the qkv projection 4 splits, which ran slower than 11.
 
     ``num_sms`` 0 (off CUDA, where the interpreter runs programs one after another and a
     split only adds work) gives one split. Larger batches run the tiled kernel

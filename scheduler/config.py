@@ -21,7 +21,7 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 512
 # On a GPU a step's time is set by reading the weights until its tokens number in the
 # hundreds, so a 512-token chunk beside the decodes costs about what the decodes cost alone,
 # and a deep queue drains fastest in steps as large as the budget: the chunk limit there is
-# the whole budget (benchmarks/RESULTS.md, GPU section: offline 1.45x in one run).
+# the whole budget (benchmarks/RESULTS.md, GPU section).
 # With latency targets: the fewest prompt tokens a step computes while prefill work waits,
 # however far over its target the step's decodes already are, so no prompt starves.
 DEFAULT_MIN_PREFILL_CHUNK_TOKENS = 32

@@ -62,6 +62,7 @@ def serve(config: ServingConfig) -> int:
     """Load the engine, start its thread inside the app's lifespan, run uvicorn until a
     signal drains it."""
     from engine.llm_engine import LLMEngine
+    from engine.protocol import ServingEngine
     from engine.threads import configure_threads
     from engine.tp_group import TensorParallelStartError
     from server.api import create_app
@@ -77,7 +78,7 @@ def serve(config: ServingConfig) -> int:
         return worker_status
     logger.info("loading model %r (%s)", config.engine.model, config.engine)
     try:
-        engine = on_worker_thread(
+        engine: ServingEngine = on_worker_thread(
             functools.partial(LLMEngine, exit_on_tp_failure=True),
             config.engine,
             config.kvpool,
@@ -97,7 +98,7 @@ def serve(config: ServingConfig) -> int:
             "--tokenizer DIR (a directory with tokenizer.json / tokenizer_config.json)"
         )
     # The engine resolved the device's defaults (the prefill chunk): report those.
-    config = dataclasses.replace(config, scheduler=engine.scheduler.config)
+    config = dataclasses.replace(config, scheduler=engine.scheduler_config)
     block_size = config.kvpool.block_size
     num_tokens = engine.num_total_blocks * block_size
     logger.info(

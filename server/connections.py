@@ -129,7 +129,8 @@ class AcceptErrorLog:
         # After a failed accept() the selector loop stops accepting for this long. At its
         # default of 1 s, connections freed meanwhile sit unused while new clients wait in
         # the backlog; a failed round costs a few milliseconds with the log above.
-        asyncio_constants.ACCEPT_RETRY_DELAY = ACCEPT_RETRY_DELAY_S
+        # typeshed declares the constant Final (an int): overriding it is the point here.
+        asyncio_constants.ACCEPT_RETRY_DELAY = ACCEPT_RETRY_DELAY_S  # type: ignore[misc, assignment]
 
 
 def raise_fd_limit() -> int:

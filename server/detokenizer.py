@@ -77,7 +77,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend_decode is not None:
-            return self._backend_decode(ids, skip_special_tokens=self._skip_special_tokens)
+            text: str = self._backend_decode(ids, skip_special_tokens=self._skip_special_tokens)
+            return text
         return self._tokenizer.decode(
             ids,
             skip_special_tokens=self._skip_special_tokens,

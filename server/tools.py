@@ -219,7 +219,7 @@ def _complete_items(text: str) -> list[Any]:
     position = text.find("[") + 1
     if position == 0:
         return []
-    items = []
+    items: list[Any] = []
     while True:
         while position < len(text) and text[position] in " \t\n,":
             position += 1

@@ -1,18 +1,33 @@
 """Request validation: every check an HTTP request passes before (and while) it becomes
 engine requests, and the translation of its values into the engine's ``SamplingParams``.
 
-In the order a request meets them:
+In the order a request meets them. Steps 1 and 2 run before any handler; for a generation
+request ``serve_generation`` (server/generation_endpoint.py) is the one entry point that runs
+the rest (the renderer, server/router_api.py's ``render``, runs steps 3, 6 and 7 the same way
+and generates nothing):
 
 1. **Body size** (``BodySizeLimitMiddleware``, 413): plain ASGI, before anything is parsed.
 2. **Types and shapes**: the strict pydantic schemas of server/protocol.py (422).
 3. **Values** (``check_completion_request`` / ``check_chat_request``, 400): model name,
    unrecognised fields, ranges, unsupported parameters; nothing that needs the prompt.
-4. **Deadline** (``request_deadline``): ``--request-timeout`` and the ``X-Request-Timeout``
+4. **Structured output and tools** (400), owned by the modules that turn those fields into
+   what the request runs with, and not repeated here: server/structured.py
+   (``request_constraint``: ``response_format``, ``guided_*``, ``structured_outputs``) and,
+   for chat, server/tools.py (``tool_plan``: ``tools``, ``tool_choice``), which
+   server/chat.py's ``chat_constraint`` combines (a tool choice that forces a grammar
+   excludes a grammar of the request's own). Then each tool's ``parameters`` schema is
+   checked by the grammar library, without compiling (tools.py's ``parameter_checks``,
+   structured.py's ``check_constraints``).
+5. **Deadline** (``request_deadline``): ``--request-timeout`` and the ``X-Request-Timeout``
    header, 400 when the header is not a positive number.
-5. **Prompts** (``check_chat_messages``, ``check_text``, ``check_token_ids``), as
-   server/prompts.py renders and tokenizes them, after backpressure has held room.
-6. **Lengths** (``resolve_max_tokens``): the prompt against ``--max-prompt-tokens`` and the
+6. **Prompts** (``check_chat_messages``, ``check_text``, ``check_token_ids``; an assistant
+   message's ``tool_calls`` through server/tools.py's ``history_tool_calls``; ``tools`` for
+   a chat template that never reads them), as server/prompts.py renders and tokenizes
+   them, after backpressure has held room.
+7. **Lengths** (``resolve_max_tokens``): the prompt against ``--max-prompt-tokens`` and the
    context, ``max_tokens`` against ``--max-output-tokens``.
+8. **The grammar compiles** (server/structured.py's ``compile_constraint``): 400 with the
+   compiler's reason when a schema, regex or grammar is invalid, before anything is queued.
 
 Every check raises an OpenAI-shaped ``APIError`` naming the parameter (``param``), so a client
 learns exactly what to change; nothing is silently clamped or ignored. How many requests the

@@ -1,4 +1,5 @@
-"""The project's import graph: no cycle between its modules, and the layering DESIGN.md draws.
+"""The project's import graph: no cycle between its modules, and the layering that
+docs/ARCHITECTURE.md draws.
 
 The graph is read from the source with ``ast``: every ``import`` and ``from ... import`` of a
 project module, at module level or inside a function (a function-level import is a cycle

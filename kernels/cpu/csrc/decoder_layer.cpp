@@ -3,26 +3,24 @@
 // block table row and context length (engine/attention.py builds them once per step).
 //
 // Why: at decode batch sizes a layer is ~18 Python-level calls (module calls, views, the
-// kernels below); on 2 cores their interpreter and dispatch time between the kernels was
-// 4-5 ms of a 37 ms batch-1 step. One call per layer still cost ~100 us a layer in Python
-// glue and argument conversion (18 weight slots each): ~3 ms of a 15 ms batch-1 step. One
-// call for the whole stack pays that once. This runs exactly the kernels the Python layer
-// runs on the cpu backend, in the same order on the same inputs, so its output is bitwise
-// the same (tested); only the glue moves to C++.
+// kernels below), and on 2 cores their interpreter and dispatch time between the kernels is
+// a large share of a batch-1 step. One call per layer still pays Python glue and argument
+// conversion (18 weight slots) for every layer; one call for the whole stack pays it once
+// a step. This runs exactly the kernels the Python layer runs on the cpu backend, in the
+// same order on the same inputs, so its output is bitwise the same (tested); only the glue
+// moves to C++.
 //
 // It also does what the Python forward did around the layers, for the same reason: after the
-// weights have streamed by, each Python-level op costs tens of microseconds of cache misses
-// (a one-row embedding lookup: 6 us hot, 117 us after 160 MB were read). The call looks up
+// weights have streamed by, each Python-level op costs many times what it costs hot, in
+// cache misses on the interpreter's and the dispatcher's code and data. The call looks up
 // the embeddings and the RoPE rows of its tokens, and with `logits` (a step whose every row
 // is a sequence's last token) ends with the final norm and the head.
 //
 // The kernels write into buffers allocated once per call (Buffers), not a new tensor each:
 // between two ops the step streams megabytes of weights, which evicts the allocator's code
-// and data, and one allocation there took ~4 us of cache misses (a 1,536-float silu_mul: 15
-// us in the step against 11 into a buffer; 1.5 us when nothing was streamed in between).
-// Paired steps in one process, new path against the allocating one: 1.035x at batch 1 with
-// float32 weights, 1.06x with GGUF blocks, 1.04x at batch 16 and 64 (larger activations are
-// mmap'ed fresh, page faults included).
+// and data, so each allocation there pays cache misses that a kernel of a decode step's
+// size notices (and larger activations are mmap'ed fresh, page faults included). Steps
+// measured faster at every batch size with the buffers.
 
 #include <omp.h>
 
@@ -155,8 +153,8 @@ void layer_forward(const at::Tensor& x, at::Tensor& residual, bool first, const 
 // Steps of at most this many rows run in a team (team.h); 0: none (larger steps, and with 0
 // every step, run in a team only while narrowed: contention.h). Why a limit: inside a team
 // an ATen op runs on one thread, and every matmul of up to max_packed_rows() rows (at least
-// 64) is this extension's own; and past a few rows a step is long enough (~37 ms at 16 rows)
-// that ~150 parallel regions are under 1% of it.
+// 64) is this extension's own; and past a few rows a step is long enough that the cost of
+// its parallel regions (a few per layer) is a negligible share of it.
 std::atomic<int64_t> g_team_rows{16};
 
 // How many of the team's threads a step runs while other processes hold some of this

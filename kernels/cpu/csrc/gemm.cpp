@@ -2,16 +2,14 @@
 // against weights packed once at load into column panels, [ceil(N / NB), K, NB] (NB = 64
 // floats with AVX-512, 16 with AVX2: gemm.h says why): each panel is one contiguous stream.
 //
-// Why not oneDNN/MKL here: for 2-64 rows the library runs at 60-75% of what the same weights
-// give this kernel on 2 cores with AVX-512 (rows x 4 accumulators of 16 floats stay in
-// registers while a panel streams past; the panel's later row groups hit L2; AVX2 builds
-// against the library held to AVX2: kMaxPackedRows). Figures below are AVX-512's. Up to 256
-// rows it is still a few percent ahead over the model's 120 matmuls (it reads the packed
-// panels; the library packs the weight again on every call): 128 rows 198
-// vs 185 GFLOP/s, 256 rows 184 vs 174 (medians, one run); at 512 they are even. One row is a
-// pure weight stream: each thread reads one contiguous share of the weights as two sequential
-// streams (kRowStreams says why), about as fast as a plain sum over them. Larger
-// batches (long prefill chunks) use the library on the unpacked weights.
+// Why not oneDNN/MKL here: for small batches this kernel is clearly faster on the same
+// weights (rows x 4 accumulators of 16 floats stay in registers while a panel streams past;
+// the panel's later row groups hit L2), and up to kMaxPackedRows it stays ahead because it
+// reads the packed panels while the library packs the weight again on every call
+// (kMaxPackedRows says how far). One row is a pure weight stream: each thread reads
+// one contiguous share of the weights as two sequential streams (kRowStreams says why), as
+// fast as a plain sum over them. Larger batches (long prefill chunks) use the library on the
+// unpacked weights.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,7 +29,7 @@ namespace {
 
 // y[r, 0:NB] = bias + x[r, 0:K] @ panel[0:K, 0:NB] for R rows. The k range is cut into S
 // segments walked in lockstep: S concurrent sequential streams per thread keep more cache
-// misses in flight than one (single-stream reads top out at ~2/3 of the bandwidth here).
+// misses in flight than one (a single stream falls well short of the memory bandwidth).
 // Registers: S * R * NV accumulators + NV weights + 1 broadcast (R * S <= 6 fits AVX-512 and AVX2).
 // `pf`, if set: one cache line per k step, pf[0 : K * kLineFloats), is prefetched into L2.
 template <int R, int S>
@@ -74,12 +72,10 @@ static inline void micro(const float* __restrict x, int64_t ldx, const float* __
 
 // Panels one row walks in lockstep: 2, each a sequential stream. Since each thread reads one
 // contiguous share of a matmul (one_row_shared) from one buffer (engine/backends/cpu.py, gather),
-// fewer streams read faster than the 4 (AVX-512) or 6 (AVX2) that fit the registers. The
-// model's 121 one-row matmuls chained from one buffer, 2 threads, one process, rounds
-// classified by an x.sum() probe, medians, streams 1 / 2 / 4 (/ 6): AVX-512 10.84 / 10.96 /
-// 11.42 ms in 1,203 rounds of fast bandwidth periods, 16.22 / 16.29 / 16.76 in 297 slow
-// ones; AVX2 10.88 / 10.19 / 10.26 / 10.35 in 741 fast, 16.83 / 16.61 / 16.82 / 17.03 in
-// 459 slow. A plain sum over the same weights, matmul by matmul: 10.97 and 10.26 ms (fast).
+// fewer streams read faster than the 4 (AVX-512) or 6 (AVX2) that fit the registers. Over
+// the model's one-row matmuls, 2 streams were the fastest on AVX2 and even with 1 on
+// AVX-512, in fast and slow memory-bandwidth periods alike, and as fast as a plain sum over
+// the same weights: the matmul is then bound by the memory, not by the kernel.
 constexpr int kRowStreams = 2;
 
 // One row against P panels `pstride` floats apart, all walked in lockstep: P sequential
@@ -130,14 +126,10 @@ static void one_row(const float* x, const float* wp, int64_t K, float* y, const 
 // Why not whole panels per thread: the model's 576 columns are 9 panels of 64 (5 + 4 on 2
 // threads, one thread idle a ninth of the matmul), its q/k/v 15 (8 + 7). Why not each thread
 // a half of every panel's K range (what this kernel did before for those shapes): a thread
-// then reads 9-15 short runs instead of one. The model's 121 one-row matmuls chained over
-// distinct weights, 2 threads, one process, rounds classified by an x.sum() probe before
-// each, medians of 2,415 rounds in fast bandwidth periods, K-split before -> equal shares:
-// q/k/v 1.802 -> 1.693 ms, o 1.169 -> 1.053, down 2.628 -> 2.419, all 121 12.51 -> 12.20;
-// over 120 rounds of slow periods, 17.57 -> 17.56. The GGUF-block kernel (gemm_q.cpp) keeps
-// whole panels: its one-row matmuls are compute-bound here, and a piece de-quantized apart
-// from its thread's other panels cost more than the balance saved (q/k/v 1.11-1.15x slower,
-// o and down 0.98-1.07x over the model's Q4 matmuls; one run each).
+// then reads 9-15 short runs instead of one, and equal contiguous shares measured faster
+// over the model's one-row matmuls. The GGUF-block kernel (gemm_q.cpp) keeps whole panels:
+// its one-row matmuls are compute-bound, and a piece de-quantized apart from its thread's
+// other panels cost more than the balance saved.
 static void one_row_shared(const float* x, const float* wp, int64_t K, int64_t nb, int64_t NP,
                            const float* bias, float* y) {
   const int64_t T = num_threads(), total = nb * K;
@@ -184,9 +176,8 @@ constexpr int kRowTile = 6;
 // streams), the following groups find it in L2. Those groups also prefetch `next` (the
 // thread's next panel, if any) into L2, one line per k step, so that its first group does
 // not wait on memory: a panel is K * NB / kLineFloats lines, NB / kLineFloats groups' worth.
-// Over 30 layers' worth of the model's four matmul shapes, distinct weights (one run, paired
-// medians of 21-31): 11-14% faster at 32 and 64 rows, 1% at 128 and 256 rows, where the
-// row split of parallel_panels adds 3-5%.
+// The prefetch pays at 32-64 rows, where a panel's groups are few and its first group's
+// wait is a large part of them; at 128-256 rows it is about even.
 static void panel_rows(const float* x, int64_t ldx, int64_t M, const float* panel, int64_t K,
                        float* y, int64_t ldy, const float* bias, const float* next) {
   // first group (M >= 2: a single row goes to one_row)
@@ -273,29 +264,22 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 // 6-9 bits a weight instead of 32 wins; the float32 panels up to kMaxPackedRows, where
 // de-quantizing every weight again per 6 rows costs more than the bytes it saves; the
 // library on the plain [in, out] weight for larger batches, where it is as fast and needs no
-// packed copy's cache traffic. Blocks / float32 panels, time over the default model's 121
-// matmuls, 2 threads (medians of 5, two runs each) and the calling thread's CPU time with
-// one (immune to the VM's stolen time), each build on the same AVX-512 VNNI machine:
-// - VNNI (both formats in integers): 16 rows 0.65, 32 rows 0.96-1.00, 48 rows 1.01-1.03,
-//   64 rows 1.00-1.08 (an earlier run: 16 rows 0.64, 32 0.89, 64 0.95). Even from 32 to 64
-//   rows; the blocks keep those, as they leave more of the memory to anything beside.
-// - AVX-512 without VNNI (x86-64-v4: Q4 in integers, the Q8 head de-quantized): 8 rows
-//   0.85-0.92, 12 rows 0.98-1.08, 16 rows 1.01-1.10, 24 rows 1.19-1.47.
-// - AVX2 (x86-64-v3, the library held to AVX2 too): 6 rows 0.59-0.78, 8 rows 0.68-0.86,
-//   10 rows 1.09-1.35, 12 rows 1.15-1.37.
-// Those builds served 24 and 12 rows before their Q4 blocks multiplied in integers (then
-// 24 rows 0.97, 12 rows 0.99): the integer path is cheaper for one row and dearer per extra
-// row, so it crosses over earlier.
+// packed copy's cache traffic. kMaxQuantRows is where the blocks stop beating the float32
+// panels, measured for each build on one machine (time on 2 threads, and one thread's CPU
+// time, which the VM's stolen time does not reach):
+// - VNNI (both formats in integers): the two are even from 32 to 64 rows; the blocks keep
+//   those, as they leave more of the memory bandwidth to anything running beside.
+// - AVX-512 without VNNI (x86-64-v4: Q4 in integers, the Q8 head de-quantized): 12 rows.
+// - AVX2 (x86-64-v3, the library held to AVX2 too): 8 rows.
+// Multiplying Q4 in integers is cheaper for one row and dearer per extra row than
+// de-quantizing to floats, so those builds cross over at fewer rows than they did before.
 constexpr int64_t kMaxQuantRows = kVnni ? 64 : kRegs == 32 ? 12 : 8;
 // Batches over 256 rows go to the library; the engine never sends any (engine/backends/cpu.py
 // runs a larger step in passes of max_packed_rows() rows, so its matmuls stay here). AVX2
-// builds served 64 rows and handed 128 and 256 to the library, on a run that found the two
-// even at 16-64 rows and the library 1.07-1.10x ahead at 128-256. Measured again with the
-// library held to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2, ATEN_CPU_CAPABILITY=avx2, as on an
-// AVX2-only machine), over the model's 120 layer matmuls, 2 threads, medians of 5, panels /
-// library: 141 / 94 GFLOP/s at 64 rows, 188 / 112 at 128, 191 / 127 at 256, 191 / 149 at
-// 2,048; one thread's CPU time, 96 / 70 at 64 rows, 104 / 87 at 256, 96 / 90 at 2,048. The first step of 16 prompts of 128 tokens, bare engine, alternating: passes of 64
-// rows 2,600 ms, of 256 rows 2,369 (4 prompts: 618 -> 573).
+// builds too: with the library held to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2,
+// ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only machine) the panels stay ahead of it at every
+// batch size up to 256 rows, in time and in one thread's CPU time, and a batch of prompts'
+// first step is faster in passes of 256 rows than of 64.
 constexpr int64_t kMaxPackedRows = 256;
 int64_t max_quant_rows() { return kMaxQuantRows; }
 int64_t max_packed_rows() { return kMaxPackedRows; }

@@ -3,9 +3,9 @@
 //
 // Why: the default checkpoint ships its matmul weights as Q4_1 (5 bits a weight) and its tied
 // embedding as Q8_0 (8.5); the engine runs on the float32 values `transformers` de-quantizes
-// them to (538 MB). A one-row decode step streams every weight once, so reading the blocks,
-// packed below at 6 (Q4) or 9 (Q8) bits a weight, instead of the floats moves 4.8x fewer bytes
-// for the same products (112 MB instead of 538).
+// them to. A one-row decode step streams every weight once, so reading the blocks, packed
+// below at 6 (Q4) or 9 (Q8) bits a weight, instead of 32-bit floats moves a fraction of the
+// bytes for the same products.
 //
 // The weights, the invariant this file keeps: a Q4 weight is d * q + m with d, m float16 and
 // q in 0..15, a Q8 weight is d * q with q in -128..127, exactly gguf-py's de-quantized float32
@@ -24,7 +24,7 @@
 //   int32, 64 products an instruction (vpmaddubsw + a 16-bit add, 2 per instruction pair,
 //   without VNNI), where de-quantizing to float costs a widen, a convert and an FMA per 16
 //   weights before the product's own FMA. A one-row step de-quantizing to float was
-//   compute-bound (~25 GB/s of blocks against a 33-60 GB/s memory). x is not rounded to 8
+//   compute-bound (it read the blocks well below the memory's bandwidth). x is not rounded to 8
 //   bits, as llama.cpp does (that changes greedy output): each 32-element block of a row is
 //   scaled by a power of two 2^e so that its largest |x| is in [2^21, 2^22), rounded to the
 //   integer X = round(x 2^e), and split into three signed base-256 digits,
@@ -205,9 +205,8 @@ static inline int32_t hsum(vi32 v) {
 }
 
 // The same block in vectors. The split runs on the calling thread before a matmul's threads
-// start, so it is on every matmul's critical path. One thread, a one-panel matmul at K =
-// 1,536 (best of 5 x 500 calls, the Python call included): one row 5.00 -> 4.39 us, 64 rows
-// 168.9 -> 135.4 us. Why it is bit for bit the scalar's: x 2^e is a power-of-two scaling, exact
+// start, so it is on every matmul's critical path, and a vector split shortens it at every
+// batch size. Why it is bit for bit the scalar's: x 2^e is a power-of-two scaling, exact
 // in float32 while 2^e is a normal float (|x 2^e| < 2^22: no overflow; an element scaled
 // under float's normal range is < 2^-126 and rounds to 0 either way), and adding and taking
 // away 1.5 2^23 rounds |v| < 2^22 to the nearest integer, ties to even, as nearbyint does in
@@ -323,16 +322,14 @@ struct Rows {
 // on the one port that runs them, so the core is busy computing for about a third of the
 // time its loads take; while it is, the hardware prefetcher, which also stops at every 4 KB
 // page, does not keep enough misses in flight. A prefetch a fixed distance ahead in the
-// stream issues them whatever the core is doing. Bare batch-1 decode steps of the default
-// model, one build, alternating processes: no prefetch 4.38-4.71 ms, 1,024 B 3.86-4.01,
-// 2,048 B 3.54-3.72, 4,096 B 3.32-3.67, 8,192 B 3.26-3.52; gate_up's blocks went from 0.88 to
-// ~1.45x the 512 MB probe's bandwidth, the head's from 1.05 to ~1.6x, because the ~120 MB a
-// step reads partly stays in this machine's shared L3 between steps and the prefetches also
-// hide that latency. 450 MB of Q4 blocks, which L3 cannot hold, read 28.2 -> 31.6 GB/s
-// (the probe's rate). Into L1: an L2-only hint measured the same. A prefetch past the end of
-// a stream lands in the next one (the thread's other stream, the next thread's share, or the
-// next matmul: engine/backends/cpu.py's gather lays them end to end), and one past the buffer is
-// dropped, as prefetches never fault.
+// stream issues them whatever the core is doing. Decode steps got faster with the distance up
+// to a page and little beyond it, which is why it is one page; the prefetches also hide the
+// latency of the part of a step's blocks that stays in a shared L3 between steps, and a
+// matmul over blocks that L3 cannot hold reads at the memory's full bandwidth with them.
+// Into L1: an L2-only hint measured the same. A prefetch past the end of a stream lands in
+// the next one (the thread's other stream, the next thread's share, or the next matmul:
+// engine/backends/cpu.py's gather lays them end to end), and one past the buffer is dropped,
+// as prefetches never fault.
 constexpr int64_t kStreamAhead = 4096;
 
 // The prefetches a tile issues before its block kb: with pf (a batch's row groups), the same
@@ -484,26 +481,21 @@ static inline void tile(const Rows& rows, const uint8_t* panel, int64_t pstride,
 // How many panels one row walks in lockstep (streams from memory at once), and how many rows
 // share a panel's weights, so that the accumulators, the scales and the weights stay in
 // registers.
-// - Float path, one row: 4 panels of Q8 blocks (the default model's tied lm_head, 32 MB):
-//   with 2 it read at ~14 GB/s; 4 gave 1.24x on AVX-512 and 1.06x on AVX2 (one run, paired
-//   medians of 21). Q4's heavier de-quantization leaves less to gain: 4 panels gave 1.03x
-//   over the model's Q4 matmuls on AVX-512, and lost ~4% on AVX2 (16 registers), which keeps 2.
-// - Float path, rows per tile: 6 with AVX-512's 32 registers; with AVX2's 16, 4 (over the
-//   default model's matmuls, AVX2 build: 16 rows 75.6 ms with 4, 82.7 with 3, 98.1 with 2; 4
-//   rows 21.5 / 26.1 / 28.6 ms).
+// - Float path, one row: 4 panels of Q8 blocks (the default model's tied lm_head): with 2
+//   the memory sat partly idle while the core de-quantized, and 4 read faster on AVX-512
+//   and AVX2. Q4's heavier de-quantization leaves less to gain: 4 panels still gain a little
+//   on AVX-512, but lose on AVX2 (16 registers), which keeps 2.
+// - Float path, rows per tile: 6 with AVX-512's 32 registers; with AVX2's 16, 4 (the most
+//   that fit, and faster than 3 or 2).
 // - Integer path: a panel is one vector wide, so a row's tile is 3 digit sums + 1 float
 //   accumulator a panel.
 // - Integer path, one row: 2 panels in lockstep. Its compute no longer hides memory
-//   latency, and more streams read slower and more erratically: over the model's matmuls in
-//   alternating runs, 4 streams 3.98-7.07 ms, 2 streams 3.98-4.29 ms (1 stream 3.72-4.48).
-// - Integer path, rows per tile: with AVX-512 VNNI, 4, 5, 6 and 8 rows all ran 16 and 64 rows
-//   alike (21.1-21.9, 79.3-82.2 ms): there a step is bound by vpdpbusd's throughput (~1 a
-//   cycle), so the float path's 6 is kept. AVX2's 16 registers hold 2 (4 a row); 3 fill
-//   all 16 and ran 12 rows of gate_up 1.3x slower.
-// The AVX2 integer path for Q4 against its float path, hot weights, the calling thread's CPU
-// time (best of 30; immune to the VM's stolen time), gate_up / down: 1 row 49.0 -> 33.3 /
-// 26.2 -> 20.5 us, 4 rows 142.4 -> 124.7 / 72.8 -> 72.1, 12 rows 416.5 -> 370.3 / 210.3 ->
-// 211.5.
+//   latency, and more streams read slower and more erratically than 2.
+// - Integer path, rows per tile: with AVX-512 VNNI, 4, 5, 6 and 8 rows all ran alike: there
+//   a step is bound by vpdpbusd's throughput (about one a cycle), so the float path's 6 is
+//   kept. AVX2's 16 registers hold 2 (4 a row); 3 fill all 16 and run slower.
+// On AVX2 the integer path for Q4 beats its float path most at one row, and by less with each
+// row added (the calling thread's CPU time on hot weights).
 template <bool Q4>
 constexpr int kRowStreams = kIntDot<Q4> ? 2 : Q4 ? (kRegs == 32 ? 4 : 2) : 4;
 template <bool Q4>
@@ -540,8 +532,7 @@ static inline void tail_rows(int left, const Rows& rows, const uint8_t* panel, i
 // All M rows against one panel, kRowTile at a time: the first group streams the panel from
 // memory, the others find it in L2. The second group (or the only one) prefetches `next`, the
 // thread's next panel, into L2 as it goes, so that panel's first group does not wait on
-// memory. Over the model's 121 matmuls (float path, one run, paired medians of 15): 4-7%
-// faster at 4-16 rows, 1% at 24.
+// memory. It pays most at 4-16 rows, where a panel's groups are few.
 template <bool Q4>
 static void quant_panel_rows(const Rows& rows, int64_t M, const uint8_t* panel, int64_t nblk, float* y, int64_t ldy,
                              const float* bias, const uint8_t* next) {

@@ -145,8 +145,8 @@ static inline vf vload_e4m3_scaled_raw(const Fp8* p) {
 static inline vf vload_e4m3_scaled(const Fp8* p) { return e4m3_fix_nan(vload_e4m3_scaled_raw(p)); }
 
 // Whether any of n bytes (a multiple of 32) is e4m3fn's NaN: a row's check, a compare per
-// 64 (AVX-512) or 32 bytes, in place of a NaN select per vector decoded (which cost the
-// decode loops ~20%: benchmarks/RESULTS.md). No CPU store writes a NaN byte beside a finite
+// 64 (AVX-512) or 32 bytes, in place of a NaN select per vector decoded (which slowed the
+// decode loops markedly: benchmarks/RESULTS.md). No CPU store writes a NaN byte beside a finite
 // scale (their absmax propagates NaN), so rows that have one take the slow path only when
 // a NaN is there to be read.
 static inline bool e4m3_has_nan(const Fp8* p, int64_t n) {

@@ -8,8 +8,8 @@
 // for the threads (batch 1) are split along their context and merged (decode_all). A run of
 // rows continuing one sequence (a prefill chunk) is an item per KV head: it reads its
 // context once into a transposed K and scores several rows' query vectors together, one
-// position per vector lane, with no horizontal sum per score: 128-token prefill attention
-// ~2x faster than row by row. A short run (at most kMaxShortRun rows: a speculative
+// position per vector lane, with no horizontal sum per score, which makes prefill attention
+// much faster than row by row. A short run (at most kMaxShortRun rows: a speculative
 // verification) is split along its context like a decode (attend_rows_span): each slot is
 // read once and scored against every row and query head of the run.
 //
@@ -240,13 +240,12 @@ void attend_span(const float* q, int64_t q_stride, int64_t num_heads, int64_t nu
   const int group = int(num_heads / num_kv_heads);
   const int64_t slot_stride = num_kv_heads * row;
   // Each slot read prefetches the same slot of the next block (blocks are scattered, so the
-  // hardware prefetcher restarts at each): 1.09-1.15x on this kernel at batch 1-64.
+  // hardware prefetcher restarts at each); it pays at every batch size.
   const int64_t pf = slot_stride;
   // With `prefetch_values`, scoring a slot's K also prefetches its V, which the weighted sum
   // reads after the whole span's scores: the K and V streams are then in flight together
-  // (a span's V fits in L2). Cold caches, 160 positions, 30 layers, 3 pairs of alternating
-  // processes: batch 64 0.85-0.89 -> 0.75-0.76 ms a layer, batch 16 229-239 -> 198-200 us.
-  // Off for a context split in spans (batch 1): there it measured 8.5-8.7 -> 8.8-9.0 us.
+  // (a span's V fits in L2), which pays with cold caches at batch 16 and more. Off for a
+  // context split in spans (batch 1), where it measured slightly slower.
   const intptr_t v_delta = prefetch_values ? reinterpret_cast<intptr_t>(value_cache) -
                                                  reinterpret_cast<intptr_t>(key_cache)
                                            : 0;
@@ -586,10 +585,9 @@ void decode_all(const at::Tensor& query, const at::Tensor& key_cache, const at::
   run_start.push_back(num_seqs);
   const int64_t num_runs = int64_t(run_start.size()) - 1;
   // Work items. A decode is one item for all its KV heads: a slot's heads are adjacent in
-  // memory, so the item reads its context's K and V blocks whole, in order. Before, an item
-  // was (decode, KV head), reading a third of every slot, the threads' reads interleaved:
-  // at batch 64 over 160 positions, 1.9 ms a layer against 1.4 now (with the next-block
-  // prefetch: attend_span), 1.25-1.35x at batch 16. When a step is decodes only and their
+  // memory, so the item reads its context's K and V blocks whole, in order. An item per
+  // (decode, KV head) would read a fraction of every slot, the threads' reads interleaved,
+  // which measured markedly slower at batch 16 and 64. When a step is decodes only and their
   // count does not divide over the threads (batch 1: one item for 2 threads), each decode's
   // context is cut into `spans` and the spans' partial softmaxes are merged after
   // (flash-decoding); that changes the summation order, not the math. A run of prefill rows

@@ -1,13 +1,13 @@
 // One OpenMP team held for a whole decoder_layers call, its work handed out through one
 // cache line instead of a parallel region a kernel.
 //
-// Why: every at::parallel_for opens an OpenMP parallel region and joins it; with the other
-// thread already spinning that costs ~1.7 us on these machines (a 2-panel one-row matmul
-// took 3.6 us against 1.9 for 1 panel, which runs inline). A batch-1 decode step of the
-// default model runs ~150 such regions (four matmuls and attention a layer, the head): ~0.25
-// ms of a ~5.3 ms step. Inside a team, thread 0 runs the stack as before and each parallel
-// kernel publishes its range on one cache line that the other threads watch; handing out
-// and joining a kernel then costs a cache line's round trip between the cores.
+// Why: every at::parallel_for opens an OpenMP parallel region and joins it, which costs
+// about as much as a small one-row matmul itself, even with the other thread already
+// spinning. A batch-1 decode step runs several such regions a layer (four matmuls and
+// attention, then the head), enough to be a visible share of the step. Inside a team,
+// thread 0 runs the stack as before and each parallel kernel publishes its range on one
+// cache line that the other threads watch; handing out and joining a kernel then costs a
+// cache line's round trip between the cores.
 //
 // Sharing a host: a worker that has lost its core (another process wants it, or the team is
 // larger than the CPUs it gets) must not hold thread 0 up. So the chunks of a range are
@@ -19,7 +19,8 @@
 // chunk, in the same split, with no region and nobody to wait for.
 // It does not spin at all when the thread it waits for last ran on its own CPU: spinning
 // there only keeps that thread from running (after a busy neighbour went away, two threads
-// of the team left on one CPU made a batch-1 step 3-4x slower until they did not spin).
+// of the team left on one CPU slowed batch-1 steps several times over until they did not
+// spin).
 //
 // Invariants:
 // - Work is split exactly as at::parallel_for splits it (chunks of ceil(n / threads)), so a

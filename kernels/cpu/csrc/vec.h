@@ -2,7 +2,7 @@
 // compiles to AVX-512, AVX2 or plain SSE, whatever -march finds. A vector is exactly one
 // machine register wide (16, 8 or 4 floats): GCC keeps a generic vector wider than the
 // registers on the stack and lowers every operation to loads and stores (an AVX2 build with
-// 16-float vectors ran 16-row matmuls 6.6x slower than AVX-512 instead of ~2x).
+// 16-float vectors ran its matmuls several times slower than its register width accounts for).
 #pragma once
 
 #include <cstdint>
