@@ -149,9 +149,10 @@ def references(tiny_llama_cpu_shapes: Path, prompts: list[list[int]]) -> dict[st
     [
         {},
         {"async_scheduling": True},
-        # A minimum chunk below the 32-token budget, so that the targets bind.
-        {"async_scheduling": True, "target_itl_ms": 1.0, "min_prefill_chunk_tokens": 4},
-        {"target_tpot_ms": 1.0, "target_ttft_ms": 50.0, "min_prefill_chunk_tokens": 4},
+        # A minimum chunk below the 32-token budget and targets below any step of the tiny
+        # model, so that the targets bind whatever the machine's speed.
+        {"async_scheduling": True, "target_itl_ms": 0.01, "min_prefill_chunk_tokens": 4},
+        {"target_tpot_ms": 0.01, "target_ttft_ms": 50.0, "min_prefill_chunk_tokens": 4},
     ],
     ids=["sync", "async", "async-itl-target", "sync-tpot-ttft-targets"],
 )
@@ -193,8 +194,14 @@ def test_prefix_caching_preemption_and_stops_match_transformers(
     assert copies, "the prompt cached whole copies its last block"
     targeted = any(key.startswith("target_") for key in kwargs)
     assert all((d is not None) == targeted for d in decisions)
-    if targeted:  # the targets bound: some step's prompt tokens were capped below 32
-        assert any(d is not None and d.prefill_cap < 32 for d in decisions), decisions
+    if targeted:
+        # The targets bound: some step planned beside decodes had its prompt tokens capped
+        # below the 32-token budget, or (where measured step times made a queued prompt miss
+        # the TTFT target) had its share widened by that target instead.
+        assert any(
+            d is not None and d.sized and (d.prefill_cap < 32 or d.ttft_boost)
+            for d in decisions
+        ), decisions
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
