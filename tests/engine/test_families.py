@@ -9,14 +9,13 @@ longer than their window, so the window decides what a query sees.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig, UnsupportedModelError
 from tests.engine.parity import assert_parity, hf_greedy
+from tests.triton_devices import TRITON_DEVICES
 
 MAX_TOKENS = 16
 WINDOW = 12  # shorter than most prompts below: the window decides what a query sees
@@ -245,9 +244,6 @@ def test_unsupported_architecture_or_rope_is_one_clear_error(overrides, named):
         ModelConfig.from_hf(config)
 
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
-
-
 # Under the interpreter every kernel launch runs in Python: two prompts, a few tokens each.
 # The first is past the window and over two chunks; it comes first, so that in a pool that
 # holds only it the second one's growth preempts.
@@ -267,19 +263,7 @@ TRITON_FAMILIES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "device",
-    [
-        pytest.param("cpu", marks=pytest.mark.skipif(
-            not INTERPRET,
-            reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set without CUDA)",
-        )),
-        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-            not torch.cuda.is_available() or INTERPRET,
-            reason="needs CUDA and compiled (not interpreted) Triton",
-        )]),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("name", TRITON_FAMILIES)
 def test_family_on_the_triton_kernels(name, device, tmp_path):
     """The Triton decode and prefill kernels (on the CPU under the interpreter, on CUDA

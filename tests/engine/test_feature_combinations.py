@@ -29,7 +29,6 @@ test_quantization.py, test_async_scheduling.py).
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from scheduler import SchedulerOutput
 from scheduler.request import PENDING_TOKEN, StructuredOutputParams
 from tests.engine.conftest import make_tiny_llama
 from tests.engine.parity import Reference, assert_parity, hf_greedy
+from tests.triton_devices import TRITON_DEVICES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -339,19 +339,7 @@ def test_graph_stand_ins_with_an_int8_cache_preemption_and_cached_prefixes(
 
 # ------------------------------------------------------------------------ Triton kernels
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
-
-
-@pytest.mark.parametrize(
-    "device",
-    [
-        pytest.param("cpu", marks=pytest.mark.skipif(
-            not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")),
-        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-            not torch.cuda.is_available() or INTERPRET,
-            reason="needs CUDA and compiled (not interpreted) Triton")]),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_with_an_int8_cache_cached_prefixes_preemption_and_async(
     tiny_llama_gqa: Path, device: str
 ) -> None:

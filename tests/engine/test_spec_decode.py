@@ -14,7 +14,6 @@ with many draws on a peaked vocabulary against the target distribution (chi-squa
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from engine.spec_decode.verify import accept_greedy, accept_sampled, verify_row
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 from tests.engine.parity import Reference, assert_parity, hf_greedy
+from tests.triton_devices import ON_COMPILED_CUDA, ON_INTERPRETED_CPU
 
 MAX_TOKENS = 24
 # Random tiny models' drafts are mostly wrong, so the acceptance-aware rule would soon stop
@@ -488,18 +488,12 @@ def test_a_draft_with_another_vocabulary_is_refused(target, tmp_path):
             speculative_model=str(other), **CPU)  # fmt: skip
 
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
-
-
 @pytest.mark.parametrize(
     ("backend", "device"),
     [
         ("torch", "cpu"),
-        pytest.param("triton", "cpu", marks=pytest.mark.skipif(
-            not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")),
-        pytest.param("triton", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-            not torch.cuda.is_available() or INTERPRET,
-            reason="needs CUDA and compiled (not interpreted) Triton")]),
+        pytest.param("triton", "cpu", marks=ON_INTERPRETED_CPU),
+        pytest.param("triton", "cuda", marks=ON_COMPILED_CUDA),
     ],
 )  # fmt: skip
 def test_speculative_rows_on_every_attention_backend(tiny_llama_gqa, backend, device):

@@ -5,29 +5,14 @@ CUDA), and on CUDA with the compiled kernels (``gpu``)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.triton_devices import TRITON_DEVICES
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
 
-
-@pytest.mark.parametrize(
-    "device",
-    [
-        pytest.param("cpu", marks=pytest.mark.skipif(
-            not INTERPRET,
-            reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (set without CUDA)",
-        )),
-        pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-            not torch.cuda.is_available() or INTERPRET,
-            reason="needs CUDA and compiled (not interpreted) Triton",
-        )]),
-    ],
-)  # fmt: skip
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_backend_matches_torch_backend(tiny_llama_gqa, device):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 9, 17, 40)]

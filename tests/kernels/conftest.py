@@ -21,7 +21,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
+# After the line above: the module reads TRITON_INTERPRET when imported.
+from tests.triton_devices import INTERPRET, ON_COMPILED_CUDA, ON_INTERPRETED_CPU  # noqa: E402
 
 # (atol, rtol) against the fp32 reference. fp16/bf16 outputs are rounded to the dtype (one
 # ulp is 1e-3 / 8e-3 near 1.0) and the kernels round the softmax weights to the dtype before
@@ -62,22 +63,8 @@ def threads():
 
 @pytest.fixture(
     params=[
-        pytest.param(
-            "cpu",
-            marks=pytest.mark.skipif(
-                not INTERPRET, reason="compiled Triton kernels need CUDA tensors"
-            ),
-        ),
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(
-                    not torch.cuda.is_available() or INTERPRET,
-                    reason="needs CUDA and compiled (not interpreted) Triton",
-                ),
-            ],
-        ),
+        pytest.param("cpu", marks=ON_INTERPRETED_CPU),
+        pytest.param("cuda", marks=ON_COMPILED_CUDA),
     ]
 )
 def device(request: pytest.FixtureRequest) -> torch.device:
