@@ -283,12 +283,7 @@ def start_server(args: argparse.Namespace, extra: list[str], log: Path) -> Serve
         *extra,
     ]  # fmt: skip
     server = ServerProcess(argv, port, log, cwd=ROOT)
-    server.start()
-    try:
-        server.wait_healthy(STARTUP_TIMEOUT_S)
-    except BaseException:
-        server.stop(grace_s=10)
-        raise
+    server.start_healthy(STARTUP_TIMEOUT_S, grace_s=10)
     return server
 
 

@@ -100,6 +100,20 @@ class ServerProcess:
                 cwd=self.cwd,
             )
 
+    def start_healthy(self, timeout_s: float, grace_s: float = 10.0) -> float:
+        """``start()`` and ``wait_healthy()``; a child that does not come up is stopped
+        (``stop(grace_s)``) before the error propagates, so no caller leaks it.
+
+        Returns:
+            Seconds it took to become healthy.
+        """
+        self.start()
+        try:
+            return self.wait_healthy(timeout_s)
+        except BaseException:
+            self.stop(grace_s=grace_s)
+            raise
+
     def wait_healthy(self, timeout_s: float) -> float:
         """Poll ``GET /health`` until it answers 200.
 

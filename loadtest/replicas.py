@@ -96,12 +96,7 @@ def start_router(
     port = free_port()
     argv = router_command(binary, worker_urls, port, policy=policy)
     process = ServerProcess(argv, port, log_path)
-    process.start()
-    try:
-        process.wait_healthy(ROUTER_STARTUP_TIMEOUT_S)
-    except BaseException:
-        process.stop(grace_s=5)
-        raise
+    process.start_healthy(ROUTER_STARTUP_TIMEOUT_S, grace_s=5)
     return process
 
 
