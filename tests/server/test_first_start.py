@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from kernels import cpu
 from loadtest.launcher import ServerProcess, free_port
 from tests.server.held_conversion_server import HELD
 from tests.server.tiny_gguf import write_tiny_gguf
-from tests.server.tiny_server import REPO, STARTUP_TIMEOUT_S
+from tests.server.tiny_server import REPO, STARTUP_TIMEOUT_S, server_argv
 
 pytestmark = pytest.mark.slow
 
@@ -67,19 +66,13 @@ def stand_in_compiler(path: Path, mode: str, *, marker: Path, library: Path) -> 
 
 def start(module: str, model: Path, log: Path, env: dict[str, str]) -> ServerProcess:
     port = free_port()
-    argv = [
-        sys.executable, "-m", module,
-        "--model", str(model),
-        "--device", "cpu",
-        "--dtype", "float32",
-        "--host", "127.0.0.1",
-        "--port", str(port),
+    argv = server_argv(
+        module, model, port,
         "--num-kv-blocks", "64",
         # Given peaks: a private cache would otherwise measure the CPU's (tens of seconds).
         "--peak-bandwidth-gbps", "10",
         "--peak-tflops", "0.1",
-        "--stats-log-interval", "0",
-    ]  # fmt: skip
+    )  # fmt: skip
     server = ServerProcess(argv, port, log, env=env, cwd=REPO)
     server.start()
     return server

@@ -96,6 +96,21 @@ def exit_output(log_text: str) -> list[str]:
     return lines[last + 1 :]
 
 
+def server_argv(module: str, model: Path, port: int, *args: str) -> list[str]:
+    """``python -m <module>`` serving ``model`` in float32 on the CPU at 127.0.0.1:``port``,
+    with no periodic stats lines, then ``args``."""
+    return [
+        sys.executable, "-m", module,
+        "--model", str(model),
+        "--device", "cpu",
+        "--dtype", "float32",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--stats-log-interval", "0",
+        *args,
+    ]  # fmt: skip
+
+
 @contextlib.contextmanager
 def tiny_server(
     model_dir: Path,
@@ -109,17 +124,7 @@ def tiny_server(
     ``wrapper`` goes before the command (e.g. ``prlimit --nofile=200:200 --``).
     """
     port = free_port()
-    argv = [
-        *wrapper,
-        sys.executable, "-m", module,
-        "--model", str(model_dir),
-        "--device", "cpu",
-        "--dtype", "float32",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--stats-log-interval", "0",
-        *args,
-    ]  # fmt: skip
+    argv = [*wrapper, *server_argv(module, model_dir, port, *args)]
     # One torch thread: see real_server.py (oversubscribed cores make steps many times slower).
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     server = ServerProcess(argv, port, log, env=env, cwd=REPO)
