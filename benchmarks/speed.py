@@ -95,15 +95,10 @@ def peaks_warning(peaks: CpuPeaks) -> str | None:
     and every MBU/MFU high. None for peaks with a quiet probe."""
     if not peaks.under_load:
         return None
-    share = peaks.others_fraction
-    why = (
-        f"other processes used {share:.0%} of the CPUs"
-        if share is not None
-        else "figures cached before loads were recorded, or probes under load"
-    )
     return (
-        f"warning: CPU peaks: no quiet probe yet on this machine ({why}): the floors may be "
-        "low and MBU/MFU high; rerun on a quieter machine (--remeasure probes again)"
+        f"warning: CPU peaks: no quiet probe yet on this machine ({peaks.load_reason()}): "
+        "the floors may be low and MBU/MFU high; rerun on a quieter machine (--remeasure "
+        "probes again)"
     )
 
 

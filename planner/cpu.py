@@ -60,6 +60,12 @@ class CpuPeaks:
     under_load: bool = False
     others_fraction: float | None = None
 
+    def load_reason(self) -> str:
+        """Why ``under_load`` figures are suspect, for the warning that reports them."""
+        if self.others_fraction is not None:
+            return f"other processes used {self.others_fraction:.0%} of the CPUs"
+        return "figures cached before loads were recorded, or probes under load"
+
 
 def cpu_model_name() -> str:
     """The CPU's model name as ``lscpu`` prints it (/proc/cpuinfo), or the platform's

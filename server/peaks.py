@@ -114,13 +114,10 @@ def _lookup(device: str, flops_dtype: str) -> tuple[float | None, float | None, 
             f"{l3 / 2**20:.0f} MiB" if l3 else "size unknown",
         )
         if peaks.under_load:
-            share = peaks.others_fraction
             logger.warning(
                 "CPU peaks: no quiet probe yet on this machine (%s): the figures may be low "
                 "and MBU/MFU high; the next start on a quieter machine replaces them",
-                f"other processes used {share:.0%} of the CPUs"
-                if share is not None
-                else "figures cached before loads were recorded, or probes under load",
+                peaks.load_reason(),
             )
         return peaks.bandwidth, flops, "measured", "cpu"
     return None, None, "unknown", device
