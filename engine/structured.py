@@ -130,10 +130,9 @@ class GrammarCache:
         """Whether ``params`` would compile, without compiling it: its conversion to a
         grammar (``to_grammar``), the step of a compilation that rejects bad input, which
         usually takes a millisecond where the compilation (the token masks) can take
-        seconds. For
-        grammars a request carries but its output need not follow (the ``parameters`` of
-        tools under ``tool_choice: auto``). A passed check is cached; a failed one raises
-        ``GrammarError``."""
+        seconds. For grammars a request carries but its output need not follow (the
+        ``parameters`` of tools under ``tool_choice: auto``). A passed check is cached; a
+        failed one raises ``GrammarError``."""
         return self._cached(self._checks, self._check_executor, _check, params)[0]
 
     def _cached(
