@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# The GPU measurements still owed (benchmarks/RESULTS.md, "Owed on a GPU"), as one bounded run
+# on a GPU machine that cannot reach a package index or a model hub.
+#
+# Prepare here, once (both paths are ignored by git; carry them to the GPU machine):
+#   ../shared/gpu/fetch-wheels.sh .whl              # fastapi, uvicorn, pydantic, gguf, ...
+#   .venv/bin/python -c "from engine.loader import convert_gguf, default_model_gguf, \
+#       load_tokenizer; load_tokenizer(convert_gguf(default_model_gguf())).save_pretrained(
+#       '.gpu/tokenizer')"                            # the default model's tokenizer, ~3 MB
+# There, from the repository root, with OUT set to a folder that comes back:
+#   bash benchmarks/gpu_session.sh [STEP ...]       # default: every step, in the order below
+#
+# Steps, most wanted first (the issue each serves); each runs under `timeout`, writes
+# $OUT/<step>.log, and appends "<step> rc=<exit status> <seconds>s" to $OUT/summary.txt:
+#   gpu-tests   the GPU-marked tests, 4 workers on one GPU (make test-gpu's first half)
+#   kernels     decode attention and fused ops against their targets (make test-gpu's second)
+#   engine      batch-1 MBU, decode steps 16/64/256, offline 512/256 (benchmarks.gpu)
+#   http        first request after /health and concurrency 1 and 64 through the server
+#   chunks      concurrency 64 at prefill chunks of 256 and 512 tokens (the ITL p99 / p50
+#               trade against throughput), each with a step trace for benchmarks.step_replay
+#   async-off   the engine steps with synchronous scheduling, for the asynchronous A/B
+#   suite       the whole test suite on the CUDA build of torch (README's `make test` there)
+# A step is skipped, and says so, when fewer seconds are left before SESSION_S (default 560:
+# under the device tool's 600 s a call) than its bound; rerun the rest in a second call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-/tmp/gpu-session}
+SESSION_S=${SESSION_S:-560}
+TOKENIZER=${TOKENIZER:-.gpu/tokenizer}
+mkdir -p "$OUT"
+START=$(date +%s)
+
+if [ -d .whl ]; then
+    SITE=${TMPDIR:-/tmp}/pagedserve-site
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
+        >"$OUT/setup.log" 2>&1 || echo "wheel install failed: $OUT/setup.log" >&2
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# MODEL and BENCH_ARGS change the shape (a smoke run on a CPU: MODEL=tiny-llama
+# BENCH_ARGS="--device cpu --quick").
+read -r -a EXTRA <<<"${BENCH_ARGS:-}"
+B=(python3 -m benchmarks.gpu --model "${MODEL:-llama-3-8b}" --load-format dummy
+    --tokenizer "$TOKENIZER" "${EXTRA[@]}")
+
+# name, bound in seconds, command. Bounds are estimates from earlier H100 runs of the same
+# commands (RESULTS.md, GPU section), with room for the 16 GB dummy model's warm-up.
+run_step() {
+    local name=$1 bound=$2
+    shift 2
+    local now left t0 rc
+    now=$(date +%s)
+    left=$((SESSION_S - (now - START)))
+    if [ "$left" -lt "$bound" ]; then
+        echo "$name skipped: ${left}s left, bound ${bound}s" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    echo "== $name (bound ${bound}s, ${left}s left)"
+    t0=$(date +%s)
+    timeout -k 10 "$bound" "$@" >"$OUT/$name.log" 2>&1
+    rc=$?
+    echo "$name rc=$rc $(($(date +%s) - t0))s" | tee -a "$OUT/summary.txt"
+    tail -n 40 "$OUT/$name.log"
+}
+
+step() {
+    case $1 in
+    gpu-tests) run_step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests ;;
+    kernels) run_step kernels 150 python3 -m benchmarks.kernels --targets --fused ;;
+    engine) run_step engine 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
+        --out "$OUT/engine.json" ;;
+    http) run_step http 200 "${B[@]}" --sections http --concurrency 1,64 --out "$OUT/http.json" ;;
+    chunks)
+        for chunk in 256 512; do
+            PAGEDSERVE_STEP_TRACE="$OUT/steps-chunk$chunk-{pid}.jsonl" run_step "chunk$chunk" 150 \
+                "${B[@]}" --sections http --concurrency 64 \
+                --server-args "--prefill-chunk-tokens $chunk" --out "$OUT/chunk$chunk.json"
+        done ;;
+    async-off) run_step async-off 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
+        --async-scheduling off --out "$OUT/async-off.json" ;;
+    suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
+    *) echo "unknown step: $1 (gpu-tests kernels engine http chunks async-off suite)" >&2
+        exit 2 ;;
+    esac
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv,noheader
+    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+    git log -1 --format='commit %h %s' 2>/dev/null || true
+} >"$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+if [ "$#" -eq 0 ]; then
+    set -- gpu-tests kernels engine http chunks async-off suite
+fi
+for s in "$@"; do
+    step "$s"
+done
+echo "== summary"
+cat "$OUT/summary.txt"
