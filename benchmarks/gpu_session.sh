@@ -18,6 +18,7 @@
 #   http        first request after /health and concurrency 1 and 64 through the server
 #   chunks      concurrency 64 at prefill chunks of 256 and 512 tokens (the ITL p99 / p50
 #               trade against throughput), each with a step trace for benchmarks.step_replay
+#   profile     where the closed loop's mixed steps go (host against device time)
 #   async-off   the engine steps with synchronous scheduling, for the asynchronous A/B
 #   suite       the whole test suite on the CUDA build of torch (README's `make test` there)
 # A step is skipped, and says so, when fewer seconds are left before SESSION_S (default 560:
@@ -79,10 +80,12 @@ step() {
                 "${B[@]}" --sections http --concurrency 64 \
                 --server-args "--prefill-chunk-tokens $chunk" --out "$OUT/chunk$chunk.json"
         done ;;
+    profile) run_step profile 200 "${B[@]}" --sections profile --skip-http \
+        --out "$OUT/profile.json" ;;
     async-off) run_step async-off 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
         --async-scheduling off --out "$OUT/async-off.json" ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests kernels engine http chunks async-off suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests kernels engine http chunks profile async-off suite)" >&2
         exit 2 ;;
     esac
 }
@@ -95,7 +98,7 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests kernels engine http chunks async-off suite
+    set -- gpu-tests kernels engine http chunks profile async-off suite
 fi
 for s in "$@"; do
     step "$s"
