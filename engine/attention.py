@@ -105,6 +105,19 @@ class AttentionPlan:
     ``row_block_tables`` / ``row_seq_lens`` (cpu backend only): per query token, its
     sequence's block table and the context it sees (its position + 1), so that one decode
     kernel call covers a whole step, prefill chunks included.
+
+    A mixed step (decodes and prefill chunks) attends in one of two ways:
+
+    - ``one_launch`` (triton backend, where the decode kernel would not split its contexts):
+      the prefill kernel over every row, a decode being a chunk of one query. Per layer that
+      is one launch instead of the decode kernel, the prefill kernel and the copies that
+      join their outputs: a mixed step runs attention eagerly between its graph pieces
+      (engine/piecewise_graphs.py), so each launch there is paid from Python in every layer.
+      Where the decode kernel would split (few decodes, long contexts), its split-K reads a
+      decode's context with more programs than the prefill kernel's one per KV head.
+    - otherwise the decode kernel over the first ``num_decodes`` rows and the prefill kernel
+      over the rest, whose query start locations (``prefill_query_start_loc``, counted from
+      the first prefill row) are computed once per step here.
     """
 
     meta: AttentionMetadata
@@ -112,6 +125,8 @@ class AttentionPlan:
     sliding_decode_context: DecodeContext | None = None  # the same, for sliding layers
     row_block_tables: torch.Tensor | None = None  # [num_tokens, max_num_blocks] int32
     row_seq_lens: torch.Tensor | None = None  # [num_tokens] int32
+    one_launch: bool = False
+    prefill_query_start_loc: torch.Tensor | None = None  # [num_prefills + 1] int32
 
 
 class PagedAttention:
@@ -254,8 +269,17 @@ class PagedAttention:
         nd = meta.num_decodes
         if self.backend == "cpu":
             return per_token_plan(meta)
+        mixed = 0 < nd < meta.seq_lens.shape[0]
+        if self.backend == "triton" and mixed:
+            from kernels.paged_attention import choose_num_splits
+
+            width = meta.block_tables.shape[1] * block_size
+            device = meta.seq_lens.device
+            if choose_num_splits(nd, num_kv_heads, width, device) == 1:
+                return AttentionPlan(meta, one_launch=True)
+        prefill_starts = meta.query_start_loc[nd:] - nd if mixed else None
         if self.backend != "torch" or nd == 0:
-            return AttentionPlan(meta)
+            return AttentionPlan(meta, prefill_query_start_loc=prefill_starts)
         tables, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
         return AttentionPlan(
             meta,
@@ -263,6 +287,7 @@ class PagedAttention:
             None
             if self.sliding_window is None
             else decode_context(tables, lens, block_size, num_kv_heads, self.sliding_window),
+            prefill_query_start_loc=prefill_starts,
         )
 
     def _attend_decode(
@@ -272,12 +297,14 @@ class PagedAttention:
         value_cache: torch.Tensor,
         plan: AttentionPlan,
         window: int | None,
+        out: torch.Tensor | None,
     ) -> torch.Tensor:
         context = plan.decode_context if window is None else plan.sliding_decode_context
         if context is not None:
-            return decode_over_context(
+            result = decode_over_context(
                 query, key_cache, value_cache, context, self.scale, self.softcap
             )
+            return result if out is None else out.copy_(result)
         nd = plan.meta.num_decodes
         meta = plan.meta
         return self._decode(
@@ -287,17 +314,20 @@ class PagedAttention:
             meta.block_tables[:nd],
             meta.seq_lens[:nd],
             self.scale,
-            **self._extras(window),
+            **self._extras(window, out),
         )
 
-    def _extras(self, window: int | None) -> dict[str, object]:
-        """The keyword arguments only some layers need: a kernel without them keeps its
-        plain signature."""
+    def _extras(self, window: int | None, out: torch.Tensor | None = None) -> dict[str, object]:
+        """The keyword arguments only some calls need: a kernel without them keeps its
+        plain signature (the cpu backend's C++ decode kernel takes no ``out``; it is never
+        given one, see ``__call__``)."""
         extras: dict[str, object] = {}
         if window is not None:
             extras["sliding_window"] = window
         if self.softcap is not None:
             extras["softcap"] = self.softcap
+        if out is not None:
+            extras["out"] = out
         return extras
 
     def __call__(
@@ -308,26 +338,28 @@ class PagedAttention:
         plan: AttentionPlan,
         *,
         sliding: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """``sliding``: the layer attends through the sliding window (``sliding_window``)."""
+        """``sliding``: the layer attends through the sliding window (``sliding_window``).
+        ``out`` (shaped like ``query``): written and returned instead of a new tensor."""
         meta = plan.meta
         window = self.sliding_window if sliding else None
-        extras = self._extras(window)
         if plan.row_seq_lens is not None:
-            return self._decode(
+            result = self._decode(
                 query,
                 key_cache,
                 value_cache,
                 plan.row_block_tables,
                 plan.row_seq_lens,
                 self.scale,
-                **extras,
+                **self._extras(window),
             )
+            return result if out is None else out.copy_(result)
         nd = meta.num_decodes
         num_seqs = meta.seq_lens.shape[0]
         if nd == num_seqs:
-            return self._attend_decode(query, key_cache, value_cache, plan, window)
-        if nd == 0:
+            return self._attend_decode(query, key_cache, value_cache, plan, window, out)
+        if nd == 0 or plan.one_launch:  # see AttentionPlan
             return self._prefill(
                 query,
                 key_cache,
@@ -336,20 +368,22 @@ class PagedAttention:
                 meta.query_start_loc,
                 meta.seq_lens,
                 self.scale,
-                **extras,
+                **self._extras(window, out),
             )
         # Mixed step: decodes are the first nd tokens (see engine/input_batch.py).
-        out = torch.empty_like(query)
-        out[:nd] = self._attend_decode(query[:nd], key_cache, value_cache, plan, window)
-        out[nd:] = self._prefill(
+        assert plan.prefill_query_start_loc is not None
+        if out is None:
+            out = torch.empty_like(query)
+        self._attend_decode(query[:nd], key_cache, value_cache, plan, window, out[:nd])
+        self._prefill(
             query[nd:],
             key_cache,
             value_cache,
             meta.block_tables[nd:],
-            meta.query_start_loc[nd:] - nd,
+            plan.prefill_query_start_loc,
             meta.seq_lens[nd:],
             self.scale,
-            **extras,
+            **self._extras(window, out[nd:]),
         )
         return out
 

@@ -21,7 +21,8 @@ Buffers every graph was captured over (one set, sliced per bucket):
   and positions are a previous step's or 0, valid either way);
 - ``queries``: each captured piece ends by copying its rotated queries here; attention
   reads rows ``0..n``;
-- ``attn_out``: attention's output rows ``0..n`` are copied here; the next piece reads the
+- ``attn_out``: attention writes its output rows ``0..n`` here (no copy: one launch per
+  layer where the step's plan attends in one, ``AttentionPlan``); the next piece reads the
   whole bucket (rows past ``n`` hold earlier values: finite, and read only by padding rows).
 
 Every op but attention is row-wise, so a padding row never changes a real row. A real
@@ -197,10 +198,14 @@ class PiecewiseGraphs:
     def _attend(self, cut: _Cut) -> None:
         n, plan = self._rows, self._plan
         assert plan is not None
-        out = self.attention(
-            self.queries[:n], cut.key_cache, cut.value_cache, plan, sliding=cut.sliding
+        self.attention(
+            self.queries[:n],
+            cut.key_cache,
+            cut.value_cache,
+            plan,
+            sliding=cut.sliding,
+            out=self.attn_out[:n],
         )
-        self.attn_out[:n].copy_(out)
 
     def _plan_of(self, batch: InputBatch) -> AttentionPlan:
         return self.attention.plan(batch.attn, self.storage.block_size, self.num_kv_heads)

@@ -107,3 +107,15 @@ def check_attention_inputs(
     assert block_tables.stride(1) == 1, "each block-table row must be contiguous"
     assert seq_lens.is_contiguous()
     assert query.device == key_cache.device == block_tables.device == seq_lens.device
+
+
+def check_out(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """The tensor an attention launcher writes: ``out`` where the caller gives one (shaped,
+    typed and placed like ``query``, ``head_dim`` contiguous; rows and heads at any stride,
+    e.g. rows of a larger buffer), else a new one like ``query``."""
+    if out is None:
+        return torch.empty_like(query)
+    assert out.shape == query.shape, (out.shape, query.shape)
+    assert out.dtype == query.dtype and out.device == query.device, (out.dtype, out.device)
+    assert out.stride(2) == 1, "head_dim of out must be contiguous"
+    return out

@@ -44,6 +44,7 @@ from kernels import kv_quant
 from kernels._common import (
     attention_dtype,
     check_attention_inputs,
+    check_out,
     next_power_of_2,
     num_compute_units,
 )
@@ -446,6 +447,7 @@ def paged_attention_decode(
     max_context_len: int | None = None,
     one_launch: bool | None = None,
     launch: DecodeLaunch | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens, or with
     ``sliding_window`` to the last that many (``kernels.reference.sliding_window_start``).
@@ -462,14 +464,15 @@ def paged_attention_decode(
     arrival counters are persistent, see ``arrival_counters``). A captured graph padded to
     a fixed block-table width should pass its context bucket as ``max_context_len``; a
     sequence longer than that is still attended to in full (the last split runs to the end
-    of its context), only with less parallelism.
+    of its context), only with less parallelism. ``out`` (shaped like ``query``, any row and
+    head strides): written and returned instead of a new tensor.
     """
     check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     assert seq_lens.shape == (num_seqs,), "one query token per sequence"
 
-    out = torch.empty_like(query)
+    out = check_out(out, query)
     if num_seqs == 0:
         return out
     if max_context_len is None:

@@ -35,7 +35,12 @@ import triton
 import triton.language as tl
 
 from kernels import kv_quant
-from kernels._common import attention_dtype, check_attention_inputs, next_power_of_2
+from kernels._common import (
+    attention_dtype,
+    check_attention_inputs,
+    check_out,
+    next_power_of_2,
+)
 from kernels._kv_quant_triton import hadamard_rows
 from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
@@ -172,12 +177,16 @@ def paged_attention_prefill(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     sliding_window: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """A chunk of query tokens per sequence, attending causally over its paged context (with
     ``sliding_window``, each query over the last that many keys up to itself).
 
     Requires ``seq_lens[i] >= q_len_i``; sequences with ``q_len == 0`` are allowed and
     produce nothing. Query rows not covered by ``query_start_loc`` are left unwritten.
+    ``out`` (shaped like ``query``, any row and head strides): written and returned instead
+    of a new tensor.
     """
     check_attention_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     num_tokens, num_heads, head_dim = query.shape
@@ -188,7 +197,7 @@ def paged_attention_prefill(
     assert query_start_loc.is_contiguous()
     assert query_start_loc.device == query.device
 
-    out = torch.empty_like(query)
+    out = check_out(out, query)
     if num_tokens == 0 or num_seqs == 0:
         return out
     group = num_heads // num_kv_heads

@@ -125,10 +125,13 @@ def paged_attention_decode(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens, or with
     ``sliding_window`` to the last that many of them (``sliding_window_start``); with
     ``softcap``, scores become ``softcap * tanh(scores / softcap)`` before the softmax.
+    ``out`` (shaped like ``query``): written and returned instead of a new tensor.
 
     Vectorised over sequences: each cache is gathered with one ``index_select`` into a
     padded [num_seqs * num_kv_heads, max_len, head_dim] tensor and the padding is masked, so
@@ -137,7 +140,8 @@ def paged_attention_decode(
     context = decode_context(
         block_tables, seq_lens, key_cache.shape[1], key_cache.shape[2], sliding_window
     )
-    return decode_over_context(query, key_cache, value_cache, context, scale, softcap)
+    result = decode_over_context(query, key_cache, value_cache, context, scale, softcap)
+    return result if out is None else out.copy_(result)
 
 
 def sliding_window_start(seq_len: int, sliding_window: int | None) -> int:
@@ -241,6 +245,8 @@ def paged_attention_prefill(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """A chunk of query tokens per sequence, attending causally over its paged context.
 
@@ -253,12 +259,15 @@ def paged_attention_prefill(
 
     Query ``j`` of the chunk sits at position ``seq_len - q_len + j`` and sees positions
     ``0 ..= seq_len - q_len + j``, or with ``sliding_window`` only the last
-    ``sliding_window`` of those. A decode step is the case ``q_len == 1``.
+    ``sliding_window`` of those. A decode step is the case ``q_len == 1``. ``out`` (shaped
+    like ``query``): written and returned instead of a new tensor; rows no sequence covers
+    are left as they are.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(query)
+    if out is None:
+        out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):

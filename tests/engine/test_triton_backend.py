@@ -26,3 +26,39 @@ def test_triton_backend_matches_torch_backend(tiny_llama_gqa, device):
     assert triton_llm.engine.attention_backend == "triton"
     triton_out = triton_llm.generate(prompts, params)
     assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("mixed_attention", ["one_launch", "split"])
+def test_mixed_steps_attend_in_one_launch_or_two(tiny_llama_gqa, device, mixed_attention,
+                                                 monkeypatch):  # fmt: skip
+    """A mixed step attends with the prefill kernel over every row where the decode kernel
+    would not split its contexts, else with both kernels writing into one output
+    (``AttentionPlan``): the same greedy tokens as the torch reference either way."""
+    import kernels.paged_attention
+    from engine.attention import AttentionPlan, PagedAttention
+
+    if mixed_attention == "split":  # the decode rows' kernel would split: two launches
+        monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", lambda *a: 4)
+    plans: list[AttentionPlan] = []
+    plan = PagedAttention.plan
+
+    def spy(self, *args, **kwargs):
+        plans.append(plan(self, *args, **kwargs))
+        return plans[-1]
+
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 30, 5, 44)]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    kwargs = dict(block_size=8, max_num_batched_tokens=16, device=device, dtype="float32",
+                  num_kv_blocks=64)  # fmt: skip
+    expected = LLM(str(tiny_llama_gqa), attention_backend="torch", **kwargs).generate(
+        prompts, params
+    )
+    llm = LLM(str(tiny_llama_gqa), attention_backend="triton", **kwargs)
+    monkeypatch.setattr(PagedAttention, "plan", spy)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    mixed = [p for p in plans if 0 < p.meta.num_decodes < p.meta.seq_lens.shape[0]]
+    assert mixed, "the workload must make mixed steps"
+    assert all(p.one_launch == (mixed_attention == "one_launch") for p in mixed)

@@ -522,3 +522,20 @@ def test_compile_variants_leaves_nothing_for_traffic_to_compile(paged_kv, device
                  num_kv_heads=2, group=4, head_dim=64, dtype=torch.float32,
                  num_splits=num_splits)  # fmt: skip
     assert _compiled_variants() == before
+
+
+def test_out_rows_of_a_larger_buffer(paged_kv, close, device):
+    """``out=`` a view of some rows of a wider buffer (a mixed step writes its decode rows
+    into the head of the step's output): written in place, other rows untouched."""
+    kv = paged_kv([9, 33, 17], block_size=8, num_kv_heads=2, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    query = torch.randn(3, 8, 64, device=device)
+    buffer = torch.full((5, 8, 64), 7.0, device=device)
+    out = paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                 kv.seq_lens, 0.125, out=buffer[1:4])  # fmt: skip
+    assert out.data_ptr() == buffer[1:4].data_ptr()
+    expected = reference.paged_attention_decode(
+        query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, kv.seq_lens, 0.125
+    )
+    close(buffer[1:4], expected)
+    assert bool((buffer[0] == 7.0).all()) and bool((buffer[4] == 7.0).all())

@@ -125,3 +125,27 @@ def test_rejects_bad_query_start_loc(device):
 def test_compiles_for_sm90(sm90_build_errors):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors["prefill"] is None, sm90_build_errors["prefill"]
+
+
+def test_out_rows_of_a_larger_buffer(paged_kv, close, device):
+    """``out=`` a view of some rows of a wider buffer (the piecewise graphs' attention
+    output): the covered rows are written in place, the rows past them left as they were."""
+    kv = paged_kv([17, 40], block_size=8, num_kv_heads=2, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    query_start_loc = torch.tensor([0, 1, 6], dtype=torch.int32, device=device)
+    query = torch.randn(6, 6, 64, device=device)
+    buffer = torch.full((8, 6, 64), 7.0, device=device)
+    out = paged_attention_prefill(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                  query_start_loc, kv.seq_lens, 0.125, out=buffer[:6])  # fmt: skip
+    assert out.data_ptr() == buffer.data_ptr()
+    expected = reference.paged_attention_prefill(
+        query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, query_start_loc,
+        kv.seq_lens, 0.125,
+    )  # fmt: skip
+    close(buffer[:6], expected)
+    assert bool((buffer[6:] == 7.0).all())
+    again = reference.paged_attention_prefill(
+        query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, query_start_loc,
+        kv.seq_lens, 0.125, out=torch.zeros_like(query),
+    )  # fmt: skip
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
