@@ -20,7 +20,8 @@
 #               trade against throughput), each with a step trace for benchmarks.step_replay
 #   profile     where the closed loop's mixed steps go (host against device time)
 #   async-off   the engine steps with synchronous scheduling, for the asynchronous A/B
-#   suite       the whole test suite on the CUDA build of torch (README's `make test` there)
+#   suite       the whole test suite on the CUDA build of torch (README's `make test` there);
+#               modules whose `test` extra packages the image lacks fail to import, by name
 # A step is skipped, and says so, when fewer seconds are left before SESSION_S (default 560:
 # under the device tool's 600 s a call) than its bound; rerun the rest in a second call.
 set -uo pipefail
