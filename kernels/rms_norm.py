@@ -27,7 +27,7 @@ import triton.language as tl
 from kernels._common import SUPPORTED_DTYPES, next_power_of_2
 from kernels._triton_common import round_args, round_to
 
-__all__ = ["add_rms_norm_", "rms_norm"]
+__all__ = ["add_rms_norm_", "choose_num_warps", "rms_norm"]
 
 
 @triton.jit
@@ -61,6 +61,12 @@ def _rms_norm_kernel(
     tl.store(out_ptr + token * HIDDEN_SIZE + offs, (normed * w).to(DTYPE), mask=mask)
 
 
+def choose_num_warps(hidden_size: int) -> int:
+    """The warps of a launch over rows of ``hidden_size``: a row of 4,096 is 16 values a
+    thread at 8 warps; wider rows get more warps (at most 16), narrower ones at least 4."""
+    return min(16, max(4, next_power_of_2(hidden_size) // 512))
+
+
 def _launch(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -82,8 +88,7 @@ def _launch(
         out, x, x if residual is None else residual, weight, eps,
         x.stride(0), 0 if residual is None else residual.stride(0),
         HIDDEN_SIZE=hidden_size, HIDDEN_PAD=hidden_pad, HAS_RESIDUAL=residual is not None,
-        # A row of 4,096 is 16 values a thread at 8 warps; wider rows get more warps.
-        num_warps=min(16, max(4, hidden_pad // 512)),
+        num_warps=choose_num_warps(hidden_size),
         **round_args(_rms_norm_kernel, x.dtype),
     )  # fmt: skip
     return out

@@ -40,7 +40,11 @@ from kernels._kv_quant_triton import (
 )
 from kernels._triton_common import round_args, round_to
 
-__all__ = ["rope_and_store_"]
+__all__ = ["COMPILE_OPTIONS", "choose_block_h", "rope_and_store_"]
+
+# The compile options of every launch. No fp fusion: x * cos + r * sin must not become an
+# FMA, so that the result is bitwise torch's.
+COMPILE_OPTIONS: dict[str, object] = {"num_warps": 4, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -164,6 +168,16 @@ def _rope_and_store_kernel(
         tl.store(value_cache_ptr + dst + HALF, v2, mask=k_mask)
 
 
+def choose_block_h(num_rows: int, head_dim: int) -> int:
+    """The default tile: Q/K heads (of ``num_rows``) a program rotates, a power of two.
+
+    About 4,096 values of Q/K a program (32 heads of 128): Llama-3-8B's 40 rows are two
+    programs a token. Rows are heads, so a program never splits one. (``--fused`` in
+    benchmarks/kernels.py also times tiles of 8 heads: 5 programs a token, none masked.)
+    """
+    return min(next_power_of_2(num_rows), max(1, 4096 // head_dim))
+
+
 def rope_and_store_(
     qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
     cos: torch.Tensor,  # [num_tokens, head_dim] (or [num_tokens, 1, head_dim]), qkv's dtype
@@ -209,11 +223,8 @@ def rope_and_store_(
     if num_tokens == 0:
         return q
     num_rows = num_heads + num_kv_heads
-    # About 4,096 values of Q/K a program (32 heads of 128): Llama-3-8B's 40 rows are two
-    # programs a token. Rows are heads, so a program never splits one. (``--fused`` in
-    # benchmarks/kernels.py also times tiles of 8 heads: 5 programs a token, none masked.)
     if block_h is None:
-        block_h = min(next_power_of_2(num_rows), max(1, 4096 // head_dim))
+        block_h = choose_block_h(num_rows, head_dim)
     assert block_h >= 1 and block_h == next_power_of_2(block_h), block_h
     _rope_and_store_kernel[(num_tokens, triton.cdiv(num_rows, block_h))](
         qkv, cos, sin, key_cache, value_cache, slot_mapping, offset_ptr,
@@ -221,10 +232,9 @@ def rope_and_store_(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HALF_PAD=next_power_of_2(head_dim // 2), BLOCK_H=block_h, BLOCK_SIZE=block_size,
-        num_warps=4,
-        enable_fp_fusion=False,  # x * cos + r * sin must not become an FMA (bitwise torch)
         HAS_KEY_OFFSET=has_offset,
         **round_args(_rope_and_store_kernel, qkv.dtype),
         **quant_args(_rope_and_store_kernel, key_cache),
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     return q

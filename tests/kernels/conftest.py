@@ -189,203 +189,37 @@ def build_paged_kv(
     )
 
 
-# The compiled (non-interpreted) kernels, built for an H100 (sm_90) in one child process: the
-# kernels in this process are interpreted, and triton.compile needs the real @triton.jit
-# functions. Compiling needs no GPU (Triton ships ptxas), so CPU-only CI still proves that the
-# GPU path builds. Arg types use Triton's names; stride_* default to i64; "tl.<dtype>"
-# constexprs become Triton dtypes.
-_BF16_ATTENTION_ARGS = dict(
-    query_ptr="*bf16",
-    key_cache_ptr="*bf16",
-    value_cache_ptr="*bf16",
-    block_tables_ptr="*i32",
-    seq_lens_ptr="*i32",
-    qk_scale="fp32",
-    sliding_window="i32",
-)
-# The quantized KV cache's constexprs (kernels/_kv_quant_triton.quant_args) per cache type.
-_NOT_QUANTIZED = dict(
-    QUANTIZED=False, QMAX=0.0, ROUND_TO_INT=False, SOFT_FP8_ROUND=False, HADAMARD_BLOCK=1
-)
-_QUANTIZED = {
-    "int8": ("*i8", dict(QUANTIZED=True, QMAX=127.0, ROUND_TO_INT=True, SOFT_FP8_ROUND=False)),
-    "fp8": ("*fp8e4nv", dict(QUANTIZED=True, QMAX=448.0, ROUND_TO_INT=False, SOFT_FP8_ROUND=False)),
-}
-# kv_quant.hadamard_block of the builds' head dims (64 for store_kv, 128 for rope_and_store)
-_HADAMARD = {64: dict(HADAMARD_BLOCK=32), 128: dict(HADAMARD_BLOCK=64)}
-SM90_BUILDS: dict[str, tuple[str, str, dict[str, str], dict[str, object]]] = {
-    "store_kv": (
-        "kernels.store_kv", "_store_kv_kernel",
-        dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr="*bf16", value_cache_ptr="*bf16",
-             slot_mapping_ptr="*i64", key_offset_ptr="*bf16"),
-        dict(NUM_KV_HEADS=3, HEAD_DIM=64, KV_HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-             HAS_KEY_OFFSET=False, **_NOT_QUANTIZED),
-    ),
-    **{
-        f"store_kv_{name}": (
-            "kernels.store_kv", "_store_kv_kernel",
-            dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr=ptr, value_cache_ptr=ptr,
-                 slot_mapping_ptr="*i64", key_offset_ptr="*fp32"),
-            dict(NUM_KV_HEADS=3, HEAD_DIM=64, KV_HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-                 HAS_KEY_OFFSET=True, **quant, **_HADAMARD[64]),
-        )
-        for name, (ptr, quant) in _QUANTIZED.items()
-    },
-    # decode: unsplit, split with the second merge kernel, split merged in the same launch
-    # (atomic arrival counters; at the Llama-3-8B shape too)
-    **{
-        f"decode_{mode}": (
-            "kernels.paged_attention", "_paged_attention_decode_kernel",
-            dict(_BF16_ATTENTION_ARGS, out_ptr="*fp32" if split else "*bf16", lse_ptr="*fp32",
-                 final_out_ptr="*bf16", counters_ptr="*i32", tokens_per_split="i32"),
-            dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=16, HEAD_DIM=head_dim,
-                 HEAD_DIM_PAD=head_dim, BLOCK_SIZE=16, TILE_N=64, SPLIT=split, COMBINE=combine,
-                 SPLITS_PAD=8 if combine else 1, DOT_DTYPE="tl.bfloat16",
-                 DOT_PRECISION="tf32", QUANTIZED=False, HADAMARD_BLOCK=1),
-        )
-        for mode, split, combine, group, head_dim in (
-            ("split=False", False, False, 3, 64), ("split=True", True, False, 3, 64),
-            ("one_launch", True, True, 3, 64), ("one_launch_llama3", True, True, 4, 128),
-        )
-    },
-    **{
-        f"decode_{name}{suffix}": (
-            "kernels.paged_attention", "_paged_attention_decode_kernel",
-            dict(_BF16_ATTENTION_ARGS, key_cache_ptr=ptr, value_cache_ptr=ptr,
-                 out_ptr="*fp32" if combine else "*bf16", lse_ptr="*fp32",
-                 final_out_ptr="*bf16", counters_ptr="*i32", tokens_per_split="i32"),
-            dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=16, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_SIZE=16,
-                 TILE_N=64, SPLIT=combine, COMBINE=combine, SPLITS_PAD=8 if combine else 1,
-                 DOT_DTYPE="tl.bfloat16",
-                 DOT_PRECISION="tf32", QUANTIZED=True, **_HADAMARD[64]),
-        )
-        for name, (ptr, _) in _QUANTIZED.items()
-        for suffix, combine in (("", False), ("_one_launch", True))
-    },
-    **{
-        name: (
-            "kernels.rms_norm", "_rms_norm_kernel",
-            dict(out_ptr="*bf16", x_ptr="*bf16", residual_ptr="*bf16", weight_ptr="*bf16",
-                 eps="fp32"),
-            dict(HIDDEN_SIZE=576, HIDDEN_PAD=1024, HAS_RESIDUAL=has_residual,
-                 DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
-        )
-        for name, has_residual in (("rms_norm", False), ("add_rms_norm", True))
-    },
-    "silu_mul": (
-        "kernels.silu_mul", "_silu_mul_kernel",
-        dict(out_ptr="*bf16", gate_up_ptr="*bf16"),
-        dict(INTERMEDIATE_SIZE=1536, BLOCK=1024, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False),
-    ),
-    **{
-        f"quant_matmul_{mode}": (
-            "kernels.quant_matmul", "_quant_matmul_kernel",
-            dict(out_ptr="*bf16", x_ptr="*bf16", weight_ptr="*i8" if mode == "int8" else "*u8",
-                 scale_ptr="*fp32", bias_ptr="*bf16", M="i32", N="i32", K="i32"),
-            dict(HAS_BIAS=bias, FP8=mode == "fp8", BLOCK_M=block[0], BLOCK_N=block[1],
-                 BLOCK_K=block[2], DTYPE="tl.bfloat16", DOT_DTYPE="tl.bfloat16",
-                 DOT_PRECISION="tf32"),
-        )
-        # the decode tiles (kernels.quant_matmul.tile_shape) and the larger batches'
-        for mode, bias, block in (("int8", False, (16, 32, 128)), ("fp8", True, (64, 64, 64)))
-    },
-    # the split-K decode kernel (kernels.quant_matmul.choose_launch): one row without tl.dot,
-    # finished in the same kernel; a few rows on tl.dot into partials; a broadcast tile of
-    # 4 rows at 8 warps (the sweep's shapes); the partials' reduction
-    **{
-        f"quant_matmul_split_k_{name}": (
-            "kernels.quant_matmul", "_quant_matmul_split_k_kernel",
-            dict(out_ptr="*bf16", partial_ptr="*fp32" if split else "*bf16", x_ptr="*bf16",
-                 weight_ptr="*i8" if mode == "int8" else "*u8", scale_ptr="*fp32",
-                 bias_ptr="*bf16", M="i32", N="i32", K="i32", k_per_split="i32"),
-            dict(HAS_BIAS=bias, FP8=mode == "fp8", SPLIT=split, DOT=dot, BLOCK_M=block[0],
-                 BLOCK_N=block[1], BLOCK_K=block[2], NUM_STAGES=3, DTYPE="tl.bfloat16",
-                 DOT_DTYPE="tl.bfloat16", DOT_PRECISION="tf32"),
-        )
-        for name, mode, bias, split, dot, block in (
-            ("int8_row", "int8", True, False, False, (1, 256, 64)),
-            ("int8_dot", "int8", False, True, True, (16, 128, 64)),
-            ("fp8_row", "fp8", False, True, False, (1, 256, 32)),
-            ("fp8_dot", "fp8", True, False, True, (16, 64, 128)),
-            ("int8_rows4", "int8", False, True, False, (4, 128, 32)),
-        )
-    },
-    "quant_matmul_reduce_splits": (
-        "kernels.quant_matmul", "_reduce_splits_kernel",
-        dict(out_ptr="*bf16", partial_ptr="*fp32", scale_ptr="*fp32", bias_ptr="*bf16",
-             M="i32", N="i32", num_splits="i32"),
-        dict(HAS_BIAS=True, SPLITS_PAD=16, BLOCK_N=256, DTYPE="tl.bfloat16"),
-    ),
-    **{
-        name: (
-            "kernels.rope_and_store", "_rope_and_store_kernel",
-            dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr="*bf16",
-                 value_cache_ptr="*bf16", slot_mapping_ptr="*i64", key_offset_ptr="*bf16"),
-            dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=block_h,
-                 BLOCK_SIZE=16, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False,
-                 HAS_KEY_OFFSET=False, **_NOT_QUANTIZED),
-        )
-        # the default tile (32 heads) and the benchmark's alternative (8)
-        for name, block_h in (("rope_and_store", 32), ("rope_and_store_h8", 8))
-    },
-    **{
-        f"rope_and_store_{name}": (
-            "kernels.rope_and_store", "_rope_and_store_kernel",
-            dict(qkv_ptr="*bf16", cos_ptr="*bf16", sin_ptr="*bf16", key_cache_ptr=ptr,
-                 value_cache_ptr=ptr, slot_mapping_ptr="*i64", key_offset_ptr="*fp32"),
-            dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF_PAD=64, BLOCK_H=32,
-                 BLOCK_SIZE=16, DTYPE="tl.bfloat16", SOFT_BF16_ROUND=False, HAS_KEY_OFFSET=True,
-                 **quant, **_HADAMARD[128]),
-        )
-        for name, (ptr, quant) in _QUANTIZED.items()
-    },
-    "reduce_splits": (
-        "kernels.paged_attention", "_reduce_splits_kernel",
-        dict(out_ptr="*bf16", partial_out_ptr="*fp32", lse_ptr="*fp32", num_splits="i32"),
-        dict(SPLITS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128),
-    ),
-    # num_seqs is not specialised (kernels/prefill_attention.py), so one variant serves
-    # every batch, one sequence included.
-    "prefill": (
-        "kernels.prefill_attention", "_paged_attention_prefill_kernel",
-        dict(_BF16_ATTENTION_ARGS, out_ptr="*bf16", query_start_loc_ptr="*i32", num_seqs="i32"),
-        dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, HEAD_DIM=64,
-             HEAD_DIM_PAD=64, BLOCK_SIZE=16, TILE_N=64, DOT_DTYPE="tl.bfloat16",
-             DOT_PRECISION="tf32", QUANTIZED=False, HADAMARD_BLOCK=1),
-    ),
-    **{
-        f"prefill_{name}": (
-            "kernels.prefill_attention", "_paged_attention_prefill_kernel",
-            dict(_BF16_ATTENTION_ARGS, key_cache_ptr=ptr, value_cache_ptr=ptr, out_ptr="*bf16",
-                 query_start_loc_ptr="*i32", num_seqs="i32"),
-            dict(NUM_QUERIES_PER_KV=3, GROUP_PAD=4, BLOCK_Q=16, BLOCK_M=64, HEAD_DIM=64,
-                 HEAD_DIM_PAD=64, BLOCK_SIZE=16, TILE_N=64, DOT_DTYPE="tl.bfloat16",
-                 DOT_PRECISION="tf32", QUANTIZED=True, **_HADAMARD[64]),
-        )
-        for name, (ptr, _) in _QUANTIZED.items()
-    },
-}  # fmt: skip
-
+# Compiles the builds in the JSON file argv[1] (name -> tests/kernels/sm90_builds.py's Sm90Build
+# as a dict) and
+# prints name -> None or the error text, as JSON. Options a build names that Triton's CUDA
+# backend does not know are an error (triton.compile would drop them silently).
 _COMPILE_SCRIPT = r"""
 import importlib, json, sys, traceback
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDAOptions
 from triton.compiler import ASTSource
 
 results = {}
-for name, (module, kernel, signature, constexprs) in json.loads(sys.argv[1]).items():
+for name, build in json.load(open(sys.argv[1])).items():
     try:
-        fn = getattr(importlib.import_module(module), kernel)
+        fn = getattr(importlib.import_module(build["module"]), build["kernel"])
         constexprs = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v
-                      for k, v in constexprs.items()}
+                      for k, v in build["constexprs"].items()}
         names = fn.arg_names
+        unknown = sorted(set(constexprs).union(build["signature"]) - set(names))
+        assert not unknown, f"{build['kernel']} has no arguments {unknown}"
         full = {n: "constexpr" if n in constexprs else
-                signature.get(n, "i64" if n.startswith("stride_") else None) for n in names}
+                build["signature"].get(n, "i64" if n.startswith("stride_") else None)
+                for n in names}
         missing = [n for n, t in full.items() if t is None]
         assert not missing, f"no type for {missing}"
+        options = build["options"]
+        unknown = sorted(set(options) - set(CUDAOptions.__dataclass_fields__))
+        assert not unknown, f"not triton.compile options: {unknown}"
         src = ASTSource(fn=fn, signature=full,
                         constexprs={(names.index(k),): v for k, v in constexprs.items()})
-        triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         results[name] = None
     except Exception:
         results[name] = traceback.format_exc()[-3000:]
@@ -408,19 +242,42 @@ def cpu_flags() -> frozenset[str]:
 
 
 @pytest.fixture(scope="session")
-def sm90_build_errors() -> dict[str, str | None]:
-    """``SM90_BUILDS`` name -> None if it compiled for sm_90, else the error text."""
+def sm90_build_errors(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    """tests/kernels/sm90_builds.py's ``SM90_BUILDS`` name -> None if it compiled for
+    sm_90, else the error text.
+
+    The builds are dealt round-robin to one child process per CPU this process may use
+    (at most 4): a compile runs on one thread, and neighbouring builds (one kernel in
+    several dtypes or launches) cost alike, so the children get like shares.
+    """
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its CUDA backend")
+    from tests.kernels.sm90_builds import build_specs
+
+    specs = list(build_specs().items())
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    num_children = max(1, min(4, cpus or 1, len(specs)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(SM90_BUILDS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    folder = tmp_path_factory.mktemp("sm90")
+    children = []
+    for i in range(num_children):
+        builds, out, err = (folder / f"{i}.{ext}" for ext in ("json", "out", "err"))
+        builds.write_text(json.dumps(dict(specs[i::num_children])))
+        with out.open("w") as stdout, err.open("w") as stderr:
+            command = [sys.executable, "-c", _COMPILE_SCRIPT, str(builds)]
+            children.append((subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env),
+                             out, err))  # fmt: skip
+    errors: dict[str, str | None] = {}
+    try:
+        for child, out, err in children:
+            returncode = child.wait(timeout=600)
+            assert returncode == 0, err.read_text()[-4000:]
+            errors.update(json.loads(out.read_text().strip().splitlines()[-1]))
+    finally:
+        for child, _, _ in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    return errors
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from kernels.paged_attention import (
     choose_num_splits,
     paged_attention_decode,
 )
+from tests.kernels.sm90_builds import builds_of
 
 
 def ragged_lens(block_size: int) -> list[int]:
@@ -465,11 +466,7 @@ class TestChooseNumSplits:
         assert choose_num_splits(1, 1, 10**6, torch.device("cpu")) == 1
 
 
-@pytest.mark.parametrize(
-    "build",
-    ["decode_split=False", "decode_split=True", "reduce_splits", "decode_one_launch",
-     "decode_one_launch_llama3", "decode_int8_one_launch", "decode_fp8_one_launch"],
-)  # fmt: skip
+@pytest.mark.parametrize("build", builds_of("paged_attention"))
 def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors[build] is None, sm90_build_errors[build]

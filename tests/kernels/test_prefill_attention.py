@@ -12,6 +12,7 @@ import torch
 
 from kernels import reference
 from kernels.prefill_attention import paged_attention_prefill
+from tests.kernels.sm90_builds import builds_of
 
 
 def chunks(block_size: int) -> list[tuple[int, int]]:
@@ -122,9 +123,10 @@ def test_rejects_bad_query_start_loc(device):
                                 seq_lens, 1.0)  # fmt: skip
 
 
-def test_compiles_for_sm90(sm90_build_errors):
+@pytest.mark.parametrize("build", builds_of("prefill_attention"))
+def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
-    assert sm90_build_errors["prefill"] is None, sm90_build_errors["prefill"]
+    assert sm90_build_errors[build] is None, sm90_build_errors[build]
 
 
 def test_out_rows_of_a_larger_buffer(paged_kv, close, device):

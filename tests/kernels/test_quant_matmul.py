@@ -33,6 +33,7 @@ from kernels.quant_matmul import (
     split_k_rows,
     tile_shape,
 )
+from tests.kernels.sm90_builds import builds_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODES = ["int8", "fp8"]
@@ -226,12 +227,7 @@ def test_split_k_graph_replay_is_bitwise_eager():
         assert torch.equal(out, quant_matmul(x, q, scale, b, launch=launch))
 
 
-@pytest.mark.parametrize(
-    "build",
-    ["quant_matmul_int8", "quant_matmul_fp8", "quant_matmul_reduce_splits"]
-    + [f"quant_matmul_split_k_{name}"
-       for name in ("int8_row", "int8_dot", "fp8_row", "fp8_dot", "int8_rows4")],
-)  # fmt: skip
+@pytest.mark.parametrize("build", builds_of("quant_matmul"))
 def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors[build] is None, sm90_build_errors[build]

@@ -16,6 +16,7 @@ import torch
 from engine.attention import PagedAttention
 from kernels import reference
 from kernels.rope_and_store import rope_and_store_
+from tests.kernels.sm90_builds import builds_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -137,7 +138,7 @@ def test_reference_is_the_engine_op(dtype):
     assert torch.equal(key_cache, engine_k) and torch.equal(value_cache, engine_v)
 
 
-@pytest.mark.parametrize("build", ["rope_and_store", "rope_and_store_h8"])
+@pytest.mark.parametrize("build", builds_of("rope_and_store"))
 def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors[build] is None, sm90_build_errors[build]

@@ -17,6 +17,7 @@ import torch
 from engine.llama import SiluAndMul
 from kernels import reference
 from kernels.silu_mul import BLOCK, silu_mul
+from tests.kernels.sm90_builds import builds_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -54,7 +55,7 @@ def test_reference_is_the_engine_op(dtype):
     assert torch.equal(reference.silu_mul(gate_up), SiluAndMul()(gate_up))
 
 
-@pytest.mark.parametrize("build", ["silu_mul"])
+@pytest.mark.parametrize("build", builds_of("silu_mul"))
 def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors[build] is None, sm90_build_errors[build]

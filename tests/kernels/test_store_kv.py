@@ -11,6 +11,7 @@ import torch
 
 from kernels import reference
 from kernels.store_kv import store_kv
+from tests.kernels.sm90_builds import builds_of
 
 
 def random_slots(num_tokens: int, num_blocks: int, block_size: int, device) -> torch.Tensor:
@@ -125,7 +126,7 @@ def test_rejects_wrong_head_count(device):
                                                                       device=device))  # fmt: skip
 
 
-@pytest.mark.parametrize("build", ["store_kv"])
+@pytest.mark.parametrize("build", builds_of("store_kv"))
 def test_compiles_for_sm90(sm90_build_errors, build):
     """The compiled (non-interpreted) kernel builds for an H100, even on a CPU-only machine."""
     assert sm90_build_errors[build] is None, sm90_build_errors[build]
