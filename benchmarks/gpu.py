@@ -86,7 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--sections", default="batch1,prefill,decode,offline,http",
         help="comma-separated subset of batch1,prefill,decode,offline,http,profile "
-        "(profile: where a batch-1 step's time goes, and the offline run step by step)",
+        "(profile: where a batch-1 step's time goes, a closed loop at c=64 (with the Triton "
+        "kernels: mixed steps attending in one launch against two), and the offline run step "
+        "by step)",
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     return ap.parse_args(argv)
@@ -264,10 +266,13 @@ def profile_closed_loop(
                 add()
     times = sorted(dt for dt, _ in steps)
     p50, p99 = times[len(times) // 2], times[int(0.99 * (len(times) - 1))]
+    mixed = [dt for dt, st in steps if st.num_prefill_tokens and st.num_decode_tokens]
+    mixed_mean = statistics.mean(mixed) if mixed else None
     print(
         f"closed loop c={concurrency}, {num} x {prompt_len} in / {output_len} out: "
         f"{len(steps)} steps, step p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms, "
-        f"max {times[-1] * 1e3:.2f} ms",
+        f"max {times[-1] * 1e3:.2f} ms; {len(mixed)} mixed steps"
+        + (f", {mixed_mean * 1e3:.2f} ms each" if mixed_mean else ""),
         flush=True,
     )
     for i, (dt, st) in enumerate(steps):
@@ -278,7 +283,35 @@ def profile_closed_loop(
                 f"phases (ms) {_phase_means([st])}",
                 flush=True,
             )
-    return {"step_p50_s": p50, "step_p99_s": p99, "step_max_s": times[-1]}
+    return {
+        "step_p50_s": p50, "step_p99_s": p99, "step_max_s": times[-1],
+        "mixed_steps": len(mixed), "mixed_step_mean_s": mixed_mean,
+    }  # fmt: skip
+
+
+def profile_mixed_attention(
+    engine: LLMEngine, concurrency: int, prompt_len: int, output_len: int, num: int
+) -> dict[str, Any]:
+    """The closed loop twice on one engine: mixed steps attending in one launch where the
+    decode kernel would not split (the default, ``engine.attention.AttentionPlan``), then
+    with the decode and prefill kernels launched apart in every mixed step."""
+    import kernels.paged_attention as decode_kernel
+
+    one = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
+    chosen = decode_kernel.choose_num_splits
+    decode_kernel.choose_num_splits = lambda *args: 2  # type: ignore[assignment]
+    try:
+        print("the same with the decode and prefill kernels launched apart:", flush=True)
+        two = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
+    finally:
+        decode_kernel.choose_num_splits = chosen
+    if one["mixed_step_mean_s"] and two["mixed_step_mean_s"]:
+        print(
+            f"mixed steps, two launches / one: "
+            f"{two['mixed_step_mean_s'] / one['mixed_step_mean_s']:.2f}x",
+            flush=True,
+        )
+    return {"one_launch": one, "two_launches": two}
 
 
 def profile_offline(llm: LLM, num: int, prompt_len: int, output_len: int) -> dict[str, Any]:
@@ -559,9 +592,14 @@ def main(argv: list[str] | None = None) -> int:
         prof: dict[str, Any] = {"batch1": profile_decode(engine, 1, 128, 32)}
         if max_seqs >= 256:
             prof["batch256"] = profile_decode(engine, 256, context, 8)
-        prof["closed_loop"] = profile_closed_loop(
-            engine, min(64, max_seqs), 128, tpot_tokens, 3 * min(64, max_seqs)
-        )
+        if engine.attention_backend == "triton":
+            prof["closed_loop"] = profile_mixed_attention(
+                engine, min(64, max_seqs), 128, tpot_tokens, 3 * min(64, max_seqs)
+            )
+        else:
+            prof["closed_loop"] = profile_closed_loop(
+                engine, min(64, max_seqs), 128, tpot_tokens, 3 * min(64, max_seqs)
+            )
         prof["offline"] = profile_offline(llm, num, pin, pout)
         # The same engine (graphs captured, kernels compiled) with the chunk limit lifted:
         # every step may prefill up to max_num_batched_tokens (already so on CUDA).
