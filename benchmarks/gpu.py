@@ -76,6 +76,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="8-bit KV cache rows (the engine line prints the pool's tokens)",
     )  # fmt: skip
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument(
+        "--prefill-chunk-tokens", type=int, default=None,
+        help="most prompt tokens a step computes when more are waiting (engine and server); "
+             "default: the engine's (the whole step budget on a GPU)",
+    )  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not figures")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--concurrency", default="1,16,64")
@@ -413,6 +418,7 @@ def server_command(args: argparse.Namespace, max_num_seqs: int) -> str:
         ("--tokenizer", args.tokenizer),
         ("--quantization", args.quantization),
         ("--kv-cache-dtype", None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
+        ("--prefill-chunk-tokens", args.prefill_chunk_tokens),
     ):
         if value:
             flags += f" {flag} {value}"
@@ -515,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         async_scheduling=ASYNC_CHOICES[args.async_scheduling],
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )  # fmt: skip
     engine = llm.engine
     print(

@@ -16,8 +16,10 @@
 #   kernels     decode attention and fused ops against their targets (make test-gpu's second)
 #   engine      batch-1 MBU, decode steps 16/64/256, offline 512/256 (benchmarks.gpu)
 #   http        first request after /health and concurrency 1 and 64 through the server
-#   chunks      concurrency 64 at prefill chunks of 256 and 512 tokens (the ITL p99 / p50
-#               trade against throughput), each with a step trace for benchmarks.step_replay
+#   chunks      prefill chunks of 256 and 512 tokens against the default (the whole step
+#               budget): offline throughput, the c=64 closed loop's mixed steps and HTTP at
+#               concurrency 64 (the ITL p99 / p50 trade against throughput), each run with a
+#               step trace for benchmarks.step_replay
 #   profile     where the closed loop's mixed steps go (host against device time)
 #   async-off   the engine steps with synchronous scheduling, for the asynchronous A/B
 #   suite       the whole test suite on the CUDA build of torch (README's `make test` there);
@@ -77,9 +79,9 @@ step() {
     http) run_step http 200 "${B[@]}" --sections http --concurrency 1,64 --out "$OUT/http.json" ;;
     chunks)
         for chunk in 256 512; do
-            PAGEDSERVE_STEP_TRACE="$OUT/steps-chunk$chunk-{pid}.jsonl" run_step "chunk$chunk" 150 \
-                "${B[@]}" --sections http --concurrency 64 \
-                --server-args "--prefill-chunk-tokens $chunk" --out "$OUT/chunk$chunk.json"
+            PAGEDSERVE_STEP_TRACE="$OUT/steps-chunk$chunk-{pid}.jsonl" run_step "chunk$chunk" 240 \
+                "${B[@]}" --sections offline,http --concurrency 64 \
+                --prefill-chunk-tokens "$chunk" --out "$OUT/chunk$chunk.json"
         done ;;
     profile) run_step profile 200 "${B[@]}" --sections profile --skip-http \
         --out "$OUT/profile.json" ;;
