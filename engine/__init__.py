@@ -1,8 +1,8 @@
 """engine: model loading, the Llama model, the runner, the sampler and the step loop.
 
-Ownership: the engine owns the model weights, the sampler's generators and the structured-
-output grammars and matchers (engine/structured.py); it turns the scheduler's output into
-tensors and never makes scheduling decisions.
+Ownership: the engine owns the model weights, the sampler's shared generator, the speculator's
+per-request generators and the structured-output grammars and matchers (engine/structured.py);
+it turns the scheduler's output into tensors and never makes scheduling decisions.
 
 Re-exports are resolved lazily, so ``from engine.config import ModelConfig`` (the capacity
 planner, the server's flag parsing) does not pay for importing torch and transformers.

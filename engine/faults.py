@@ -22,8 +22,10 @@ What it costs and what it cannot do. A poisoned row costs about 2·log2(rows) ex
 passes in the step where it fails. A failure that is not about one row (a broken device, an
 allocation that the whole batch is too big for) either goes away in the smaller batches (then
 nobody fails) or reaches every row alone (then every row fails): the outcome is honest either
-way. A seeded sampled request in the failed batch may draw differently from its run alone,
-because the failed attempt may already have advanced its generator.
+way. A seeded request's plain samples are those of its run alone (the sampler's noise is a
+function of the seed and the output position only), but a speculative row's verification may
+draw differently, because the failed attempt may already have advanced the speculator's
+generator for it.
 
 Tests engineer per-request failures with tests/engine/fault_runner.py, which wraps a built
 engine's runner; nothing in the serving path injects faults.

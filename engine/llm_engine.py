@@ -350,11 +350,10 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
-        if self._in_flight is not None:  # finished at launch: forgotten once read
-            live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)
-        self.sampler.check_integrity(live)
         if self.structured is not None:
+            live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
+            if self._in_flight is not None:  # finished at launch: forgotten once read
+                live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)
             self.structured.check_integrity(live | set(self._awaiting_grammar))
 
     # ---- the step -------------------------------------------------------------------------
@@ -552,9 +551,9 @@ class LLMEngine:
         return outputs
 
     def _forget_ended(self, outputs: list[RequestOutput]) -> None:
-        """Forget again the sampling state of the requests this step's outputs finish: those
-        the read of the step before ended (EOS, a stop token) still had a row in this step,
-        and sampling that row made a seeded generator for them again."""
+        """Forget again the requests this step's outputs finish: those the read of the step
+        before ended (EOS, a stop token) still had a row in this step, and whatever state
+        that row's work made for them again must go with them (forgetting is idempotent)."""
         for output in outputs:
             if output.finished:
                 self._forget(output.request_id)
@@ -652,8 +651,8 @@ class LLMEngine:
         return outputs
 
     def _forget(self, request_id: str) -> None:
-        """Drop a finished request's sampling (speculation, grammar) state."""
-        self.sampler.forget(request_id)
+        """Drop a finished request's speculation and grammar state (the sampler keeps
+        none: a seeded row's noise is a function of its seed and position)."""
         if self.speculator is not None:
             self.speculator.forget(request_id)
         if self.structured is not None:

@@ -27,10 +27,12 @@ tokens with a token that also wins it among the allowed ones, whose probabilitie
 the unmasked ones by one common factor; and the best-scored allowed token is the first
 allowed in score order. Masking commutes with the penalties (-inf stays -inf).
 
-Reproducibility: a request with a ``seed`` owns a ``torch.Generator`` seeded with it, which
-draws its row's noise only, so its output does not depend on what else is in the batch. The
-generator lives as long as the request (it survives preemption); call ``forget`` when it
-finishes. Rows without a seed share one generator, drawn once per step for all of them.
+Reproducibility: a seeded row's noise is counter-based, a pure function of (the request's
+seed, the output position it samples, the token id), computed for all seeded rows at once
+(``seeded_exponential``). Its tokens therefore depend neither on what else is in the batch
+nor on its row, nor on how often the request was preempted and recomputed or a step retried,
+and the sampler keeps no per-request state. Rows without a seed share one generator, drawn
+once per step for all of them.
 """
 
 from __future__ import annotations
@@ -154,27 +156,10 @@ class Sampler:
         self._argmax = argmax if argmax is not None else _torch_argmax
         self._shared = torch.Generator(device=device)
         self._shared.manual_seed(seed)
-        self._generators: dict[str, torch.Generator] = {}
         # Set by the engine when it serves structured output (engine/structured.py): masks
         # constrained rows before the pick or checks their picks (module docstring).
         # Logprobs stay those of the raw logits.
         self.constraint: LogitsConstraint | None = None
-
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-
-    def check_integrity(self, live_request_ids: set[str]) -> None:
-        """Every seeded request's generator belongs to a request still in the engine."""
-        stale = set(self._generators) - live_request_ids
-        assert not stale, f"sampling generators of finished requests: {sorted(stale)[:5]}"
-
-    def _generator(self, request_id: str, seed: int) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self._generators[request_id] = gen
-        return gen
 
     def __call__(
         self,
@@ -304,15 +289,100 @@ class Sampler:
     def _exponential_noise(
         self, probs: torch.Tensor, requests: list[ScheduledRequest]
     ) -> torch.Tensor:
-        """[rows, vocab] i.i.d. Exp(1) draws: one batched draw from the shared generator,
-        then each seeded row redrawn from its own generator."""
+        """[rows, vocab] i.i.d. Exp(1) draws: unseeded rows from the shared generator in one
+        draw, seeded rows from ``seeded_exponential`` in one batch."""
+        seeds = [r.request.sampling_params.seed for r in requests]
+        seeded = [j for j, seed in enumerate(seeds) if seed is not None]
+        if not seeded:
+            return torch.empty_like(probs).exponential_(generator=self._shared)
+        device, vocab = probs.device, probs.shape[1]
+        seeded_noise = seeded_exponential(
+            on_device(device, [_int64(seeds[j]) for j in seeded], torch.long),
+            on_device(device, [_output_position(requests[j]) for j in seeded], torch.long),
+            vocab,
+        ).to(probs.dtype)
+        if len(seeded) == len(requests):
+            return seeded_noise
+        unseeded = [j for j, seed in enumerate(seeds) if seed is None]
+        shared = torch.empty(len(unseeded), vocab, dtype=probs.dtype, device=device)
+        shared.exponential_(generator=self._shared)
         noise = torch.empty_like(probs)
-        noise.exponential_(generator=self._shared)
-        for row, item in enumerate(requests):
-            seed = item.request.sampling_params.seed
-            if seed is not None:
-                noise[row].exponential_(generator=self._generator(item.request_id, seed))
-        return noise
+        noise.index_copy_(0, on_device(device, unseeded), shared)
+        return noise.index_copy_(0, on_device(device, seeded), seeded_noise)
+
+
+# splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014)
+# over int64 tensors: multiplications and additions wrap modulo 2**64 on every device, and
+# right shifts are arithmetic, so every shift is masked to make it the logical one.
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)  # the stream's increment, as a signed int64
+_MIX_1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX_2 = 0x94D049BB133111EB - (1 << 64)
+# Uniforms have 24 bits: (2m + 1) / 2**24, the midpoints of 2**23 equal cells of (0, 1). The
+# odd numerator is below 2**24, so it and the quotient are exact in float32, which every GPU
+# computes at full rate (most run float64 at a small fraction of it); u never reaches 0 or 1,
+# so -log(u) lies in [6e-8, 16.7]: finite, never 0 (float32's log is accurate near 1), and no
+# 0 / 0 ever makes a truncated token a NaN that argmax would pick.
+_UNIFORM_BITS = 24
+
+
+def _xorshift_(z: torch.Tensor, shift: int, scratch: torch.Tensor) -> None:
+    """``z ^= z >>> shift`` in place (a logical shift of z's 64 bits)."""
+    torch.bitwise_right_shift(z, shift, out=scratch)
+    scratch.bitwise_and_((1 << (64 - shift)) - 1)
+    z.bitwise_xor_(scratch)
+
+
+def _mix_(z: torch.Tensor, scratch: torch.Tensor, *, last: bool = True) -> torch.Tensor:
+    """splitmix64's output function of the states ``z``, in place. ``last=False`` leaves out
+    its final ``z ^= z >>> 31``, which changes bits 0-32 only: enough for the top bits."""
+    _xorshift_(z, 30, scratch)
+    z.mul_(_MIX_1)
+    _xorshift_(z, 27, scratch)
+    z.mul_(_MIX_2)
+    if last:
+        _xorshift_(z, 31, scratch)
+    return z
+
+
+def _draw(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Draw number ``index`` of the splitmix64 stream seeded with ``key`` (broadcast)."""
+    z = key + (index + 1) * _GOLDEN_GAMMA
+    return _mix_(z, torch.empty_like(z))
+
+
+def seeded_exponential(
+    seeds: torch.Tensor,  # [rows] int64
+    positions: torch.Tensor,  # [rows] int64: the output position each row samples
+    vocab: int,
+) -> torch.Tensor:
+    """[rows, vocab] float32 Exp(1) noise, each entry a pure function of (seed, position,
+    token id): draw number ``token`` of the splitmix64 stream keyed by draw number
+    ``position`` of the stream seeded with the seed. Distinct (seed, position) pairs get
+    independent-looking rows; the same pair always gets the same row, on any device (the
+    integer part is exact; the float32 ``log`` may differ in its last bit between devices).
+    A fixed number of whole-block operations, whatever the number of rows."""
+    device = seeds.device
+    row_keys = _draw(_draw(seeds, torch.zeros_like(seeds)), positions)  # [rows]
+    token_ids = torch.arange(vocab, dtype=torch.long, device=device)
+    z = row_keys[:, None] + (token_ids + 1) * _GOLDEN_GAMMA  # [rows, vocab]
+    _mix_(z, torch.empty_like(z), last=False)  # the scratch goes before the float32 result
+    # The top 24 bits with the lowest set: 2m + 1 for m the top 23 bits.
+    z.bitwise_right_shift_(64 - _UNIFORM_BITS)
+    z.bitwise_and_((1 << _UNIFORM_BITS) - 1).bitwise_or_(1)
+    u = z.to(torch.float32).mul_(2.0**-_UNIFORM_BITS)
+    return u.log_().neg_()
+
+
+def _int64(seed: int) -> int:
+    """A seed as the int64 with the same low 64 bits (any Python int is a valid seed)."""
+    return (seed + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def _output_position(item: ScheduledRequest) -> int:
+    """The output position the row samples: the token after the step's last one. It is the
+    same whenever that token is sampled (after a preemption the recompute's last chunk ends
+    where the lost step ended), and not the count of the request's earlier draws."""
+    return item.seq_len - item.request.num_prompt_tokens
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
@@ -399,9 +469,9 @@ def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     temps = on_device(device, [p.temperature for p in params])[:, None]
     logits = logits / temps
     if any(0 < p.top_k < vocab for p in params):
-        ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-        kth_index = on_device(device, ks - 1)[:, None]
-        kth = logits.topk(int(ks.max()), dim=-1).values.gather(1, kth_index)
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        kth_index = on_device(device, [k - 1 for k in ks], torch.long)[:, None]
+        kth = logits.topk(max(ks), dim=-1).values.gather(1, kth_index)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if any(p.top_p < 1.0 for p in params):

@@ -76,7 +76,7 @@ from server.tools import history_tool_calls
 logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 64
-MAX_SEED = 2**63 - 1  # the sampler seeds torch generators, which take 64-bit seeds
+MAX_SEED = 2**63 - 1  # a seed is an int64 to the sampler's noise and the speculator's generators
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 TIMEOUT_HEADER = "X-Request-Timeout"
 
