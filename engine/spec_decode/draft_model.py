@@ -17,7 +17,9 @@ the first time, then the one or few tokens last step emitted) and draws ``d1``; 
 ``k - 1`` batched decode passes draw ``d2 .. dk``. Greedy requests take the draft's argmax
 (a point mass, verified as such); sampled requests draw from the draft's own
 temperature/top-k/top-p distribution ``q``, which verification needs
-(``engine/spec_decode/verify.py``).
+(``engine/spec_decode/verify.py``). The drafts stay on the device: each decode pass takes
+its input tokens from the pass before's picks there, and the host reads the drafts once,
+after the last pass.
 
 The draft pool is best-effort: when it has no room for a request, that request does not
 propose this step (after evicting the draft K/V of requests not proposing now); it never
@@ -26,18 +28,20 @@ preempts anything.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from engine.backends import ModelForward
-from engine.input_batch import build_input_batch
-from engine.sampler import truncated_probs
+from engine.input_batch import InputBatch, build_input_batch
+from engine.sampler import on_device, truncated_probs
+from engine.spec_decode.verify import argmax_rows, draw_uniforms_and_noise
 from kvpool.manager import KVCacheManager
 from kvpool.storage import KVCacheStorage
 from scheduler.output import ScheduledRequest, SchedulerOutput
-from scheduler.request import Request
+from scheduler.request import PENDING_TOKEN, Request
 
 
 @dataclass(slots=True)
@@ -91,28 +95,47 @@ class DraftModelProposer:
                 rows.append(self._catch_up_row(request))
         if not rows:
             return {}
-        drafts: dict[str, list[int]] = {row.request_id: [] for row in rows}
-        probs: dict[str, list[torch.Tensor]] = {row.request_id: [] for row in rows}
-        for j in range(max(num_tokens[row.request_id] for row in rows)):
+        device = self.device
+        max_drafts = max(num_tokens[row.request_id] for row in rows)
+        sampled = [row.request_id for row in rows if not row.request.sampling_params.greedy]
+        sampled_index = {request_id: i for i, request_id in enumerate(sampled)}
+        probs: torch.Tensor | None = None  # [sampled, max_drafts, vocab]: each draft's q
+        # Every draft stays on the device until the one read at the end: a decode pass
+        # takes its input tokens from the pass before's picks there.
+        passes: list[torch.Tensor] = []  # per pass, its picks ([rows of the pass] int64)
+        pass_ids: list[list[str]] = []  # per pass, the request id of each of its picks
+        for j in range(max_drafts):
             if j > 0:
-                rows = [
-                    self._decode_row(row, drafts[row.request_id][-1])
-                    for row in rows
-                    if num_tokens[row.request_id] > j
-                ]
+                rows = [self._decode_row(row) for row in rows if num_tokens[row.request_id] > j]
             batch = build_input_batch(
-                SchedulerOutput(scheduled=rows), self.storage.block_size, self.device
+                SchedulerOutput(scheduled=rows), self.storage.block_size, device
             )
+            if j > 0:
+                _feed(batch, passes[-1], pass_ids[-1])
             logits = self.forward(batch, self.storage.key_caches, self.storage.value_caches)
-            order = {item.request_id: i for i, item in enumerate(batch.sampling)}
-            for row in rows:
-                token, q = self._draw(logits[order[row.request_id]], row.request, generators)
-                drafts[row.request_id].append(token)
-                if q is not None:
-                    probs[row.request_id].append(q)
+            step_rows = batch.sampling  # the rows of ``logits``
+            picks, q = self._draw(logits[: len(step_rows)], step_rows, generators)
+            passes.append(picks)
+            pass_ids.append([item.request_id for item in step_rows])
+            if q is not None:
+                if probs is None:
+                    probs = q.new_empty(len(sampled), max_drafts, q.shape[1])
+                step_sampled = [
+                    sampled_index[item.request_id]
+                    for item in step_rows
+                    if not item.request.sampling_params.greedy
+                ]
+                probs[on_device(device, step_sampled), j] = q
+        host = (torch.cat(passes) if len(passes) > 1 else passes[0]).tolist()  # the one read
+        drafts: dict[str, list[int]] = {}
+        for request_id, token in zip(itertools.chain(*pass_ids), host, strict=True):
+            drafts.setdefault(request_id, []).append(token)
         return {
             request_id: DraftProposal(
-                tokens, torch.stack(probs[request_id]) if probs[request_id] else None
+                tokens,
+                None
+                if probs is None or request_id not in sampled_index
+                else probs[sampled_index[request_id], : len(tokens)],
             )
             for request_id, tokens in drafts.items()
         }
@@ -143,29 +166,53 @@ class DraftModelProposer:
             samples=True,
         )
 
-    def _decode_row(self, previous: ScheduledRequest, token_id: int) -> ScheduledRequest:
+    def _decode_row(self, previous: ScheduledRequest) -> ScheduledRequest:
+        """The next pass's row: one token, the pick of ``previous``, still on the device."""
         return ScheduledRequest(
             request=previous.request,
             start=previous.seq_len,
             num_tokens=1,
-            token_ids=[token_id],
+            token_ids=[PENDING_TOKEN],
             block_ids=previous.block_ids,
             samples=True,
         )
 
     def _draw(
         self,
-        logits: torch.Tensor,  # [vocab]
-        request: Request,
+        logits: torch.Tensor,  # [rows, vocab]
+        rows: list[ScheduledRequest],
         generators: Callable[[Request], torch.Generator],
-    ) -> tuple[int, torch.Tensor | None]:
-        params = request.sampling_params
-        if params.greedy:
-            return int(self.argmax(logits[None])[0]), None
-        q = truncated_probs(logits[None].float(), [params])[0]
-        q = q / q.sum()
-        noise = torch.empty_like(q).exponential_(generator=generators(request))
-        return int((q / noise).argmax()), q
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's draft, on the device: a greedy request's argmax, a sampled request's
+        draw from its own distribution ``q``.
+
+        Returns:
+            The drafts ([rows] int64), and the sampled rows' ``q`` ([sampled rows, vocab],
+            in row order; None when no row samples).
+        """
+        device = logits.device
+        sampled = [i for i, row in enumerate(rows) if not row.request.sampling_params.greedy]
+        if not sampled:
+            return argmax_rows(self.argmax, logits), None
+        index = on_device(device, sampled)
+        params = [rows[i].request.sampling_params for i in sampled]
+        q = truncated_probs(logits[index].float(), params)
+        q = q / q.sum(dim=-1, keepdim=True)
+        _, noise = draw_uniforms_and_noise(
+            [generators(rows[i].request) for i in sampled],
+            [0] * len(sampled),
+            q.shape[1],
+            q.dtype,
+            device,
+        )
+        drawn = (q / noise).argmax(dim=-1)
+        if len(sampled) == len(rows):
+            return drawn, q
+        picks = torch.empty(len(rows), dtype=torch.long, device=device)
+        greedy = on_device(device, sorted(set(range(len(rows))) - set(sampled)))
+        picks[greedy] = argmax_rows(self.argmax, logits[greedy])
+        picks[index] = drawn
+        return picks, q
 
     def verified(self, request_id: str, num_accepted: int | None) -> None:
         """Keep the draft K/V that verification proved right and give back the rest.
@@ -190,6 +237,19 @@ class DraftModelProposer:
         self.kv.free(request_id)
         self._num_computed.pop(request_id, None)
         self._proposed_at.pop(request_id, None)
+
+
+def _feed(batch: InputBatch, picks: torch.Tensor, pick_ids: list[str]) -> None:
+    """Write a decode pass's input tokens, all pending, from the pass before's picks on
+    the device (``pick_ids``: the request of each pick)."""
+    src = {request_id: i for i, request_id in enumerate(pick_ids)}
+    dst = [position for position, _ in batch.pending]
+    rows = [src[request_id] for _, request_id in batch.pending]
+    if dst == rows == list(range(len(pick_ids))):  # the same rows in the same order
+        batch.input_ids.copy_(picks)
+        return
+    device = picks.device
+    batch.input_ids.index_copy_(0, on_device(device, dst), picks[on_device(device, rows)])
 
 
 def _no_hashes(start: int, end: int) -> list[int]:

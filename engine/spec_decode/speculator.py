@@ -27,7 +27,7 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer, DraftProposal
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.policy import SpeculationPolicy
-from engine.spec_decode.verify import Verification, verify_row
+from engine.spec_decode.verify import Verification, verify_rows
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
@@ -153,35 +153,16 @@ class SpeculativeDecoder:
             items: the speculative rows, in the order of ``logits``.
         """
         start = time.perf_counter()
-        results = []
-        offset = 0
-        # The greedy rows' argmax, one row per call: a call over several rows splits them
-        # over the thread team (torch's and the C++ kernels' alike), whose wake-up on a busy
-        # machine costs far more than the argmax of one row.
-        plain_greedy = any(
-            item.request.sampling_params.greedy and not item.request.sampling_params.needs_penalties
-            for item in items
+        # All rows in one batched computation with one host read (verify.py).
+        results = verify_rows(
+            logits,
+            items,
+            argmax=self.argmax,
+            generator=lambda request: self._generator(request, "verify"),
+            draft_probs=[self._draft_probs.get(item.request_id) for item in items],
         )
-        argmax_ids = None
-        if plain_greedy:
-            argmax_ids = [int(self.argmax(logits[i : i + 1])[0]) for i in range(len(logits))]
-        for item in items:
-            rows = item.num_tokens
-            k = len(item.draft_token_ids)
-            draft_probs = self._draft_probs.get(item.request_id)
-            if draft_probs is not None:
-                draft_probs = draft_probs[:k]
-            result = verify_row(
-                logits[offset : offset + rows],
-                item,
-                argmax=self.argmax,
-                generator=self._generator(item.request, "verify"),
-                draft_probs=draft_probs,
-                argmax_ids=argmax_ids[offset : offset + rows] if argmax_ids is not None else None,
-            )
+        for item, result in zip(items, results, strict=True):
             self._verified[item.request_id] = result
-            results.append(result)
-            offset += rows
         self.last_stats.accept_s += time.perf_counter() - start
         return results
 

@@ -21,19 +21,30 @@ with probability ``p(dj)`` and the residual is ``p`` with ``dj`` removed.
 
 Penalties see the drafts before each row: row ``j`` is penalised as if ``d1 .. dj`` were
 already output, as plain decoding would have them then.
+
+One step's rows are verified together, on the logits' device, with one host read
+(``verify_rows``): the greedy rows' argmax over all their rows at once; for the sampled
+rows, every draft's test at once, each request's first rejected row found on the device
+(a cumulative product of the tests), and the draw from the residual at that row. The host
+then takes, per request, the drafts before the first rejection (a greedy draft is rejected
+where it differs from the argmax) and the token chosen at it. A request draws from its
+stream what it drew row by row (its k uniforms, then one row of noise), so a seeded
+request's tokens do not change; requests without a seed share one stream and draw from it
+together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
 
 from engine.outputs import TokenLogprob
-from engine.sampler import apply_penalties, truncated_probs
+from engine.sampler import apply_penalties, on_device, truncated_probs
 from scheduler.output import ScheduledRequest
+from scheduler.request import Request
 
 
 def accept_greedy(target_ids: list[int], draft_ids: list[int]) -> list[int]:
@@ -53,10 +64,151 @@ def accept_greedy(target_ids: list[int], draft_ids: list[int]) -> list[int]:
     return emitted
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from the (unnormalised, non-negative) ``probs`` ([vocab])."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+def argmax_rows(
+    argmax: Callable[[torch.Tensor], torch.Tensor],
+    scores: torch.Tensor,  # [rows, vocab]
+) -> torch.Tensor:
+    """[rows] int64: each row's argmax, by ``argmax`` (the sampler's rule), left on the device.
+
+    NOTE: on the CPU, one call per row: a call over several rows splits them over the
+    thread team (torch's argmax and the C++ kernel's alike), and waking the team on a busy
+    machine costs far more than one row's argmax, where a one-row call runs on the calling
+    thread. The rows are still joined on the device and read with the rest of the step.
+    """
+    if scores.device.type == "cpu" and scores.shape[0] > 1:
+        return torch.cat([argmax(scores[i : i + 1]) for i in range(scores.shape[0])])
+    return argmax(scores)
+
+
+def draw_uniforms_and_noise(
+    generators: Sequence[torch.Generator],
+    num_uniforms: Sequence[int],
+    vocab: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per row ``i``: ``num_uniforms[i]`` U(0, 1) draws, then ``vocab`` i.i.d. Exp(1) draws,
+    from ``generators[i]``.
+
+    A row with a generator of its own (a seeded request) draws exactly what it would
+    alone: its uniforms, then its noise, one call each. Rows sharing a generator (requests
+    without a seed share one) draw together: all their uniforms in one call, then all their
+    noise in one call.
+
+    Returns:
+        Each row's uniforms ([num_uniforms[i]] float32), and the noise ([rows, vocab]).
+    """
+    groups: dict[int, list[int]] = {}
+    for i, gen in enumerate(generators):
+        groups.setdefault(id(gen), []).append(i)
+    uniforms = [torch.empty(0, device=device)] * len(generators)
+    noise = torch.empty(len(generators), vocab, dtype=dtype, device=device)
+    for members in groups.values():
+        gen = generators[members[0]]
+        sizes = [num_uniforms[i] for i in members]
+        if sum(sizes):
+            drawn = torch.rand(sum(sizes), generator=gen, device=device)
+            for i, part in zip(members, torch.split(drawn, sizes), strict=True):
+                uniforms[i] = part
+        if len(members) == 1:
+            noise[members[0]].exponential_(generator=gen)
+        else:
+            block = torch.empty(len(members), vocab, dtype=dtype, device=device)
+            noise[on_device(device, members)] = block.exponential_(generator=gen)
+    return uniforms, noise
+
+
+@dataclass(slots=True)
+class _Sampled:
+    """The sampled requests' verdicts, on the device."""
+
+    accepted: torch.Tensor  # [num_drafts] bool: whether each draft is kept, in row order
+    # [requests] int64: each request's draw at its first rejected row (or its bonus row)
+    picks: torch.Tensor
+    # [rows] int64: the token each row emits if it is at or before its request's first
+    # rejection (its draft where kept, else the draw)
+    emitted: torch.Tensor
+
+    @staticmethod
+    def join(parts: list[_Sampled]) -> _Sampled:
+        """The verdicts of consecutive groups of requests as one."""
+        if len(parts) == 1:
+            return parts[0]
+        return _Sampled(
+            torch.cat([v.accepted for v in parts]),
+            torch.cat([v.picks for v in parts]),
+            torch.cat([v.emitted for v in parts]),
+        )
+
+
+def _rejection_sample(
+    probs: torch.Tensor,  # [rows, vocab] the target's normalised probabilities
+    draft_ids: Sequence[Sequence[int]],  # per request, its k drafts
+    draft_probs: Sequence[torch.Tensor | None],  # per request, [>= k, vocab] q, or None
+    generators: Sequence[torch.Generator],  # per request, its random stream
+) -> _Sampled:
+    """Rejection sampling (module docstring) over several requests' rows at once: request
+    ``i`` owns the next ``k_i + 1`` rows of ``probs``. Every draft is tested; the residual
+    is formed and drawn from at each request's first rejected row only (found on the
+    device), so the work over the vocabulary is one row per request, as row by row."""
+    device = probs.device
+    ks = [len(d) for d in draft_ids]
+    num_requests, width = len(ks), max(ks) + 1
+    firsts = [0]  # each request's first draft, in draft order
+    for k in ks:
+        firsts.append(firsts[-1] + k)
+    # Each draft's row of ``probs``, and its place in the padded [requests, width] layout.
+    rows = on_device(device, [i + j + firsts[i] for i, k in enumerate(ks) for j in range(k)])
+    padded_at = on_device(device, [i * width + j for i, k in enumerate(ks) for j in range(k)])
+    ids = on_device(device, [t for d in draft_ids for t in d])
+    with_q = [i for i, dp in enumerate(draft_probs) if dp is not None]
+    # q of each draft: 1 for a point mass, else its distribution's.
+    q_rows = None  # [drafts of with_q, vocab]
+    if with_q:
+        q_drafts = torch.ones(len(ids), dtype=probs.dtype, device=device)
+        q_rows = torch.cat([draft_probs[i][: ks[i]] for i in with_q]).to(probs.dtype)  # type: ignore[index]
+        at = on_device(device, [firsts[i] + j for i in with_q for j in range(ks[i])])
+        q_drafts[at] = q_rows.gather(1, ids[at][:, None]).squeeze(1)
+    uniforms, noise = draw_uniforms_and_noise(generators, ks, probs.shape[1], probs.dtype, device)
+    # u < p / q, with q > 0 because the draft was drawn from q; in float64, where the
+    # product of two float32 values is exact.
+    u = (torch.cat(uniforms) if len(uniforms) > 1 else uniforms[0]).double()
+    if with_q:
+        u = u * q_drafts.double()
+    accepted = u < probs[rows, ids].double()
+
+    # Each request's first rejected row: the number of drafts kept before it.
+    kept = torch.zeros(num_requests * width, dtype=torch.long, device=device)
+    kept[padded_at] = accepted.long()
+    num_kept = kept.view(num_requests, width).cumprod(dim=1).sum(dim=1)  # [requests]
+    k_t = on_device(device, ks)
+    at_draft = (num_kept < k_t)[:, None]  # [requests, 1]: a draft rejected (else: bonus)
+    padded_ids = torch.zeros(num_requests * width, dtype=torch.long, device=device)
+    padded_ids[padded_at] = ids
+    padded_ids = padded_ids.view(num_requests, width)
+    starts = on_device(device, [i + firsts[i] for i in range(num_requests)])
+    p = probs[starts + num_kept]  # [requests, vocab]
+    # The residual max(0, p - q) at that row: p without the rejected draft for a point
+    # mass; p itself on the bonus row (q = 0 there).
+    rejected = padded_ids.gather(1, num_kept[:, None])
+    p_rejected = p.gather(1, rejected)
+    residual = p.scatter(1, rejected, torch.where(at_draft, 0.0, p_rejected))
+    if q_rows is not None:
+        index = on_device(device, with_q)
+        q_firsts = on_device(device, [sum(ks[i] for i in with_q[:n]) for n in range(len(with_q))])
+        q = q_rows[q_firsts + num_kept[index].clamp(max=k_t[index] - 1)]
+        residual[index] = (p[index] - q * at_draft[index].to(q.dtype)).clamp_(min=0.0)
+    # A residual with no mass means p <= q everywhere, i.e. p == q up to rounding, where a
+    # rejection has probability ~0: fall back to p itself.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0.0, residual, p)
+    picks = (residual / noise).argmax(dim=-1)
+    steps = torch.arange(width, device=device)
+    emitted = torch.where(steps[None, :] < num_kept[:, None], padded_ids, picks[:, None])
+    if num_requests > 1:  # back from the padded layout to the rows
+        emitted = emitted.flatten()[
+            on_device(device, [i * width + j for i, k in enumerate(ks) for j in range(k + 1)])
+        ]
+    return _Sampled(accepted, picks, emitted.flatten())
 
 
 def accept_sampled(
@@ -65,7 +217,8 @@ def accept_sampled(
     draft_probs: torch.Tensor | None,  # [k, vocab] q, normalised; None: point masses
     generator: torch.Generator,
 ) -> list[int]:
-    """Rejection sampling over one speculative row (module docstring).
+    """Rejection sampling over one speculative row (module docstring); ``verify_rows``
+    does the same for a step's rows together.
 
     Args:
         probs: the target's distribution at every row.
@@ -76,31 +229,16 @@ def accept_sampled(
     Returns:
         The emitted tokens (1 to k + 1), distributed as plain sampling from the target.
     """
+    sampled = _rejection_sample(probs, [draft_ids], [draft_probs], [generator])
     k = len(draft_ids)
-    uniforms = torch.rand(k, generator=generator, device=probs.device).tolist()
-    rows = torch.arange(k, device=probs.device)
-    drafts = torch.tensor(draft_ids, device=probs.device)
-    p_draft = probs[rows, drafts].tolist()
-    q_draft = [1.0] * k if draft_probs is None else draft_probs[rows, drafts].tolist()
-    emitted: list[int] = []
-    for j, token in enumerate(draft_ids):
-        # u < p / q, with q > 0 because the draft was drawn from q.
-        if uniforms[j] * q_draft[j] < p_draft[j]:
-            emitted.append(token)
-            continue
-        if draft_probs is None:
-            residual = probs[j].clone()
-            residual[token] = 0.0
-        else:
-            residual = (probs[j] - draft_probs[j]).clamp_(min=0.0)
-        # A residual with no mass means p <= q everywhere, i.e. p == q up to rounding,
-        # where a rejection has probability ~0: fall back to p itself.
-        if float(residual.sum()) <= 0.0:
-            residual = probs[j]
-        emitted.append(_draw(residual, generator))
-        return emitted
-    emitted.append(_draw(probs[k], generator))
-    return emitted
+    host = torch.cat([sampled.accepted.long(), sampled.picks]).tolist()
+    return _kept(draft_ids, host[:k], host[k])
+
+
+def _kept(draft_ids: Sequence[int], accepted: Sequence[float], pick: float) -> list[int]:
+    """The drafts up to the first rejected one, then the draw at that row."""
+    n = next((j for j, ok in enumerate(accepted) if not ok), len(draft_ids))
+    return [*draft_ids[:n], int(pick)]
 
 
 @dataclass(slots=True)
@@ -132,56 +270,170 @@ def _row_views(item: ScheduledRequest) -> list[SimpleNamespace]:
     ]
 
 
-def verify_row(
-    logits: torch.Tensor,  # [k + 1, vocab] float32, raw
-    item: ScheduledRequest,
+def sampled_groups(device: torch.device, sampled: list[int]) -> list[list[int]]:
+    """The sampled requests, in groups verified together (in order; one read for all).
+
+    NOTE: on the CPU, one request a group: the vocabulary-wide work over one request's
+    k + 1 rows stays in the core's cache from one operation to the next, where over every
+    row at once each operation streams its whole input and output through memory (and
+    faults in fresh pages for it). Elsewhere, all of them at once.
+    """
+    return [[i] for i in sampled] if device.type == "cpu" else [sampled]
+
+
+def verify_rows(
+    logits: torch.Tensor,  # [sum(k_i + 1), vocab] float32, raw: each row's positions in order
+    items: list[ScheduledRequest],
     *,
     argmax: Callable[[torch.Tensor], torch.Tensor],
-    generator: torch.Generator,
-    draft_probs: torch.Tensor | None,
-    argmax_ids: list[int] | None = None,
-) -> Verification:
-    """Verify one speculative row against its target logits.
+    generator: Callable[[Request], torch.Generator],
+    draft_probs: Sequence[torch.Tensor | None],
+) -> list[Verification]:
+    """Verify a step's speculative rows against their target logits, with one host read
+    (module docstring).
 
     Args:
-        logits: the target's raw logits at the row's ``k + 1`` positions.
-        item: the row (its drafts, its request's sampling parameters and tokens).
+        logits: the target's raw logits at every position of every row.
+        items: the rows (their drafts, their requests' sampling parameters and tokens), in
+            the order of ``logits``.
         argmax: the greedy pick, the sampler's own (same tie rule as plain decoding).
-        generator: the request's random stream (sampled requests only).
-        draft_probs: the draft distribution of each draft, or None (point masses).
-        argmax_ids: ``argmax(logits)`` per row if the caller has it (one batched call for
-            the step's rows); used by greedy requests without penalties.
+        generator: a sampled request's random stream.
+        draft_probs: per row, the distribution each of its drafts was drawn from
+            ([>= k, vocab]), or None (point masses: n-gram proposals, greedy drafts).
+    Returns:
+        Per row, its emitted tokens (and their logprobs where asked for).
     """
-    params = item.request.sampling_params
-    drafts = list(item.draft_token_ids)
-    k = len(drafts)
+    device = logits.device
+    params = [item.request.sampling_params for item in items]
+    starts = [0]
+    for item in items:
+        starts.append(starts[-1] + item.num_tokens)
+
+    def rows_of(requests: list[int]) -> list[int]:
+        return [r for i in requests for r in range(starts[i], starts[i + 1])]
+
+    def select(t: torch.Tensor, requests: list[int]) -> torch.Tensor:
+        """The rows of ``requests`` (all of them: ``t`` itself, not a copy)."""
+        if len(requests) == len(items):
+            return t
+        return t[on_device(device, rows_of(requests))]
+
     scores = logits
-    if params.needs_penalties:
-        scores = apply_penalties(logits, _row_views(item), [params] * (k + 1))  # type: ignore[arg-type]
-    if params.greedy:
-        if argmax_ids is None or params.needs_penalties:
-            argmax_ids = [int(argmax(scores[j : j + 1])[0]) for j in range(k + 1)]
-        emitted = accept_greedy(argmax_ids, drafts)
-    else:
-        probs = truncated_probs(scores, [params] * (k + 1))
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        emitted = accept_sampled(probs, drafts, draft_probs, generator)
-    logprobs = None
-    if params.logprobs is not None:
-        raw = torch.log_softmax(logits[: len(emitted)], dim=-1)
-        ids = torch.tensor(emitted, device=logits.device)
-        chosen = raw.gather(1, ids[:, None]).squeeze(1).tolist()
-        top_v: list[list[float]] = []
-        top_i: list[list[int]] = []
-        if params.logprobs > 0:
-            values, indices = raw.topk(params.logprobs, dim=-1)
-            top_v, top_i = values.tolist(), indices.tolist()
-        logprobs = [
-            TokenLogprob(
-                token,
-                chosen[j],
-                list(zip(top_i[j], top_v[j], strict=True)) if params.logprobs > 0 else [],
+    penalised = [i for i, p in enumerate(params) if p.needs_penalties]
+    if penalised:
+        penalised_scores = apply_penalties(
+            select(logits, penalised),
+            [view for i in penalised for view in _row_views(items[i])],  # type: ignore[misc]
+            [params[i] for i in penalised for _ in range(items[i].num_tokens)],
+        )
+        if len(penalised) == len(items):
+            scores = penalised_scores
+        else:
+            scores = logits.clone()
+            scores[on_device(device, rows_of(penalised))] = penalised_scores
+
+    # What the host reads, in this order (``_unpack``): the greedy rows' argmax; the sampled
+    # rows' draft verdicts and residual draws; the logprobs rows' top ids, chosen
+    # logprobs and top logprobs.
+    ints: list[torch.Tensor] = []
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    greedy_picks = verdict = None
+    if greedy:
+        greedy_picks = argmax_rows(argmax, select(scores, greedy))
+        ints.append(greedy_picks)
+    if sampled:
+        verdicts = []
+        for group in sampled_groups(device, sampled):
+            row_params = [params[i] for i in group for _ in range(items[i].num_tokens)]
+            if len(group) == 1:  # its rows, as a view
+                group_scores = scores[starts[group[0]] : starts[group[0] + 1]]
+            else:
+                group_scores = select(scores, group)
+            probs = truncated_probs(group_scores, row_params)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+            verdicts.append(
+                _rejection_sample(
+                    probs,
+                    [items[i].draft_token_ids for i in group],
+                    [draft_probs[i] for i in group],
+                    [generator(items[i].request) for i in group],
+                )
             )
-            for j, token in enumerate(emitted)
-        ]
-    return Verification(emitted, logprobs, k)
+        verdict = _Sampled.join(verdicts)
+        ints += [verdict.accepted.long(), verdict.picks]
+
+    floats: list[torch.Tensor] = []
+    with_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+    num_top = max((params[i].logprobs or 0 for i in with_logprobs), default=0)
+    if with_logprobs:
+        # The token each row emits (at or before its first rejection; later rows' are
+        # never read), to read its logprob.
+        emitted = torch.empty(starts[-1], dtype=torch.long, device=device)
+        if greedy_picks is not None:
+            emitted[on_device(device, rows_of(greedy))] = greedy_picks
+        if verdict is not None:
+            emitted[on_device(device, rows_of(sampled))] = verdict.emitted
+        raw = torch.log_softmax(select(logits, with_logprobs), dim=-1)
+        if num_top > 0:
+            top_values, top_ids = raw.topk(num_top, dim=-1)
+            ints.append(top_ids.flatten())
+        floats.append(raw.gather(1, select(emitted, with_logprobs)[:, None]).squeeze(1))
+        if num_top > 0:
+            floats.append(top_values.flatten())
+
+    # The step's one host read. With logprobs everything travels as float64, in which
+    # token ids and float32 logprobs are exact.
+    if floats:
+        host = torch.cat([t.double() for t in ints + floats]).tolist()
+    else:
+        host = (torch.cat(ints) if len(ints) > 1 else ints[0]).tolist()
+    return _unpack(host, items, greedy, sampled, with_logprobs, num_top)
+
+
+def _unpack(
+    host: list[int] | list[float],  # verify_rows's read
+    items: list[ScheduledRequest],
+    greedy: list[int],
+    sampled: list[int],
+    with_logprobs: list[int],
+    num_top: int,
+) -> list[Verification]:
+    """Per row, its emitted tokens and their logprobs, from ``verify_rows``'s read."""
+    at = 0
+
+    def take(n: int) -> list[int] | list[float]:
+        nonlocal at
+        at += n
+        return host[at - n : at]
+
+    emitted: list[list[int]] = [[] for _ in items]
+    for i in greedy:
+        targets = [int(t) for t in take(items[i].num_tokens)]
+        emitted[i] = accept_greedy(targets, list(items[i].draft_token_ids))
+    flags = take(sum(len(items[i].draft_token_ids) for i in sampled))
+    num_flags = 0
+    for i in sampled:
+        k = len(items[i].draft_token_ids)
+        emitted[i] = _kept(items[i].draft_token_ids, flags[num_flags : num_flags + k], take(1)[0])
+        num_flags += k
+    num_rows = sum(items[i].num_tokens for i in with_logprobs)
+    top_ids = [int(t) for t in take(num_rows * num_top)]
+    chosen = [float(v) for v in take(num_rows)]
+    top_values = [float(v) for v in take(num_rows * num_top)]
+    logprobs: list[list[TokenLogprob] | None] = [None] * len(items)
+    row = 0
+    for i in with_logprobs:
+        num = items[i].request.sampling_params.logprobs or 0
+        out = []
+        for token in emitted[i]:
+            top = slice(row * num_top, row * num_top + num)
+            alternatives = list(zip(top_ids[top], top_values[top], strict=True))
+            out.append(TokenLogprob(token, chosen[row], alternatives))
+            row += 1
+        row += items[i].num_tokens - len(emitted[i])
+        logprobs[i] = out
+    return [
+        Verification(emitted[i], logprobs[i], len(item.draft_token_ids))
+        for i, item in enumerate(items)
+    ]

@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.sampler import truncated_probs
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.truncate import write_truncated_checkpoint
-from engine.spec_decode.verify import accept_greedy, accept_sampled, verify_row
+from engine.spec_decode.verify import accept_greedy, accept_sampled, verify_rows
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 from tests.engine.parity import Reference, assert_parity, hf_greedy
@@ -287,8 +287,8 @@ def test_rejection_sampling_emits_the_target_distribution(method):
         _chi_square(second, p[1], f"{method}: second token after an accepted draft")
 
 
-def test_verify_row_samples_the_penalised_truncated_distribution():
-    """verify_row applies penalties (drafts before a row count as output), temperature and
+def test_verify_rows_samples_the_penalised_truncated_distribution():
+    """verify_rows applies penalties (drafts before a row count as output), temperature and
     top-k as the plain sampler does, then rejection-samples: its first token follows the
     plain sampler's distribution."""
     vocab = 10
@@ -305,10 +305,10 @@ def test_verify_row_samples_the_penalised_truncated_distribution():
     target = target / target.sum()
     counts: dict[int, int] = {}
     for _ in range(800):
-        result = verify_row(logits, item, argmax=lambda x: x.argmax(-1), generator=gen,
-                            draft_probs=None)  # fmt: skip
+        [result] = verify_rows(logits, [item], argmax=lambda x: x.argmax(-1),
+                               generator=lambda _: gen, draft_probs=[None])  # fmt: skip
         counts[result.token_ids[0]] = counts.get(result.token_ids[0], 0) + 1
-    _chi_square(counts, target, "verify_row first token")
+    _chi_square(counts, target, "verify_rows first token")
 
 
 def test_auto_disable_shrinks_k_with_the_batch():
