@@ -396,11 +396,13 @@ def server_command(
     max_num_seqs: int,
     tokenizer: str | None = None,
     kv_cache_memory: int | None = None,
+    peaks: tuple[float, float] | None = None,
 ) -> str:
     """The HTTP part's server command line (``{host}``/``{port}`` left for the launcher),
     serving what the engine part measured, plus ``--server-args``. ``tokenizer``: the
     directory it gets (default: ``--tokenizer``'s); ``kv_cache_memory``: bytes (default:
-    the server's own budget)."""
+    the server's own budget); ``peaks``: (bytes/s, FLOP/s) its MBU and MFU divide by
+    (default: its own, the device table's or a probe's)."""
     flags = f"--model {args.model} --load-format {args.load_format} --max-num-seqs {max_num_seqs}"
     for flag, value in (
         ("--dtype", args.dtype),
@@ -409,6 +411,8 @@ def server_command(
         ("--quantization", args.quantization),
         ("--kv-cache-dtype", None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
         ("--kv-cache-memory", kv_cache_memory),
+        ("--peak-bandwidth-gbps", f"{peaks[0] / GIGA:.4g}" if peaks else None),
+        ("--peak-tflops", f"{peaks[1] / 1e12:.4g}" if peaks else None),
     ):
         if value:
             flags += f" {flag} {value}"
@@ -462,14 +466,15 @@ def measure_http(
     tokenizer: str | None = None,
     *,
     quick: bool = False,
+    peaks: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
     """The first request after start-up on a server of its own, then one closed-loop point
     per concurrency on another (``benchmarks/servers.py``). ``quick``: a few requests each,
-    for the CPU smoke test."""
+    for the CPU smoke test; ``peaks``: as ``server_command``'s."""
     from benchmarks.servers import measure_server
     from loadtest.launcher import ServerProcess, build_command, free_port
 
-    cmd = server_command(args, max(concurrencies), tokenizer, quick_kv_bytes(args, quick))
+    cmd = server_command(args, max(concurrencies), tokenizer, quick_kv_bytes(args, quick), peaks)
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-gpu-bench-"))
     # The first request after /health: its own server, so no earlier request warmed it.
     port = free_port()
@@ -517,12 +522,13 @@ def run_http_section(
     tokenizer_dir: Path,
     quick: bool,
     tpot: float,
+    peaks: tuple[float, float] | None = None,
 ) -> dict[str, Any] | None:
     """The HTTP part, after the engine part: None if there is no tokenizer to serve text
     with. ``model_tokenizer``: the one the engine part loaded (``--tokenizer`` or the
     checkpoint's), or None; a synthetic one is written into ``tokenizer_dir`` for a shape
     preset without ``--tokenizer``. ``tpot``: the engine's batch-1 TPOT, which each point's
-    is printed against."""
+    is printed against; ``peaks``: as ``server_command``'s."""
     tokenizer = synthetic_tokenizer(args, tokenizer_dir)
     if tokenizer is not None:
         print(f"HTTP part: a synthetic tokenizer of {vocab} tokens (the preset has none)")
@@ -535,7 +541,7 @@ def run_http_section(
             print(warning, flush=True)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     size = 16 if quick else 128
-    http = measure_http(args, concurrencies, size, size, tokenizer, quick=quick)
+    http = measure_http(args, concurrencies, size, size, tokenizer, quick=quick, peaks=peaks)
     http["tokenizer"] = "synthetic" if tokenizer is not None else "the model's"
     for c, row in http["points"].items():
         print(
@@ -695,7 +701,12 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         with tempfile.TemporaryDirectory(prefix="pagedserve-tokenizer-") as tokenizer_dir:
-            http = run_http_section(args, model_tokenizer, vocab, Path(tokenizer_dir), quick, tpot)
+            # On the CPU the server gets the peaks measured above: its MBU then divides by
+            # the engine part's figures, and it skips its own probe (seconds at start-up).
+            cpu_peaks = (bandwidth, flops) if device.type == "cpu" else None
+            http = run_http_section(
+                args, model_tokenizer, vocab, Path(tokenizer_dir), quick, tpot, cpu_peaks
+            )
         if http is not None:
             out["http"] = http
     if args.out:

@@ -59,6 +59,13 @@ def test_the_http_servers_command_serves_what_the_engine_part_measured() -> None
         "--model llama-3-8b --load-format dummy --max-num-seqs 64 --kv-cache-dtype int8 "
         "--enforce-eager --target-itl-ms 20"
     )
+    # The synthetic tokenizer's directory, the quick CPU run's KV budget and the peaks the
+    # engine part measured (on the CPU) are passed on before --server-args.
+    cmd = gpu.server_command(args, 64, "/tmp/tok", 2**26, (2e10, 1.5e12))
+    assert cmd.endswith(
+        "--tokenizer /tmp/tok --kv-cache-dtype int8 --kv-cache-memory 67108864 "
+        "--peak-bandwidth-gbps 20 --peak-tflops 1.5 --enforce-eager --target-itl-ms 20"
+    )
     # auto (the default) leaves the server its own default; on and off are passed on
     for given, passed in ((["--async-scheduling"], "on"), (["--async-scheduling", "off"], "off")):
         args = gpu.parse_args(["--model", "llama-3-8b", *given])
@@ -121,3 +128,26 @@ def test_the_http_part_serves_a_preset_through_a_synthetic_tokenizer(
     printed = capsys.readouterr().out
     assert "synthetic tokenizer of 512 tokens" in printed and "HTTP c=2:" in printed
     assert "skipped" not in printed
+
+
+def test_the_http_part_picks_its_tokenizer(tmp_path: Path) -> None:
+    """A synthetic tokenizer for a dummy preset without --tokenizer only; a given one that
+    misses much of the vocabulary (a smaller model's) is reported, a padded one is not."""
+    preset_args = gpu.parse_args(["--model", "tiny-llama"])
+    written = gpu.synthetic_tokenizer(preset_args, tmp_path / "tok")
+    assert written is not None and (Path(written) / "tokenizer.json").is_file()
+    given = gpu.parse_args(["--model", "tiny-llama", "--tokenizer", "/x"])
+    real = gpu.parse_args(["--model", "tiny-llama", "--load-format", "auto"])
+    assert gpu.synthetic_tokenizer(given, tmp_path / "a") is None
+    assert gpu.synthetic_tokenizer(real, tmp_path / "b") is None
+
+    class Sized:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+    warning = gpu.tokenizer_shortfall(Sized(49152), 128256)
+    assert warning is not None and "49152 tokens for a vocabulary of 128256" in warning
+    assert gpu.tokenizer_shortfall(Sized(151665), 152064) is None  # Qwen2.5's padding
