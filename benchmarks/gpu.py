@@ -531,7 +531,9 @@ def run_http_section(
     is printed against; ``peaks``: as ``server_command``'s."""
     tokenizer = synthetic_tokenizer(args, tokenizer_dir)
     if tokenizer is not None:
-        print(f"HTTP part: a synthetic tokenizer of {vocab} tokens (the preset has none)")
+        print(
+            f"HTTP part: a synthetic tokenizer of {vocab} tokens (the preset has none)", flush=True
+        )
     elif model_tokenizer is None:
         print("HTTP part skipped: the model has no tokenizer (pass --tokenizer DIR)", flush=True)
         return None
@@ -701,9 +703,9 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         with tempfile.TemporaryDirectory(prefix="pagedserve-tokenizer-") as tokenizer_dir:
-            # On the CPU the server gets the peaks measured above: its MBU then divides by
-            # the engine part's figures, and it skips its own probe (seconds at start-up).
-            cpu_peaks = (bandwidth, flops) if device.type == "cpu" else None
+            # The CPU smoke run's server gets the peaks measured above: it skips its own
+            # probe (seconds of each start-up), and its MBU divides by the engine part's.
+            cpu_peaks = (bandwidth, flops) if quick and device.type == "cpu" else None
             http = run_http_section(
                 args, model_tokenizer, vocab, Path(tokenizer_dir), quick, tpot, cpu_peaks
             )
