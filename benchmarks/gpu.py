@@ -5,13 +5,16 @@
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy --quantization int8
     python -m benchmarks.gpu --model llama-3-8b --load-format dummy --async-scheduling off
     python -m benchmarks.gpu --model tiny-llama --load-format dummy --device cpu --quick  # smoke
+    python -m benchmarks.gpu --model tiny-llama --load-format dummy --device cpu --quick \
+        --sections http --concurrency 1,2                                 # its HTTP smoke
 
 One engine (``LLM``, prefix caching off so every prompt is computed) measures:
 
 - batch 1: TTFT of a 128-token prompt and TPOT over 128 output tokens, against the
   weight-bytes floor (weights a decode step reads / peak bandwidth): MBU = floor / TPOT;
-- prefill steps of 128, 512 and 2,048 tokens against the FLOP floor (2 x parameters x tokens
-  / peak FLOP/s, attention's own FLOPs left out);
+- prefill steps of 128, 512 and 2,048 tokens against the FLOP floor (2 x the layers' matmul
+  weights x tokens, plus the LM head once: only the last token's logits are computed; over
+  peak FLOP/s, attention's own FLOPs left out; ``prefill_flop_floor``);
 - decode steps at batch 16, 64 and 256 over 512-token contexts, against their memory floor
   (weights + every sequence's K/V);
 - offline throughput: 256 requests of 512 prompt tokens and 256 output tokens at once;
@@ -19,7 +22,11 @@ One engine (``LLM``, prefix caching off so every prompt is computed) measures:
 
 then, unless ``--skip-http``, the same model through the HTTP server (a subprocess on
 127.0.0.1) at concurrency 1, 16 and 64: TPOT, inter-token p50/p99 and throughput, and the
-first request after ``/health`` turned 200 against the steady TTFT.
+first request after ``/health`` turned 200 against the steady TTFT. A shape preset has no
+tokenizer: without ``--tokenizer`` the server gets a synthetic one of exactly the preset's
+vocabulary (``engine.presets.write_synthetic_tokenizer``) in a temporary directory, in which
+the load generator's prompt words are one token each and every id decodes to text of its own,
+so the client's inter-token gaps are the server's, one step each.
 
 Peaks come from the known-device table (``planner/devices.py``) and are also measured here
 (a device-to-device copy and a square matmul) and printed beside it; the floors use the
@@ -43,12 +50,17 @@ import httpx
 import torch
 
 from engine import LLM, SamplingParams
+from engine.cost import StepCostModel
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
+from engine.presets import preset, write_synthetic_tokenizer
 from planner.devices import device_for_cuda_name
 from planner.measured import Histogram
 
 GIGA = 1e9
+# --quick on the CPU (the smoke test): a KV cache of this many bytes, not the CPU default,
+# whose zero-filling is most of a tiny model's start-up (in-process and in the server).
+QUICK_CPU_KV_BYTES = 64 * 2**20
 # --async-scheduling's values and what LLM(async_scheduling=) gets for each.
 ASYNC_CHOICES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
 
@@ -172,6 +184,15 @@ def start_decode_batch(engine: LLMEngine, batch: int, context: int, salt: int) -
     ):
         engine.step()
     return ids
+
+
+def prefill_flop_floor(cost: StepCostModel, num_tokens: int, flops: float) -> float:
+    """Seconds the matmuls of a prefill of ``num_tokens`` tokens take at ``flops`` FLOP/s:
+    2 FLOPs per weight for every token through the decoder layers (a mixture's router and
+    top-k experts), and the LM head once: a prefill computes the logits of its last token
+    only. Attention's own FLOPs are left out (they grow with the context, not the weights)."""
+    _, matmul_flops, _ = cost.parts(num_tokens, 1, 0)
+    return matmul_flops / flops
 
 
 def decode_steps(engine: LLMEngine, batch: int, context: int, steps: int, salt: int) -> float:
@@ -408,17 +429,29 @@ def first_request_ttft(
     return first, steady, _mean_between(h0, h1), _mean_between(h1, h2)
 
 
-def server_command(args: argparse.Namespace, max_num_seqs: int) -> str:
+def server_command(
+    args: argparse.Namespace,
+    max_num_seqs: int,
+    tokenizer: str | None = None,
+    kv_cache_memory: int | None = None,
+    peaks: tuple[float, float] | None = None,
+) -> str:
     """The HTTP part's server command line (``{host}``/``{port}`` left for the launcher),
-    serving what the engine part measured, plus ``--server-args``."""
+    serving what the engine part measured, plus ``--server-args``. ``tokenizer``: the
+    directory it gets (default: ``--tokenizer``'s); ``kv_cache_memory``: bytes (default:
+    the server's own budget); ``peaks``: (bytes/s, FLOP/s) its MBU and MFU divide by
+    (default: its own, the device table's or a probe's)."""
     flags = f"--model {args.model} --load-format {args.load_format} --max-num-seqs {max_num_seqs}"
     for flag, value in (
         ("--dtype", args.dtype),
         ("--device", args.device),
-        ("--tokenizer", args.tokenizer),
+        ("--tokenizer", tokenizer or args.tokenizer),
         ("--quantization", args.quantization),
         ("--kv-cache-dtype", None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
         ("--prefill-chunk-tokens", args.prefill_chunk_tokens),
+        ("--kv-cache-memory", kv_cache_memory),
+        ("--peak-bandwidth-gbps", f"{peaks[0] / GIGA:.4g}" if peaks else None),
+        ("--peak-tflops", f"{peaks[1] / 1e12:.4g}" if peaks else None),
     ):
         if value:
             flags += f" {flag} {value}"
@@ -431,13 +464,56 @@ def server_command(args: argparse.Namespace, max_num_seqs: int) -> str:
     return f"{sys.executable} -m server --host {{host}} --port {{port}} {flags}"
 
 
+def quick_kv_bytes(args: argparse.Namespace, quick: bool) -> int | None:
+    """The KV budget of a ``--quick`` run on the CPU; None (the default budget) otherwise."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return QUICK_CPU_KV_BYTES if quick and device.type == "cpu" else None
+
+
+def synthetic_tokenizer(args: argparse.Namespace, directory: Path) -> str | None:
+    """For a shape preset with dummy weights and no ``--tokenizer``: a tokenizer of exactly
+    its vocabulary written into ``directory``, whose words include every word the load
+    generator's prompts are made of (one token each, so a prompt of n words is n tokens).
+    None otherwise (the server reads ``--tokenizer`` or the checkpoint's own)."""
+    from loadtest.workloads import WORDS
+
+    shape = preset(args.model) if args.load_format == "dummy" else None
+    if args.tokenizer or shape is None:
+        return None
+    return str(write_synthetic_tokenizer(shape, directory, WORDS))
+
+
+def tokenizer_shortfall(tokenizer: Any, vocab: int) -> str | None:
+    """A warning when ``tokenizer`` decodes far fewer ids than the model samples from (a
+    smaller model's tokenizer on a preset): a random model's ids past its end decode to no
+    text, so the client sees tokens in bursts, not one per step. None when it is close."""
+    num = len(tokenizer)
+    if num >= 0.99 * vocab:  # a real vocabulary padded past its tokenizer's last id
+        return None
+    return (
+        f"WARNING: the tokenizer has {num} tokens for a vocabulary of {vocab}: ids past "
+        f"{num - 1} decode to no text, so HTTP inter-token gaps span several steps (leave "
+        "--tokenizer out on a shape preset for a synthetic one of the right size)"
+    )
+
+
 def measure_http(
-    args: argparse.Namespace, concurrencies: list[int], prompt: int, output: int
+    args: argparse.Namespace,
+    concurrencies: list[int],
+    prompt: int,
+    output: int,
+    tokenizer: str | None = None,
+    *,
+    quick: bool = False,
+    peaks: tuple[float, float] | None = None,
 ) -> dict[str, Any]:
+    """The first request after start-up on a server of its own, then one closed-loop point
+    per concurrency on another (``benchmarks/servers.py``). ``quick``: a few requests each,
+    for the CPU smoke test; ``peaks``: as ``server_command``'s."""
     from benchmarks.servers import measure_server
     from loadtest.launcher import ServerProcess, build_command, free_port
 
-    cmd = server_command(args, max(concurrencies))
+    cmd = server_command(args, max(concurrencies), tokenizer, quick_kv_bytes(args, quick), peaks)
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-gpu-bench-"))
     # The first request after /health: its own server, so no earlier request warmed it.
     port = free_port()
@@ -448,7 +524,7 @@ def measure_http(
     try:
         startup = server.wait_healthy(timeout_s=900)
         first, steady, server_first, server_steady = first_request_ttft(
-            server.base_url, args.model, prompt, reps=5
+            server.base_url, args.model, prompt, reps=2 if quick else 5
         )
     finally:
         server.stop()
@@ -463,11 +539,11 @@ def measure_http(
         f"steady {steady * 1e3:.1f} ms ({first / steady:.2f}x){on_server}",
         flush=True,
     )
-    # Each point sends max(32, 2 x its concurrency) requests: c=1 then takes seconds, not the
-    # minutes that 2 x the largest concurrency of sequential requests would.
+    # Each point sends max(32, 2 x its concurrency) requests (4 when quick): c=1 then takes
+    # seconds, not the minutes that 2 x the largest concurrency of sequential requests would.
     result = measure_server(
         "pagedserve", cmd, Path("."), concurrencies, prompt, output,
-        num_requests=32, log_dir=log_dir, startup_timeout_s=900,
+        num_requests=4 if quick else 32, log_dir=log_dir, startup_timeout_s=900,
     )  # fmt: skip
     result["first_ttft_s"], result["steady_ttft_s"], result["health_s"] = first, steady, startup
     result["server_first_ttft_s"], result["server_steady_ttft_s"] = server_first, server_steady
@@ -476,6 +552,51 @@ def measure_http(
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def run_http_section(
+    args: argparse.Namespace,
+    model_tokenizer: Any,
+    vocab: int,
+    tokenizer_dir: Path,
+    quick: bool,
+    tpot: float,
+    peaks: tuple[float, float] | None = None,
+) -> dict[str, Any] | None:
+    """The HTTP part, after the engine part: None if there is no tokenizer to serve text
+    with. ``model_tokenizer``: the one the engine part loaded (``--tokenizer`` or the
+    checkpoint's), or None; a synthetic one is written into ``tokenizer_dir`` for a shape
+    preset without ``--tokenizer``. ``tpot``: the engine's batch-1 TPOT, which each point's
+    is printed against; ``peaks``: as ``server_command``'s."""
+    tokenizer = synthetic_tokenizer(args, tokenizer_dir)
+    if tokenizer is not None:
+        print(
+            f"HTTP part: a synthetic tokenizer of {vocab} tokens (the preset has none)", flush=True
+        )
+    elif model_tokenizer is None:
+        print("HTTP part skipped: the model has no tokenizer (pass --tokenizer DIR)", flush=True)
+        return None
+    else:
+        warning = tokenizer_shortfall(model_tokenizer, vocab)
+        if warning is not None:
+            print(warning, flush=True)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    size = 16 if quick else 128
+    http = measure_http(args, concurrencies, size, size, tokenizer, quick=quick, peaks=peaks)
+    http["tokenizer"] = "synthetic" if tokenizer is not None else "the model's"
+    for c, row in http["points"].items():
+        print(
+            f"HTTP c={c}: TTFT p50 {_ms(row['ttft_p50_s'])} ms (server's histogram "
+            f"{_ms(row.get('server_ttft_p50_s'))} ms), "
+            f"TPOT p50 {row['tpot_p50_s'] * 1e3:.2f} ms "
+            f"(engine step at batch 1: {tpot * 1e3:.2f} ms -> "
+            f"{row['tpot_p50_s'] / tpot:.2f}x), ITL p50 / p99 {_ms(row['itl_p50_s'])} / "
+            f"{_ms(row['itl_p99_s'])} ms (server's histogram "
+            f"{_ms(row.get('server_itl_p50_s'))} / {_ms(row.get('server_itl_p99_s'))} ms), "
+            f"{row['output_tok_s']:.0f} tok/s",
+            flush=True,
+        )
+    return http
 
 
 # ---- report ------------------------------------------------------------------------------
@@ -520,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager, max_num_seqs=max_seqs,
         max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=quick_kv_bytes(args, quick),
         async_scheduling=ASYNC_CHOICES[args.async_scheduling],
         prefill_chunk_tokens=args.prefill_chunk_tokens,
     )  # fmt: skip
@@ -534,7 +656,6 @@ def main(argv: list[str] | None = None) -> int:
     mc = engine.model_config
     vocab = mc.vocab_size
     cost = engine.cost_model
-    params = (cost.body_weight_bytes + cost.lm_head_bytes) // dtype.itemsize
     decode_weight_bytes = cost.body_weight_bytes + cost.lm_head_bytes
     if cost.block_rows:  # --quantization (or GGUF blocks): what a small step reads
         decode_weight_bytes = cost.body_block_bytes + cost.lm_head_block_bytes
@@ -566,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(3)
         ]
         t = statistics.median(times)
-        floor = 2 * params * n / flops
+        floor = prefill_flop_floor(cost, n, flops)
         out["prefill"][n] = {"s": t, "floor_s": floor}
         print(
             f"prefill {n:>5} tokens: {t * 1e3:8.2f} ms vs FLOP floor {floor * 1e3:7.2f} ms "
@@ -621,27 +742,20 @@ def main(argv: list[str] | None = None) -> int:
             sched.config = dataclasses.replace(sched.config, prefill_chunk_tokens=chunk)
         out["profile"] = prof
 
-    if "http" in sections and not args.tokenizer and llm.tokenizer is None:
-        print("HTTP part skipped: the model has no tokenizer (pass --tokenizer DIR)", flush=True)
-    elif "http" in sections:
-        del llm, engine
+    if "http" in sections:
+        model_tokenizer = llm.tokenizer
+        del llm, engine  # the server needs the memory
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        concurrencies = [int(c) for c in args.concurrency.split(",")]
-        http = measure_http(args, concurrencies, 16 if quick else 128, 16 if quick else 128)
-        out["http"] = http
-        for c, row in http["points"].items():
-            print(
-                f"HTTP c={c}: TTFT p50 {_ms(row['ttft_p50_s'])} ms (server's histogram "
-                f"{_ms(row.get('server_ttft_p50_s'))} ms), "
-                f"TPOT p50 {row['tpot_p50_s'] * 1e3:.2f} ms "
-                f"(engine step at batch 1: {tpot * 1e3:.2f} ms -> "
-                f"{row['tpot_p50_s'] / tpot:.2f}x), ITL p50 / p99 {_ms(row['itl_p50_s'])} / "
-                f"{_ms(row['itl_p99_s'])} ms (server's histogram "
-                f"{_ms(row.get('server_itl_p50_s'))} / {_ms(row.get('server_itl_p99_s'))} ms), "
-                f"{row['output_tok_s']:.0f} tok/s",
-                flush=True,
+        with tempfile.TemporaryDirectory(prefix="pagedserve-tokenizer-") as tokenizer_dir:
+            # The CPU smoke run's server gets the peaks measured above: it skips its own
+            # probe (seconds of each start-up), and its MBU divides by the engine part's.
+            cpu_peaks = (bandwidth, flops) if quick and device.type == "cpu" else None
+            http = run_http_section(
+                args, model_tokenizer, vocab, Path(tokenizer_dir), quick, tpot, cpu_peaks
             )
+        if http is not None:
+            out["http"] = http
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1, default=str))

@@ -2,11 +2,11 @@
 # The GPU measurements still owed (benchmarks/RESULTS.md, "Owed on a GPU"), as one bounded run
 # on a GPU machine that cannot reach a package index or a model hub.
 #
-# Prepare here, once (both paths are ignored by git; carry them to the GPU machine):
+# Prepare here, once (the path is ignored by git; carry it to the GPU machine):
 #   ../shared/gpu/fetch-wheels.sh .whl              # fastapi, uvicorn, pydantic, gguf, ...
-#   .venv/bin/python -c "from engine.loader import convert_gguf, default_model_gguf, \
-#       load_tokenizer; load_tokenizer(convert_gguf(default_model_gguf())).save_pretrained(
-#       '.gpu/tokenizer')"                            # the default model's tokenizer, ~3 MB
+# The HTTP steps serve the preset with a synthetic tokenizer of its own vocabulary size
+# (benchmarks.gpu writes it); TOKENIZER=DIR passes a real one instead, which must cover the
+# preset's vocabulary (a smaller model's leaves high ids without text).
 # There, from the repository root, with OUT set to a folder that comes back:
 #   bash benchmarks/gpu_session.sh [STEP ...]       # default: every step, in the order below
 #
@@ -31,7 +31,7 @@ cd "$(dirname "$0")/.."
 
 OUT=${OUT:-/tmp/gpu-session}
 SESSION_S=${SESSION_S:-560}
-TOKENIZER=${TOKENIZER:-.gpu/tokenizer}
+TOKENIZER=${TOKENIZER:-}
 mkdir -p "$OUT"
 START=$(date +%s)
 
@@ -48,7 +48,7 @@ fi
 # BENCH_ARGS="--device cpu --quick").
 read -r -a EXTRA <<<"${BENCH_ARGS:-}"
 B=(python3 -m benchmarks.gpu --model "${MODEL:-llama-3-8b}" --load-format dummy
-    --tokenizer "$TOKENIZER" "${EXTRA[@]}")
+    ${TOKENIZER:+--tokenizer "$TOKENIZER"} "${EXTRA[@]}")
 
 # name, bound in seconds, command. Bounds are estimates from earlier H100 runs of the same
 # commands (RESULTS.md, GPU section), with room for the 16 GB dummy model's warm-up.

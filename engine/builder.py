@@ -41,7 +41,7 @@ from engine.generation_config import (
     read_generation_config,
     sampling_defaults,
 )
-from engine.gpu_memory import gpu_kv_budget
+from engine.gpu_memory import check_graph_memory, gpu_kv_budget
 from engine.kv_calibration import CALIBRATION_TOKENS, calibrate_key_offsets, calibration_ids
 from engine.llama import LlamaForCausalLM
 from engine.loader import (
@@ -276,8 +276,18 @@ def build_engine_parts(
 
     plain = attached.forward is model
     graphs = plan_graphs(config, mc, scheduler_config, device, backend, tp, plain_forward=plain)
-    capacity = size_kv_pool(
-        config, kv_config, scheduler_config, model, draft, graphs, num_kv_heads, device, dtype, tp
+    capacity, graphs = size_kv_pool(
+        config,
+        kv_config,
+        scheduler_config,
+        model,
+        draft,
+        graphs,
+        num_kv_heads,
+        device,
+        dtype,
+        tp,
+        source.max_model_len,
     )
     storage = allocate_kv_cache(
         kv_config, capacity, attached.forward, model, source, num_kv_heads, device, dtype
@@ -552,6 +562,9 @@ class GraphPlan:
 
     decode_sizes: list[int]  # decode steps, by number of rows
     piecewise_sizes: list[int]  # short steps with prefill tokens, by number of tokens
+    # What the KV cache's budget left for the steps' activations and the graphs, once it
+    # is measured (``size_kv_pool``, on CUDA); None: not measured (a budget was given).
+    reserve_bytes: int | None = None
 
 
 def plan_graphs(
@@ -605,10 +618,12 @@ def size_kv_pool(
     device: torch.device,
     dtype: torch.dtype,
     tp: TensorParallelGroup | None,
-) -> KVCapacity:
+    max_model_len: int,
+) -> tuple[KVCapacity, GraphPlan]:
     """How many blocks the KV cache gets: the budget (on CUDA, what the largest step and the
     graphs leave), less the draft model's share, and under tensor parallelism the smallest
-    count any rank can hold."""
+    count any rank can hold. Returns it and ``graphs`` with the memory reserved for them
+    (``reserve_bytes``) where it was measured."""
     mc = model.config
     if device.type == "cuda" and kv_config.memory_bytes is None and kv_config.num_blocks is None:
         # The KV cache takes what is left after the largest step's activations and the
@@ -618,10 +633,12 @@ def size_kv_pool(
             device,
             max_tokens=scheduler_config.max_num_batched_tokens,
             graph_sizes=graphs.decode_sizes,
+            max_blocks_per_seq=-(-max_model_len // kv_config.block_size),
             piecewise_sizes=graphs.piecewise_sizes,
             block_size=kv_config.block_size,
         )
-        kv_config = dataclasses.replace(kv_config, memory_bytes=gpu_budget)
+        kv_config = dataclasses.replace(kv_config, memory_bytes=gpu_budget.kv_bytes)
+        graphs = dataclasses.replace(graphs, reserve_bytes=gpu_budget.reserve_bytes)
     if draft is not None and kv_config.num_blocks is None:
         # Target and draft pools hold the same tokens and split the budget by bytes/token.
         budget = kv_config.memory_bytes
@@ -648,7 +665,7 @@ def size_kv_pool(
         torch.distributed.all_reduce(count, torch.distributed.ReduceOp.MIN, group=tp.plan_group)
         if int(count) != capacity.num_blocks:
             capacity = dataclasses.replace(capacity, num_blocks=int(count))
-    return capacity
+    return capacity, graphs
 
 
 def allocate_kv_cache(
@@ -765,6 +782,11 @@ def build_runner(
             model, storage, graphs.piecewise_sizes, device, capture=True
         )
         runner.piecewise.capture_all()
+    if graphs.reserve_bytes is not None and (graphs.decode_sizes or graphs.piecewise_sizes):
+        # What capturing took (its eager runs included) against what sizing the KV cache
+        # left for it: a miss there is a later out-of-memory step.
+        captured = sum(g.pool_bytes for g in (runner.graphs, runner.piecewise) if g is not None)
+        check_graph_memory(captured, graphs.reserve_bytes)
     return sampler, runner
 
 

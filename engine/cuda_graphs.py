@@ -58,6 +58,27 @@ def default_graph_sizes(max_num_seqs: int) -> list[int]:
     return sorted({s for s in sizes if s <= max_num_seqs} | {max_num_seqs})
 
 
+def context_widths(size: int, max_blocks_per_seq: int, block_size: int) -> list[int]:
+    """The context buckets (in blocks) batch bucket ``size`` gets a graph for, narrowest
+    first; the full width ``max_blocks_per_seq`` last (and alone above
+    SHORT_CONTEXT_MAX_BATCH)."""
+    if size > SHORT_CONTEXT_MAX_BATCH:
+        return [max_blocks_per_seq]
+    short = {-(-c // block_size) for c in SHORT_CONTEXTS}
+    return sorted(w for w in short if w < max_blocks_per_seq) + [max_blocks_per_seq]
+
+
+def decode_graph_keys(
+    sizes: Sequence[int], max_blocks_per_seq: int, block_size: int
+) -> list[tuple[int, int]]:
+    """Every (batch bucket, context width) ``DecodeGraphs`` captures a graph for, largest
+    first: what each keeps (its logits) is counted per key (engine/gpu_memory.py)."""
+    return sorted(
+        ((s, w) for s in set(sizes) for w in context_widths(s, max_blocks_per_seq, block_size)),
+        reverse=True,
+    )
+
+
 def inert_batch(
     num_tokens: int, num_seqs: int, block_size: int, device: torch.device
 ) -> InputBatch:
@@ -122,17 +143,7 @@ class DecodeGraphs:
         block_size = storage.block_size
         # Per batch bucket, its context buckets in blocks, narrowest first; the full width last.
         self.widths: dict[int, list[int]] = {
-            size: sorted(
-                {
-                    -(-c // block_size)
-                    for c in SHORT_CONTEXTS
-                    if -(-c // block_size) < max_blocks_per_seq
-                }
-                if size <= SHORT_CONTEXT_MAX_BATCH
-                else set()
-            )
-            + [max_blocks_per_seq]
-            for size in self.sizes
+            size: context_widths(size, max_blocks_per_seq, block_size) for size in self.sizes
         }
         # Per context width, a [max_bs, width] table: contiguous rows of exactly that width,
         # as every attention kernel expects of a block table.
@@ -200,7 +211,7 @@ class DecodeGraphs:
     @property
     def keys(self) -> list[tuple[int, int]]:
         """Every (batch bucket, context width) a graph is kept for, largest first."""
-        return sorted(((s, w) for s in self.sizes for w in self.widths[s]), reverse=True)
+        return decode_graph_keys(self.sizes, self.max_blocks_per_seq, self.storage.block_size)
 
     def capture_all(self) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory pool.

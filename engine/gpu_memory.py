@@ -3,18 +3,20 @@
 The cache is sized last, from what is free once the weights are loaded, less what the
 serving steps themselves will need: the activations of the largest step the scheduler can
 plan (a prefill of ``max_num_batched_tokens`` tokens), measured by running one, and the
-memory the decode graphs keep (each captured graph holds its own logits buffer, and all of
-them share one pool as large as the largest bucket's activations).
+memory the decode graphs keep (each captured graph holds its own logits buffer, one per
+batch bucket and context width, and all of them share one pool as large as the largest
+bucket's activations).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from engine.cuda_graphs import inert_batch
+from engine.cuda_graphs import decode_graph_keys, inert_batch
 from engine.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -23,6 +25,36 @@ logger = logging.getLogger(__name__)
 # the sampler's [rows, vocab] buffers, the allocator's fragmentation and other processes'
 # CUDA contexts).
 KV_FRACTION = 0.9
+# What capturing the graphs may take beyond the reserve before it is reported: the caching
+# allocator rounds each pool's memory up to whole segments (2 MiB small, 20 MiB large),
+# which a tiny model's reserve does not count.
+GRAPH_SLACK_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class GpuBudget:
+    """What ``gpu_kv_budget`` measured: the KV cache's bytes, and the bytes it left for the
+    steps' activations and the CUDA graphs (what capturing the graphs may take, at most)."""
+
+    kv_bytes: int
+    reserve_bytes: int
+
+
+def decode_graphs_bytes(
+    graph_sizes: Sequence[int],
+    *,
+    max_blocks_per_seq: int,
+    block_size: int,
+    vocab_size: int,
+    activation_bytes: int,
+) -> int:
+    """The memory the decode graphs keep: every graph ``DecodeGraphs`` captures (one per
+    batch bucket and context width, ``decode_graph_keys``) its own ``[size, vocab]``
+    float32 logits, and their shared pool the largest bucket's ``activation_bytes``."""
+    if not graph_sizes:
+        return 0
+    keys = decode_graph_keys(graph_sizes, max_blocks_per_seq, block_size)
+    return sum(size for size, _ in keys) * vocab_size * 4 + activation_bytes
 
 
 def _peak_bytes(model: torch.nn.Module, batch: InputBatch, caches: tuple[list, list]) -> int:
@@ -41,12 +73,14 @@ def gpu_kv_budget(
     *,
     max_tokens: int,
     graph_sizes: Sequence[int],
+    max_blocks_per_seq: int,
     piecewise_sizes: Sequence[int] = (),
     block_size: int = 16,
-) -> int:
+) -> GpuBudget:
     """Bytes the KV cache may take on ``device``; runs the largest prefill step and the
-    largest decode step once, over a one-block scratch cache. ``piecewise_sizes``: the
-    token buckets of the piecewise graphs (engine/piecewise_graphs.py), none if empty."""
+    largest decode step once, over a one-block scratch cache. ``max_blocks_per_seq``: the
+    decode graphs' full context width (blocks of the longest sequence); ``piecewise_sizes``:
+    the token buckets of the piecewise graphs (engine/piecewise_graphs.py), none if empty."""
     layer = model.layers[0]
     shape = (1, block_size, layer.num_kv_heads, layer.head_dim)
     dtype = model.embed_tokens.weight.dtype
@@ -59,9 +93,13 @@ def gpu_kv_budget(
     if graph_sizes:
         largest = max(graph_sizes)
         decode = _peak_bytes(model, inert_batch(largest, largest, block_size, device), caches)
-    # Each graph keeps its [size, vocab] float32 logits; the pool's scratch is the largest
-    # bucket's activations.
-    graphs = sum(graph_sizes) * model.config.vocab_size * 4 + decode if graph_sizes else 0
+    graphs = decode_graphs_bytes(
+        graph_sizes,
+        max_blocks_per_seq=max_blocks_per_seq,
+        block_size=block_size,
+        vocab_size=model.config.vocab_size,
+        activation_bytes=decode,
+    )
     if piecewise_sizes:
         # Their own pool, as large as their largest bucket's activations, and each bucket's
         # last-layer output and residual stream, which it keeps.
@@ -89,4 +127,21 @@ def gpu_kv_budget(
             f"{reserve / 2**30:.2f} GiB needed by the steps): lower --max-num-batched-tokens "
             "or --max-num-seqs, or pass --kv-cache-memory"
         )
-    return budget
+    return GpuBudget(kv_bytes=budget, reserve_bytes=reserve)
+
+
+def check_graph_memory(captured_bytes: int, reserve_bytes: int) -> bool:
+    """Warn when capturing the CUDA graphs (their eager warm-up runs included) took more
+    memory than the KV cache's budget left for the steps and the graphs, beyond
+    GRAPH_SLACK_BYTES: the estimate missed something, and a large step may then run out of
+    memory. Returns whether it fit."""
+    if captured_bytes <= reserve_bytes + GRAPH_SLACK_BYTES:
+        return True
+    logger.warning(
+        "capturing the CUDA graphs took %.2f GiB, more than the %.2f GiB reserved for the "
+        "steps' activations and the graphs when the KV cache was sized: a large step may run "
+        "out of memory (lower --max-num-seqs or --cuda-graph-sizes, or pass --kv-cache-memory)",
+        captured_bytes / 2**30,
+        reserve_bytes / 2**30,
+    )
+    return False

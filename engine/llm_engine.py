@@ -178,7 +178,9 @@ class LLMEngine:
         """Serve a few synthetic requests before any real one: prompts of lengths that meet
         the kernels' specialisations (1, around a block, around 16, a long chunk), decoded
         together, so Triton compiles everything a first real request would wait for. Their
-        blocks are freed (full ones stay in the prefix cache, evictable). Returns seconds."""
+        blocks are freed and dropped from the prefix cache, whose counters start again: what
+        ``/metrics`` shows (cached and evictable blocks among them) is the served requests'
+        alone. Returns seconds."""
         start = time.perf_counter()
         vocab = self.model_config.vocab_size
         longest = max(1, min(max_step_tokens, self.max_model_len - 8))
@@ -202,6 +204,7 @@ class LLMEngine:
             self.model_config.num_heads,
             self.dtype,
         )
+        self.kv_manager.reset_prefix_cache()
         self.last_step_stats = None
         elapsed = time.perf_counter() - start
         logger.info(

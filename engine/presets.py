@@ -8,6 +8,10 @@ their ``config.json``, so benchmarks on a preset read and compute what the real 
 
 from __future__ import annotations
 
+import itertools
+import json
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 _LLAMA3_ROPE = {
@@ -187,3 +191,81 @@ def preset(name: str) -> dict[str, Any] | None:
     """The config.json dict of preset ``name`` (a copy), or None if there is none."""
     found = PRESETS.get(name.lower())
     return dict(found) if found is not None else None
+
+
+def write_synthetic_tokenizer(
+    hf_config: dict[str, Any], directory: Path, words: Sequence[str] = ()
+) -> Path:
+    """Write a tokenizer of exactly ``hf_config``'s vocabulary size into ``directory``
+    (``tokenizer.json`` + ``tokenizer_config.json``, which ``AutoTokenizer`` loads), for a
+    shape preset served with dummy weights, which has no tokenizer of its own.
+
+    A word-level vocabulary split on whitespace: the BOS and EOS ids of the config are
+    special tokens (``<|bos|>``, ``<|eos|>``; one token when they are the same id), ``words``
+    come next, one token each, so text made of them has as many tokens as words, and every
+    other id is a short distinct string. Every id decodes to visible text on its own
+    (decoded ids are joined by spaces), so an incremental detokenizer emits each token as it
+    comes, and a random model's tokens reach a client one by one. No BOS is added when
+    encoding: a prompt of n words is n tokens. Returns ``directory``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab_size = int(hf_config["vocab_size"])
+    tokens: list[str | None] = [None] * vocab_size
+    special: dict[str, str] = {}  # tokenizer_config.json's key -> token
+    bos, eos = (_token_ids(hf_config.get(f"{k}_token_id"), vocab_size) for k in ("bos", "eos"))
+    for key, ids, name in (("bos_token", bos, "<|bos|>"), ("eos_token", eos, "<|eos|>")):
+        for n, i in enumerate(ids):
+            # BOS == EOS (Qwen's <|endoftext|>): one token.
+            tokens[i] = tokens[i] or (name if n == 0 else f"{name[:-2]}_{n}|>")
+        if ids:
+            special[key] = str(tokens[ids[0]])
+    specials = {t for t in tokens if t is not None}
+    taken = set(specials)
+    fillers = (f"t{n:x}" for n in itertools.count())
+    # The unknown-word token first, then the chat roles (the chat template below spells
+    # them), then ``words``, then fillers, into the ids BOS and EOS left.
+    candidates = itertools.chain(
+        ["<unk>", *dict.fromkeys(("system", "user", "assistant", *words))], fillers
+    )
+    unk = None
+    for i in range(vocab_size):
+        if tokens[i] is not None:
+            continue
+        word = next(candidates)
+        while word in taken or not word or word.startswith("##") or any(map(str.isspace, word)):
+            word = next(fillers)
+        tokens[i] = word
+        taken.add(word)
+        unk = unk or word
+    vocab = {str(t): i for i, t in enumerate(tokens)}
+    assert len(vocab) == vocab_size and unk is not None
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=unk))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Tokens joined by spaces (no token starts with "##"); named, so a grammar compiler
+    # reading tokenizer.json finds a decoder (it reads the vocabulary as raw strings).
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer.add_special_tokens(sorted(specials, key=vocab.__getitem__))
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": unk,
+        **special,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(hf_config.get("max_position_embeddings", 2048)),
+        # Roles and content joined by spaces: /v1/chat/completions works too.
+        "chat_template": (
+            "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} "
+            "{% endfor %}{% if add_generation_prompt %}assistant {% endif %}"
+        ),
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def _token_ids(value: Any, vocab_size: int) -> list[int]:
+    """A config's token id field (an int, a list of ints or None) as a list, in range."""
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    return [int(i) for i in ids if 0 <= int(i) < vocab_size]

@@ -183,6 +183,22 @@ class BlockPool:
 
     # ---- prefix cache -------------------------------------------------------------------
 
+    def drop_evictable(self) -> int:
+        """Forget the content of every ownerless cached block: each leaves the evictable
+        list for the tail of the free list (least recently used first) without its hash.
+        Not counted as evictions: no allocation asked for the blocks. Used blocks keep
+        their hashes.
+
+        Returns:
+            How many blocks were dropped.
+        """
+        dropped = list(self._evictable)
+        for block_id in dropped:
+            self.cache.remove(block_id)
+            self._free.append(block_id)
+        self._evictable.clear()
+        return len(dropped)
+
     def lookup(self, block_hash: BlockHash) -> int | None:
         """Args:
             block_hash: a chained block hash.

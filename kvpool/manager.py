@@ -401,6 +401,20 @@ class KVCacheManager:
         """Whether ``request_id`` has a block table (possibly empty)."""
         return request_id in self._block_tables
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached content no request owns (``BlockPool.drop_evictable``) and zero
+        the since-start counters (prefix-cache queries and hits, evictions). The engine calls
+        it after its warm-up, whose synthetic prompts are nobody's prefix: the pool and its
+        figures then start from what served requests do.
+
+        Returns:
+            How many cached blocks were dropped.
+        """
+        dropped = self.pool.drop_evictable()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        self.pool.num_evictions = 0
+        return dropped
+
     def stats(self) -> KVCacheStats:
         """Returns:
         A snapshot of occupancy, prefix-cache counters and live slots.

@@ -7,8 +7,12 @@ import json
 from pathlib import Path
 
 import httpx
+import pytest
 
 from benchmarks import gpu
+from engine.config import ModelConfig
+from engine.cost import StepCostModel
+from engine.presets import preset
 
 
 def test_every_engine_section_runs_on_a_tiny_dummy_shape(tmp_path: Path, capsys) -> None:
@@ -55,6 +59,13 @@ def test_the_http_servers_command_serves_what_the_engine_part_measured() -> None
         "--model llama-3-8b --load-format dummy --max-num-seqs 64 --kv-cache-dtype int8 "
         "--enforce-eager --target-itl-ms 20"
     )
+    # The synthetic tokenizer's directory, the quick CPU run's KV budget and the peaks the
+    # engine part measured (on the CPU) are passed on before --server-args.
+    cmd = gpu.server_command(args, 64, "/tmp/tok", 2**26, (2e10, 1.5e12))
+    assert cmd.endswith(
+        "--tokenizer /tmp/tok --kv-cache-dtype int8 --kv-cache-memory 67108864 "
+        "--peak-bandwidth-gbps 20 --peak-tflops 1.5 --enforce-eager --target-itl-ms 20"
+    )
     # auto (the default) leaves the server its own default; on and off are passed on
     for given, passed in ((["--async-scheduling"], "on"), (["--async-scheduling", "off"], "off")):
         args = gpu.parse_args(["--model", "llama-3-8b", *given])
@@ -75,3 +86,68 @@ def test_the_first_request_probe_reads_the_servers_own_ttft(tmp_path: Path) -> N
         )
     assert server_first is not None and server_steady is not None
     assert 0 < server_first <= first and 0 < server_steady <= steady * 1.5
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "llama-3.2-1b", "mixtral-8x7b"])
+def test_the_prefill_flop_floor_counts_the_lm_head_for_the_last_token_only(name: str) -> None:
+    """2 x (the layers' matmul weights x tokens + vocab x hidden): the logits of a prefill's
+    last token only. A mixture's tokens each run the router and their top-k experts."""
+    mc = ModelConfig.from_hf(preset(name))
+    cost = StepCostModel.from_config(mc, 2)
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    mlp = 3 * h * mc.intermediate_size
+    if mc.num_experts:
+        mlp = h * mc.num_experts + mc.num_experts_per_tok * 3 * h * mc.moe_intermediate_size
+    body = mc.num_layers * (2 * h * q + 2 * h * kv + mlp)
+    flops = 1e15
+    for n in (1, 128, 2048):
+        floor = gpu.prefill_flop_floor(cost, n, flops)
+        assert floor == pytest.approx(2 * (body * n + mc.vocab_size * h) / flops, rel=1e-12)
+    if name == "llama-3-8b":  # the published 8.03B: 6.98B in the layers, 0.53B the head
+        assert 2 * (body * 2048 + mc.vocab_size * h) == pytest.approx(28.6e12, rel=1e-3)
+
+
+def test_the_http_part_serves_a_preset_through_a_synthetic_tokenizer(
+    tmp_path: Path, capsys
+) -> None:
+    """A preset has no tokenizer: the HTTP part's server gets one of exactly its vocabulary,
+    in which every prompt word is one token, and runs every concurrency point."""
+    out = tmp_path / "gpu.json"
+    argv = ["--quick", "--model", "tiny-llama", "--load-format", "dummy", "--device", "cpu",
+            "--sections", "http", "--concurrency", "1,2", "--out", str(out)]  # fmt: skip
+    assert gpu.main(argv) == 0
+    http = json.loads(out.read_text())["http"]
+    assert http["tokenizer"] == "synthetic"
+    assert 0 < http["server_first_ttft_s"] <= http["first_ttft_s"]
+    assert set(http["points"]) == {"1", "2"}
+    for c, row in http["points"].items():
+        assert row["num_errors"] == 0 and row["num_completed"] == max(4, 2 * int(c))
+        # prompts of the requested length, each output token streamed on its own
+        assert row["mean_prompt_tokens"] == 16 and row["mean_output_tokens"] == 16
+        assert row["itl_p50_s"] > 0 and row["tpot_p50_s"] > 0
+    printed = capsys.readouterr().out
+    assert "synthetic tokenizer of 512 tokens" in printed and "HTTP c=2:" in printed
+    assert "skipped" not in printed
+
+
+def test_the_http_part_picks_its_tokenizer(tmp_path: Path) -> None:
+    """A synthetic tokenizer for a dummy preset without --tokenizer only; a given one that
+    misses much of the vocabulary (a smaller model's) is reported, a padded one is not."""
+    preset_args = gpu.parse_args(["--model", "tiny-llama"])
+    written = gpu.synthetic_tokenizer(preset_args, tmp_path / "tok")
+    assert written is not None and (Path(written) / "tokenizer.json").is_file()
+    given = gpu.parse_args(["--model", "tiny-llama", "--tokenizer", "/x"])
+    real = gpu.parse_args(["--model", "tiny-llama", "--load-format", "auto"])
+    assert gpu.synthetic_tokenizer(given, tmp_path / "a") is None
+    assert gpu.synthetic_tokenizer(real, tmp_path / "b") is None
+
+    class Sized:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+    warning = gpu.tokenizer_shortfall(Sized(49152), 128256)
+    assert warning is not None and "49152 tokens for a vocabulary of 128256" in warning
+    assert gpu.tokenizer_shortfall(Sized(151665), 152064) is None  # Qwen2.5's padding

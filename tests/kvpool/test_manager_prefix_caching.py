@@ -327,3 +327,34 @@ def test_check_integrity_catches_a_write_into_a_cached_block() -> None:
     kv._num_live["a"] = 53
     kv.check_integrity()
     free(kv, a)
+
+
+def test_reset_prefix_cache_forgets_ownerless_content_and_zeroes_the_counters() -> None:
+    """What the engine does after its warm-up: the cached blocks no request owns go back to
+    the free list, LRU first, hashes dropped; a running request's cached blocks stay."""
+    kv = make(8)
+    x, y, z = Seq("x", [1] * 32), Seq("y", [2] * 32), Seq("z", [3] * 32)
+    for seq in (x, y):
+        admit(kv, seq)
+        compute(kv, seq)
+    free(kv, x)  # evictable: 1, 0
+    x2 = Seq("x2", [1] * 20)
+    assert admit(kv, x2).block_ids == (0,)  # a hit on x's head: queries and hits counted
+    free(kv, x2)
+    admit(kv, z)
+    compute(kv, z)
+    free(kv, y)
+    evictable, free_ids = kv.pool.evictable_block_ids(), kv.pool.free_block_ids()
+    assert len(evictable) == 4 and kv.stats().prefix_cache_hits == 16
+    assert kv.stats().num_cached_blocks == 6
+    assert kv.reset_prefix_cache() == 4
+    kv.check_integrity()
+    stats = kv.stats()
+    assert kv.pool.evictable_block_ids() == [] and stats.num_cached_blocks == 2  # z's
+    assert kv.pool.free_block_ids() == free_ids + evictable
+    assert stats.prefix_cache_queries == stats.prefix_cache_hits == stats.num_evictions == 0
+    assert kv.get_cached_prefix("y2", 32, Seq("y2", [2] * 32).token_ids).block_ids == ()
+    z_blocks = kv.block_ids("z")
+    assert kv.get_cached_prefix("z2", 32, Seq("z2", [3] * 32).token_ids).block_ids == z_blocks
+    free(kv, z)
+    assert all_idle(kv)

@@ -1,0 +1,95 @@
+"""engine/builder.py's pure decisions, on CPU: ``plan_graphs`` takes a CUDA device without
+touching one, so every branch of which steps get CUDA graphs is checked here."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import pytest
+import torch
+
+from engine.builder import GraphPlan, plan_graphs
+from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import default_graph_sizes
+from engine.piecewise_graphs import default_piecewise_sizes
+from engine.presets import preset
+from engine.tp_group import TensorParallelGroup
+from scheduler.config import SchedulerConfig
+
+CUDA = torch.device("cuda")
+LLAMA = ModelConfig.from_hf(preset("tiny-llama"))
+MOE = ModelConfig.from_hf(preset("mixtral-8x7b"))
+
+
+def _plan(
+    *,
+    config: EngineConfig | None = None,
+    mc: ModelConfig = LLAMA,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    device: torch.device = CUDA,
+    backend: str = "triton",
+    tp: Any = None,
+    plain_forward: bool = True,
+) -> GraphPlan:
+    scheduler = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
+    return plan_graphs(
+        config or EngineConfig(),
+        mc,
+        scheduler,
+        device,
+        backend,
+        cast(TensorParallelGroup | None, tp),
+        plain_forward=plain_forward,
+    )
+
+
+def test_cuda_with_triton_gets_the_default_decode_and_piecewise_buckets() -> None:
+    plan = _plan(max_num_seqs=100, max_num_batched_tokens=512)
+    assert plan.decode_sizes == default_graph_sizes(100) and plan.decode_sizes[-1] == 100
+    # Piecewise buckets stop at the smaller of the step budget and the prefill limit.
+    assert plan.piecewise_sizes == default_piecewise_sizes(512) and plan.piecewise_sizes[-1] == 512
+    assert plan.reserve_bytes is None  # measured later, when the KV cache is sized
+    limited = _plan(config=EngineConfig(cuda_graph_max_prefill_tokens=128))
+    assert limited.piecewise_sizes == default_piecewise_sizes(128)
+
+
+@pytest.mark.parametrize(
+    "why,kwargs",
+    [
+        ("the CPU", {"device": torch.device("cpu")}),
+        ("--enforce-eager", {"config": EngineConfig(enforce_eager=True)}),
+        ("tensor parallelism", {"tp": object()}),
+        ("the torch attention backend", {"backend": "torch"}),
+        ("a mixture of experts", {"mc": MOE}),
+    ],
+)
+def test_no_graphs(why: str, kwargs: dict[str, Any]) -> None:
+    assert _plan(**kwargs) == GraphPlan([], []), why
+
+
+def test_a_mixture_of_experts_says_why_it_runs_eagerly(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="engine.builder"):
+        _plan(mc=MOE)
+    assert "mixture of experts runs eagerly" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="engine.builder"):
+        _plan(mc=MOE, config=EngineConfig(enforce_eager=True))
+    assert "mixture" not in caplog.text  # eager anyway: nothing to explain
+
+
+def test_given_sizes_are_cut_to_max_num_seqs_with_one_as_the_fallback() -> None:
+    given = EngineConfig(cuda_graph_sizes=(1, 8, 32, 128))
+    assert _plan(config=given, max_num_seqs=64).decode_sizes == [1, 8, 32]
+    assert _plan(config=given, max_num_seqs=128).decode_sizes == [1, 8, 32, 128]
+    # None left under max_num_seqs: one bucket of 1, so batch-1 decodes still replay.
+    too_large = EngineConfig(cuda_graph_sizes=(32, 64))
+    assert _plan(config=too_large, max_num_seqs=16).decode_sizes == [1]
+
+
+def test_a_backends_own_forward_gets_decode_graphs_but_no_piecewise_ones() -> None:
+    """Piecewise graphs replay the plain model's layers, not a replacement forward."""
+    plan = _plan(plain_forward=False)
+    assert plan.decode_sizes == default_graph_sizes(64) and plan.piecewise_sizes == []
