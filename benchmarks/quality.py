@@ -3,6 +3,11 @@
     python -m benchmarks.quality                         # the default model, every mode
     python -m benchmarks.quality --modes float32,w-int8 --out quality.json
     python -m benchmarks.quality --list-modes
+    python -m benchmarks.quality --device cuda           # the same on a GPU, in bfloat16
+
+Every engine runs on ``--device`` (the CPU unless asked: the figures are the CPU stack's) in
+``--dtype`` (when not given, the engine's default for the device: float32 on the CPU,
+bfloat16 on CUDA).
 
 Each mode (``MODES``: a name and the ``LLM`` keyword arguments that turn it on) is compared
 with the reference mode (the first one run: float32 weights, float KV) on the same model:
@@ -251,6 +256,8 @@ def run_mode(
             max_num_seqs=len(PROMPTS),
             kv_cache_memory=args.kv_cache_memory,
             seed=0,
+            device=args.device,
+            dtype=args.dtype,
             **mode.llm_kwargs,
         )
     except (ValueError, RuntimeError) as exc:  # e.g. fp8 on a CPU: say so, go on
@@ -312,7 +319,8 @@ def paired_tpot(modes: list[Mode], args: argparse.Namespace) -> dict[str, list[f
     figures measured minutes apart (one mode after another) compare poorly, and rounds that
     alternate do better. Returns each mode's per-round medians."""
     llms = {m.name: LLM(args.model, max_num_seqs=1, kv_cache_memory=args.kv_cache_memory,
-                        **m.llm_kwargs) for m in modes if not missing_kwargs(m)}  # fmt: skip
+                        device=args.device, dtype=args.dtype, **m.llm_kwargs)
+            for m in modes if not missing_kwargs(m)}  # fmt: skip
     for m in modes:
         if m.prepare is not None and m.name in llms:
             m.prepare(llms[m.name])
@@ -363,6 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated mode names; the first is the reference (--list-modes)",
     )
     parser.add_argument("--list-modes", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="the model's dtype (default: float32 on cpu, bfloat16 on cuda)",
+    )
     parser.add_argument("--window", type=int, default=256, help="tokens per scored window")
     parser.add_argument(
         "--max-windows", type=int, default=None, help="score only the first windows (tests)"
@@ -387,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     by_name = {m.name: m for m in MODES}
     if args.list_modes:
         for m in MODES:
@@ -406,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                   + " ".join(f"{v:.2f}" for v in values))  # fmt: skip
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"model": args.model, "paired_tpot_ms": rounds}, f, indent=1)
+                json.dump({"model": args.model, "device": args.device, "dtype": args.dtype,
+                           "paired_tpot_ms": rounds}, f, indent=1)  # fmt: skip
         return 0
     results: list[ModeResult] = []
     reference: ModeResult | None = None
@@ -420,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {name}: {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     num_scored = 0 if ref_scores is None else len(ref_scores[0])
     print(
-        f"model {args.model}; reference {reference.mode if reference else 'none'}; "
+        f"model {args.model} on {args.device} in {args.dtype}; "
+        f"reference {reference.mode if reference else 'none'}; "
         f"{num_scored} scored tokens in windows of {args.window}; greedy over {args.prompts} "
         f"prompts x {args.tokens} tokens; KV budget {args.kv_cache_memory / 2**20:.0f} MiB; "
         f"Python {platform.python_version()}; torch threads {torch.get_num_threads()}"
@@ -429,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         payload = {
             "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
             "python": platform.python_version(),
             "scored_tokens": num_scored,
             "window": args.window,

@@ -18,12 +18,13 @@ Triton is imported only when it is chosen.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, ModelError
 from engine.input_batch import AttentionMetadata
 from engine.rope import apply_rope
 from kernels import cpu as cpu_kernels
@@ -33,6 +34,26 @@ logger = logging.getLogger(__name__)
 
 # KV cache dtypes the C++ CPU kernels read (kernels/cpu/csrc/paged_attention.cpp).
 CPU_KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
+class UnsupportedBackendError(ModelError, ValueError):
+    """An ``--attention-backend`` this device, dtype or model cannot run; the command line
+    reports it as one line."""
+
+
+def triton_interprets() -> bool:
+    """Whether the Triton kernels run under Triton's interpreter, the only way they take CPU
+    tensors. Triton decides when a kernel is defined, i.e. when its ``kernels.<name>`` module
+    is first imported, from ``TRITON_INTERPRET`` at that moment: once the attention kernels
+    are imported their kind answers, before that the variable (read as Triton reads it)."""
+    imported = sys.modules.get("kernels.paged_attention")
+    if imported is not None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(imported._paged_attention_decode_kernel, InterpretedFunction)
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 def resolve_backend(
@@ -79,13 +100,21 @@ def resolve_backend(
             )
         return backend
     if name in ("cpu", "triton") and not family_fits_kernels:
-        raise ValueError(
+        raise UnsupportedBackendError(
             f"the {name} attention backend has no attention soft-capping, which "
             f"{model.model_type} uses: use --attention-backend torch"
         )
+    if name == "triton" and device.type == "cpu" and not triton_interprets():
+        # Compiled kernels take CUDA tensors only: refused here, before the model loads, not
+        # at the first step.
+        raise UnsupportedBackendError(
+            "the triton attention backend runs on CUDA, or on the CPU only under Triton's "
+            "interpreter (TRITON_INTERPRET=1, slow; for tests): use --device cuda, or "
+            "--attention-backend auto, cpu or torch"
+        )
     if name == "cpu":
         if not fits_cpu:
-            raise ValueError(
+            raise UnsupportedBackendError(
                 "the cpu attention backend needs float32 on the CPU, a KV cache dtype of "
                 f"{', '.join(CPU_KV_CACHE_DTYPES)}, head_dim 32/64/96/128/256 and hidden and "
                 "intermediate sizes that are multiples of 16"

@@ -372,6 +372,18 @@ class ModelSource:
     sampling_defaults: SamplingDefaults
 
 
+def lacks_a_tokenizer(config: EngineConfig) -> bool:
+    """Whether ``config`` names a model known to come without a tokenizer before anything is
+    read: a shape preset with dummy weights and no ``--tokenizer`` (``read_model_source``
+    finds none there). A checkpoint directory without tokenizer files is found out only by
+    reading it."""
+    return (
+        config.tokenizer is None
+        and config.load_format == "dummy"
+        and preset(config.model) is not None
+    )
+
+
 def read_model_source(config: EngineConfig) -> ModelSource:
     """Resolve ``config.model`` (converting a GGUF file once), read its config, tokenizer and
     generation config. With dummy weights ``--model`` may name a shape preset instead."""

@@ -61,6 +61,7 @@ def on_worker_thread(fn: Callable[..., T], *args: Any) -> T:
 def serve(config: ServingConfig) -> int:
     """Load the engine, start its thread inside the app's lifespan, run uvicorn until a
     signal drains it."""
+    from engine.builder import lacks_a_tokenizer
     from engine.llm_engine import LLMEngine
     from engine.protocol import ServingEngine
     from engine.threads import configure_threads
@@ -70,6 +71,10 @@ def serve(config: ServingConfig) -> int:
     from server.metrics import ServerMetrics
     from server.shutdown import serve_until_drained
 
+    if lacks_a_tokenizer(config.engine):
+        # Known from the flags alone: refused before the model loads and the KV cache takes
+        # its memory (the check after the build covers a checkpoint without tokenizer files).
+        raise ModelError(no_tokenizer_message(config.engine.model))
     configure_logging(config.server.log_level)
     threads, source = configure_threads(config.server.num_threads)
     logger.info("CPU threads: %d (%s)", threads, source)
@@ -90,13 +95,10 @@ def serve(config: ServingConfig) -> int:
         logger.critical("%s", exc)
         return 1
     if engine.tokenizer is None:
-        # The HTTP API returns text, so it cannot serve a model without a tokenizer (a shape
-        # preset with dummy weights has none); the offline LLM takes token ids instead.
+        # The HTTP API returns text, so it cannot serve a model without a tokenizer (here a
+        # checkpoint without tokenizer files); the offline LLM takes token ids instead.
         engine.shutdown()
-        raise ModelError(
-            f"model {config.engine.model!r} has no tokenizer to serve text with: pass "
-            "--tokenizer DIR (a directory with tokenizer.json / tokenizer_config.json)"
-        )
+        raise ModelError(no_tokenizer_message(config.engine.model))
     # The engine resolved the device's defaults (the prefill chunk): report those.
     config = dataclasses.replace(config, scheduler=engine.scheduler_config)
     block_size = config.kvpool.block_size
@@ -156,6 +158,13 @@ def serve(config: ServingConfig) -> int:
         # drain. Unfrozen, the exit's collection frees them as it would without the freeze.
         gc.unfreeze()
     return 0
+
+
+def no_tokenizer_message(model: str) -> str:
+    return (
+        f"model {model!r} has no tokenizer to serve text with: pass --tokenizer DIR (a "
+        "directory with tokenizer.json / tokenizer_config.json)"
+    )
 
 
 def serve_tensor_parallel_worker(config: ServingConfig) -> int | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import os
 import warnings
+from typing import NoReturn
 
 import pytest
 import torch
@@ -135,6 +136,43 @@ def _isolated(request: pytest.FixtureRequest):
             "back was):\n  " + "\n  ".join(problems),
             pytrace=False,
         )
+
+
+def refuse_the_default_gpu_kv_budget(*args: object, **kwargs: object) -> NoReturn:
+    """Stands in for ``engine.gpu_memory.gpu_kv_budget`` where ``engine/builder.py`` calls it:
+    the one place an engine on CUDA sizes its KV cache without a budget of its own."""
+    pytest.fail(
+        "this test built an engine on CUDA without an explicit KV budget: pass num_kv_blocks= "
+        "or kv_cache_memory= (--num-kv-blocks / --kv-cache-memory on a command line). The "
+        "default takes 90% of the GPU's free memory, which under pytest -n starves the other "
+        "workers on the same GPU",
+        pytrace=False,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _explicit_kv_budget():
+    """On a machine with CUDA, an engine built in a test must bring its own KV budget
+    (``refuse_the_default_gpu_kv_budget``). A no-op without CUDA, where no engine reaches
+    that branch. A test that means to measure the default budget sets
+    ``engine.builder.gpu_kv_budget`` back with its own ``monkeypatch``. Engines in a child
+    process (``python -m server``) are outside this guard: their command lines pass
+    ``--num-kv-blocks`` or ``--device cpu``."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    # Already imported by the collection of the engine tests in every worker.
+    from engine import builder
+
+    # Set and put back by hand, not with the ``monkeypatch`` fixture: a fixture this one
+    # requested would be set up before ``_isolated`` and torn down after it, so a test's own
+    # ``monkeypatch.setenv`` would still be in place when ``_isolated`` compares.
+    real = builder.gpu_kv_budget
+    builder.gpu_kv_budget = refuse_the_default_gpu_kv_budget
+    try:
+        yield
+    finally:
+        builder.gpu_kv_budget = real
 
 
 @pytest.hookimpl(wrapper=True)

@@ -19,6 +19,16 @@ from tests import isolation
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a child pytest run over this suite's conftest: this one with the
+    repository importable, less pytest-xdist's worker variables, which a run under
+    ``pytest -n`` would pass on and which make the child's conftest act as a worker (a
+    broken CUDA context then ends the child instead of failing its tests by name)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
 def test_nothing_changed_reports_nothing():
     assert isolation.restore(isolation.snapshot()) == []
 
@@ -81,8 +91,7 @@ def test_a_leaking_test_fails_by_name_and_the_next_one_runs_clean(tmp_path: Path
             """
         )
     )
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
+    env = child_env()
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
          str(tmp_path), str(tmp_path)],
@@ -233,11 +242,10 @@ def test_cpu_only():
 def run_scripted_gpu(tmp_path: Path, *args: str) -> str:
     (tmp_path / "conftest.py").write_text(SCRIPTED_GPU_CONFTEST)
     (tmp_path / "test_scripted.py").write_text(SCRIPTED_GPU_TESTS)
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--rootdir",
          str(tmp_path), *args, str(tmp_path)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+        cwd=tmp_path, env=child_env(), capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     return done.stdout + done.stderr
@@ -297,11 +305,10 @@ def test_a_real_device_side_assert_is_pinned_on_its_test(tmp_path):
     test_faults' body returned, and the conftest names it, not test_after."""
     (tmp_path / "conftest.py").write_text(REAL_GPU_CONFTEST)
     (tmp_path / "test_scripted.py").write_text(REAL_GPU_TESTS)
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--rootdir",
          str(tmp_path), str(tmp_path)],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+        cwd=tmp_path, env=child_env(), capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip
     out = done.stdout + done.stderr

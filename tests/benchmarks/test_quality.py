@@ -42,9 +42,12 @@ def test_the_corpus_ships_with_python():
 def report(tmp_path_factory, ops) -> dict:
     out = tmp_path_factory.mktemp("quality") / "quality.json"
     argv = ["--modes", "float32,w-int8,kv-int8", "--window", "128", "--max-windows", "2",
-            "--tokens", "16", "--prompts", "4", "--no-speed", "--out", str(out)]  # fmt: skip
+            "--tokens", "16", "--prompts", "4", "--no-speed", "--out", str(out),
+            "--device", "cpu"]  # fmt: skip
     assert quality.main(argv) == 0
-    return json.loads(out.read_text())
+    report = json.loads(out.read_text())
+    assert (report["device"], report["dtype"]) == ("cpu", "float32")  # the tolerances' setting
+    return report
 
 
 def test_int8_weights_stay_within_the_written_tolerances(report):

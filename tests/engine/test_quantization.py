@@ -216,10 +216,15 @@ def test_an_unknown_mode_on_the_command_line_is_one_line(capsys):
     assert "Traceback" not in err
 
 
-def test_fp8_on_the_cpu_is_one_line_and_exit_2():
-    """Refused before the model loads: one line on stderr, exit status 2, no traceback."""
+def test_fp8_on_the_cpu_is_one_line_and_exit_2(tmp_path):
+    """Refused before the model loads: one line on stderr, exit status 2, no traceback. (A
+    tokenizer is given: a preset without one is refused first, from the flags alone.)"""
+    from tests.server.server_fakes import tiny_tokenizer
+
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
     argv = ["--quantization", "fp8", "--device", "cpu", "--load-format", "dummy",
-            "--model", "tiny-llama", "--log-level", "warning"]  # fmt: skip
+            "--model", "tiny-llama", "--tokenizer", str(tmp_path / "tokenizer"),
+            "--log-level", "warning"]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "server", *argv], capture_output=True, text=True, timeout=180
     )

@@ -62,3 +62,28 @@ def test_mixed_steps_attend_in_one_launch_or_two(tiny_llama_gqa, device, mixed_a
     mixed = [p for p in plans if 0 < p.meta.num_decodes < p.meta.seq_lens.shape[0]]
     assert mixed, "the workload must make mixed steps"
     assert all(p.one_launch == (mixed_attention == "one_launch") for p in mixed)
+
+
+def test_triton_on_the_cpu_needs_the_interpreter(tiny_llama_gqa, monkeypatch):
+    """Compiled Triton kernels take CUDA tensors only: on the CPU the backend is refused
+    unless the kernels are interpreted, with the ways out named; ``auto`` never picks it
+    there. ``triton_interprets`` answers as the tests' own switch does."""
+    from engine import attention
+    from engine.attention import UnsupportedBackendError, resolve_backend, triton_interprets
+    from engine.config import ModelConfig, ModelError
+    from engine.loader import read_hf_config
+    from tests.triton_devices import INTERPRET
+
+    assert triton_interprets() is INTERPRET
+    mc = ModelConfig.from_hf(read_hf_config(tiny_llama_gqa))
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(attention, "triton_interprets", lambda: False)
+    with pytest.raises(UnsupportedBackendError, match="TRITON_INTERPRET=1") as refused:
+        resolve_backend("triton", cpu, torch.float32, mc)
+    assert isinstance(refused.value, ModelError)  # the CLI prints it as one line
+    assert "--device cuda" in str(refused.value) and "\n" not in str(refused.value)
+    assert resolve_backend("auto", cpu, torch.float32, mc) != "triton"
+    # CUDA runs the compiled kernels: nothing to check there.
+    assert resolve_backend("triton", torch.device("cuda"), torch.bfloat16, mc) == "triton"
+    monkeypatch.setattr(attention, "triton_interprets", lambda: True)
+    assert resolve_backend("triton", cpu, torch.float32, mc) == "triton"

@@ -138,7 +138,7 @@ def test_a_model_the_user_must_change_is_one_line_and_exit_2(
     and the fix, exit status 2, no traceback, nothing fetched."""
     model = _bad_model(case, tmp_path)
     env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    argv = ["--model", model, "--port", "0", "--log-level", "warning"]
+    argv = ["--model", model, "--port", "0", "--log-level", "warning", "--device", "cpu"]
     done = subprocess.run(
         [sys.executable, "-m", "server", *argv],
         cwd=REPO,
@@ -157,10 +157,12 @@ def test_a_model_the_user_must_change_is_one_line_and_exit_2(
 
 def test_serving_a_preset_without_a_tokenizer_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """Dummy weights of a shape preset come without a tokenizer: the HTTP API, which returns
-    text, refuses them at start-up (naming --tokenizer) rather than 500 on every request."""
+    text, refuses them at start-up (naming --tokenizer) rather than 500 on every request.
+    The flags say so before the model loads (``lacks_a_tokenizer``); the device and a small
+    pool are pinned all the same, so that an engine built here would never take a GPU."""
     env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
     argv = ["--model", "tiny-llama", "--load-format", "dummy", "--port", "0",
-            "--log-level", "warning"]  # fmt: skip
+            "--log-level", "warning", "--device", "cpu", "--num-kv-blocks", "8"]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "server", *argv],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
@@ -169,6 +171,41 @@ def test_serving_a_preset_without_a_tokenizer_is_one_line_and_exit_2(tmp_path: P
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pagedserve serve: error: "), done.stderr
     assert "has no tokenizer" in lines[0] and "--tokenizer DIR" in lines[0], lines[0]
+
+
+def test_a_preset_without_a_tokenizer_is_known_before_loading() -> None:
+    from engine.builder import lacks_a_tokenizer
+    from engine.config import EngineConfig
+
+    assert lacks_a_tokenizer(EngineConfig(model="tiny-llama", load_format="dummy"))
+    assert not lacks_a_tokenizer(
+        EngineConfig(model="tiny-llama", load_format="dummy", tokenizer="/tok")
+    )
+    # Not a preset: only reading the checkpoint tells (the check after the build).
+    assert not lacks_a_tokenizer(EngineConfig(model="/some/dir", load_format="dummy"))
+    assert not lacks_a_tokenizer(EngineConfig(model="default"))
+
+
+def test_triton_on_the_cpu_without_the_interpreter_is_one_line_and_exit_2(
+    tmp_path: Path,
+) -> None:
+    """Compiled Triton kernels take CUDA tensors only: ``--attention-backend triton`` on the
+    CPU without ``TRITON_INTERPRET`` is refused before the model loads, as one line."""
+    from tests.server.tiny_server import make_tiny_model_dir
+
+    model = make_tiny_model_dir(tmp_path / "model")
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    argv = ["--model", str(model), "--device", "cpu", "--attention-backend", "triton",
+            "--num-kv-blocks", "8", "--port", "0", "--log-level", "warning"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "server", *argv],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pagedserve serve: error: "), done.stderr
+    assert "TRITON_INTERPRET=1" in lines[0] and "--device cuda" in lines[0], lines[0]
 
 
 def test_speculative_flags_reach_the_config_and_bad_ones_exit_2(monkeypatch, capsys) -> None:

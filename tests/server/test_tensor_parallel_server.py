@@ -258,12 +258,15 @@ def test_killed_worker_makes_the_server_exit_non_zero(tiny_tp_server):
     print(f"server exited {time.monotonic() - start:.1f} s after its worker was killed")
 
 
-def test_a_node_that_never_joins_exits_1_with_one_line() -> None:
+def test_a_node_that_never_joins_exits_1_with_one_line(tmp_path: Path) -> None:
     """Node 0 of two whose node 1 never starts: the start fails after the group timeout,
     naming the rank, as one log line and status 1 (no traceback). Shape preset, dummy
-    weights: nothing is loaded before the join."""
+    weights: nothing is loaded before the join (a tokenizer is given: a preset without one
+    is refused before anything, from the flags alone)."""
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
     argv = [
         sys.executable, "-m", "server", "--model", "smollm2-135m", "--load-format", "dummy",
+        "--tokenizer", str(tmp_path / "tokenizer"),
         "--device", "cpu", "--host", HOST, "--port", str(free_port()),
         "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "0",
         "--master-port", str(free_port()),
