@@ -71,11 +71,9 @@ def serve(config: ServingConfig) -> int:
     from server.metrics import ServerMetrics
     from server.shutdown import serve_until_drained
 
-    if lacks_a_tokenizer(config.engine):
-        # Known from the flags alone: refused before the model loads and the KV cache takes
-        # its memory (the check after the build covers a checkpoint without tokenizer files).
-        raise ModelError(no_tokenizer_message(config.engine.model))
     configure_logging(config.server.log_level)
+    if lacks_a_tokenizer(config.engine):
+        config = with_synthetic_tokenizer(config)
     threads, source = configure_threads(config.server.num_threads)
     logger.info("CPU threads: %d (%s)", threads, source)
     worker_status = serve_tensor_parallel_worker(config)
@@ -158,6 +156,34 @@ def serve(config: ServingConfig) -> int:
         # drain. Unfrozen, the exit's collection frees them as it would without the freeze.
         gc.unfreeze()
     return 0
+
+
+def with_synthetic_tokenizer(config: ServingConfig) -> ServingConfig:
+    """``config`` serving a shape preset's dummy weights with a synthetic tokenizer of the
+    preset's vocabulary (``engine.presets.write_synthetic_tokenizer``), written into a
+    temporary directory removed at exit. Random weights make no text worth reading; what
+    the tokenizer keeps is lengths (a prompt's whitespace-separated words are its tokens,
+    every generated id decodes to a word of its own), so a load test over text measures
+    what it would with the real one."""
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from engine.presets import preset, write_synthetic_tokenizer
+
+    shape = preset(config.engine.model)
+    assert shape is not None, config.engine.model
+    directory = Path(tempfile.mkdtemp(prefix="pagedserve-tokenizer-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    write_synthetic_tokenizer(shape, directory)
+    logger.warning(
+        "serving %r's random weights with a synthetic tokenizer of %d ids (a prompt's words "
+        "are its tokens; outputs are placeholder words): --tokenizer DIR serves a real one",
+        config.engine.model, int(shape["vocab_size"]),
+    )  # fmt: skip
+    engine = dataclasses.replace(config.engine, tokenizer=str(directory))
+    return dataclasses.replace(config, engine=engine)
 
 
 def no_tokenizer_message(model: str) -> str:

@@ -155,22 +155,40 @@ def test_a_model_the_user_must_change_is_one_line_and_exit_2(
         assert text in lines[0], lines[0]
 
 
-def test_serving_a_preset_without_a_tokenizer_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    """Dummy weights of a shape preset come without a tokenizer: the HTTP API, which returns
-    text, refuses them at start-up (naming --tokenizer) rather than 500 on every request.
-    The flags say so before the model loads (``lacks_a_tokenizer``); the device and a small
-    pool are pinned all the same, so that an engine built here would never take a GPU."""
+def test_a_preset_without_a_tokenizer_serves_text_through_a_synthetic_one(tmp_path: Path) -> None:
+    """Dummy weights of a shape preset come without a tokenizer: the server writes one of the
+    preset's vocabulary (``with_synthetic_tokenizer``, saying so in its log) and answers text
+    whose words are its tokens, on completions and chat alike. The device and a small pool
+    are pinned, so that the engine built here never takes a GPU."""
+    import httpx
+
+    from loadtest.launcher import ServerProcess, free_port
+
     env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    argv = ["--model", "tiny-llama", "--load-format", "dummy", "--port", "0",
-            "--log-level", "warning", "--device", "cpu", "--num-kv-blocks", "8"]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "server", *argv],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pagedserve serve: error: "), done.stderr
-    assert "has no tokenizer" in lines[0] and "--tokenizer DIR" in lines[0], lines[0]
+    port = free_port()
+    argv = [sys.executable, "-m", "server", "--model", "tiny-llama", "--load-format", "dummy",
+            "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+            "--num-kv-blocks", "64", "--num-threads", "1"]  # fmt: skip
+    server = ServerProcess(argv, port, tmp_path / "server.log", env=env, cwd=REPO)
+    try:
+        server.start_healthy(180)
+        with httpx.Client(base_url=server.base_url, timeout=60, trust_env=False) as http:
+            body = {"model": "tiny-llama", "prompt": "one two three four five", "max_tokens": 4,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            usage = r.json()["usage"]
+            assert usage["prompt_tokens"] == 5 and usage["completion_tokens"] == 4, usage
+            assert len(r.json()["choices"][0]["text"].split()) == 4, r.json()
+            chat = {"model": "tiny-llama", "max_tokens": 3, "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "hello there"}]}  # fmt: skip
+            r = http.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"].strip(), r.json()
+    finally:
+        server.stop(grace_s=10)
+    log = (tmp_path / "server.log").read_text()
+    assert "synthetic tokenizer" in log, log[-2000:]
 
 
 def test_a_preset_without_a_tokenizer_is_known_before_loading() -> None:
