@@ -26,9 +26,9 @@ def size_on_cuda(kv_config: KVPoolConfig) -> int:
     """``builder.size_kv_pool`` for a CUDA engine of two layers, up to the budget branch: no
     GPU is touched when the guard refuses, or when ``kv_config`` brings a block count."""
     model = SimpleNamespace(config=SimpleNamespace(num_layers=2, head_dim=16))
-    capacity = builder.size_kv_pool(
+    capacity, _ = builder.size_kv_pool(
         EngineConfig(model="tiny-llama"), kv_config, SchedulerConfig(), model,  # type: ignore[arg-type]
-        None, builder.GraphPlan([], []), 2, torch.device("cuda"), torch.bfloat16, None,
+        None, builder.GraphPlan([], []), 2, torch.device("cuda"), torch.bfloat16, None, 512,
     )  # fmt: skip
     return capacity.num_blocks
 
