@@ -190,7 +190,8 @@ def build_paged_kv(
 
 
 # Compiles the builds in the JSON file argv[1] (name -> tests/kernels/sm90_builds.py's Sm90Build
-# as a dict) and
+# as a dict), each with its pointers specialised as 16-byte aligned (the variant the engine's
+# launches compile: vectorised loads and asynchronous copies depend on it), and
 # prints name -> None or the error text, as JSON. Options a build names that Triton's CUDA
 # backend does not know are an error (triton.compile would drop them silently).
 _COMPILE_SCRIPT = r"""
@@ -217,8 +218,15 @@ for name, build in json.load(open(sys.argv[1])).items():
         options = build["options"]
         unknown = sorted(set(options) - set(CUDAOptions.__dataclass_fields__))
         assert not unknown, f"not triton.compile options: {unknown}"
+        # Pointers as the launcher meets them (16-byte-aligned tensor data): the JIT's
+        # divisibility attribute, except where the kernel opts out of specialising.
+        unspecialised = {names[i] if isinstance(i, int) else i
+                         for i in (*fn.do_not_specialize, *fn.do_not_specialize_on_alignment)}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in full.items()
+                 if t.startswith("*") and n not in unspecialised}
         src = ASTSource(fn=fn, signature=full,
-                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
+                        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                        attrs=attrs)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         results[name] = None
     except Exception:
