@@ -20,6 +20,9 @@
 #               budget): offline throughput, the c=64 closed loop's mixed steps and HTTP at
 #               concurrency 64 (the ITL p99 / p50 trade against throughput), each run with a
 #               step trace for benchmarks.step_replay
+#   itl-target  HTTP at concurrency 64 with --target-itl-ms 25 (at e903b1a it held the p99 at
+#               2.03x the p50 but cost 0.43x the throughput, mixed steps then costing about
+#               two decode steps whatever their prompt tokens)
 #   profile     where the closed loop's mixed steps go (host against device time)
 #   async-off   the engine steps with synchronous scheduling, for the asynchronous A/B
 #   suite       the whole test suite on the CUDA build of torch (README's `make test` there);
@@ -83,12 +86,14 @@ step() {
                 "${B[@]}" --sections offline,http --concurrency 64 \
                 --prefill-chunk-tokens "$chunk" --out "$OUT/chunk$chunk.json"
         done ;;
+    itl-target) run_step itl-target 200 "${B[@]}" --sections http --concurrency 64 \
+        --server-args "--target-itl-ms 25" --out "$OUT/itl-target.json" ;;
     profile) run_step profile 200 "${B[@]}" --sections profile --skip-http \
         --out "$OUT/profile.json" ;;
     async-off) run_step async-off 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
         --async-scheduling off --out "$OUT/async-off.json" ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests kernels engine http chunks profile async-off suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests kernels engine http chunks itl-target profile async-off suite)" >&2
         exit 2 ;;
     esac
 }
@@ -101,7 +106,7 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests kernels engine http chunks profile async-off suite
+    set -- gpu-tests kernels engine http chunks itl-target profile async-off suite
 fi
 for s in "$@"; do
     step "$s"
