@@ -1,0 +1,56 @@
+"""benchmarks/gpu_session.sh, the owed GPU measurements as one bounded run, on the CPU at a
+tiny shape: each step it is asked for runs and records its exit status, a step whose bound
+does not fit in what is left is skipped and says so, and an unknown step is one line and
+exit 2. (The figures it prints here mean nothing; the GPU run is what it is for.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "gpu_session.sh"
+
+
+def run(tmp_path: Path, *steps: str, session_s: int = 300) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        # python3 there is this interpreter, as the image's is on a GPU machine
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "OUT": str(tmp_path / "out"),
+        "MODEL": "tiny-llama",
+        "BENCH_ARGS": "--device cpu --quick",
+        "SESSION_S": str(session_s),
+        "PAGEDSERVE_CACHE": str(tmp_path / "cache"),
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), *steps], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_a_step_runs_and_records_its_status(tmp_path: Path) -> None:
+    done = run(tmp_path, "engine")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text()
+    assert summary.startswith("engine rc=0 "), summary
+    assert (out / "engine.json").exists() and (out / "machine.txt").exists()
+    assert "batch 1:" in (out / "engine.log").read_text()
+
+
+def test_a_step_that_does_not_fit_is_skipped(tmp_path: Path) -> None:
+    done = run(tmp_path, "suite", session_s=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "suite skipped" in (tmp_path / "out" / "summary.txt").read_text()
+
+
+def test_an_unknown_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    done = run(tmp_path, "bogus")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "unknown step: bogus (gpu-tests kernels engine http chunks itl-target profile "
+        "async-off suite)"
+    ], done.stderr
