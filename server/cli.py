@@ -96,7 +96,10 @@ def serve(config: ServingConfig) -> int:
         # The HTTP API returns text, so it cannot serve a model without a tokenizer (here a
         # checkpoint without tokenizer files); the offline LLM takes token ids instead.
         engine.shutdown()
-        raise ModelError(no_tokenizer_message(config.engine.model))
+        raise ModelError(
+            f"model {config.engine.model!r} has no tokenizer to serve text with: pass "
+            "--tokenizer DIR (a directory with tokenizer.json / tokenizer_config.json)"
+        )
     # The engine resolved the device's defaults (the prefill chunk): report those.
     config = dataclasses.replace(config, scheduler=engine.scheduler_config)
     block_size = config.kvpool.block_size
@@ -164,19 +167,23 @@ def with_synthetic_tokenizer(config: ServingConfig) -> ServingConfig:
     temporary directory removed at exit. Random weights make no text worth reading; what
     the tokenizer keeps is lengths (a prompt's whitespace-separated words are its tokens,
     every generated id decodes to a word of its own), so a load test over text measures
-    what it would with the real one."""
+    what it would with the real one. Its words include the load generator's
+    (``loadtest.workloads.WORDS``, what ``pagedserve bench`` prompts are made of), one id
+    each: a word outside them is the one unknown id, so prompts made of other words share
+    their ids, and with them prefix-cache hits a real tokenizer would not give."""
     import atexit
     import shutil
     import tempfile
     from pathlib import Path
 
     from engine.presets import preset, write_synthetic_tokenizer
+    from loadtest.workloads import WORDS
 
     shape = preset(config.engine.model)
     assert shape is not None, config.engine.model
     directory = Path(tempfile.mkdtemp(prefix="pagedserve-tokenizer-"))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    write_synthetic_tokenizer(shape, directory)
+    write_synthetic_tokenizer(shape, directory, WORDS)
     logger.warning(
         "serving %r's random weights with a synthetic tokenizer of %d ids (a prompt's words "
         "are its tokens; outputs are placeholder words): --tokenizer DIR serves a real one",
@@ -184,13 +191,6 @@ def with_synthetic_tokenizer(config: ServingConfig) -> ServingConfig:
     )  # fmt: skip
     engine = dataclasses.replace(config.engine, tokenizer=str(directory))
     return dataclasses.replace(config, engine=engine)
-
-
-def no_tokenizer_message(model: str) -> str:
-    return (
-        f"model {model!r} has no tokenizer to serve text with: pass --tokenizer DIR (a "
-        "directory with tokenizer.json / tokenizer_config.json)"
-    )
 
 
 def serve_tensor_parallel_worker(config: ServingConfig) -> int | None:
