@@ -29,6 +29,20 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def run_child_pytest(tmp_path: Path, conftest: str, tests: str, *args: str) -> str:
+    """Write ``conftest`` and ``tests`` (as test_scripted.py) into ``tmp_path``, run pytest
+    over them in a child process with ``child_env()`` and ``-rA``, and return its output."""
+    (tmp_path / "conftest.py").write_text(conftest)
+    (tmp_path / "test_scripted.py").write_text(tests)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--rootdir",
+         str(tmp_path), *args, str(tmp_path)],
+        cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    return done.stdout + done.stderr
+
+
 def test_nothing_changed_reports_nothing():
     assert isolation.restore(isolation.snapshot()) == []
 
@@ -240,15 +254,7 @@ def test_cpu_only():
 
 
 def run_scripted_gpu(tmp_path: Path, *args: str) -> str:
-    (tmp_path / "conftest.py").write_text(SCRIPTED_GPU_CONFTEST)
-    (tmp_path / "test_scripted.py").write_text(SCRIPTED_GPU_TESTS)
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--rootdir",
-         str(tmp_path), *args, str(tmp_path)],
-        cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    return done.stdout + done.stderr
+    return run_child_pytest(tmp_path, SCRIPTED_GPU_CONFTEST, SCRIPTED_GPU_TESTS, *args)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the run below scripts a CPU-only torch")
@@ -303,15 +309,7 @@ def test_after():
 def test_a_real_device_side_assert_is_pinned_on_its_test(tmp_path):
     """On the GPU, in a child process (the fault is sticky there): the assert fires after
     test_faults' body returned, and the conftest names it, not test_after."""
-    (tmp_path / "conftest.py").write_text(REAL_GPU_CONFTEST)
-    (tmp_path / "test_scripted.py").write_text(REAL_GPU_TESTS)
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--rootdir",
-         str(tmp_path), str(tmp_path)],
-        cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    out = done.stdout + done.stderr
+    out = run_child_pytest(tmp_path, REAL_GPU_CONFTEST, REAL_GPU_TESTS)
     assert "ERROR at teardown of test_faults" in out, out
     assert "device-side assert triggered; it is sticky" in out, out
     assert "ERROR at setup of test_after" in out, out

@@ -5,8 +5,6 @@ naming the flags that fix it, so that ``pytest -n 4`` on one GPU never has one w
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,7 +17,7 @@ from engine.config import EngineConfig
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
 from tests import conftest
-from tests.test_isolation import child_env
+from tests.test_isolation import run_child_pytest
 
 
 def size_on_cuda(kv_config: KVPoolConfig) -> int:
@@ -70,15 +68,7 @@ def test_explicit_budget():
 def test_the_autouse_guard_engages_where_cuda_is_present(tmp_path: Path):
     """A real pytest run with the guard and a torch that reports CUDA: the engine sized from
     the default budget fails its test by name, the others pass."""
-    (tmp_path / "conftest.py").write_text(SCRIPTED_CONFTEST)
-    (tmp_path / "test_scripted.py").write_text(textwrap.dedent(SCRIPTED_TESTS))
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", "--rootdir",
-         str(tmp_path), str(tmp_path)],
-        cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    out = done.stdout + done.stderr
+    out = run_child_pytest(tmp_path, SCRIPTED_CONFTEST, textwrap.dedent(SCRIPTED_TESTS))
     assert "FAILED test_scripted.py::test_default_budget" in out, out
     assert "without an explicit KV budget" in out, out
     assert "PASSED test_scripted.py::test_guarded" in out, out
