@@ -2,13 +2,16 @@
 
     python -m benchmarks.host_overhead                              # batch 1, 64, 256; CPU
     python -m benchmarks.host_overhead --device cuda                # the same on a GPU
-    python -m benchmarks.host_overhead --batch 64 --context 2048 --steps 200 --clock cpu
+    python -m benchmarks.host_overhead --batch 64 --context 1536 --steps 200 --clock cpu
+    python -m benchmarks.host_overhead --sampling penalties --context 1536   # penalised rows
+    python -m benchmarks.host_overhead --model smollm2-135m --batch 1,64     # its vocabulary
 
 On a GPU a decode step replayed from a CUDA graph costs the device a few milliseconds, and
 whatever the host does around it (schedule, build the step's inputs, copy them into the
 graph's buffers, sample, update the scheduler, build outputs, record stats) adds to every
 step unless it overlaps the device. This benchmark isolates that host work on any machine:
-it builds the real ``LLMEngine`` on the tiny-llama shape with dummy weights and the torch
+it builds the real ``LLMEngine`` on the tiny-llama shape (``--model``: another shape preset,
+whose vocabulary sizes the logits the sampler works on) with dummy weights and the torch
 attention backend, then replaces the model's forward with a stub that returns fixed logits
 of the right shape without computing anything, behind the decode graphs' persistent buffers
 (``DecodeGraphs`` with ``capture=False``: the same copies, bucketing and padding as a
@@ -28,6 +31,11 @@ engine's own call of it) and of the whole ``step()``:
 - outputs: the engine's ``RequestOutput`` list;
 - stats: the step's ``StepStats``;
 - other: the rest of ``step()``.
+
+``--sampling penalties`` gives every request repetition, frequency and presence penalties
+(greedy still): the sample phase then includes the penalties' per-step work (bringing each
+request's token counts up to date and applying them, engine/penalties.py), which grows with
+the number of new tokens a step, not with the context.
 
 ``--clock cpu`` measures the thread's CPU time instead of wall time: steadier where other
 processes share the cores (the host work is single-threaded; on CUDA a sync's spin-wait
@@ -51,6 +59,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
 from engine.input_batch import InputBatch
 from engine.llm_engine import LLMEngine
+from engine.presets import PRESETS, preset
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
 from scheduler.request import SamplingParams
@@ -123,12 +132,14 @@ def max_output_tokens(batch: int, context: int, steps: int) -> int:
     return -(-batch * context // STEP_TOKENS) + steps + 2
 
 
-def build_engine(device: str, max_batch: int, context: int, steps: int) -> LLMEngine:
+def build_engine(
+    device: str, max_batch: int, context: int, steps: int, model: str = MODEL
+) -> LLMEngine:
     max_len = context + max_output_tokens(max_batch, context, steps)
     per_request = -(-(max_len + 16) // KVPoolConfig().block_size)
     engine = LLMEngine(
         EngineConfig(
-            model=MODEL,
+            model=model,
             load_format="dummy",
             device=device,
             dtype="float32",
@@ -147,13 +158,15 @@ def build_engine(device: str, max_batch: int, context: int, steps: int) -> LLMEn
         ),
     )
     dev = engine.device
-    stub = StubForward(max(STEP_TOKENS, max_batch), engine.model_config.vocab_size, dev)
+    # Logits rows: a step's sampling rows, at most its requests padded to a graph's size.
+    graph_sizes = default_graph_sizes(max_batch)
+    stub = StubForward(max(*graph_sizes, max_batch), engine.model_config.vocab_size, dev)
     engine.runner.model = stub
     engine.runner.piecewise = None  # steps with prompt tokens run the stub eagerly
     engine.runner.graphs = DecodeGraphs(
         stub,  # type: ignore[arg-type]
         engine.storage,
-        default_graph_sizes(max_batch),
+        graph_sizes,
         -(-engine.max_model_len // engine.storage.block_size),
         dev,
         capture=False,
@@ -183,8 +196,20 @@ def _is_decode_only(engine: LLMEngine) -> bool:
     )
 
 
+SAMPLING = {
+    "greedy": {},
+    "penalties": {"repetition_penalty": 1.1, "frequency_penalty": 0.3, "presence_penalty": 0.2},
+}
+
+
 def run_batch(
-    engine: LLMEngine, timer: PhaseTimer, batch: int, context: int, warmup: int, steps: int
+    engine: LLMEngine,
+    timer: PhaseTimer,
+    batch: int,
+    context: int,
+    warmup: int,
+    steps: int,
+    sampling: str = "greedy",
 ) -> dict[str, float]:
     """Mean microseconds per decode step, per phase plus "other" and "step", at ``batch``."""
     vocab = engine.model_config.vocab_size
@@ -193,6 +218,7 @@ def run_batch(
         max_tokens=max_output_tokens(batch, context, warmup + steps),
         temperature=0,
         ignore_eos=True,
+        **SAMPLING[sampling],
     )
     ids = [f"b{batch}-{i}" for i in range(batch)]
     for request_id in ids:
@@ -240,7 +266,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=100, help="timed decode steps per batch")
     ap.add_argument("--warmup-steps", type=int, default=10)
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ...")
+    ap.add_argument(
+        "--model",
+        default=MODEL,
+        choices=sorted(PRESETS),
+        help="the shape preset (dummy weights; its vocabulary sizes the logits the sampler "
+        "works on)",
+    )
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    ap.add_argument(
+        "--sampling",
+        choices=tuple(SAMPLING),
+        default="greedy",
+        help="greedy rows, or greedy rows with repetition, frequency and presence penalties",
+    )
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
     try:
@@ -251,6 +290,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--batch must list positive batch sizes, got {args.batch!r}")
     if args.context < 1 or args.steps < 1 or args.warmup_steps < 0:
         ap.error("--context and --steps must be positive, --warmup-steps not negative")
+    steps = args.warmup_steps + args.steps
+    needed = args.context + max_output_tokens(max(args.batches), args.context, steps)
+    positions = preset(args.model)["max_position_embeddings"]  # type: ignore[index]
+    if needed > positions:
+        ap.error(
+            f"--context {args.context} with {steps} steps needs {needed} positions; "
+            f"{args.model} has {positions}"
+        )
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: CUDA is not available here")
     return args
@@ -264,17 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         # for the sampler's argmax would only add other processes' noise.
         torch.set_num_threads(1)
     engine = build_engine(
-        args.device, max(args.batches), args.context, args.warmup_steps + args.steps
+        args.device, max(args.batches), args.context, args.warmup_steps + args.steps, args.model
     )
     timer = PhaseTimer(clock)
     instrument(engine, timer)
     results = {
-        b: run_batch(engine, timer, b, args.context, args.warmup_steps, args.steps)
+        b: run_batch(engine, timer, b, args.context, args.warmup_steps, args.steps, args.sampling)
         for b in args.batches
     }
     print(
-        f"host time per decode step, {MODEL} shape with a stubbed forward on {engine.device}, "
-        f"context {args.context}, {args.steps} steps (mean)"
+        f"host time per decode step, {args.model} shape with a stubbed forward on {engine.device}, "
+        f"context {args.context}, {args.sampling} sampling, {args.steps} steps (mean)"
     )
     print(format_table(results, args.clock))
     if args.json:
@@ -282,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(
                 {
                     "device": str(engine.device),
+                    "model": args.model,
                     "clock": args.clock,
                     "context": args.context,
+                    "sampling": args.sampling,
                     "steps": args.steps,
                     "us_per_step": {str(b): r for b, r in results.items()},
                 },

@@ -53,6 +53,7 @@ from engine.loader import (
     resolve_model,
 )
 from engine.model_runner import ModelRunner
+from engine.penalties import TokenCounts
 from engine.piecewise_graphs import PiecewiseGraphs, default_piecewise_sizes
 from engine.presets import preset
 from engine.quantization import check_supported, quantize_model
@@ -303,7 +304,8 @@ def build_engine_parts(
     if spec is not None:
         argmax = attached.cpu_ops.argmax_rows if attached.cpu_ops is not None else None
         speculator = build_speculator(
-            spec, draft, capacity, attached.cost_model, device, dtype, config.seed, argmax
+            spec, draft, capacity, attached.cost_model, device, dtype, config.seed, argmax,
+            sampler.penalties,
         )
         runner.speculator = speculator
 
@@ -870,9 +872,11 @@ def build_speculator(
     dtype: torch.dtype,
     seed: int,
     argmax: Any,
+    penalties: TokenCounts,
 ) -> SpeculativeDecoder:
     """The speculative decoder; for a draft model, its K/V pool holds as many tokens as the
-    target's (the budget was split between them before the target's pool was sized)."""
+    target's (the budget was split between them before the target's pool was sized).
+    ``penalties``: the sampler's token counts, which verification reads."""
     proposer = None
     if draft is not None:
         dmc = draft.model_config
@@ -922,6 +926,7 @@ def build_speculator(
         proposal_cost=proposal_cost,
         device=device,
         argmax=argmax if argmax is not None else _torch_argmax,
+        penalties=penalties,
         draft=proposer,
     )
 

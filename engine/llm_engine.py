@@ -654,8 +654,9 @@ class LLMEngine:
         return outputs
 
     def _forget(self, request_id: str) -> None:
-        """Drop a finished request's speculation and grammar state (the sampler keeps
-        none: a seeded row's noise is a function of its seed and position)."""
+        """Drop a finished request's penalty counts, speculation and grammar state (a
+        seeded row's noise keeps none: it is a function of its seed and position)."""
+        self.sampler.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)
         if self.structured is not None:

@@ -23,8 +23,9 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import HostStaging, InputBatch, build_input_batch
 from engine.outputs import ModelRunnerOutput, TokenLogprob
 from engine.piecewise_graphs import PiecewiseGraphs
-from engine.sampler import Picked, Sampler, on_device
+from engine.sampler import Picked, Sampler
 from engine.spec_decode.speculator import SpeculativeDecoder
+from engine.to_device import on_device
 from kvpool.storage import KVCacheStorage
 from scheduler.output import SchedulerOutput
 

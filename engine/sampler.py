@@ -3,7 +3,8 @@
 Order of operations per row (as vLLM and OpenAI define them):
   1. log-probabilities for the response: ``log_softmax`` of the *raw* logits;
   2. penalties: repetition (over prompt + output, HF's divide/multiply rule), then
-     frequency and presence (over output tokens, OpenAI's subtractive rule);
+     frequency and presence (over output tokens, OpenAI's subtractive rule), from the
+     per-request token counts the sampler keeps on the device (engine/penalties.py);
   3. greedy rows take the argmax; others divide by temperature, then apply top-k, top-p
      and min-p truncation and draw from the result.
 
@@ -31,18 +32,21 @@ Reproducibility: a seeded row's noise is counter-based, a pure function of (the 
 seed, the output position it samples, the token id), computed for all seeded rows at once
 (``seeded_exponential``). Its tokens therefore depend neither on what else is in the batch
 nor on its row, nor on how often the request was preempted and recomputed or a step retried,
-and the sampler keeps no per-request state. Rows without a seed share one generator, drawn
-once per step for all of them.
+and the sampler keeps no per-request state for it (its only per-request state is the
+penalties' token counts, which the engine drops with ``forget`` when a request ends). Rows
+without a seed share one generator, drawn once per step for all of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.penalties import TokenCounts, apply_penalties
+from engine.to_device import on_device
 from scheduler.output import ScheduledRequest
 from scheduler.request import SamplingParams
 
@@ -160,6 +164,9 @@ class Sampler:
         # constrained rows before the pick or checks their picks (module docstring).
         # Logprobs stay those of the raw logits.
         self.constraint: LogitsConstraint | None = None
+        # Penalised requests' output-token counts and prompt tokens, kept up to date step by
+        # step; the speculator's verification reads them too.
+        self.penalties = TokenCounts(device)
 
     def __call__(
         self,
@@ -171,6 +178,10 @@ class Sampler:
         the request asked for them) or None when the request did not ask for logprobs.
         """
         return self.pick(logits, requests).read()
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished (or aborted) request's penalty counts; idempotent."""
+        self.penalties.forget(request_id)
 
     @torch.inference_mode()
     def pick(self, logits: torch.Tensor, requests: list[ScheduledRequest]) -> Picked:
@@ -192,11 +203,13 @@ class Sampler:
             logits = constraint.mask_before_sampling(logits, requests)
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
         if penalised:
-            logits = logits.clone()
-            rows = on_device(logits.device, penalised)
-            logits[rows] = apply_penalties(
-                logits[rows], [requests[i] for i in penalised], [params[i] for i in penalised]
-            )
+            seen = self.penalties.seen([requests[i].request for i in penalised], logits.shape[1])
+            if len(penalised) == len(params):
+                logits = apply_penalties(logits, seen, params)  # a new tensor
+            else:
+                rows = on_device(logits.device, penalised)
+                logits = logits.clone()
+                logits[rows] = apply_penalties(logits[rows], seen, [params[i] for i in penalised])
 
         chosen = self._argmax(logits)  # greedy rows keep this
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -402,62 +415,8 @@ def _untied(values: list[float], j: int) -> bool:
     )
 
 
-def on_device(
-    device: torch.device, values: list[Any] | torch.Tensor, dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, copied without waiting: ``torch.tensor(values,
-    device=cuda)`` would synchronise with the device's queue, so the host could not run
-    ahead of the step it samples for (or feeds: ``engine.model_runner.feed_pending``)."""
-    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
-
-
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
-
-
-def apply_penalties(
-    logits: torch.Tensor,  # [rows, vocab], penalised rows only
-    requests: list[ScheduledRequest],
-    params: list[SamplingParams],
-) -> torch.Tensor:
-    """Penalise tokens already seen, for a batch of rows: returns new logits ([rows, vocab])."""
-    rows, vocab = logits.shape
-    device = logits.device
-    if any(p.repetition_penalty != 1.0 for p in params):
-        rep = on_device(device, [p.repetition_penalty for p in params])[:, None]
-        seen = _token_mask(
-            [r.request.prompt_token_ids + r.request.output_token_ids for r in requests],
-            vocab,
-            device,
-        )
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
-    if not any(p.frequency_penalty or p.presence_penalty for p in params):
-        return logits
-    freq = on_device(device, [p.frequency_penalty for p in params])[:, None]
-    pres = on_device(device, [p.presence_penalty for p in params])[:, None]
-    counts = _token_counts([r.request.output_token_ids for r in requests], vocab, device)
-    counts = counts.to(logits.dtype)
-    return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
-
-
-def _padded(token_lists: list[list[int]], fill: int, device: torch.device) -> torch.Tensor:
-    width = max((len(t) for t in token_lists), default=0)
-    padded = [t + [fill] * (width - len(t)) for t in token_lists]
-    return on_device(device, padded, torch.long).reshape(len(token_lists), width)
-
-
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[rows, vocab] int64: how often each token occurs in each row's list."""
-    ids = _padded(token_lists, vocab, device)  # padding goes to a spare column
-    counts = torch.zeros(len(token_lists), vocab + 1, dtype=torch.long, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids))
-    return counts[:, :vocab]
-
-
-def _token_mask(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    return _token_counts(token_lists, vocab, device) > 0
 
 
 def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

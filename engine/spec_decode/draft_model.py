@@ -36,8 +36,9 @@ import torch
 
 from engine.backends import ModelForward
 from engine.input_batch import InputBatch, build_input_batch
-from engine.sampler import on_device, truncated_probs
+from engine.sampler import truncated_probs
 from engine.spec_decode.verify import argmax_rows, draw_uniforms_and_noise
+from engine.to_device import on_device
 from kvpool.manager import KVCacheManager
 from kvpool.storage import KVCacheStorage
 from scheduler.output import ScheduledRequest, SchedulerOutput

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.penalties import TokenCounts
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer, DraftProposal
 from engine.spec_decode.ngram import propose_ngram
@@ -55,8 +56,15 @@ class SpeculativeDecoder:
         proposal_cost: float = 0.0,
         device: torch.device,
         argmax: Callable[[torch.Tensor], torch.Tensor],
+        penalties: TokenCounts,
         draft: DraftModelProposer | None = None,
     ) -> None:
+        """Args (among others):
+        argmax: the sampler's greedy pick.
+        penalties: the sampler's per-request token counts (its own; read here, forgotten
+            by the sampler).
+        draft: the draft model's proposer (the draft method only).
+        """
         if (config.method == "draft") != (draft is not None):
             raise ValueError("the draft method needs a draft proposer, and only it")
         self.config = config
@@ -65,6 +73,7 @@ class SpeculativeDecoder:
         )
         self.device = device
         self.argmax = argmax
+        self.penalties = penalties
         self.draft = draft
         self._seed = seed
         self._shared = torch.Generator(device=device)
@@ -158,6 +167,7 @@ class SpeculativeDecoder:
             logits,
             items,
             argmax=self.argmax,
+            penalties=self.penalties,
             generator=lambda request: self._generator(request, "verify"),
             draft_probs=[self._draft_probs.get(item.request_id) for item in items],
         )

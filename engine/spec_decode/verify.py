@@ -37,12 +37,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from engine.outputs import TokenLogprob
-from engine.sampler import apply_penalties, on_device, truncated_probs
+from engine.penalties import TokenCounts, apply_penalties
+from engine.sampler import truncated_probs
+from engine.to_device import on_device
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 
@@ -254,22 +255,6 @@ class Verification:
         return len(self.token_ids) - 1
 
 
-def _row_views(item: ScheduledRequest) -> list[SimpleNamespace]:
-    """Per logits row, the request as plain decoding would see it there (drafts before the
-    row counted as output), for ``apply_penalties``."""
-    request = item.request
-    drafts = list(item.draft_token_ids)
-    return [
-        SimpleNamespace(
-            request=SimpleNamespace(
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=request.output_token_ids + drafts[:j],
-            )
-        )
-        for j in range(len(drafts) + 1)
-    ]
-
-
 def sampled_groups(device: torch.device, sampled: list[int]) -> list[list[int]]:
     """The sampled requests, in groups verified together (in order; one read for all).
 
@@ -286,6 +271,7 @@ def verify_rows(
     items: list[ScheduledRequest],
     *,
     argmax: Callable[[torch.Tensor], torch.Tensor],
+    penalties: TokenCounts,
     generator: Callable[[Request], torch.Generator],
     draft_probs: Sequence[torch.Tensor | None],
 ) -> list[Verification]:
@@ -297,6 +283,8 @@ def verify_rows(
         items: the rows (their drafts, their requests' sampling parameters and tokens), in
             the order of ``logits``.
         argmax: the greedy pick, the sampler's own (same tie rule as plain decoding).
+        penalties: the sampler's token counts; a row's drafts before a position count as
+            output there, as plain decoding would have counted them.
         generator: a sampled request's random stream.
         draft_probs: per row, the distribution each of its drafts was drawn from
             ([>= k, vocab]), or None (point masses: n-gram proposals, greedy drafts).
@@ -321,9 +309,14 @@ def verify_rows(
     scores = logits
     penalised = [i for i, p in enumerate(params) if p.needs_penalties]
     if penalised:
+        seen = penalties.seen(
+            [items[i].request for i in penalised],
+            logits.shape[1],
+            drafts=[items[i].draft_token_ids for i in penalised],
+        )
         penalised_scores = apply_penalties(
             select(logits, penalised),
-            [view for i in penalised for view in _row_views(items[i])],  # type: ignore[misc]
+            seen,
             [params[i] for i in penalised for _ in range(items[i].num_tokens)],
         )
         if len(penalised) == len(items):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from benchmarks.host_overhead import PHASES, PhaseTimer, build_engine, instrument, main, run_batch
 from scheduler.request import SamplingParams
 
@@ -42,3 +44,22 @@ def test_main_prints_and_writes_every_phase(tmp_path, capsys) -> None:
     assert figures["clock"] == "cpu" and figures["device"] == "cpu"
     assert set(figures["us_per_step"]) == {"1", "2"}
     assert all(figures["us_per_step"][b]["step"] > 0 for b in ("1", "2"))
+
+
+def test_penalised_sampling_runs_the_penalties_and_forgets_them() -> None:
+    engine = build_engine("cpu", max_batch=2, context=12, steps=4)
+    timer = PhaseTimer(time.perf_counter)
+    instrument(engine, timer)
+    result = run_batch(engine, timer, batch=2, context=12, warmup=1, steps=3, sampling="penalties")
+    assert result["sample"] > 0
+    counts = engine.sampler.penalties
+    assert counts.capacity > 0, "the penalised rows were counted"
+    assert len(counts) == 0, "the aborted requests' counts are gone"
+
+
+def test_a_context_past_the_models_positions_is_one_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--batch", "1", "--context", "2048", "--steps", "2"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--context 2048 with 12 steps needs" in err and "tiny-llama has 2048" in err

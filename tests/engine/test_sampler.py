@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM
-from engine.sampler import Sampler, apply_penalties, seeded_exponential, truncated_probs
+from engine.sampler import Sampler, seeded_exponential, truncated_probs
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request, SamplingParams
 
@@ -40,20 +40,6 @@ def _item(
         block_ids=(0,),
         samples=True,
     )
-
-
-def _ref_penalties(row: torch.Tensor, item: ScheduledRequest, p: SamplingParams) -> torch.Tensor:
-    row = row.clone()
-    request = item.request
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(request.prompt_token_ids + request.output_token_ids).unique()
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if request.output_token_ids:
-        out = torch.tensor(request.output_token_ids)
-        counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    return row
 
 
 def _ref_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -89,25 +75,6 @@ def test_truncation_matches_the_per_row_rule() -> None:
         ref = _ref_probs(logits[row], p)
         assert torch.equal(batched[row] > 0, ref > 0), f"row {row}: different support"
         torch.testing.assert_close(batched[row], ref, rtol=1e-6, atol=1e-7)
-
-
-def test_penalties_match_the_per_row_rule() -> None:
-    params = [
-        SamplingParams(repetition_penalty=1.3),
-        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
-        SamplingParams(repetition_penalty=0.8, frequency_penalty=-0.4),
-    ]
-    items = [
-        _item("a", params[0], prompt=(1, 4, 4), output=(7, 7, 9)),
-        _item("b", params[1], prompt=(2,), output=(3, 3, 3, 11)),
-        _item("c", params[2], prompt=(5, 6), output=()),
-    ]
-    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
-    batched = apply_penalties(logits, items, params)
-    for row in range(3):
-        torch.testing.assert_close(
-            batched[row], _ref_penalties(logits[row], items[row], params[row])
-        )
 
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch() -> None:

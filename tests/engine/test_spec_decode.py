@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.penalties import TokenCounts
 from engine.sampler import truncated_probs
 from engine.spec_decode.ngram import propose_ngram
 from engine.spec_decode.truncate import write_truncated_checkpoint
@@ -304,8 +305,9 @@ def test_verify_rows_samples_the_penalised_truncated_distribution():
     target = truncated_probs(penalised[None], [params])[0]
     target = target / target.sum()
     counts: dict[int, int] = {}
+    penalties = TokenCounts(torch.device("cpu"))
     for _ in range(800):
-        [result] = verify_rows(logits, [item], argmax=lambda x: x.argmax(-1),
+        [result] = verify_rows(logits, [item], argmax=lambda x: x.argmax(-1), penalties=penalties,
                                generator=lambda _: gen, draft_probs=[None])  # fmt: skip
         counts[result.token_ids[0]] = counts.get(result.token_ids[0], 0) + 1
     _chi_square(counts, target, "verify_rows first token")

@@ -23,14 +23,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.sampler import apply_penalties, truncated_probs
+from engine.penalties import TokenCounts
+from engine.sampler import truncated_probs
 from engine.spec_decode import verify
 from engine.spec_decode.draft_model import DraftModelProposer
-from engine.spec_decode.verify import _row_views, accept_greedy, verify_rows
+from engine.spec_decode.verify import accept_greedy, verify_rows
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request, SamplingParams
+from tests.engine.penalty_reference import reference_penalties
 
 VOCAB = 50
+CPU = torch.device("cpu")
 READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
 
 
@@ -102,7 +105,12 @@ def _reference_verify_row(logits, item, generator, draft_probs):
     k = len(drafts)
     scores = logits
     if params.needs_penalties:
-        scores = apply_penalties(logits, _row_views(item), [params] * (k + 1))
+        request = item.request
+        scores = torch.stack([
+            reference_penalties(logits[j], request.prompt_token_ids,
+                                request.output_token_ids + drafts[:j], params)
+            for j in range(k + 1)
+        ])  # fmt: skip
     if params.greedy:
         emitted = accept_greedy([int(scores[j].argmax()) for j in range(k + 1)], drafts)
     else:
@@ -207,7 +215,7 @@ def test_batched_verification_chooses_what_row_by_row_verification_did():
         with_q = [not p.greedy and rng.random() < 0.5 for p in params]
         logits, items, draft_probs = _step(rng, params, with_q)
         gens = _generators(items)
-        results = verify_rows(logits, items, argmax=_argmax,
+        results = verify_rows(logits, items, argmax=_argmax, penalties=TokenCounts(CPU),
                               generator=lambda r, g=gens: g[r.request_id],
                               draft_probs=draft_probs)  # fmt: skip
         gens = _generators(items)
@@ -254,7 +262,8 @@ def test_a_verify_step_reads_the_device_once_at_any_batch_size(params):
         logits, items, draft_probs = _step(rng, step_params, with_q)
         gens = _generators(items)
         with counting_reads() as reads:
-            verify_rows(logits, items, argmax=_argmax, generator=lambda r, g=gens: g[r.request_id],
+            verify_rows(logits, items, argmax=_argmax, penalties=TokenCounts(CPU),
+                        generator=lambda r, g=gens: g[r.request_id],
                         draft_probs=draft_probs)  # fmt: skip
         counts.append(reads)
     assert counts[0] == counts[1] == ["tolist"], counts
@@ -266,7 +275,8 @@ def test_the_speculator_verifies_a_step_with_one_read():
     from engine.spec_decode.speculator import SpeculativeDecoder
 
     decoder = SpeculativeDecoder(SpeculativeConfig(method="ngram"), 64, seed=0,
-                                 device=torch.device("cpu"), argmax=_argmax)  # fmt: skip
+                                 device=torch.device("cpu"), argmax=_argmax,
+                                 penalties=TokenCounts(torch.device("cpu")))  # fmt: skip
     for batch in (1, 8):
         params = [p for p in MIXED if p.top_k == 0]
         logits, items, _ = _step(random.Random(batch), [params[i % 5] for i in range(batch)],
