@@ -25,6 +25,8 @@
 #               two decode steps whatever their prompt tokens)
 #   profile     where the closed loop's mixed steps go (host against device time)
 #   async-off   the engine steps with synchronous scheduling, for the asynchronous A/B
+#   host        the host's share of a decode step with the forward stubbed
+#               (benchmarks.host_overhead), greedy and with penalties, at a 128k vocabulary
 #   suite       the whole test suite on the CUDA build of torch (README's `make test` there);
 #               modules whose `test` extra packages the image lacks fail to import, by name
 # A step is skipped, and says so, when fewer seconds are left before SESSION_S (default 560:
@@ -92,8 +94,14 @@ step() {
         --out "$OUT/profile.json" ;;
     async-off) run_step async-off 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
         --async-scheduling off --out "$OUT/async-off.json" ;;
+    host)
+        for sampling in greedy penalties; do
+            run_step "host-$sampling" 120 python3 -m benchmarks.host_overhead --device cuda \
+                --model llama-3.2-1b --batch 1,64,256 --context 2048 --steps 50 \
+                --sampling "$sampling" --json "$OUT/host-$sampling.json"
+        done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests kernels engine http chunks itl-target profile async-off suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests kernels engine http chunks itl-target profile async-off host suite)" >&2
         exit 2 ;;
     esac
 }
@@ -106,7 +114,7 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests kernels engine http chunks itl-target profile async-off suite
+    set -- gpu-tests kernels engine http chunks itl-target profile async-off host suite
 fi
 for s in "$@"; do
     step "$s"

@@ -52,5 +52,5 @@ def test_an_unknown_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
         "unknown step: bogus (gpu-tests kernels engine http chunks itl-target profile "
-        "async-off suite)"
+        "async-off host suite)"
     ], done.stderr
