@@ -97,7 +97,7 @@ step() {
     host)
         for sampling in greedy penalties; do
             run_step "host-$sampling" 120 python3 -m benchmarks.host_overhead --device cuda \
-                --model llama-3.2-1b --batch 1,64,256 --context 2048 --steps 50 \
+                --model llama-3.2-1b --batch 1,64 --context 2048 --steps 50 \
                 --sampling "$sampling" --json "$OUT/host-$sampling.json"
         done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;

@@ -460,8 +460,10 @@ class Scheduler:
             raise ValueError(f"{request.request_id!r}: emitted tokens differ from its drafts")
 
         def token_source(start: int, end: int) -> list[int]:
-            known = request.token_ids(0, request.num_tokens) + accepted
-            return known[start:end]
+            # Known tokens, then the accepted drafts: only [start, end) of them is built.
+            n = request.num_tokens
+            head = request.token_ids(min(start, n), min(end, n))
+            return head + accepted[max(start - n, 0) : max(end - n, 0)]
 
         return token_source
 

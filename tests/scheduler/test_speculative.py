@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from kvpool.manager import KVCacheManager
 from scheduler import SchedulerOutput
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
 from tests.scheduler.fake_runner import make_scheduler, next_token, req
 
 
@@ -150,3 +153,23 @@ def test_rollback_slots_returns_only_blocks_past_the_kept_tokens() -> None:
     assert len(kv.block_ids("a")) == 4
     kv.free("a")
     assert kv.num_free_blocks == 8
+
+
+def test_blocks_filled_by_accepted_drafts_are_cached_under_their_tokens() -> None:
+    """A block that accepted drafts fill is hashed from the known tokens and the accepted
+    drafts at its positions (``token_source``): a later request whose prompt is the whole
+    first request finds every full block cached, as after plain decoding."""
+    hits = {}
+    for k, num_right in [(0, 0), (3, 1), (5, 5), (6, 0)]:
+        kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
+        sched = Scheduler(SchedulerConfig(), kv, 4096)
+        first = req("a", 9, 23)
+        sched.add_request(first)
+        run(sched, k, num_right)
+        tokens = first.token_ids(0, first.num_tokens)
+        sched.add_request(Request("b", tokens + [5], SamplingParams(max_tokens=1)))
+        out = sched.schedule()
+        (item,) = out.scheduled
+        hits[(k, num_right)] = item.start
+    # The last output token is never computed: 31 of the 32 tokens are, 7 full blocks.
+    assert set(hits.values()) == {(9 + 23 - 1) // 4 * 4}, hits
