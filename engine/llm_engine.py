@@ -353,10 +353,11 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
+        if self._in_flight is not None:  # finished at launch: forgotten once read
+            live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)
+        self.sampler.penalties.check_integrity(live)
         if self.structured is not None:
-            live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
-            if self._in_flight is not None:  # finished at launch: forgotten once read
-                live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)
             self.structured.check_integrity(live | set(self._awaiting_grammar))
 
     # ---- the step -------------------------------------------------------------------------

@@ -118,6 +118,14 @@ class TokenCounts:
                 _count(counts, seen, row_ids, token_ids, self.device)
         return SeenTokens(counts, seen)
 
+    def check_integrity(self, live_request_ids: set[str]) -> None:
+        """Every entry belongs to a request still in the engine, and holds its own row."""
+        stale = set(self._entries) - live_request_ids
+        assert not stale, f"penalty counts of finished requests: {sorted(stale)[:5]}"
+        rows = [e.row for e in self._entries.values()]
+        assert len(set(rows)) == len(rows), "two requests share a row of counts"
+        assert not set(rows) & set(self._free), "a row in use is also free"
+
     def forget(self, request_id: str) -> None:
         """Free a finished (or aborted) request's row; idempotent."""
         entry = self._entries.pop(request_id, None)

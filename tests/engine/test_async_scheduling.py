@@ -285,9 +285,9 @@ def test_random_traffic_matches_synchronous_steps(tiny_llama_gqa: Path) -> None:
 def test_requests_that_stop_on_a_token_leave_no_sampling_state(tiny_llama_gqa: Path) -> None:
     """A seeded request that ends on a stop token still has a row in the step launched
     before its token was read; that row's pick is dropped, and nothing of the request may
-    outlive it: a request that reuses the id starts from its seed again (the sampler keeps
-    no per-request state, its seeded noise being a function of seed and position; the
-    engine's integrity check covers the state others keep)."""
+    outlive it: a request that reuses the id starts from its seed again (seeded noise keeps
+    no per-request state, being a function of seed and position; the engine's integrity
+    check covers the state others keep)."""
     prompts = _prompts(4, seed=29)
     free = [
         SamplingParams(max_tokens=10, temperature=0.9, seed=40 + i, ignore_eos=True)
