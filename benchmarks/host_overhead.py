@@ -60,32 +60,49 @@ from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
 from engine.input_batch import InputBatch
 from engine.llm_engine import LLMEngine
 from engine.presets import PRESETS, preset
+from engine.spec_decode.config import SpeculativeConfig
 from kvpool.config import KVPoolConfig
 from scheduler.config import SchedulerConfig
 from scheduler.request import SamplingParams
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "outputs", "stats")
+SPEC_PHASES = ("propose",)  # with --speculative: the drafts, before the schedule
 MODEL = "tiny-llama"
 
 
 class StubForward:
     """The model's forward without the model: fixed random logits, one row per logits row
-    the batch asks for (a sampling row's argmax is then the same token every step)."""
+    the batch asks for (a sampling row's argmax is then the same token every step).
 
-    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
+    ``vary``: each call takes other rows of the table instead (a request's tokens then
+    vary from step to step, as a model's do: an n-gram search does not find its match at
+    once in a run of one repeated token)."""
+
+    def __init__(
+        self, max_rows: int, vocab: int, device: torch.device, *, vary: bool = False
+    ) -> None:
         g = torch.Generator().manual_seed(0)
         self.logits = torch.randn(max_rows, vocab, generator=g).to(device)  # [max_rows, vocab]
+        self.vary = vary
+        self.calls = 0
 
     def __call__(self, batch: InputBatch, key_caches: Any, value_caches: Any) -> torch.Tensor:
-        return self.logits[: batch.logits_indices.shape[0]]
+        rows = batch.logits_indices.shape[0]
+        if not self.vary:
+            return self.logits[:rows]
+        self.calls += 1
+        max_rows = self.logits.shape[0]
+        picks = (torch.arange(rows) * 7919 + self.calls * 104729) % max_rows
+        return self.logits[picks.to(self.logits.device)]
 
 
 class PhaseTimer:
     """Accumulates time per phase over the timed steps; ``wrap`` times one callable."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], phases: tuple[str, ...] = PHASES) -> None:
         self.clock = clock
-        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.phases = phases
+        self.totals = dict.fromkeys(phases, 0.0)
         self.on = False
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -126,16 +143,34 @@ class _TimedSampler:
 STEP_TOKENS = 8192
 
 
-def max_output_tokens(batch: int, context: int, steps: int) -> int:
+def max_output_tokens(batch: int, context: int, steps: int, per_step: int = 1) -> int:
     """Output tokens a request of ``batch`` needs: the decodes it runs while later prompts
-    are prefilled, then ``steps`` (warm-up and timed), so none finishes early."""
-    return -(-batch * context // STEP_TOKENS) + steps + 2
+    are prefilled, then ``steps`` (warm-up and timed) of up to ``per_step`` tokens each
+    (1 + the drafts, speculating), so none finishes early."""
+    return -(-batch * context // STEP_TOKENS) + steps * per_step + 2
 
 
 def build_engine(
-    device: str, max_batch: int, context: int, steps: int, model: str = MODEL
+    device: str,
+    max_batch: int,
+    context: int,
+    steps: int,
+    model: str = MODEL,
+    speculative_tokens: int = 0,
 ) -> LLMEngine:
-    max_len = context + max_output_tokens(max_batch, context, steps)
+    """``speculative_tokens`` > 0: n-gram speculation proposing that many drafts for every
+    request at every step (no acceptance-aware pauses, no auto-disable), so that each step
+    searches every request's context: what the search costs at its most."""
+    per_step = 1 + speculative_tokens
+    max_len = context + max_output_tokens(max_batch, context, steps, per_step)
+    speculative = None
+    if speculative_tokens:
+        speculative = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=speculative_tokens,
+            row_cost=0.0,
+            max_step_tokens=max_batch * per_step,
+        )
     per_request = -(-(max_len + 16) // KVPoolConfig().block_size)
     engine = LLMEngine(
         EngineConfig(
@@ -149,6 +184,7 @@ def build_engine(
             # The synchronous step's phases, one after another (the CUDA default overlaps
             # them with the device's step, which the stand-in does not have).
             async_scheduling=False,
+            speculative=speculative,
         ),
         KVPoolConfig(num_blocks=max_batch * per_request + 8, enable_prefix_caching=False),
         SchedulerConfig(
@@ -160,7 +196,13 @@ def build_engine(
     dev = engine.device
     # Logits rows: a step's sampling rows, at most its requests padded to a graph's size.
     graph_sizes = default_graph_sizes(max_batch)
-    stub = StubForward(max(*graph_sizes, max_batch), engine.model_config.vocab_size, dev)
+    # Speculative rows take logits at each of their 1 + k positions.
+    stub = StubForward(
+        max(*graph_sizes, max_batch) * per_step,
+        engine.model_config.vocab_size,
+        dev,
+        vary=speculative is not None,
+    )
     engine.runner.model = stub
     engine.runner.piecewise = None  # steps with prompt tokens run the stub eagerly
     engine.runner.graphs = DecodeGraphs(
@@ -188,6 +230,9 @@ def instrument(engine: LLMEngine, timer: PhaseTimer) -> None:
     runner.sampler = _TimedSampler(runner.sampler, timer)
     engine._make_outputs = timer.wrap("outputs", engine._make_outputs)  # type: ignore[method-assign]
     engine._record_stats = timer.wrap("stats", engine._record_stats)  # type: ignore[method-assign]
+    if engine.speculator is not None:
+        speculator = engine.speculator
+        speculator.propose = timer.wrap("propose", speculator.propose)  # type: ignore[method-assign]
 
 
 def _is_decode_only(engine: LLMEngine) -> bool:
@@ -215,7 +260,7 @@ def run_batch(
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(batch)
     params = SamplingParams(
-        max_tokens=max_output_tokens(batch, context, warmup + steps),
+        max_tokens=max_output_tokens(batch, context, warmup + steps, _tokens_per_step(engine)),
         temperature=0,
         ignore_eos=True,
         **SAMPLING[sampling],
@@ -228,7 +273,7 @@ def run_batch(
         engine.step()
     for _ in range(warmup):
         engine.step()
-    for phase in PHASES:
+    for phase in timer.phases:
         timer.totals[phase] = 0.0
     clock = timer.clock
     total = 0.0
@@ -241,15 +286,21 @@ def run_batch(
     timer.on = False
     engine.abort_request(ids)
     engine.check_integrity()
-    per_step = {phase: timer.totals[phase] / steps * 1e6 for phase in PHASES}
+    per_step = {phase: timer.totals[phase] / steps * 1e6 for phase in timer.phases}
     per_step["other"] = total / steps * 1e6 - sum(per_step.values())
     per_step["step"] = total / steps * 1e6
     return per_step
 
 
+def _tokens_per_step(engine: LLMEngine) -> int:
+    """The most tokens a request gains in a step: 1, plus its drafts when speculating."""
+    spec = engine.speculator
+    return 1 + (spec.config.num_speculative_tokens if spec is not None else 0)
+
+
 def format_table(results: dict[int, dict[str, float]], clock: str) -> str:
     batches = sorted(results)
-    rows = [*PHASES, "other", "step"]
+    rows = list(results[batches[0]])  # the phases, "other", "step"
     head = f"{'us/step (' + clock + ')':<20}" + "".join(f"{f'batch {b}':>12}" for b in batches)
     lines = [head]
     for row in rows:
@@ -280,6 +331,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="greedy",
         help="greedy rows, or greedy rows with repetition, frequency and presence penalties",
     )
+    ap.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="n-gram speculation, K drafts for every request at every step (a 'propose' "
+        "phase: the search over each context); 0: off",
+    )
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
     try:
@@ -291,7 +350,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.context < 1 or args.steps < 1 or args.warmup_steps < 0:
         ap.error("--context and --steps must be positive, --warmup-steps not negative")
     steps = args.warmup_steps + args.steps
-    needed = args.context + max_output_tokens(max(args.batches), args.context, steps)
+    if args.speculative < 0:
+        ap.error(f"--speculative must be 0 or more drafts, got {args.speculative}")
+    needed = args.context + max_output_tokens(
+        max(args.batches), args.context, steps, 1 + args.speculative
+    )
     positions = preset(args.model)["max_position_embeddings"]  # type: ignore[index]
     if needed > positions:
         ap.error(
@@ -311,9 +374,14 @@ def main(argv: list[str] | None = None) -> int:
         # for the sampler's argmax would only add other processes' noise.
         torch.set_num_threads(1)
     engine = build_engine(
-        args.device, max(args.batches), args.context, args.warmup_steps + args.steps, args.model
+        args.device,
+        max(args.batches),
+        args.context,
+        args.warmup_steps + args.steps,
+        args.model,
+        args.speculative,
     )
-    timer = PhaseTimer(clock)
+    timer = PhaseTimer(clock, PHASES + SPEC_PHASES if args.speculative else PHASES)
     instrument(engine, timer)
     results = {
         b: run_batch(engine, timer, b, args.context, args.warmup_steps, args.steps, args.sampling)
@@ -321,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"host time per decode step, {args.model} shape with a stubbed forward on {engine.device}, "
-        f"context {args.context}, {args.sampling} sampling, {args.steps} steps (mean)"
+        f"context {args.context}, {args.sampling} sampling"
+        + (f", {args.speculative} n-gram drafts a request" if args.speculative else "")
+        + f", {args.steps} steps (mean)"
     )
     print(format_table(results, args.clock))
     if args.json:
@@ -333,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                     "clock": args.clock,
                     "context": args.context,
                     "sampling": args.sampling,
+                    "speculative": args.speculative,
                     "steps": args.steps,
                     "us_per_step": {str(b): r for b, r in results.items()},
                 },

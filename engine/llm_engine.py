@@ -357,6 +357,8 @@ class LLMEngine:
         if self._in_flight is not None:  # finished at launch: forgotten once read
             live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)
         self.sampler.penalties.check_integrity(live)
+        if self.speculator is not None:
+            self.speculator.check_integrity(live)
         if self.structured is not None:
             self.structured.check_integrity(live | set(self._awaiting_grammar))
 

@@ -26,7 +26,7 @@ import torch
 from engine.penalties import TokenCounts
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.draft_model import DraftModelProposer, DraftProposal
-from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.ngram import TokenHistory, propose_ngram
 from engine.spec_decode.policy import SpeculationPolicy
 from engine.spec_decode.verify import Verification, verify_rows
 from scheduler.output import ScheduledRequest, SchedulerOutput
@@ -82,6 +82,8 @@ class SpeculativeDecoder:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self._proposed: dict[str, int] = {}  # request id -> drafts proposed this step
         self._verified: dict[str, Verification] = {}
+        # n-gram proposals: each request's tokens as an array, extended step by step.
+        self._histories = TokenHistory()
         self.last_stats = SpecStepStats()
 
     @property
@@ -130,7 +132,7 @@ class SpeculativeDecoder:
                 if k == 0:
                     continue
                 tokens = propose_ngram(
-                    request.token_ids(0, request.num_tokens), cfg.ngram_min, cfg.ngram_max, k
+                    self._histories.tokens(request), cfg.ngram_min, cfg.ngram_max, k
                 )
                 if tokens:
                     drafts[request.request_id] = tokens
@@ -198,9 +200,15 @@ class SpeculativeDecoder:
                 self.draft.verified(request_id, None if result is None else result.num_accepted)
         return stats
 
+    def check_integrity(self, live_request_ids: set[str]) -> None:
+        """Every token history belongs to a request still in the engine."""
+        stale = self._histories.request_ids() - live_request_ids
+        assert not stale, f"token histories of finished requests: {sorted(stale)[:5]}"
+
     def forget(self, request_id: str) -> None:
         """Drop a finished (or aborted) request's state."""
         self.policy.forget(request_id)
+        self._histories.forget(request_id)
         self._generators.pop((request_id, "verify"), None)
         self._generators.pop((request_id, "draft"), None)
         if self.draft is not None:

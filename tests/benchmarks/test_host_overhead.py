@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
-from benchmarks.host_overhead import PHASES, PhaseTimer, build_engine, instrument, main, run_batch
+from benchmarks.host_overhead import (
+    PHASES,
+    SPEC_PHASES,
+    PhaseTimer,
+    build_engine,
+    instrument,
+    main,
+    run_batch,
+)
 from scheduler.request import SamplingParams
 
 
@@ -63,3 +73,31 @@ def test_a_context_past_the_models_positions_is_one_line(capsys) -> None:
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--context 2048 with 12 steps needs" in err and "tiny-llama has 2048" in err
+
+
+def test_speculative_steps_time_every_requests_proposal(monkeypatch) -> None:
+    """With --speculative every request searches its context at every step (the search's
+    full cost), the stub's tokens vary from step to step, and no request finishes early."""
+    from engine.spec_decode import speculator
+
+    searches = []
+    search = speculator.propose_ngram
+    monkeypatch.setattr(
+        speculator, "propose_ngram", lambda *a: searches.append(len(a[0])) or search(*a)
+    )
+    engine = build_engine("cpu", max_batch=3, context=24, steps=5, speculative_tokens=3)
+    timer = PhaseTimer(time.perf_counter, (*PHASES, *SPEC_PHASES))
+    instrument(engine, timer)
+    steps = []
+    propose = engine.speculator.propose
+    engine.speculator.propose = lambda s: steps.append(len(searches)) or propose(s)
+    result = run_batch(engine, timer, batch=3, context=24, warmup=1, steps=4)
+    assert result["propose"] > 0
+    searched = [b - a for a, b in zip(steps, steps[1:], strict=False)]
+    assert searched[-4:] == [3, 3, 3, 3], "every request searched at every step"
+    assert not engine.has_unfinished_requests()
+    stub = engine.runner.graphs.model
+    assert stub.vary and stub.calls > 0
+    batch = SimpleNamespace(logits_indices=torch.zeros(4))
+    first, second = stub(batch, None, None), stub(batch, None, None)
+    assert not torch.equal(first.argmax(-1), second.argmax(-1)), "a row's pick varies"

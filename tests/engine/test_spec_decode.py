@@ -23,7 +23,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.penalties import TokenCounts
 from engine.sampler import truncated_probs
-from engine.spec_decode.ngram import propose_ngram
+from engine.spec_decode.ngram import TokenHistory, propose_ngram
 from engine.spec_decode.truncate import write_truncated_checkpoint
 from engine.spec_decode.verify import accept_greedy, accept_sampled, verify_rows
 from scheduler.output import ScheduledRequest
@@ -234,6 +234,47 @@ def test_ngram_proposes_the_most_recent_earlier_match_longest_first():
     assert propose_ngram(tokens, 2, 3, 2) == [7, 8]
     assert propose_ngram([4, 5, 6], 1, 3, 4) == []
     assert propose_ngram([4, 5, 4], 1, 3, 4) == [5, 4]
+
+
+def _reference_ngram(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
+    """The search one position at a time, as a Python loop (what the vectorised one does)."""
+    total = len(tokens)
+    for n in range(min(ngram_max, total - 1), ngram_min - 1, -1):
+        tail = tokens[total - n :]
+        for start in range(total - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("vocab", [2, 5, 40])
+def test_ngram_search_equals_the_position_by_position_one(vocab: int) -> None:
+    rng = random.Random(vocab)
+    for _ in range(300):
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
+        lo = rng.randint(1, 4)
+        hi = rng.randint(lo, 6)
+        k = rng.randint(1, 8)
+        expected = _reference_ngram(tokens, lo, hi, k)
+        assert propose_ngram(tokens, lo, hi, k) == expected, (tokens, lo, hi, k)
+
+
+def test_token_history_follows_each_request_and_forgets_it():
+    """Histories grow with their requests' outputs (past their first capacity), equal the
+    token lists, start afresh for a new request under a reused id, and go when forgotten."""
+    histories = TokenHistory()
+    rng = random.Random(3)
+    a = Request("a", [rng.randrange(100) for _ in range(5)], SamplingParams())
+    b = Request("b", [rng.randrange(100) for _ in range(40)], SamplingParams())
+    for step in range(50):
+        for r in (a, b):
+            r.output_token_ids += [rng.randrange(100) for _ in range(rng.randint(1, 4))]
+            assert histories.tokens(r).tolist() == r.token_ids(0, r.num_tokens), (step, r)
+    reused = Request("a", [7, 7, 7], SamplingParams())
+    assert histories.tokens(reused).tolist() == [7, 7, 7]
+    histories.forget("a")
+    histories.forget("a")
+    assert histories.request_ids() == {"b"}
 
 
 def test_greedy_acceptance_is_the_longest_matching_prefix_plus_one():
