@@ -5,6 +5,7 @@
     python -m benchmarks.host_overhead --batch 64 --context 1536 --steps 200 --clock cpu
     python -m benchmarks.host_overhead --sampling penalties --context 1536   # penalised rows
     python -m benchmarks.host_overhead --model smollm2-135m --batch 1,64     # its vocabulary
+    python -m benchmarks.host_overhead --speculative 4 --context 1536        # n-gram search
 
 On a GPU a decode step replayed from a CUDA graph costs the device a few milliseconds, and
 whatever the host does around it (schedule, build the step's inputs, copy them into the
@@ -36,6 +37,11 @@ engine's own call of it) and of the whole ``step()``:
 (greedy still): the sample phase then includes the penalties' per-step work (bringing each
 request's token counts up to date and applying them, engine/penalties.py), which grows with
 the number of new tokens a step, not with the context.
+
+``--speculative K`` turns on n-gram speculation with K drafts for every request at every
+step (no acceptance-aware pauses, no auto-disable), and adds a "propose" phase: the search
+of each request's tokens for its drafts, at its full cost. The stub's tokens then vary from
+step to step, as a model's do.
 
 ``--clock cpu`` measures the thread's CPU time instead of wall time: steadier where other
 processes share the cores (the host work is single-threaded; on CUDA a sync's spin-wait
