@@ -55,6 +55,10 @@ read -r -a EXTRA <<<"${BENCH_ARGS:-}"
 B=(python3 -m benchmarks.gpu --model "${MODEL:-llama-3-8b}" --load-format dummy
     ${TOKENIZER:+--tokenizer "$TOKENIZER"} "${EXTRA[@]}")
 
+# The host step's shape (a smoke run on a CPU: HOST_ARGS="--device cpu --batch 1 --context 16
+# --steps 2").
+read -r -a HOST <<<"${HOST_ARGS:---device cuda --model llama-3.2-1b --batch 1,64 --context 2048 --steps 50}"
+
 # name, bound in seconds, command. Bounds are estimates from earlier H100 runs of the same
 # commands (RESULTS.md, GPU section), with room for the 16 GB dummy model's warm-up.
 run_step() {
@@ -96,8 +100,7 @@ step() {
         --async-scheduling off --out "$OUT/async-off.json" ;;
     host)
         for sampling in greedy penalties; do
-            run_step "host-$sampling" 120 python3 -m benchmarks.host_overhead --device cuda \
-                --model llama-3.2-1b --batch 1,64 --context 2048 --steps 50 \
+            run_step "host-$sampling" 120 python3 -m benchmarks.host_overhead "${HOST[@]}" \
                 --sampling "$sampling" --json "$OUT/host-$sampling.json"
         done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;

@@ -22,6 +22,7 @@ def run(tmp_path: Path, *steps: str, session_s: int = 300) -> subprocess.Complet
         "OUT": str(tmp_path / "out"),
         "MODEL": "tiny-llama",
         "BENCH_ARGS": "--device cpu --quick",
+        "HOST_ARGS": "--device cpu --batch 1,2 --context 16 --steps 2 --warmup-steps 1",
         "SESSION_S": str(session_s),
         "PAGEDSERVE_CACHE": str(tmp_path / "cache"),
     }
@@ -39,6 +40,17 @@ def test_a_step_runs_and_records_its_status(tmp_path: Path) -> None:
     assert summary.startswith("engine rc=0 "), summary
     assert (out / "engine.json").exists() and (out / "machine.txt").exists()
     assert "batch 1:" in (out / "engine.log").read_text()
+
+
+def test_the_host_step_times_greedy_and_penalised_steps(tmp_path: Path) -> None:
+    done = run(tmp_path, "host")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text()
+    assert "host-greedy rc=0 " in summary and "host-penalties rc=0 " in summary, summary
+    for sampling in ("greedy", "penalties"):
+        assert (out / f"host-{sampling}.json").exists()
+        assert f"{sampling} sampling" in (out / f"host-{sampling}.log").read_text()
 
 
 def test_a_step_that_does_not_fit_is_skipped(tmp_path: Path) -> None:
