@@ -164,7 +164,7 @@ class Sampler:
         # constrained rows before the pick or checks their picks (module docstring).
         # Logprobs stay those of the raw logits.
         self.constraint: LogitsConstraint | None = None
-        # Penalised requests' output-token counts and prompt tokens, kept up to date step by
+        # Penalised requests' output-token counts and seen tokens, kept up to date step by
         # step; the speculator's verification reads them too.
         self.penalties = TokenCounts(device)
 
