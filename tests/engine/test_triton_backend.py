@@ -12,20 +12,29 @@ from engine import LLM, SamplingParams
 from tests.triton_devices import TRITON_DEVICES
 
 
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def _greedy_tokens(model, backend, device, prompts, step_tokens, max_tokens, before=None):
+    """Each prompt's greedy tokens from an engine on ``backend`` (float32, blocks of 8, at
+    most ``step_tokens`` a step); ``before`` runs once the engine is built."""
+    llm = LLM(str(model), attention_backend=backend, block_size=8,
+              max_num_batched_tokens=step_tokens, device=device, dtype="float32",
+              num_kv_blocks=64)  # fmt: skip
+    assert llm.engine.attention_backend == backend
+    if before is not None:
+        before()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0))
+    return [o.token_ids for o in outs]
+
+
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_backend_matches_torch_backend(tiny_llama_gqa, device):
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (1, 9, 17, 40)]
-    params = SamplingParams(max_tokens=6, temperature=0)
-    kwargs = dict(block_size=8, max_num_batched_tokens=24, device=device, dtype="float32",
-                  num_kv_blocks=64)  # fmt: skip
-    torch_out = LLM(str(tiny_llama_gqa), attention_backend="torch", **kwargs).generate(
-        prompts, params
-    )
-    triton_llm = LLM(str(tiny_llama_gqa), attention_backend="triton", **kwargs)
-    assert triton_llm.engine.attention_backend == "triton"
-    triton_out = triton_llm.generate(prompts, params)
-    assert [o.token_ids for o in triton_out] == [o.token_ids for o in torch_out]
+    prompts = _prompts(5, (1, 9, 17, 40))
+    expected = _greedy_tokens(tiny_llama_gqa, "torch", device, prompts, 24, 6)
+    assert _greedy_tokens(tiny_llama_gqa, "triton", device, prompts, 24, 6) == expected
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
@@ -47,18 +56,13 @@ def test_mixed_steps_attend_in_one_launch_or_two(tiny_llama_gqa, device, mixed_a
         plans.append(plan(self, *args, **kwargs))
         return plans[-1]
 
-    g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 30, 5, 44)]
-    params = SamplingParams(max_tokens=8, temperature=0)
-    kwargs = dict(block_size=8, max_num_batched_tokens=16, device=device, dtype="float32",
-                  num_kv_blocks=64)  # fmt: skip
-    expected = LLM(str(tiny_llama_gqa), attention_backend="torch", **kwargs).generate(
-        prompts, params
-    )
-    llm = LLM(str(tiny_llama_gqa), attention_backend="triton", **kwargs)
-    monkeypatch.setattr(PagedAttention, "plan", spy)
-    got = llm.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    prompts = _prompts(9, (3, 30, 5, 44))
+    expected = _greedy_tokens(tiny_llama_gqa, "torch", device, prompts, 16, 8)
+    def watch():  # the triton engine's steps only, not its warm-up's
+        monkeypatch.setattr(PagedAttention, "plan", spy)
+
+    got = _greedy_tokens(tiny_llama_gqa, "triton", device, prompts, 16, 8, before=watch)
+    assert got == expected
     mixed = [p for p in plans if 0 < p.meta.num_decodes < p.meta.seq_lens.shape[0]]
     assert mixed, "the workload must make mixed steps"
     assert all(p.one_launch == (mixed_attention == "one_launch") for p in mixed)
