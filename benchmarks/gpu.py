@@ -53,7 +53,7 @@ from engine import LLM, SamplingParams
 from engine.cost import StepCostModel
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
-from engine.presets import preset, write_synthetic_tokenizer
+from engine.presets import preset
 from planner.devices import device_for_cuda_name
 from planner.measured import Histogram
 
@@ -475,12 +475,12 @@ def synthetic_tokenizer(args: argparse.Namespace, directory: Path) -> str | None
     its vocabulary written into ``directory``, whose words include every word the load
     generator's prompts are made of (one token each, so a prompt of n words is n tokens).
     None otherwise (the server reads ``--tokenizer`` or the checkpoint's own)."""
-    from loadtest.workloads import WORDS
+    from server.cli import write_preset_tokenizer
 
-    shape = preset(args.model) if args.load_format == "dummy" else None
-    if args.tokenizer or shape is None:
+    if args.tokenizer or args.load_format != "dummy" or preset(args.model) is None:
         return None
-    return str(write_synthetic_tokenizer(shape, directory, WORDS))
+    write_preset_tokenizer(args.model, directory)
+    return str(directory)
 
 
 def tokenizer_shortfall(tokenizer: Any, vocab: int) -> str | None:

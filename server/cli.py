@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.config import ModelError
@@ -174,23 +175,30 @@ def with_synthetic_tokenizer(config: ServingConfig) -> ServingConfig:
     import atexit
     import shutil
     import tempfile
-    from pathlib import Path
 
-    from engine.presets import preset, write_synthetic_tokenizer
-    from loadtest.workloads import WORDS
-
-    shape = preset(config.engine.model)
-    assert shape is not None, config.engine.model
     directory = Path(tempfile.mkdtemp(prefix="pagedserve-tokenizer-"))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    write_synthetic_tokenizer(shape, directory, WORDS)
+    vocab_size = write_preset_tokenizer(config.engine.model, directory)
     logger.warning(
         "serving %r's random weights with a synthetic tokenizer of %d ids (a prompt's words "
         "are its tokens; outputs are placeholder words): --tokenizer DIR serves a real one",
-        config.engine.model, int(shape["vocab_size"]),
+        config.engine.model, vocab_size,
     )  # fmt: skip
     engine = dataclasses.replace(config.engine, tokenizer=str(directory))
     return dataclasses.replace(config, engine=engine)
+
+
+def write_preset_tokenizer(model: str, directory: Path) -> int:
+    """Write shape preset ``model``'s synthetic tokenizer into ``directory``: its
+    vocabulary's size, with the load generator's words (``loadtest.workloads.WORDS``) one
+    id each (``engine.presets.write_synthetic_tokenizer``). Returns the vocabulary size."""
+    from engine.presets import preset, write_synthetic_tokenizer
+    from loadtest.workloads import WORDS
+
+    shape = preset(model)
+    assert shape is not None, model
+    write_synthetic_tokenizer(shape, directory, WORDS)
+    return int(shape["vocab_size"])
 
 
 def serve_tensor_parallel_worker(config: ServingConfig) -> int | None:
