@@ -76,6 +76,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (for the HTTP part)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument(
+        "--cuda-graph-prefill-mode", default="full", choices=("full", "piecewise"),
+        help="how steps with prefill tokens replay graphs (engine and server; the engine's "
+             "--cuda-graph-prefill-mode)",
+    )  # fmt: skip
+    ap.add_argument(
         "--async-scheduling", nargs="?", const="on", default="auto", choices=ASYNC_CHOICES,
         help="schedule and launch each step while the one before runs (engine and server); "
              "auto: the engine's default (on for one CUDA device); given alone: on",
@@ -104,8 +109,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--sections", default="batch1,prefill,decode,offline,http",
         help="comma-separated subset of batch1,prefill,decode,offline,http,profile "
         "(profile: where a batch-1 step's time goes, a closed loop at c=64 (with the Triton "
-        "kernels: mixed steps attending in one launch against two), and the offline run step "
-        "by step)",
+        "kernels: mixed steps attending in one launch, replayed whole, then in pieces, then "
+        "attending in two launches), and the offline run step by step)",
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     return ap.parse_args(argv)
@@ -278,6 +283,8 @@ def profile_closed_loop(
         engine.add_request(f"loop-{added}", prompt, params)
         added += 1
 
+    graphs = engine.runner.prefill_graphs
+    replays_before = dict(graphs.replays) if graphs is not None else {}
     for _ in range(min(concurrency, num)):
         add()
     steps: list[tuple[float, StepStats]] = []
@@ -301,6 +308,14 @@ def profile_closed_loop(
         + (f", {mixed_mean * 1e3:.2f} ms each" if mixed_mean else ""),
         flush=True,
     )
+    after = graphs.replays if graphs is not None else {}
+    replays = {how: count - replays_before[how] for how, count in after.items()}
+    if replays:
+        print(
+            f"  steps with prefill tokens replayed whole: {replays['whole']}, "
+            f"in pieces: {replays['pieces']}",
+            flush=True,
+        )
     for i, (dt, st) in enumerate(steps):
         if dt > 4 * p50:
             print(
@@ -311,19 +326,38 @@ def profile_closed_loop(
             )
     return {
         "step_p50_s": p50, "step_p99_s": p99, "step_max_s": times[-1],
-        "mixed_steps": len(mixed), "mixed_step_mean_s": mixed_mean,
+        "mixed_steps": len(mixed), "mixed_step_mean_s": mixed_mean, "replays": replays,
     }  # fmt: skip
 
 
 def profile_mixed_attention(
     engine: LLMEngine, concurrency: int, prompt_len: int, output_len: int, num: int
 ) -> dict[str, Any]:
-    """The closed loop twice on one engine: mixed steps attending in one launch where the
-    decode kernel would not split (the default, ``engine.attention.AttentionPlan``), then
-    with the decode and prefill kernels launched apart in every mixed step."""
+    """The closed loop on one engine: mixed steps attending in one launch where the decode
+    kernel would not split (the default, ``engine.attention.AttentionPlan``), which then
+    replay the whole-forward graph; the same replaying pieces cut at attention (where the
+    engine captured whole graphs: ``--cuda-graph-prefill-mode full``); then with the decode
+    and prefill kernels launched apart in every mixed step (pieces)."""
     import kernels.paged_attention as decode_kernel
 
     one = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
+    result: dict[str, Any] = {"one_launch": one}
+    graphs = engine.runner.prefill_graphs
+    if graphs is not None and graphs.whole:
+        graphs.whole = False
+        try:
+            print("the same with steps with prefill tokens replaying pieces:", flush=True)
+            pieces = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
+        finally:
+            graphs.whole = True
+        result["one_launch_pieces"] = pieces
+        if one["mixed_step_mean_s"] and pieces["mixed_step_mean_s"]:
+            print(
+                f"mixed steps, pieces / whole: "
+                f"{pieces['mixed_step_mean_s'] / one['mixed_step_mean_s']:.2f}x; step p99 "
+                f"{pieces['step_p99_s'] * 1e3:.2f} / {one['step_p99_s'] * 1e3:.2f} ms",
+                flush=True,
+            )
     chosen = decode_kernel.choose_num_splits
     decode_kernel.choose_num_splits = lambda *args: 2  # type: ignore[assignment]
     try:
@@ -337,7 +371,8 @@ def profile_mixed_attention(
             f"{two['mixed_step_mean_s'] / one['mixed_step_mean_s']:.2f}x",
             flush=True,
         )
-    return {"one_launch": one, "two_launches": two}
+    result["two_launches"] = two
+    return result
 
 
 def profile_offline(llm: LLM, num: int, prompt_len: int, output_len: int) -> dict[str, Any]:
@@ -449,6 +484,10 @@ def server_command(
         ("--quantization", args.quantization),
         ("--kv-cache-dtype", None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype),
         ("--prefill-chunk-tokens", args.prefill_chunk_tokens),
+        (
+            "--cuda-graph-prefill-mode",
+            None if args.cuda_graph_prefill_mode == "full" else args.cuda_graph_prefill_mode,
+        ),
         ("--kv-cache-memory", kv_cache_memory),
         ("--peak-bandwidth-gbps", f"{peaks[0] / GIGA:.4g}" if peaks else None),
         ("--peak-tflops", f"{peaks[1] / 1e12:.4g}" if peaks else None),
@@ -639,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(
         model=args.model, load_format=args.load_format, dtype=dtype_name, device=str(device),
         tokenizer=args.tokenizer, enforce_eager=args.enforce_eager, max_num_seqs=max_seqs,
+        cuda_graph_prefill_mode=args.cuda_graph_prefill_mode,
         max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         kv_cache_memory=quick_kv_bytes(args, quick),

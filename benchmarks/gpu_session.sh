@@ -16,6 +16,9 @@
 #   kernels     decode attention and fused ops against their targets (make test-gpu's second)
 #   engine      batch-1 MBU, decode steps 16/64/256, offline 512/256 (benchmarks.gpu)
 #   http        first request after /health and concurrency 1 and 64 through the server
+#   piecewise   HTTP at concurrency 64 with every step with prefill tokens replaying pieces
+#               cut at attention (--cuda-graph-prefill-mode piecewise), against http's c=64
+#               with the default whole-forward graphs where attention is one launch
 #   chunks      prefill chunks of 256 and 512 tokens against the default (the whole step
 #               budget): offline throughput, the c=64 closed loop's mixed steps and HTTP at
 #               concurrency 64 (the ITL p99 / p50 trade against throughput), each run with a
@@ -23,7 +26,8 @@
 #   itl-target  HTTP at concurrency 64 with --target-itl-ms 25 (at e903b1a it held the p99 at
 #               2.03x the p50 but cost 0.43x the throughput, mixed steps then costing about
 #               two decode steps whatever their prompt tokens)
-#   profile     where the closed loop's mixed steps go (host against device time)
+#   profile     where the closed loop's mixed steps go (host against device time), and
+#               their cost replayed whole, in pieces, and attending in two launches
 #   async-off   the engine steps with synchronous scheduling, for the asynchronous A/B
 #   host        the host's share of a decode step with the forward stubbed
 #               (benchmarks.host_overhead), greedy and with penalties, at a 128k vocabulary
@@ -86,6 +90,8 @@ step() {
     engine) run_step engine 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
         --out "$OUT/engine.json" ;;
     http) run_step http 200 "${B[@]}" --sections http --concurrency 1,64 --out "$OUT/http.json" ;;
+    piecewise) run_step piecewise 160 "${B[@]}" --sections http --concurrency 64 \
+        --cuda-graph-prefill-mode piecewise --out "$OUT/piecewise.json" ;;
     chunks)
         for chunk in 256 512; do
             PAGEDSERVE_STEP_TRACE="$OUT/steps-chunk$chunk-{pid}.jsonl" run_step "chunk$chunk" 240 \
@@ -104,7 +110,7 @@ step() {
                 --sampling "$sampling" --json "$OUT/host-$sampling.json"
         done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests kernels engine http chunks itl-target profile async-off host suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests kernels engine http piecewise chunks itl-target profile async-off host suite)" >&2
         exit 2 ;;
     esac
 }
@@ -117,7 +123,7 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests kernels engine http chunks itl-target profile async-off host suite
+    set -- gpu-tests kernels engine http piecewise chunks itl-target profile async-off host suite
 fi
 for s in "$@"; do
     step "$s"

@@ -210,7 +210,7 @@ def build_engine(
         vary=speculative is not None,
     )
     engine.runner.model = stub
-    engine.runner.piecewise = None  # steps with prompt tokens run the stub eagerly
+    engine.runner.prefill_graphs = None  # steps with prompt tokens run the stub eagerly
     engine.runner.graphs = DecodeGraphs(
         stub,  # type: ignore[arg-type]
         engine.storage,

@@ -140,8 +140,8 @@ class AttentionPlan:
     - ``one_launch`` (triton backend, where the decode kernel would not split its contexts):
       the prefill kernel over every row, a decode being a chunk of one query. Per layer that
       is one launch instead of the decode kernel, the prefill kernel and the copies that
-      join their outputs: a mixed step runs attention eagerly between its graph pieces
-      (engine/piecewise_graphs.py), so each launch there is paid from Python in every layer.
+      join their outputs; and its grid depends only on the token and sequence counts, so
+      such a step replays one CUDA graph of the whole forward (engine/prefill_graphs.py).
       Where the decode kernel would split (few decodes, long contexts), its split-K reads a
       decode's context with more programs than the prefill kernel's one per KV head.
     - otherwise the decode kernel over the first ``num_decodes`` rows and the prefill kernel

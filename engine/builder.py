@@ -54,7 +54,7 @@ from engine.loader import (
 )
 from engine.model_runner import ModelRunner
 from engine.penalties import TokenCounts
-from engine.piecewise_graphs import PiecewiseGraphs, default_piecewise_sizes
+from engine.prefill_graphs import PrefillGraphs, default_prefill_sizes
 from engine.presets import preset
 from engine.quantization import check_supported, quantize_model
 from engine.rope import RotaryEmbedding
@@ -575,7 +575,11 @@ class GraphPlan:
     """The CUDA graphs the runner will capture, by step size; empty: those steps run eagerly."""
 
     decode_sizes: list[int]  # decode steps, by number of rows
-    piecewise_sizes: list[int]  # short steps with prefill tokens, by number of tokens
+    prefill_sizes: list[int]  # short steps with prefill tokens, by number of tokens
+    # Whether those steps get whole-forward graphs besides the pieces
+    # (EngineConfig.cuda_graph_prefill_mode "full"), over at most this many sequences.
+    prefill_whole: bool = False
+    max_num_seqs: int = 1
     # What the KV cache's budget left for the steps' activations and the graphs, once it
     # is measured (``size_kv_pool``, on CUDA); None: not measured (a budget was given).
     reserve_bytes: int | None = None
@@ -610,15 +614,20 @@ def plan_graphs(
         for size in config.cuda_graph_sizes or default_graph_sizes(scheduler_config.max_num_seqs)
         if size <= scheduler_config.max_num_seqs
     ] or [1]
-    # Piecewise graphs replay the plain model's layers: not a backend's replacement forward.
-    piecewise_sizes = (
-        default_piecewise_sizes(
+    # Prefill graphs replay the plain model's layers: not a backend's replacement forward.
+    prefill_sizes = (
+        default_prefill_sizes(
             min(config.cuda_graph_max_prefill_tokens, scheduler_config.max_num_batched_tokens)
         )
         if plain_forward
         else []
     )
-    return GraphPlan(graph_sizes, piecewise_sizes)
+    return GraphPlan(
+        graph_sizes,
+        prefill_sizes,
+        prefill_whole=config.cuda_graph_prefill_mode == "full",
+        max_num_seqs=scheduler_config.max_num_seqs,
+    )
 
 
 def size_kv_pool(
@@ -648,7 +657,8 @@ def size_kv_pool(
             max_tokens=scheduler_config.max_num_batched_tokens,
             graph_sizes=graphs.decode_sizes,
             max_blocks_per_seq=-(-max_model_len // kv_config.block_size),
-            piecewise_sizes=graphs.piecewise_sizes,
+            prefill_sizes=graphs.prefill_sizes,
+            prefill_whole=graphs.prefill_whole,
             block_size=kv_config.block_size,
         )
         kv_config = dataclasses.replace(kv_config, memory_bytes=gpu_budget.kv_bytes)
@@ -781,25 +791,35 @@ def build_runner(
     )
     if tp is not None and tp.rank == 0:
         runner = TensorParallelRunner(runner, tp, shares_picks=async_scheduling)
+    max_blocks_per_seq = -(-max_model_len // storage.block_size)
     if graphs.decode_sizes:
         runner.graphs = DecodeGraphs(
             attached.forward,
             storage,
             graphs.decode_sizes,
-            -(-max_model_len // storage.block_size),
+            max_blocks_per_seq,
             device,
             capture=True,
         )
         runner.graphs.capture_all()
-    if graphs.piecewise_sizes:
-        runner.piecewise = PiecewiseGraphs(
-            model, storage, graphs.piecewise_sizes, device, capture=True
+    if graphs.prefill_sizes:
+        runner.prefill_graphs = PrefillGraphs(
+            model,
+            storage,
+            graphs.prefill_sizes,
+            device,
+            capture=True,
+            mode="full" if graphs.prefill_whole else "piecewise",
+            max_num_seqs=graphs.max_num_seqs,
+            max_blocks_per_seq=max_blocks_per_seq,
         )
-        runner.piecewise.capture_all()
-    if graphs.reserve_bytes is not None and (graphs.decode_sizes or graphs.piecewise_sizes):
+        runner.prefill_graphs.capture_all()
+    if graphs.reserve_bytes is not None and (graphs.decode_sizes or graphs.prefill_sizes):
         # What capturing took (its eager runs included) against what sizing the KV cache
         # left for it: a miss there is a later out-of-memory step.
-        captured = sum(g.pool_bytes for g in (runner.graphs, runner.piecewise) if g is not None)
+        captured = sum(
+            g.pool_bytes for g in (runner.graphs, runner.prefill_graphs) if g is not None
+        )
         check_graph_memory(captured, graphs.reserve_bytes)
     return sampler, runner
 

@@ -461,8 +461,12 @@ class EngineConfig:
         cuda_graph_sizes: the batch sizes to capture a decode graph for; None picks
             1, 2, 4, 8, then steps of 8 up to 64 and of 16 up to ``max_num_seqs``.
         cuda_graph_max_prefill_tokens: steps with prefill (or speculative) rows of at most
-            this many tokens replay piecewise graphs, attention eager between them
-            (engine/piecewise_graphs.py); 0: such steps run eagerly.
+            this many tokens replay CUDA graphs (engine/prefill_graphs.py); 0: such steps
+            run eagerly.
+        cuda_graph_prefill_mode: how those steps replay. "full" (the default): one graph of
+            the whole forward where the step's attention runs in one launch (no decode
+            the decode kernel would split over its context), pieces cut at attention
+            elsewhere; "piecewise": always pieces, attention eager between them.
         generation_config: "auto": the checkpoint's generation_config.json sampling
             fields (temperature, top_p, top_k, min_p, repetition_penalty) are the defaults
             of requests that leave them unset; "none": pagedserve's own defaults
@@ -498,6 +502,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | None = None
     cuda_graph_max_prefill_tokens: int = 1024
+    cuda_graph_prefill_mode: str = "full"
     generation_config: str = "auto"
     tensor_parallel_size: int = 1
     nnodes: int = 1
@@ -551,6 +556,11 @@ class EngineConfig:
             raise ValueError(
                 "cuda_graph_max_prefill_tokens must be 0 (off) or a token count, "
                 f"got {self.cuda_graph_max_prefill_tokens}"
+            )
+        if self.cuda_graph_prefill_mode not in ("full", "piecewise"):
+            raise ValueError(
+                "cuda_graph_prefill_mode must be full or piecewise, "
+                f"got {self.cuda_graph_prefill_mode!r}"
             )
         if self.attention_backend not in ("auto", "triton", "cpu", "torch"):
             raise ValueError(

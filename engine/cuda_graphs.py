@@ -262,13 +262,13 @@ class DecodeGraphs:
         # table only up to its row's context. Rows n..size become inert padding again, as
         # far as an earlier step wrote them.
         inert = self._inert
-        pad, self._dirty_rows = _padding_to_reset(self._dirty_rows, n, size)
+        pad, self._dirty_rows = padding_to_reset(self._dirty_rows, n, size)
         if pad is not None:
             self.input_ids[pad].copy_(inert.input_ids[pad])
             self.positions[pad].copy_(inert.positions[pad])
             self.slot_mapping[pad].copy_(inert.slot_mapping[pad])
             self.seq_lens[pad].copy_(inert.attn.seq_lens[pad])
-        pad, self._dirty_table_rows[key[1]] = _padding_to_reset(
+        pad, self._dirty_table_rows[key[1]] = padding_to_reset(
             self._dirty_table_rows[key[1]], n, size
         )
         if pad is not None:
@@ -281,7 +281,7 @@ class DecodeGraphs:
         return logits[:n]
 
 
-def _padding_to_reset(dirty: int, n: int, size: int) -> tuple[slice | None, int]:
+def padding_to_reset(dirty: int, n: int, size: int) -> tuple[slice | None, int]:
     """A step of ``n`` rows padded to ``size``, over buffers whose rows from ``dirty`` on are
     inert: the padding rows to make inert again (None: none), and where the inert rows start
     once this step has written its own."""

@@ -74,13 +74,15 @@ def gpu_kv_budget(
     max_tokens: int,
     graph_sizes: Sequence[int],
     max_blocks_per_seq: int,
-    piecewise_sizes: Sequence[int] = (),
+    prefill_sizes: Sequence[int] = (),
+    prefill_whole: bool = False,
     block_size: int = 16,
 ) -> GpuBudget:
     """Bytes the KV cache may take on ``device``; runs the largest prefill step and the
     largest decode step once, over a one-block scratch cache. ``max_blocks_per_seq``: the
-    decode graphs' full context width (blocks of the longest sequence); ``piecewise_sizes``:
-    the token buckets of the piecewise graphs (engine/piecewise_graphs.py), none if empty."""
+    decode graphs' full context width (blocks of the longest sequence); ``prefill_sizes``:
+    the token buckets of the graphs for steps with prefill tokens (engine/prefill_graphs.py),
+    none if empty; ``prefill_whole``: each bucket is captured whole besides its pieces."""
     layer = model.layers[0]
     shape = (1, block_size, layer.num_kv_heads, layer.head_dim)
     dtype = model.embed_tokens.weight.dtype
@@ -100,13 +102,13 @@ def gpu_kv_budget(
         vocab_size=model.config.vocab_size,
         activation_bytes=decode,
     )
-    if piecewise_sizes:
+    if prefill_sizes:
         # Their own pool, as large as their largest bucket's activations, and each bucket's
-        # last-layer output and residual stream, which it keeps.
-        largest = max(piecewise_sizes)
+        # last-layer output and residual stream, which each capture (whole, pieces) keeps.
+        largest = max(prefill_sizes)
         graphs += _peak_bytes(model, inert_batch(largest, 1, block_size, device), caches)
         hidden = model.config.hidden_size * model.embed_tokens.weight.element_size()
-        graphs += 2 * hidden * sum(piecewise_sizes)
+        graphs += (2 if prefill_whole else 1) * 2 * hidden * sum(prefill_sizes)
     del caches
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)

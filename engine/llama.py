@@ -260,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         plan: AttentionPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # the last layer's (output, residual stream)
         """Every layer over every token of the step. ``plan``: the step's attention plan,
-        None to make it from ``batch.attn`` (engine/piecewise_graphs.py passes its own)."""
+        None to make it from ``batch.attn`` (engine/prefill_graphs.py passes its own)."""
         if plan is None:
             _, block_size, num_kv_heads, _ = key_caches[0].shape
             plan = self.attention.plan(batch.attn, block_size, num_kv_heads)

@@ -7,7 +7,8 @@ read of the picks). Asynchronous scheduling (engine/llm_engine.py) calls them ap
 Owns: the model weights on their device, the sampler, a reference to the KV storage
 (whose tensors only the attention's ``store`` writes), and the decode graphs, if any
 (``engine/cuda_graphs.py``): a decode-only step replays one instead of running the model,
-and a short step with prefill tokens replays piecewise ones (``engine/piecewise_graphs.py``).
+and a short step with prefill tokens replays one whole, or pieces cut at attention
+(``engine/prefill_graphs.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from engine.backends import ModelForward
 from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import HostStaging, InputBatch, build_input_batch
 from engine.outputs import ModelRunnerOutput, TokenLogprob
-from engine.piecewise_graphs import PiecewiseGraphs
+from engine.prefill_graphs import PrefillGraphs
 from engine.sampler import Picked, Sampler
 from engine.spec_decode.speculator import SpeculativeDecoder
 from engine.to_device import on_device
@@ -49,8 +50,9 @@ class ModelRunner:
         # On CUDA a step's inputs leave the host in one copy from one pinned buffer.
         self.staging = HostStaging(device) if device.type == "cuda" else None
         self.graphs: DecodeGraphs | None = None
-        # Steps with prefill tokens, in pieces cut at attention (engine/piecewise_graphs.py).
-        self.piecewise: PiecewiseGraphs | None = None
+        # Steps with prefill tokens: whole, or in pieces cut at attention
+        # (engine/prefill_graphs.py).
+        self.prefill_graphs: PrefillGraphs | None = None
         # Verifies speculative rows (engine/spec_decode/); None without speculative decoding.
         self.speculator: SpeculativeDecoder | None = None
 
@@ -84,8 +86,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         if self.graphs is not None and self.graphs.handles(batch):
             logits = self.graphs.run(batch)
-        elif self.piecewise is not None and self.piecewise.handles(batch):
-            logits = self.piecewise.run(batch)
+        elif self.prefill_graphs is not None and self.prefill_graphs.handles(batch):
+            logits = self.prefill_graphs.run(batch)
         else:
             logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
         # No synchronisation here: on CUDA the kernels run on while the sampler queues its

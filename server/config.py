@@ -347,8 +347,15 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--cuda-graph-max-prefill-tokens", "engine", "cuda_graph_max_prefill_tokens", int,
            _E.cuda_graph_max_prefill_tokens,
            "CUDA: steps with prefill tokens of at most N tokens (a short prompt beside "
-           "running decodes) replay piecewise graphs, attention eager between them; 0 = "
-           "such steps launch every kernel from Python"),
+           "running decodes) replay CUDA graphs (--cuda-graph-prefill-mode); 0 = such "
+           "steps launch every kernel from Python"),
+    Option("--cuda-graph-prefill-mode", "engine", "cuda_graph_prefill_mode", str,
+           _E.cuda_graph_prefill_mode,
+           "CUDA: full (default) = a step with prefill tokens replays one graph of the "
+           "whole forward where its attention runs in one launch, and graphs cut at each "
+           "layer's attention (attention eager between them) where its decodes need the "
+           "split decode kernel; piecewise = always the cut graphs",
+           ("full", "piecewise")),
     Option("--async-scheduling", "engine", "async_scheduling", parse_bool_or_auto,
            _E.async_scheduling,
            "schedule and launch each step while the one before still runs on the device, "

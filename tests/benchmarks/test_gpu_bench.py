@@ -13,6 +13,7 @@ from benchmarks import gpu
 from engine.config import ModelConfig
 from engine.cost import StepCostModel
 from engine.presets import preset
+from tests.triton_devices import INTERPRET
 
 
 def test_every_engine_section_runs_on_a_tiny_dummy_shape(tmp_path: Path, capsys) -> None:
@@ -31,6 +32,33 @@ def test_every_engine_section_runs_on_a_tiny_dummy_shape(tmp_path: Path, capsys)
     assert {"batch1", "closed_loop", "offline"} <= set(figures["profile"])
     printed = capsys.readouterr().out
     assert "MBU" in printed and "offline:" in printed
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+def test_the_mixed_step_profile_replays_whole_then_pieces_then_two_launches(capsys) -> None:
+    """The profile's closed loop on the Triton backend with the prefill graphs' stand-in:
+    mixed steps replay whole, then (whole graphs switched off) pieces, then attend in two
+    launches; each run counts its replays, and the switch is put back."""
+    from engine import LLM
+    from engine.prefill_graphs import PrefillGraphs
+
+    llm = LLM("tiny-llama", load_format="dummy", attention_backend="triton", device="cpu",
+              dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+              num_kv_blocks=64)  # fmt: skip
+    engine = llm.engine
+    graphs = PrefillGraphs(engine.runner.model, engine.storage, [16, 32], engine.device,
+                           capture=False, max_num_seqs=4,
+                           max_blocks_per_seq=-(-engine.max_model_len // 16))  # fmt: skip
+    engine.runner.prefill_graphs = graphs
+    result = gpu.profile_mixed_attention(engine, 4, 12, 4, 8)
+    assert set(result) == {"one_launch", "one_launch_pieces", "two_launches"}
+    assert result["one_launch"]["replays"]["whole"] > 0
+    assert result["one_launch"]["mixed_steps"] > 0
+    assert result["one_launch_pieces"]["replays"]["whole"] == 0
+    two = result["two_launches"]
+    assert two["replays"]["pieces"] >= two["mixed_steps"] > 0  # not one launch: pieces
+    assert graphs.whole
+    assert "mixed steps, pieces / whole" in capsys.readouterr().out
 
 
 def test_the_engine_sections_run_with_async_scheduling(tmp_path: Path) -> None:
@@ -70,6 +98,10 @@ def test_the_http_servers_command_serves_what_the_engine_part_measured() -> None
     for given, passed in ((["--async-scheduling"], "on"), (["--async-scheduling", "off"], "off")):
         args = gpu.parse_args(["--model", "llama-3-8b", *given])
         assert f" --async-scheduling {passed}" in gpu.server_command(args, 64)
+    # the prefill graphs' mode likewise: full is the default, piecewise is passed on
+    assert "--cuda-graph-prefill-mode" not in gpu.server_command(args, 64)
+    args = gpu.parse_args(["--model", "llama-3-8b", "--cuda-graph-prefill-mode", "piecewise"])
+    assert gpu.server_command(args, 64).endswith(" --cuda-graph-prefill-mode piecewise")
 
 
 def test_the_first_request_probe_reads_the_servers_own_ttft(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 from engine.builder import GraphPlan, plan_graphs
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import default_graph_sizes
-from engine.piecewise_graphs import default_piecewise_sizes
+from engine.prefill_graphs import default_prefill_sizes
 from engine.presets import preset
 from engine.tp_group import TensorParallelGroup
 from scheduler.config import SchedulerConfig
@@ -46,14 +46,22 @@ def _plan(
     )
 
 
-def test_cuda_with_triton_gets_the_default_decode_and_piecewise_buckets() -> None:
+def test_cuda_with_triton_gets_the_default_decode_and_prefill_buckets() -> None:
     plan = _plan(max_num_seqs=100, max_num_batched_tokens=512)
     assert plan.decode_sizes == default_graph_sizes(100) and plan.decode_sizes[-1] == 100
-    # Piecewise buckets stop at the smaller of the step budget and the prefill limit.
-    assert plan.piecewise_sizes == default_piecewise_sizes(512) and plan.piecewise_sizes[-1] == 512
+    # Prefill buckets stop at the smaller of the step budget and the prefill limit.
+    assert plan.prefill_sizes == default_prefill_sizes(512) and plan.prefill_sizes[-1] == 512
+    # Captured whole too by default, over at most the scheduler's sequences.
+    assert plan.prefill_whole and plan.max_num_seqs == 100
     assert plan.reserve_bytes is None  # measured later, when the KV cache is sized
     limited = _plan(config=EngineConfig(cuda_graph_max_prefill_tokens=128))
-    assert limited.piecewise_sizes == default_piecewise_sizes(128)
+    assert limited.prefill_sizes == default_prefill_sizes(128)
+    pieces = _plan(
+        config=EngineConfig(cuda_graph_prefill_mode="piecewise"), max_num_batched_tokens=512
+    )
+    assert not pieces.prefill_whole and pieces.prefill_sizes == plan.prefill_sizes
+    with pytest.raises(ValueError, match="full or piecewise"):
+        EngineConfig(cuda_graph_prefill_mode="whole")
 
 
 @pytest.mark.parametrize(
@@ -89,7 +97,7 @@ def test_given_sizes_are_cut_to_max_num_seqs_with_one_as_the_fallback() -> None:
     assert _plan(config=too_large, max_num_seqs=16).decode_sizes == [1]
 
 
-def test_a_backends_own_forward_gets_decode_graphs_but_no_piecewise_ones() -> None:
-    """Piecewise graphs replay the plain model's layers, not a replacement forward."""
+def test_a_backends_own_forward_gets_decode_graphs_but_no_prefill_ones() -> None:
+    """Prefill graphs replay the plain model's layers, not a replacement forward."""
     plan = _plan(plain_forward=False)
-    assert plan.decode_sizes == default_graph_sizes(64) and plan.piecewise_sizes == []
+    assert plan.decode_sizes == default_graph_sizes(64) and plan.prefill_sizes == []

@@ -34,9 +34,9 @@ def test_graphs_match_eager_and_transformers_in_float32(tiny_llama_gqa) -> None:
     kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=KV, max_num_seqs=16)
     graphs = LLM(str(tiny_llama_gqa), **kwargs)
     assert graphs.engine.runner.graphs is not None
-    assert graphs.engine.runner.piecewise is not None
+    assert graphs.engine.runner.prefill_graphs is not None
     eager = LLM(str(tiny_llama_gqa), enforce_eager=True, **kwargs)
-    assert eager.engine.runner.graphs is None and eager.engine.runner.piecewise is None
+    assert eager.engine.runner.graphs is None and eager.engine.runner.prefill_graphs is None
     with_graphs = [o.token_ids for o in graphs.generate(prompts, params)]
     without = [o.token_ids for o in eager.generate(prompts, params)]
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_gqa, dtype=torch.float32).eval()
@@ -46,34 +46,51 @@ def test_graphs_match_eager_and_transformers_in_float32(tiny_llama_gqa) -> None:
         assert_parity(without[i], ref, f"prompt {i}, eager")
 
 
-def test_piecewise_graphs_replay_mixed_steps_exactly_in_float32(tiny_llama_gqa) -> None:
-    """Chunked prompts beside running decodes: those steps replay the piecewise graphs
-    (padded to a token bucket), and tokens match eager mode and transformers."""
+@pytest.mark.parametrize("mode", ["full", "full, one launch", "piecewise"])
+def test_prefill_graphs_replay_mixed_steps_exactly_in_float32(
+    tiny_llama_gqa, mode, monkeypatch
+) -> None:
+    """Chunked prompts beside running decodes: those steps replay the prefill graphs
+    (padded to a token bucket), whole where their attention is one launch and in pieces
+    elsewhere, and tokens match eager mode and transformers. "full, one launch" makes every
+    mixed step's attention one launch (the decode kernel's split heuristic answers 1), so
+    mixed steps replay whole too."""
     from transformers import AutoModelForCausalLM
+
+    import kernels.paged_attention
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = _prompts(256, 11)
     kwargs = dict(device="cuda", dtype="float32", kv_cache_memory=KV, max_num_seqs=8,
                   max_num_batched_tokens=40)  # fmt: skip
-    llm = LLM(str(tiny_llama_gqa), **kwargs)
-    pieces = llm.engine.runner.piecewise
-    assert pieces is not None and pieces.sizes == [16, 32]
+    llm = LLM(str(tiny_llama_gqa), cuda_graph_prefill_mode=mode.split(",")[0], **kwargs)
+    graphs = llm.engine.runner.prefill_graphs
+    assert graphs is not None and graphs.sizes == [16, 32]
     sizes: list[tuple[int, int]] = []
-    run = pieces.run
+    run = graphs.run
 
     def recording(batch):
         sizes.append((batch.num_tokens, batch.attn.num_decodes))
         return run(batch)
 
-    pieces.run = recording  # type: ignore[method-assign]
+    graphs.run = recording  # type: ignore[method-assign]
+    if mode == "full, one launch":
+        monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", lambda *a: 1)
     ours = [o.token_ids for o in llm.generate(prompts, params)]
+    mixed = sum(0 < nd < n for n, nd in sizes)
     assert any(0 < nd < n and n not in (16, 32) for n, nd in sizes), sizes
+    if mode == "piecewise":
+        assert graphs.replays["whole"] == 0
+    else:
+        assert graphs.replays["whole"] >= sum(nd == 0 for _, nd in sizes) > 0
+    if mode == "full, one launch":
+        assert graphs.replays["whole"] >= mixed > 0
     eager = LLM(str(tiny_llama_gqa), enforce_eager=True, **kwargs)
     without = [o.token_ids for o in eager.generate(prompts, params)]
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_gqa, dtype=torch.float32).eval()
     for i, prompt in enumerate(prompts):
         ref = hf_greedy(hf, prompt, 12, None)
-        assert_parity(ours[i], ref, f"prompt {i}, piecewise graphs")
+        assert_parity(ours[i], ref, f"prompt {i}, {mode} graphs")
         assert_parity(without[i], ref, f"prompt {i}, eager")
 
 
