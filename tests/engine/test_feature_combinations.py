@@ -343,14 +343,17 @@ def test_graph_stand_ins_with_an_int8_cache_preemption_and_cached_prefixes(
 
 # ------------------------------------------------------------------------ Triton kernels
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-stand-ins"])
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_with_an_int8_cache_cached_prefixes_preemption_and_async(
-    tiny_llama_gqa: Path, device: str
+    tiny_llama_gqa: Path, device: str, graphs: bool
 ) -> None:
     """The GPU's path: the Triton store, decode and prefill kernels over an int8 cache, with
     prompts that start from cached (and copied) blocks, recomputed after preemption, and
     decodes fed on the device: the torch reference backend's tokens over the same cache,
-    near-ties aside."""
+    near-ties aside. With ``graphs``, steps run through the decode graphs' and prefill
+    graphs' buffers (their CPU stand-ins, as on CUDA without the capture): mixed steps
+    replay whole."""
     g = torch.Generator().manual_seed(5)
     system = torch.randint(3, 256, (16,), generator=g).tolist()
     prompts = [system + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 9, 14)]
@@ -369,13 +372,29 @@ def test_triton_with_an_int8_cache_cached_prefixes_preemption_and_async(
         str(tiny_llama_gqa), attention_backend="triton", num_kv_blocks=9,
         async_scheduling=True, **common,
     )  # fmt: skip
-    assert llm.engine.attention_backend == "triton"
+    engine = llm.engine
+    assert engine.attention_backend == "triton"
+    if graphs and device == "cpu":  # on CUDA the engine captured its own
+        model, storage = engine.runner.model, engine.storage
+        max_blocks = -(-engine.max_model_len // storage.block_size)
+        engine.runner.graphs = DecodeGraphs(
+            model, storage, [1, 2, 4], max_blocks, engine.device, capture=False
+        )
+        engine.runner.prefill_graphs = PrefillGraphs(
+            model, storage, [8, 16], engine.device, capture=False, max_num_seqs=4,
+            max_blocks_per_seq=max_blocks,
+        )  # fmt: skip
+    elif not graphs and device == "cuda":
+        engine.runner.graphs = engine.runner.prefill_graphs = None
+    prefill_graphs = engine.runner.prefill_graphs
     copies = []
     got = run(llm, requests, lambda plan: copies.extend(plan.blocks_to_copy))
     for rid in ref.tokens:
         assert_parity(got.tokens[rid], ref.reference(rid), f"triton {rid}")
-    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert engine.scheduler.num_preemptions_total > 0
     assert copies, "the system prompt alone is cached whole"
+    if graphs:
+        assert prefill_graphs is not None and prefill_graphs.replays["whole"] > 0
 
 
 # ---------------------------------------------------------------------- structured output

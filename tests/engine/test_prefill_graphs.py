@@ -134,6 +134,24 @@ def test_triton_mixed_steps_replay_whole_where_attention_is_one_launch(
         assert graphs.replays == {"whole": len(prefill_only), "pieces": len(mixed) + decode_only}
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_speculative_rows_replay_whole(tiny_llama_gqa, device) -> None:
+    """N-gram speculation's verification rows (a chunk of 1 + drafts per request) replay the
+    whole graph with the Triton kernels: the greedy tokens of the engine without
+    speculation."""
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6 + [12]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    kwargs = dict(attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=32,
+                  block_size=8, num_kv_blocks=64, device=device, dtype="float32")  # fmt: skip
+    expected = [o.token_ids for o in LLM(str(tiny_llama_gqa), **kwargs).generate(prompts, params)]
+    llm = LLM(str(tiny_llama_gqa), speculative_method="ngram", num_speculative_tokens=3,
+              **kwargs)  # fmt: skip
+    graphs, seen = _with_stand_in(llm, [16, 32])
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert any(b.verifying for b in seen), "some steps verified drafts"
+    assert graphs.replays["whole"] >= sum(1 for b in seen if b.verifying)
+
+
 def test_empty_sequences_after_a_step_with_more(tiny_llama_gqa) -> None:
     """A whole graph covers a fixed number of sequences: past a step's own, they are empty
     (no queries, no context), also where a step with more sequences wrote before."""
