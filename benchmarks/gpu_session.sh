@@ -13,12 +13,15 @@
 # Steps, most wanted first (the issue each serves); each runs under `timeout`, writes
 # $OUT/<step>.log, and appends "<step> rc=<exit status> <seconds>s" to $OUT/summary.txt:
 #   gpu-tests   the GPU-marked tests, 4 workers on one GPU (make test-gpu's first half)
-#   kernels     decode attention and fused ops against their targets (make test-gpu's second)
 #   engine      batch-1 MBU, decode steps 16/64/256, offline 512/256 (benchmarks.gpu)
 #   http        first request after /health and concurrency 1 and 64 through the server
 #   piecewise   HTTP at concurrency 64 with every step with prefill tokens replaying pieces
 #               cut at attention (--cuda-graph-prefill-mode piecewise), against http's c=64
 #               with the default whole-forward graphs where attention is one launch
+#   profile     where the closed loop's mixed steps go (host against device time), and
+#               their cost replayed whole, in pieces, and attending in two launches
+#   kernels     decode attention and fused ops against their targets (make test-gpu's second;
+#               no kernel changed since their last run at e903b1a)
 #   chunks      prefill chunks of 256 and 512 tokens against the default (the whole step
 #               budget): offline throughput, the c=64 closed loop's mixed steps and HTTP at
 #               concurrency 64 (the ITL p99 / p50 trade against throughput), each run with a
@@ -26,8 +29,6 @@
 #   itl-target  HTTP at concurrency 64 with --target-itl-ms 25 (at e903b1a it held the p99 at
 #               2.03x the p50 but cost 0.43x the throughput, mixed steps then costing about
 #               two decode steps whatever their prompt tokens)
-#   profile     where the closed loop's mixed steps go (host against device time), and
-#               their cost replayed whole, in pieces, and attending in two launches
 #   async-off   the engine steps with synchronous scheduling, for the asynchronous A/B
 #   host        the host's share of a decode step with the forward stubbed
 #               (benchmarks.host_overhead), greedy and with penalties, at a 128k vocabulary
@@ -35,6 +36,9 @@
 #               modules whose `test` extra packages the image lacks fail to import, by name
 # A step is skipped, and says so, when fewer seconds are left before SESSION_S (default 560:
 # under the device tool's 600 s a call) than its bound; rerun the rest in a second call.
+# A lent machine has 15 minutes of device time, start-up included: about one full call and
+# a short second one, so the default order puts first what the open targets need (the new
+# graphs' GPU tests, then the engine's and the server's figures).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -110,7 +114,7 @@ step() {
                 --sampling "$sampling" --json "$OUT/host-$sampling.json"
         done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests kernels engine http piecewise chunks itl-target profile async-off host suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests engine http piecewise profile kernels chunks itl-target async-off host suite)" >&2
         exit 2 ;;
     esac
 }
@@ -123,7 +127,7 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests kernels engine http piecewise chunks itl-target profile async-off host suite
+    set -- gpu-tests engine http piecewise profile kernels chunks itl-target async-off host suite
 fi
 for s in "$@"; do
     step "$s"
