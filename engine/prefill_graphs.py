@@ -104,13 +104,16 @@ class _Captured:
     residual: torch.Tensor  # [bucket, hidden]
 
 
-class _Splitter:
-    """Stands in for the model's attention while the model runs over the buffers in
-    pieces: stores the rotated queries, runs (or, capturing, cuts at) attention, hands back
-    ``attn_out``."""
+class _StandIn:
+    """Stands in for the model's attention while the model runs over the buffers.
 
-    def __init__(self, owner: PrefillGraphs) -> None:
+    Whole: attends with the plan it is given, writing into ``attn_out`` (so that rows no
+    sequence covers keep finite values, not the pool's leftovers). In pieces: stores the
+    rotated queries, runs (or, capturing, cuts at) attention, hands back ``attn_out``."""
+
+    def __init__(self, owner: PrefillGraphs, *, whole: bool) -> None:
         self.owner = owner
+        self.whole = whole
 
     def rope_and_store(self, *args: object, **kwargs: object) -> torch.Tensor:
         return self.owner.attention.rope_and_store(*args, **kwargs)  # type: ignore[arg-type]
@@ -124,31 +127,11 @@ class _Splitter:
         *,
         sliding: bool = False,
     ) -> torch.Tensor:
-        return self.owner._cut(query, _Cut(key_cache, value_cache, sliding))
-
-
-class _IntoBuffer:
-    """Stands in for the model's attention while the model runs over the buffers whole:
-    attends with the plan it is given, writing into ``attn_out`` (so that rows no sequence
-    covers keep finite values, not the pool's leftovers)."""
-
-    def __init__(self, owner: PrefillGraphs) -> None:
-        self.owner = owner
-
-    def rope_and_store(self, *args: object, **kwargs: object) -> torch.Tensor:
-        return self.owner.attention.rope_and_store(*args, **kwargs)  # type: ignore[arg-type]
-
-    def __call__(
-        self,
-        query: torch.Tensor,  # [bucket, num_heads, head_dim]
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        plan: AttentionPlan,
-        *,
-        sliding: bool = False,
-    ) -> torch.Tensor:
-        out = self.owner.attn_out[: query.shape[0]]
-        return self.owner.attention(query, key_cache, value_cache, plan, sliding=sliding, out=out)
+        owner = self.owner
+        if self.whole:
+            out = owner.attn_out[: query.shape[0]]
+            return owner.attention(query, key_cache, value_cache, plan, sliding=sliding, out=out)
+        return owner._cut(query, _Cut(key_cache, value_cache, sliding))
 
 
 class PrefillGraphs:
@@ -287,7 +270,7 @@ class PrefillGraphs:
         self, size: int, plan: AttentionPlan, *, whole: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.model
-        stand_in = _IntoBuffer(self) if whole else _Splitter(self)
+        stand_in = _StandIn(self, whole=whole)
         real, model.attention = model.attention, stand_in  # type: ignore[assignment]
         try:
             with torch.inference_mode():
@@ -383,7 +366,7 @@ class PrefillGraphs:
     def _capture_pieces(self, size: int) -> _Captured:
         self._cuts = []
         self._capturing = [torch.cuda.CUDAGraph()]
-        # Not read while capturing (the splitter cuts instead of attending), but made
+        # Not read while capturing (the stand-in cuts instead of attending), but made
         # before: planning may copy host values.
         plan = self._plan_of(self._static[size])
         torch.cuda.synchronize(self.device)
