@@ -464,8 +464,8 @@ class EngineConfig:
             this many tokens replay CUDA graphs (engine/prefill_graphs.py); 0: such steps
             run eagerly.
         cuda_graph_prefill_mode: how those steps replay. "full" (the default): one graph of
-            the whole forward where the step's attention runs in one launch (no decode
-            the decode kernel would split over its context), pieces cut at attention
+            the whole forward where the step's attention runs in one launch (the decode
+            kernel would split none of its decodes' contexts), pieces cut at attention
             elsewhere; "piecewise": always pieces, attention eager between them.
         generation_config: "auto": the checkpoint's generation_config.json sampling
             fields (temperature, top_p, top_k, min_p, repetition_penalty) are the defaults
