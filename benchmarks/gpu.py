@@ -320,7 +320,8 @@ def profile_closed_loop(
         if dt > 4 * p50:
             print(
                 f"  slow step {i}: {dt * 1e3:.1f} ms, {st.num_prefill_tokens} prefill + "
-                f"{st.num_decode_tokens} decode tokens, {st.num_running} running; "
+                f"{st.num_decode_tokens} decode tokens, {st.num_running} running, "
+                f"{st.replay or 'replay not known'}; "
                 f"phases (ms) {_phase_means([st])}",
                 flush=True,
             )

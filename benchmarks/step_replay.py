@@ -189,7 +189,30 @@ def report(path: Path, warmup: int, make_predictor: Callable[[Trace], Any] | Non
     for name, fig in figures(trace, warmup, make_predictor).items():
         if fig.steps:
             lines.append(fig.row(name))
+    lines.extend(replay_rows(steps))
     return "\n".join(lines)
+
+
+def replay_rows(steps: Sequence[TracedStep]) -> list[str]:
+    """How each way of running the forward pass (a trace's ``replay`` field: decode graph,
+    whole graph, graph pieces, eager) did: its steps, their median and p99 time, and their
+    prefill tokens. None for a trace that does not say."""
+    ways: dict[str, list[TracedStep]] = {}
+    for step in steps:
+        if step.replay:
+            ways.setdefault(step.replay, []).append(step)
+    if not ways:
+        return []
+    rows = [f"{'replay':<15}{'steps':>6}{'p50 ms':>9}{'p99 ms':>9}{'prefill tok':>12}"]
+    for way, group in sorted(ways.items(), key=lambda item: -len(item[1])):
+        times = sorted(s.step_s for s in group)
+        p99 = times[int(0.99 * (len(times) - 1))]
+        prefill = statistics.mean(s.shape.num_prefill_tokens for s in group)
+        rows.append(
+            f"{way:<15}{len(group):>6}{statistics.median(times) * 1e3:>9.2f}"
+            f"{p99 * 1e3:>9.2f}{prefill:>12.0f}"
+        )
+    return rows
 
 
 # ---- record ---------------------------------------------------------------------------------

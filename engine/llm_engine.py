@@ -449,7 +449,7 @@ class LLMEngine:
         outputs = error_outputs + self._make_outputs(update, result)
         speculator = self.speculator
         spec_stats = speculator.end_step(plan) if speculator is not None else None
-        self._end_step(plan, step, result.phase_s, result.experts_touched)
+        self._end_step(plan, step, result)
         if spec_stats is not None and self.last_step_stats is not None:
             stats = self.last_step_stats
             stats.num_draft_tokens = spec_stats.num_draft_tokens
@@ -463,8 +463,7 @@ class LLMEngine:
         self,
         plan: SchedulerOutput,
         step: _StepTiming,
-        runner_phase_s: dict[str, float],
-        experts_touched: int | None,
+        result: ModelRunnerOutput,
         *,
         read: tuple[float, float, float | None] | None = None,
     ) -> None:
@@ -475,11 +474,11 @@ class LLMEngine:
             start, end, gap_s = step.start, time.perf_counter(), step.gap_s
         else:
             start, end, gap_s = read
-        phase_s = dict(runner_phase_s)
+        phase_s = dict(result.phase_s)
         phase_s["schedule"] = step.scheduled - step.start
         # What the runner did not time (a failed step's re-runs, the update) is "update".
         phase_s["update"] = max(0.0, (end - start) - sum(phase_s.values()))
-        self._record_stats(plan, end - start, phase_s, experts_touched)
+        self._record_stats(plan, end - start, phase_s, result.experts_touched, result.replay)
         predictor = self.step_predictor
         if predictor is not None and step.features is not None:
             had_decodes = any(s.num_tokens == 1 and not s.padding for s in plan.scheduled)
@@ -493,6 +492,7 @@ class LLMEngine:
                 gap_s,
                 step.predicted_s,
                 phase_s.get("forward"),
+                result.replay,
             )
         if read is None and (self.scheduler.has_unfinished() or self._in_flight is not None):
             self._busy_end = end
@@ -611,7 +611,7 @@ class LLMEngine:
             read: tuple[float, float, float | None] = (last_read, read_end, 0.0)
         else:
             read = (timing.start, read_end, timing.gap_s)
-        self._end_step(in_flight.plan, timing, result.phase_s, result.experts_touched, read=read)
+        self._end_step(in_flight.plan, timing, result, read=read)
         return outputs
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
@@ -671,10 +671,12 @@ class LLMEngine:
         step_time: float,
         phase_s: dict[str, float],
         experts_touched: int | None = None,
+        replay: str = "",
     ) -> None:
         self.last_step_stats = self._stats.record(
             plan, self.scheduler, self.kv_manager, step_time, phase_s, experts_touched
         )
+        self.last_step_stats.replay = replay
 
     def _record_target(
         self,

@@ -85,11 +85,13 @@ class ModelRunner:
             self._feed_pending(batch, previous)
         t1 = time.perf_counter()
         if self.graphs is not None and self.graphs.handles(batch):
-            logits = self.graphs.run(batch)
+            logits, replay = self.graphs.run(batch), "decode graph"
         elif self.prefill_graphs is not None and self.prefill_graphs.handles(batch):
             logits = self.prefill_graphs.run(batch)
+            replay = "whole graph" if self.prefill_graphs.last_whole else "graph pieces"
         else:
             logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
+            replay = "eager"
         # No synchronisation here: on CUDA the kernels run on while the sampler queues its
         # work, and the read of the chosen tokens (``LaunchedStep.result``) is the step's one
         # wait. So on CUDA "forward" is the time to launch the step and "sample" includes
@@ -102,6 +104,7 @@ class ModelRunner:
             touched,
             batch,
             logits if batch.sampling or batch.verifying else None,
+            replay=replay,
         )
 
     def sample(self, step: LaunchedStep, *, copy_out: bool = False) -> None:
@@ -168,6 +171,7 @@ class LaunchedStep:
     # Tensor parallelism with asynchronous scheduling: the picks go to the other ranks once
     # queued (engine/tp_group.py).
     shares_picks: bool = False
+    replay: str = ""  # how the forward pass ran (engine.outputs.REPLAYS)
 
     @property
     def rows(self) -> dict[str, int]:
@@ -193,5 +197,10 @@ class LaunchedStep:
         if self.request_ids:
             phase_s["sample"] = phase_s.get("sample", 0.0) + time.perf_counter() - t0
         return ModelRunnerOutput(
-            self.request_ids, token_ids, logprobs, phase_s, experts_touched=self.experts_touched
+            self.request_ids,
+            token_ids,
+            logprobs,
+            phase_s,
+            experts_touched=self.experts_touched,
+            replay=self.replay,
         )

@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# How a step's forward pass ran: a decode graph's replay (engine/cuda_graphs.py), a whole
+# or piecewise replay of a step with prefill tokens (engine/prefill_graphs.py), or launched
+# from Python.
+REPLAYS = ("decode graph", "whole graph", "graph pieces", "eager")
+
 
 @dataclass(slots=True)
 class TokenLogprob:
@@ -36,6 +41,8 @@ class ModelRunnerOutput:
     # A mixture of experts' experts the step ran, summed over layers (engine/moe.py); None:
     # no mixture, or not known.
     experts_touched: int | None = None
+    # How the forward pass ran (REPLAYS); "" where not known (a step re-run in parts).
+    replay: str = ""
 
 
 @dataclass(slots=True)
@@ -109,6 +116,8 @@ class StepStats:
     # (with asynchronous scheduling a step's phases overlap the steps beside it, and
     # step_time_s is the interval between two reads: "update" is then what is left, or 0).
     phase_s: dict[str, float] = field(default_factory=dict)
+    # How its forward pass ran (ModelRunnerOutput.replay: REPLAYS, or "").
+    replay: str = ""
     # Latency targets (scheduler/latency_targets.py); None without targets.
     predicted_step_s: float | None = None  # the step-time model's figure, before the step ran
     target_budget_s: float | None = None  # iteration time its prompt tokens were sized for

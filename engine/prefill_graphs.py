@@ -206,8 +206,10 @@ class PrefillGraphs:
         # Where the whole graphs' sequence buffers stop holding empty sequences (a step
         # may have written its own past the next step's).
         self._dirty_seqs = 0
-        # How many steps replayed each way (the step trace and the tests read them).
+        # How many steps replayed each way, and whether the last one replayed whole (the
+        # runner reports it with the step: engine.outputs.REPLAYS).
         self.replays = {"whole": 0, "pieces": 0}
+        self.last_whole = False
 
     # ---- which steps ---------------------------------------------------------------------
 
@@ -390,7 +392,8 @@ class PrefillGraphs:
         if size > n:
             self.slot_mapping[n:size].fill_(-1)
         plan = self._plan_of(batch)
-        if self.takes_whole(batch, plan, size):
+        self.last_whole = self.takes_whole(batch, plan, size)
+        if self.last_whole:
             self.replays["whole"] += 1
             hidden, residual = self._run_whole(batch, size)
         else:

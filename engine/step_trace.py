@@ -9,14 +9,17 @@ The first line is a header with what the predictor is built from (the engine's
 ``StepCostModel`` and the KV bytes of one token), so that a replay builds the same predictor
 without loading the model; each further line is a step::
 
-    {"time": .., "step_s": .., "gap_s": .., "predicted_s": .., "forward_s": .., "num_rows": ..}
+    {"time": .., "step_s": .., "gap_s": .., "predicted_s": .., "forward_s": .., "replay": ..,
+     "num_rows": ..}
 
 ``step_s`` is what ``LLMEngine.step`` measures and feeds the predictor (the whole step:
 scheduling, the forward pass, sampling, the update); ``predicted_s`` is the live predictor's
 figure for the step before it ran (null without latency targets); ``gap_s`` is the engine
 loop's time between the previous step and this one while it had work (null after an idle
 spell); ``time`` is the wall clock (Unix seconds) at the step's end, to match steps with a
-load generator's windows. The other fields are ``StepShape``'s.
+load generator's windows; ``replay`` is how its forward pass ran (``engine.outputs.REPLAYS``:
+a decode graph, a whole graph or graph pieces of a step with prefill tokens, or eager; ""
+where not known). The other fields are ``StepShape``'s.
 
 Several processes must not share one file: a name containing ``{pid}`` gets the process id.
 Lines are flushed per step, so a trace of a server killed mid-run is still whole up to its
@@ -88,6 +91,7 @@ class StepTrace:
         gap_s: float | None,
         predicted_s: float | None,
         forward_s: float | None = None,
+        replay: str = "",
     ) -> None:
         self._write(
             {
@@ -96,6 +100,7 @@ class StepTrace:
                 "gap_s": gap_s,
                 "predicted_s": predicted_s,
                 "forward_s": forward_s,
+                "replay": replay,
                 **dataclasses.asdict(shape),
             }
         )
@@ -121,6 +126,7 @@ class TracedStep:
     gap_s: float | None
     predicted_s: float | None
     forward_s: float | None
+    replay: str = ""  # engine.outputs.REPLAYS, or "" (not known, or an older trace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +161,7 @@ def read_trace(path: str | Path) -> Trace:
                 line.get("gap_s"),
                 line.get("predicted_s"),
                 line.get("forward_s"),
+                line.get("replay", ""),
             )
             for line in lines
         ]

@@ -32,11 +32,12 @@ def machine(shape: StepShape) -> float:
     return 0.004 + 2e-4 * shape.num_rows + 3e-4 * shape.num_tokens + 4e-9 * shape.num_pairs
 
 
-def write(path, shapes, noise: float, seed: int = 0) -> None:
+def write(path, shapes, noise: float, seed: int = 0, replays=None) -> None:
     rng = random.Random(seed)
     trace = StepTrace(path, COST, KV_BYTES_PER_TOKEN, {"model": "synthetic"})
-    for shape in shapes:
-        trace.record(shape, machine(shape) * rng.uniform(1 - noise, 1 + noise), 0.001, None)
+    for i, shape in enumerate(shapes):
+        step_s = machine(shape) * rng.uniform(1 - noise, 1 + noise)
+        trace.record(shape, step_s, 0.001, None, replay=replays(i) if replays else "")
     trace.close()
 
 
@@ -100,3 +101,25 @@ def test_the_replay_learns_a_linear_machine_and_reports_by_kind(tmp_path, capsys
     assert main(["replay", str(path), "--warmup", "50"]) == 0
     out = capsys.readouterr().out
     assert "decode large" in out and "350" in out
+
+
+def test_the_report_splits_steps_by_how_their_forward_ran(tmp_path, capsys) -> None:
+    """A trace whose steps say how they ran (decode graph, whole graph, ...) gets one row per
+    way: steps, p50 and p99 time, mean prefill tokens; a trace without says nothing."""
+    path = tmp_path / "t.jsonl"
+    shapes = workload(100)
+    write(path, shapes, noise=0.0,
+          replays=lambda i: "whole graph" if shapes[i].num_prefill_tokens else "decode graph")
+    trace = read_trace(path)
+    assert {s.replay for s in trace.steps} == {"whole graph", "decode graph"}
+    assert main(["replay", str(path), "--warmup", "10"]) == 0
+    rows = {line.split()[0] + " " + line.split()[1]: line.split()
+            for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("decode graph", "whole graph"))}  # fmt: skip
+    assert rows["decode graph"][2] == "90" and rows["whole graph"][2] == "10"
+    prefill_tokens = [s.num_prefill_tokens for s in shapes if s.num_prefill_tokens]
+    assert float(rows["whole graph"][-1]) == round(sum(prefill_tokens) / len(prefill_tokens))
+    plain = tmp_path / "plain.jsonl"
+    write(plain, shapes, noise=0.0)
+    assert main(["replay", str(plain)]) == 0
+    assert "p50 ms" not in capsys.readouterr().out

@@ -184,3 +184,4 @@ def test_latency_targets_leave_greedy_tokens_unchanged(prompts, references, tmp_
     assert len(trace.steps) == engine.step_predictor.num_observed
     live = [s.step_s / s.predicted_s if s.predicted_s else None for s in trace.steps]
     assert live[0] is None and replay(trace) == live
+    assert {s.replay for s in trace.steps} == {"eager"}  # no CUDA graphs on the CPU

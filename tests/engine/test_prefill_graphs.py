@@ -75,6 +75,16 @@ def test_stand_in_matches_transformers_and_eager(tiny_llama_gqa, with_decode_gra
             -(-engine.max_model_len // engine.storage.block_size), engine.device, capture=False,
         )  # fmt: skip
     graphs, seen = _with_stand_in(llm, [8, 16, 24], mode)
+    ways: list[str] = []  # how each step's forward ran, as its stats say
+    step = engine.step
+
+    def recording_step():  # noqa: ANN202
+        outputs = step()
+        if engine.last_step_stats is not None:
+            ways.append(engine.last_step_stats.replay)
+        return outputs
+
+    engine.step = recording_step  # type: ignore[method-assign]
     outs = [o.token_ids for o in llm.generate(prompts, params)]
     alone = [o.token_ids for o in llm.generate(prompts[1:2], params)]
 
@@ -93,6 +103,10 @@ def test_stand_in_matches_transformers_and_eager(tiny_llama_gqa, with_decode_gra
         assert graphs.replays["whole"] == sum(b.attn.num_decodes == 0 for b in seen)
     else:
         assert graphs.replays["whole"] == 0
+    assert ways.count("whole graph") == graphs.replays["whole"]
+    assert ways.count("graph pieces") == graphs.replays["pieces"]
+    assert ("decode graph" in ways) == with_decode_graphs
+    assert "eager" not in ways  # every step fits the 24-token bucket
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_gqa, dtype=torch.float32).eval()
     for i, prompt in enumerate(prompts):
         ref = hf_greedy(hf, prompt, 10, None)
