@@ -108,9 +108,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--sections", default="batch1,prefill,decode,offline,http",
         help="comma-separated subset of batch1,prefill,decode,offline,http,profile "
-        "(profile: where a batch-1 step's time goes, a closed loop at c=64 (with the Triton "
-        "kernels: mixed steps attending in one launch, replayed whole, then in pieces, then "
-        "attending in two launches), and the offline run step by step)",
+        "(profile: where a batch-1, -64 and -256 decode step's time goes, a closed loop at "
+        "c=64 (with the Triton kernels: mixed steps attending in one launch, replayed whole, "
+        "then in pieces, then attending in two launches), and the offline run step by step)",
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     return ap.parse_args(argv)
@@ -759,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "profile" in sections:
         prof: dict[str, Any] = {"batch1": profile_decode(engine, 1, 128, 32)}
+        if max_seqs >= 64:  # issue 35's batch-64 step target
+            prof["batch64"] = profile_decode(engine, 64, context, 8)
         if max_seqs >= 256:
             prof["batch256"] = profile_decode(engine, 256, context, 8)
         if engine.attention_backend == "triton":
