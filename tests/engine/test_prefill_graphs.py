@@ -166,6 +166,29 @@ def test_speculative_rows_replay_whole(tiny_llama_gqa, device) -> None:
     assert graphs.replays["whole"] >= sum(1 for b in seen if b.verifying)
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_sliding_window_layers_replay_whole(tmp_path, device) -> None:
+    """A Mistral with a sliding window shorter than the prompts: its layers attend through
+    the window inside the whole graph (the prefill kernel takes it as an argument); the
+    torch reference's tokens."""
+    from tests.engine.test_families import make_tiny
+
+    path, _ = make_tiny(tmp_path / "mistral", "mistral-sliding", seed=3)
+    prompts = _prompts(256, [23, 5, 41, 9])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_kv_blocks=64,
+                  device=device, dtype="float32")  # fmt: skip
+    ref = LLM(str(path), attention_backend="torch", **kwargs)
+    expected = [o.token_ids for o in ref.generate(prompts, params)]
+    llm = LLM(str(path), attention_backend="triton", **kwargs)
+    assert llm.engine.model_config.sliding_window is not None
+    graphs, seen = _with_stand_in(llm, [16, 32])
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert graphs.replays["whole"] >= sum(
+        1 for b in seen if 0 < b.attn.num_decodes < b.attn.seq_lens.shape[0]
+    ) > 0
+
+
 def test_empty_sequences_after_a_step_with_more(tiny_llama_gqa) -> None:
     """A whole graph covers a fixed number of sequences: past a step's own, they are empty
     (no queries, no context), also where a step with more sequences wrote before."""
