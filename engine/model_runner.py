@@ -85,10 +85,10 @@ class ModelRunner:
             self._feed_pending(batch, previous)
         t1 = time.perf_counter()
         if self.graphs is not None and self.graphs.handles(batch):
-            logits, replay = self.graphs.run(batch), "decode graph"
+            logits, replay = self.graphs.run(batch), "decode_graph"
         elif self.prefill_graphs is not None and self.prefill_graphs.handles(batch):
             logits = self.prefill_graphs.run(batch)
-            replay = "whole graph" if self.prefill_graphs.last_whole else "graph pieces"
+            replay = "whole_graph" if self.prefill_graphs.last_whole else "graph_pieces"
         else:
             logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
             replay = "eager"

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 # How a step's forward pass ran: a decode graph's replay (engine/cuda_graphs.py), a whole
 # or piecewise replay of a step with prefill tokens (engine/prefill_graphs.py), or launched
 # from Python.
-REPLAYS = ("decode graph", "whole graph", "graph pieces", "eager")
+REPLAYS = ("decode_graph", "whole_graph", "graph_pieces", "eager")
 
 
 @dataclass(slots=True)

@@ -52,7 +52,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.outputs import STEP_PHASES, StepStats
+from engine.outputs import REPLAYS, STEP_PHASES, StepStats
 from server.config import ServingConfig
 from server.peaks import Peaks, resolve_peaks
 from server.stats_log import StatsLog
@@ -236,6 +236,9 @@ class ServerMetrics:
         self.flops = counter("flops", "Estimated FLOPs of engine steps (engine/cost.py)")
         self._step_phase = family("step_phase_seconds", "Engine step wall time by phase; all "
                                   "but 'forward' is overhead around the model", ("phase",))
+        self._step_replay = family("steps_by_replay", "Engine steps by how their forward pass "
+                                   "ran: decode_graph, whole_graph, graph_pieces (CUDA graphs) "
+                                   "or eager", ("replay",))
         self.running = gauge("num_requests_running", "Requests in the running batch")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_used = gauge("kv_blocks_used", "KV blocks owned by requests")
@@ -302,6 +305,8 @@ class ServerMetrics:
             self._series(self._finished, reason)
         for phase in STEP_PHASES:
             self._series(self._step_phase, phase)
+        for replay in REPLAYS:
+            self._series(self._step_replay, replay)
         for kind in STRUCTURED_KINDS:
             self._series(self._structured, kind)
         for constraint in ("none", *STRUCTURED_KINDS):
@@ -398,6 +403,8 @@ class ServerMetrics:
         self.flops.inc(stats.flops)
         for phase, seconds in stats.phase_s.items():
             self._series(self._step_phase, phase).inc(seconds)
+        if stats.replay:
+            self._series(self._step_replay, stats.replay).inc()
         self._record_utilization(stats)
         self._record_target(stats)
         self._stats_log.add(stats, self.last_mbu)

@@ -229,6 +229,12 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
              f"{{{SEL}}}[{RATE}]))"),
         ), "Share of engine step time per phase; all but 'forward' is overhead around the "
            "model (scheduling, input building, sampling, updates, the engine loop)."),
+        PanelSpec("Steps by replay", "short", (
+            ("{{replay}}", "sum by (replay) (rate(pagedserve_steps_by_replay_total"
+             f"{{{SEL}}}[{RATE}]))"),
+        ), "Engine steps per second by how their forward pass ran: a CUDA graph (decode_graph, "
+           "whole_graph; graph_pieces: cut at attention) or eager (the CPU, --enforce-eager, "
+           "or a step larger than the graphs' buckets)."),
         PanelSpec("Speculative decoding: acceptance", "short", (
             ("acceptance rate", f"{rate_sum('pagedserve_spec_decode_accepted_tokens_total')} "
                                 f"/ {rate_sum('pagedserve_spec_decode_draft_tokens_total')}"),

@@ -109,16 +109,15 @@ def test_the_report_splits_steps_by_how_their_forward_ran(tmp_path, capsys) -> N
     path = tmp_path / "t.jsonl"
     shapes = workload(100)
     write(path, shapes, noise=0.0,
-          replays=lambda i: "whole graph" if shapes[i].num_prefill_tokens else "decode graph")
+          replays=lambda i: "whole_graph" if shapes[i].num_prefill_tokens else "decode_graph")
     trace = read_trace(path)
-    assert {s.replay for s in trace.steps} == {"whole graph", "decode graph"}
+    assert {s.replay for s in trace.steps} == {"whole_graph", "decode_graph"}
     assert main(["replay", str(path), "--warmup", "10"]) == 0
-    rows = {line.split()[0] + " " + line.split()[1]: line.split()
-            for line in capsys.readouterr().out.splitlines()
-            if line.startswith(("decode graph", "whole graph"))}  # fmt: skip
-    assert rows["decode graph"][2] == "90" and rows["whole graph"][2] == "10"
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("decode_graph", "whole_graph"))}  # fmt: skip
+    assert rows["decode_graph"][1] == "90" and rows["whole_graph"][1] == "10"
     prefill_tokens = [s.num_prefill_tokens for s in shapes if s.num_prefill_tokens]
-    assert float(rows["whole graph"][-1]) == round(sum(prefill_tokens) / len(prefill_tokens))
+    assert float(rows["whole_graph"][-1]) == round(sum(prefill_tokens) / len(prefill_tokens))
     plain = tmp_path / "plain.jsonl"
     write(plain, shapes, noise=0.0)
     assert main(["replay", str(plain)]) == 0

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import planner.cpu
-from engine.outputs import STEP_PHASES, StepStats
+from engine.outputs import REPLAYS, STEP_PHASES, StepStats
 from server.config import ServingConfig
 from server.metrics import ServerMetrics, config_info, token_buckets
 from server.peaks import Peaks, resolve_peaks
@@ -224,6 +224,22 @@ def test_step_phases_counted_and_logged(caplog) -> None:
         "step time outside the model: 10.0% (schedule 1.0%, prepare 2.0%, sample 3.0%, "
         "update 2.0%, between steps 2.0%)" in caplog.text
     )
+
+
+def test_steps_counted_by_how_their_forward_ran() -> None:
+    """One series per way (zero before the first step); a step that does not say (a step
+    re-run in parts after a failure) counts in none."""
+    metrics = ServerMetrics("m", log_interval_s=0)
+
+    def steps(replay: str) -> float | None:
+        return metrics.registry.get_sample_value(
+            "pagedserve_steps_by_replay_total", {"model_name": "m", "replay": replay}
+        )
+
+    assert all(steps(way) == 0.0 for way in REPLAYS)
+    for way in ("decode_graph", "decode_graph", "whole_graph", "eager", ""):
+        metrics.record_step(_step(replay=way))  # type: ignore[arg-type]
+    assert [steps(way) for way in REPLAYS] == [2.0, 1.0, 0.0, 1.0]
 
 
 def test_step_phases_exist_before_the_first_step() -> None:
