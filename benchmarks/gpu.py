@@ -110,7 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated subset of batch1,prefill,decode,offline,http,profile "
         "(profile: where a batch-1, -64 and -256 decode step's time goes, a closed loop at "
         "c=64 (with the Triton kernels: mixed steps attending in one launch, replayed whole, "
-        "then in pieces, then attending in two launches), and the offline run step by step)",
+        "then in pieces, then attending in two launches; and c=4 with long prompts, mixed "
+        "steps split, then in one launch), and the offline run step by step)",
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     return ap.parse_args(argv)
@@ -374,6 +375,34 @@ def profile_mixed_attention(
         )
     result["two_launches"] = two
     return result
+
+
+def profile_split_mixed_steps(
+    engine: LLMEngine, concurrency: int, prompt_len: int, output_len: int, num: int
+) -> dict[str, Any]:
+    """A closed loop of few requests with long prompts: its mixed steps hold few decodes
+    over long contexts, which the decode kernel splits, so by default they replay graph
+    pieces (the decode and prefill kernels launched apart between them). Then the same with
+    every mixed step attending in one launch (the split heuristic answering 1), so that they
+    replay the whole graph: whether whole graphs should take these steps too."""
+    import kernels.paged_attention as decode_kernel
+
+    split = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
+    chosen = decode_kernel.choose_num_splits
+    decode_kernel.choose_num_splits = lambda *args: 1  # type: ignore[assignment]
+    try:
+        print("the same with every mixed step attending in one launch:", flush=True)
+        one = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
+    finally:
+        decode_kernel.choose_num_splits = chosen
+    if split["mixed_step_mean_s"] and one["mixed_step_mean_s"]:
+        print(
+            f"few long mixed steps, one launch / split: "
+            f"{one['mixed_step_mean_s'] / split['mixed_step_mean_s']:.2f}x; step p99 "
+            f"{one['step_p99_s'] * 1e3:.2f} / {split['step_p99_s'] * 1e3:.2f} ms",
+            flush=True,
+        )
+    return {"split": split, "one_launch": one}
 
 
 def profile_offline(llm: LLM, num: int, prompt_len: int, output_len: int) -> dict[str, Any]:
@@ -766,6 +795,12 @@ def main(argv: list[str] | None = None) -> int:
         if engine.attention_backend == "triton":
             prof["closed_loop"] = profile_mixed_attention(
                 engine, min(64, max_seqs), 128, tpot_tokens, 3 * min(64, max_seqs)
+            )
+            # Prompts that fill the largest prefill-graph bucket (1,024 tokens) beside a
+            # few decodes.
+            long_prompt = 64 if quick else 896
+            prof["split_mixed"] = profile_split_mixed_steps(
+                engine, min(4, max_seqs), long_prompt, tpot_tokens, 3 * min(4, max_seqs)
             )
         else:
             prof["closed_loop"] = profile_closed_loop(

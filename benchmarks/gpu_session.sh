@@ -18,8 +18,10 @@
 #   piecewise   HTTP at concurrency 64 with every step with prefill tokens replaying pieces
 #               cut at attention (--cuda-graph-prefill-mode piecewise), against http's c=64
 #               with the default whole-forward graphs where attention is one launch
-#   profile     where the closed loop's mixed steps go (host against device time), and
-#               their cost replayed whole, in pieces, and attending in two launches
+#   profile     where the batch-1/64/256 decode steps and the closed loop's mixed steps go
+#               (host against device time); c=64 mixed steps replayed whole, in pieces, and
+#               attending in two launches; c=4 long-prompt mixed steps split (pieces)
+#               against one launch (whole)
 #   kernels     decode attention and fused ops against their targets (make test-gpu's second;
 #               no kernel changed since their last run at e903b1a)
 #   chunks      prefill chunks of 256 and 512 tokens against the default (the whole step

@@ -44,7 +44,7 @@ def test_the_mixed_step_profile_replays_whole_then_pieces_then_two_launches(caps
 
     llm = LLM("tiny-llama", load_format="dummy", attention_backend="triton", device="cpu",
               dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-              num_kv_blocks=64)  # fmt: skip
+              num_kv_blocks=64, enable_prefix_caching=False)  # fmt: skip
     engine = llm.engine
     graphs = PrefillGraphs(engine.runner.model, engine.storage, [16, 32], engine.device,
                            capture=False, max_num_seqs=4,
@@ -59,6 +59,37 @@ def test_the_mixed_step_profile_replays_whole_then_pieces_then_two_launches(caps
     assert two["replays"]["pieces"] >= two["mixed_steps"] > 0  # not one launch: pieces
     assert graphs.whole
     assert "mixed steps, pieces / whole" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+def test_the_split_mixed_step_profile_replays_pieces_then_whole(monkeypatch, capsys) -> None:
+    """Few requests with long prompts, on the Triton backend with the prefill graphs'
+    stand-in: where the decode kernel splits (as on a GPU; forced here, the CPU never
+    splits) mixed steps replay pieces; with every mixed step in one launch, whole. The split
+    heuristic is put back."""
+    import kernels.paged_attention
+    from engine import LLM
+    from engine.prefill_graphs import PrefillGraphs
+
+    def splits(*args: object) -> int:
+        return 4
+
+    monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", splits)
+    llm = LLM("tiny-llama", load_format="dummy", attention_backend="triton", device="cpu",
+              dtype="float32", max_num_seqs=2, max_num_batched_tokens=32,
+              num_kv_blocks=64, enable_prefix_caching=False)  # fmt: skip
+    engine = llm.engine
+    graphs = PrefillGraphs(engine.runner.model, engine.storage, [16, 32], engine.device,
+                           capture=False, max_num_seqs=2,
+                           max_blocks_per_seq=-(-engine.max_model_len // 16))  # fmt: skip
+    engine.runner.prefill_graphs = graphs
+    result = gpu.profile_split_mixed_steps(engine, 2, 20, 4, 4)
+    split, one = result["split"], result["one_launch"]
+    assert split["mixed_steps"] > 0 and one["mixed_steps"] > 0
+    assert split["replays"]["pieces"] >= split["mixed_steps"]
+    assert one["replays"]["whole"] >= one["mixed_steps"]
+    assert kernels.paged_attention.choose_num_splits is splits
+    assert "few long mixed steps, one launch / split" in capsys.readouterr().out
 
 
 def test_the_engine_sections_run_with_async_scheduling(tmp_path: Path) -> None:
