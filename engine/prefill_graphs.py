@@ -337,6 +337,13 @@ class PrefillGraphs:
                 if self.whole:
                     self._wholes[size] = self._capture_whole(size)
                 self._pieces[size] = self._capture_pieces(size)
+            # A graph's first launch also uploads it to the device: done here, not in the
+            # first request's time. Over the inert rows and empty sequences nothing reaches
+            # the cache (every slot is -1); the pieces run without attention between them,
+            # and what they compute is not read.
+            for captured in (*self._wholes.values(), *self._pieces.values()):
+                for graph in captured.graphs:
+                    graph.replay()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self._plan = None
