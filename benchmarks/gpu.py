@@ -332,6 +332,33 @@ def profile_closed_loop(
     }  # fmt: skip
 
 
+def _closed_loop_splitting(
+    engine: LLMEngine, splits: int, heading: str, *loop: int
+) -> dict[str, Any]:
+    """``profile_closed_loop(engine, *loop)`` with the decode kernel's split heuristic
+    answering ``splits`` to every step's attention plan (2: mixed steps attend in two
+    launches; 1: in one), put back after."""
+    import kernels.paged_attention as decode_kernel
+
+    chosen = decode_kernel.choose_num_splits
+    decode_kernel.choose_num_splits = lambda *args: splits  # type: ignore[assignment]
+    try:
+        print(heading, flush=True)
+        return profile_closed_loop(engine, *loop)
+    finally:
+        decode_kernel.choose_num_splits = chosen
+
+
+def _print_mixed_ratio(label: str, a: dict[str, Any], b: dict[str, Any]) -> None:
+    """``a``'s mean mixed step over ``b``'s, and their step p99s (two closed loops)."""
+    if a["mixed_step_mean_s"] and b["mixed_step_mean_s"]:
+        print(
+            f"{label}: {a['mixed_step_mean_s'] / b['mixed_step_mean_s']:.2f}x; step p99 "
+            f"{a['step_p99_s'] * 1e3:.2f} / {b['step_p99_s'] * 1e3:.2f} ms",
+            flush=True,
+        )
+
+
 def profile_mixed_attention(
     engine: LLMEngine, concurrency: int, prompt_len: int, output_len: int, num: int
 ) -> dict[str, Any]:
@@ -340,40 +367,21 @@ def profile_mixed_attention(
     replay the whole-forward graph; the same replaying pieces cut at attention (where the
     engine captured whole graphs: ``--cuda-graph-prefill-mode full``); then with the decode
     and prefill kernels launched apart in every mixed step (pieces)."""
-    import kernels.paged_attention as decode_kernel
-
-    one = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
+    loop = (concurrency, prompt_len, output_len, num)
+    one = profile_closed_loop(engine, *loop)
     result: dict[str, Any] = {"one_launch": one}
     graphs = engine.runner.prefill_graphs
     if graphs is not None and graphs.whole:
         graphs.whole = False
         try:
             print("the same with steps with prefill tokens replaying pieces:", flush=True)
-            pieces = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
+            result["one_launch_pieces"] = profile_closed_loop(engine, *loop)
         finally:
             graphs.whole = True
-        result["one_launch_pieces"] = pieces
-        if one["mixed_step_mean_s"] and pieces["mixed_step_mean_s"]:
-            print(
-                f"mixed steps, pieces / whole: "
-                f"{pieces['mixed_step_mean_s'] / one['mixed_step_mean_s']:.2f}x; step p99 "
-                f"{pieces['step_p99_s'] * 1e3:.2f} / {one['step_p99_s'] * 1e3:.2f} ms",
-                flush=True,
-            )
-    chosen = decode_kernel.choose_num_splits
-    decode_kernel.choose_num_splits = lambda *args: 2  # type: ignore[assignment]
-    try:
-        print("the same with the decode and prefill kernels launched apart:", flush=True)
-        two = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
-    finally:
-        decode_kernel.choose_num_splits = chosen
-    if one["mixed_step_mean_s"] and two["mixed_step_mean_s"]:
-        print(
-            f"mixed steps, two launches / one: "
-            f"{two['mixed_step_mean_s'] / one['mixed_step_mean_s']:.2f}x",
-            flush=True,
-        )
-    result["two_launches"] = two
+        _print_mixed_ratio("mixed steps, pieces / whole", result["one_launch_pieces"], one)
+    heading = "the same with the decode and prefill kernels launched apart:"
+    result["two_launches"] = _closed_loop_splitting(engine, 2, heading, *loop)
+    _print_mixed_ratio("mixed steps, two launches / one", result["two_launches"], one)
     return result
 
 
@@ -385,23 +393,11 @@ def profile_split_mixed_steps(
     pieces (the decode and prefill kernels launched apart between them). Then the same with
     every mixed step attending in one launch (the split heuristic answering 1), so that they
     replay the whole graph: whether whole graphs should take these steps too."""
-    import kernels.paged_attention as decode_kernel
-
-    split = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
-    chosen = decode_kernel.choose_num_splits
-    decode_kernel.choose_num_splits = lambda *args: 1  # type: ignore[assignment]
-    try:
-        print("the same with every mixed step attending in one launch:", flush=True)
-        one = profile_closed_loop(engine, concurrency, prompt_len, output_len, num)
-    finally:
-        decode_kernel.choose_num_splits = chosen
-    if split["mixed_step_mean_s"] and one["mixed_step_mean_s"]:
-        print(
-            f"few long mixed steps, one launch / split: "
-            f"{one['mixed_step_mean_s'] / split['mixed_step_mean_s']:.2f}x; step p99 "
-            f"{one['step_p99_s'] * 1e3:.2f} / {split['step_p99_s'] * 1e3:.2f} ms",
-            flush=True,
-        )
+    loop = (concurrency, prompt_len, output_len, num)
+    split = profile_closed_loop(engine, *loop)
+    heading = "the same with every mixed step attending in one launch:"
+    one = _closed_loop_splitting(engine, 1, heading, *loop)
+    _print_mixed_ratio("few long mixed steps, one launch / split", one, split)
     return {"split": split, "one_launch": one}
 
 

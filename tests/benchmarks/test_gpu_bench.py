@@ -34,22 +34,30 @@ def test_every_engine_section_runs_on_a_tiny_dummy_shape(tmp_path: Path, capsys)
     assert "MBU" in printed and "offline:" in printed
 
 
+def _triton_engine_with_prefill_graphs(max_num_seqs: int):  # noqa: ANN202
+    """The tiny dummy Llama on the interpreted Triton kernels, its steps with prefill tokens
+    run through the prefill graphs' CPU stand-in (whole graphs on); no prefix caching, so
+    that repeated closed loops prefill alike. Returns (engine, graphs)."""
+    from engine import LLM
+    from engine.prefill_graphs import PrefillGraphs
+
+    llm = LLM("tiny-llama", load_format="dummy", attention_backend="triton", device="cpu",
+              dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
+              num_kv_blocks=64, enable_prefix_caching=False)  # fmt: skip
+    engine = llm.engine
+    graphs = PrefillGraphs(engine.runner.model, engine.storage, [16, 32], engine.device,
+                           capture=False, max_num_seqs=max_num_seqs,
+                           max_blocks_per_seq=-(-engine.max_model_len // 16))  # fmt: skip
+    engine.runner.prefill_graphs = graphs
+    return engine, graphs
+
+
 @pytest.mark.skipif(not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
 def test_the_mixed_step_profile_replays_whole_then_pieces_then_two_launches(capsys) -> None:
     """The profile's closed loop on the Triton backend with the prefill graphs' stand-in:
     mixed steps replay whole, then (whole graphs switched off) pieces, then attend in two
     launches; each run counts its replays, and the switch is put back."""
-    from engine import LLM
-    from engine.prefill_graphs import PrefillGraphs
-
-    llm = LLM("tiny-llama", load_format="dummy", attention_backend="triton", device="cpu",
-              dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
-              num_kv_blocks=64, enable_prefix_caching=False)  # fmt: skip
-    engine = llm.engine
-    graphs = PrefillGraphs(engine.runner.model, engine.storage, [16, 32], engine.device,
-                           capture=False, max_num_seqs=4,
-                           max_blocks_per_seq=-(-engine.max_model_len // 16))  # fmt: skip
-    engine.runner.prefill_graphs = graphs
+    engine, graphs = _triton_engine_with_prefill_graphs(4)
     result = gpu.profile_mixed_attention(engine, 4, 12, 4, 8)
     assert set(result) == {"one_launch", "one_launch_pieces", "two_launches"}
     assert result["one_launch"]["replays"]["whole"] > 0
@@ -68,21 +76,12 @@ def test_the_split_mixed_step_profile_replays_pieces_then_whole(monkeypatch, cap
     splits) mixed steps replay pieces; with every mixed step in one launch, whole. The split
     heuristic is put back."""
     import kernels.paged_attention
-    from engine import LLM
-    from engine.prefill_graphs import PrefillGraphs
 
     def splits(*args: object) -> int:
         return 4
 
     monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", splits)
-    llm = LLM("tiny-llama", load_format="dummy", attention_backend="triton", device="cpu",
-              dtype="float32", max_num_seqs=2, max_num_batched_tokens=32,
-              num_kv_blocks=64, enable_prefix_caching=False)  # fmt: skip
-    engine = llm.engine
-    graphs = PrefillGraphs(engine.runner.model, engine.storage, [16, 32], engine.device,
-                           capture=False, max_num_seqs=2,
-                           max_blocks_per_seq=-(-engine.max_model_len // 16))  # fmt: skip
-    engine.runner.prefill_graphs = graphs
+    engine, _ = _triton_engine_with_prefill_graphs(2)
     result = gpu.profile_split_mixed_steps(engine, 2, 20, 4, 4)
     split, one = result["split"], result["one_launch"]
     assert split["mixed_steps"] > 0 and one["mixed_steps"] > 0
