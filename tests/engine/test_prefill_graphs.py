@@ -48,6 +48,26 @@ def _with_stand_in(
     return graphs, seen
 
 
+def _mixed(batch: InputBatch) -> bool:
+    return 0 < batch.attn.num_decodes < batch.attn.seq_lens.shape[0]
+
+
+def _triton_through_stand_in_as_torch(
+    model, device, prompts, max_tokens, sizes, **engine
+) -> tuple[PrefillGraphs, list[InputBatch]]:
+    """Greedy ``prompts`` on the Triton kernels through the prefill graphs' stand-in of
+    ``sizes`` (whole graphs on) give the torch reference backend's tokens (eager, same
+    device, float32); returns the stand-in and the batches it ran."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    kwargs = dict(block_size=8, num_kv_blocks=64, device=device, dtype="float32", **engine)
+    ref = LLM(str(model), attention_backend="torch", **kwargs)
+    expected = [o.token_ids for o in ref.generate(prompts, params)]
+    llm = LLM(str(model), attention_backend="triton", **kwargs)
+    graphs, seen = _with_stand_in(llm, sizes)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    return graphs, seen
+
+
 def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
     g = torch.Generator().manual_seed(11)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
@@ -128,17 +148,11 @@ def test_triton_mixed_steps_replay_whole_where_attention_is_one_launch(
 
     if mixed_attention == "split":
         monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", lambda *a: 4)
-    prompts = _prompts(256, [30, 3, 21, 9, 14])
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    kwargs = dict(max_num_seqs=8, max_num_batched_tokens=16, block_size=8, num_kv_blocks=64,
-                  device=device, dtype="float32")  # fmt: skip
-    ref = LLM(str(tiny_llama_gqa), attention_backend="torch", **kwargs)
-    expected = [o.token_ids for o in ref.generate(prompts, params)]
-
-    llm = LLM(str(tiny_llama_gqa), attention_backend="triton", **kwargs)
-    graphs, seen = _with_stand_in(llm, [8, 16])
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    mixed = [b for b in seen if 0 < b.attn.num_decodes < b.attn.seq_lens.shape[0]]
+    graphs, seen = _triton_through_stand_in_as_torch(
+        tiny_llama_gqa, device, _prompts(256, [30, 3, 21, 9, 14]), 6, [8, 16], max_num_seqs=8,
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    mixed = [b for b in seen if _mixed(b)]
     prefill_only = [b for b in seen if b.attn.num_decodes == 0]
     decode_only = len(seen) - len(mixed) - len(prefill_only)  # no decode graphs here
     assert mixed and prefill_only
@@ -178,19 +192,12 @@ def test_sliding_window_layers_replay_whole(tmp_path, device) -> None:
     from tests.engine.test_families import make_tiny
 
     path, _ = make_tiny(tmp_path / "mistral", "mistral-sliding", seed=3)
-    prompts = _prompts(256, [23, 5, 41, 9])
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_kv_blocks=64,
-                  device=device, dtype="float32")  # fmt: skip
-    ref = LLM(str(path), attention_backend="torch", **kwargs)
-    expected = [o.token_ids for o in ref.generate(prompts, params)]
-    llm = LLM(str(path), attention_backend="triton", **kwargs)
-    assert llm.engine.model_config.sliding_window is not None
-    graphs, seen = _with_stand_in(llm, [16, 32])
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    assert graphs.replays["whole"] >= sum(
-        1 for b in seen if 0 < b.attn.num_decodes < b.attn.seq_lens.shape[0]
-    ) > 0
+    graphs, seen = _triton_through_stand_in_as_torch(
+        path, device, _prompts(256, [23, 5, 41, 9]), 8, [16, 32], max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )  # fmt: skip
+    assert graphs.model.config.sliding_window is not None
+    assert graphs.replays["whole"] >= sum(map(_mixed, seen)) > 0
 
 
 def test_empty_sequences_after_a_step_with_more(tiny_llama_gqa) -> None:
