@@ -50,6 +50,7 @@ import httpx
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import CUDA_GRAPH_PREFILL_MODES
 from engine.cost import StepCostModel
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
@@ -76,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (for the HTTP part)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument(
-        "--cuda-graph-prefill-mode", default="full", choices=("full", "piecewise"),
+        "--cuda-graph-prefill-mode", default="full", choices=CUDA_GRAPH_PREFILL_MODES,
         help="how steps with prefill tokens replay graphs (engine and server; the engine's "
              "--cuda-graph-prefill-mode)",
     )  # fmt: skip

@@ -102,6 +102,9 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED_ARCHITECTURES = set(FAMILIES)
 ACTIVATIONS = {"silu", "gelu_pytorch_tanh"}
+# How steps with prefill tokens replay CUDA graphs (EngineConfig.cuda_graph_prefill_mode,
+# engine/prefill_graphs.py).
+CUDA_GRAPH_PREFILL_MODES = ("full", "piecewise")
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3", "yarn", "longrope", "dynamic"}
 # Whose frequencies transformers changes with the batch's longest sequence: served exactly
 # only while every position stays within original_max_position_embeddings (engine/rope.py).
@@ -557,9 +560,9 @@ class EngineConfig:
                 "cuda_graph_max_prefill_tokens must be 0 (off) or a token count, "
                 f"got {self.cuda_graph_max_prefill_tokens}"
             )
-        if self.cuda_graph_prefill_mode not in ("full", "piecewise"):
+        if self.cuda_graph_prefill_mode not in CUDA_GRAPH_PREFILL_MODES:
             raise ValueError(
-                "cuda_graph_prefill_mode must be full or piecewise, "
+                f"cuda_graph_prefill_mode must be {' or '.join(CUDA_GRAPH_PREFILL_MODES)}, "
                 f"got {self.cuda_graph_prefill_mode!r}"
             )
         if self.attention_backend not in ("auto", "triton", "cpu", "torch"):

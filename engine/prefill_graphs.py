@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention import AttentionPlan
+from engine.config import CUDA_GRAPH_PREFILL_MODES
 from engine.cuda_graphs import inert_batch, padding_to_reset, smallest_bucket
 from engine.input_batch import AttentionMetadata, InputBatch
 from kvpool.storage import KVCacheStorage
@@ -74,7 +75,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MODES = ("full", "piecewise")
 
 
 def default_prefill_sizes(max_tokens: int) -> list[int]:
@@ -160,8 +160,10 @@ class PrefillGraphs:
         max_blocks_per_seq: the widest block table a step brings (whole graphs' table
             buffer).
         """
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode not in CUDA_GRAPH_PREFILL_MODES:
+            raise ValueError(
+                f"mode must be one of {', '.join(CUDA_GRAPH_PREFILL_MODES)}, got {mode!r}"
+            )
         self.model = model
         self.attention: PagedAttention = model.attention
         self.storage = storage

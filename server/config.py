@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import CUDA_GRAPH_PREFILL_MODES, EngineConfig
 from engine.spec_decode.config import SpeculativeConfig
 from kvpool.config import DEFAULT_BLOCK_SIZE, KVPoolConfig
 from kvpool.kv_dtype import KV_CACHE_DTYPES
@@ -355,7 +355,7 @@ _OPTIONS: tuple[Option, ...] = (
            "whole forward where its attention runs in one launch, and graphs cut at each "
            "layer's attention (attention eager between them) where its decodes need the "
            "split decode kernel; piecewise = always the cut graphs",
-           ("full", "piecewise")),
+           CUDA_GRAPH_PREFILL_MODES),
     Option("--async-scheduling", "engine", "async_scheduling", parse_bool_or_auto,
            _E.async_scheduling,
            "schedule and launch each step while the one before still runs on the device, "
