@@ -674,9 +674,8 @@ class LLMEngine:
         replay: str = "",
     ) -> None:
         self.last_step_stats = self._stats.record(
-            plan, self.scheduler, self.kv_manager, step_time, phase_s, experts_touched
+            plan, self.scheduler, self.kv_manager, step_time, phase_s, experts_touched, replay
         )
-        self.last_step_stats.replay = replay
 
     def _record_target(
         self,

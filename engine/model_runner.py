@@ -87,8 +87,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.handles(batch):
             logits, replay = self.graphs.run(batch), "decode_graph"
         elif self.prefill_graphs is not None and self.prefill_graphs.handles(batch):
-            logits = self.prefill_graphs.run(batch)
-            replay = "whole_graph" if self.prefill_graphs.last_whole else "graph_pieces"
+            logits, whole = self.prefill_graphs.run(batch)
+            replay = "whole_graph" if whole else "graph_pieces"
         else:
             logits = self.model(batch, self.storage.key_caches, self.storage.value_caches)
             replay = "eager"

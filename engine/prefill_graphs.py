@@ -208,10 +208,8 @@ class PrefillGraphs:
         # Where the whole graphs' sequence buffers stop holding empty sequences (a step
         # may have written its own past the next step's).
         self._dirty_seqs = 0
-        # How many steps replayed each way, and whether the last one replayed whole (the
-        # runner reports it with the step: engine.outputs.REPLAYS).
+        # How many steps replayed each way (benchmarks.gpu's profile reads them).
         self.replays = {"whole": 0, "pieces": 0}
-        self.last_whole = False
 
     # ---- which steps ---------------------------------------------------------------------
 
@@ -391,7 +389,9 @@ class PrefillGraphs:
         assert len(pieces) == len(cuts) + 1 == len(self.model.layers) + 1
         return _Captured(pieces, cuts, hidden, residual)
 
-    def run(self, batch: InputBatch) -> torch.Tensor:  # [num_samples, vocab] float32
+    def run(self, batch: InputBatch) -> tuple[torch.Tensor, bool]:
+        """The step's logits ([num_samples, vocab] float32), and whether it replayed the
+        whole graph (else the pieces)."""
         n = batch.num_tokens
         size = self.bucket(n)
         assert size is not None
@@ -401,15 +401,15 @@ class PrefillGraphs:
         if size > n:
             self.slot_mapping[n:size].fill_(-1)
         plan = self._plan_of(batch)
-        self.last_whole = self.takes_whole(batch, plan, size)
-        if self.last_whole:
+        whole = self.takes_whole(batch, plan, size)
+        if whole:
             self.replays["whole"] += 1
             hidden, residual = self._run_whole(batch, size)
         else:
             self.replays["pieces"] += 1
             hidden, residual = self._run_pieces(plan, n, size)
         with torch.inference_mode():
-            return self.model.compute_logits(hidden[:n], residual[:n], batch)
+            return self.model.compute_logits(hidden[:n], residual[:n], batch), whole
 
     def _run_whole(self, batch: InputBatch, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         meta, n = batch.attn, batch.num_tokens

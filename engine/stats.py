@@ -30,8 +30,10 @@ class StepStatsRecorder:
         step_time_s: float,
         phase_s: dict[str, float],
         experts_touched: int | None = None,
+        replay: str = "",
     ) -> StepStats:
-        """The stats of the step that ran ``plan``, taken after the scheduler's update."""
+        """The stats of the step that ran ``plan``, taken after the scheduler's update;
+        ``replay``: how its forward pass ran (``ModelRunnerOutput.replay``)."""
         # Static-batch padding rows are computed and read KV, but are nobody's output and
         # write nothing: they count in the bytes read, not as decode tokens or writes.
         # A speculative row is a decode plus its drafts: all of them decode tokens. One pass
@@ -77,4 +79,5 @@ class StepStatsRecorder:
             num_kv_slots_allocated=kv.num_allocated_slots,
             num_kv_slots_live=kv.num_live_slots,
             phase_s=phase_s,
+            replay=replay,
         )

@@ -44,13 +44,12 @@ def propose_ngram(
     tokens = np.asarray(token_ids, dtype=np.int64)
     total = int(tokens.shape[0])
     for n in range(min(ngram_max, total - 1), ngram_min - 1, -1):
-        # Candidate starts 0 .. total - n - 1: the match must end before the last token,
-        # so that something follows it.
-        starts = total - n
+        # The last n tokens start at ``tail``; candidate starts are 0 .. tail - 1 (the match
+        # must end before the last token, so that something follows it).
         tail = total - n
-        hit = tokens[:starts] == tokens[tail]
+        hit = tokens[:tail] == tokens[tail]
         for j in range(1, n):
-            hit &= tokens[j : j + starts] == tokens[tail + j]
+            hit &= tokens[j : j + tail] == tokens[tail + j]
         found = np.flatnonzero(hit)
         if found.size:
             follow = int(found[-1]) + n

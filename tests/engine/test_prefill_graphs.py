@@ -40,7 +40,7 @@ def _with_stand_in(
     seen: list[InputBatch] = []
     run = graphs.run
 
-    def recording(batch: InputBatch) -> torch.Tensor:
+    def recording(batch: InputBatch) -> tuple[torch.Tensor, bool]:
         seen.append(batch)
         return run(batch)
 
