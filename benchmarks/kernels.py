@@ -280,11 +280,13 @@ FUSED_OPS = ("add_rms_norm_", "rms_norm", "silu_mul", "rope_and_store_")
 
 def bench_fused(cfg: FusedConfig, device: torch.device) -> list[tuple[str, str, float, float]]:
     """Rows of (op, implementation, seconds, max |output - torch twin's output|) for each of
-    ``FUSED_OPS``: ``triton`` (where Triton runs) and ``torch``, the arithmetic of the
-    engine's plain ops (``kernels.reference``); on CUDA its RoPE stores K/V with the
-    Triton ``store_kv``, as the engine does there (the reference's store reads the slots on
-    the host, which no CUDA graph can hold)."""
+    ``FUSED_OPS``: ``triton`` (where Triton runs), its other launches (``triton[w=W]``,
+    ``triton[h=8]``) and ``torch``, the arithmetic of the engine's plain ops
+    (``kernels.reference``); on CUDA its RoPE stores K/V with the Triton ``store_kv``, as
+    the engine does there (the reference's store reads the slots on the host, which no CUDA
+    graph can hold). Only the op's own call is timed."""
     from kernels.rms_norm import add_rms_norm_, rms_norm
+    from kernels.rms_norm import choose_num_warps as rms_norm_warps
     from kernels.rope_and_store import rope_and_store_
     from kernels.silu_mul import silu_mul
 
@@ -322,13 +324,33 @@ def bench_fused(cfg: FusedConfig, device: torch.device) -> list[tuple[str, str, 
         return rotated[:, :nh]
 
     def rope(impl: Callable[..., torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
-        q = impl(b["qkv"], b["cos"], b["sin"], b["key_cache"], b["value_cache"], b["slots"],
-                 nh, nkv)  # fmt: skip
-        return torch.cat([q.flatten(), b["key_cache"].flatten(), b["value_cache"].flatten()])
+        return impl(b["qkv"], b["cos"], b["sin"], b["key_cache"], b["value_cache"], b["slots"],
+                    nh, nkv)  # fmt: skip
 
-    # Beside each op's launch: RoPE + store in tiles of 8 heads (5 programs a Llama-3-8B
-    # token, none masked, against 2 of 32 heads with 24 of the second's rows masked).
+    def outputs(op: str, b: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Everything a call of ``op`` wrote, as one float32 vector: for RoPE + store, Q
+        and both caches. Built after the timed calls, outside them: a copy of the caches
+        inside would move as many bytes as the op itself."""
+        if op == "rope_and_store_":
+            out = torch.cat([out.flatten(), b["key_cache"].flatten(), b["value_cache"].flatten()])
+        return out.float()
+
+    # Beside each op's default launch: RoPE + store in tiles of 8 heads (5 programs a
+    # Llama-3-8B token, none masked, against 2 of 32 heads with 24 of the second's rows
+    # masked); the norms at 4 and 16 warps against choose_num_warps' 8 for a row of 4,096
+    # (at 2,048 tokens 4 warps fit every row in one wave of the SMs, 8 need two).
+    norm_warps = [w for w in (4, 16) if w != rms_norm_warps(h)]
     variants: dict[str, dict[str, Callable[[dict], torch.Tensor]]] = {
+        "add_rms_norm_": {
+            f"triton[w={w}]": lambda b, w=w: add_rms_norm_(
+                b["x"], b["residual"], b["weight"], 1e-5, num_warps=w
+            )
+            for w in norm_warps
+        },
+        "rms_norm": {
+            f"triton[w={w}]": lambda b, w=w: rms_norm(b["x"], b["weight"], 1e-5, num_warps=w)
+            for w in norm_warps
+        },
         "rope_and_store_": {
             "triton[h=8]": lambda b: rope(functools.partial(rope_and_store_, block_h=8), b)
         },
@@ -350,15 +372,22 @@ def bench_fused(cfg: FusedConfig, device: torch.device) -> list[tuple[str, str, 
     per_call = max(cfg.bytes_moved(op) for op in FUSED_OPS)
     sets = [make_set() for _ in range(num_input_sets(per_call, device))]
     rows: list[tuple[str, str, float, float]] = []
+
+    def run_on_copy(
+        op: str, launch: Callable[[dict], torch.Tensor], first: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        b = {k: v.clone() for k, v in first.items()}
+        return outputs(op, b, launch(b))
+
     for op in FUSED_OPS:
         kernel, twin = ops[op]
         # In-place ops: each compared call gets its own copy of the first set as it was
         # before any of this op's timed calls changed it.
         first = {k: v.clone() for k, v in sets[0].items()}
-        expected = twin({k: v.clone() for k, v in first.items()}).float()
+        expected = run_on_copy(op, twin, first)
         if triton_runs_on(device):
             for impl, launch in {"triton": kernel, **variants.get(op, {})}.items():
-                out = launch({k: v.clone() for k, v in first.items()}).float()
+                out = run_on_copy(op, launch, first)
                 rows.append((op, impl, time_sets(launch, sets, device),
                              float((out - expected).abs().max())))  # fmt: skip
         rows.append((op, "torch", time_sets(twin, sets, device), 0.0))

@@ -68,7 +68,11 @@ def choose_num_warps(hidden_size: int) -> int:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    num_warps: int | None,
 ) -> torch.Tensor:
     assert x.dim() == 2, f"x must be [num_tokens, hidden_size], got {tuple(x.shape)}"
     num_tokens, hidden_size = x.shape
@@ -84,11 +88,13 @@ def _launch(
     if num_tokens == 0:
         return out
     hidden_pad = next_power_of_2(hidden_size)
+    if num_warps is None:
+        num_warps = choose_num_warps(hidden_size)
     _rms_norm_kernel[(num_tokens,)](
         out, x, x if residual is None else residual, weight, eps,
         x.stride(0), 0 if residual is None else residual.stride(0),
         HIDDEN_SIZE=hidden_size, HIDDEN_PAD=hidden_pad, HAS_RESIDUAL=residual is not None,
-        num_warps=choose_num_warps(hidden_size),
+        num_warps=num_warps,
         **round_args(_rms_norm_kernel, x.dtype),
     )  # fmt: skip
     return out
@@ -98,10 +104,12 @@ def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden_size]
     weight: torch.Tensor,  # [hidden_size], x's dtype
     eps: float,
+    *,
+    num_warps: int | None = None,  # None: choose_num_warps
 ) -> torch.Tensor:  # [num_tokens, hidden_size]
     """``weight * rms_normalised(x)``, statistics in float32, cast to the dtype before the
     weight. ``x`` may be a strided view with contiguous rows."""
-    return _launch(x, None, weight, eps)
+    return _launch(x, None, weight, eps, num_warps)
 
 
 def add_rms_norm_(
@@ -109,6 +117,8 @@ def add_rms_norm_(
     residual: torch.Tensor,  # [num_tokens, hidden_size], updated in place
     weight: torch.Tensor,  # [hidden_size], x's dtype
     eps: float,
+    *,
+    num_warps: int | None = None,  # None: choose_num_warps
 ) -> torch.Tensor:  # [num_tokens, hidden_size]
     """``residual += x`` in place (rounded to its dtype), then ``rms_norm(residual)``."""
-    return _launch(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps, num_warps)

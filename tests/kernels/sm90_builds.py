@@ -188,15 +188,20 @@ def _prefill(dtype: torch.dtype, cache: torch.dtype | None, group: int, head_dim
     )  # fmt: skip
 
 
-def _rms_norm(dtype: torch.dtype, hidden_size: int, has_residual: bool) -> Sm90Build:
-    """kernels.rms_norm's launch, at the warps it picks for ``hidden_size``."""
+def _rms_norm(
+    dtype: torch.dtype, hidden_size: int, has_residual: bool, num_warps: int | None = None
+) -> Sm90Build:
+    """kernels.rms_norm's launch, at the warps it picks for ``hidden_size`` unless
+    ``num_warps``."""
+    if num_warps is None:
+        num_warps = rms_norm.choose_num_warps(hidden_size)
     p = _PTR[dtype]
     return Sm90Build(
         "kernels.rms_norm", "_rms_norm_kernel",
         dict(out_ptr=p, x_ptr=p, residual_ptr=p, weight_ptr=p, eps="fp32"),
         dict(HIDDEN_SIZE=hidden_size, HIDDEN_PAD=next_power_of_2(hidden_size),
              HAS_RESIDUAL=has_residual, DTYPE=_TL[dtype], SOFT_BF16_ROUND=False),
-        dict(num_warps=rms_norm.choose_num_warps(hidden_size)),
+        dict(num_warps=num_warps),
     )  # fmt: skip
 
 
@@ -359,6 +364,8 @@ SM90_BUILDS: dict[str, Sm90Build] = {
         for size, hidden in (("", 576), ("_4096", 4096), ("_8192", 8192))
         for residual in (False, True)
     },
+    # ... and the other warps benchmarks.kernels --fused times at 4,096
+    **{f"add_rms_norm_4096_w{w}": _rms_norm(_BF16, 4096, True, w) for w in (4, 16)},
     # -- silu_mul: each dtype, SmolLM2's and Llama-3-8B's intermediate sizes
     **{f"silu_mul{_SUFFIX[d]}": _silu_mul(d, 1536) for d in DTYPES},
     **{f"silu_mul_14336{_SUFFIX[d]}": _silu_mul(d, 14336) for d in DTYPES},

@@ -59,6 +59,18 @@ def test_rms_norm_matches_reference(device, dtype, hidden_size):
     assert torch.equal(x, before)  # no residual, nothing written to x
 
 
+@pytest.mark.parametrize("num_warps", [4, 16])
+def test_other_warps_give_the_same_bits(device, num_warps):
+    """The launches ``benchmarks.kernels --fused`` times beside the default (8 warps for a
+    row of 4,096): one program still owns one row, so the bits are the default's."""
+    x, residual, weight = inputs(3, 4096, torch.bfloat16, device)
+    default_residual = residual.clone()
+    default = add_rms_norm_(x, default_residual, weight, EPS)
+    out = add_rms_norm_(x, residual, weight, EPS, num_warps=num_warps)
+    assert torch.equal(out, default) and torch.equal(residual, default_residual)
+    assert torch.equal(rms_norm(x, weight, EPS, num_warps=num_warps), rms_norm(x, weight, EPS))
+
+
 def test_strided_rows_and_empty_batch(device):
     """x as every other row of a larger tensor; zero tokens launch nothing."""
     big = torch.randn(10, 128, device=device)
