@@ -4,6 +4,7 @@ throughput and TTFT p50 against the untargeted run, and the step-time model's ac
     python -m benchmarks.latency_targets                       # target = 3 x decode step
     python -m benchmarks.latency_targets --target-itl-ms 400 --json results/lt.json
     python -m benchmarks.latency_targets --quick --trace-dir results/lt-steps   # ~10 min
+    python -m benchmarks.latency_targets --quick --target-itl-ratio 2           # relative
 
 Two loads, each run against pagedserve started without a target and then with
 ``--target-itl-ms`` (both on 127.0.0.1, ``loadtest.launcher``; the HTTP load generator
@@ -16,7 +17,10 @@ Two loads, each run against pagedserve started without a target and then with
 
 The default target is 3 x the decode-only step time at concurrency 64, read as the
 untargeted run's ITL p50 (most of its steps are decode-only); ``--target-itl-ms`` gives it.
-The table has, per load: ITL p99 and its ratio to the target, output throughput and TTFT p50
+``--target-itl-ratio R`` runs the targeted server with the relative target instead (a step
+with prompt tokens at most R x the same decodes alone); its table reads the target as R x
+that ITL p50. The table has, per load: ITL p99, its ratio to the target and to the run's own
+ITL p50 (the issue's p99 / p50), output throughput and TTFT p50
 and their ratios to the untargeted run, and from the targeted server's /metrics the share of
 steps that kept their budget and of steps whose predicted time was within 20% of the
 measured one (``pagedserve_step_time_prediction_ratio``, read between the load's scrapes).
@@ -159,10 +163,16 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
-def table(results: dict[str, Any], target_s: float) -> str:
+def table(results: dict[str, Any], target_s: float, ratio: float | None = None) -> str:
+    """The results as text; ``ratio``: the target was ``--target-itl-ratio`` (``target_s``
+    is then that many untargeted c=64 ITL p50s)."""
+    head = f"target ITL {target_s * 1000:.0f} ms"
+    if ratio is not None:
+        head = f"target ITL {ratio:g} x the decode step (about {target_s * 1000:.0f} ms)"
     lines = [
-        f"target ITL {target_s * 1000:.0f} ms",
-        f"{'load':<12}{'run':<10}{'ITL p99':>10}{'/target':>9}{'out tok/s':>11}{'ratio':>7}"
+        head,
+        f"{'load':<12}{'run':<10}{'ITL p99':>10}{'/target':>9}{'/p50':>7}{'out tok/s':>11}"
+        f"{'ratio':>7}"
         f"{'TTFT p50':>10}{'ratio':>7}{'in budget':>11}{'pred +-20%':>11}",
     ]
     for load in ("c64", "poisson"):
@@ -175,6 +185,7 @@ def table(results: dict[str, Any], target_s: float) -> str:
             lines.append(
                 f"{load:<12}{run:<10}{_fmt(row['itl_p99_s'], '>9.3f')}s"
                 f"{_fmt(_ratio(row['itl_p99_s'], target_s), '>9.2f')}"
+                f"{_fmt(_ratio(row['itl_p99_s'], row['itl_p50_s']), '>7.2f')}"
                 f"{_fmt(row['output_tok_s'], '>11.1f')}"
                 f"{_fmt(_ratio(row['output_tok_s'], base['output_tok_s']) if targeted else 1.0, '>7.2f')}"  # noqa: E501
                 f"{_fmt(row['ttft_p50_s'], '>9.3f')}s"
@@ -201,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=None,
         help="the target; default 3 x the untargeted c=64 ITL p50",
+    )
+    p.add_argument(
+        "--target-itl-ratio",
+        type=float,
+        default=None,
+        help="run the targeted server with this relative target instead of --target-itl-ms",
     )
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--num-requests", type=int, default=96, help="closed-loop requests")
@@ -250,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         args.duration_limit, args.drain_timeout = 90.0, 120.0
     if args.target_itl_ms is not None and not args.target_itl_ms > 0:
         p.error("--target-itl-ms must be positive")
+    if args.target_itl_ratio is not None:
+        if args.target_itl_ms is not None:
+            p.error("give --target-itl-ms or --target-itl-ratio, not both")
+        if not args.target_itl_ratio > 1:
+            p.error("--target-itl-ratio must be above 1")
     log_dir = args.json.parent
     log_dir.mkdir(parents=True, exist_ok=True)
     before = machine()
@@ -284,15 +306,19 @@ def main(argv: list[str] | None = None) -> int:
                           [Load("c64", lambda _: c64), Load("capacity", lambda _: capacity),
                            Load("poisson", poisson)], log_dir, args.startup_timeout,
                           args.trace_dir)  # fmt: skip
-    target_ms = args.target_itl_ms or round(3 * untargeted["c64"]["itl_p50_s"] * 1000)
-    print(f"target ITL {target_ms} ms", flush=True)
-    targeted = run_load(f"{args.server_cmd} --target-itl-ms {target_ms}", "targeted",
+    ratio = args.target_itl_ratio
+    decode_ms = untargeted["c64"]["itl_p50_s"] * 1000
+    target_ms = args.target_itl_ms or round((ratio or 3) * decode_ms)
+    flag = f"--target-itl-ms {target_ms}" if ratio is None else f"--target-itl-ratio {ratio:g}"
+    print(f"targeted server: {flag} (untargeted c64 ITL p50 {decode_ms:.0f} ms)", flush=True)
+    targeted = run_load(f"{args.server_cmd} {flag}", "targeted",
                         [Load("c64", lambda _: c64), Load("poisson", poisson)], log_dir,
                         args.startup_timeout, args.trace_dir)  # fmt: skip
     results.update(untargeted=untargeted, targeted=targeted, target_itl_ms=target_ms,
+                   target_itl_ratio=ratio,
                    poisson_rate=rate["poisson"], capacity_rate=rate["capacity"])  # fmt: skip
     results["machine_after"] = machine()
-    text = table(results, target_ms / 1000)
+    text = table(results, target_ms / 1000, ratio)
     print(text)
     print(f"load average before {before['loadavg']}, after {results['machine_after']['loadavg']}")
     results["table"] = text

@@ -696,7 +696,7 @@ class LLMEngine:
         stats.target_prefill_cap = decision.prefill_cap if decision.sized else None
         stats.target_ttft_boost = decision.ttft_boost
         stats.target_conflict = decision.conflict
-        if had_decodes:
+        if had_decodes and decision.sized:
             stats.target_met = step_s + (gap_s or 0.0) <= decision.budget_s
 
 

@@ -51,6 +51,12 @@ class SchedulerConfig:
     target_itl_ms: inter-token latency target: each step's prompt tokens are sized so that
         the predicted step time (the step plus the engine loop's gap before it) stays
         under it while requests decode (scheduler/latency_targets.py). None: no target.
+    target_itl_ratio: inter-token latency target relative to the decodes' own step: while
+        requests decode, a step's prompt tokens are sized so that its predicted time (gap
+        included) stays within this multiple (> 1) of the predicted time of the same
+        decodes alone. It needs no figure in milliseconds, so one value serves any model,
+        batch and device. With ``target_itl_ms`` too, the tighter of the two binds.
+        None: no target.
     target_tpot_ms: time-per-output-token target, kept on average: a step may run over it
         by the time earlier steps ran under it (at most ``TPOT_CREDIT_STEPS`` steps'
         worth). None: no target.
@@ -69,14 +75,19 @@ class SchedulerConfig:
     batch_wait_ms: float = 50.0
     static_finished: str = "compute"
     target_itl_ms: float | None = None
+    target_itl_ratio: float | None = None
     target_tpot_ms: float | None = None
     target_ttft_ms: float | None = None
     min_prefill_chunk_tokens: int = DEFAULT_MIN_PREFILL_CHUNK_TOKENS
 
     @property
     def has_latency_targets(self) -> bool:
-        """Whether a step's prefill is sized by a latency target (ITL or TPOT)."""
-        return self.target_itl_ms is not None or self.target_tpot_ms is not None
+        """Whether a step's prefill is sized by a latency target (ITL, relative ITL or TPOT)."""
+        return (
+            self.target_itl_ms is not None
+            or self.target_itl_ratio is not None
+            or self.target_tpot_ms is not None
+        )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -104,10 +115,16 @@ class SchedulerConfig:
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of milliseconds, got {value}")
+        ratio = self.target_itl_ratio
+        if ratio is not None and not (ratio > 1 and math.isfinite(ratio)):
+            raise ValueError(
+                f"target_itl_ratio must be a number above 1 (a step's time over its decodes' "
+                f"own), got {ratio}"
+            )
         if self.target_ttft_ms is not None and not self.has_latency_targets:
             raise ValueError(
-                "target_ttft_ms needs target_itl_ms or target_tpot_ms: it grows the prefill "
-                "share within those"
+                "target_ttft_ms needs target_itl_ms, target_itl_ratio or target_tpot_ms: it "
+                "grows the prefill share within those"
             )
         if self.min_prefill_chunk_tokens < 1:
             raise ValueError(

@@ -14,15 +14,18 @@ The scheduler does not time anything itself. The engine owns a ``StepTimePredict
 reports each step's measured time back (``Scheduler.observe_step``). This module turns the
 targets and that prediction into the step's prompt-token cap:
 
-1. **Budget.** The step's time budget is the ITL target, or the TPOT target plus the credit
-   earlier steps left under it (capped at ``TPOT_CREDIT_STEPS`` targets), whichever is
-   smaller, less the engine loop's recent gap between steps (a moving average).
+1. **Budget.** The step's time budget is the smallest of: the ITL target; the relative ITL
+   target, ``target_itl_ratio`` times the iteration the same decodes would take alone
+   (predicted step plus the gap); the TPOT target plus the credit earlier steps left under
+   it (capped at ``TPOT_CREDIT_STEPS`` targets). The engine loop's recent gap between steps
+   (a moving average) is taken off it.
 2. **Cap.** The predictor says how many prompt tokens fit in that budget beside this step's
    decodes. The cap is never below ``min_prefill_chunk_tokens``: a step whose decodes alone
    exceed the budget still moves prefill forward, so no prompt starves.
 3. **TTFT.** With a TTFT target, the queue (prompts not yet at their first token, FCFS) is
    replayed at that cap: if some prompt would get its first token after its deadline, the
-   budget grows to the ITL target (without one, to the step's whole token budget). If even
+   budget grows to the ITL bound, absolute or relative (without either, to the step's whole
+   token budget). If even
    that misses, the step reports a *conflict* (a counter, and a log line at most every
    ``CONFLICT_LOG_INTERVAL_S``): both targets cannot be kept at this load.
 
@@ -96,7 +99,8 @@ class TargetDecision:
         ttft_boost: the TTFT target grew the budget beyond the ITL/TPOT one.
         conflict: the TTFT target would be missed even at the largest budget allowed.
         sized: the step was planned with decodes, so the targets chose ``prefill_cap``;
-            False for a step without decodes, whose cap is the whole prompt budget.
+            False for a step without decodes, or before a relative target has a step to
+            be relative to: its cap is the whole prompt budget.
     """
 
     budget_s: float
@@ -116,6 +120,7 @@ class LatencyTargets:
         """
         self.predictor = predictor
         self.itl_s = _seconds(config.target_itl_ms)
+        self.itl_ratio = config.target_itl_ratio
         self.tpot_s = _seconds(config.target_tpot_ms)
         self.ttft_s = _seconds(config.target_ttft_ms)
         self.min_chunk = config.min_prefill_chunk_tokens
@@ -168,9 +173,12 @@ class LatencyTargets:
             The budget and the cap (``min_prefill_chunk_tokens <= cap <= max_prompt``, or
             ``max_prompt`` when it is smaller or the step has no decodes).
         """
-        budget_s = self._base_budget_s()
-        if load.num_rows == 0:
-            # Nobody decodes: no inter-token latency to keep. The whole budget goes to prompts.
+        itl_bounds = self._itl_bounds_s(load)
+        budget_s = self._base_budget_s(itl_bounds)
+        if load.num_rows == 0 or math.isinf(budget_s):
+            # Nobody decodes: no inter-token latency to keep (or, with only a relative
+            # target, no step measured yet to be relative to). The whole budget goes to
+            # prompts.
             return TargetDecision(budget_s, max_prompt, sized=False)
         cap = self._cap(load, budget_s, max_prompt)
         if self.ttft_s is None or cap >= max_prompt:
@@ -179,7 +187,7 @@ class LatencyTargets:
         if not queue or not self._misses_ttft(queue, load, cap, now):
             return TargetDecision(budget_s, cap)
         # Queued prompts would miss TTFT at this share: grow it to the largest budget allowed.
-        wide_s = self.itl_s if self.itl_s is not None else math.inf
+        wide_s = min(itl_bounds, default=math.inf)
         wide_cap = max_prompt if math.isinf(wide_s) else self._cap(load, wide_s, max_prompt)
         conflict = self._misses_ttft(queue, load, wide_cap, now)
         if conflict:
@@ -187,11 +195,22 @@ class LatencyTargets:
         boost = wide_cap > cap
         return TargetDecision(wide_s if boost else budget_s, max(cap, wide_cap), boost, conflict)
 
-    def _base_budget_s(self) -> float:
-        budgets = [self.itl_s] if self.itl_s is not None else []
+    def _itl_bounds_s(self, load: DecodeLoad) -> list[float]:
+        """The bounds on the iteration of a step with ``load``'s decodes that hold step by
+        step: the ITL target, and ``target_itl_ratio`` times their iteration alone (none
+        before the predictor has seen a step)."""
+        bounds = [self.itl_s] if self.itl_s is not None else []
+        if self.itl_ratio is not None:
+            alone_s = self.predictor.predict(load, 0)
+            if alone_s is not None:
+                bounds.append(self.itl_ratio * (alone_s + self.gap_s))
+        return bounds
+
+    def _base_budget_s(self, itl_bounds: list[float]) -> float:
+        budgets = list(itl_bounds)
         if self.tpot_s is not None:
             budgets.append(self.tpot_s + self.tpot_credit_s)
-        return min(budgets)
+        return min(budgets, default=math.inf)
 
     def _cap(self, load: DecodeLoad, budget_s: float, max_prompt: int) -> int:
         """Prompt tokens that fit in ``budget_s`` (the gap taken off), floored at the

@@ -442,13 +442,19 @@ _OPTIONS: tuple[Option, ...] = (
     Option("--target-itl-ms", "scheduler", "target_itl_ms", optional(float), _P.target_itl_ms,
            "inter-token latency target: each step's prefill is sized so the predicted step "
            "stays under it while requests decode; none = no target"),
+    Option("--target-itl-ratio", "scheduler", "target_itl_ratio", optional(float),
+           _P.target_itl_ratio,
+           "inter-token latency target relative to the decodes' own step: a step with "
+           "prompt tokens is sized to take at most this multiple (> 1) of the same decodes "
+           "alone; none = no target"),
     Option("--target-tpot-ms", "scheduler", "target_tpot_ms", optional(float),
            _P.target_tpot_ms,
            "time-per-output-token target, kept on average over steps; none = no target"),
     Option("--target-ttft-ms", "scheduler", "target_ttft_ms", optional(float),
            _P.target_ttft_ms,
-           "time-to-first-token target: grows the prefill share (within --target-itl-ms) "
-           "when queued prompts would miss it; needs an ITL or TPOT target"),
+           "time-to-first-token target: grows the prefill share (within --target-itl-ms "
+           "and --target-itl-ratio) when queued prompts would miss it; needs an ITL or TPOT "
+           "target"),
     Option("--min-prefill-chunk-tokens", "scheduler", "min_prefill_chunk_tokens", int,
            _P.min_prefill_chunk_tokens,
            "with a latency target: fewest prompt tokens per step while prompts wait"),

@@ -120,6 +120,8 @@ class ServerMetrics:
         log_interval_s: period of the summary log line; 0 disables it.
         latency_targets: the latency targets in force, seconds by name ("itl", "tpot",
             "ttft"); each is exported as ``pagedserve_target_<name>_seconds``.
+        target_itl_ratio: the relative ITL target (``--target-itl-ratio``), exported as
+            ``pagedserve_target_itl_ratio`` when set.
         vllm_names: also export the router-facing series under vLLM's names
             (``VLLMNamedSeries``), so routers and autoscalers built for vLLM read this server
             unchanged.
@@ -136,6 +138,7 @@ class ServerMetrics:
         decode_weight_bytes: int | None = None,
         log_interval_s: float = 10.0,
         latency_targets: Mapping[str, float] | None = None,
+        target_itl_ratio: float | None = None,
         vllm_names: bool = True,
     ) -> None:
         self.model_name = model_name
@@ -290,6 +293,9 @@ class ServerMetrics:
         # fmt: on
         for name, seconds in (latency_targets or {}).items():
             gauge(f"target_{name}_seconds", f"The {name.upper()} latency target").set(seconds)
+        if target_itl_ratio is not None:
+            gauge("target_itl_ratio", "The relative ITL target: a step with prompt tokens "
+                  "over the same decodes' step alone").set(target_itl_ratio)
         config_labels = dict(info or {})
         if peaks is not None:
             config_labels.update(
@@ -366,6 +372,7 @@ class ServerMetrics:
             decode_weight_bytes=engine.decode_step_weight_bytes,
             log_interval_s=config.server.stats_log_interval_s,
             latency_targets=latency_targets(config),
+            target_itl_ratio=config.scheduler.target_itl_ratio,
             vllm_names=config.server.vllm_metric_names,
         )
 

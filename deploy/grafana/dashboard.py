@@ -176,8 +176,9 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
              f"{rate_sum(PREDICTION + '_bucket', LE_LOW)}) / "
              f"{rate_sum(PREDICTION + '_count')}"),
         ), "Share of steps with decodes whose time (with the engine loop's gap before it) kept "
-           "the budget --target-itl-ms / --target-tpot-ms gave them, and share of steps whose "
-           "predicted time was within 20% of the measured one.", soft_max=1),
+           "the budget --target-itl-ms / --target-itl-ratio / --target-tpot-ms gave them, and "
+           "share of steps whose predicted time was within 20% of the measured one.",
+           soft_max=1),
         PanelSpec("Inter-token latency vs target", "s", (
             ("ITL p99", quantiles("pagedserve_inter_token_latency_seconds", (0.99,))[0][1]),
             ("TPOT p50", quantiles("pagedserve_time_per_output_token_seconds", (0.5,))[0][1]),

@@ -153,8 +153,10 @@ def references(tiny_llama_cpu_shapes: Path, prompts: list[list[int]]) -> dict[st
         # model, so that the targets bind whatever the machine's speed.
         {"async_scheduling": True, "target_itl_ms": 0.01, "min_prefill_chunk_tokens": 4},
         {"target_tpot_ms": 0.01, "target_ttft_ms": 50.0, "min_prefill_chunk_tokens": 4},
+        # A relative target 1% over the decodes' own step: any prompt chunk overruns it.
+        {"async_scheduling": True, "target_itl_ratio": 1.01, "min_prefill_chunk_tokens": 4},
     ],
-    ids=["sync", "async", "async-itl-target", "sync-tpot-ttft-targets"],
+    ids=["sync", "async", "async-itl-target", "sync-tpot-ttft-targets", "async-itl-ratio"],
 )
 def test_prefix_caching_preemption_and_stops_match_transformers(
     tiny_llama_cpu_shapes: Path,
@@ -163,7 +165,8 @@ def test_prefix_caching_preemption_and_stops_match_transformers(
     kwargs: dict[str, object],
 ) -> None:
     """With latency targets too (an ITL target; a TPOT target, whose credit carries from
-    step to step, with a TTFT target that may widen a step's prompt share), which cap each
+    step to step, with a TTFT target that may widen a step's prompt share; a relative ITL
+    target, whose budget follows the predicted decode-only step), which cap each
     step's prompt tokens by measured step times (so the plans vary from run to run; the
     tokens may not)."""
     requests = [

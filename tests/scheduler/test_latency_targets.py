@@ -194,6 +194,78 @@ def test_a_ttft_target_out_of_reach_is_a_conflict_logged_at_most_every_10_s(capl
     assert len(lines) == 2 and "100 ms TTFT target" in lines[0]
 
 
+def test_the_relative_itl_target_sizes_prompt_tokens_to_a_multiple_of_the_decodes_step() -> None:
+    """8 decodes alone: 10 ms fixed + 8 x 1 ms = 18 ms. At 2x, a step may take 36 ms: 18
+    prompt tokens beside them. The budget follows the decodes: with 4 of them it is 28 ms."""
+    predictor = LinearPredictor()
+    sched = targeted(predictor, target_itl_ratio=2.0, min_prefill_chunk_tokens=4)
+    runner = FakeRunner(16)
+    start_decoders(sched, runner, 8)
+    sched.add_request(req("long", 100, 2))
+    chunks = []
+    while any(r.request_id == "long" and r.num_output_tokens == 0 for r in sched.running) or any(
+        r.request_id == "long" for r in sched.waiting
+    ):
+        s = step(sched, runner)
+        chunks.append(prompt_tokens(s))
+        assert s.out.target is not None and s.out.target.sized
+        assert s.out.target.budget_s == pytest.approx(0.036)
+    assert chunks == [18] * 5 + [10]
+    targets = LatencyTargets(
+        SchedulerConfig(target_itl_ratio=2.0, min_prefill_chunk_tokens=4), predictor
+    )
+    decision = targets.decide(DecodeLoad(4, 100), 1000, [], [], 0.0)
+    assert decision.budget_s == pytest.approx(0.028) and decision.prefill_cap == 14
+
+
+def test_the_relative_itl_target_counts_the_gap_and_yields_to_a_tighter_absolute_one() -> None:
+    targets = LatencyTargets(
+        SchedulerConfig(target_itl_ratio=2.0, min_prefill_chunk_tokens=4), LinearPredictor()
+    )
+    load = DecodeLoad(num_rows=8, num_context_tokens=100)
+    for _ in range(200):  # the gap's moving average settles on 2 ms
+        targets.observe(0.018, 0.002, had_decodes=True)
+    # (18 + 2 ms) x 2 = 40 ms for the iteration; less the 2 ms gap, 38 ms for the step.
+    decision = targets.decide(load, 1000, [], [], 0.0)
+    assert decision.budget_s == pytest.approx(0.040, rel=1e-3) and decision.prefill_cap == 20
+    both = LatencyTargets(
+        SchedulerConfig(target_itl_ratio=2.0, target_itl_ms=30), LinearPredictor()
+    )
+    assert both.decide(load, 1000, [], [], 0.0).budget_s == pytest.approx(0.030)
+    looser = LatencyTargets(
+        SchedulerConfig(target_itl_ratio=2.0, target_itl_ms=90), LinearPredictor()
+    )
+    assert looser.decide(load, 1000, [], [], 0.0).budget_s == pytest.approx(0.036)
+
+
+def test_a_relative_target_sizes_nothing_before_the_first_prediction() -> None:
+    """Before the engine's predictor has seen a step there is nothing to be relative to: the
+    step takes the whole prompt budget, and is not reported as sized."""
+
+    class Unseen(LinearPredictor):
+        def predict(self, load: DecodeLoad, num_prefill_tokens: int) -> float | None:  # type: ignore[override]
+            return None
+
+    targets = LatencyTargets(SchedulerConfig(target_itl_ratio=2.0), Unseen())
+    decision = targets.decide(DecodeLoad(8, 100), 512, [], [], 0.0)
+    assert decision.prefill_cap == 512 and not decision.sized
+
+
+def test_the_ttft_target_grows_the_share_up_to_the_relative_itl_bound() -> None:
+    """TPOT 30 ms leaves 12 prompt tokens a step beside 8 decodes (18 ms alone); a 5x
+    relative ITL bound (90 ms) leaves 72. Queued prompts that would miss TTFT get that."""
+    clock = FakeClock(0.0)
+    sched = targeted(LinearPredictor(), clock=clock, target_tpot_ms=30, target_itl_ratio=5.0,
+                     target_ttft_ms=500, min_prefill_chunk_tokens=4)  # fmt: skip
+    runner = FakeRunner(16)
+    start_decoders(sched, runner, 8)
+    for name in "abc":
+        sched.add_request(req(name, 100, 2))
+    s = step(sched, runner)
+    assert s.out.target is not None and s.out.target.ttft_boost
+    assert s.out.target.budget_s == pytest.approx(0.090) and prompt_tokens(s) == 72
+
+
 def test_targets_need_the_engines_predictor() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=16)
     with pytest.raises(ValueError, match="predictor"):
@@ -206,7 +278,9 @@ def test_targets_need_the_engines_predictor() -> None:
         ({"target_itl_ms": 0}, "target_itl_ms must be a positive number"),
         ({"target_tpot_ms": -1.0}, "target_tpot_ms must be a positive number"),
         ({"target_itl_ms": float("inf")}, "target_itl_ms must be a positive number"),
-        ({"target_ttft_ms": 100}, "needs target_itl_ms or target_tpot_ms"),
+        ({"target_ttft_ms": 100}, "needs target_itl_ms, target_itl_ratio or target_tpot_ms"),
+        ({"target_itl_ratio": 1.0}, "target_itl_ratio must be a number above 1"),
+        ({"target_itl_ratio": float("nan")}, "target_itl_ratio must be a number above 1"),
     ],
 )
 def test_target_values_are_checked(config: dict, message: str) -> None:

@@ -375,7 +375,9 @@ def test_cpu_peaks_are_logged_with_the_l3_size_and_a_warning_when_taken_under_lo
 
 
 def test_latency_target_series_on_metrics() -> None:
-    metrics = ServerMetrics(M["model_name"], latency_targets={"itl": 0.4, "ttft": 2.0})
+    metrics = ServerMetrics(
+        M["model_name"], latency_targets={"itl": 0.4, "ttft": 2.0}, target_itl_ratio=2.5
+    )
     base = dict(num_kv_blocks_used=1, num_kv_blocks_total=8)
     metrics.record_step(StepStats(0.30, 8, 2, 64, 8, 0, **base, predicted_step_s=0.27,
                                   target_budget_s=0.4, target_prefill_cap=64, target_met=True))
@@ -387,6 +389,7 @@ def test_latency_target_series_on_metrics() -> None:
     text = text.decode()
     assert value(text, "pagedserve_target_itl_seconds") == 0.4
     assert value(text, "pagedserve_target_ttft_seconds") == 2.0
+    assert value(text, "pagedserve_target_itl_ratio") == 2.5
     assert ("pagedserve_target_tpot_seconds", frozenset(M.items())) not in samples(text)
     assert value(text, "pagedserve_target_steps_total") == 2
     assert value(text, "pagedserve_target_steps_met_total") == 1
