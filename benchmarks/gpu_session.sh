@@ -15,6 +15,9 @@
 #   gpu-tests   the GPU-marked tests, 4 workers on one GPU (make test-gpu's first half)
 #   engine      batch-1 MBU, decode steps 16/64/256, offline 512/256 (benchmarks.gpu)
 #   http        first request after /health and concurrency 1 and 64 through the server
+#   itl-ratio   HTTP at concurrency 64 with --target-itl-ratio 2 (a step with prompt tokens
+#               sized to at most twice the same decodes' step): the ITL p99 / p50 target
+#               against http's c=64, whose slowest steps carry 2,048-token prefill chunks
 #   piecewise   HTTP at concurrency 64 with every step with prefill tokens replaying pieces
 #               cut at attention (--cuda-graph-prefill-mode piecewise), against http's c=64
 #               with the default whole-forward graphs where attention is one launch
@@ -40,7 +43,8 @@
 # under the device tool's 600 s a call) than its bound; rerun the rest in a second call.
 # A lent machine has 15 minutes of device time, start-up included: about one full call and
 # a short second one, so the default order puts first what the open targets need (the new
-# graphs' GPU tests, then the engine's and the server's figures).
+# graphs' GPU tests, then the engine's and the server's figures, the c=64 ITL tail with
+# and without the relative target).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -96,6 +100,8 @@ step() {
     engine) run_step engine 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
         --out "$OUT/engine.json" ;;
     http) run_step http 200 "${B[@]}" --sections http --concurrency 1,64 --out "$OUT/http.json" ;;
+    itl-ratio) run_step itl-ratio 160 "${B[@]}" --sections http --concurrency 64 \
+        --server-args "--target-itl-ratio 2" --out "$OUT/itl-ratio.json" ;;
     piecewise) run_step piecewise 160 "${B[@]}" --sections http --concurrency 64 \
         --cuda-graph-prefill-mode piecewise --out "$OUT/piecewise.json" ;;
     chunks)
@@ -116,7 +122,7 @@ step() {
                 --sampling "$sampling" --json "$OUT/host-$sampling.json"
         done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests engine http piecewise profile kernels chunks itl-target async-off host suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels chunks itl-target async-off host suite)" >&2
         exit 2 ;;
     esac
 }
@@ -129,7 +135,8 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests engine http piecewise profile kernels chunks itl-target async-off host suite
+    set -- gpu-tests engine http itl-ratio piecewise profile kernels chunks itl-target async-off \
+        host suite
 fi
 for s in "$@"; do
     step "$s"
