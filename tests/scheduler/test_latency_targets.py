@@ -56,6 +56,22 @@ def start_decoders(sched: Scheduler, runner: FakeRunner, n: int) -> None:
     assert all(r.num_output_tokens == 1 for r in sched.running)
 
 
+def prefill_long_prompt(sched: Scheduler, runner: FakeRunner, num_tokens: int) -> list:
+    """Queue a ``num_tokens`` prompt named "long" and step until it has its first token;
+    the steps taken."""
+    sched.add_request(req("long", num_tokens, 2))
+    steps = []
+
+    def prefilling() -> bool:
+        return any(r.request_id == "long" for r in sched.waiting) or any(
+            r.request_id == "long" and r.num_output_tokens == 0 for r in sched.running
+        )
+
+    while prefilling():
+        steps.append(step(sched, runner))
+    return steps
+
+
 def test_a_target_that_never_binds_plans_exactly_as_without_one() -> None:
     def batches(sched: Scheduler) -> list[list[tuple[str, int]]]:
         runner = FakeRunner(16)
@@ -77,16 +93,12 @@ def test_the_itl_target_sizes_each_steps_prompt_tokens_beside_the_decodes() -> N
     sched = targeted(predictor, target_itl_ms=50, min_prefill_chunk_tokens=8)
     runner = FakeRunner(16)
     start_decoders(sched, runner, 8)
-    sched.add_request(req("long", 200, 2))
-    chunks = []
-    while any(r.request_id == "long" and r.num_output_tokens == 0 for r in sched.running) or any(
-        r.request_id == "long" for r in sched.waiting
-    ):
-        s = step(sched, runner)
-        chunks.append(prompt_tokens(s))
+    steps = prefill_long_prompt(sched, runner, 200)
+    for s in steps:
         assert len([x for x in s.out.scheduled if x.num_tokens == 1]) == 8  # decodes never capped
         assert s.out.target is not None and s.out.target.budget_s == pytest.approx(0.050)
         assert s.out.target.sized
+    chunks = [prompt_tokens(s) for s in steps]
     # 50 ms - 10 ms fixed - 8 decode rows x 1 ms = 32 ms: 32 prompt tokens a step.
     assert chunks == [32] * 6 + [8]
     assert predictor.loads[-1].num_rows == 8
@@ -201,16 +213,11 @@ def test_the_relative_itl_target_sizes_prompt_tokens_to_a_multiple_of_the_decode
     sched = targeted(predictor, target_itl_ratio=2.0, min_prefill_chunk_tokens=4)
     runner = FakeRunner(16)
     start_decoders(sched, runner, 8)
-    sched.add_request(req("long", 100, 2))
-    chunks = []
-    while any(r.request_id == "long" and r.num_output_tokens == 0 for r in sched.running) or any(
-        r.request_id == "long" for r in sched.waiting
-    ):
-        s = step(sched, runner)
-        chunks.append(prompt_tokens(s))
+    steps = prefill_long_prompt(sched, runner, 100)
+    for s in steps:
         assert s.out.target is not None and s.out.target.sized
         assert s.out.target.budget_s == pytest.approx(0.036)
-    assert chunks == [18] * 5 + [10]
+    assert [prompt_tokens(s) for s in steps] == [18] * 5 + [10]
     targets = LatencyTargets(
         SchedulerConfig(target_itl_ratio=2.0, min_prefill_chunk_tokens=4), predictor
     )
