@@ -222,6 +222,8 @@ def test_latency_target_flags_reach_the_scheduler_config() -> None:
     assert c.scheduler.target_ttft_ms == 2000.0 and c.scheduler.has_latency_targets
     plain = ServingConfig.from_cli([], {})
     assert not plain.scheduler.has_latency_targets
+    relative = ServingConfig.from_cli(["--target-itl-ratio", "2"], {})
+    assert relative.scheduler.target_itl_ratio == 2.0 and relative.scheduler.has_latency_targets
 
 
 @pytest.mark.parametrize(

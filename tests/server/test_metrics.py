@@ -338,8 +338,9 @@ def test_config_info_reports_the_dtype_the_matmuls_read(tmp_path, dtype: str) ->
 
     model = make_tiny_model_dir(tmp_path / "tiny")
     config = ServingConfig.from_cli(
-        [str(model), "--dtype", dtype, "--device", "cpu", "--num-kv-blocks", "8"], {}
-    )
+        [str(model), "--dtype", dtype, "--device", "cpu", "--num-kv-blocks", "8",
+         "--target-itl-ratio", "2"], {}
+    )  # fmt: skip
     engine = LLMEngine(config.engine, config.kvpool, config.scheduler)
     assert engine.matmul_weights == dtype
     # Given peaks: no CPU probe in a unit test.
@@ -355,6 +356,7 @@ def test_config_info_reports_the_dtype_the_matmuls_read(tmp_path, dtype: str) ->
     labels = next(dict(k[1]) for k in info if k[0] == "pagedserve_config_info")
     assert labels["matmul_weights"] == dtype and labels["dtype"] == dtype
     assert labels["async_scheduling"] == "false"  # off on the CPU unless asked for
+    assert value(text, "pagedserve_target_itl_ratio") == 2.0  # the flag, through the config
 
 
 def test_cpu_peaks_are_logged_with_the_l3_size_and_a_warning_when_taken_under_load(
