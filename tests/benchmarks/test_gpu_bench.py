@@ -190,6 +190,9 @@ def test_the_http_part_serves_a_preset_through_a_synthetic_tokenizer(
     printed = capsys.readouterr().out
     assert "synthetic tokenizer of 512 tokens" in printed and "HTTP c=2:" in printed
     assert "skipped" not in printed
+    row = http["points"]["2"]  # the ITL spread the c=64 target reads, from the server's own
+    spread = row["server_itl_p99_s"] / row["server_itl_p50_s"]
+    assert f"p99 / p50 {spread:.2f}x" in printed.split("HTTP c=2:")[1].splitlines()[0]
 
 
 def test_the_http_part_picks_its_tokenizer(tmp_path: Path) -> None:
