@@ -14,6 +14,8 @@ short still has every row's first stage::
     B  num_warps {2, 4, 8} x num_stages {1, 2, 3} at each row's best of A
     C  tile {32, 128} tokens at the best of B (and twice its splits at 32; both merges
        when it is unsplit)
+    D  the best of C with each tile's V load issued beside its K load (``early_v``), or
+       not: one round trip less per tile where nothing pipelines the loads (1 stage)
 
 Every timing line is printed (and flushed) as it is measured, with the launch's error
 against the reference (``MISMATCH`` launches are never "best"; a launch that fails to
@@ -84,7 +86,8 @@ def effective(launch: DecodeLaunch, context_len: int) -> DecodeLaunch:
 def describe(launch: DecodeLaunch) -> str:
     merge = "unsplit" if launch.num_splits == 1 else ("one" if launch.one_launch else "two")
     return (f"{merge:<7} splits={launch.num_splits:<2} w={launch.num_warps} "
-            f"s={launch.num_stages} tile={launch.tile_n:<3}")  # fmt: skip
+            f"s={launch.num_stages} tile={launch.tile_n:<3}"
+            f"{' early-v' if launch.early_v else '':<8}")  # fmt: skip
 
 
 class RowSweep:
@@ -205,6 +208,15 @@ def stage_c(row: RowSweep) -> list[DecodeLaunch]:
     return launches
 
 
+def stage_d(row: RowSweep) -> list[DecodeLaunch]:
+    """The best of C with each tile's V load issued beside its K load, or not (the other
+    way from the best's)."""
+    best = row.best()
+    if best is None:
+        return []
+    return [replace(best.launch, early_v=not best.launch.early_v)]
+
+
 def suggested_row(row: RowSweep, sms: int) -> str:
     """A ``DecodeTuning`` line reproducing the row's best split launch at its own shape, or
     for an unsplit best the launch parameters of the catch-all (unsplit) row: a row of its
@@ -213,7 +225,7 @@ def suggested_row(row: RowSweep, sms: int) -> str:
     shape = f"# {row.cfg.batch} x {row.cfg.context_len}"
     if b.num_splits == 1:
         return (f"catch-all row: num_warps={b.num_warps}, num_stages={b.num_stages}, "
-                f"tile_n={b.tile_n}  {shape}")  # fmt: skip
+                f"tile_n={b.tile_n}, early_v={b.early_v}  {shape}")  # fmt: skip
     waves = row.cfg.batch * row.cfg.num_kv_heads / sms
     # Rounded up, ceil(target_waves * sms / programs) >= num_splits; max_splits clamps it.
     target = math.ceil(b.num_splits * waves * 1000) / 1000
@@ -222,7 +234,7 @@ def suggested_row(row: RowSweep, sms: int) -> str:
         f"max_context_len={row.cfg.context_len}, target_waves={target}, "
         f"min_tokens_per_split={b.tile_n}, max_splits={b.num_splits}, "
         f"one_launch={b.one_launch}, num_warps={b.num_warps}, num_stages={b.num_stages}, "
-        f"tile_n={b.tile_n}),  {shape}"
+        f"tile_n={b.tile_n}, early_v={b.early_v}),  {shape}"
     )
 
 
@@ -245,7 +257,7 @@ def run_sweep(
         stages = Stages([("A", stage_a)])
     else:
         cfgs = [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in TARGET_ROWS]
-        stages = Stages([("A", stage_a), ("B", stage_b), ("C", stage_c)])
+        stages = Stages([("A", stage_a), ("B", stage_b), ("C", stage_c), ("D", stage_d)])
     out(f"# decode launch sweep: {len(cfgs)} rows, stages {stages.names}, "
         f"budget {budget_s:.0f} s (compiles included)")  # fmt: skip
     rows = [RowSweep(cfg, device, peak, quick) for cfg in cfgs]

@@ -25,8 +25,10 @@
 #               (host against device time); c=64 mixed steps replayed whole, in pieces, and
 #               attending in two launches; c=4 long-prompt mixed steps split (pieces)
 #               against one launch (whole)
-#   kernels     decode attention and fused ops against their targets (make test-gpu's second;
-#               no kernel changed since their last run at e903b1a)
+#   kernels     decode attention and fused ops against their targets (make test-gpu's
+#               second): the fused ops now timed alone, the norms at 4/8/16 warps
+#   sweep       the decode kernel's launch sweep on the short-context rows, with stage D
+#               (each tile's V load beside its K load) new since its last run
 #   chunks      prefill chunks of 256 and 512 tokens against the default (the whole step
 #               budget): offline throughput, the c=64 closed loop's mixed steps and HTTP at
 #               concurrency 64 (the ITL p99 / p50 trade against throughput), each run with a
@@ -97,6 +99,7 @@ step() {
     case $1 in
     gpu-tests) run_step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests ;;
     kernels) run_step kernels 150 python3 -m benchmarks.kernels --targets --fused ;;
+    sweep) run_step sweep 150 python3 -m benchmarks.kernels --sweep --budget-s 100 ;;
     engine) run_step engine 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
         --out "$OUT/engine.json" ;;
     http) run_step http 200 "${B[@]}" --sections http --concurrency 1,64 --out "$OUT/http.json" ;;
@@ -122,7 +125,7 @@ step() {
                 --sampling "$sampling" --json "$OUT/host-$sampling.json"
         done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels chunks itl-target async-off host suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels sweep chunks itl-target async-off host suite)" >&2
         exit 2 ;;
     esac
 }
@@ -135,8 +138,8 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests engine http itl-ratio piecewise profile kernels chunks itl-target async-off \
-        host suite
+    set -- gpu-tests engine http itl-ratio piecewise profile kernels sweep chunks itl-target \
+        async-off host suite
 fi
 for s in "$@"; do
     step "$s"

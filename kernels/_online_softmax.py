@@ -45,6 +45,7 @@ def attend_context(
     DOT_DTYPE: tl.constexpr,  # tl.dot operand type, see kernels/_triton_common.dot_args
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
+    EARLY_V: tl.constexpr = False,  # issue each tile's V load beside its K load (below)
 ):
     """Returns ``(m_i, l_i, acc)``: per row the running max (base 2), the sum of exp2 and
     the unnormalised output ``[M, HEAD_DIM_PAD]``, all float32. A row that saw no position
@@ -54,6 +55,12 @@ def attend_context(
     ``DOT_DTYPE``, so the scores are ``(q . k_q) * k_scale`` (the caller passes the
     Hadamard-transformed query and folds 1 / HADAMARD_BLOCK into ``qk_scale``) and the
     values' scale folds into the probabilities, ``(p * v_scale) . v_q``.
+
+    ``EARLY_V`` issues a tile's V load right after its K load, before the scores, so that
+    both are in flight at once: without a software pipeline (``num_stages=1``) the V load
+    otherwise waits for the scores, one more memory round trip per tile, which is most of
+    a short split's time (one or two tiles). It holds the V tile in registers through the
+    softmax; the arithmetic is the same either way.
 
     NOTE: a row that has seen no visible position yet (a sliding window starting past
     this tile) keeps ``m_i == -inf``; the tile's max is then taken as 0 for the exponents,
@@ -80,6 +87,10 @@ def attend_context(
         )  # [TILE_N]
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if EARLY_V:
+            v = tl.load(
+                value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
+            )
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         if QUANTIZED:
             k_scale = tl.load(
@@ -98,7 +109,10 @@ def attend_context(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if not EARLY_V:
+            v = tl.load(
+                value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
+            )
         if QUANTIZED:
             v_scale = tl.load(
                 scale_ptrs(value_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0

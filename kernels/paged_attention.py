@@ -99,6 +99,8 @@ class DecodeLaunch:
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
     tile_n: int = TILE_N  # context tokens per loop iteration; splits are whole tiles
+    # Each tile's V load issued beside its K load (kernels/_online_softmax.attend_context).
+    early_v: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +124,7 @@ class DecodeTuning:
     num_warps: int
     num_stages: int
     tile_n: int
+    early_v: bool = False
 
 
 # NOTE: where these numbers come from. The first three rows are `python -m benchmarks.kernels
@@ -213,6 +216,7 @@ def _paged_attention_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
     HADAMARD_BLOCK: tl.constexpr,  # a quantized cache's keys' Hadamard blocks, else 1
+    EARLY_V: tl.constexpr,  # DecodeLaunch.early_v
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -251,7 +255,7 @@ def _paged_attention_decode_kernel(
         ctx_start, ctx_end, qk_scale, 0, stride_cache_block, stride_cache_slot,
         M=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE,
         TILE_N=TILE_N, CAUSAL=False, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
-        QUANTIZED=QUANTIZED,
+        QUANTIZED=QUANTIZED, EARLY_V=EARLY_V,
     )  # fmt: skip
 
     # An empty split (context shorter than this split's start) or seq_len == 0 has l_i == 0:
@@ -396,7 +400,9 @@ def choose_launch(
         by_parallelism = math.ceil(row.target_waves * sms / max(1, num_seqs * num_kv_heads))
         by_length = max_context_len // row.min_tokens_per_split
         num_splits = max(1, min(by_parallelism, by_length, row.max_splits))
-    return DecodeLaunch(num_splits, row.one_launch, row.num_warps, row.num_stages, row.tile_n)
+    return DecodeLaunch(
+        num_splits, row.one_launch, row.num_warps, row.num_stages, row.tile_n, row.early_v
+    )
 
 
 def choose_num_splits(
@@ -510,6 +516,7 @@ def paged_attention_decode(
         HADAMARD_BLOCK=(
             kv_quant.hadamard_block(head_dim) if kv_quant.is_quantized(key_cache) else 1
         ),
+        EARLY_V=launch.early_v,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
@@ -569,7 +576,7 @@ def tuned_launches() -> list[DecodeLaunch]:
     count (either merge compiles one variant per bound)."""
     launches: dict[DecodeLaunch, None] = {}
     for row in DECODE_TUNING:
-        params = (row.num_warps, row.num_stages, row.tile_n)
+        params = (row.num_warps, row.num_stages, row.tile_n, row.early_v)
         launches[DecodeLaunch(1, False, *params)] = None
         if row.target_waves <= 0 or row.max_splits <= 1:
             continue

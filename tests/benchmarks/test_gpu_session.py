@@ -63,6 +63,6 @@ def test_an_unknown_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
     done = run(tmp_path, "bogus")
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
-        "unknown step: bogus (gpu-tests engine http itl-ratio piecewise profile kernels chunks "
-        "itl-target async-off host suite)"
+        "unknown step: bogus (gpu-tests engine http itl-ratio piecewise profile kernels sweep "
+        "chunks itl-target async-off host suite)"
     ], done.stderr

@@ -193,8 +193,8 @@ def test_sweep_confirms_the_best_against_today_interleaved(device):
 
 
 def test_sweep_runs_every_stage_on_a_small_row(device, monkeypatch):
-    """The full sweep's code path (stages A, B and C, confirmation, summary, table lines)
-    on one small row of the issue's head shape, with a narrowed warps/stages grid."""
+    """The full sweep's code path (stages A to D, confirmation, summary, table lines) on
+    one small row of the issue's head shape, with a narrowed warps/stages grid."""
     import benchmarks.decode_sweep as decode_sweep
     import kernels._common
 
@@ -207,11 +207,16 @@ def test_sweep_runs_every_stage_on_a_small_row(device, monkeypatch):
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     (row,) = decode_sweep.run_sweep(device, dtype, 100.0, out=lines.append)
     out = "\n".join(lines)
-    for stage in ("# stage A", "# stage B", "# stage C", "# confirm"):
+    for stage in ("# stage A", "# stage B", "# stage C", "# stage D", "# confirm"):
         assert stage in out, out
+    # D: a launch with each tile's V load beside its K load, as good as any other
+    early = [m for m in row.results.values() if m.launch.early_v]
+    assert len(early) == 1 and early[0].ok, row.results
+    assert "early-v" in out
     assert "failed" not in out and "MISMATCH" not in out, out
     launches = {(m.launch.num_splits, m.launch.one_launch, m.launch.num_warps, m.launch.tile_n,
-                 m.launch.num_stages) for m in row.results.values()}  # fmt: skip
+                 m.launch.num_stages) for m in row.results.values()
+                if not m.launch.early_v}  # fmt: skip
     d = row.default
     assert (d.num_splits, d.one_launch, d.num_warps, d.tile_n, d.num_stages) in launches  # A
     # B: one of A's launches at each of the narrowed grid's warps, at 3 stages.

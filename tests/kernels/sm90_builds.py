@@ -132,7 +132,7 @@ def _decode(
              tokens_per_split="i32"),
         dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=max(16, next_power_of_2(group)),
              HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=16,
-             TILE_N=launch.tile_n, SPLIT=split, COMBINE=combine,
+             TILE_N=launch.tile_n, SPLIT=split, COMBINE=combine, EARLY_V=launch.early_v,
              SPLITS_PAD=next_power_of_2(launch.num_splits) if combine else 1,
              **_attention_consts(dtype, cache, head_dim)),
         dict(num_warps=launch.num_warps, num_stages=launch.num_stages),
@@ -161,7 +161,7 @@ def _tuned_decode(
         split = launch.num_splits > 1
         pad = next_power_of_2(launch.num_splits)
         name = f"{prefix}_g{group}_d{head_dim}_w{launch.num_warps}s{launch.num_stages}"
-        name += f"t{launch.tile_n}"
+        name += f"t{launch.tile_n}" + ("v" if launch.early_v else "")
         if split:
             name += f"_one_launch{pad}" if launch.one_launch else "_split"
         builds[name] = _decode(dtype, cache, group, head_dim, launch)
@@ -329,6 +329,14 @@ SM90_BUILDS: dict[str, Sm90Build] = {
     "decode_split=False": _decode(_BF16, None, 3, 64, DecodeLaunch()),
     "decode_split=True": _decode(_BF16, None, 3, 64, DecodeLaunch(num_splits=2)),
     "decode_one_launch": _decode(_BF16, None, 3, 64, DecodeLaunch(5, one_launch=True)),
+    # each tile's V load beside its K load (the sweep's stage D), at the tuned rows'
+    # launches without a software pipeline and with one
+    **{
+        f"decode_early_v_g4_d128_w{w}s{st}t{t}": _decode(
+            _BF16, None, LLAMA3_GROUP, LLAMA3_HEAD_DIM, DecodeLaunch(4, False, w, st, t, True)
+        )
+        for w, st, t in ((4, 1, 64), (8, 1, 128), (4, 2, 32))
+    },
     "decode_one_launch_llama3": _decode(
         _BF16, None, LLAMA3_GROUP, LLAMA3_HEAD_DIM, DecodeLaunch(5, one_launch=True)
     ),

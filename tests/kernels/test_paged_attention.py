@@ -7,6 +7,8 @@ also checks that the kernel reads nothing outside ``seq_lens`` and the block tab
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -335,6 +337,39 @@ def test_launch_replaces_the_tuned_launch(paged_kv, close, device):
         close(paged_attention_decode(*args, launch=launch), expected)
     with pytest.raises(AssertionError):
         paged_attention_decode(*args, num_splits=2, launch=DecodeLaunch())
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_early_v_loads_change_no_bit(paged_kv, device, cache_dtype):
+    """``early_v`` moves each tile's V load before the scores; the arithmetic is the same,
+    so the output is bitwise the default's: unsplit, split with either merge, over a plain
+    and a quantized cache."""
+    kv = paged_kv([40, 100, 7], block_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    key_cache, value_cache = kv.key_cache, kv.value_cache
+    if cache_dtype is not None:  # the same block ids over 8-bit rows, every slot written
+        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+        shape = (num_blocks, block_size, num_kv_heads, head_dim + kv_quant.SCALE_BYTES)
+        key_cache, value_cache = (
+            kv_quant.quantized_cache(torch.zeros(shape, dtype=torch.uint8, device=device)
+                                     .view(cache_dtype))
+            for _ in "kv"
+        )  # fmt: skip
+        num_slots = num_blocks * block_size
+        reference.store_kv(
+            torch.randn(num_slots, num_kv_heads, head_dim, device=device),
+            torch.randn(num_slots, num_kv_heads, head_dim, device=device),
+            key_cache, value_cache, torch.arange(num_slots, device=device),
+        )  # fmt: skip
+    query = torch.randn(3, 8, 64, device=device)
+    args = (query, key_cache, value_cache, kv.block_tables, kv.seq_lens, 0.125)
+    for splits, one_launch, tile in ((1, False, 64), (4, False, 32), (3, True, 16)):
+        launch = DecodeLaunch(splits, one_launch, num_warps=2, num_stages=1, tile_n=tile)
+        plain = paged_attention_decode(*args, launch=launch)
+        early = paged_attention_decode(*args, launch=replace(launch, early_v=True))
+        assert torch.isfinite(plain).all()
+        assert torch.equal(early, plain), (splits, one_launch, tile)
+    assert_counters_zero(query.device)
 
 
 def test_arrival_counters_grow_without_dropping_older_buffers():
