@@ -98,8 +98,9 @@ def test_a_decode_steps_layer_launches_four_kernels_besides_matmuls_and_attentio
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    # Eager: a CUDA graph replays these same launches without calling the layer's Python.
     llm = LLM(str(tiny_llama_gqa), attention_backend="triton", device=device,
-              dtype="float32", num_kv_blocks=64, block_size=8)  # fmt: skip
+              dtype="float32", num_kv_blocks=64, block_size=8, enforce_eager=True)  # fmt: skip
     model = llm.engine.model
     if device == "cpu":  # the builder fuses them on CUDA only
         assert fuse_layer_ops(model) > 0
