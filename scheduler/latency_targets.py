@@ -25,9 +25,9 @@ targets and that prediction into the step's prompt-token cap:
 3. **TTFT.** With a TTFT target, the queue (prompts not yet at their first token, FCFS) is
    replayed at that cap: if some prompt would get its first token after its deadline, the
    budget grows to the ITL bound, absolute or relative (without either, to the step's whole
-   token budget). If even
-   that misses, the step reports a *conflict* (a counter, and a log line at most every
-   ``CONFLICT_LOG_INTERVAL_S``): both targets cannot be kept at this load.
+   token budget). If even that misses, the step reports a *conflict* (a counter, and a log
+   line at most every ``CONFLICT_LOG_INTERVAL_S``): both targets cannot be kept at this
+   load.
 
 A step without decodes has nobody's ITL to protect: it takes the ordinary budget.
 
@@ -171,7 +171,8 @@ class LatencyTargets:
             now: the scheduler's clock (requests' ``arrival_time`` is on it).
         Returns:
             The budget and the cap (``min_prefill_chunk_tokens <= cap <= max_prompt``, or
-            ``max_prompt`` when it is smaller or the step has no decodes).
+            ``max_prompt`` when it is smaller, the step has no decodes or no bound is
+            known yet).
         """
         itl_bounds = self._itl_bounds_s(load)
         budget_s = self._base_budget_s(itl_bounds)
