@@ -68,10 +68,14 @@ class LayerLaunches(TorchDispatchMode):
         self._current.append(f"{'matmul' if name in MATMULS else 'other'}:{name}")
         return out
 
-    def kernel(self, name: str) -> contextlib.AbstractContextManager[None]:
+    def kernel(self, fn: object) -> contextlib.AbstractContextManager[None]:
+        """A Triton launch of ``fn``; the attention modules' kernels (a split decode's
+        merge kernel too) are attention."""
         if self._current is not None and not self._in_kernel:
-            kind = "attention" if "attention" in name else "other"
-            self._current.append(f"{kind}:{name}")
+            module = getattr(fn, "__module__", "")
+            attention = module in ("kernels.paged_attention", "kernels.prefill_attention")
+            name = getattr(fn, "__name__", repr(fn))
+            self._current.append(f"{'attention' if attention else 'other'}:{name}")
         return self._inside_kernel()
 
     @contextlib.contextmanager
@@ -109,7 +113,7 @@ def test_a_decode_steps_layer_launches_four_kernels_besides_matmuls_and_attentio
         original = cls.run
 
         def run(self, *args, _original=original, **kwargs):  # type: ignore[no-untyped-def]
-            with counter.kernel(self.fn.__name__ if hasattr(self, "fn") else self.__name__):
+            with counter.kernel(self.fn):
                 return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(cls, "run", run)
@@ -133,6 +137,7 @@ def test_a_decode_steps_layer_launches_four_kernels_besides_matmuls_and_attentio
         kinds = Counter(item.split(":", 1)[0] for item in launches)
         others = [item for item in launches if item.startswith("other:")]
         assert kinds["matmul"] == 4, launches  # qkv, o, gate_up, down
-        assert kinds["attention"] == 1, launches
+        # the decode kernel, and on CUDA its merge kernel where the context is split
+        assert 1 <= kinds["attention"] <= 2, launches
         # add_rms_norm_ (rms_norm in the first layer) twice, rope_and_store_, silu_mul
         assert len(others) == 4 <= MAX_OTHER_LAUNCHES, launches
