@@ -13,22 +13,22 @@
 # Steps, most wanted first (the issue each serves); each runs under `timeout`, writes
 # $OUT/<step>.log, and appends "<step> rc=<exit status> <seconds>s" to $OUT/summary.txt:
 #   gpu-tests   the GPU-marked tests, 4 workers on one GPU (make test-gpu's first half)
-#   engine      batch-1 MBU, decode steps 16/64/256, offline 512/256 (benchmarks.gpu)
 #   http        first request after /health and concurrency 1 and 64 through the server
 #   itl-ratio   HTTP at concurrency 64 with --target-itl-ratio 2 (a step with prompt tokens
 #               sized to at most twice the same decodes' step): the ITL p99 / p50 target
 #               against http's c=64, whose slowest steps carry 2,048-token prefill chunks
-#   piecewise   HTTP at concurrency 64 with every step with prefill tokens replaying pieces
-#               cut at attention (--cuda-graph-prefill-mode piecewise), against http's c=64
-#               with the default whole-forward graphs where attention is one launch
-#   profile     where the batch-1/64/256 decode steps and the closed loop's mixed steps go
-#               (host against device time); c=64 mixed steps replayed whole, in pieces, and
-#               attending in two launches; c=4 long-prompt mixed steps split (pieces)
-#               against one launch (whole)
 #   kernels     decode attention and fused ops against their targets (make test-gpu's
 #               second): the fused ops now timed alone, the norms at 4/8/16 warps
 #   sweep       the decode kernel's launch sweep on the short-context rows, with stage D
 #               (each tile's V load beside its K load) new since its last run
+#   profile     where the batch-1/64/256 decode steps and the closed loop's mixed steps go
+#               (host against device time); c=64 mixed steps replayed whole, in pieces, and
+#               attending in two launches; c=4 long-prompt mixed steps split (pieces)
+#               against one launch (whole)
+#   piecewise   HTTP at concurrency 64 with every step with prefill tokens replaying pieces
+#               cut at attention (--cuda-graph-prefill-mode piecewise), against http's c=64
+#               with the default whole-forward graphs where attention is one launch
+#   engine      batch-1 MBU, decode steps 16/64/256, offline 512/256 (benchmarks.gpu)
 #   chunks      prefill chunks of 256 and 512 tokens against the default (the whole step
 #               budget): offline throughput, the c=64 closed loop's mixed steps and HTTP at
 #               concurrency 64 (the ITL p99 / p50 trade against throughput), each run with a
@@ -44,9 +44,10 @@
 # A step is skipped, and says so, when fewer seconds are left before SESSION_S (default 560:
 # under the device tool's 600 s a call) than its bound; rerun the rest in a second call.
 # A lent machine has 15 minutes of device time, start-up included: about one full call and
-# a short second one, so the default order puts first what the open targets need (the new
-# graphs' GPU tests, then the engine's and the server's figures, the c=64 ITL tail with
-# and without the relative target).
+# a short second one, so the default order puts first what the open targets need and the
+# code changed since the last GPU run: the GPU tests (whole graphs, early V, the launch
+# count), the c=64 ITL tail with and without the relative target, the kernel targets and
+# the sweep; the engine's decode figures, unchanged since e903b1a, come later.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -138,7 +139,7 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests engine http itl-ratio piecewise profile kernels sweep chunks itl-target \
+    set -- gpu-tests http itl-ratio kernels sweep profile piecewise engine chunks itl-target \
         async-off host suite
 fi
 for s in "$@"; do
