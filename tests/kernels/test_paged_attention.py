@@ -272,6 +272,30 @@ def test_one_launch_zero_length_sequence_outputs_zeros(paged_kv, close, device):
     close(out[1:2], expected)
 
 
+def quantized_caches(
+    shape: tuple[int, ...],  # (num_blocks, block_size, num_kv_heads, head_dim)
+    cache_dtype: torch.dtype,
+    device: torch.device,
+    key_scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K and a V pool of 8-bit rows (kernels/kv_quant.py) with every slot stored from
+    random values (keys times ``key_scale``), quantized by the reference."""
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    rows = (num_blocks, block_size, num_kv_heads, head_dim + kv_quant.SCALE_BYTES)
+    key_cache, value_cache = (
+        kv_quant.quantized_cache(torch.zeros(rows, dtype=torch.uint8, device=device)
+                                 .view(cache_dtype))
+        for _ in "kv"
+    )  # fmt: skip
+    num_slots = num_blocks * block_size
+    reference.store_kv(
+        torch.randn(num_slots, num_kv_heads, head_dim, device=device) * key_scale,
+        torch.randn(num_slots, num_kv_heads, head_dim, device=device),
+        key_cache, value_cache, torch.arange(num_slots, device=device),
+    )  # fmt: skip
+    return key_cache, value_cache
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 def test_one_launch_over_a_quantized_cache(device, cache_dtype, query_dtype):
@@ -279,18 +303,9 @@ def test_one_launch_over_a_quantized_cache(device, cache_dtype, query_dtype):
     one-launch merge changes nothing of its de-quantization (tolerances as
     tests/kernels/test_kv_quant.py's: 2e-5 for float32 queries, 2e-2 for bf16)."""
     num_blocks, block_size, num_kv_heads, head_dim = 14, 16, 2, 64
-    shape = (num_blocks, block_size, num_kv_heads, head_dim + kv_quant.SCALE_BYTES)
-    key_cache, value_cache = (
-        kv_quant.quantized_cache(torch.zeros(shape, dtype=torch.uint8, device=device)
-                                 .view(cache_dtype))
-        for _ in "kv"
-    )  # fmt: skip
-    num_slots = num_blocks * block_size
-    reference.store_kv(
-        torch.randn(num_slots, num_kv_heads, head_dim, device=device) * 3,
-        torch.randn(num_slots, num_kv_heads, head_dim, device=device),
-        key_cache, value_cache, torch.arange(num_slots, device=device),
-    )  # fmt: skip
+    key_cache, value_cache = quantized_caches(
+        (num_blocks, block_size, num_kv_heads, head_dim), cache_dtype, device, key_scale=3
+    )
     tables = torch.stack([torch.randperm(num_blocks)[:7] for _ in range(4)]).int().to(device)
     seq_lens = torch.tensor([1, 16, 17, 100], dtype=torch.int32, device=device)
     query = torch.randn(4, 6, head_dim).to(query_dtype).to(device)
@@ -348,19 +363,7 @@ def test_early_v_loads_change_no_bit(paged_kv, device, cache_dtype):
                   dtype=torch.float32, device=device)  # fmt: skip
     key_cache, value_cache = kv.key_cache, kv.value_cache
     if cache_dtype is not None:  # the same block ids over 8-bit rows, every slot written
-        num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-        shape = (num_blocks, block_size, num_kv_heads, head_dim + kv_quant.SCALE_BYTES)
-        key_cache, value_cache = (
-            kv_quant.quantized_cache(torch.zeros(shape, dtype=torch.uint8, device=device)
-                                     .view(cache_dtype))
-            for _ in "kv"
-        )  # fmt: skip
-        num_slots = num_blocks * block_size
-        reference.store_kv(
-            torch.randn(num_slots, num_kv_heads, head_dim, device=device),
-            torch.randn(num_slots, num_kv_heads, head_dim, device=device),
-            key_cache, value_cache, torch.arange(num_slots, device=device),
-        )  # fmt: skip
+        key_cache, value_cache = quantized_caches(tuple(key_cache.shape), cache_dtype, device)
     query = torch.randn(3, 8, 64, device=device)
     args = (query, key_cache, value_cache, kv.block_tables, kv.seq_lens, 0.125)
     for splits, one_launch, tile in ((1, False, 64), (4, False, 32), (3, True, 16)):
