@@ -576,9 +576,9 @@ class GraphPlan:
 
     decode_sizes: list[int]  # decode steps, by number of rows
     prefill_sizes: list[int]  # short steps with prefill tokens, by number of tokens
-    # Whether those steps get whole-forward graphs besides the pieces
-    # (EngineConfig.cuda_graph_prefill_mode "full"), over at most this many sequences.
-    prefill_whole: bool = False
+    # How those steps replay (EngineConfig.cuda_graph_prefill_mode: "full" captures
+    # whole-forward graphs besides the pieces), over at most this many sequences.
+    prefill_mode: str = "piecewise"
     max_num_seqs: int = 1
     # What the KV cache's budget left for the steps' activations and the graphs, once it
     # is measured (``size_kv_pool``, on CUDA); None: not measured (a budget was given).
@@ -625,7 +625,7 @@ def plan_graphs(
     return GraphPlan(
         graph_sizes,
         prefill_sizes,
-        prefill_whole=config.cuda_graph_prefill_mode == "full",
+        prefill_mode=config.cuda_graph_prefill_mode,
         max_num_seqs=scheduler_config.max_num_seqs,
     )
 
@@ -658,7 +658,7 @@ def size_kv_pool(
             graph_sizes=graphs.decode_sizes,
             max_blocks_per_seq=-(-max_model_len // kv_config.block_size),
             prefill_sizes=graphs.prefill_sizes,
-            prefill_whole=graphs.prefill_whole,
+            prefill_whole=graphs.prefill_mode == "full",
             block_size=kv_config.block_size,
         )
         kv_config = dataclasses.replace(kv_config, memory_bytes=gpu_budget.kv_bytes)
@@ -809,7 +809,7 @@ def build_runner(
             graphs.prefill_sizes,
             device,
             capture=True,
-            mode="full" if graphs.prefill_whole else "piecewise",
+            mode=graphs.prefill_mode,
             max_num_seqs=graphs.max_num_seqs,
             max_blocks_per_seq=max_blocks_per_seq,
         )

@@ -76,7 +76,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 def default_prefill_sizes(max_tokens: int) -> list[int]:
     """Token buckets up to ``max_tokens``: fine steps at the sizes a short prompt beside
     running decodes makes (a step padded to the next bucket computes the gap for nothing),

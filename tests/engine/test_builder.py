@@ -52,14 +52,14 @@ def test_cuda_with_triton_gets_the_default_decode_and_prefill_buckets() -> None:
     # Prefill buckets stop at the smaller of the step budget and the prefill limit.
     assert plan.prefill_sizes == default_prefill_sizes(512) and plan.prefill_sizes[-1] == 512
     # Captured whole too by default, over at most the scheduler's sequences.
-    assert plan.prefill_whole and plan.max_num_seqs == 100
+    assert plan.prefill_mode == "full" and plan.max_num_seqs == 100
     assert plan.reserve_bytes is None  # measured later, when the KV cache is sized
     limited = _plan(config=EngineConfig(cuda_graph_max_prefill_tokens=128))
     assert limited.prefill_sizes == default_prefill_sizes(128)
     pieces = _plan(
         config=EngineConfig(cuda_graph_prefill_mode="piecewise"), max_num_batched_tokens=512
     )
-    assert not pieces.prefill_whole and pieces.prefill_sizes == plan.prefill_sizes
+    assert pieces.prefill_mode == "piecewise" and pieces.prefill_sizes == plan.prefill_sizes
     with pytest.raises(ValueError, match="full or piecewise"):
         EngineConfig(cuda_graph_prefill_mode="whole")
 
