@@ -59,6 +59,7 @@ from typing import Any
 from engine.step_predictor import StepShape, StepTimePredictor
 from engine.step_trace import ENV as TRACE_ENV
 from engine.step_trace import Trace, TracedStep, read_trace
+from loadtest.stats import percentile
 
 WITHIN = 0.2
 # Steps at the start of a trace not counted (the predictor's warm-up).
@@ -205,12 +206,11 @@ def replay_rows(steps: Sequence[TracedStep]) -> list[str]:
         return []
     rows = [f"{'replay':<15}{'steps':>6}{'p50 ms':>9}{'p99 ms':>9}{'prefill tok':>12}"]
     for way, group in sorted(ways.items(), key=lambda item: -len(item[1])):
-        times = sorted(s.step_s for s in group)
-        p99 = times[int(0.99 * (len(times) - 1))]
+        times = [s.step_s for s in group]
         prefill = statistics.mean(s.shape.num_prefill_tokens for s in group)
         rows.append(
-            f"{way:<15}{len(group):>6}{statistics.median(times) * 1e3:>9.2f}"
-            f"{p99 * 1e3:>9.2f}{prefill:>12.0f}"
+            f"{way:<15}{len(group):>6}{percentile(times, 50) * 1e3:>9.2f}"
+            f"{percentile(times, 99) * 1e3:>9.2f}{prefill:>12.0f}"
         )
     return rows
 
