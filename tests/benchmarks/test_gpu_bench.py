@@ -39,17 +39,13 @@ def _triton_engine_with_prefill_graphs(max_num_seqs: int):  # noqa: ANN202
     run through the prefill graphs' CPU stand-in (whole graphs on); no prefix caching, so
     that repeated closed loops prefill alike. Returns (engine, graphs)."""
     from engine import LLM
-    from engine.prefill_graphs import PrefillGraphs
+    from tests.engine.graph_stand_ins import install_prefill_stand_in
 
     llm = LLM("tiny-llama", load_format="dummy", attention_backend="triton", device="cpu",
               dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=32,
               num_kv_blocks=64, enable_prefix_caching=False)  # fmt: skip
     engine = llm.engine
-    graphs = PrefillGraphs(engine.runner.model, engine.storage, [16, 32], engine.device,
-                           capture=False, max_num_seqs=max_num_seqs,
-                           max_blocks_per_seq=-(-engine.max_model_len // 16))  # fmt: skip
-    engine.runner.prefill_graphs = graphs
-    return engine, graphs
+    return engine, install_prefill_stand_in(engine, [16, 32])
 
 
 @pytest.mark.skipif(not INTERPRET, reason="Triton on CPU tensors needs TRITON_INTERPRET=1")

@@ -13,6 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import DecodeGraphs, default_graph_sizes, inert_batch
+from tests.engine.graph_stand_ins import install_decode_stand_in
 from tests.engine.parity import assert_parity, hf_greedy
 
 
@@ -24,17 +25,7 @@ def test_default_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
 
 
 def _with_stand_in(llm: LLM, sizes: list[int]) -> DecodeGraphs:
-    engine = llm.engine
-    graphs = DecodeGraphs(
-        engine.runner.model,
-        engine.storage,
-        sizes,
-        -(-engine.max_model_len // engine.storage.block_size),
-        engine.device,
-        capture=False,
-    )
-    engine.runner.graphs = graphs
-    return graphs
+    return install_decode_stand_in(llm.engine, sizes)
 
 
 def _prompts(vocab: int, count: int) -> list[list[int]]:

@@ -36,12 +36,11 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs
 from engine.outputs import RequestOutput
-from engine.prefill_graphs import PrefillGraphs
 from scheduler import SchedulerOutput
 from scheduler.request import PENDING_TOKEN, StructuredOutputParams
 from tests.engine.conftest import make_tiny_llama
+from tests.engine.graph_stand_ins import install_decode_stand_in, install_prefill_stand_in
 from tests.engine.parity import Reference, assert_parity, hf_greedy
 from tests.triton_devices import TRITON_DEVICES
 
@@ -316,23 +315,17 @@ def test_graph_stand_ins_with_an_int8_cache_preemption_and_cached_prefixes(
               requests)  # fmt: skip
     llm = LLM(str(tiny_llama_gqa), num_kv_blocks=14, **common, **kwargs)  # type: ignore[arg-type]
     engine = llm.engine
-    max_blocks = -(-engine.max_model_len // engine.storage.block_size)
-    model, storage = engine.runner.model, engine.storage
-    engine.runner.graphs = DecodeGraphs(
-        model, storage, [1, 2, 4, 8], max_blocks, engine.device, capture=False
-    )
-    prefill_graphs = PrefillGraphs(model, storage, [8, 16, 24], engine.device, capture=False,
-                                   max_num_seqs=8, max_blocks_per_seq=max_blocks)  # fmt: skip
-    engine.runner.prefill_graphs = prefill_graphs
+    decode_graphs = install_decode_stand_in(engine, [1, 2, 4, 8])
+    prefill_graphs = install_prefill_stand_in(engine, [8, 16, 24])
     decode_replays = 0
-    replay = engine.runner.graphs.run
+    replay = decode_graphs.run
 
     def counting(batch):  # noqa: ANN001, ANN202
         nonlocal decode_replays
         decode_replays += 1
         return replay(batch)
 
-    engine.runner.graphs.run = counting  # type: ignore[method-assign]
+    decode_graphs.run = counting  # type: ignore[method-assign]
     got = run(llm, requests)
     for rid in ref.tokens:
         assert_parity(got.tokens[rid], ref.reference(rid), f"graphs {kwargs} {rid}")
@@ -378,15 +371,8 @@ def test_triton_with_an_int8_cache_cached_prefixes_preemption_and_async(
     engine = llm.engine
     assert engine.attention_backend == "triton"
     if graphs and device == "cpu":  # on CUDA the engine captured its own
-        model, storage = engine.runner.model, engine.storage
-        max_blocks = -(-engine.max_model_len // storage.block_size)
-        engine.runner.graphs = DecodeGraphs(
-            model, storage, [1, 2, 4], max_blocks, engine.device, capture=False
-        )
-        engine.runner.prefill_graphs = PrefillGraphs(
-            model, storage, [8, 16], engine.device, capture=False, max_num_seqs=4,
-            max_blocks_per_seq=max_blocks,
-        )  # fmt: skip
+        install_decode_stand_in(engine, [1, 2, 4])
+        install_prefill_stand_in(engine, [8, 16])
     elif not graphs and device == "cuda":
         engine.runner.graphs = engine.runner.prefill_graphs = None
     prefill_graphs = engine.runner.prefill_graphs

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import InputBatch
 from engine.prefill_graphs import PrefillGraphs, default_prefill_sizes
+from tests.engine.graph_stand_ins import install_decode_stand_in, install_prefill_stand_in
 from tests.engine.parity import assert_parity, hf_greedy
 from tests.triton_devices import TRITON_DEVICES
 
@@ -30,13 +30,7 @@ def test_default_sizes_stop_at_the_limit() -> None:
 def _with_stand_in(
     llm: LLM, sizes: list[int], mode: str = "full"
 ) -> tuple[PrefillGraphs, list[InputBatch]]:
-    engine = llm.engine
-    graphs = PrefillGraphs(
-        engine.runner.model, engine.storage, sizes, engine.device, capture=False, mode=mode,
-        max_num_seqs=engine.scheduler.config.max_num_seqs,
-        max_blocks_per_seq=-(-engine.max_model_len // engine.storage.block_size),
-    )  # fmt: skip
-    engine.runner.prefill_graphs = graphs
+    graphs = install_prefill_stand_in(llm.engine, sizes, mode)
     seen: list[InputBatch] = []
     run = graphs.run
 
@@ -90,10 +84,7 @@ def test_stand_in_matches_transformers_and_eager(tiny_llama_gqa, with_decode_gra
     llm = LLM(str(tiny_llama_gqa), **kwargs)
     engine = llm.engine
     if with_decode_graphs:
-        engine.runner.graphs = DecodeGraphs(
-            engine.runner.model, engine.storage, [1, 2, 4, 8],
-            -(-engine.max_model_len // engine.storage.block_size), engine.device, capture=False,
-        )  # fmt: skip
+        install_decode_stand_in(engine, [1, 2, 4, 8])
     graphs, seen = _with_stand_in(llm, [8, 16, 24], mode)
     ways: list[str] = []  # how each step's forward ran, as its stats say
     step = engine.step
