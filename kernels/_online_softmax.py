@@ -86,11 +86,10 @@ def attend_context(
             + head_offset
         )  # [TILE_N]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        row_offs = kv_offs[:, None] + offs_d[None, :]  # [TILE_N, HEAD_DIM_PAD], K's and V's
+        k = tl.load(key_cache_ptr + row_offs, mask=kv_mask, other=0.0)
         if EARLY_V:
-            v = tl.load(
-                value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-            )
+            v = tl.load(value_cache_ptr + row_offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
         if QUANTIZED:
             k_scale = tl.load(
@@ -110,9 +109,7 @@ def attend_context(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if not EARLY_V:
-            v = tl.load(
-                value_cache_ptr + kv_offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0
-            )
+            v = tl.load(value_cache_ptr + row_offs, mask=kv_mask, other=0.0)
         if QUANTIZED:
             v_scale = tl.load(
                 scale_ptrs(value_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
