@@ -190,10 +190,14 @@ def build_paged_kv(
 
 
 # Compiles the builds in the JSON file argv[1] (name -> tests/kernels/sm90_builds.py's Sm90Build
-# as a dict), each with its pointers specialised as 16-byte aligned (the variant the engine's
-# launches compile: vectorised loads and asynchronous copies depend on it), and
-# prints name -> None or the error text, as JSON. Options a build names that Triton's CUDA
-# backend does not know are an error (triton.compile would drop them silently).
+# as a dict), each specialised as the JIT specialises the engine's launches: pointers 16-byte
+# aligned and `stride_*` integers divisible by 16 (every stride of the built shapes is a
+# multiple of 16 elements). That is the variant a GPU runs: without the strides' divisibility
+# a K/V row's address is not known to be 16-byte aligned, the loads are scalar and no loop is
+# software-pipelined (cp.async moves 4-16 bytes). It prints name -> None or the error text
+# (or, for a build that lists `ptx_contains`, the strings its PTX lacks), as JSON. Options
+# a build names that Triton's CUDA backend does not know are an error (triton.compile would
+# drop them silently).
 _COMPILE_SCRIPT = r"""
 import importlib, json, sys, traceback
 import triton, triton.language as tl
@@ -218,17 +222,19 @@ for name, build in json.load(open(sys.argv[1])).items():
         options = build["options"]
         unknown = sorted(set(options) - set(CUDAOptions.__dataclass_fields__))
         assert not unknown, f"not triton.compile options: {unknown}"
-        # Pointers as the launcher meets them (16-byte-aligned tensor data): the JIT's
-        # divisibility attribute, except where the kernel opts out of specialising.
+        # Pointers and strides as the launcher meets them (16-byte-aligned tensor data,
+        # strides of 16 elements or more): the JIT's divisibility attribute, except where
+        # the kernel opts out of specialising.
         unspecialised = {names[i] if isinstance(i, int) else i
                          for i in (*fn.do_not_specialize, *fn.do_not_specialize_on_alignment)}
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in full.items()
-                 if t.startswith("*") and n not in unspecialised}
+                 if (t.startswith("*") or n.startswith("stride_")) and n not in unspecialised}
         src = ASTSource(fn=fn, signature=full,
                         constexprs={(names.index(k),): v for k, v in constexprs.items()},
                         attrs=attrs)
-        triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        results[name] = None
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        lacking = [text for text in build["ptx_contains"] if text not in compiled.asm["ptx"]]
+        results[name] = f"the PTX lacks {lacking}" if lacking else None
     except Exception:
         results[name] = traceback.format_exc()[-3000:]
 print(json.dumps(results))

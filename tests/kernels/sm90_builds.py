@@ -12,9 +12,10 @@ compiled here without an edit.
 
 A build names its kernel's argument types as Triton writes them (``"*bf16"``, ``"i32"``;
 ``stride_*`` default to ``"i64"``), its constexprs (strings ``"tl.<dtype>"`` become Triton
-dtypes) and the options the launcher passes besides them. Without a GPU nothing specialises
-the arguments (16-byte alignment, integers equal to 1 or divisible by 16): a build is the
-kernel's unspecialised variant.
+dtypes) and the options the launcher passes besides them. The compile specialises what the
+JIT specialises at the engine's launches (tests/kernels/conftest.py): pointers as 16-byte
+aligned and ``stride_*`` integers as divisible by 16, except the arguments a kernel opts out
+of specialising; other integers stay unspecialised.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Sm90Build:
     # triton.compile options, as the launcher passes them (num_warps, num_stages,
     # enable_fp_fusion, ...); absent ones take Triton's defaults, as at a launch
     options: dict[str, object] = field(default_factory=dict)
+    # Text the sm_90 PTX must hold (an instruction the launch exists for), else the build fails
+    ptx_contains: tuple[str, ...] = ()
 
 
 # Triton's pointer type and constexpr dtype of each model dtype; the bf16 builds keep the
