@@ -16,6 +16,9 @@ short still has every row's first stage::
        when it is unsplit)
     D  the best of C with each tile's V load issued beside its K load (``early_v``), or
        not: one round trip less per tile where nothing pipelines the loads (1 stage)
+    E  the best of D with the first tile's block ids loaded beside the context length
+       (``prefetch_ids``), and that as programmatic dependent launches (``pdl``, where
+       the GPU runs them): a short split's chain of dependent round trips, shortened
 
 Every timing line is printed (and flushed) as it is measured, with the launch's error
 against the reference (``MISMATCH`` launches are never "best"; a launch that fails to
@@ -87,7 +90,9 @@ def describe(launch: DecodeLaunch) -> str:
     merge = "unsplit" if launch.num_splits == 1 else ("one" if launch.one_launch else "two")
     return (f"{merge:<7} splits={launch.num_splits:<2} w={launch.num_warps} "
             f"s={launch.num_stages} tile={launch.tile_n:<3}"
-            f"{' early-v' if launch.early_v else '':<8}")  # fmt: skip
+            f"{' early-v' if launch.early_v else '':<8}"
+            f"{' ids' if launch.prefetch_ids else '':<4}"
+            f"{' pdl' if launch.pdl else '':<4}")  # fmt: skip
 
 
 class RowSweep:
@@ -217,6 +222,18 @@ def stage_d(row: RowSweep) -> list[DecodeLaunch]:
     return [replace(best.launch, early_v=not best.launch.early_v)]
 
 
+def stage_e(row: RowSweep) -> list[DecodeLaunch]:
+    """The best of D with its first tile's block ids prefetched, and that launched as
+    programmatic dependent launches where the device runs them."""
+    from kernels.paged_attention import pdl_supported
+
+    best = row.best()
+    if best is None:
+        return []
+    ahead = replace(best.launch, prefetch_ids=True, pdl=False)
+    return [ahead] + ([replace(ahead, pdl=True)] if pdl_supported(row.device) else [])
+
+
 def suggested_row(row: RowSweep, sms: int) -> str:
     """A ``DecodeTuning`` line reproducing the row's best split launch at its own shape, or
     for an unsplit best the launch parameters of the catch-all (unsplit) row: a row of its
@@ -225,7 +242,8 @@ def suggested_row(row: RowSweep, sms: int) -> str:
     shape = f"# {row.cfg.batch} x {row.cfg.context_len}"
     if b.num_splits == 1:
         return (f"catch-all row: num_warps={b.num_warps}, num_stages={b.num_stages}, "
-                f"tile_n={b.tile_n}, early_v={b.early_v}  {shape}")  # fmt: skip
+                f"tile_n={b.tile_n}, early_v={b.early_v}, prefetch_ids={b.prefetch_ids}, "
+                f"pdl={b.pdl}  {shape}")  # fmt: skip
     waves = row.cfg.batch * row.cfg.num_kv_heads / sms
     # Rounded up, ceil(target_waves * sms / programs) >= num_splits; max_splits clamps it.
     target = math.ceil(b.num_splits * waves * 1000) / 1000
@@ -234,7 +252,8 @@ def suggested_row(row: RowSweep, sms: int) -> str:
         f"max_context_len={row.cfg.context_len}, target_waves={target}, "
         f"min_tokens_per_split={b.tile_n}, max_splits={b.num_splits}, "
         f"one_launch={b.one_launch}, num_warps={b.num_warps}, num_stages={b.num_stages}, "
-        f"tile_n={b.tile_n}, early_v={b.early_v}),  {shape}"
+        f"tile_n={b.tile_n}, early_v={b.early_v}, prefetch_ids={b.prefetch_ids}, "
+        f"pdl={b.pdl}),  {shape}"
     )
 
 
@@ -257,7 +276,8 @@ def run_sweep(
         stages = Stages([("A", stage_a)])
     else:
         cfgs = [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in TARGET_ROWS]
-        stages = Stages([("A", stage_a), ("B", stage_b), ("C", stage_c), ("D", stage_d)])
+        stages = Stages([("A", stage_a), ("B", stage_b), ("C", stage_c), ("D", stage_d),
+                         ("E", stage_e)])  # fmt: skip
     out(f"# decode launch sweep: {len(cfgs)} rows, stages {stages.names}, "
         f"budget {budget_s:.0f} s (compiles included)")  # fmt: skip
     rows = [RowSweep(cfg, device, peak, quick) for cfg in cfgs]

@@ -19,8 +19,10 @@
 #               against http's c=64, whose slowest steps carry 2,048-token prefill chunks
 #   kernels     decode attention and fused ops against their targets (make test-gpu's
 #               second): the fused ops now timed alone, the norms at 4/8/16 warps
-#   sweep       the decode kernel's launch sweep on the short-context rows, with stage D
-#               (each tile's V load beside its K load) new since its last run
+#   sweep       the decode kernel's launch sweep on the short-context rows, with stages D
+#               (each tile's V load beside its K load) and E (the first tile's block ids
+#               beside the context length; then both kernels as programmatic dependent
+#               launches) new since its last run
 #   profile     where the batch-1/64/256 decode steps and the closed loop's mixed steps go
 #               (host against device time); c=64 mixed steps replayed whole, in pieces, and
 #               attending in two launches; c=4 long-prompt mixed steps split (pieces)

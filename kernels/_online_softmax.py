@@ -46,6 +46,9 @@ def attend_context(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
     EARLY_V: tl.constexpr = False,  # issue each tile's V load beside its K load (below)
+    first_tile=0,  # FIRST_IDS: the first tile's start, <= start
+    first_ids=0,  # FIRST_IDS: [TILE_N] the block ids of positions first_tile + [0, TILE_N)
+    FIRST_IDS: tl.constexpr = False,  # tiles from first_tile, the first one's ids given
 ):
     """Returns ``(m_i, l_i, acc)``: per row the running max (base 2), the sum of exp2 and
     the unnormalised output ``[M, HEAD_DIM_PAD]``, all float32. A row that saw no position
@@ -62,61 +65,129 @@ def attend_context(
     a short split's time (one or two tiles). It holds the V tile in registers through the
     softmax; the arithmetic is the same either way.
 
+    ``FIRST_IDS``: the caller has loaded the first tile's block ids (the decode kernel, in
+    the same memory round trip as the sequence's length, which ``start`` and ``end`` need).
+    Tiles are then aligned to ``first_tile`` rather than ``start`` and masked below
+    ``start`` too; where ``start == first_tile`` (no sliding window moved it) the tiles,
+    and so every bit of the result, are those of the walk from ``start``. Tiles wholly
+    before ``start`` after the first are skipped.
+
     NOTE: a row that has seen no visible position yet (a sliding window starting past
     this tile) keeps ``m_i == -inf``; the tile's max is then taken as 0 for the exponents,
     so they are exp2(-inf) = 0 and never exp2(-inf - -inf) = NaN.
     """
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_t = tl.arange(0, TILE_N)
-    d_mask = offs_d < HEAD_DIM
-
     m_i = tl.full([M], float("-inf"), tl.float32)  # running max (base 2)
     l_i = tl.zeros([M], tl.float32)  # running sum of exp2
     acc = tl.zeros([M, HEAD_DIM_PAD], tl.float32)
-    for tile_start in range(start, end, TILE_N):
-        offs_n = tile_start + offs_t  # context positions of this tile
-        n_mask = offs_n < end
-        # NOTE: masked positions never dereference the cache: slots past seq_len may hold
-        # garbage (even NaN) and block-table padding may be any id.
-        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-        # int64: block_id * stride_cache_block passes 2**31 in a large pool.
-        kv_offs = (
-            block_ids.to(tl.int64) * stride_cache_block
-            + (offs_n % BLOCK_SIZE) * stride_cache_slot
-            + head_offset
-        )  # [TILE_N]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        row_offs = kv_offs[:, None] + offs_d[None, :]  # [TILE_N, HEAD_DIM_PAD], K's and V's
-        k = tl.load(key_cache_ptr + row_offs, mask=kv_mask, other=0.0)
-        if EARLY_V:
-            v = tl.load(value_cache_ptr + row_offs, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
-        if QUANTIZED:
-            k_scale = tl.load(
-                scale_ptrs(key_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
-            ).to(tl.float32)
-            s = s * k_scale[None, :]
-        s = s * qk_scale  # [M, TILE_N]
-        if CAUSAL:
-            visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
-            s = tl.where(visible, s, float("-inf"))
-        else:
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if not EARLY_V:
-            v = tl.load(value_cache_ptr + row_offs, mask=kv_mask, other=0.0)
-        if QUANTIZED:
-            v_scale = tl.load(
-                scale_ptrs(value_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
-            ).to(tl.float32)
-            pv = (p * v_scale[None, :]).to(DOT_DTYPE)
-        else:
-            pv = p.to(v.dtype).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(pv, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
+    if FIRST_IDS:
+        offs_n = first_tile + offs_t
+        m_i, l_i, acc = _attend_tile(
+            q, q_pos, m_i, l_i, acc, offs_n, (offs_n >= start) & (offs_n < end), first_ids,
+            key_cache_ptr, value_cache_ptr, head_offset, qk_scale, sliding_window,
+            stride_cache_block, stride_cache_slot, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
+            BLOCK_SIZE=BLOCK_SIZE, CAUSAL=CAUSAL, DOT_DTYPE=DOT_DTYPE,
+            DOT_PRECISION=DOT_PRECISION, QUANTIZED=QUANTIZED, EARLY_V=EARLY_V,
+        )  # fmt: skip
+        # The tile holding start, or the second: the first's positions are done.
+        rest = first_tile + tl.maximum(1, (start - first_tile) // TILE_N) * TILE_N
+        for tile_start in range(rest, end, TILE_N):
+            offs_n = tile_start + offs_t  # context positions of this tile
+            n_mask = (offs_n >= start) & (offs_n < end)
+            block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+            m_i, l_i, acc = _attend_tile(
+                q, q_pos, m_i, l_i, acc, offs_n, n_mask, block_ids,
+                key_cache_ptr, value_cache_ptr, head_offset, qk_scale, sliding_window,
+                stride_cache_block, stride_cache_slot, HEAD_DIM=HEAD_DIM,
+                HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=CAUSAL,
+                DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, QUANTIZED=QUANTIZED,
+                EARLY_V=EARLY_V,
+            )  # fmt: skip
+    else:
+        for tile_start in range(start, end, TILE_N):
+            offs_n = tile_start + offs_t  # context positions of this tile
+            n_mask = offs_n < end
+            # NOTE: masked positions never dereference the cache: slots past seq_len may
+            # hold garbage (even NaN) and block-table padding may be any id.
+            block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+            m_i, l_i, acc = _attend_tile(
+                q, q_pos, m_i, l_i, acc, offs_n, n_mask, block_ids,
+                key_cache_ptr, value_cache_ptr, head_offset, qk_scale, sliding_window,
+                stride_cache_block, stride_cache_slot, HEAD_DIM=HEAD_DIM,
+                HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=CAUSAL,
+                DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, QUANTIZED=QUANTIZED,
+                EARLY_V=EARLY_V,
+            )  # fmt: skip
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tile(
+    q,  # [M, HEAD_DIM_PAD] DOT_DTYPE
+    q_pos,  # [M]; read only when CAUSAL
+    m_i,  # [M] running max (base 2)
+    l_i,  # [M] running sum of exp2
+    acc,  # [M, HEAD_DIM_PAD] unnormalised output
+    offs_n,  # [TILE_N] the tile's context positions
+    n_mask,  # [TILE_N] the positions attended to; the others are never read from the cache
+    block_ids,  # [TILE_N] each position's block (any value where masked)
+    key_cache_ptr,
+    value_cache_ptr,
+    head_offset,
+    qk_scale,
+    sliding_window,
+    stride_cache_block: tl.int64,
+    stride_cache_slot: tl.int64,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    EARLY_V: tl.constexpr,
+):
+    """One tile of ``attend_context``: its K and V rows loaded, the online softmax moved on.
+    Returns the new ``(m_i, l_i, acc)``."""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    # int64: block_id * stride_cache_block passes 2**31 in a large pool.
+    kv_offs = (
+        block_ids.to(tl.int64) * stride_cache_block
+        + (offs_n % BLOCK_SIZE) * stride_cache_slot
+        + head_offset
+    )  # [TILE_N]
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    row_offs = kv_offs[:, None] + offs_d[None, :]  # [TILE_N, HEAD_DIM_PAD], K's and V's
+    k = tl.load(key_cache_ptr + row_offs, mask=kv_mask, other=0.0)
+    if EARLY_V:
+        v = tl.load(value_cache_ptr + row_offs, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
+    if QUANTIZED:
+        k_scale = tl.load(scale_ptrs(key_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0).to(
+            tl.float32
+        )
+        s = s * k_scale[None, :]
+    s = s * qk_scale  # [M, TILE_N]
+    if CAUSAL:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+    else:
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if not EARLY_V:
+        v = tl.load(value_cache_ptr + row_offs, mask=kv_mask, other=0.0)
+    if QUANTIZED:
+        v_scale = tl.load(
+            scale_ptrs(value_cache_ptr + kv_offs, HEAD_DIM), mask=n_mask, other=0.0
+        ).to(tl.float32)
+        pv = (p * v_scale[None, :]).to(DOT_DTYPE)
+    else:
+        pv = p.to(v.dtype).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(pv, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc

@@ -27,13 +27,25 @@ arrive resets its counter and merges in the same launch (no second kernel, no pr
 waits). The counters live in one persistent zeroed buffer per device (``arrival_counters``)
 that the kernel keeps zero, so CUDA-graph replays need no host-side fill.
 
-The launch (split policy, merge, ``num_warps``, ``num_stages``, tile) comes from the table
-``DECODE_TUNING`` (``choose_launch``), which ``python -m benchmarks.kernels --sweep`` fills.
+Latency at short contexts (``DecodeLaunch.prefetch_ids``, ``DecodeLaunch.pdl``): a split
+of one or two tiles is a chain of dependent memory round trips (the sequence's length, then
+its block ids, then K and V, then the partial's store, then the merge kernel's loads), each
+as long as the tile's whole transfer. ``prefetch_ids`` loads the first tile's block ids in
+the same round trip as the length. ``pdl`` launches both kernels as programmatic dependent
+launches (Hopper and later): a kernel may start while the one before it in the stream
+finishes, loads the length and block ids, and waits (``gdc_wait``) only before the first
+load of what that kernel may have written (the query, K and V just stored, the partials).
+
+The launch (split policy, merge, ``num_warps``, ``num_stages``, tile, the two above) comes
+from the table ``DECODE_TUNING`` (``choose_launch``), which ``python -m benchmarks.kernels
+--sweep`` fills.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,8 +64,14 @@ from kernels._kv_quant_triton import hadamard_rows
 from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
 
+try:  # Triton >= 3.4: grid dependency control, for programmatic dependent launches
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # never traced: PDL is False wherever these are missing (pdl_supported)
+    gdc_launch_dependents = gdc_wait = None
+
 __all__ = [
     "DECODE_TUNING",
+    "pdl_supported",
     "DecodeLaunch",
     "DecodeTuning",
     "choose_launch",
@@ -101,6 +119,11 @@ class DecodeLaunch:
     tile_n: int = TILE_N  # context tokens per loop iteration; splits are whole tiles
     # Each tile's V load issued beside its K load (kernels/_online_softmax.attend_context).
     early_v: bool = False
+    # The first tile's block ids loaded beside the sequence's length, not after it.
+    prefetch_ids: bool = False
+    # Both kernels launched as programmatic dependent launches (needs prefetch_ids: the ids
+    # and the length are what a kernel loads before it waits; see pdl_supported).
+    pdl: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +148,8 @@ class DecodeTuning:
     num_stages: int
     tile_n: int
     early_v: bool = False
+    prefetch_ids: bool = False
+    pdl: bool = False
 
 
 # NOTE: where these numbers come from. The first three rows are `python -m benchmarks.kernels
@@ -172,7 +197,7 @@ DECODE_TUNING: tuple[DecodeTuning, ...] = (
 @triton.jit(
     do_not_specialize=(
         "tokens_per_split", "stride_out_seq", "stride_out_head", "stride_out_split",
-        "stride_lse_seq", "stride_lse_head", "stride_block_tables_seq",
+        "stride_lse_seq", "stride_lse_head", "stride_block_tables_seq", "max_blocks_per_seq",
     ),
 )  # fmt: skip
 def _paged_attention_decode_kernel(
@@ -190,6 +215,7 @@ def _paged_attention_decode_kernel(
     qk_scale,  # softmax scale * log2(e)
     tokens_per_split,  # context tokens per split, a multiple of TILE_N
     sliding_window,  # keys a query sees (itself included); larger than any context: all
+    max_blocks_per_seq,  # block_tables.shape[1]: where PREFETCH_IDS may read up to
     stride_query_seq: tl.int64,
     stride_query_head: tl.int64,
     stride_out_seq: tl.int64,
@@ -217,13 +243,34 @@ def _paged_attention_decode_kernel(
     QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
     HADAMARD_BLOCK: tl.constexpr,  # a quantized cache's keys' Hadamard blocks, else 1
     EARLY_V: tl.constexpr,  # DecodeLaunch.early_v
+    PREFETCH_IDS: tl.constexpr,  # DecodeLaunch.prefetch_ids
+    PDL: tl.constexpr,  # DecodeLaunch.pdl: launched as a programmatic dependent launch
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    block_table = block_tables_ptr + seq * stride_block_tables_seq
     seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_start = split * tokens_per_split
+    first_tile = split * tokens_per_split
+    if PREFETCH_IDS:
+        # The split's first tile's block ids, not waiting for seq_len: masked to the table's
+        # width only (ids past the context are read but never dereferenced).
+        first_blocks = (first_tile + tl.arange(0, TILE_N)) // BLOCK_SIZE
+        first_ids = tl.load(
+            block_table + first_blocks, mask=first_blocks < max_blocks_per_seq, other=0
+        )
+    else:
+        first_ids = 0
+    if PDL:
+        # NOTE: seq_lens and block_tables are inputs of the step, written before it starts
+        # (or by a kernel at least two launches back, complete by the time this kernel
+        # launches); the query and the K/V just stored may come from the kernel before,
+        # so every load of them follows the wait. Dependents may launch from here: each
+        # waits in turn before reading what this kernel writes.
+        gdc_wait()
+        gdc_launch_dependents()
+    ctx_start = first_tile
     # The last split runs to the end of the context, so a context longer than the bound the
     # splits were sized for is still attended to in full.
     last = split == tl.num_programs(2) - 1
@@ -246,7 +293,6 @@ def _paged_attention_decode_kernel(
     q = q.to(DOT_DTYPE)
     # q: [GROUP_PAD, HEAD_DIM_PAD], rows past the group are zeros (finite scores, never stored)
 
-    block_table = block_tables_ptr + seq * stride_block_tables_seq
     head_offset = kv_head.to(tl.int64) * stride_cache_head
     # Every tile holds >= 1 valid position, so m_i is finite and exp2 never sees NaN.
     # (offs_g stands in for q_pos, which only a causal walk reads.)
@@ -255,7 +301,8 @@ def _paged_attention_decode_kernel(
         ctx_start, ctx_end, qk_scale, 0, stride_cache_block, stride_cache_slot,
         M=GROUP_PAD, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE,
         TILE_N=TILE_N, CAUSAL=False, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION,
-        QUANTIZED=QUANTIZED, EARLY_V=EARLY_V,
+        QUANTIZED=QUANTIZED, EARLY_V=EARLY_V, first_tile=first_tile, first_ids=first_ids,
+        FIRST_IDS=PREFETCH_IDS,
     )  # fmt: skip
 
     # An empty split (context shorter than this split's start) or seq_len == 0 has l_i == 0:
@@ -351,9 +398,13 @@ def _reduce_splits_kernel(
     SPLITS_PAD: tl.constexpr,  # next power of two of num_splits: one variant per power
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent launch of the split kernel
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
+    if PDL:
+        gdc_wait()  # the partials are the kernel before's
+        gdc_launch_dependents()
     _merge_head(
         out_ptr + seq * stride_out_seq + head * stride_out_head,
         partial_out_ptr + seq * stride_partial_seq + head * stride_partial_head,
@@ -401,8 +452,29 @@ def choose_launch(
         by_length = max_context_len // row.min_tokens_per_split
         num_splits = max(1, min(by_parallelism, by_length, row.max_splits))
     return DecodeLaunch(
-        num_splits, row.one_launch, row.num_warps, row.num_stages, row.tile_n, row.early_v
-    )
+        num_splits, row.one_launch, row.num_warps, row.num_stages, row.tile_n, row.early_v,
+        row.prefetch_ids, row.pdl and pdl_supported(device),
+    )  # fmt: skip
+
+
+@functools.cache
+def pdl_supported(device: torch.device) -> bool:
+    """Whether ``DecodeLaunch.pdl`` can run on ``device``: a compiled launch (not the
+    interpreter) on a GPU of compute capability 9.0 or later, with a Triton that has grid
+    dependency control (3.4 and later). ``choose_launch`` drops a row's ``pdl`` elsewhere."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if gdc_wait is None or not _triton_launches_pdl():
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _triton_launches_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__
 
 
 def choose_num_splits(
@@ -494,6 +566,11 @@ def paged_attention_decode(
     tile_n = launch.tile_n
     assert launch.num_splits >= 1, launch
     assert tile_n >= 16 and tile_n == next_power_of_2(tile_n), launch
+    if launch.pdl and not (launch.prefetch_ids and pdl_supported(query.device)):
+        raise ValueError(
+            f"{launch}: pdl needs prefetch_ids, and a GPU of compute capability >= 9.0 with "
+            "compiled kernels and a Triton with grid dependency control (pdl_supported)"
+        )
     # Splits are whole tiles (at least one, even for an empty block table); recount so that
     # no split starts past the context bound.
     tokens_per_split = max(
@@ -517,17 +594,22 @@ def paged_attention_decode(
             kv_quant.hadamard_block(head_dim) if kv_quant.is_quantized(key_cache) else 1
         ),
         EARLY_V=launch.early_v,
+        PREFETCH_IDS=launch.prefetch_ids,
+        PDL=launch.pdl,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
+        # Passed only when set: a Triton without the option still runs every other launch.
+        **({"launch_pdl": True} if launch.pdl else {}),
     )
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E)
+    table_width = block_tables.shape[1]
     window = NO_WINDOW if sliding_window is None else sliding_window
     assert 1 <= window <= NO_WINDOW, sliding_window
     grid = (num_seqs, num_kv_heads, num_splits)
     if num_splits == 1:
         # lse, final output and counters are unused: any pointer of their type does.
         _paged_attention_decode_kernel[grid](
-            out, out, out, seq_lens, *common, tokens_per_split, window,
+            out, out, out, seq_lens, *common, tokens_per_split, window, table_width,
             query.stride(0), query.stride(1),
             out.stride(0), out.stride(1), 0,
             0, 0,
@@ -546,7 +628,7 @@ def paged_attention_decode(
         arrival_counters(query.device, num_seqs * num_kv_heads) if launch.one_launch else seq_lens
     )
     _paged_attention_decode_kernel[grid](
-        partial, lse, out, counters, *common, tokens_per_split, window,
+        partial, lse, out, counters, *common, tokens_per_split, window, table_width,
         query.stride(0), query.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
@@ -566,6 +648,8 @@ def paged_attention_decode(
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
+        PDL=launch.pdl,
+        **({"launch_pdl": True} if launch.pdl else {}),
     )  # fmt: skip
     return out
 
@@ -576,14 +660,14 @@ def tuned_launches() -> list[DecodeLaunch]:
     count (either merge compiles one variant per bound)."""
     launches: dict[DecodeLaunch, None] = {}
     for row in DECODE_TUNING:
-        params = (row.num_warps, row.num_stages, row.tile_n, row.early_v)
-        launches[DecodeLaunch(1, False, *params)] = None
+        params = (row.num_warps, row.num_stages, row.tile_n, row.early_v, row.prefetch_ids)
+        launches[DecodeLaunch(1, False, *params, row.pdl)] = None
         if row.target_waves <= 0 or row.max_splits <= 1:
             continue
         # The least count of each power-of-two bound: 2, 3, 5, 9, 17 for 32 splits.
         counts = [2**i // 2 + 1 for i in range(1, row.max_splits.bit_length())]
         for n in counts:
-            launches[DecodeLaunch(n, row.one_launch, *params)] = None
+            launches[DecodeLaunch(n, row.one_launch, *params, row.pdl)] = None
     return list(launches)
 
 
@@ -602,7 +686,10 @@ def compile_variants(
     device = key_cache.device
     query = torch.zeros((1, num_heads, head_dim), dtype=query_dtype, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    launches = tuned_launches()
+    # A table row's pdl runs only where the device can (choose_launch drops it elsewhere).
+    launches = [
+        replace(launch, pdl=launch.pdl and pdl_supported(device)) for launch in tuned_launches()
+    ]
     for launch in launches:
         context = launch.num_splits * launch.tile_n
         width = triton.cdiv(context, block_size)

@@ -193,10 +193,11 @@ def test_sweep_confirms_the_best_against_today_interleaved(device):
 
 
 def test_sweep_runs_every_stage_on_a_small_row(device, monkeypatch):
-    """The full sweep's code path (stages A to D, confirmation, summary, table lines) on
+    """The full sweep's code path (stages A to E, confirmation, summary, table lines) on
     one small row of the issue's head shape, with a narrowed warps/stages grid."""
     import benchmarks.decode_sweep as decode_sweep
     import kernels._common
+    from kernels.paged_attention import pdl_supported
 
     monkeypatch.setattr(decode_sweep, "TARGET_ROWS", [(1, 64)])
     # The sweep's split bound counts SMs (1 off CUDA): pretend an H100's 132.
@@ -207,16 +208,21 @@ def test_sweep_runs_every_stage_on_a_small_row(device, monkeypatch):
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     (row,) = decode_sweep.run_sweep(device, dtype, 100.0, out=lines.append)
     out = "\n".join(lines)
-    for stage in ("# stage A", "# stage B", "# stage C", "# stage D", "# confirm"):
+    for stage in ("# stage A", "# stage B", "# stage C", "# stage D", "# stage E", "# confirm"):
         assert stage in out, out
     # D: a launch with each tile's V load beside its K load, as good as any other
-    early = [m for m in row.results.values() if m.launch.early_v]
+    early = [m for m in row.results.values() if m.launch.early_v and not m.launch.prefetch_ids]
     assert len(early) == 1 and early[0].ok, row.results
     assert "early-v" in out
+    # E: D's best with the first tile's block ids prefetched (and no PDL off a GPU)
+    ahead = [m for m in row.results.values() if m.launch.prefetch_ids]
+    assert ahead and all(m.ok for m in ahead), row.results
+    assert any(m.launch.pdl for m in ahead) == pdl_supported(device)
+    assert " ids" in out
     assert "failed" not in out and "MISMATCH" not in out, out
     launches = {(m.launch.num_splits, m.launch.one_launch, m.launch.num_warps, m.launch.tile_n,
                  m.launch.num_stages) for m in row.results.values()
-                if not m.launch.early_v}  # fmt: skip
+                if not (m.launch.early_v or m.launch.prefetch_ids)}  # fmt: skip
     d = row.default
     assert (d.num_splits, d.one_launch, d.num_warps, d.tile_n, d.num_stages) in launches  # A
     # B: one of A's launches at each of the narrowed grid's warps, at 3 stages.

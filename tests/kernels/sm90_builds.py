@@ -55,6 +55,9 @@ DTYPES = tuple(_PTR)
 # Quantized KV caches (kernels/kv_quant.py): their pointer type and name.
 _CACHE_PTR = {torch.int8: "*i8", torch.float8_e4m3fn: "*fp8e4nv"}
 _CACHE_NAME = {torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
+# What a programmatic dependent launch's kernel must issue: the wait before reading what the
+# kernel before wrote, and the signal that lets the next one launch.
+_PDL_PTX = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
 # SMs of an H100 (and an H200): what the launchers' split-K counts are sized for.
 H100_SMS = 132
 # Llama-3-8B: attention (32 query heads on 8 KV heads of 128) and its decode matmuls'
@@ -132,24 +135,32 @@ def _decode(
         "kernels.paged_attention", "_paged_attention_decode_kernel",
         dict(_attention_args(dtype, cache), out_ptr="*fp32" if split else q,
              lse_ptr="*fp32" if split else q, final_out_ptr=q, counters_ptr="*i32",
-             tokens_per_split="i32"),
+             tokens_per_split="i32", max_blocks_per_seq="i32"),
         dict(NUM_QUERIES_PER_KV=group, GROUP_PAD=max(16, next_power_of_2(group)),
              HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_power_of_2(head_dim)), BLOCK_SIZE=16,
              TILE_N=launch.tile_n, SPLIT=split, COMBINE=combine, EARLY_V=launch.early_v,
+             PREFETCH_IDS=launch.prefetch_ids, PDL=launch.pdl,
              SPLITS_PAD=next_power_of_2(launch.num_splits) if combine else 1,
              **_attention_consts(dtype, cache, head_dim)),
-        dict(num_warps=launch.num_warps, num_stages=launch.num_stages),
+        dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
+             **({"launch_pdl": True} if launch.pdl else {})),
+        _PDL_PTX if launch.pdl else (),
     )  # fmt: skip
 
 
-def _decode_reduce(dtype: torch.dtype, head_dim: int, splits_pad: int) -> Sm90Build:
+def _decode_reduce(
+    dtype: torch.dtype, head_dim: int, splits_pad: int, pdl: bool = False
+) -> Sm90Build:
     """kernels.paged_attention's second kernel (the two-launch split-K merge)."""
     return Sm90Build(
         "kernels.paged_attention",
         "_reduce_splits_kernel",
         dict(out_ptr=_PTR[dtype], partial_out_ptr="*fp32", lse_ptr="*fp32", num_splits="i32"),
-        dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim)),
-    )
+        dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
+             PDL=pdl),
+        {"launch_pdl": True} if pdl else {},
+        _PDL_PTX if pdl else (),
+    )  # fmt: skip
 
 
 def _tuned_decode(
@@ -165,13 +176,14 @@ def _tuned_decode(
         pad = next_power_of_2(launch.num_splits)
         name = f"{prefix}_g{group}_d{head_dim}_w{launch.num_warps}s{launch.num_stages}"
         name += f"t{launch.tile_n}" + ("v" if launch.early_v else "")
+        name += ("i" if launch.prefetch_ids else "") + ("_pdl" if launch.pdl else "")
         if split:
             name += f"_one_launch{pad}" if launch.one_launch else "_split"
         builds[name] = _decode(dtype, cache, group, head_dim, launch)
         if split and not launch.one_launch and cache is None:
-            builds[f"reduce_splits{_SUFFIX[dtype]}_d{head_dim}_p{pad}"] = _decode_reduce(
-                dtype, head_dim, pad
-            )
+            reduce = f"reduce_splits{_SUFFIX[dtype]}_d{head_dim}_p{pad}"
+            reduce += "_pdl" if launch.pdl else ""
+            builds[reduce] = _decode_reduce(dtype, head_dim, pad, launch.pdl)
     return builds
 
 
@@ -340,6 +352,25 @@ SM90_BUILDS: dict[str, Sm90Build] = {
         )
         for w, st, t in ((4, 1, 64), (8, 1, 128), (4, 2, 32))
     },
+    # the first tile's block ids loaded beside the sequence's length, alone and under a
+    # programmatic dependent launch (the sweep's stage E), at the same three launches; the
+    # merge kernel launched as a dependent; a sliding window's tiles start with the split's
+    **{
+        f"decode_{kind}_g4_d128_w{w}s{st}t{t}": _decode(
+            _BF16,
+            None,
+            LLAMA3_GROUP,
+            LLAMA3_HEAD_DIM,
+            DecodeLaunch(4, False, w, st, t, True, prefetch_ids=True, pdl=kind == "pdl"),
+        )
+        for w, st, t in ((4, 1, 64), (8, 1, 128), (4, 2, 32))
+        for kind in ("prefetch_ids", "pdl")
+    },
+    "decode_pdl_one_launch": _decode(
+        _BF16, None, 3, 64, DecodeLaunch(5, one_launch=True, prefetch_ids=True, pdl=True)
+    ),
+    "decode_prefetch_ids_int8": _decode(_BF16, _INT8, 3, 64, DecodeLaunch(prefetch_ids=True)),
+    **{f"reduce_splits_pdl_p{p}": _decode_reduce(_BF16, 128, p, True) for p in (4, 16)},
     "decode_one_launch_llama3": _decode(
         _BF16, None, LLAMA3_GROUP, LLAMA3_HEAD_DIM, DecodeLaunch(5, one_launch=True)
     ),

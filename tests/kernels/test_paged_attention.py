@@ -375,6 +375,115 @@ def test_early_v_loads_change_no_bit(paged_kv, device, cache_dtype):
     assert_counters_zero(query.device)
 
 
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_prefetched_block_ids_change_no_bit(paged_kv, device, cache_dtype):
+    """``prefetch_ids`` loads each split's first tile of block ids beside the sequence's
+    length. Without a sliding window the tiles are the same, so the output is bitwise the
+    default's: unsplit, split with either merge, tiles that straddle blocks and contexts
+    that end inside, at or before a split's first tile (empty splits), over a block table
+    wider than the contexts and one exactly as wide as the longest."""
+    for width in (None, 7):  # 7 blocks of 16: the 100-token context's own
+        kv = paged_kv([40, 100, 7, 1], block_size=16, num_kv_heads=2, head_dim=64,
+                      dtype=torch.float32, device=device)  # fmt: skip
+        key_cache, value_cache = kv.key_cache, kv.value_cache
+        if cache_dtype is not None:  # the same block ids over 8-bit rows, every slot written
+            key_cache, value_cache = quantized_caches(tuple(key_cache.shape), cache_dtype, device)
+        tables = kv.block_tables if width is None else kv.block_tables[:, :width].contiguous()
+        query = torch.randn(4, 8, 64, device=device)
+        args = (query, key_cache, value_cache, tables, kv.seq_lens, 0.125)
+        for splits, one_launch, tile in ((1, False, 64), (4, False, 32), (3, True, 16),
+                                         (7, False, 16)):  # fmt: skip
+            launch = DecodeLaunch(splits, one_launch, num_warps=2, num_stages=1, tile_n=tile)
+            plain = paged_attention_decode(*args, launch=launch)
+            ahead = paged_attention_decode(*args, launch=replace(launch, prefetch_ids=True))
+            assert torch.isfinite(plain).all()
+            assert torch.equal(ahead, plain), (width, splits, one_launch, tile)
+    assert_counters_zero(query.device)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 33, 70, 1000])
+@pytest.mark.parametrize(("num_splits", "tile_n"), [(1, 16), (3, 16), (2, 32)])
+def test_prefetched_block_ids_under_a_sliding_window(paged_kv, close, device, sliding_window,
+                                                     num_splits, tile_n):  # fmt: skip
+    """A window moves a split's start past its first tile: the tiles stay aligned to the
+    split, the first ones are masked below the window (or skipped whole) and the result is
+    the reference's."""
+    kv = paged_kv(ragged_lens(16), block_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.float32, device=device)  # fmt: skip
+    query = torch.randn(len(ragged_lens(16)), 8, 64, device=device)
+    launch = DecodeLaunch(num_splits, False, num_warps=2, num_stages=1, tile_n=tile_n,
+                          prefetch_ids=True)  # fmt: skip
+    out = paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                 kv.seq_lens, 0.125, sliding_window, launch=launch)  # fmt: skip
+    close(out, reference.paged_attention_decode(
+        query, kv.ref_key_cache, kv.ref_value_cache, kv.ref_block_tables, kv.seq_lens, 0.125,
+        sliding_window,
+    ))  # fmt: skip
+
+
+def test_pdl_needs_prefetched_ids_and_a_device_that_runs_it(paged_kv, device):
+    """A programmatic dependent launch runs only compiled on compute capability >= 9.0;
+    asked for elsewhere (or without prefetch_ids) it is an error, and the table's rows
+    never ask for it there."""
+    kv = paged_kv([5], block_size=16, num_kv_heads=1, head_dim=64, dtype=torch.float32,
+                  device=device)  # fmt: skip
+    query = torch.randn(1, 2, 64, device=device)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125)
+    with pytest.raises(ValueError, match="pdl needs prefetch_ids"):
+        paged_attention_decode(*args, launch=DecodeLaunch(pdl=True))
+    if not decode_module.pdl_supported(device):
+        with pytest.raises(ValueError, match="compute capability"):
+            paged_attention_decode(*args, launch=DecodeLaunch(prefetch_ids=True, pdl=True))
+    assert not decode_module.pdl_supported(torch.device("cpu"))
+
+
+def test_a_rows_pdl_is_dropped_where_the_device_cannot_run_it(monkeypatch):
+    row = replace(DECODE_TUNING[-1], prefetch_ids=True, pdl=True)
+    monkeypatch.setattr(decode_module, "DECODE_TUNING", (row,))
+    launch = choose_launch(64, 8, 4096, torch.device("cpu"))
+    assert launch.prefetch_ids and not launch.pdl
+    monkeypatch.setattr(decode_module, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(decode_module, "num_compute_units", lambda device: 132)
+    assert choose_launch(64, 8, 4096, torch.device("cuda")).pdl
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_pdl_launches_match_plain_ones_in_a_cuda_graph(paged_kv, one_launch):
+    """Programmatic dependent launches (where the GPU runs them) give the plain launch's
+    bits, eagerly and captured in a CUDA graph behind the kernel that writes the query,
+    replayed with new context lengths."""
+    device = torch.device("cuda")
+    if not decode_module.pdl_supported(device):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    kv = paged_kv([700, 1000, 3], block_size=16, num_kv_heads=8, head_dim=128,
+                  dtype=torch.bfloat16, device=device)  # fmt: skip
+    source = torch.randn(3, 32, 128, device=device).to(torch.bfloat16)
+    query = torch.empty_like(source)
+    seq_lens = kv.seq_lens.clone()
+    plain = DecodeLaunch(8, one_launch, num_warps=4, num_stages=1, tile_n=64, prefetch_ids=True)
+
+    def decode(launch: DecodeLaunch) -> torch.Tensor:
+        query.copy_(source * 2)  # the kernel just before writes the query
+        return paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                      seq_lens, 128**-0.5, launch=launch)  # fmt: skip
+
+    pdl = replace(plain, pdl=True)
+    assert torch.equal(decode(pdl), decode(plain))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode(pdl)
+    for lens in ([1, 1000, 3], [699, 17, 1]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        source.copy_(torch.randn_like(source, dtype=torch.float32).to(torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, decode(plain)), lens
+    if one_launch:
+        assert_counters_zero(device)
+
+
 def test_arrival_counters_grow_without_dropping_older_buffers():
     cpu = torch.device("cpu")
     size = arrival_counters(cpu, 1).numel()
