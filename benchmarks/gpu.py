@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -55,6 +56,7 @@ from engine.cost import StepCostModel
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
 from engine.presets import preset
+from kernels._common import PDL_ENV
 from planner.devices import device_for_cuda_name
 from planner.measured import Histogram
 
@@ -719,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"engine ready in {time.perf_counter() - t0:.1f} s "
         f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'}"
-        f"{', async scheduling' if engine.async_scheduling else ''}); "
+        f"{', async scheduling' if engine.async_scheduling else ''}"
+        f"{f', {PDL_ENV}=' + os.environ[PDL_ENV] if os.environ.get(PDL_ENV) else ''}); "
         f"{engine.kv_capacity.describe()}",
         flush=True,
     )
@@ -734,6 +737,7 @@ def main(argv: list[str] | None = None) -> int:
                            "quantization": args.quantization,
                            "async_scheduling": engine.async_scheduling,
                            "graphs": not args.enforce_eager and device.type == "cuda",
+                           "pdl": os.environ.get(PDL_ENV, ""),
                            "bandwidth": bandwidth, "flops": flops}  # fmt: skip
 
     # Batch 1: the first request after the engine is ready, then a steady one.

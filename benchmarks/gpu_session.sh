@@ -23,6 +23,9 @@
 #               (each tile's V load beside its K load) and E (the first tile's block ids
 #               beside the context length; then both kernels as programmatic dependent
 #               launches) new since its last run
+#   pdl         batch-1 TPOT and the decode steps with every Triton kernel of a layer as a
+#               programmatic dependent launch (PAGEDSERVE_PDL=1: each launches while the one
+#               before finishes), against the same run with PAGEDSERVE_PDL=0
 #   profile     where the batch-1/64/256 decode steps and the closed loop's mixed steps go
 #               (host against device time); c=64 mixed steps replayed whole, in pieces, and
 #               attending in two launches; c=4 long-prompt mixed steps split (pieces)
@@ -118,6 +121,11 @@ step() {
         done ;;
     itl-target) run_step itl-target 200 "${B[@]}" --sections http --concurrency 64 \
         --server-args "--target-itl-ms 25" --out "$OUT/itl-target.json" ;;
+    pdl)
+        for pdl in 0 1; do
+            PAGEDSERVE_PDL=$pdl run_step "pdl$pdl" 150 "${B[@]}" --sections batch1,decode \
+                --skip-http --out "$OUT/pdl$pdl.json"
+        done ;;
     profile) run_step profile 200 "${B[@]}" --sections profile --skip-http \
         --out "$OUT/profile.json" ;;
     async-off) run_step async-off 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
@@ -128,7 +136,7 @@ step() {
                 --sampling "$sampling" --json "$OUT/host-$sampling.json"
         done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels sweep chunks itl-target async-off host suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels sweep pdl chunks itl-target async-off host suite)" >&2
         exit 2 ;;
     esac
 }
@@ -141,7 +149,7 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests http itl-ratio kernels sweep profile piecewise engine chunks itl-target \
+    set -- gpu-tests http itl-ratio kernels sweep pdl profile piecewise engine chunks itl-target \
         async-off host suite
 fi
 for s in "$@"; do

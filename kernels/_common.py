@@ -12,6 +12,7 @@ import torch
 from kernels import kv_quant
 
 __all__ = [
+    "PDL_ENV",
     "SUPPORTED_DTYPES",
     "attention_dtype",
     "check_attention_inputs",
@@ -22,6 +23,10 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# "1": every Triton kernel of a decoder layer launches as a programmatic dependent launch
+# where the device runs them; "0": none does; unset: the defaults (DECODE_TUNING's rows for
+# decode attention; the fused layer ops plain). For A/B runs on a GPU (kernels/README.md).
+PDL_ENV = "PAGEDSERVE_PDL"
 
 
 def next_power_of_2(n: int) -> int:

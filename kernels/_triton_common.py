@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels._common import dot_precision
+from kernels._common import PDL_ENV, dot_precision
 
-__all__ = ["TL_DTYPES", "dot_args", "round_args", "round_to"]
+try:  # Triton >= 3.4: grid dependency control, for programmatic dependent launches
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # never traced: PDL is False wherever these are missing (pdl_supported)
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = [
+    "PDL_ENV",
+    "TL_DTYPES",
+    "dot_args",
+    "pdl_args",
+    "pdl_enter",
+    "pdl_policy",
+    "pdl_supported",
+    "round_args",
+    "round_to",
+]
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -56,3 +74,61 @@ def round_to(x, DTYPE: tl.constexpr, SOFT_BF16_ROUND: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return x.to(DTYPE).to(tl.float32)
+
+
+@functools.cache
+def pdl_supported(device: torch.device) -> bool:
+    """Whether a kernel can run as a programmatic dependent launch on ``device``: compiled
+    (not the interpreter), compute capability 9.0 or later, and a Triton with grid
+    dependency control and the ``launch_pdl`` option (3.4 and later)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if gdc_wait is None:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    if "launch_pdl" not in CUDAOptions.__dataclass_fields__:
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def pdl_policy(device: torch.device) -> bool | None:
+    """``PAGEDSERVE_PDL`` on ``device``: True (on, where supported), False (off), or None
+    (unset: each launcher's default)."""
+    value = os.environ.get(PDL_ENV, "")
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
+    return value == "1" and pdl_supported(device)
+
+
+def pdl_args(pdl: bool, device: torch.device) -> dict[str, object]:
+    """A PDL-capable kernel's ``PDL`` constexpr and launch option. ``launch_pdl`` is passed
+    only when set, so a Triton without the option still runs the plain launches."""
+    if not pdl:
+        return {"PDL": False}
+    if not pdl_supported(device):
+        raise ValueError(
+            f"a programmatic dependent launch needs compiled kernels on a GPU of compute "
+            f"capability >= 9.0 and Triton >= 3.4; {device} cannot run one"
+        )
+    return {"PDL": True, "launch_pdl": True}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Where a kernel that may be a programmatic dependent launch starts to depend on the
+    kernel before: wait until that one has completed and its writes are visible, then let
+    the next one launch (it waits in turn before reading anything this kernel writes).
+
+    NOTE: as the first statement nothing is read early, so any kernel may come before. A
+    load placed above it runs while the kernel before may still be writing: it may only
+    read what that kernel never writes. A dependent launches once every program of the
+    kernel before has passed this point or exited, so every kernel before that one has
+    completed by then."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -43,9 +43,7 @@ from the table ``DECODE_TUNING`` (``choose_launch``), which ``python -m benchmar
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -62,16 +60,18 @@ from kernels._common import (
 )
 from kernels._kv_quant_triton import hadamard_rows
 from kernels._online_softmax import attend_context
-from kernels._triton_common import dot_args
-
-try:  # Triton >= 3.4: grid dependency control, for programmatic dependent launches
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # never traced: PDL is False wherever these are missing (pdl_supported)
-    gdc_launch_dependents = gdc_wait = None
+from kernels._triton_common import (
+    dot_args,
+    pdl_args,
+    pdl_enter,
+    pdl_policy,
+    pdl_supported,
+)
 
 __all__ = [
     "DECODE_TUNING",
     "pdl_supported",
+    "with_pdl_policy",
     "DecodeLaunch",
     "DecodeTuning",
     "choose_launch",
@@ -262,14 +262,12 @@ def _paged_attention_decode_kernel(
         )
     else:
         first_ids = 0
-    if PDL:
-        # NOTE: seq_lens and block_tables are inputs of the step, written before it starts
-        # (or by a kernel at least two launches back, complete by the time this kernel
-        # launches); the query and the K/V just stored may come from the kernel before,
-        # so every load of them follows the wait. Dependents may launch from here: each
-        # waits in turn before reading what this kernel writes.
-        gdc_wait()
-        gdc_launch_dependents()
+    # NOTE: with PDL, what is loaded above is read before the kernel before has finished.
+    # seq_lens and block_tables are inputs of the step, written before it starts (or by a
+    # kernel at least two launches back, complete once this kernel launches); the query
+    # and the K/V just stored may come from the kernel before, so every load of them
+    # follows the wait.
+    pdl_enter(PDL)
     ctx_start = first_tile
     # The last split runs to the end of the context, so a context longer than the bound the
     # splits were sized for is still attended to in full.
@@ -402,9 +400,7 @@ def _reduce_splits_kernel(
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    if PDL:
-        gdc_wait()  # the partials are the kernel before's
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # the partials are the kernel before's
     _merge_head(
         out_ptr + seq * stride_out_seq + head * stride_out_head,
         partial_out_ptr + seq * stride_partial_seq + head * stride_partial_head,
@@ -451,30 +447,23 @@ def choose_launch(
         by_parallelism = math.ceil(row.target_waves * sms / max(1, num_seqs * num_kv_heads))
         by_length = max_context_len // row.min_tokens_per_split
         num_splits = max(1, min(by_parallelism, by_length, row.max_splits))
-    return DecodeLaunch(
+    launch = DecodeLaunch(
         num_splits, row.one_launch, row.num_warps, row.num_stages, row.tile_n, row.early_v,
-        row.prefetch_ids, row.pdl and pdl_supported(device),
+        row.prefetch_ids, row.pdl,
     )  # fmt: skip
+    return with_pdl_policy(launch, device)
 
 
-@functools.cache
-def pdl_supported(device: torch.device) -> bool:
-    """Whether ``DecodeLaunch.pdl`` can run on ``device``: a compiled launch (not the
-    interpreter) on a GPU of compute capability 9.0 or later, with a Triton that has grid
-    dependency control (3.4 and later). ``choose_launch`` drops a row's ``pdl`` elsewhere."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if gdc_wait is None or not _triton_launches_pdl():
-        return False
-    return torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _triton_launches_pdl() -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__
+def with_pdl_policy(launch: DecodeLaunch, device: torch.device) -> DecodeLaunch:
+    """``launch`` as ``device`` runs it: a row's ``pdl`` only where supported
+    (``pdl_supported``); ``PAGEDSERVE_PDL=1`` turns it on (with ``prefetch_ids``, what a
+    dependent launch loads before it waits) and ``=0`` off (``pdl_policy``)."""
+    policy = pdl_policy(device)
+    if policy is None:
+        return replace(launch, pdl=launch.pdl and pdl_supported(device))
+    if policy:
+        return replace(launch, prefetch_ids=True, pdl=True)
+    return replace(launch, pdl=False)
 
 
 def choose_num_splits(
@@ -566,11 +555,8 @@ def paged_attention_decode(
     tile_n = launch.tile_n
     assert launch.num_splits >= 1, launch
     assert tile_n >= 16 and tile_n == next_power_of_2(tile_n), launch
-    if launch.pdl and not (launch.prefetch_ids and pdl_supported(query.device)):
-        raise ValueError(
-            f"{launch}: pdl needs prefetch_ids, and a GPU of compute capability >= 9.0 with "
-            "compiled kernels and a Triton with grid dependency control (pdl_supported)"
-        )
+    if launch.pdl and not launch.prefetch_ids:
+        raise ValueError(f"{launch}: pdl needs prefetch_ids (what the kernel loads early)")
     # Splits are whole tiles (at least one, even for an empty block table); recount so that
     # no split starts past the context bound.
     tokens_per_split = max(
@@ -595,11 +581,9 @@ def paged_attention_decode(
         ),
         EARLY_V=launch.early_v,
         PREFETCH_IDS=launch.prefetch_ids,
-        PDL=launch.pdl,
+        **pdl_args(launch.pdl, query.device),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
-        # Passed only when set: a Triton without the option still runs every other launch.
-        **({"launch_pdl": True} if launch.pdl else {}),
     )
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E)
     table_width = block_tables.shape[1]
@@ -648,8 +632,7 @@ def paged_attention_decode(
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        PDL=launch.pdl,
-        **({"launch_pdl": True} if launch.pdl else {}),
+        **pdl_args(launch.pdl, query.device),
     )  # fmt: skip
     return out
 
@@ -686,10 +669,8 @@ def compile_variants(
     device = key_cache.device
     query = torch.zeros((1, num_heads, head_dim), dtype=query_dtype, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-    # A table row's pdl runs only where the device can (choose_launch drops it elsewhere).
-    launches = [
-        replace(launch, pdl=launch.pdl and pdl_supported(device)) for launch in tuned_launches()
-    ]
+    # What choose_launch makes of each row on this device (with_pdl_policy).
+    launches = list(dict.fromkeys(with_pdl_policy(t, device) for t in tuned_launches()))
     for launch in launches:
         context = launch.num_splits * launch.tile_n
         width = triton.cdiv(context, block_size)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import SUPPORTED_DTYPES, next_power_of_2
-from kernels._triton_common import round_args, round_to
+from kernels._triton_common import pdl_args, pdl_enter, pdl_policy, round_args, round_to
 
 __all__ = ["add_rms_norm_", "choose_num_warps", "rms_norm"]
 
@@ -44,7 +44,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     DTYPE: tl.constexpr,
     SOFT_BF16_ROUND: tl.constexpr,  # see kernels/_triton_common.round_args
+    PDL: tl.constexpr,  # a programmatic dependent launch (kernels/_triton_common.pdl_enter)
 ):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, HIDDEN_PAD)
     mask = offs < HIDDEN_SIZE
@@ -73,6 +75,7 @@ def _launch(
     weight: torch.Tensor,
     eps: float,
     num_warps: int | None,
+    pdl: bool | None,
 ) -> torch.Tensor:
     assert x.dim() == 2, f"x must be [num_tokens, hidden_size], got {tuple(x.shape)}"
     num_tokens, hidden_size = x.shape
@@ -90,12 +93,15 @@ def _launch(
     hidden_pad = next_power_of_2(hidden_size)
     if num_warps is None:
         num_warps = choose_num_warps(hidden_size)
+    if pdl is None:
+        pdl = bool(pdl_policy(x.device))
     _rms_norm_kernel[(num_tokens,)](
         out, x, x if residual is None else residual, weight, eps,
         x.stride(0), 0 if residual is None else residual.stride(0),
         HIDDEN_SIZE=hidden_size, HIDDEN_PAD=hidden_pad, HAS_RESIDUAL=residual is not None,
         num_warps=num_warps,
         **round_args(_rms_norm_kernel, x.dtype),
+        **pdl_args(pdl, x.device),
     )  # fmt: skip
     return out
 
@@ -106,10 +112,11 @@ def rms_norm(
     eps: float,
     *,
     num_warps: int | None = None,  # None: choose_num_warps
+    pdl: bool | None = None,  # a programmatic dependent launch; None: PAGEDSERVE_PDL's
 ) -> torch.Tensor:  # [num_tokens, hidden_size]
     """``weight * rms_normalised(x)``, statistics in float32, cast to the dtype before the
     weight. ``x`` may be a strided view with contiguous rows."""
-    return _launch(x, None, weight, eps, num_warps)
+    return _launch(x, None, weight, eps, num_warps, pdl)
 
 
 def add_rms_norm_(
@@ -119,6 +126,7 @@ def add_rms_norm_(
     eps: float,
     *,
     num_warps: int | None = None,  # None: choose_num_warps
+    pdl: bool | None = None,  # a programmatic dependent launch; None: PAGEDSERVE_PDL's
 ) -> torch.Tensor:  # [num_tokens, hidden_size]
     """``residual += x`` in place (rounded to its dtype), then ``rms_norm(residual)``."""
-    return _launch(x, residual, weight, eps, num_warps)
+    return _launch(x, residual, weight, eps, num_warps, pdl)

@@ -38,7 +38,7 @@ from kernels._kv_quant_triton import (
     row_scales,
     scale_ptrs,
 )
-from kernels._triton_common import round_args, round_to
+from kernels._triton_common import pdl_args, pdl_enter, pdl_policy, round_args, round_to
 
 __all__ = ["COMPILE_OPTIONS", "choose_block_h", "rope_and_store_"]
 
@@ -76,7 +76,9 @@ def _rope_and_store_kernel(
     SOFT_FP8_ROUND: tl.constexpr,  # see kernels/_kv_quant_triton.quant_args
     HADAMARD_BLOCK: tl.constexpr,  # keys' Hadamard blocks (kv_quant.hadamard_block)
     HAS_KEY_OFFSET: tl.constexpr,  # keys less key_offset before quantizing (kv_quant.py)
+    PDL: tl.constexpr,  # a programmatic dependent launch (kernels/_triton_common.pdl_enter)
 ):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     # Rows of this program's tile: Q heads 0..NUM_HEADS-1, then K heads, BLOCK_H at a time.
@@ -190,6 +192,7 @@ def rope_and_store_(
     key_offset: torch.Tensor | None = None,  # [num_kv_heads, head_dim] float32
     *,
     block_h: int | None = None,  # Q/K heads a program rotates (a power of two); None: ~4,096 values
+    pdl: bool | None = None,  # a programmatic dependent launch; None: PAGEDSERVE_PDL's
 ) -> torch.Tensor:  # rotated queries [num_tokens, num_heads, head_dim], a view of qkv
     """Rotate Q (in place in ``qkv``) and K, store rotated K and V at ``slot_mapping``.
 
@@ -226,6 +229,8 @@ def rope_and_store_(
     if block_h is None:
         block_h = choose_block_h(num_rows, head_dim)
     assert block_h >= 1 and block_h == next_power_of_2(block_h), block_h
+    if pdl is None:
+        pdl = bool(pdl_policy(qkv.device))
     _rope_and_store_kernel[(num_tokens, triton.cdiv(num_rows, block_h))](
         qkv, cos, sin, key_cache, value_cache, slot_mapping, offset_ptr,
         qkv.stride(0), cos.stride(0), sin.stride(0),
@@ -235,6 +240,7 @@ def rope_and_store_(
         HAS_KEY_OFFSET=has_offset,
         **round_args(_rope_and_store_kernel, qkv.dtype),
         **quant_args(_rope_and_store_kernel, key_cache),
+        **pdl_args(pdl, qkv.device),
         **COMPILE_OPTIONS,
     )  # fmt: skip
     return q

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import SUPPORTED_DTYPES
-from kernels._triton_common import round_args, round_to
+from kernels._triton_common import pdl_args, pdl_enter, pdl_policy, round_args, round_to
 
 __all__ = ["silu_mul"]
 
@@ -38,7 +38,9 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     DTYPE: tl.constexpr,
     SOFT_BF16_ROUND: tl.constexpr,  # see kernels/_triton_common.round_args
+    PDL: tl.constexpr,  # a programmatic dependent launch (kernels/_triton_common.pdl_enter)
 ):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < INTERMEDIATE_SIZE
@@ -51,6 +53,8 @@ def _silu_mul_kernel(
 
 def silu_mul(
     gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate_size]
+    *,
+    pdl: bool | None = None,  # a programmatic dependent launch; None: PAGEDSERVE_PDL's
 ) -> torch.Tensor:  # [num_tokens, intermediate_size]
     """``silu(gate) * up`` of ``gate_up = [gate | up]``; rows may be strided, not columns."""
     assert gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0, tuple(gate_up.shape)
@@ -62,9 +66,12 @@ def silu_mul(
     if num_tokens == 0 or intermediate_size == 0:
         return out
     grid = (num_tokens, triton.cdiv(intermediate_size, BLOCK))
+    if pdl is None:
+        pdl = bool(pdl_policy(gate_up.device))
     _silu_mul_kernel[grid](
         out, gate_up, gate_up.stride(0),
         INTERMEDIATE_SIZE=intermediate_size, BLOCK=BLOCK,
         **round_args(_silu_mul_kernel, gate_up.dtype),
+        **pdl_args(pdl, gate_up.device),
     )  # fmt: skip
     return out

@@ -5,6 +5,7 @@ exit 2. (The figures it prints here mean nothing; the GPU run is what it is for.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +54,17 @@ def test_the_host_step_times_greedy_and_penalised_steps(tmp_path: Path) -> None:
         assert f"{sampling} sampling" in (out / f"host-{sampling}.log").read_text()
 
 
+def test_the_pdl_step_runs_with_the_switch_off_then_on(tmp_path: Path) -> None:
+    done = run(tmp_path, "pdl")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text()
+    assert "pdl0 rc=0 " in summary and "pdl1 rc=0 " in summary, summary
+    for value in ("0", "1"):
+        assert json.loads((out / f"pdl{value}.json").read_text())["pdl"] == value
+        assert f"PAGEDSERVE_PDL={value}" in (out / f"pdl{value}.log").read_text()
+
+
 def test_a_step_that_does_not_fit_is_skipped(tmp_path: Path) -> None:
     done = run(tmp_path, "suite", session_s=60)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -64,5 +76,5 @@ def test_an_unknown_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
         "unknown step: bogus (gpu-tests engine http itl-ratio piecewise profile kernels sweep "
-        "chunks itl-target async-off host suite)"
+        "pdl chunks itl-target async-off host suite)"
     ], done.stderr

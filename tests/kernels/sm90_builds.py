@@ -131,6 +131,7 @@ def _decode(
     split = launch.num_splits > 1
     combine = split and launch.one_launch
     q = _PTR[dtype]
+    option, ptx = _pdl(launch.pdl)
     return Sm90Build(
         "kernels.paged_attention", "_paged_attention_decode_kernel",
         dict(_attention_args(dtype, cache), out_ptr="*fp32" if split else q,
@@ -142,9 +143,8 @@ def _decode(
              PREFETCH_IDS=launch.prefetch_ids, PDL=launch.pdl,
              SPLITS_PAD=next_power_of_2(launch.num_splits) if combine else 1,
              **_attention_consts(dtype, cache, head_dim)),
-        dict(num_warps=launch.num_warps, num_stages=launch.num_stages,
-             **({"launch_pdl": True} if launch.pdl else {})),
-        _PDL_PTX if launch.pdl else (),
+        dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **option),
+        ptx,
     )  # fmt: skip
 
 
@@ -158,8 +158,7 @@ def _decode_reduce(
         dict(out_ptr=_PTR[dtype], partial_out_ptr="*fp32", lse_ptr="*fp32", num_splits="i32"),
         dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=next_power_of_2(head_dim),
              PDL=pdl),
-        {"launch_pdl": True} if pdl else {},
-        _PDL_PTX if pdl else (),
+        *_pdl(pdl),
     )  # fmt: skip
 
 
@@ -203,29 +202,43 @@ def _prefill(dtype: torch.dtype, cache: torch.dtype | None, group: int, head_dim
     )  # fmt: skip
 
 
+def _pdl(pdl: bool) -> tuple[dict[str, object], tuple[str, ...]]:
+    """A PDL-capable kernel's launch option and required PTX (kernels/_triton_common.pdl_args)."""
+    return ({"launch_pdl": True}, _PDL_PTX) if pdl else ({}, ())
+
+
 def _rms_norm(
-    dtype: torch.dtype, hidden_size: int, has_residual: bool, num_warps: int | None = None
+    dtype: torch.dtype,
+    hidden_size: int,
+    has_residual: bool,
+    num_warps: int | None = None,
+    pdl: bool = False,
 ) -> Sm90Build:
     """kernels.rms_norm's launch, at the warps it picks for ``hidden_size`` unless
     ``num_warps``."""
     if num_warps is None:
         num_warps = rms_norm.choose_num_warps(hidden_size)
     p = _PTR[dtype]
+    option, ptx = _pdl(pdl)
     return Sm90Build(
         "kernels.rms_norm", "_rms_norm_kernel",
         dict(out_ptr=p, x_ptr=p, residual_ptr=p, weight_ptr=p, eps="fp32"),
         dict(HIDDEN_SIZE=hidden_size, HIDDEN_PAD=next_power_of_2(hidden_size),
-             HAS_RESIDUAL=has_residual, DTYPE=_TL[dtype], SOFT_BF16_ROUND=False),
-        dict(num_warps=num_warps),
+             HAS_RESIDUAL=has_residual, DTYPE=_TL[dtype], SOFT_BF16_ROUND=False, PDL=pdl),
+        dict(num_warps=num_warps, **option),
+        ptx,
     )  # fmt: skip
 
 
-def _silu_mul(dtype: torch.dtype, intermediate_size: int) -> Sm90Build:
+def _silu_mul(dtype: torch.dtype, intermediate_size: int, pdl: bool = False) -> Sm90Build:
+    option, ptx = _pdl(pdl)
     return Sm90Build(
         "kernels.silu_mul", "_silu_mul_kernel",
         dict(out_ptr=_PTR[dtype], gate_up_ptr=_PTR[dtype]),
         dict(INTERMEDIATE_SIZE=intermediate_size, BLOCK=silu_mul.BLOCK, DTYPE=_TL[dtype],
-             SOFT_BF16_ROUND=False),
+             SOFT_BF16_ROUND=False, PDL=pdl),
+        option,
+        ptx,
     )  # fmt: skip
 
 
@@ -236,12 +249,14 @@ def _rope(
     num_kv_heads: int,
     head_dim: int,
     block_h: int | None = None,
+    pdl: bool = False,
 ) -> Sm90Build:
     """kernels.rope_and_store_'s launch with its compile options (no fp fusion); its
     default tile unless ``block_h``; a quantized cache with a key offset."""
     p, c = _PTR[dtype], _cache_ptr(dtype, cache)
     if block_h is None:
         block_h = rope_and_store.choose_block_h(num_heads + num_kv_heads, head_dim)
+    option, ptx = _pdl(pdl)
     return Sm90Build(
         "kernels.rope_and_store", "_rope_and_store_kernel",
         dict(qkv_ptr=p, cos_ptr=p, sin_ptr=p, key_cache_ptr=c, value_cache_ptr=c,
@@ -249,8 +264,9 @@ def _rope(
         dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
              HALF_PAD=next_power_of_2(head_dim // 2), BLOCK_H=block_h, BLOCK_SIZE=16,
              DTYPE=_TL[dtype], SOFT_BF16_ROUND=False, HAS_KEY_OFFSET=cache is not None,
-             **_quant_store_args(cache, head_dim)),
-        dict(rope_and_store.COMPILE_OPTIONS),
+             PDL=pdl, **_quant_store_args(cache, head_dim)),
+        dict(rope_and_store.COMPILE_OPTIONS, **option),
+        ptx,
     )  # fmt: skip
 
 
@@ -408,6 +424,11 @@ SM90_BUILDS: dict[str, Sm90Build] = {
     },
     # ... and the other warps benchmarks.kernels --fused times at 4,096
     **{f"add_rms_norm_4096_w{w}": _rms_norm(_BF16, 4096, True, w) for w in (4, 16)},
+    # -- each fused layer op as a programmatic dependent launch (PAGEDSERVE_PDL=1), Llama-3-8B
+    "add_rms_norm_4096_pdl": _rms_norm(_BF16, 4096, True, pdl=True),
+    "rms_norm_4096_pdl": _rms_norm(_BF16, 4096, False, pdl=True),
+    "silu_mul_14336_pdl": _silu_mul(_BF16, 14336, pdl=True),
+    "rope_and_store_d128_pdl": _rope(_BF16, None, 32, 8, 128, pdl=True),
     # -- silu_mul: each dtype, SmolLM2's and Llama-3-8B's intermediate sizes
     **{f"silu_mul{_SUFFIX[d]}": _silu_mul(d, 1536) for d in DTYPES},
     **{f"silu_mul_14336{_SUFFIX[d]}": _silu_mul(d, 14336) for d in DTYPES},

@@ -18,13 +18,20 @@ pytestmark = [
 ]
 
 
-def test_decode_step_kernels_replay_with_new_values(paged_kv):
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_decode_step_kernels_replay_with_new_values(paged_kv, monkeypatch, pdl):
+    """With PAGEDSERVE_PDL=1 every kernel of the chain is a programmatic dependent launch
+    (each waits for the one before: attention reads the query RoPE just wrote)."""
+    from kernels._triton_common import PDL_ENV, pdl_supported
     from kernels.paged_attention import paged_attention_decode
     from kernels.rms_norm import add_rms_norm_
     from kernels.rope_and_store import rope_and_store_
     from kernels.silu_mul import silu_mul
 
     device = torch.device("cuda")
+    if pdl == "1" and not pdl_supported(device):
+        pytest.skip("programmatic dependent launch needs compute capability >= 9.0")
+    monkeypatch.setenv(PDL_ENV, pdl)
     dtype = torch.bfloat16
     num_seqs, num_heads, num_kv_heads, head_dim, hidden, inter = 2, 32, 8, 128, 512, 1024
     block_size, max_blocks = 16, 64

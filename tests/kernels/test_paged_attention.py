@@ -683,3 +683,51 @@ def test_out_rows_of_a_larger_buffer(paged_kv, close, device):
     )
     close(buffer[1:4], expected)
     assert bool((buffer[0] == 7.0).all()) and bool((buffer[4] == 7.0).all())
+
+
+# ---- PAGEDSERVE_PDL --------------------------------------------------------------------------
+
+
+def test_the_pdl_switch(monkeypatch):
+    """PAGEDSERVE_PDL: unset leaves each launcher's default, 0 turns PDL off, 1 on where
+    the device runs it (never on the CPU); anything else is a clear error."""
+    from kernels._triton_common import PDL_ENV, pdl_policy
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    assert pdl_policy(cpu) is None
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert pdl_policy(cpu) is False
+    monkeypatch.setenv(PDL_ENV, "0")
+    assert pdl_policy(cpu) is False
+    monkeypatch.setenv(PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="PAGEDSERVE_PDL must be 0 or 1"):
+        pdl_policy(cpu)
+
+
+def test_the_pdl_switch_turns_decode_launches_on_and_off(monkeypatch):
+    from kernels._triton_common import PDL_ENV
+
+    monkeypatch.setattr(decode_module, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(decode_module, "pdl_policy", lambda device: None)
+    row_pdl = DecodeLaunch(4, prefetch_ids=True, pdl=True)
+    cuda = torch.device("cuda")
+    assert decode_module.with_pdl_policy(row_pdl, cuda) == row_pdl
+    monkeypatch.setattr(decode_module, "pdl_policy", lambda device: True)
+    assert decode_module.with_pdl_policy(DecodeLaunch(4), cuda) == row_pdl
+    monkeypatch.setattr(decode_module, "pdl_policy", lambda device: False)
+    assert decode_module.with_pdl_policy(row_pdl, cuda) == DecodeLaunch(4, prefetch_ids=True)
+    # Off a GPU the switch changes nothing, and a layer op asked for PDL there says why.
+    monkeypatch.undo()
+    monkeypatch.delenv(PDL_ENV, raising=False)
+    plain = choose_launch(1, 8, 512, torch.device("cpu"))
+    monkeypatch.setenv(PDL_ENV, "1")
+    assert choose_launch(1, 8, 512, torch.device("cpu")) == plain
+    from kernels.rms_norm import rms_norm
+
+    x = torch.randn(2, 64)
+    assert torch.equal(
+        rms_norm(x, torch.ones(64), 1e-6), rms_norm(x, torch.ones(64), 1e-6, pdl=False)
+    )
+    with pytest.raises(ValueError, match="cpu cannot run one"):
+        rms_norm(x, torch.ones(64), 1e-6, pdl=True)
