@@ -281,10 +281,11 @@ FUSED_OPS = ("add_rms_norm_", "rms_norm", "silu_mul", "rope_and_store_")
 def bench_fused(cfg: FusedConfig, device: torch.device) -> list[tuple[str, str, float, float]]:
     """Rows of (op, implementation, seconds, max |output - torch twin's output|) for each of
     ``FUSED_OPS``: ``triton`` (where Triton runs), its other launches (``triton[w=W]``,
-    ``triton[h=8]``) and ``torch``, the arithmetic of the engine's plain ops
+    ``triton[h=8]``, ``triton[pdl]``) and ``torch``, the arithmetic of the engine's plain ops
     (``kernels.reference``); on CUDA its RoPE stores K/V with the Triton ``store_kv``, as
     the engine does there (the reference's store reads the slots on the host, which no CUDA
     graph can hold). Only the op's own call is timed."""
+    from kernels._triton_common import pdl_supported
     from kernels.rms_norm import add_rms_norm_, rms_norm
     from kernels.rms_norm import choose_num_warps as rms_norm_warps
     from kernels.rope_and_store import rope_and_store_
@@ -355,6 +356,20 @@ def bench_fused(cfg: FusedConfig, device: torch.device) -> list[tuple[str, str, 
             "triton[h=8]": lambda b: rope(functools.partial(rope_and_store_, block_h=8), b)
         },
     }
+    # ... and each op as a programmatic dependent launch (PAGEDSERVE_PDL=1), where the GPU
+    # runs one: back to back in the timed graph, each call launches while the one before
+    # finishes, as a layer's launches would.
+    if triton_runs_on(device) and pdl_supported(device):
+        pdl_launches = {
+            "add_rms_norm_": lambda b: add_rms_norm_(
+                b["x"], b["residual"], b["weight"], 1e-5, pdl=True
+            ),
+            "rms_norm": lambda b: rms_norm(b["x"], b["weight"], 1e-5, pdl=True),
+            "silu_mul": lambda b: silu_mul(b["gate_up"], pdl=True),
+            "rope_and_store_": lambda b: rope(functools.partial(rope_and_store_, pdl=True), b),
+        }
+        for op, launch in pdl_launches.items():
+            variants.setdefault(op, {})["triton[pdl]"] = launch
     ops: dict[str, tuple[Callable[[dict], torch.Tensor], Callable[[dict], torch.Tensor]]] = {
         "add_rms_norm_": (
             lambda b: add_rms_norm_(b["x"], b["residual"], b["weight"], 1e-5),
