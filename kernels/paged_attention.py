@@ -70,13 +70,13 @@ from kernels._triton_common import (
 
 __all__ = [
     "DECODE_TUNING",
-    "pdl_supported",
-    "with_pdl_policy",
     "DecodeLaunch",
     "DecodeTuning",
     "choose_launch",
     "choose_num_splits",
     "paged_attention_decode",
+    "pdl_supported",
+    "with_pdl_policy",
 ]
 
 # log2(e): scores are kept in base 2 so the kernel uses exp2 (one MUFU op) instead of exp.
