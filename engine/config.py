@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from engine.spec_decode.config import SpeculativeConfig
+from kernels._common import pdl_env
 
 
 def cache_dir() -> Path:
@@ -428,6 +430,12 @@ def _sliding_layers(
         return (True,) * num_layers
     pattern = int(d.get("sliding_window_pattern", pattern))
     return tuple(bool((i + 1) % pattern) for i in range(num_layers))
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """The environment variables the engine reads while it runs, checked before it starts:
+    a bad value is a ValueError naming it (``PAGEDSERVE_PDL``: 0 or 1, kernels/_common.py)."""
+    pdl_env(environ)
 
 
 @dataclass(frozen=True, slots=True)

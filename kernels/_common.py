@@ -6,6 +6,8 @@ Imports only torch, so it is safe on any code path; the kernel files import trit
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Mapping
 
 import torch
 
@@ -13,6 +15,7 @@ from kernels import kv_quant
 
 __all__ = [
     "PDL_ENV",
+    "pdl_env",
     "SUPPORTED_DTYPES",
     "attention_dtype",
     "check_attention_inputs",
@@ -27,6 +30,18 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # where the device runs them; "0": none does; unset: the defaults (DECODE_TUNING's rows for
 # decode attention; the fused layer ops plain). For A/B runs on a GPU (kernels/README.md).
 PDL_ENV = "PAGEDSERVE_PDL"
+
+
+def pdl_env(environ: Mapping[str, str] | None = None) -> bool | None:
+    """``PAGEDSERVE_PDL`` in ``environ`` (default: the process's): True ("1"), False ("0"),
+    None (unset or empty); any other value is a ValueError naming it (the server checks it
+    before anything runs, engine/config.check_environment)."""
+    value = (os.environ if environ is None else environ).get(PDL_ENV, "")
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def next_power_of_2(n: int) -> int:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels._common import PDL_ENV, dot_precision
+from kernels._common import PDL_ENV, dot_precision, pdl_env
 
 try:  # Triton >= 3.4: grid dependency control, for programmatic dependent launches
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -97,12 +97,8 @@ def pdl_supported(device: torch.device) -> bool:
 def pdl_policy(device: torch.device) -> bool | None:
     """``PAGEDSERVE_PDL`` on ``device``: True (on, where supported), False (off), or None
     (unset: each launcher's default)."""
-    value = os.environ.get(PDL_ENV, "")
-    if value == "":
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
-    return value == "1" and pdl_supported(device)
+    value = pdl_env()
+    return value if value is None else value and pdl_supported(device)
 
 
 def pdl_args(pdl: bool, device: torch.device) -> dict[str, object]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import CUDA_GRAPH_PREFILL_MODES, EngineConfig
+from engine.config import CUDA_GRAPH_PREFILL_MODES, EngineConfig, check_environment
 from engine.spec_decode.config import SpeculativeConfig
 from kvpool.config import DEFAULT_BLOCK_SIZE, KVPoolConfig
 from kvpool.kv_dtype import KV_CACHE_DTYPES
@@ -221,7 +221,8 @@ class ServingConfig:
         Raises:
             SystemExit: on a bad flag or env value (argparse prints the usage line).
         """
-        parser = build_arg_parser(_OPTIONS, environ if environ is not None else os.environ)
+        environ = environ if environ is not None else os.environ
+        parser = build_arg_parser(_OPTIONS, environ)
         # ``pagedserve serve MODEL``, as ``vllm serve MODEL``: the positional is --model's
         # other spelling. --model's default becomes a marker so that a flag given beside the
         # positional can be told from an env var or the default (which the positional beats).
@@ -243,8 +244,9 @@ class ServingConfig:
                 f"{args.model!r}; give only one"
             )
         try:
+            check_environment(environ)
             return cls.from_namespace(args)
-        except ValueError as exc:  # a config's own __post_init__ check
+        except ValueError as exc:  # a config's own __post_init__ check, or the environment
             # One line naming the value: the flags parsed, so the usage would only bury it.
             parser.exit(2, f"{parser.prog}: error: {exc}\n")
             raise  # unreachable: parser.exit exits

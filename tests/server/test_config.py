@@ -302,3 +302,16 @@ def test_an_unknown_tool_call_parser_is_one_line(capsys) -> None:
     err = capsys.readouterr().err
     assert "invalid choice: 'mistral'" in err and "qwen" in err and "llama3-json" in err
     assert "Traceback" not in err
+
+
+def test_a_bad_pdl_switch_is_one_line(capsys) -> None:
+    """PAGEDSERVE_PDL (kernels/_common.py) is read by the kernels mid warm-up; the server
+    checks it before anything runs."""
+    assert ServingConfig.from_cli([], {"PAGEDSERVE_PDL": "1"}) is not None
+    with pytest.raises(SystemExit) as info:
+        ServingConfig.from_cli([], {"PAGEDSERVE_PDL": "yes"})
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "pagedserve serve: error: PAGEDSERVE_PDL must be 0 or 1, got 'yes'"
+    ], err
