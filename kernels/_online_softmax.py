@@ -46,9 +46,9 @@ def attend_context(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,  # 8-bit rows + a float16 scale each (kernels/kv_quant.py)
     EARLY_V: tl.constexpr = False,  # issue each tile's V load beside its K load (below)
-    first_tile=0,  # FIRST_IDS: the first tile's start, <= start
+    first_tile=0,  # FIRST_IDS: the tile whose ids are given starts here, <= start
     first_ids=0,  # FIRST_IDS: [TILE_N] the block ids of positions first_tile + [0, TILE_N)
-    FIRST_IDS: tl.constexpr = False,  # tiles from first_tile, the first one's ids given
+    FIRST_IDS: tl.constexpr = False,  # the ids of the walk's first tile are given (below)
 ):
     """Returns ``(m_i, l_i, acc)``: per row the running max (base 2), the sum of exp2 and
     the unnormalised output ``[M, HEAD_DIM_PAD]``, all float32. A row that saw no position
@@ -65,12 +65,13 @@ def attend_context(
     a short split's time (one or two tiles). It holds the V tile in registers through the
     softmax; the arithmetic is the same either way.
 
-    ``FIRST_IDS``: the caller has loaded the first tile's block ids (the decode kernel, in
-    the same memory round trip as the sequence's length, which ``start`` and ``end`` need).
-    Tiles are then aligned to ``first_tile`` rather than ``start`` and masked below
-    ``start`` too; where ``start == first_tile`` (no sliding window moved it) the tiles,
-    and so every bit of the result, are those of the walk from ``start``. Tiles wholly
-    before ``start`` after the first are skipped.
+    ``FIRST_IDS``: the caller has loaded the block ids of the tile at ``first_tile`` (the
+    decode kernel, in the same memory round trip as the sequence's length, which ``start``
+    and ``end`` need). Where ``start == first_tile`` that tile is the walk's first; where a
+    sliding window moved ``start`` past it, the tile is masked whole (it reads nothing, and
+    an all-masked tile leaves the running state as it found it: max -inf, sums 0) and the
+    walk starts at ``start`` as without it. Either way the tiles, and every bit of the
+    result, are the plain walk's.
 
     NOTE: a row that has seen no visible position yet (a sliding window starting past
     this tile) keeps ``m_i == -inf``; the tile's max is then taken as 0 for the exponents,
@@ -81,43 +82,30 @@ def attend_context(
     l_i = tl.zeros([M], tl.float32)  # running sum of exp2
     acc = tl.zeros([M, HEAD_DIM_PAD], tl.float32)
     if FIRST_IDS:
+        first_live = start == first_tile  # no sliding window moved the walk's start
         offs_n = first_tile + offs_t
+        first_end = tl.where(first_live, end, first_tile)  # masked whole where not live
         m_i, l_i, acc = _attend_tile(
-            q, q_pos, m_i, l_i, acc, offs_n, (offs_n >= start) & (offs_n < end), first_ids,
+            q, q_pos, m_i, l_i, acc, offs_n, offs_n < first_end, first_ids,
             key_cache_ptr, value_cache_ptr, head_offset, qk_scale, sliding_window,
             stride_cache_block, stride_cache_slot, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
             BLOCK_SIZE=BLOCK_SIZE, CAUSAL=CAUSAL, DOT_DTYPE=DOT_DTYPE,
             DOT_PRECISION=DOT_PRECISION, QUANTIZED=QUANTIZED, EARLY_V=EARLY_V,
         )  # fmt: skip
-        # The tile holding start, or the second: the first's positions are done.
-        rest = first_tile + tl.maximum(1, (start - first_tile) // TILE_N) * TILE_N
-        for tile_start in range(rest, end, TILE_N):
-            offs_n = tile_start + offs_t  # context positions of this tile
-            n_mask = (offs_n >= start) & (offs_n < end)
-            block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-            m_i, l_i, acc = _attend_tile(
-                q, q_pos, m_i, l_i, acc, offs_n, n_mask, block_ids,
-                key_cache_ptr, value_cache_ptr, head_offset, qk_scale, sliding_window,
-                stride_cache_block, stride_cache_slot, HEAD_DIM=HEAD_DIM,
-                HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=CAUSAL,
-                DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, QUANTIZED=QUANTIZED,
-                EARLY_V=EARLY_V,
-            )  # fmt: skip
-    else:
-        for tile_start in range(start, end, TILE_N):
-            offs_n = tile_start + offs_t  # context positions of this tile
-            n_mask = offs_n < end
-            # NOTE: masked positions never dereference the cache: slots past seq_len may
-            # hold garbage (even NaN) and block-table padding may be any id.
-            block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
-            m_i, l_i, acc = _attend_tile(
-                q, q_pos, m_i, l_i, acc, offs_n, n_mask, block_ids,
-                key_cache_ptr, value_cache_ptr, head_offset, qk_scale, sliding_window,
-                stride_cache_block, stride_cache_slot, HEAD_DIM=HEAD_DIM,
-                HEAD_DIM_PAD=HEAD_DIM_PAD, BLOCK_SIZE=BLOCK_SIZE, CAUSAL=CAUSAL,
-                DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION, QUANTIZED=QUANTIZED,
-                EARLY_V=EARLY_V,
-            )  # fmt: skip
+        start = tl.where(first_live, start + TILE_N, start)
+    for tile_start in range(start, end, TILE_N):
+        offs_n = tile_start + offs_t  # context positions of this tile
+        n_mask = offs_n < end
+        # NOTE: masked positions never dereference the cache: slots past seq_len may hold
+        # garbage (even NaN) and block-table padding may be any id.
+        block_ids = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_mask, other=0)
+        m_i, l_i, acc = _attend_tile(
+            q, q_pos, m_i, l_i, acc, offs_n, n_mask, block_ids,
+            key_cache_ptr, value_cache_ptr, head_offset, qk_scale, sliding_window,
+            stride_cache_block, stride_cache_slot, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
+            BLOCK_SIZE=BLOCK_SIZE, CAUSAL=CAUSAL, DOT_DTYPE=DOT_DTYPE,
+            DOT_PRECISION=DOT_PRECISION, QUANTIZED=QUANTIZED, EARLY_V=EARLY_V,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 
