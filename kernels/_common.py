@@ -15,7 +15,6 @@ from kernels import kv_quant
 
 __all__ = [
     "PDL_ENV",
-    "pdl_env",
     "SUPPORTED_DTYPES",
     "attention_dtype",
     "check_attention_inputs",
@@ -23,6 +22,7 @@ __all__ = [
     "dot_precision",
     "next_power_of_2",
     "num_compute_units",
+    "pdl_env",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
