@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -81,7 +80,9 @@ def pdl_supported(device: torch.device) -> bool:
     """Whether a kernel can run as a programmatic dependent launch on ``device``: compiled
     (not the interpreter), compute capability 9.0 or later, and a Triton with grid
     dependency control and the ``launch_pdl`` option (3.4 and later)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    # The interpreter runs no grid dependency control; triton.jit picked it or the compiler
+    # when the kernels were defined (dot_args), so ask one.
+    if device.type != "cuda" or isinstance(pdl_enter, InterpretedFunction):
         return False
     if gdc_wait is None:
         return False
@@ -101,9 +102,12 @@ def pdl_policy(device: torch.device) -> bool | None:
     return value if value is None else value and pdl_supported(device)
 
 
-def pdl_args(pdl: bool, device: torch.device) -> dict[str, object]:
-    """A PDL-capable kernel's ``PDL`` constexpr and launch option. ``launch_pdl`` is passed
-    only when set, so a Triton without the option still runs the plain launches."""
+def pdl_args(pdl: bool | None, device: torch.device) -> dict[str, object]:
+    """A PDL-capable kernel's ``PDL`` constexpr and launch option; ``pdl=None`` takes
+    ``PAGEDSERVE_PDL``'s (``pdl_policy``). ``launch_pdl`` is passed only when set, so a
+    Triton without the option still runs the plain launches."""
+    if pdl is None:
+        pdl = bool(pdl_policy(device))
     if not pdl:
         return {"PDL": False}
     if not pdl_supported(device):

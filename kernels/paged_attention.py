@@ -643,14 +643,15 @@ def tuned_launches() -> list[DecodeLaunch]:
     count (either merge compiles one variant per bound)."""
     launches: dict[DecodeLaunch, None] = {}
     for row in DECODE_TUNING:
-        params = (row.num_warps, row.num_stages, row.tile_n, row.early_v, row.prefetch_ids)
-        launches[DecodeLaunch(1, False, *params, row.pdl)] = None
+        params = (row.num_warps, row.num_stages, row.tile_n, row.early_v, row.prefetch_ids,
+                  row.pdl)  # fmt: skip
+        launches[DecodeLaunch(1, False, *params)] = None
         if row.target_waves <= 0 or row.max_splits <= 1:
             continue
         # The least count of each power-of-two bound: 2, 3, 5, 9, 17 for 32 splits.
         counts = [2**i // 2 + 1 for i in range(1, row.max_splits.bit_length())]
         for n in counts:
-            launches[DecodeLaunch(n, row.one_launch, *params, row.pdl)] = None
+            launches[DecodeLaunch(n, row.one_launch, *params)] = None
     return list(launches)
 
 

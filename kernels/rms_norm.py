@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import SUPPORTED_DTYPES, next_power_of_2
-from kernels._triton_common import pdl_args, pdl_enter, pdl_policy, round_args, round_to
+from kernels._triton_common import pdl_args, pdl_enter, round_args, round_to
 
 __all__ = ["add_rms_norm_", "choose_num_warps", "rms_norm"]
 
@@ -93,8 +93,6 @@ def _launch(
     hidden_pad = next_power_of_2(hidden_size)
     if num_warps is None:
         num_warps = choose_num_warps(hidden_size)
-    if pdl is None:
-        pdl = bool(pdl_policy(x.device))
     _rms_norm_kernel[(num_tokens,)](
         out, x, x if residual is None else residual, weight, eps,
         x.stride(0), 0 if residual is None else residual.stride(0),

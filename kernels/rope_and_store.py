@@ -38,7 +38,7 @@ from kernels._kv_quant_triton import (
     row_scales,
     scale_ptrs,
 )
-from kernels._triton_common import pdl_args, pdl_enter, pdl_policy, round_args, round_to
+from kernels._triton_common import pdl_args, pdl_enter, round_args, round_to
 
 __all__ = ["COMPILE_OPTIONS", "choose_block_h", "rope_and_store_"]
 
@@ -229,8 +229,6 @@ def rope_and_store_(
     if block_h is None:
         block_h = choose_block_h(num_rows, head_dim)
     assert block_h >= 1 and block_h == next_power_of_2(block_h), block_h
-    if pdl is None:
-        pdl = bool(pdl_policy(qkv.device))
     _rope_and_store_kernel[(num_tokens, triton.cdiv(num_rows, block_h))](
         qkv, cos, sin, key_cache, value_cache, slot_mapping, offset_ptr,
         qkv.stride(0), cos.stride(0), sin.stride(0),

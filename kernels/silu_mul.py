@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import SUPPORTED_DTYPES
-from kernels._triton_common import pdl_args, pdl_enter, pdl_policy, round_args, round_to
+from kernels._triton_common import pdl_args, pdl_enter, round_args, round_to
 
 __all__ = ["silu_mul"]
 
@@ -66,8 +66,6 @@ def silu_mul(
     if num_tokens == 0 or intermediate_size == 0:
         return out
     grid = (num_tokens, triton.cdiv(intermediate_size, BLOCK))
-    if pdl is None:
-        pdl = bool(pdl_policy(gate_up.device))
     _silu_mul_kernel[grid](
         out, gate_up, gate_up.stride(0),
         INTERMEDIATE_SIZE=intermediate_size, BLOCK=BLOCK,
