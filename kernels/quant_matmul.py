@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import SUPPORTED_DTYPES, next_power_of_2, num_compute_units
-from kernels._triton_common import TL_DTYPES, dot_args
+from kernels._triton_common import TL_DTYPES, dot_args, pdl_args, pdl_enter
 
 __all__ = [
     "DECODE_ROWS",
@@ -66,6 +66,7 @@ __all__ = [
     "SplitKLaunch",
     "TiledLaunch",
     "choose_launch",
+    "dense_matmul",
     "quant_matmul",
     "split_k_rows",
     "tile_shape",
@@ -100,6 +101,10 @@ class SplitKLaunch:
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = True  # tl.dot on the tensor cores; False: broadcast multiply + sum over K
+    # Load each program's first weight tile before the point where it depends on the kernel
+    # before (its x): what a programmatic dependent launch overlaps with that kernel's end.
+    # A PDL launch always does; without one it only moves a load (same products, bitwise).
+    prefetch: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,31 +121,69 @@ QuantLaunch = SplitKLaunch | TiledLaunch
 
 
 @triton.jit
-def _load_tiles(x_ptr, weight_ptr, offs_m, offs_n, k, mask_m, mask_n, K, N, stride_x_m,
-                FP8: tl.constexpr):  # fmt: skip
-    """The ``[BLOCK_M, BLOCK_K]`` activation tile and the ``[BLOCK_K, BLOCK_N]`` weight tile
-    at K rows ``k`` (masked loads read 0); an FP8 weight comes back as e4m3 values."""
-    mask_k = k < K
-    x = tl.load(
+def _load_x(x_ptr, offs_m, k, mask_m, K, stride_x_m):
+    """The ``[BLOCK_M, BLOCK_K]`` activation tile at K rows ``k`` (masked loads read 0)."""
+    return tl.load(
         x_ptr + offs_m[:, None] * stride_x_m + k[None, :],
-        mask=mask_m[:, None] & mask_k[None, :],
+        mask=mask_m[:, None] & (k < K)[None, :],
         other=0.0,
     )
+
+
+@triton.jit
+def _load_w(weight_ptr, offs_n, k, mask_n, K, N, FP8: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` weight tile at K rows ``k`` (masked loads read 0); an FP8
+    weight comes back as e4m3 values."""
     w = tl.load(
         weight_ptr + k[:, None] * N + offs_n[None, :],
-        mask=mask_k[:, None] & mask_n[None, :],
+        mask=(k < K)[:, None] & mask_n[None, :],
         other=0,
     )
     if FP8:  # loaded as bytes: masked-off bytes are 0, which is e4m3's +0.0
         w = w.to(tl.float8e4nv, bitcast=True)
-    return x, w
+    return w
+
+
+@triton.jit
+def _load_tiles(x_ptr, weight_ptr, offs_m, offs_n, k, mask_m, mask_n, K, N, stride_x_m,
+                FP8: tl.constexpr):  # fmt: skip
+    """The activation and weight tiles at K rows ``k`` (``_load_x``, ``_load_w``)."""
+    x = _load_x(x_ptr, offs_m, k, mask_m, K, stride_x_m)
+    return x, _load_w(weight_ptr, offs_n, k, mask_n, K, N, FP8)
+
+
+@triton.jit
+def _multiply_add(acc, x, w, DOT: tl.constexpr, FP8: tl.constexpr, DENSE: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """``acc`` plus the products of one K tile: ``tl.dot`` into ``[BLOCK_M, BLOCK_N]``, or
+    (not DOT) each product added into its own element of ``[BLOCK_M, BLOCK_K, BLOCK_N]``.
+
+    The broadcast form's ``x * w`` in float32 is exact for bf16/fp16 x times 8-bit weights
+    (8 or 11 significant bits times int8's 7 or e4m3's 4) or times weights of x's dtype (at
+    most 11 + 11 of float32's 24); rounded once for float32 x, as tl.dot's "ieee" products
+    are."""
+    if DOT:
+        # Integer and e4m3 weights convert exactly to the dot's dtype.
+        acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    else:
+        if FP8 or DENSE:
+            w = w.to(tl.float32)
+        else:
+            # Exactly w, without the int-to-float conversion unit (16 a clock an SM on sm_90,
+            # about the weight bytes an SM must consume at full bandwidth): the float32 with
+            # bits 0x4B000000 + (w + 128) is 2^23 + 128 + w.
+            w = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        acc += x.to(tl.float32)[:, :, None] * w[None, :, :]
+    return acc
 
 
 @triton.jit
 def _store_scaled(out_ptr, acc, scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, N,
-                  HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
-    """``acc`` (float32 sums) times each column's scale, plus the bias, cast and stored."""
-    acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+                  HAS_BIAS: tl.constexpr, DENSE: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """``acc`` (float32 sums) times each column's scale (none if DENSE), plus the bias, cast
+    and stored."""
+    if not DENSE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -185,8 +228,9 @@ def _quant_matmul_kernel(
         # The weight's integer (or e4m3) values convert exactly to the dot's dtype.
         acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     _store_scaled(
-        out_ptr, acc, scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, HAS_BIAS, DTYPE
-    )
+        out_ptr, acc, scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, HAS_BIAS, False,
+        DTYPE,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -194,8 +238,8 @@ def _quant_matmul_split_k_kernel(
     out_ptr,  # [M, N] contiguous, x's dtype (written when not SPLIT)
     partial_ptr,  # [num_splits, M, N] float32 (written when SPLIT)
     x_ptr,  # [M, K], rows strided
-    weight_ptr,  # [K, N] contiguous, int8, or uint8 holding float8e4nv bits (FP8)
-    scale_ptr,  # [N] float32
+    weight_ptr,  # [K, N] contiguous: int8, uint8 of float8e4nv bits (FP8), x's dtype (DENSE)
+    scale_ptr,  # [N] float32 (unused if DENSE)
     bias_ptr,  # [N] x's dtype (unused without HAS_BIAS)
     M,
     N,
@@ -203,9 +247,12 @@ def _quant_matmul_split_k_kernel(
     k_per_split,  # K rows of each split, a multiple of BLOCK_K (the last split may be short)
     stride_x_m: tl.int64,
     HAS_BIAS: tl.constexpr,
-    FP8: tl.constexpr,  # the weight's bytes are e4m3 values (else int8)
+    FP8: tl.constexpr,  # the weight's bytes are e4m3 values (else int8, or DENSE)
+    DENSE: tl.constexpr,  # the weight is in x's dtype, unscaled (dense_matmul)
     SPLIT: tl.constexpr,  # write unscaled float32 partials (else the finished output)
     DOT: tl.constexpr,  # tl.dot (BLOCK_M >= 16); else broadcast multiply, summed over K
+    PREFETCH: tl.constexpr,  # the first weight tile loaded before the dependency point
+    PDL: tl.constexpr,  # a programmatic dependent launch (kernels/_triton_common.pdl_enter)
     BLOCK_M: tl.constexpr,  # a power of two
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -226,36 +273,35 @@ def _quant_matmul_split_k_kernel(
     mask_n = offs_n < N
     k_start = pid_k * k_per_split
     # NOTE: split boundaries are whole BLOCK_K tiles, so a tile never crosses into the next
-    # split and `k < K` is the only K mask a tile needs.
+    # split and `k < K` is the only K mask a tile needs; no split is empty (split_k_rows),
+    # so its first tile is always its own.
     k_end = tl.minimum(k_start + k_per_split, K)
+    if PREFETCH:
+        # NOTE: no kernel of a step writes a weight, so this load may run while the kernel
+        # before (which writes x) is still running (pdl_enter). At batch 1 that kernel is a
+        # few microseconds of latency (a norm, SiLU, attention's merge) during which this
+        # launch's programs stream their first tiles instead of waiting idle.
+        w_first = _load_w(weight_ptr, offs_n, k_start + offs_k, mask_n, K, N, FP8)
+    pdl_enter(PDL)
     if DOT:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            x, w = _load_tiles(
-                x_ptr, weight_ptr, offs_m, offs_n, k0 + offs_k, mask_m, mask_n, K, N,
-                stride_x_m, FP8,
-            )  # fmt: skip
-            acc = tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
     else:
         # Products accumulate element by element; the one cross-thread sum over K is after
-        # the loop, not in it. x * w in float32 is exact for bf16/fp16 x (8 or 11
-        # significant bits times int8's 7 or e4m3's 4), rounded once for float32 x, as
-        # tl.dot's "ieee" products are.
-        acc3 = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            x, w = _load_tiles(
-                x_ptr, weight_ptr, offs_m, offs_n, k0 + offs_k, mask_m, mask_n, K, N,
-                stride_x_m, FP8,
-            )  # fmt: skip
-            if FP8:
-                w = w.to(tl.float32)
-            else:
-                # Exactly w, without the int-to-float conversion unit (16 a clock an SM on
-                # sm_90, about the weight bytes an SM must consume at full bandwidth): the
-                # float32 with bits 0x4B000000 + (w + 128) is 2^23 + 128 + w.
-                w = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
-            acc3 += x.to(tl.float32)[:, :, None] * w[None, :, :]
-        acc = tl.sum(acc3, axis=1)
+        # the loop, not in it.
+        acc = tl.zeros((BLOCK_M, BLOCK_K, BLOCK_N), dtype=tl.float32)
+    loop_start = k_start
+    if PREFETCH:  # the first tile's products, then the loop from the second
+        x_first = _load_x(x_ptr, offs_m, k_start + offs_k, mask_m, K, stride_x_m)
+        acc = _multiply_add(acc, x_first, w_first, DOT, FP8, DENSE, DOT_DTYPE, DOT_PRECISION)
+        loop_start += BLOCK_K
+    for k0 in tl.range(loop_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        x, w = _load_tiles(
+            x_ptr, weight_ptr, offs_m, offs_n, k0 + offs_k, mask_m, mask_n, K, N, stride_x_m,
+            FP8,
+        )  # fmt: skip
+        acc = _multiply_add(acc, x, w, DOT, FP8, DENSE, DOT_DTYPE, DOT_PRECISION)
+    if not DOT:
+        acc = tl.sum(acc, axis=1)
     if SPLIT:
         row = pid_k * M + offs_m  # int64: partial row of (split, m)
         tl.store(
@@ -266,7 +312,7 @@ def _quant_matmul_split_k_kernel(
     else:
         _store_scaled(
             out_ptr, acc, scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, HAS_BIAS,
-            DTYPE,
+            DENSE, DTYPE,
         )  # fmt: skip
 
 
@@ -274,18 +320,21 @@ def _quant_matmul_split_k_kernel(
 def _reduce_splits_kernel(
     out_ptr,  # [M, N] contiguous, x's dtype
     partial_ptr,  # [num_splits, M, N] float32
-    scale_ptr,  # [N] float32
+    scale_ptr,  # [N] float32 (unused if DENSE)
     bias_ptr,  # [N] x's dtype (unused without HAS_BIAS)
     M,
     N,
     num_splits,
     HAS_BIAS: tl.constexpr,
+    DENSE: tl.constexpr,  # no column scales
+    PDL: tl.constexpr,  # a programmatic dependent launch (kernels/_triton_common.pdl_enter)
     SPLITS_PAD: tl.constexpr,  # next power of two >= num_splits
     BLOCK_N: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
     """One row's column strip: the sum of its splits' partials (all loaded at once, summed
     by one reduction tree fixed at compile time), times the column scale, plus the bias."""
+    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -296,7 +345,9 @@ def _reduce_splits_kernel(
         mask=(splits[:, None] < num_splits) & mask_n[None, :],
         other=0.0,
     )
-    acc = tl.sum(partial, axis=0) * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+    acc = tl.sum(partial, axis=0)
+    if not DENSE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * N + offs_n, acc.to(DTYPE), mask=mask_n)
@@ -382,6 +433,7 @@ def quant_matmul(
     bias: torch.Tensor | None = None,  # [out_features]
     *,
     launch: QuantLaunch | None = None,
+    pdl: bool | None = None,  # split-K as a programmatic dependent launch; None: PAGEDSERVE_PDL's
 ) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
     """``x @ (weight * scale) + bias``; rows of ``x`` may be strided, not columns.
 
@@ -389,15 +441,9 @@ def quant_matmul(
     launch computes the same product, up to float32 summation order. Batches of more than
     ``LIBRARY_ROWS`` rows always take the library's matmul.
     """
-    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[0], (
-        tuple(x.shape),
-        tuple(weight.shape),
-    )
-    assert x.dtype in SUPPORTED_DTYPES, x.dtype
-    assert weight.dtype in WEIGHT_DTYPES and weight.is_contiguous(), weight.dtype
+    _check_operands(x, weight, bias)
+    assert weight.dtype in WEIGHT_DTYPES, weight.dtype
     assert scale.dtype == torch.float32 and scale.shape == (weight.shape[1],)
-    assert bias is None or bias.shape == (weight.shape[1],)
-    assert x.stride(1) == 1, "rows of x must be contiguous"
     m, k = x.shape
     n = weight.shape[1]
     if m > LIBRARY_ROWS:
@@ -420,26 +466,93 @@ def quant_matmul(
             **dot_args(_quant_matmul_kernel, x.dtype),
         )  # fmt: skip
         return out
+    return _split_k(out, x, w, scale, bias, launch, pdl, fp8=fp8, dense=False)
+
+
+def dense_matmul(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: torch.Tensor,  # [in_features, out_features] in x's dtype, contiguous
+    bias: torch.Tensor | None = None,  # [out_features]
+    *,
+    launch: SplitKLaunch | None = None,
+    pdl: bool | None = None,  # a programmatic dependent launch; None: PAGEDSERVE_PDL's
+) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
+    """``x @ weight + bias`` for a weight in the activations' dtype: the split-K decode
+    kernel for at most ``DECODE_ROWS`` rows (``kernels.reference.dense_matmul`` is its
+    twin: float32 sums, rounded once), the library's matmul for more.
+
+    Why a decode step would take it over cuBLAS (``PAGEDSERVE_DECODE_MATMUL=triton``,
+    engine/backends/cuda.py): as a programmatic dependent launch it streams its first weight
+    tiles while the kernel before it ends, so the short kernels between a layer's matmuls
+    stop being bubbles in the weight stream, and every launch of a layer can chain. Whether
+    that beats the library's own GEMV is a GPU measurement (kernels/README.md).
+    """
+    _check_operands(x, weight, bias)
+    assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
+    m, k = x.shape
+    n = weight.shape[1]
+    if m > DECODE_ROWS:
+        return x @ weight if bias is None else torch.addmm(bias, x, weight)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if launch is None:
+        launch = choose_launch(m, n, k, num_compute_units(x.device) if x.is_cuda else 0)
+        assert isinstance(launch, SplitKLaunch)
+    return _split_k(out, x, weight, None, bias, launch, pdl, fp8=False, dense=True)
+
+
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[0], (
+        tuple(x.shape),
+        tuple(weight.shape),
+    )
+    assert x.dtype in SUPPORTED_DTYPES, x.dtype
+    assert weight.is_contiguous(), "the weight must be contiguous [in_features, out_features]"
+    assert bias is None or bias.shape == (weight.shape[1],)
+    assert x.stride(1) == 1, "rows of x must be contiguous"
+
+
+def _split_k(
+    out: torch.Tensor,  # [m, n], x's dtype
+    x: torch.Tensor,
+    weight: torch.Tensor,  # int8, uint8 (fp8's bytes), or x's dtype (dense)
+    scale: torch.Tensor | None,  # None: dense
+    bias: torch.Tensor | None,
+    launch: SplitKLaunch,
+    pdl: bool | None,
+    *,
+    fp8: bool,
+    dense: bool,
+) -> torch.Tensor:
+    """The split-K kernel at ``launch`` into ``out``, then the reduction of its partials
+    where there is more than one split. With PDL both kernels are dependent launches."""
     _check_split_k(launch)
+    m, k = x.shape
+    n = weight.shape[1]
     k_per_split, num_splits = split_k_rows(k, launch.block_k, launch.num_splits)
     split = num_splits > 1
     # One float32 partial row per (split, row); unsplit, the kernel writes `out` itself.
     partial = (
         torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if split else out
     )
+    pdl_launch = pdl_args(pdl, x.device)
+    # Never read where unused (DENSE, no bias), but every pointer argument needs a tensor.
+    s = scale if scale is not None else out
+    b = bias if bias is not None else s
     grid = (triton.cdiv(n, launch.block_n), num_splits, triton.cdiv(m, launch.block_m))
     _quant_matmul_split_k_kernel[grid](
-        out, partial, x, w, scale, b, m, n, k, k_per_split, x.stride(0),
-        HAS_BIAS=bias is not None, FP8=fp8, SPLIT=split, DOT=launch.dot,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        NUM_STAGES=launch.num_stages, DTYPE=TL_DTYPES[x.dtype],
-        **dot_args(_quant_matmul_split_k_kernel, x.dtype),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        out, partial, x, weight, s, b, m, n, k, k_per_split, x.stride(0),
+        HAS_BIAS=bias is not None, FP8=fp8, DENSE=dense, SPLIT=split, DOT=launch.dot,
+        PREFETCH=launch.prefetch or bool(pdl_launch["PDL"]), BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NUM_STAGES=launch.num_stages,
+        DTYPE=TL_DTYPES[x.dtype], **dot_args(_quant_matmul_split_k_kernel, x.dtype),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch,
     )  # fmt: skip
     if split:
         _reduce_splits_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
-            out, partial, scale, b, m, n, num_splits, HAS_BIAS=bias is not None,
+            out, partial, s, b, m, n, num_splits, HAS_BIAS=bias is not None, DENSE=dense,
             SPLITS_PAD=next_power_of_2(num_splits), BLOCK_N=REDUCE_BLOCK_N,
-            DTYPE=TL_DTYPES[x.dtype],
+            DTYPE=TL_DTYPES[x.dtype], **pdl_launch,
         )  # fmt: skip
     return out

@@ -43,6 +43,7 @@ __all__ = [
     "silu_mul",
     "rope_and_store_",
     "quant_matmul",
+    "dense_matmul",
 ]
 
 
@@ -372,6 +373,20 @@ def quant_matmul(
     The plain-PyTorch path of a quantized matmul on any device; it upcasts the whole weight
     on every call, so it saves memory, not time."""
     y = (x.float() @ weight.float()) * scale
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def dense_matmul(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: torch.Tensor,  # [in_features, out_features], x's dtype
+    bias: torch.Tensor | None = None,  # [out_features]
+) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
+    """``x @ weight + bias`` with the products summed in float32 and the sum (bias
+    included) rounded once to x's dtype, as ``kernels/quant_matmul.py``'s ``dense_matmul``
+    computes it (and as the library's bf16/fp16 matmuls do, in another order)."""
+    y = x.float() @ weight.float()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)

@@ -194,10 +194,11 @@ def build_paged_kv(
 # aligned and `stride_*` integers divisible by 16 (every stride of the built shapes is a
 # multiple of 16 elements). That is the variant a GPU runs: without the strides' divisibility
 # a K/V row's address is not known to be 16-byte aligned, the loads are scalar and no loop is
-# software-pipelined (cp.async moves 4-16 bytes). It prints name -> None or the error text
-# (or, for a build that lists `ptx_contains`, the strings its PTX lacks), as JSON. Options
-# a build names that Triton's CUDA backend does not know are an error (triton.compile would
-# drop them silently).
+# software-pipelined (cp.async moves 4-16 bytes). A build's `divisible` integers (a matmul's
+# N and K at a model's shapes) are specialised the same way. It prints name -> None or the
+# error text (or, for a build that lists `ptx_contains` or `ptx_order`, what its PTX lacks),
+# as JSON. Options a build names that Triton's CUDA backend does not know are an error
+# (triton.compile would drop them silently).
 _COMPILE_SCRIPT = r"""
 import importlib, json, sys, traceback
 import triton, triton.language as tl
@@ -227,14 +228,23 @@ for name, build in json.load(open(sys.argv[1])).items():
         # the kernel opts out of specialising.
         unspecialised = {names[i] if isinstance(i, int) else i
                          for i in (*fn.do_not_specialize, *fn.do_not_specialize_on_alignment)}
+        divisible = set(build["divisible"])
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in full.items()
-                 if (t.startswith("*") or n.startswith("stride_")) and n not in unspecialised}
+                 if (t.startswith("*") or n.startswith("stride_") or n in divisible)
+                 and n not in unspecialised}
         src = ASTSource(fn=fn, signature=full,
                         constexprs={(names.index(k),): v for k, v in constexprs.items()},
                         attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        lacking = [text for text in build["ptx_contains"] if text not in compiled.asm["ptx"]]
-        results[name] = f"the PTX lacks {lacking}" if lacking else None
+        ptx = compiled.asm["ptx"]
+        lacking = [text for text in build["ptx_contains"] if text not in ptx]
+        order = [ptx.find(text) for text in build["ptx_order"]]
+        if lacking:
+            results[name] = f"the PTX lacks {lacking}"
+        elif -1 in order or order != sorted(order):
+            results[name] = f"the PTX lacks {build['ptx_order']} in that order"
+        else:
+            results[name] = None
     except Exception:
         results[name] = traceback.format_exc()[-3000:]
 print(json.dumps(results))

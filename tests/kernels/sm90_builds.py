@@ -15,7 +15,8 @@ A build names its kernel's argument types as Triton writes them (``"*bf16"``, ``
 dtypes) and the options the launcher passes besides them. The compile specialises what the
 JIT specialises at the engine's launches (tests/kernels/conftest.py): pointers as 16-byte
 aligned and ``stride_*`` integers as divisible by 16, except the arguments a kernel opts out
-of specialising; other integers stay unspecialised.
+of specialising, and the integers a build lists in ``divisible`` (a matmul's N and K at a
+model's shapes); other integers stay unspecialised.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ class Sm90Build:
     options: dict[str, object] = field(default_factory=dict)
     # Text the sm_90 PTX must hold (an instruction the launch exists for), else the build fails
     ptx_contains: tuple[str, ...] = ()
+    # Integer arguments besides strides that the launches pass as multiples of 16 (a model's
+    # shapes), which the JIT then specialises as such: without it a weight row's address is
+    # not known to be aligned and its loads compile to 2-byte scalars no GPU runs.
+    divisible: tuple[str, ...] = ()
+    # Texts whose first occurrences in the PTX must come in this order (a load issued before
+    # a programmatic dependent launch's wait), else the build fails
+    ptx_order: tuple[str, ...] = ()
 
 
 # Triton's pointer type and constexpr dtype of each model dtype; the bf16 builds keep the
@@ -274,6 +282,10 @@ def _weight_ptr(fp8: bool) -> str:
     return "*u8" if fp8 else "*i8"  # the launcher passes an fp8 weight as its bytes
 
 
+# A split-K build's weight: "int8", "fp8", or "dense" (the activations' dtype, dense_matmul).
+_WEIGHTS = ("int8", "fp8", "dense")
+
+
 def _tiled(
     dtype: torch.dtype, fp8: bool, bias: bool, launch: quant_matmul.TiledLaunch
 ) -> Sm90Build:
@@ -290,39 +302,63 @@ def _tiled(
 
 
 def _split_k(
-    dtype: torch.dtype, fp8: bool, bias: bool, split: bool, launch: quant_matmul.SplitKLaunch
+    dtype: torch.dtype,
+    weight: str,
+    bias: bool,
+    split: bool,
+    launch: quant_matmul.SplitKLaunch,
+    pdl: bool = False,
+    model_shape: bool = False,
 ) -> Sm90Build:
     """kernels.quant_matmul's split-K kernel at ``launch`` (``split``: after the launcher's
-    recount, more than one split, writing float32 partials)."""
+    recount, more than one split, writing float32 partials) on a ``weight`` of
+    ``_WEIGHTS``; a PDL launch loads its first weight tile before the wait.
+    ``model_shape``: N and K (and so each split's K rows) are multiples of 16."""
     p = _PTR[dtype]
+    dense = weight == "dense"
+    option, ptx = _pdl(pdl)
     return Sm90Build(
         "kernels.quant_matmul", "_quant_matmul_split_k_kernel",
         dict(out_ptr=p, partial_ptr="*fp32" if split else p, x_ptr=p,
-             weight_ptr=_weight_ptr(fp8), scale_ptr="*fp32", bias_ptr=p, M="i32", N="i32",
-             K="i32", k_per_split="i32"),
-        dict(HAS_BIAS=bias, FP8=fp8, SPLIT=split, DOT=launch.dot, BLOCK_M=launch.block_m,
+             weight_ptr=p if dense else _weight_ptr(weight == "fp8"),
+             scale_ptr=p if dense else "*fp32", bias_ptr=p, M="i32", N="i32", K="i32",
+             k_per_split="i32"),
+        dict(HAS_BIAS=bias, FP8=weight == "fp8", DENSE=dense, SPLIT=split, DOT=launch.dot,
+             PREFETCH=launch.prefetch or pdl, PDL=pdl, BLOCK_M=launch.block_m,
              BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NUM_STAGES=launch.num_stages,
              DTYPE=_TL[dtype], DOT_DTYPE=_TL[dtype], DOT_PRECISION=dot_precision(dtype)),
-        dict(num_warps=launch.num_warps, num_stages=launch.num_stages),
+        dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **option),
+        ptx,
+        ("N", "K", "k_per_split") if model_shape else (),
+        # the first weight tile's 16-byte loads, then the wait for x
+        ("ld.global.v4.b32", "griddepcontrol.wait") if pdl and model_shape else (),
     )  # fmt: skip
 
 
-def _matmul_reduce(dtype: torch.dtype, bias: bool, splits_pad: int) -> Sm90Build:
+def _matmul_reduce(
+    dtype: torch.dtype, bias: bool, splits_pad: int, dense: bool = False, pdl: bool = False
+) -> Sm90Build:
     """kernels.quant_matmul's reduction of split-K partials."""
     p = _PTR[dtype]
+    option, ptx = _pdl(pdl)
     return Sm90Build(
         "kernels.quant_matmul", "_reduce_splits_kernel",
-        dict(out_ptr=p, partial_ptr="*fp32", scale_ptr="*fp32", bias_ptr=p, M="i32", N="i32",
-             num_splits="i32"),
-        dict(HAS_BIAS=bias, SPLITS_PAD=splits_pad, BLOCK_N=quant_matmul.REDUCE_BLOCK_N,
-             DTYPE=_TL[dtype]),
+        dict(out_ptr=p, partial_ptr="*fp32", scale_ptr=p if dense else "*fp32", bias_ptr=p,
+             M="i32", N="i32", num_splits="i32"),
+        dict(HAS_BIAS=bias, DENSE=dense, PDL=pdl, SPLITS_PAD=splits_pad,
+             BLOCK_N=quant_matmul.REDUCE_BLOCK_N, DTYPE=_TL[dtype]),
+        option,
+        ptx,
     )  # fmt: skip
 
 
-def _chosen_matmuls(dtype: torch.dtype, fp8: bool) -> dict[str, Sm90Build]:
+def _chosen_matmuls(dtype: torch.dtype, weight: str, pdl: bool = False) -> dict[str, Sm90Build]:
     """Every launch ``quant_matmul.choose_launch`` makes on an H100 for Llama-3-8B's
-    decode matmuls at 1 and 16 rows, and the tiled launches of 17..LIBRARY_ROWS rows."""
-    prefix = f"quant_matmul_{'fp8' if fp8 else 'int8'}{_SUFFIX[dtype]}"
+    decode matmuls at 1 and 16 rows on a ``weight`` of ``_WEIGHTS`` (as programmatic
+    dependent launches if ``pdl``), and for the quantized weights the tiled launches of
+    17..LIBRARY_ROWS rows (dense ones take the library's matmul there)."""
+    prefix = f"quant_matmul_{weight}{_SUFFIX[dtype]}" + ("_pdl" if pdl else "")
+    dense = weight == "dense"
     builds: dict[str, Sm90Build] = {}
     for rows in (1, quant_matmul.DECODE_ROWS):
         for k, n in LLAMA3_MATMULS:
@@ -333,17 +369,20 @@ def _chosen_matmuls(dtype: torch.dtype, fp8: bool) -> dict[str, Sm90Build]:
             tile = f"m{launch.block_m}n{launch.block_n}k{launch.block_k}"
             name = f"{prefix}_split_k_{tile}_w{launch.num_warps}s{launch.num_stages}"
             name += ("_dot" if launch.dot else "_broadcast") + ("_split" if split else "")
-            builds[name] = _split_k(dtype, fp8, False, split, launch)
+            builds[name] = _split_k(dtype, weight, False, split, launch, pdl, model_shape=True)
             if split:
                 pad = next_power_of_2(num_splits)
-                builds[f"quant_matmul_reduce{_SUFFIX[dtype]}_p{pad}"] = _matmul_reduce(
-                    dtype, False, pad
+                reduce = f"quant_matmul_reduce{_SUFFIX[dtype]}" + ("_dense" if dense else "")
+                builds[f"{reduce}{'_pdl' if pdl else ''}_p{pad}"] = _matmul_reduce(
+                    dtype, False, pad, dense, pdl
                 )
+    if dense:
+        return builds
     for rows in range(quant_matmul.DECODE_ROWS + 1, quant_matmul.LIBRARY_ROWS + 1):
         launch = quant_matmul.choose_launch(rows, 4096, 4096, H100_SMS)
         assert isinstance(launch, quant_matmul.TiledLaunch), launch
         tile = f"m{launch.block_m}n{launch.block_n}k{launch.block_k}"
-        builds[f"{prefix}_tiled_{tile}"] = _tiled(dtype, fp8, False, launch)
+        builds[f"{prefix}_tiled_{tile}"] = _tiled(dtype, weight == "fp8", False, launch)
     return builds
 
 
@@ -447,23 +486,37 @@ SM90_BUILDS: dict[str, Sm90Build] = {
     "quant_matmul_fp8": _tiled(_BF16, True, True, quant_matmul.TiledLaunch(64, 64, 64)),
     **{
         f"quant_matmul_split_k_{name}": _split_k(
-            _BF16, fp8, bias, split, quant_matmul.SplitKLaunch(*block, num_warps=warps, dot=dot)
+            _BF16,
+            weight,
+            bias,
+            split,
+            quant_matmul.SplitKLaunch(*block, num_warps=warps, dot=dot, prefetch=prefetch),
         )
-        for name, fp8, bias, split, dot, block, warps in (
-            ("int8_row", False, True, False, False, (1, 256, 64), 8),
-            ("fp8_row", True, False, True, False, (1, 256, 32), 8),
-            ("fp8_dot", True, True, False, True, (16, 64, 128), 4),
-            ("int8_rows4", False, False, True, False, (4, 128, 32), 8),
+        for name, weight, bias, split, dot, block, warps, prefetch in (
+            ("int8_row", "int8", True, False, False, (1, 256, 64), 8, False),
+            ("fp8_row", "fp8", False, True, False, (1, 256, 32), 8, False),
+            ("fp8_dot", "fp8", True, False, True, (16, 64, 128), 4, False),
+            ("int8_rows4", "int8", False, True, False, (4, 128, 32), 8, False),
+            ("dense_row_bias_prefetch", "dense", True, False, False, (1, 256, 64), 8, True),
+            ("dense_dot_bias", "dense", True, True, True, (16, 128, 64), 4, False),
         )
-    },
+    },  # fmt: skip
     "quant_matmul_reduce_splits": _matmul_reduce(_BF16, True, 16),
     # -- quant_matmul at every launch choose_launch makes (Llama-3-8B), int8 and fp8, bf16
     # and float32 activations (fp32 multiplies in "ieee")
     **{
         name: build
         for d in (_BF16, torch.float32)
-        for fp8 in (False, True)
-        for name, build in _chosen_matmuls(d, fp8).items()
+        for weight in ("int8", "fp8")
+        for name, build in _chosen_matmuls(d, weight).items()
+    },
+    # -- dense_matmul (PAGEDSERVE_DECODE_MATMUL=triton) at every launch choose_launch makes
+    # for Llama-3-8B in bf16, plain and as programmatic dependent launches (PAGEDSERVE_PDL=1:
+    # the first weight tile loaded before griddepcontrol.wait)
+    **{
+        name: build
+        for pdl in (False, True)
+        for name, build in _chosen_matmuls(_BF16, "dense", pdl).items()
     },
 }
 

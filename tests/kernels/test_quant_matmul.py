@@ -1,5 +1,6 @@
 """Triton ``quant_matmul`` vs ``kernels.reference.quant_matmul``, and the reference vs the
-float matmul with the de-quantized weight.
+float matmul with the de-quantized weight; ``dense_matmul`` (the same split-K kernel on a
+weight in the activations' dtype) vs ``kernels.reference.dense_matmul``.
 
 CPU: under TRITON_INTERPRET=1 (conftest.py). CUDA: compiled. Tolerance: both sum in float32
 and scale each column once, in different orders (split-K sums each split's run of K, then
@@ -16,6 +17,8 @@ split's run of tiles, and rows beyond one program's ``block_m``.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -29,6 +32,7 @@ from kernels.quant_matmul import (
     SplitKLaunch,
     TiledLaunch,
     choose_launch,
+    dense_matmul,
     quant_matmul,
     split_k_rows,
     tile_shape,
@@ -209,6 +213,87 @@ def test_rejects_bad_launch(device):
         quant_matmul(x, q, scale, launch=SplitKLaunch(1, 48, 32, dot=False))
 
 
+# ---- prefetch: the first weight tile before the dependency point ---------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(SPLIT_K_LAUNCHES))
+def test_prefetch_is_bitwise_the_plain_launch(device, mode, dtype, name):
+    """The first tile's products computed ahead of the loop are the loop's first iteration:
+    the same bits, split or not, broadcast or tl.dot, at every row count a launch covers."""
+    launch = SPLIT_K_LAUNCHES[name]
+    for rows in (1, 3):
+        if rows > launch.block_m and not launch.dot:
+            continue
+        x, q, scale, b = _case(rows, 200, 100, dtype, mode, device, bias=True)
+        plain = quant_matmul(x, q, scale, b, launch=launch)
+        got = quant_matmul(x, q, scale, b, launch=replace(launch, prefetch=True))
+        assert torch.equal(got, plain), (name, rows)
+
+
+def test_pdl_is_refused_where_it_cannot_run(device):
+    """A programmatic dependent launch needs compiled kernels on compute capability >= 9.0:
+    anywhere else asking for one is one clear error, and pdl=None (PAGEDSERVE_PDL unset)
+    runs the plain launch."""
+    from kernels._triton_common import pdl_supported
+
+    if pdl_supported(torch.device(device)):
+        pytest.skip("this device runs programmatic dependent launches")
+    x, q, scale, b = _case(1, 200, 100, torch.float32, "int8", device, bias=True)
+    with pytest.raises(ValueError, match="programmatic dependent launch"):
+        quant_matmul(x, q, scale, b, launch=SPLIT_K_LAUNCHES["row-split3"], pdl=True)
+    with pytest.raises(ValueError, match="programmatic dependent launch"):
+        dense_matmul(x, q.float(), b, pdl=True)
+    assert dense_matmul(x, q.float(), b, pdl=None).shape == (1, 100)
+
+
+# ---- dense_matmul: weights in the activations' dtype ------------------------------------
+
+
+def _dense_case(rows: int, k: int, n: int, dtype: torch.dtype, device, bias: bool):
+    g = torch.Generator().manual_seed(rows * 5 + k + n)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = (torch.randn(k, n, generator=g) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return move(x), move(w), move(b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(SPLIT_K_LAUNCHES))
+def test_dense_split_k_matches_reference(device, close, dtype, name):
+    """Every forced launch, with and without the prefetched first tile (the same bits), at
+    each dtype: float32 sums rounded once, as the reference (and the library) rounds."""
+    launch = SPLIT_K_LAUNCHES[name]
+    for rows in (1, 2, 16) if launch.dot else (1, 2):
+        x, w, b = _dense_case(rows, 200, 100, dtype, device, bias=rows != 2)
+        got = dense_matmul(x, w, b, launch=launch)
+        assert_matches(got, reference.dense_matmul(x, w, b), close)
+        assert torch.equal(dense_matmul(x, w, b, launch=replace(launch, prefetch=True)), got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dense_default_launch_and_shapes(device, close, dtype):
+    """choose_launch's launch (on a GPU, split), strided rows, an empty batch, and past
+    DECODE_ROWS the library's matmul: each the reference's product."""
+    x, w, b = _dense_case(DECODE_ROWS + 4, 96, 200, dtype, device, bias=True)
+    for view in (x[:1], x[:DECODE_ROWS:3], x):
+        assert_matches(dense_matmul(view, w, b), reference.dense_matmul(view, w, b), close)
+    assert_matches(dense_matmul(x[:2], w), reference.dense_matmul(x[:2], w), close)
+    assert dense_matmul(x[:0], w).shape == (0, 200)
+
+
+def test_dense_rejects_bad_input(device):
+    x, w, _ = _dense_case(2, 64, 48, torch.float32, device, bias=False)
+    with pytest.raises(AssertionError):
+        dense_matmul(x, w.to(torch.bfloat16))  # not the activations' dtype
+    with pytest.raises(AssertionError):
+        dense_matmul(x, w.t().contiguous().t())  # not [in, out] contiguous
+    with pytest.raises(AssertionError):
+        dense_matmul(x[:, :32], w)  # inner sizes differ
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_split_k_graph_replay_is_bitwise_eager():
@@ -225,6 +310,37 @@ def test_split_k_graph_replay_is_bitwise_eager():
         x.copy_(torch.randn_like(x))
         graph.replay()
         assert torch.equal(out, quant_matmul(x, q, scale, b, launch=launch))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pdl", [False, True])
+def test_dense_graph_replay_is_bitwise_eager(pdl):
+    """dense_matmul at a Llama-3-8B qkv shape, split, captured behind the kernel that
+    writes its input (a norm, as in a layer) and replayed: the eager call's bits, with
+    the first weight tiles loaded before the wait where it is a dependent launch."""
+    from kernels._triton_common import pdl_supported
+    from kernels.rms_norm import rms_norm
+
+    if pdl and not pdl_supported(torch.device("cuda")):
+        pytest.skip("this GPU cannot run programmatic dependent launches")
+    h, w, b = _dense_case(1, 4096, 6144, torch.bfloat16, "cuda", bias=False)
+    norm = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+    launch = choose_launch(1, 6144, 4096, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert isinstance(launch, SplitKLaunch) and launch.num_splits > 1
+
+    def step() -> torch.Tensor:
+        return dense_matmul(rms_norm(h, norm, 1e-6, pdl=pdl), w, b, launch=launch, pdl=pdl)
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        h.copy_(torch.randn_like(h))
+        graph.replay()
+        eager = dense_matmul(rms_norm(h, norm, 1e-6, pdl=False), w, b, launch=launch, pdl=False)
+        assert torch.equal(out, eager)
 
 
 @pytest.mark.parametrize("build", builds_of("quant_matmul"))
