@@ -67,6 +67,7 @@ from engine.step_predictor import StepTimePredictor
 from engine.tensor_parallel import check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
+from kernels._common import decode_matmul_env
 from kvpool.config import KVPoolConfig
 from kvpool.kv_dtype import QUANTIZED_KV_DTYPES
 from kvpool.manager import KVCacheManager
@@ -558,7 +559,7 @@ def attach_backend(
     if device.type == "cuda" and backend == "triton":
         from engine.backends.cuda import fuse_layer_ops
 
-        fuse_layer_ops(model)
+        fuse_layer_ops(model, triton_matmuls=decode_matmul_env() == "triton")
     return AttachedBackend(
         forward=forward,
         cpu_ops=cpu_ops,

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.spec_decode.config import SpeculativeConfig
-from kernels._common import pdl_env
+from kernels._common import decode_matmul_env, pdl_env
 
 
 def cache_dir() -> Path:
@@ -434,8 +434,10 @@ def _sliding_layers(
 
 def check_environment(environ: Mapping[str, str]) -> None:
     """The environment variables the engine reads while it runs, checked before it starts:
-    a bad value is a ValueError naming it (``PAGEDSERVE_PDL``: 0 or 1, kernels/_common.py)."""
+    a bad value is a ValueError naming it (kernels/_common.py: ``PAGEDSERVE_PDL``, 0 or 1;
+    ``PAGEDSERVE_DECODE_MATMUL``, library or triton)."""
     pdl_env(environ)
+    decode_matmul_env(environ)
 
 
 @dataclass(frozen=True, slots=True)

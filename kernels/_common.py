@@ -14,11 +14,14 @@ import torch
 from kernels import kv_quant
 
 __all__ = [
+    "DECODE_MATMULS",
+    "DECODE_MATMUL_ENV",
     "PDL_ENV",
     "SUPPORTED_DTYPES",
     "attention_dtype",
     "check_attention_inputs",
     "check_kv_cache",
+    "decode_matmul_env",
     "dot_precision",
     "next_power_of_2",
     "num_compute_units",
@@ -30,6 +33,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # where the device runs them; "0": none does; unset: the defaults (DECODE_TUNING's rows for
 # decode attention; the fused layer ops plain). For A/B runs on a GPU (kernels/README.md).
 PDL_ENV = "PAGEDSERVE_PDL"
+# "triton": a CUDA engine's dense matmuls of decode batches (at most 16 rows) run the
+# split-K Triton kernel (kernels/quant_matmul.dense_matmul), which with PAGEDSERVE_PDL=1
+# chains with the layer's other kernels; "library" (or unset): the library's (cuBLAS). For
+# A/B runs on a GPU until one is measured faster (kernels/README.md).
+DECODE_MATMUL_ENV = "PAGEDSERVE_DECODE_MATMUL"
+DECODE_MATMULS = ("library", "triton")
 
 
 def pdl_env(environ: Mapping[str, str] | None = None) -> bool | None:
@@ -42,6 +51,15 @@ def pdl_env(environ: Mapping[str, str] | None = None) -> bool | None:
     if value not in ("0", "1"):
         raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def decode_matmul_env(environ: Mapping[str, str] | None = None) -> str:
+    """``PAGEDSERVE_DECODE_MATMUL`` in ``environ`` (default: the process's): "library"
+    (unset or empty too) or "triton"; any other value is a ValueError naming it."""
+    value = (os.environ if environ is None else environ).get(DECODE_MATMUL_ENV, "") or "library"
+    if value not in DECODE_MATMULS:
+        raise ValueError(f"{DECODE_MATMUL_ENV} must be library or triton, got {value!r}")
+    return value
 
 
 def next_power_of_2(n: int) -> int:

@@ -9,6 +9,12 @@ a decoder layer launches four small kernels besides its matmuls and attention. E
 result is the plain op's (``kernels/reference.py`` holds the twins the kernels are tested
 against), and every launch is CUDA-graph safe: grids from shapes only, no host reads.
 
+With ``PAGEDSERVE_DECODE_MATMUL=triton`` it also swaps every dense ``Linear`` for a
+``TritonLinear``: decode batches (at most ``DECODE_ROWS`` rows) multiply with the split-K
+Triton kernel instead of the library's (``kernels.quant_matmul.dense_matmul``), so that with
+``PAGEDSERVE_PDL=1`` a layer's launches are one chain of programmatic dependent launches, each
+matmul streaming its first weight tiles while the kernel before it ends.
+
 Imports Triton: the builder imports this module only for a CUDA engine. The decode steps'
 CUDA graphs (``engine/cuda_graphs.py``) replay the model after this.
 """
@@ -18,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.llama import RMSNorm, SiluAndMul
+from engine.llama import Linear, RMSNorm, SiluAndMul
+from kernels.quant_matmul import DECODE_ROWS, dense_matmul
 from kernels.rms_norm import add_rms_norm_, rms_norm
 from kernels.silu_mul import silu_mul
 
@@ -41,9 +48,25 @@ class TritonSiluAndMul(SiluAndMul):
         return silu_mul(gate_up)
 
 
-def fuse_layer_ops(model: nn.Module) -> int:
-    """Swap the model's norms and activations for their Triton versions, in place; returns
-    how many modules were replaced."""
+class TritonLinear(Linear):
+    """A dense ``Linear`` whose decode batches run ``dense_matmul`` (float32 sums rounded
+    once, as the library's matmul, in another order); larger batches, the library's."""
+
+    def __init__(self, linear: Linear) -> None:
+        nn.Module.__init__(self)
+        self.weight = linear.weight  # the same Parameters: no copy
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > DECODE_ROWS or x.stride(1) != 1:
+            return super().forward(x)
+        return dense_matmul(x, self.weight, self.bias)
+
+
+def fuse_layer_ops(model: nn.Module, *, triton_matmuls: bool = False) -> int:
+    """Swap the model's norms and activations for their Triton versions, in place, and with
+    ``triton_matmuls`` its dense ``Linear`` layers for ``TritonLinear``; returns how many
+    modules were replaced."""
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     for parent in model.modules():
         for name, child in parent.named_children():
@@ -51,6 +74,8 @@ def fuse_layer_ops(model: nn.Module) -> int:
                 swaps.append((parent, name, TritonRMSNorm(child)))
             elif type(child) is SiluAndMul:
                 swaps.append((parent, name, TritonSiluAndMul()))
+            elif triton_matmuls and type(child) is Linear:
+                swaps.append((parent, name, TritonLinear(child)))
     for parent, name, new in swaps:
         setattr(parent, name, new)
     return len(swaps)

@@ -70,12 +70,16 @@ class LayerLaunches(TorchDispatchMode):
 
     def kernel(self, fn: object) -> contextlib.AbstractContextManager[None]:
         """A Triton launch of ``fn``; the attention modules' kernels (a split decode's
-        merge kernel too) are attention."""
+        merge kernel too) are attention, the split-K matmul's (and its reduction) matmul."""
         if self._current is not None and not self._in_kernel:
             module = getattr(fn, "__module__", "")
-            attention = module in ("kernels.paged_attention", "kernels.prefill_attention")
-            name = getattr(fn, "__name__", repr(fn))
-            self._current.append(f"{'attention' if attention else 'other'}:{name}")
+            if module in ("kernels.paged_attention", "kernels.prefill_attention"):
+                kind = "attention"
+            elif module == "kernels.quant_matmul":  # PAGEDSERVE_DECODE_MATMUL=triton
+                kind = "matmul"
+            else:
+                kind = "other"
+            self._current.append(f"{kind}:{getattr(fn, '__name__', repr(fn))}")
         return self._inside_kernel()
 
     @contextlib.contextmanager
@@ -95,19 +99,26 @@ class LayerLaunches(TorchDispatchMode):
         self._current = None
 
 
+@pytest.mark.parametrize("triton_matmuls", [False, True], ids=["library", "triton-matmuls"])
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_a_decode_steps_layer_launches_four_kernels_besides_matmuls_and_attention(
-    tiny_llama_gqa, device, monkeypatch
+    tiny_llama_gqa, device, triton_matmuls, monkeypatch
 ):
+    """With PAGEDSERVE_DECODE_MATMUL=triton each matmul is the split-K kernel (with its
+    reduction where it splits, on CUDA), the others unchanged."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
+
+    from kernels._common import DECODE_MATMUL_ENV
+
+    monkeypatch.setenv(DECODE_MATMUL_ENV, "triton" if triton_matmuls else "library")
 
     # Eager: a CUDA graph replays these same launches without calling the layer's Python.
     llm = LLM(str(tiny_llama_gqa), attention_backend="triton", device=device,
               dtype="float32", num_kv_blocks=64, block_size=8, enforce_eager=True)  # fmt: skip
     model = llm.engine.model
     if device == "cpu":  # the builder fuses them on CUDA only
-        assert fuse_layer_ops(model) > 0
+        assert fuse_layer_ops(model, triton_matmuls=triton_matmuls) > 0
     counter = LayerLaunches()
     for cls in (InterpretedFunction, JITFunction):
         original = cls.run
@@ -136,7 +147,12 @@ def test_a_decode_steps_layer_launches_four_kernels_besides_matmuls_and_attentio
     for launches in decode_layers:
         kinds = Counter(item.split(":", 1)[0] for item in launches)
         others = [item for item in launches if item.startswith("other:")]
-        assert kinds["matmul"] == 4, launches  # qkv, o, gate_up, down
+        matmuls = [item for item in launches if item.startswith("matmul:")]
+        if triton_matmuls:  # qkv, o, gate_up, down; on CUDA a reduction after each split
+            split_k = [m for m in matmuls if m == "matmul:_quant_matmul_split_k_kernel"]
+            assert len(split_k) == 4 and len(matmuls) <= 8, launches
+        else:
+            assert kinds["matmul"] == 4, launches  # qkv, o, gate_up, down
         # the decode kernel, and on CUDA its merge kernel where the context is split
         assert 1 <= kinds["attention"] <= 2, launches
         # add_rms_norm_ (rms_norm in the first layer) twice, rope_and_store_, silu_mul

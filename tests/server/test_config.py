@@ -315,3 +315,18 @@ def test_a_bad_pdl_switch_is_one_line(capsys) -> None:
     assert err.strip().splitlines() == [
         "pagedserve serve: error: PAGEDSERVE_PDL must be 0 or 1, got 'yes'"
     ], err
+
+
+def test_a_bad_decode_matmul_switch_is_one_line(capsys) -> None:
+    """PAGEDSERVE_DECODE_MATMUL (kernels/_common.py) is read when the model is built; the
+    server checks it before anything loads."""
+    for value in ("library", "triton", ""):
+        assert ServingConfig.from_cli([], {"PAGEDSERVE_DECODE_MATMUL": value}) is not None
+    with pytest.raises(SystemExit) as info:
+        ServingConfig.from_cli([], {"PAGEDSERVE_DECODE_MATMUL": "cublas"})
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "pagedserve serve: error: PAGEDSERVE_DECODE_MATMUL must be library or triton, "
+        "got 'cublas'"
+    ], err
