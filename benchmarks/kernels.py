@@ -2,7 +2,7 @@
 
     python -m benchmarks.kernels [--targets] [--fused] [--quick] [--peak-gbps N]
     python -m benchmarks.kernels --sweep [--budget-s S]
-    python -m benchmarks.kernels --quant-matmul [--budget-s S] [--quant-modes int8,fp8]
+    python -m benchmarks.kernels --quant-matmul [--budget-s S] [--quant-modes int8,fp8,dense]
 
 
 Decode paged attention. For each configuration (batch size x context length x GQA shape x
@@ -46,7 +46,9 @@ today's tiles, the heuristic's split-K launch, column strips, split counts, tl.d
 warps, stages, K tiles) on the Llama-3-8B decode matmuls at 1, 4, 16 and 64 rows beside
 torch's ``x @ w`` on the bf16 weight, and prints the best per row, bounded by ``--budget-s``
 (``benchmarks/quant_matmul_sweep.py``; ``--quick``: a tiny CPU smoke run under
-``TRITON_INTERPRET=1``).
+``TRITON_INTERPRET=1``). ``--quant-modes dense`` times the same kernel on the bf16 weight
+itself (``dense_matmul``, ``PAGEDSERVE_DECODE_MATMUL=triton``) at up to 16 rows, prefetching
+and as programmatic dependent launches too, against cuBLAS.
 
 The issue's figures on an H100/H200 (``make test-gpu`` runs this)::
 
@@ -511,7 +513,8 @@ def main(argv: list[str] | None = None) -> None:
         "Llama-3-8B decode shapes (with --quick: a tiny CPU smoke run)",
     )
     parser.add_argument("--quant-modes", default="int8,fp8",
-                        help="--quant-matmul: weight formats, e.g. int8")  # fmt: skip
+                        help="--quant-matmul: weight formats, e.g. int8; dense: "
+                             "dense_matmul on the unquantized weight")  # fmt: skip
     parser.add_argument("--quant-rows", type=_int_list, default=None,
                         help="--quant-matmul: row counts M (default 1,4,16,64)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -526,8 +529,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, "error: --quant-matmul off CUDA runs only with --quick (the interpreter "
                        "would take hours on the 8B shapes)\n")  # fmt: skip
     quant_modes = tuple(args.quant_modes.split(","))
-    if args.quant_matmul and not set(quant_modes) <= {"int8", "fp8"}:
-        parser.exit(2, f"error: --quant-modes takes int8 and/or fp8, not {args.quant_modes}\n")
+    if args.quant_matmul and not set(quant_modes) <= {"int8", "fp8", "dense"}:
+        parser.exit(2, f"error: --quant-modes takes int8, fp8 and/or dense, not "
+                       f"{args.quant_modes}\n")  # fmt: skip
 
     peak, source = peak_bandwidth(device, args.peak_gbps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"

@@ -7,7 +7,9 @@ int8 and fp8 weights, it times launches of ``kernels.quant_matmul.quant_matmul``
 (``launch=``) beside bf16 ``x @ w`` (cuBLAS) on the same shape, and prints per row the
 fastest launch beside today's (``TiledLaunch`` at ``tile_shape``, what decode ran before the
 split-K kernel) and the heuristic's (``choose_launch``), with a ``SplitKLaunch(...)`` to
-paste. Each launch is timed as ``benchmarks.kernels`` times the decode kernels: one CUDA
+paste. Mode ``dense`` times ``dense_matmul`` (the same split-K kernel on the unquantized
+weight, ``PAGEDSERVE_DECODE_MATMUL=triton``) against cuBLAS on the same bytes; its "today"
+is cuBLAS itself. Each launch is timed as ``benchmarks.kernels`` times the decode kernels: one CUDA
 graph over enough independent input sets (each its own weight) that no call finds its
 weight in L2 (``decode_cases.time_sets``). Bandwidth counts the weight's bytes and scales
 (and bf16's 2 bytes a weight for the cuBLAS row), against the device's peak.
@@ -21,6 +23,10 @@ short by ``--budget-s`` (compiles included) still has every row's first stage::
     B  num_warps {2, 4, 8} x num_stages {2, 3, 4, 6} at each row's best split-K launch of A
        (unsplit narrow strips with deep pipelines are the alternative to split-K's partials)
     C  block_k {16, 32, 64, 128, 256} at the best of B
+    D  the best of C with its first weight tile prefetched (``SplitKLaunch.prefetch``), and
+       where the device runs them as programmatic dependent launches (``pdl``: back to
+       back in the graph, each call's first tiles stream while the call before ends, as
+       after a layer's short kernels with ``PAGEDSERVE_PDL=1``)
 
 The broadcast form's accumulator tile (``block_m * block_k * block_n`` float32 values) is
 kept within 64 values a thread, beyond which it spills registers. Every timing line is
@@ -49,11 +55,20 @@ from benchmarks.decode_cases import num_input_sets, time_sets
 from benchmarks.staged_sweep import Stages, print_line
 from kernels import reference
 
+
+@dataclass(frozen=True)
+class PdlLaunch:
+    """A split-K launch run as a programmatic dependent launch (stage D)."""
+
+    launch: SplitKLaunch
+
+
 if TYPE_CHECKING:
     from kernels.quant_matmul import SplitKLaunch, TiledLaunch
 
-    # a quant_matmul launch, or TORCH: x @ w on the unquantized weight (the library's)
-    Launch = SplitKLaunch | TiledLaunch | str
+    # a quant_matmul (or dense_matmul) launch, or TORCH: x @ w on the unquantized weight
+    # (the library's)
+    Launch = SplitKLaunch | TiledLaunch | PdlLaunch | str
 
 TORCH = "torch"
 
@@ -67,6 +82,9 @@ SHAPES = {
 }
 ROWS = (1, 4, 16, 64)
 MODES = ("int8", "fp8")
+# dense_matmul on the unquantized weight (its bytes are the dtype's, as torch's row)
+DENSE = "dense"
+ALL_MODES = (*MODES, DENSE)
 SWEEP_BLOCK_N = (32, 64, 128, 256)
 SWEEP_WAVES = (0, 2, 4, 8)  # programs per SM the split count aims at (0: unsplit)
 SWEEP_WARPS = (2, 4, 8)
@@ -102,11 +120,14 @@ def describe(launch: Launch) -> str:
 
     if isinstance(launch, str):
         return "x @ w, unquantized (torch)"
+    if isinstance(launch, PdlLaunch):
+        return describe(launch.launch) + " pdl"
     if isinstance(launch, SplitKLaunch):
         form = "dot" if launch.dot else "bcast"
         return (
             f"{form:<5} m{launch.block_m:<2} n{launch.block_n:<3} k{launch.block_k:<3} "
             f"split={launch.num_splits:<2} w={launch.num_warps} s={launch.num_stages}"
+            + (" pre" if launch.prefetch else "")
         )
     return f"tiled m{launch.block_m:<2} n{launch.block_n:<3} k{launch.block_k:<3}"
 
@@ -123,7 +144,7 @@ class RowSweep:
     dtype: torch.dtype
     device: torch.device
     peak: float | None  # GB/s
-    sets: list[WeightSet]  # quantized
+    sets: list[WeightSet]  # quantized (dense: the unquantized weights)
     torch_sets: list[WeightSet]  # the unquantized weights
     expected: torch.Tensor  # [rows, N] float32, reference on sets[0]
     torch_expected: torch.Tensor  # [rows, N] float32, x @ w in float32 on torch_sets[0]
@@ -137,8 +158,8 @@ class RowSweep:
 
     def weight_bytes(self, launch: Launch) -> int:
         """Bytes a call must read of its weight: the dtype's (2 a value in bf16) for
-        torch's matmul, else 1 a value and the scales."""
-        if isinstance(launch, str):
+        torch's matmul and the dense mode, else 1 a value and the scales."""
+        if isinstance(launch, str) or self.mode == DENSE:
             return self.dtype.itemsize * self.k * self.n
         return self.k * self.n + 4 * self.n
 
@@ -146,20 +167,26 @@ class RowSweep:
         """The launch as the launcher runs it (splits recounted to whole tiles)."""
         from kernels.quant_matmul import SplitKLaunch, split_k_rows
 
+        if isinstance(launch, PdlLaunch):
+            return PdlLaunch(self.effective(launch.launch))
         if not isinstance(launch, SplitKLaunch):
             return launch
         return replace(launch, num_splits=split_k_rows(self.k, launch.block_k,
                                                        launch.num_splits)[1])  # fmt: skip
 
     def impl(self, launch: Launch) -> Callable[[WeightSet], torch.Tensor]:
-        from kernels.quant_matmul import quant_matmul
+        from kernels.quant_matmul import dense_matmul, quant_matmul
 
         if isinstance(launch, str):
             return lambda s: s.x @ s.weight
+        pdl = isinstance(launch, PdlLaunch)
+        plain = launch.launch if isinstance(launch, PdlLaunch) else launch
+        if self.mode == DENSE:
+            return lambda s: dense_matmul(s.x, s.weight, launch=plain, pdl=pdl)  # type: ignore[arg-type]
 
         def run(s: WeightSet) -> torch.Tensor:
             assert s.scale is not None, "a quantized set"
-            return quant_matmul(s.x, s.weight, s.scale, launch=launch)
+            return quant_matmul(s.x, s.weight, s.scale, launch=plain, pdl=pdl)
 
         return run
 
@@ -168,10 +195,11 @@ class RowSweep:
         return min(ok, key=lambda lm: lm[1].seconds) if ok else None
 
     def best_split_k(self) -> SplitKLaunch | None:
+        """The fastest plain split-K launch measured (not prefetched, not PDL)."""
         from kernels.quant_matmul import SplitKLaunch
 
         ok = [(launch, m) for launch, m in self.results.items()
-              if m.ok and isinstance(launch, SplitKLaunch)]  # fmt: skip
+              if m.ok and isinstance(launch, SplitKLaunch) and not launch.prefetch]  # fmt: skip
         return min(ok, key=lambda lm: lm[1].seconds)[0] if ok else None
 
     def measure(self, launch: Launch, out: Callable[[str], None]) -> None:
@@ -285,6 +313,18 @@ def stage_c(row: RowSweep) -> list[Launch]:
             if fits(b.block_m, b.block_n, k, b.num_warps, b.dot)]  # fmt: skip
 
 
+def stage_d(row: RowSweep) -> list[Launch]:
+    from kernels._triton_common import pdl_supported
+
+    b = row.best_split_k()
+    if b is None:
+        return []
+    launches: list[Launch] = [replace(b, prefetch=True)]
+    if pdl_supported(row.device):
+        launches.append(PdlLaunch(b))
+    return launches
+
+
 def make_rows(
     device: torch.device,
     dtype: torch.dtype,
@@ -296,26 +336,36 @@ def make_rows(
 ) -> list[RowSweep]:
     """Every (shape, rows, mode) with its input sets: per shape, independent random weights
     (bf16, and each mode's quantization of them), enough sets that a CUDA graph over them
-    streams more than L2 (one set off CUDA)."""
+    streams more than L2 (one set off CUDA). The dense mode's sets are torch's."""
     from engine.quantization import quantize_weight
-    from kernels.quant_matmul import TiledLaunch, choose_launch, tile_shape
+    from kernels.quant_matmul import DECODE_ROWS, TiledLaunch, choose_launch, tile_shape
 
     out: list[RowSweep] = []
     for shape, (k, n) in shapes.items():
         count = num_input_sets(k * n, device)
         weights = [(torch.randn(k, n, device=device) * 0.02).to(dtype) for _ in range(count)]
-        quantized = {mode: [quantize_weight(w, mode) for w in weights] for mode in modes}
+        quantized = {
+            mode: [quantize_weight(w, mode) for w in weights] for mode in modes if mode != DENSE
+        }
         for m in rows:
             xs = [torch.randn(m, k, device=device).to(dtype) for _ in range(count)]
             torch_sets = [WeightSet(x, w, None) for x, w in zip(xs, weights, strict=True)]
             torch_expected = xs[0].float() @ weights[0].float()
             for mode in modes:
-                sets = [WeightSet(x, q, s) for x, (q, s) in zip(xs, quantized[mode], strict=True)]
-                q, s = quantized[mode][0]
-                expected = reference.quant_matmul(xs[0], q, s).float()
+                if mode == DENSE:  # rows past the kernel's take the library: nothing to time
+                    if m > DECODE_ROWS:
+                        continue
+                    sets = torch_sets
+                    expected = reference.dense_matmul(xs[0], weights[0]).float()
+                else:
+                    pairs = zip(xs, quantized[mode], strict=True)
+                    sets = [WeightSet(x, q, s) for x, (q, s) in pairs]
+                    q, s = quantized[mode][0]
+                    expected = reference.quant_matmul(xs[0], q, s).float()
                 row = RowSweep(shape, k, n, m, mode, dtype, device, peak, sets, torch_sets,
                                expected, torch_expected)  # fmt: skip
-                row.today = TiledLaunch(*tile_shape(m))
+                # dense: "today" is the library's matmul, the row's torch launch
+                row.today = TORCH if mode == DENSE else TiledLaunch(*tile_shape(m))
                 row.heuristic = row.effective(choose_launch(m, n, k, sms))
                 out.append(row)
     return out
@@ -348,11 +398,13 @@ def run_quant_sweep(
     sms = num_compute_units(device) if device.type == "cuda" else 0
     if quick:  # interpreter-sized: one shape, small K and N, no stage B or C
         shapes, rows = {"tiny": (96, 80)}, (1, 3)
-        stages: Stages[Launch] = Stages([("A", lambda r: stage_a(r, 132, quick=True))])
+        stages: Stages[Launch] = Stages(
+            [("A", lambda r: stage_a(r, 132, quick=True)), ("D", stage_d)]
+        )
     else:
         shapes = SHAPES
         stages = Stages([("A", lambda r: stage_a(r, sms, quick=False)), ("B", stage_b),
-                         ("C", stage_c)])  # fmt: skip
+                         ("C", stage_c), ("D", stage_d)])  # fmt: skip
     torch.manual_seed(0)
     sweep = make_rows(device, dtype, peak, shapes, rows, modes, sms)
     out(f"# quant_matmul launch sweep: {len(sweep)} rows ({', '.join(shapes)} x M "

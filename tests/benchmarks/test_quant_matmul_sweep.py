@@ -7,6 +7,8 @@ CPU: the Triton launches run under the interpreter (conftest.py sets TRITON_INTE
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ from benchmarks.quant_matmul_sweep import (
     stage_a,
     stage_b,
     stage_c,
+    stage_d,
 )
 from kernels.quant_matmul import SplitKLaunch, TiledLaunch, choose_launch, tile_shape
 
@@ -35,6 +38,7 @@ def test_quick_sweep_times_each_launch_and_prints_the_best(device, capsys):
         assert sum(line.endswith(" today") for line in mine) == 1, mine
         assert sum(line.endswith(" heuristic") for line in mine) == 1, mine
         assert sum(" split=2 " in line for line in mine) >= 2, mine  # dot and broadcast
+        assert sum(" pre " in line for line in mine) == 1, mine  # stage D
     for line in timed:
         assert "MISMATCH" not in line and "failed" not in line, line
     assert "confirmed: torch " in out and "best launch" in out
@@ -45,6 +49,25 @@ def test_quick_sweep_times_each_launch_and_prints_the_best(device, capsys):
         launch = eval(line[4:].split("  #")[0].rstrip(","),
                       {"SplitKLaunch": SplitKLaunch, "TiledLaunch": TiledLaunch})  # fmt: skip
         assert isinstance(launch, SplitKLaunch | TiledLaunch), line
+
+
+def test_quick_dense_sweep_times_the_kernel_against_the_library(device, capsys):
+    """--quant-modes dense: dense_matmul on the unquantized weight, whose "today" is the
+    library's own matmul, with the same stages (stage D: the best prefetched)."""
+    main(["--device", device.type, "--quant-matmul", "--quick", "--peak-gbps", "100",
+          "--quant-modes", "dense"])  # fmt: skip
+    out = capsys.readouterr().out
+    timed = [line for line in out.splitlines() if line.startswith("tiny ") and " us " in line]
+    assert timed and all(" dense " in line for line in timed), timed
+    for rows in (1, 3):
+        mine = [line for line in timed if f" M={rows} " in line]
+        torch_lines = [line for line in mine if "unquantized (torch)" in line]
+        assert len(torch_lines) == 1 and torch_lines[0].endswith(" today"), mine
+        assert sum(line.endswith(" heuristic") for line in mine) == 1, mine
+        assert sum(" pre " in line for line in mine) == 1, mine
+    for line in timed:
+        assert "MISMATCH" not in line and "failed" not in line, line
+    assert "confirmed: torch " in out
 
 
 @pytest.mark.parametrize(
@@ -105,4 +128,8 @@ def test_later_stages_search_around_the_best_split_k_launch():
     }
     assert all(launch.block_k == 64 and launch.num_splits == 16 for launch in b)
     assert [launch.block_k for launch in stage_c(row)] == [16, 32, 64, 128]
+    # D: the best plain launch prefetched (off a Hopper GPU, no dependent launch)
+    assert stage_d(row) == [replace(best, prefetch=True)]
+    row.results[replace(best, prefetch=True)] = Measured(1e-7, 0.0, True)
+    assert row.best_split_k() == best  # stages B-D search around plain launches
     assert fits(16, 256, 256, 2, dot=True) and not fits(16, 64, 8, 4, dot=True)
