@@ -56,7 +56,7 @@ from engine.cost import StepCostModel
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
 from engine.presets import preset
-from kernels._common import PDL_ENV
+from kernels._common import DECODE_MATMUL_ENV, PDL_ENV
 from planner.devices import device_for_cuda_name
 from planner.measured import Histogram
 
@@ -718,11 +718,15 @@ def main(argv: list[str] | None = None) -> int:
         prefill_chunk_tokens=args.prefill_chunk_tokens,
     )  # fmt: skip
     engine = llm.engine
+    switches = "".join(
+        f", {name}={os.environ[name]}"
+        for name in (PDL_ENV, DECODE_MATMUL_ENV)
+        if os.environ.get(name)
+    )
     print(
         f"engine ready in {time.perf_counter() - t0:.1f} s "
         f"({'eager' if args.enforce_eager or device.type != 'cuda' else 'CUDA graphs'}"
-        f"{', async scheduling' if engine.async_scheduling else ''}"
-        f"{f', {PDL_ENV}=' + os.environ[PDL_ENV] if os.environ.get(PDL_ENV) else ''}); "
+        f"{', async scheduling' if engine.async_scheduling else ''}{switches}); "
         f"{engine.kv_capacity.describe()}",
         flush=True,
     )
@@ -738,6 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                            "async_scheduling": engine.async_scheduling,
                            "graphs": not args.enforce_eager and device.type == "cuda",
                            "pdl": os.environ.get(PDL_ENV, ""),
+                           "decode_matmul": os.environ.get(DECODE_MATMUL_ENV, "") or "library",
                            "bandwidth": bandwidth, "flops": flops}  # fmt: skip
 
     # Batch 1: the first request after the engine is ready, then a steady one.

@@ -26,6 +26,12 @@
 #   pdl         batch-1 TPOT and the decode steps with every Triton kernel of a layer as a
 #               programmatic dependent launch (PAGEDSERVE_PDL=1: each launches while the one
 #               before finishes), against the same run with PAGEDSERVE_PDL=0
+#   gemv        the decode matmuls on the split-K Triton kernel (PAGEDSERVE_DECODE_MATMUL=
+#               triton): its launch sweep on the bf16 weights against cuBLAS at 1 and 16 rows
+#               (prefetched and as dependent launches in stage D), then batch-1 TPOT and the
+#               decode steps with it, with PAGEDSERVE_PDL=0 and =1 (the whole layer one chain
+#               of dependent launches, each matmul streaming its first weight tiles while the
+#               kernel before ends), against pdl's runs on cuBLAS
 #   profile     where the batch-1/64/256 decode steps and the closed loop's mixed steps go
 #               (host against device time); c=64 mixed steps replayed whole, in pieces, and
 #               attending in two launches; c=4 long-prompt mixed steps split (pieces)
@@ -126,6 +132,13 @@ step() {
             PAGEDSERVE_PDL=$pdl run_step "pdl$pdl" 150 "${B[@]}" --sections batch1,decode \
                 --skip-http --out "$OUT/pdl$pdl.json"
         done ;;
+    gemv)
+        run_step gemv-sweep 100 python3 -m benchmarks.kernels --quant-matmul --quant-modes dense \
+            --quant-rows 1,16 --budget-s 60
+        for pdl in 0 1; do
+            PAGEDSERVE_DECODE_MATMUL=triton PAGEDSERVE_PDL=$pdl run_step "gemv-pdl$pdl" 150 \
+                "${B[@]}" --sections batch1,decode --skip-http --out "$OUT/gemv-pdl$pdl.json"
+        done ;;
     profile) run_step profile 200 "${B[@]}" --sections profile --skip-http \
         --out "$OUT/profile.json" ;;
     async-off) run_step async-off 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
@@ -136,7 +149,7 @@ step() {
                 --sampling "$sampling" --json "$OUT/host-$sampling.json"
         done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels sweep pdl chunks itl-target async-off host suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels sweep pdl gemv chunks itl-target async-off host suite)" >&2
         exit 2 ;;
     esac
 }
@@ -149,8 +162,8 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests http itl-ratio kernels sweep pdl profile piecewise engine chunks itl-target \
-        async-off host suite
+    set -- gpu-tests http itl-ratio kernels sweep pdl gemv profile piecewise engine chunks \
+        itl-target async-off host suite
 fi
 for s in "$@"; do
     step "$s"

@@ -65,6 +65,24 @@ def test_the_pdl_step_runs_with_the_switch_off_then_on(tmp_path: Path) -> None:
         assert f"PAGEDSERVE_PDL={value}" in (out / f"pdl{value}.log").read_text()
 
 
+def test_the_gemv_step_sweeps_then_runs_the_engine_on_the_triton_matmuls(tmp_path: Path) -> None:
+    """The dense sweep needs CUDA (off it --quant-matmul runs only with --quick): here it
+    fails in one line and the engine runs still go on, with PAGEDSERVE_DECODE_MATMUL=triton
+    recorded beside each PDL setting."""
+    done = run(tmp_path, "gemv")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text()
+    assert "gemv-sweep rc=2 " in summary, summary
+    assert "--quant-matmul off CUDA" in (out / "gemv-sweep.log").read_text()
+    for value in ("0", "1"):
+        assert f"gemv-pdl{value} rc=0 " in summary, summary
+        result = json.loads((out / f"gemv-pdl{value}.json").read_text())
+        assert result["pdl"] == value and result["decode_matmul"] == "triton", result
+        log = (out / f"gemv-pdl{value}.log").read_text()
+        assert "PAGEDSERVE_DECODE_MATMUL=triton" in log, log
+
+
 def test_a_step_that_does_not_fit_is_skipped(tmp_path: Path) -> None:
     done = run(tmp_path, "suite", session_s=60)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -76,5 +94,5 @@ def test_an_unknown_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
         "unknown step: bogus (gpu-tests engine http itl-ratio piecewise profile kernels sweep "
-        "pdl chunks itl-target async-off host suite)"
+        "pdl gemv chunks itl-target async-off host suite)"
     ], done.stderr
