@@ -46,10 +46,15 @@ def _rms_norm_kernel(
     SOFT_BF16_ROUND: tl.constexpr,  # see kernels/_triton_common.round_args
     PDL: tl.constexpr,  # a programmatic dependent launch (kernels/_triton_common.pdl_enter)
 ):
-    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, HIDDEN_PAD)
     mask = offs < HIDDEN_SIZE
+    # The weight first: no kernel of a step writes it, so it may load before pdl_enter (as a
+    # dependent launch, while the kernel before still runs). Loaded after the residual's
+    # store, as it was, it could not be issued before that store completed (the pointers
+    # may alias), a third round trip to memory in a launch that is mostly latency.
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_enter(PDL)
     x = tl.load(x_ptr + token * stride_x_token + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = residual_ptr + token * stride_residual_token + offs
@@ -59,7 +64,6 @@ def _rms_norm_kernel(
         tl.store(residual, x.to(DTYPE), mask=mask)
     mean_square = tl.sum(x * x, axis=0) / HIDDEN_SIZE
     normed = round_to(x * tl.rsqrt(mean_square + eps), DTYPE, SOFT_BF16_ROUND)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * HIDDEN_SIZE + offs, (normed * w).to(DTYPE), mask=mask)
 
 

@@ -235,6 +235,8 @@ def _rms_norm(
              HAS_RESIDUAL=has_residual, DTYPE=_TL[dtype], SOFT_BF16_ROUND=False, PDL=pdl),
         dict(num_warps=num_warps, **option),
         ptx,
+        # a dependent launch loads the weight while the kernel before still runs
+        ptx_order=("ld.global", "griddepcontrol.wait") if pdl else (),
     )  # fmt: skip
 
 
