@@ -13,6 +13,15 @@
 # Steps, most wanted first (the issue each serves); each runs under `timeout`, writes
 # $OUT/<step>.log, and appends "<step> rc=<exit status> <seconds>s" to $OUT/summary.txt:
 #   gpu-tests   the GPU-marked tests, 4 workers on one GPU (make test-gpu's first half)
+#   pdl         batch-1 TPOT and the decode steps with every Triton kernel of a layer as a
+#               programmatic dependent launch (PAGEDSERVE_PDL=1: each launches while the one
+#               before finishes), against the same run with PAGEDSERVE_PDL=0
+#   gemv        the decode matmuls on the split-K Triton kernel (PAGEDSERVE_DECODE_MATMUL=
+#               triton): batch-1 TPOT and the decode steps with it, with PAGEDSERVE_PDL=0 and
+#               =1 (the whole layer one chain of dependent launches, each matmul streaming its
+#               first weight tiles while the kernel before ends), against pdl's runs on
+#               cuBLAS; then its launch sweep on the bf16 weights against cuBLAS at 1 and 16
+#               rows (prefetched and as dependent launches in stage D)
 #   http        first request after /health and concurrency 1 and 64 through the server
 #   itl-ratio   HTTP at concurrency 64 with --target-itl-ratio 2 (a step with prompt tokens
 #               sized to at most twice the same decodes' step): the ITL p99 / p50 target
@@ -23,15 +32,6 @@
 #               (each tile's V load beside its K load) and E (the first tile's block ids
 #               beside the context length; then both kernels as programmatic dependent
 #               launches) new since its last run
-#   pdl         batch-1 TPOT and the decode steps with every Triton kernel of a layer as a
-#               programmatic dependent launch (PAGEDSERVE_PDL=1: each launches while the one
-#               before finishes), against the same run with PAGEDSERVE_PDL=0
-#   gemv        the decode matmuls on the split-K Triton kernel (PAGEDSERVE_DECODE_MATMUL=
-#               triton): its launch sweep on the bf16 weights against cuBLAS at 1 and 16 rows
-#               (prefetched and as dependent launches in stage D), then batch-1 TPOT and the
-#               decode steps with it, with PAGEDSERVE_PDL=0 and =1 (the whole layer one chain
-#               of dependent launches, each matmul streaming its first weight tiles while the
-#               kernel before ends), against pdl's runs on cuBLAS
 #   profile     where the batch-1/64/256 decode steps and the closed loop's mixed steps go
 #               (host against device time); c=64 mixed steps replayed whole, in pieces, and
 #               attending in two launches; c=4 long-prompt mixed steps split (pieces)
@@ -56,9 +56,11 @@
 # under the device tool's 600 s a call) than its bound; rerun the rest in a second call.
 # A lent machine has 15 minutes of device time, start-up included: about one full call and
 # a short second one, so the default order puts first what the open targets need and the
-# code changed since the last GPU run: the GPU tests (whole graphs, early V, the launch
-# count), the c=64 ITL tail with and without the relative target, the kernel targets and
-# the sweep; the engine's decode figures, unchanged since e903b1a, come later.
+# code changed since the last GPU run: the GPU tests (whole graphs, early V, dependent
+# launches, the split-K dense matmul), then batch-1 MBU (the furthest target: 0.74 against
+# 0.8) with the layer as dependent launches on cuBLAS and on the Triton matmuls, then the
+# c=64 ITL tail with and without the relative target, the kernel targets and the sweep; the
+# engine's other figures, unchanged since e903b1a, come later.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -133,12 +135,12 @@ step() {
                 --skip-http --out "$OUT/pdl$pdl.json"
         done ;;
     gemv)
-        run_step gemv-sweep 100 python3 -m benchmarks.kernels --quant-matmul --quant-modes dense \
-            --quant-rows 1,16 --budget-s 60
         for pdl in 0 1; do
             PAGEDSERVE_DECODE_MATMUL=triton PAGEDSERVE_PDL=$pdl run_step "gemv-pdl$pdl" 150 \
                 "${B[@]}" --sections batch1,decode --skip-http --out "$OUT/gemv-pdl$pdl.json"
-        done ;;
+        done
+        run_step gemv-sweep 100 python3 -m benchmarks.kernels --quant-matmul --quant-modes dense \
+            --quant-rows 1,16 --budget-s 60 ;;
     profile) run_step profile 200 "${B[@]}" --sections profile --skip-http \
         --out "$OUT/profile.json" ;;
     async-off) run_step async-off 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
@@ -162,7 +164,7 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests http itl-ratio kernels sweep pdl gemv profile piecewise engine chunks \
+    set -- gpu-tests pdl gemv http itl-ratio kernels sweep profile piecewise engine chunks \
         itl-target async-off host suite
 fi
 for s in "$@"; do
