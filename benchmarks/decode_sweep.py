@@ -27,8 +27,13 @@ compiles included: past it, the remaining launches are skipped. Then each row's 
 today's launch are timed again, interleaved (A, B, A, B: the figures compared come from the
 same minutes), and the summary printed.
 
-CPU: only with ``TRITON_INTERPRET=1`` (``--quick``: one small row, stage A at two split
-counts, timed by wall clock: a smoke test of this code, not a measurement).
+``--sweep-rows`` replaces the issue's rows with others, e.g. ``64x512,256x512``: the engine's
+decode steps at batch 64 and 256 over 512-token contexts (issue 35's batch-64 step, 1.36x
+its floor against 1.3x; their attention is the unsplit catch-all launch, never swept).
+
+CPU: only with ``TRITON_INTERPRET=1`` (``--quick``: one small row, or ``--sweep-rows`` at the
+small shape, stage A at two split counts, timed by wall clock: a smoke test of this code, not
+a measurement).
 """
 
 from __future__ import annotations
@@ -264,18 +269,21 @@ def run_sweep(
     *,
     quick: bool = False,
     budget_s: float = DEFAULT_BUDGET_S,
+    batch_contexts: list[tuple[int, int]] | None = None,
     out: Callable[[str], None] | None = None,
 ) -> list[RowSweep]:
-    """Run the sweep, printing as it goes; returns the rows with their measurements."""
+    """Run the sweep, printing as it goes; returns the rows with their measurements.
+    ``batch_contexts``: the (batch, context) rows, default ``TARGET_ROWS`` (``--quick``: one
+    small row), at the Llama-3-8B shape (``--quick``: 4 query / 2 KV heads of 32)."""
     from kernels._common import num_compute_units
 
     out = out or print_line
     start = time.perf_counter()
     if quick:  # off CUDA one SM: stage A is unsplit and 2 splits of each merge
-        cfgs = [Config(2, 128, 4, 2, 16, 32, dtype)]
+        cfgs = [Config(b, ctx, 4, 2, 16, 32, dtype) for b, ctx in batch_contexts or [(2, 128)]]
         stages = Stages([("A", stage_a)])
     else:
-        cfgs = [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in TARGET_ROWS]
+        cfgs = [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in batch_contexts or TARGET_ROWS]
         stages = Stages([("A", stage_a), ("B", stage_b), ("C", stage_c), ("D", stage_d),
                          ("E", stage_e)])  # fmt: skip
     out(f"# decode launch sweep: {len(cfgs)} rows, stages {stages.names}, "

@@ -32,6 +32,9 @@
 #               (each tile's V load beside its K load) and E (the first tile's block ids
 #               beside the context length; then both kernels as programmatic dependent
 #               launches) new since its last run
+#   sweep-b64   the same sweep on the engine's decode steps' attention at batch 64 and 256
+#               over 512-token contexts (issue 35's batch-64 step: 1.36x its floor against
+#               1.3x), which run the unsplit catch-all launch no sweep has timed
 #   profile     where the batch-1/64/256 decode steps and the closed loop's mixed steps go
 #               (host against device time); c=64 mixed steps replayed whole, in pieces, and
 #               attending in two launches; c=4 long-prompt mixed steps split (pieces)
@@ -114,6 +117,8 @@ step() {
     gpu-tests) run_step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests ;;
     kernels) run_step kernels 150 python3 -m benchmarks.kernels --targets --fused ;;
     sweep) run_step sweep 150 python3 -m benchmarks.kernels --sweep --budget-s 100 ;;
+    sweep-b64) run_step sweep-b64 100 python3 -m benchmarks.kernels --sweep \
+        --sweep-rows 64x512,256x512 --budget-s 60 ;;
     engine) run_step engine 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
         --out "$OUT/engine.json" ;;
     http) run_step http 200 "${B[@]}" --sections http --concurrency 1,64 --out "$OUT/http.json" ;;
@@ -151,7 +156,7 @@ step() {
                 --sampling "$sampling" --json "$OUT/host-$sampling.json"
         done ;;
     suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 tests ;;
-    *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels sweep pdl gemv chunks itl-target async-off host suite)" >&2
+    *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels sweep pdl gemv sweep-b64 chunks itl-target async-off host suite)" >&2
         exit 2 ;;
     esac
 }
@@ -164,8 +169,8 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests pdl gemv http itl-ratio kernels sweep profile piecewise engine chunks \
-        itl-target async-off host suite
+    set -- gpu-tests pdl gemv http itl-ratio kernels sweep sweep-b64 profile piecewise engine \
+        chunks itl-target async-off host suite
 fi
 for s in "$@"; do
     step "$s"

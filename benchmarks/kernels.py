@@ -1,7 +1,7 @@
 """Kernel benchmark.
 
     python -m benchmarks.kernels [--targets] [--fused] [--quick] [--peak-gbps N]
-    python -m benchmarks.kernels --sweep [--budget-s S]
+    python -m benchmarks.kernels --sweep [--budget-s S] [--sweep-rows 64x512,256x512]
     python -m benchmarks.kernels --quant-matmul [--budget-s S] [--quant-modes int8,fp8,dense]
 
 
@@ -463,6 +463,20 @@ def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
+def _batch_contexts(text: str) -> list[tuple[int, int]]:
+    """``64x512,256x512`` -> [(64, 512), (256, 512)]."""
+    try:
+        pairs = [x.lower().split("x") for x in text.split(",")]
+        rows = [(int(b), int(ctx)) for b, ctx in pairs]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected BATCHxCONTEXT,..., e.g. 64x512, not {text!r}"
+        ) from None
+    if any(b < 1 or ctx < 1 for b, ctx in rows):
+        raise argparse.ArgumentTypeError(f"batches and contexts must be positive: {text!r}")
+    return rows
+
+
 def _shape_list(text: str) -> list[tuple[int, int]]:
     pairs = [x.split("/") for x in text.split(",")]
     return [(int(q), int(kv)) for q, kv in pairs]
@@ -503,6 +517,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="time the decode kernel's launches on the --targets rows "
                              "(with --quick: one small row, a CPU smoke run)")  # fmt: skip
+    parser.add_argument("--sweep-rows", type=_batch_contexts, default=None,
+                        help="--sweep: these BATCHxCONTEXT rows instead of the issue's, e.g. "
+                             "64x512,256x512")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=None,
                         help="--sweep / --quant-matmul: time no new launch after this many "
                              "seconds (default 100 / 240)")  # fmt: skip
@@ -542,7 +559,8 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.decode_sweep import run_sweep
 
         dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-        run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s or 100.0)
+        run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s or 100.0,
+                  batch_contexts=args.sweep_rows)  # fmt: skip
         return
     if args.quant_matmul:
         from benchmarks.quant_matmul_sweep import DEFAULT_BUDGET_S, ROWS, run_quant_sweep

@@ -94,5 +94,5 @@ def test_an_unknown_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.strip().splitlines() == [
         "unknown step: bogus (gpu-tests engine http itl-ratio piecewise profile kernels sweep "
-        "pdl gemv chunks itl-target async-off host suite)"
+        "pdl gemv sweep-b64 chunks itl-target async-off host suite)"
     ], done.stderr

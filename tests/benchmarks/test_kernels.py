@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from benchmarks.kernels import (
@@ -143,6 +144,24 @@ def test_sweep_quick_times_each_merge_and_reports_the_best(device, capsys):
         assert "MISMATCH" not in line and "failed" not in line, line
     assert "   2 x 128    best    " in out and "   2 x 128    default " in out
     assert "# DECODE_TUNING" in out
+
+
+def test_sweep_rows_replace_the_issues_rows(device, capsys):
+    """``--sweep-rows``: the sweep times the rows named (here at the quick run's small
+    shape), and a malformed list is one line and exit 2."""
+    main(["--device", device.type, "--sweep", "--quick", "--peak-gbps", "100",
+          "--sweep-rows", "3x64,1x96"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "# decode launch sweep: 2 rows" in out, out
+    for head in ("   3 x 64    ", "   1 x 96    "):
+        assert f"{head} default " in out and f"{head} best    " in out, out
+    assert "   2 x 128 " not in out
+    for bad in ("64by512", "0x512"):
+        with pytest.raises(SystemExit) as info:
+            main(["--device", "cpu", "--sweep", "--quick", "--sweep-rows", bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--sweep-rows" in err and "Traceback" not in err, err
 
 
 def test_sweep_table_line_reproduces_the_best_launch(monkeypatch):
