@@ -240,25 +240,31 @@ def stage_e(row: RowSweep) -> list[DecodeLaunch]:
 
 
 def suggested_row(row: RowSweep, sms: int) -> str:
-    """A ``DecodeTuning`` line reproducing the row's best split launch at its own shape, or
-    for an unsplit best the launch parameters of the catch-all (unsplit) row: a row of its
-    own would also cover fewer sequences of that context, which should split."""
+    """A ``DecodeTuning`` line reproducing the row's best launch at its own shape: a row for
+    calls of at most its context and fewer waves of programs (unsplit grid) than its own, to
+    go first. An unsplit best where the unsplit grid has ``SPLIT_BELOW_WAVES`` waves or more
+    (the split-K catch-all row covers fewer) is instead a row for any number of waves, to go
+    just before the last row, so that smaller batches of that context still split."""
+    from kernels.paged_attention import MIN_TOKENS_PER_SPLIT, SPLIT_BELOW_WAVES
+
     b = row.best().launch
     shape = f"# {row.cfg.batch} x {row.cfg.context_len}"
-    if b.num_splits == 1:
-        return (f"catch-all row: num_warps={b.num_warps}, num_stages={b.num_stages}, "
-                f"tile_n={b.tile_n}, early_v={b.early_v}, prefetch_ids={b.prefetch_ids}, "
-                f"pdl={b.pdl}  {shape}")  # fmt: skip
     waves = row.cfg.batch * row.cfg.num_kv_heads / sms
-    # Rounded up, ceil(target_waves * sms / programs) >= num_splits; max_splits clamps it.
-    target = math.ceil(b.num_splits * waves * 1000) / 1000
+    below = f"{math.floor(waves * 1000 + 1) / 1000}"
+    place = ""
+    if b.num_splits == 1:
+        if waves >= SPLIT_BELOW_WAVES:
+            below, place = "math.inf", ", unsplit: just before the last row"
+        target, min_tokens = 0.0, MIN_TOKENS_PER_SPLIT
+    else:
+        # Rounded up, ceil(target_waves * sms / programs) >= num_splits; max_splits clamps it.
+        target, min_tokens = math.ceil(b.num_splits * waves * 1000) / 1000, b.tile_n
     return (
-        f"DecodeTuning(waves_below={math.floor(waves * 1000 + 1) / 1000}, "
-        f"max_context_len={row.cfg.context_len}, target_waves={target}, "
-        f"min_tokens_per_split={b.tile_n}, max_splits={b.num_splits}, "
-        f"one_launch={b.one_launch}, num_warps={b.num_warps}, num_stages={b.num_stages}, "
-        f"tile_n={b.tile_n}, early_v={b.early_v}, prefetch_ids={b.prefetch_ids}, "
-        f"pdl={b.pdl}),  {shape}"
+        f"DecodeTuning(waves_below={below}, max_context_len={row.cfg.context_len}, "
+        f"target_waves={target:g}, min_tokens_per_split={min_tokens}, "
+        f"max_splits={b.num_splits}, one_launch={b.one_launch}, num_warps={b.num_warps}, "
+        f"num_stages={b.num_stages}, tile_n={b.tile_n}, early_v={b.early_v}, "
+        f"prefetch_ids={b.prefetch_ids}, pdl={b.pdl}),  {shape}{place}"
     )
 
 
@@ -312,7 +318,7 @@ def run_sweep(
     sms = num_compute_units(device)
     out("")
     out("# DECODE_TUNING (kernels/paged_attention.py) rows reproducing each row's best at its")
-    out("# shape, most specific first, before the catch-all rows:")
+    out("# shape, most specific first, before the catch-all rows (unless a line says where):")
     for row in sorted(rows, key=lambda r: (r.cfg.context_len, r.cfg.batch)):
         if row.best() is not None:
             out(f"#   {suggested_row(row, sms)}")

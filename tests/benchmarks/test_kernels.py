@@ -7,6 +7,7 @@ CPU: the Triton rows run under the interpreter (conftest.py sets TRITON_INTERPRE
 from __future__ import annotations
 
 import argparse
+import math
 
 import pytest
 import torch
@@ -188,11 +189,29 @@ def test_sweep_table_line_reproduces_the_best_launch(monkeypatch):
         monkeypatch.setattr(decode_module, "DECODE_TUNING", (tuning, *DECODE_TUNING))
         chosen = decode_module.choose_launch(batch, 8, context, torch.device("cuda"))
         assert effective(chosen, context) == best, line
-    unsplit = argparse.Namespace(
-        cfg=Config(64, 4096, 32, 8, 16, 128, torch.bfloat16),
-        best=lambda: Measured(DecodeLaunch(1, False, 8, 2, 64), 1e-6, 0.0, True),
-    )
-    assert suggested_row(unsplit, 132).startswith("catch-all row: num_warps=8, num_stages=2")
+    # Unsplit bests: below SPLIT_BELOW_WAVES a row to go first, like a split one; at or
+    # above it (the engine's batch-64 decode step over 512 tokens) a row for any waves of
+    # its context, just before the last row: smaller batches of that context still split.
+    for (batch, context), launch in (((16, 512), DecodeLaunch(1, False, 8, 1, 32)),
+                                     ((64, 512), DecodeLaunch(1, False, 8, 2, 128))):  # fmt: skip
+        unsplit = argparse.Namespace(
+            cfg=Config(batch, context, 32, 8, 16, 128, torch.bfloat16),
+            best=lambda launch=launch: Measured(launch, 1e-6, 0.0, True),
+        )
+        line = suggested_row(unsplit, 132)
+        tuning = eval(line.split("  #")[0].rstrip(","), {"DecodeTuning": DecodeTuning,
+                                                         "math": math})  # fmt: skip
+        if batch == 16:
+            table = (tuning, *DECODE_TUNING)
+        else:
+            assert line.endswith("unsplit: just before the last row"), line
+            table = (*DECODE_TUNING[:-1], tuning, DECODE_TUNING[-1])
+        monkeypatch.setattr(decode_module, "DECODE_TUNING", table)
+        chosen = decode_module.choose_launch(batch, 8, context, torch.device("cuda"))
+        assert effective(chosen, context) == launch, line
+    # ... while 24 sequences of 512 (under 2 waves) still split, as before the row
+    assert decode_module.choose_launch(24, 8, 512, torch.device("cuda")).num_splits > 1
+    assert decode_module.choose_launch(64, 8, 4096, torch.device("cuda")).num_splits == 1
 
 
 def test_sweep_confirms_the_best_against_today_interleaved(device):
