@@ -13,6 +13,13 @@ scaled once at the end. A decode step reads 1 byte a weight instead of 2 (bf16);
 the weight bytes read, which is why decode does not quantize the activations as
 ``torch._int_mm`` would (that needs ``M > 16`` and pays a per-token quantization per matmul).
 
+``dense_matmul`` runs the same split-K decode kernel on a weight in the activations' own
+dtype, unscaled (``DENSE``; ``kernels.reference.dense_matmul`` is its twin): a CUDA engine's
+decode matmuls with ``PAGEDSERVE_DECODE_MATMUL=triton``. Both launchers take ``pdl=``: the
+split-K kernel and its reduction as programmatic dependent launches, the first loading each
+program's first weight tile before it waits for the kernel before (``SplitKLaunch.prefetch``;
+no kernel of a step writes a weight), so its weight stream starts while that kernel ends.
+
 Three paths, by the number of rows M (``choose_launch``; ``launch=`` overrides it):
 
 - **Decode, M <= DECODE_ROWS (16): split-K** (``SplitKLaunch``, ``_quant_matmul_split_k_kernel``).
