@@ -11,14 +11,21 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kernels._common import PDL_ENV, dot_precision, pdl_env
 
+# The one-launch split-K paths' arrival counters (one int32 per group of splits: a decode's
+# (sequence, KV head), a matmul's column strip) are allocated once per device with room for
+# at least this many groups (256 KiB), so that no CUDA-graph capture needs a new buffer.
+MIN_ARRIVAL_COUNTERS = 1 << 16
+
 try:  # Triton >= 3.4: grid dependency control, for programmatic dependent launches
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # never traced: PDL is False wherever these are missing (pdl_supported)
     gdc_launch_dependents = gdc_wait = None
 
 __all__ = [
+    "MIN_ARRIVAL_COUNTERS",
     "PDL_ENV",
     "TL_DTYPES",
+    "arrival_counters",
     "dot_args",
     "pdl_args",
     "pdl_enter",
@@ -132,3 +139,33 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+# Per device: the arrival counters, newest (largest) last. Older buffers are kept: a CUDA
+# graph captured with one keeps its address.
+_ARRIVAL_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def arrival_counters(device: torch.device, count: int, user: str) -> torch.Tensor:  # [count] int32
+    """A persistent int32 scratch of ``count`` zeros on ``device`` for a one-launch split-K
+    (``user`` names it in the error below): the last split of each group to take a ticket
+    merges, and resets its counter.
+
+    NOTE: zero between launches is an invariant the kernels keep (the last split of each
+    group resets its counter), never a host-side fill: the buffer is zeroed once, when it is
+    allocated, which a CUDA-graph capture cannot do (it is allocated at the first call, with
+    room for ``MIN_ARRIVAL_COUNTERS`` groups, so a warm-up call outside the capture
+    suffices). Every one-launch kernel of a device shares it: their launches must be ordered
+    (one stream), as a decode step's are; a programmatic dependent launch touches its
+    counters only after it has waited for the kernel before to complete.
+    """
+    buffers = _ARRIVAL_COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{user}(one_launch=True) needs {count} arrival counters on {device}; run it "
+                f"once at this size before capturing a CUDA graph"
+            )
+        size = max(count, MIN_ARRIVAL_COUNTERS, 2 * buffers[-1].numel() if buffers else 0)
+        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
+    return buffers[-1][:count]

@@ -24,8 +24,9 @@ KV heads, and a context bound: the block tables' width or a caller's bucket), ne
 One-launch split-K (``one_launch=True``): the splits still write partials and log-sum-exps,
 then take a ticket from an int32 arrival counter per (sequence, KV head); the last to
 arrive resets its counter and merges in the same launch (no second kernel, no program ever
-waits). The counters live in one persistent zeroed buffer per device (``arrival_counters``)
-that the kernel keeps zero, so CUDA-graph replays need no host-side fill.
+waits). The counters live in one persistent zeroed buffer per device
+(``_triton_common.arrival_counters``) that the kernel keeps zero, so CUDA-graph replays need
+no host-side fill.
 
 Latency at short contexts (``DecodeLaunch.prefetch_ids``, ``DecodeLaunch.pdl``): a split
 of one or two tiles is a chain of dependent memory round trips (the sequence's length, then
@@ -61,6 +62,7 @@ from kernels._common import (
 from kernels._kv_quant_triton import hadamard_rows
 from kernels._online_softmax import attend_context
 from kernels._triton_common import (
+    arrival_counters,
     dot_args,
     pdl_args,
     pdl_enter,
@@ -100,10 +102,6 @@ TILE_N = 64  # context tokens per loop iteration
 NO_WINDOW = 2**30
 # A context bound larger than any (the catch-all row of DECODE_TUNING).
 ANY_CONTEXT = 2**31
-# The one-launch path's arrival counters (one int32 per sequence and KV head) are allocated
-# once per device with room for at least this many pairs (256 KiB), so that no CUDA-graph
-# capture needs a new buffer.
-MIN_ARRIVAL_COUNTERS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,33 +472,6 @@ def choose_num_splits(
     return choose_launch(num_seqs, num_kv_heads, max_context_len, device).num_splits
 
 
-# Per device: the one-launch path's arrival counters, newest (largest) last. Older buffers
-# are kept: a CUDA graph captured with one keeps its address.
-_ARRIVAL_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def arrival_counters(device: torch.device, count: int) -> torch.Tensor:  # [count] int32
-    """A persistent int32 scratch of ``count`` zeros on ``device`` for the one-launch split-K.
-
-    NOTE: zero between launches is an invariant the kernel keeps (the last split of each
-    pair resets its counter), never a host-side fill: the buffer is zeroed once, when it is
-    allocated, which a CUDA-graph capture cannot do (it is allocated at the first call,
-    with room for ``MIN_ARRIVAL_COUNTERS`` pairs, so a warm-up call outside the capture
-    suffices). Launches that share a device's counters must be ordered (one stream), as a
-    decode step's are.
-    """
-    buffers = _ARRIVAL_COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"paged_attention_decode(one_launch=True) needs {count} arrival counters on "
-                f"{device}; run it once at this batch size before capturing a CUDA graph"
-            )
-        size = max(count, MIN_ARRIVAL_COUNTERS, 2 * buffers[-1].numel() if buffers else 0)
-        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return buffers[-1][:count]
-
-
 def paged_attention_decode(
     query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -609,7 +580,9 @@ def paged_attention_decode(
     )
     lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
     counters = (
-        arrival_counters(query.device, num_seqs * num_kv_heads) if launch.one_launch else seq_lens
+        arrival_counters(query.device, num_seqs * num_kv_heads, "paged_attention_decode")
+        if launch.one_launch
+        else seq_lens
     )
     _paged_attention_decode_kernel[grid](
         partial, lse, out, counters, *common, tokens_per_split, window, table_width,

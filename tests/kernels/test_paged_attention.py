@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import kernels._triton_common as triton_common
 import kernels.paged_attention as decode_module
 from kernels import kv_quant, reference
 from kernels.paged_attention import (
@@ -21,7 +22,6 @@ from kernels.paged_attention import (
     TARGET_WAVES,
     DecodeLaunch,
     DecodeTuning,
-    arrival_counters,
     choose_launch,
     choose_num_splits,
     paged_attention_decode,
@@ -221,7 +221,7 @@ def test_context_bound_below_a_sequence_still_attends_to_all_of_it(paged_kv, clo
 
 def assert_counters_zero(device: torch.device) -> None:
     """The one-launch path leaves its whole scratch zeroed for the next launch."""
-    buffers = decode_module._ARRIVAL_COUNTERS.get(device, [])
+    buffers = triton_common._ARRIVAL_COUNTERS.get(device, [])
     assert buffers, "no one-launch call ran on this device"
     assert all(int(b.count_nonzero()) == 0 for b in buffers)
 
@@ -487,14 +487,14 @@ def test_pdl_launches_match_plain_ones_in_a_cuda_graph(paged_kv, one_launch):
 
 def test_arrival_counters_grow_without_dropping_older_buffers():
     cpu = torch.device("cpu")
-    size = arrival_counters(cpu, 1).numel()
+    size = triton_common.arrival_counters(cpu, 1, "test").numel()
     assert size == 1
-    older = decode_module._ARRIVAL_COUNTERS[cpu][-1]
-    assert older.numel() >= decode_module.MIN_ARRIVAL_COUNTERS
-    bigger = arrival_counters(cpu, older.numel() + 1)
+    older = triton_common._ARRIVAL_COUNTERS[cpu][-1]
+    assert older.numel() >= triton_common.MIN_ARRIVAL_COUNTERS
+    bigger = triton_common.arrival_counters(cpu, older.numel() + 1, "test")
     assert bigger.numel() == older.numel() + 1 and int(bigger.count_nonzero()) == 0
-    assert older is decode_module._ARRIVAL_COUNTERS[cpu][-2]  # a graph may point at it
-    decode_module._ARRIVAL_COUNTERS[cpu].pop()  # keep the test's growth to itself
+    assert older is triton_common._ARRIVAL_COUNTERS[cpu][-2]  # a graph may point at it
+    triton_common._ARRIVAL_COUNTERS[cpu].pop()  # keep the test's growth to itself
 
 
 @pytest.mark.gpu
