@@ -23,10 +23,11 @@ short by ``--budget-s`` (compiles included) still has every row's first stage::
     B  num_warps {2, 4, 8} x num_stages {2, 3, 4, 6} at each row's best split-K launch of A
        (unsplit narrow strips with deep pipelines are the alternative to split-K's partials)
     C  block_k {16, 32, 64, 128, 256} at the best of B
-    D  the best of C with its first weight tile prefetched (``SplitKLaunch.prefetch``), and
-       where the device runs them as programmatic dependent launches (``pdl``: back to
-       back in the graph, each call's first tiles stream while the call before ends, as
-       after a layer's short kernels with ``PAGEDSERVE_PDL=1``)
+    D  the best of C with its first weight tile prefetched (``SplitKLaunch.prefetch``), with
+       its splits summed by the last to finish instead of a second kernel (``one_launch``),
+       and both where the device runs them as programmatic dependent launches (``pdl``:
+       back to back in the graph, each call's first tiles stream while the call before
+       ends, as after a layer's short kernels with ``PAGEDSERVE_PDL=1``)
 
 The broadcast form's accumulator tile (``block_m * block_k * block_n`` float32 values) is
 kept within 64 values a thread, beyond which it spills registers. Every timing line is
@@ -128,6 +129,7 @@ def describe(launch: Launch) -> str:
             f"{form:<5} m{launch.block_m:<2} n{launch.block_n:<3} k{launch.block_k:<3} "
             f"split={launch.num_splits:<2} w={launch.num_warps} s={launch.num_stages}"
             + (" pre" if launch.prefetch else "")
+            + (" one" if launch.one_launch else "")
         )
     return f"tiled m{launch.block_m:<2} n{launch.block_n:<3} k{launch.block_k:<3}"
 
@@ -195,11 +197,12 @@ class RowSweep:
         return min(ok, key=lambda lm: lm[1].seconds) if ok else None
 
     def best_split_k(self) -> SplitKLaunch | None:
-        """The fastest plain split-K launch measured (not prefetched, not PDL)."""
+        """The fastest plain split-K launch measured (stage D's variants aside)."""
         from kernels.quant_matmul import SplitKLaunch
 
         ok = [(launch, m) for launch, m in self.results.items()
-              if m.ok and isinstance(launch, SplitKLaunch) and not launch.prefetch]  # fmt: skip
+              if m.ok and isinstance(launch, SplitKLaunch) and not launch.prefetch
+              and not launch.one_launch]  # fmt: skip
         return min(ok, key=lambda lm: lm[1].seconds)[0] if ok else None
 
     def measure(self, launch: Launch, out: Callable[[str], None]) -> None:
@@ -319,9 +322,10 @@ def stage_d(row: RowSweep) -> list[Launch]:
     b = row.best_split_k()
     if b is None:
         return []
-    launches: list[Launch] = [replace(b, prefetch=True)]
+    plain = [b] + ([replace(b, one_launch=True)] if row.effective(b).num_splits > 1 else [])
+    launches: list[Launch] = [replace(b, prefetch=True), *plain[1:]]
     if pdl_supported(row.device):
-        launches.append(PdlLaunch(b))
+        launches += [PdlLaunch(launch) for launch in plain]
     return launches
 
 

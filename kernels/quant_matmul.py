@@ -31,8 +31,11 @@ Three paths, by the number of rows M (``choose_launch``; ``launch=`` overrides i
   ``[num_splits, M, N]``; a second kernel, ``_reduce_splits_kernel``, sums them in a fixed
   order (one compiled reduction tree: no atomics, so results are the same run to run and
   between a CUDA graph's replay and an eager call), scales each column, adds the bias and
-  casts. (Not a merge by the last split to arrive: for split-K decode attention on an H100
-  a second kernel in the same graph was faster, kernels/README.md.) One split does all of
+  casts. (Not by default a merge by the last split to arrive: for split-K decode attention
+  on an H100 a second kernel in the same graph was faster, kernels/README.md.)
+  ``SplitKLaunch.one_launch`` is that merge, for the sweep to time against the second
+  kernel: the last split of each strip to take a ticket from an arrival counter
+  (``_triton_common.arrival_counters``) runs the same summing code. One split does all of
   that in the first kernel. Each program multiplies either on the tensor cores
   (``dot``: ``tl.dot`` on a tile of at least 16 rows, most of them masked off at M = 1) or
   without them (``dot=False``: a broadcast multiply accumulated in a ``[BLOCK_M, BLOCK_K,
@@ -63,7 +66,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import SUPPORTED_DTYPES, next_power_of_2, num_compute_units
-from kernels._triton_common import TL_DTYPES, dot_args, pdl_args, pdl_enter
+from kernels._triton_common import TL_DTYPES, arrival_counters, dot_args, pdl_args, pdl_enter
 
 __all__ = [
     "DECODE_ROWS",
@@ -112,6 +115,10 @@ class SplitKLaunch:
     # before (its x): what a programmatic dependent launch overlaps with that kernel's end.
     # A PDL launch always does; without one it only moves a load (same products, bitwise).
     prefetch: bool = False
+    # With more than one split: the last split of each column strip to finish sums the
+    # strip's partials in the same launch (an arrival counter per strip, as decode
+    # attention's one-launch merge), instead of a second kernel. The same sums.
+    one_launch: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +251,7 @@ def _quant_matmul_kernel(
 def _quant_matmul_split_k_kernel(
     out_ptr,  # [M, N] contiguous, x's dtype (written when not SPLIT)
     partial_ptr,  # [num_splits, M, N] float32 (written when SPLIT)
+    counters_ptr,  # [cdiv(M, BLOCK_M) * strips] int32, zero between launches (COMBINE only)
     x_ptr,  # [M, K], rows strided
     weight_ptr,  # [K, N] contiguous: int8, uint8 of float8e4nv bits (FP8), x's dtype (DENSE)
     scale_ptr,  # [N] float32 (unused if DENSE)
@@ -257,6 +265,8 @@ def _quant_matmul_split_k_kernel(
     FP8: tl.constexpr,  # the weight's bytes are e4m3 values (else int8, or DENSE)
     DENSE: tl.constexpr,  # the weight is in x's dtype, unscaled (dense_matmul)
     SPLIT: tl.constexpr,  # write unscaled float32 partials (else the finished output)
+    COMBINE: tl.constexpr,  # SPLIT: the strip's last split sums them (SplitKLaunch.one_launch)
+    SPLITS_PAD: tl.constexpr,  # COMBINE: next power of two >= the splits
     DOT: tl.constexpr,  # tl.dot (BLOCK_M >= 16); else broadcast multiply, summed over K
     PREFETCH: tl.constexpr,  # the first weight tile loaded before the dependency point
     PDL: tl.constexpr,  # a programmatic dependent launch (kernels/_triton_common.pdl_enter)
@@ -316,11 +326,53 @@ def _quant_matmul_split_k_kernel(
             acc,
             mask=mask_m[:, None] & mask_n[None, :],
         )
+        if COMBINE:
+            # NOTE: every thread's partial stores above happen before the barrier, and the
+            # barrier before the release half of the atomic: the program that sees the count
+            # reach num_splits - 1 (acquire) sees every split's partials, which it reads
+            # past L1 (.cg: other SMs wrote them). The interpreter runs programs one after
+            # another, so there the last split sums.
+            tl.debug_barrier()
+            counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(1) - 1:
+                # Every split has arrived and none touches the counter again in this launch:
+                # reset it, so the scratch is zero for the next launch (and every replay).
+                tl.store(counter, 0)
+                first = pid_m.to(tl.int64) * BLOCK_M  # int64 rows: m * N below
+                for m in range(first, tl.minimum(first + BLOCK_M, M)):
+                    _sum_splits(
+                        out_ptr, partial_ptr, scale_ptr, bias_ptr, m, offs_n,
+                        mask_n, M, N, tl.num_programs(1), HAS_BIAS, DENSE, SPLITS_PAD, DTYPE,
+                        ".cg",
+                    )  # fmt: skip
     else:
         _store_scaled(
             out_ptr, acc, scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, HAS_BIAS,
             DENSE, DTYPE,
         )  # fmt: skip
+
+
+@triton.jit
+def _sum_splits(out_ptr, partial_ptr, scale_ptr, bias_ptr, m, offs_n, mask_n, M, N, num_splits,
+                HAS_BIAS: tl.constexpr, DENSE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                DTYPE: tl.constexpr, CACHE: tl.constexpr):  # fmt: skip
+    """Row ``m``'s columns ``offs_n``: the sum of its splits' partials (all loaded at once,
+    summed by one reduction tree fixed at compile time), times the column scale (none if
+    DENSE), plus the bias, cast and stored."""
+    splits = tl.arange(0, SPLITS_PAD).to(tl.int64)
+    partial = tl.load(
+        partial_ptr + (splits[:, None] * M + m) * N + offs_n[None, :],
+        mask=(splits[:, None] < num_splits) & mask_n[None, :],
+        other=0.0,
+        cache_modifier=CACHE,
+    )
+    acc = tl.sum(partial, axis=0)
+    if not DENSE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * N + offs_n, acc.to(DTYPE), mask=mask_n)
 
 
 @triton.jit
@@ -339,25 +391,13 @@ def _reduce_splits_kernel(
     BLOCK_N: tl.constexpr,
     DTYPE: tl.constexpr,
 ):
-    """One row's column strip: the sum of its splits' partials (all loaded at once, summed
-    by one reduction tree fixed at compile time), times the column scale, plus the bias."""
+    """One row's column strip of the split-K kernel's output (``_sum_splits``)."""
     pdl_enter(PDL)
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    splits = tl.arange(0, SPLITS_PAD).to(tl.int64)
-    mask_n = offs_n < N
-    partial = tl.load(
-        partial_ptr + (splits[:, None] * M + m) * N + offs_n[None, :],
-        mask=(splits[:, None] < num_splits) & mask_n[None, :],
-        other=0.0,
-    )
-    acc = tl.sum(partial, axis=0)
-    if not DENSE:
-        acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * N + offs_n, acc.to(DTYPE), mask=mask_n)
+    offs_n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    _sum_splits(
+        out_ptr, partial_ptr, scale_ptr, bias_ptr, tl.program_id(1).to(tl.int64), offs_n,
+        offs_n < N, M, N, num_splits, HAS_BIAS, DENSE, SPLITS_PAD, DTYPE, "",
+    )  # fmt: skip
 
 
 def tile_shape(rows: int) -> tuple[int, int, int]:
@@ -548,15 +588,18 @@ def _split_k(
     s = scale if scale is not None else out
     b = bias if bias is not None else s
     grid = (triton.cdiv(n, launch.block_n), num_splits, triton.cdiv(m, launch.block_m))
+    combine = split and launch.one_launch
+    counters = arrival_counters(x.device, grid[0] * grid[2], "quant_matmul") if combine else partial
     _quant_matmul_split_k_kernel[grid](
-        out, partial, x, weight, s, b, m, n, k, k_per_split, x.stride(0),
-        HAS_BIAS=bias is not None, FP8=fp8, DENSE=dense, SPLIT=split, DOT=launch.dot,
+        out, partial, counters, x, weight, s, b, m, n, k, k_per_split, x.stride(0),
+        HAS_BIAS=bias is not None, FP8=fp8, DENSE=dense, SPLIT=split, COMBINE=combine,
+        SPLITS_PAD=next_power_of_2(num_splits) if combine else 1, DOT=launch.dot,
         PREFETCH=launch.prefetch or bool(pdl_launch["PDL"]), BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NUM_STAGES=launch.num_stages,
         DTYPE=TL_DTYPES[x.dtype], **dot_args(_quant_matmul_split_k_kernel, x.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch,
     )  # fmt: skip
-    if split:
+    if split and not combine:
         _reduce_splits_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](
             out, partial, s, b, m, n, num_splits, HAS_BIAS=bias is not None, DENSE=dense,
             SPLITS_PAD=next_power_of_2(num_splits), BLOCK_N=REDUCE_BLOCK_N,

@@ -128,8 +128,10 @@ def test_later_stages_search_around_the_best_split_k_launch():
     }
     assert all(launch.block_k == 64 and launch.num_splits == 16 for launch in b)
     assert [launch.block_k for launch in stage_c(row)] == [16, 32, 64, 128]
-    # D: the best plain launch prefetched (off a Hopper GPU, no dependent launch)
-    assert stage_d(row) == [replace(best, prefetch=True)]
+    # D: the best plain launch prefetched, and summed in one launch (off a Hopper GPU, no
+    # dependent launch)
+    assert stage_d(row) == [replace(best, prefetch=True), replace(best, one_launch=True)]
     row.results[replace(best, prefetch=True)] = Measured(1e-7, 0.0, True)
+    row.results[replace(best, one_launch=True)] = Measured(1e-7, 0.0, True)
     assert row.best_split_k() == best  # stages B-D search around plain launches
     assert fits(16, 256, 256, 2, dot=True) and not fits(16, 64, 8, 4, dot=True)

@@ -21,7 +21,7 @@ model's shapes); other integers stay unspecialised.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -311,26 +311,32 @@ def _split_k(
     launch: quant_matmul.SplitKLaunch,
     pdl: bool = False,
     model_shape: bool = False,
+    splits_pad: int = 1,
 ) -> Sm90Build:
     """kernels.quant_matmul's split-K kernel at ``launch`` (``split``: after the launcher's
     recount, more than one split, writing float32 partials) on a ``weight`` of
     ``_WEIGHTS``; a PDL launch loads its first weight tile before the wait.
-    ``model_shape``: N and K (and so each split's K rows) are multiples of 16."""
+    ``model_shape``: N and K (and so each split's K rows) are multiples of 16. A split
+    ``launch.one_launch`` sums its ``splits_pad`` (padded) splits in the same launch."""
     p = _PTR[dtype]
     dense = weight == "dense"
+    combine = split and launch.one_launch
     option, ptx = _pdl(pdl)
     return Sm90Build(
         "kernels.quant_matmul", "_quant_matmul_split_k_kernel",
-        dict(out_ptr=p, partial_ptr="*fp32" if split else p, x_ptr=p,
+        dict(out_ptr=p, partial_ptr="*fp32" if split else p,
+             counters_ptr="*i32" if combine else "*fp32" if split else p, x_ptr=p,
              weight_ptr=p if dense else _weight_ptr(weight == "fp8"),
              scale_ptr=p if dense else "*fp32", bias_ptr=p, M="i32", N="i32", K="i32",
              k_per_split="i32"),
-        dict(HAS_BIAS=bias, FP8=weight == "fp8", DENSE=dense, SPLIT=split, DOT=launch.dot,
+        dict(HAS_BIAS=bias, FP8=weight == "fp8", DENSE=dense, SPLIT=split, COMBINE=combine,
+             SPLITS_PAD=splits_pad if combine else 1, DOT=launch.dot,
              PREFETCH=launch.prefetch or pdl, PDL=pdl, BLOCK_M=launch.block_m,
              BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NUM_STAGES=launch.num_stages,
              DTYPE=_TL[dtype], DOT_DTYPE=_TL[dtype], DOT_PRECISION=dot_precision(dtype)),
         dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **option),
-        ptx,
+        # the one-launch sum: a ticket that releases the partials, read past L1
+        ptx + (("atom.global.gpu.acq_rel.add", "ld.global.cg") if combine else ()),
         ("N", "K", "k_per_split") if model_shape else (),
         # the first weight tile's 16-byte loads, then the wait for x
         ("ld.global.v4.b32", "griddepcontrol.wait") if pdl and model_shape else (),
@@ -372,6 +378,17 @@ def _chosen_matmuls(dtype: torch.dtype, weight: str, pdl: bool = False) -> dict[
             name = f"{prefix}_split_k_{tile}_w{launch.num_warps}s{launch.num_stages}"
             name += ("_dot" if launch.dot else "_broadcast") + ("_split" if split else "")
             builds[name] = _split_k(dtype, weight, False, split, launch, pdl, model_shape=True)
+            if split and dense:  # the sweep's one-launch alternative to the reduction
+                builds[f"{name}_one_launch"] = _split_k(
+                    dtype,
+                    weight,
+                    False,
+                    split,
+                    replace(launch, one_launch=True),
+                    pdl,
+                    model_shape=True,
+                    splits_pad=next_power_of_2(num_splits),
+                )
             if split:
                 pad = next_power_of_2(num_splits)
                 reduce = f"quant_matmul_reduce{_SUFFIX[dtype]}" + ("_dense" if dense else "")

@@ -17,6 +17,7 @@ split's run of tiles, and rows beyond one program's ``block_m``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -248,6 +249,42 @@ def test_pdl_is_refused_where_it_cannot_run(device):
     assert dense_matmul(x, q.float(), b, pdl=None).shape == (1, 100)
 
 
+# ---- one launch: the last split of each strip sums them -----------------------------------
+
+
+def _counters_zero(device) -> None:
+    from kernels import _triton_common
+
+    buffers = _triton_common._ARRIVAL_COUNTERS.get(torch.device(device), [])
+    assert buffers and all(int(b.count_nonzero()) == 0 for b in buffers)
+
+
+@pytest.mark.parametrize("mode", [*MODES, "dense"])
+@pytest.mark.parametrize("name", ["row-split3", "rows2-split5", "dot-split4"])
+def test_one_launch_sums_the_splits_as_the_reduction_does(device, close, mode, name):
+    """The strip's last split to arrive sums the partials in the kernel that wrote them:
+    the reference's product, the same on every call, with the arrival counters back at
+    zero for the next launch (a CUDA graph replays with them); under the interpreter
+    bitwise the two-launch path's (the same summing code; compiled, its tile may differ)."""
+    launch = replace(SPLIT_K_LAUNCHES[name], one_launch=True)
+    for rows in (1, 2) if not launch.dot else (1, 3, 16):
+        if mode == "dense":
+            x, w, b = _dense_case(rows, 200, 100, torch.bfloat16, device, bias=True)
+            run = functools.partial(dense_matmul, x, w, b)
+            want = reference.dense_matmul(x, w, b)
+        else:
+            x, q, scale, b = _case(rows, 200, 100, torch.bfloat16, mode, device, bias=True)
+            run = functools.partial(quant_matmul, x, q, scale, b)
+            want = reference.quant_matmul(x, q, scale, b)
+        got = run(launch=launch)
+        assert_matches(got, want, close)
+        assert torch.equal(run(launch=launch), got)
+        assert torch.equal(run(launch=replace(launch, prefetch=True)), got)
+        _counters_zero(device)
+        if device == "cpu":
+            assert torch.equal(run(launch=replace(launch, one_launch=False)), got)
+
+
 # ---- dense_matmul: weights in the activations' dtype ------------------------------------
 
 
@@ -314,11 +351,14 @@ def test_split_k_graph_replay_is_bitwise_eager():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_dense_graph_replay_is_bitwise_eager(pdl):
+def test_dense_graph_replay_is_bitwise_eager(pdl, one_launch):
     """dense_matmul at a Llama-3-8B qkv shape, split, captured behind the kernel that
     writes its input (a norm, as in a layer) and replayed: the eager call's bits, with
-    the first weight tiles loaded before the wait where it is a dependent launch."""
+    the first weight tiles loaded before the wait where it is a dependent launch, and
+    with the splits summed by a second kernel or by the last split (its arrival counters
+    allocated by the eager call, kept zero by the replays)."""
     from kernels._triton_common import pdl_supported
     from kernels.rms_norm import rms_norm
 
@@ -328,6 +368,7 @@ def test_dense_graph_replay_is_bitwise_eager(pdl):
     norm = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
     launch = choose_launch(1, 6144, 4096, torch.cuda.get_device_properties(0).multi_processor_count)
     assert isinstance(launch, SplitKLaunch) and launch.num_splits > 1
+    launch = replace(launch, one_launch=one_launch)
 
     def step() -> torch.Tensor:
         return dense_matmul(rms_norm(h, norm, 1e-6, pdl=pdl), w, b, launch=launch, pdl=pdl)
