@@ -558,8 +558,15 @@ def attach_backend(
         )
     if device.type == "cuda" and backend == "triton":
         from engine.backends.cuda import fuse_layer_ops
+        from kernels.quant_matmul import DECODE_ROWS
 
-        fuse_layer_ops(model, triton_matmuls=decode_matmul_env() == "triton")
+        triton_matmuls = decode_matmul_env() == "triton"
+        fuse_layer_ops(model, triton_matmuls=triton_matmuls)
+        if triton_matmuls:
+            logger.info(
+                "decode matmuls (<= %d rows) on the split-K Triton kernel "
+                "(PAGEDSERVE_DECODE_MATMUL=triton)", DECODE_ROWS,
+            )  # fmt: skip
     return AttachedBackend(
         forward=forward,
         cpu_ops=cpu_ops,
