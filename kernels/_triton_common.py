@@ -27,6 +27,7 @@ __all__ = [
     "TL_DTYPES",
     "arrival_counters",
     "dot_args",
+    "last_to_arrive",
     "pdl_args",
     "pdl_enter",
     "pdl_policy",
@@ -139,6 +140,24 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def last_to_arrive(counter, arrivals):
+    """Whether this program is the last of ``arrivals`` to take a ticket from ``counter`` (an
+    int32 of ``arrival_counters``); the last resets it to zero for the next launch (and
+    every replay of a CUDA graph that captured this one): none touches it again in this one.
+
+    NOTE: every thread's stores before the call happen before the barrier, and the barrier
+    before the release half of the atomic: the program that sees the count reach
+    ``arrivals - 1`` (acquire) sees every other program's stores, which it must read past L1
+    (``.cg``: other SMs wrote them). The interpreter runs programs one after another, so
+    there the last program in the grid is the last to arrive."""
+    tl.debug_barrier()
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+    if last:
+        tl.store(counter, 0)
+    return last
 
 
 # Per device: the arrival counters, newest (largest) last. Older buffers are kept: a CUDA

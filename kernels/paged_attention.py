@@ -64,6 +64,7 @@ from kernels._online_softmax import attend_context
 from kernels._triton_common import (
     arrival_counters,
     dot_args,
+    last_to_arrive,
     pdl_args,
     pdl_enter,
     pdl_policy,
@@ -313,18 +314,9 @@ def _paged_attention_decode_kernel(
         lse_offs = seq * stride_lse_seq + heads * stride_lse_head  # splits contiguous
         tl.store(lse_ptr + lse_offs + split, lse, mask=g_mask)
         if COMBINE:
-            # NOTE: every thread's partial stores above happen before the barrier, and the
-            # barrier before the release half of the atomic: the program that sees the
-            # count reach num_splits - 1 (acquire) sees every split's partial and lse. The
-            # interpreter runs programs one after another, so there the last split merges.
-            tl.debug_barrier()
+            # The last split of the (sequence, KV head) to store its partial and lse merges.
             counter = counters_ptr + seq * tl.num_programs(1) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(2) - 1:
-                # Every split has arrived and none touches the counter again in this
-                # launch: reset it, so the scratch is zero for the next launch (and for
-                # every replay of a CUDA graph that captured this one).
-                tl.store(counter, 0)
+            if last_to_arrive(counter, tl.num_programs(2)):
                 # Each query head of the group merges its splits as the second kernel
                 # would (unrolled: the heads' loads are independent, one L2 round trip).
                 offs_s = tl.arange(0, SPLITS_PAD)
@@ -537,6 +529,7 @@ def paged_attention_decode(
 
     group = num_heads // num_kv_heads
     head_dim_pad = next_power_of_2(head_dim)
+    pdl_launch = pdl_args(launch.pdl, query.device)  # both kernels'
     consts = dict(
         NUM_QUERIES_PER_KV=group,
         GROUP_PAD=max(16, next_power_of_2(group)),
@@ -552,7 +545,7 @@ def paged_attention_decode(
         ),
         EARLY_V=launch.early_v,
         PREFETCH_IDS=launch.prefetch_ids,
-        **pdl_args(launch.pdl, query.device),
+        **pdl_launch,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )
@@ -605,7 +598,7 @@ def paged_attention_decode(
         SPLITS_PAD=next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
-        **pdl_args(launch.pdl, query.device),
+        **pdl_launch,
     )  # fmt: skip
     return out
 

@@ -66,7 +66,14 @@ import triton
 import triton.language as tl
 
 from kernels._common import SUPPORTED_DTYPES, next_power_of_2, num_compute_units
-from kernels._triton_common import TL_DTYPES, arrival_counters, dot_args, pdl_args, pdl_enter
+from kernels._triton_common import (
+    TL_DTYPES,
+    arrival_counters,
+    dot_args,
+    last_to_arrive,
+    pdl_args,
+    pdl_enter,
+)
 
 __all__ = [
     "DECODE_ROWS",
@@ -327,18 +334,9 @@ def _quant_matmul_split_k_kernel(
             mask=mask_m[:, None] & mask_n[None, :],
         )
         if COMBINE:
-            # NOTE: every thread's partial stores above happen before the barrier, and the
-            # barrier before the release half of the atomic: the program that sees the count
-            # reach num_splits - 1 (acquire) sees every split's partials, which it reads
-            # past L1 (.cg: other SMs wrote them). The interpreter runs programs one after
-            # another, so there the last split sums.
-            tl.debug_barrier()
+            # The last split of the strip to store its partials sums them all.
             counter = counters_ptr + pid_m * tl.num_programs(0) + pid_n
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == tl.num_programs(1) - 1:
-                # Every split has arrived and none touches the counter again in this launch:
-                # reset it, so the scratch is zero for the next launch (and every replay).
-                tl.store(counter, 0)
+            if last_to_arrive(counter, tl.num_programs(1)):
                 first = pid_m.to(tl.int64) * BLOCK_M  # int64 rows: m * N below
                 for m in range(first, tl.minimum(first + BLOCK_M, M)):
                     _sum_splits(
