@@ -56,7 +56,7 @@ from engine.cost import StepCostModel
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
 from engine.presets import preset
-from kernels._common import DECODE_MATMUL_ENV, PDL_ENV
+from kernels._common import DECODE_MATMUL_ENV, PDL_ENV, decode_matmul_env
 from planner.devices import device_for_cuda_name
 from planner.measured import Histogram
 
@@ -742,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                            "async_scheduling": engine.async_scheduling,
                            "graphs": not args.enforce_eager and device.type == "cuda",
                            "pdl": os.environ.get(PDL_ENV, ""),
-                           "decode_matmul": os.environ.get(DECODE_MATMUL_ENV, "") or "library",
+                           "decode_matmul": decode_matmul_env(),
                            "bandwidth": bandwidth, "flops": flops}  # fmt: skip
 
     # Batch 1: the first request after the engine is ready, then a steady one.

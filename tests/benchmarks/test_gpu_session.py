@@ -65,10 +65,10 @@ def test_the_pdl_step_runs_with_the_switch_off_then_on(tmp_path: Path) -> None:
         assert f"PAGEDSERVE_PDL={value}" in (out / f"pdl{value}.log").read_text()
 
 
-def test_the_gemv_step_sweeps_then_runs_the_engine_on_the_triton_matmuls(tmp_path: Path) -> None:
-    """The dense sweep needs CUDA (off it --quant-matmul runs only with --quick): here it
-    fails in one line and the engine runs still go on, with PAGEDSERVE_DECODE_MATMUL=triton
-    recorded beside each PDL setting."""
+def test_the_gemv_step_runs_the_engine_on_the_triton_matmuls_then_sweeps(tmp_path: Path) -> None:
+    """The engine runs record PAGEDSERVE_DECODE_MATMUL=triton beside each PDL setting; the
+    dense sweep after them needs CUDA (off it --quant-matmul runs only with --quick), so
+    here it fails in one line."""
     done = run(tmp_path, "gemv")
     assert done.returncode == 0, done.stdout + done.stderr
     out = tmp_path / "out"

@@ -159,16 +159,24 @@ def test_bad_values_exit_with_usage(argv: list[str], env: dict[str, str], capsys
         (["--target-itl-ms", "0"], "target_itl_ms must be a positive number"),
         (["--target-tpot-ms", "-5"], "target_tpot_ms must be a positive number"),
         (["--target-ttft-ms", "nan", "--target-itl-ms", "100"], "target_ttft_ms must be"),
-        (["--target-ttft-ms", "500"],
-         "target_ttft_ms needs target_itl_ms, target_itl_ratio or target_tpot_ms"),
+        (
+            ["--target-ttft-ms", "500"],
+            "target_ttft_ms needs target_itl_ms, target_itl_ratio or target_tpot_ms",
+        ),
         (["--target-itl-ratio", "0.5"], "target_itl_ratio must be a number above 1"),
-        (["--target-itl-ms", "100", "--min-prefill-chunk-tokens", "0"],
-         "min_prefill_chunk_tokens must be positive"),
+        (
+            ["--target-itl-ms", "100", "--min-prefill-chunk-tokens", "0"],
+            "min_prefill_chunk_tokens must be positive",
+        ),
         (["--chat-template", "/no/such/template.jinja"], "is not a readable file"),
-        (["--async-scheduling", "--batching", "static"],
-         "--async-scheduling needs --batching continuous"),
-        (["--async-scheduling", "--speculative-method", "ngram"],
-         "--async-scheduling does not run with speculative decoding"),
+        (
+            ["--async-scheduling", "--batching", "static"],
+            "--async-scheduling needs --batching continuous",
+        ),
+        (
+            ["--async-scheduling", "--speculative-method", "ngram"],
+            "--async-scheduling does not run with speculative decoding",
+        ),
     ],
 )
 def test_a_value_a_config_refuses_is_one_error_line(argv: list[str], message: str, capsys) -> None:
@@ -304,29 +312,23 @@ def test_an_unknown_tool_call_parser_is_one_line(capsys) -> None:
     assert "Traceback" not in err
 
 
-def test_a_bad_pdl_switch_is_one_line(capsys) -> None:
-    """PAGEDSERVE_PDL (kernels/_common.py) is read by the kernels mid warm-up; the server
-    checks it before anything runs."""
-    assert ServingConfig.from_cli([], {"PAGEDSERVE_PDL": "1"}) is not None
+@pytest.mark.parametrize(
+    "name,good,bad,message",
+    [
+        # read by the kernels mid warm-up
+        ("PAGEDSERVE_PDL", ("1",), "yes", "must be 0 or 1, got 'yes'"),
+        # read when the model is built
+        ("PAGEDSERVE_DECODE_MATMUL", ("library", "triton", ""), "cublas",
+         "must be library or triton, got 'cublas'"),
+    ],
+)  # fmt: skip
+def test_a_bad_kernel_switch_is_one_line(capsys, name, good, bad, message) -> None:
+    """The kernel switches of kernels/_common.py are read after the server has started
+    loading; it checks them before anything runs."""
+    for value in good:
+        assert ServingConfig.from_cli([], {name: value}) is not None
     with pytest.raises(SystemExit) as info:
-        ServingConfig.from_cli([], {"PAGEDSERVE_PDL": "yes"})
+        ServingConfig.from_cli([], {name: bad})
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err.strip().splitlines() == [
-        "pagedserve serve: error: PAGEDSERVE_PDL must be 0 or 1, got 'yes'"
-    ], err
-
-
-def test_a_bad_decode_matmul_switch_is_one_line(capsys) -> None:
-    """PAGEDSERVE_DECODE_MATMUL (kernels/_common.py) is read when the model is built; the
-    server checks it before anything loads."""
-    for value in ("library", "triton", ""):
-        assert ServingConfig.from_cli([], {"PAGEDSERVE_DECODE_MATMUL": value}) is not None
-    with pytest.raises(SystemExit) as info:
-        ServingConfig.from_cli([], {"PAGEDSERVE_DECODE_MATMUL": "cublas"})
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert err.strip().splitlines() == [
-        "pagedserve serve: error: PAGEDSERVE_DECODE_MATMUL must be library or triton, "
-        "got 'cublas'"
-    ], err
+    assert err.strip().splitlines() == [f"pagedserve serve: error: {name} {message}"], err
