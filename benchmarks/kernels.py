@@ -545,8 +545,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.quant_matmul and device.type != "cuda" and not args.quick:
         parser.exit(2, "error: --quant-matmul off CUDA runs only with --quick (the interpreter "
                        "would take hours on the 8B shapes)\n")  # fmt: skip
+    from benchmarks.quant_matmul_sweep import ALL_MODES
+
     quant_modes = tuple(args.quant_modes.split(","))
-    if args.quant_matmul and not set(quant_modes) <= {"int8", "fp8", "dense"}:
+    if args.quant_matmul and not set(quant_modes) <= set(ALL_MODES):
         parser.exit(2, f"error: --quant-modes takes int8, fp8 and/or dense, not "
                        f"{args.quant_modes}\n")  # fmt: skip
 

@@ -318,6 +318,7 @@ def _split_k(
     ``_WEIGHTS``; a PDL launch loads its first weight tile before the wait.
     ``model_shape``: N and K (and so each split's K rows) are multiples of 16. A split
     ``launch.one_launch`` sums its ``splits_pad`` (padded) splits in the same launch."""
+    assert weight in _WEIGHTS, weight
     p = _PTR[dtype]
     dense = weight == "dense"
     combine = split and launch.one_launch
