@@ -78,7 +78,6 @@ def _rope_and_store_kernel(
     HAS_KEY_OFFSET: tl.constexpr,  # keys less key_offset before quantizing (kv_quant.py)
     PDL: tl.constexpr,  # a programmatic dependent launch (kernels/_triton_common.pdl_enter)
 ):
-    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     # Rows of this program's tile: Q heads 0..NUM_HEADS-1, then K heads, BLOCK_H at a time.
@@ -87,6 +86,9 @@ def _rope_and_store_kernel(
     d_mask = offs_d < HALF
     mask = (offs_h < NUM_HEADS + NUM_KV_HEADS)[:, None] & d_mask[None, :]
 
+    # The step's tables and slots, loaded before pdl_enter: a dependent launch reads them
+    # while the kernel before (the qkv projection) still runs. No kernel of a layer writes
+    # them; the step's inputs are in place before its first kernel.
     cos = cos_ptr + token * stride_cos_token + offs_d
     sin = sin_ptr + token * stride_sin_token + offs_d
     # Both halves of each table are read: the kernel assumes nothing of their contents.
@@ -94,17 +96,18 @@ def _rope_and_store_kernel(
     cos2 = tl.load(cos + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     sin1 = tl.load(sin, mask=d_mask, other=0.0).to(tl.float32)[None, :]
     sin2 = tl.load(sin + HALF, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    # int64 before any arithmetic: block_id * stride_cache_block passes 2**31 in a large pool.
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    pdl_enter(PDL)
 
     src = qkv_ptr + token * stride_qkv_token + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_H, HALF_PAD]
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    # V of the K rows, issued with every other load: only the stores wait for the slot.
+    # V of the K rows, issued with the other loads of the projection.
     k_rows = mask & (offs_h >= NUM_HEADS)[:, None]
     value = src + NUM_KV_HEADS * HEAD_DIM  # V head h sits KV heads past K head h
     v1 = tl.load(value, mask=k_rows)
     v2 = tl.load(value + HALF, mask=k_rows)
-    # int64 before any arithmetic: block_id * stride_cache_block passes 2**31 in a large pool.
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     # torch: x * cos + cat(-x2, x1) * sin, each product rounded, then the sum.
     out1 = round_to(
         round_to(x1 * cos1, DTYPE, SOFT_BF16_ROUND) - round_to(x2 * sin1, DTYPE, SOFT_BF16_ROUND),

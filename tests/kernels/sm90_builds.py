@@ -277,6 +277,8 @@ def _rope(
              PDL=pdl, **_quant_store_args(cache, head_dim)),
         dict(rope_and_store.COMPILE_OPTIONS, **option),
         ptx,
+        # a dependent launch loads cos, sin and the slot while the kernel before still runs
+        ptx_order=("ld.global", "griddepcontrol.wait") if pdl else (),
     )  # fmt: skip
 
 
