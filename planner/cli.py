@@ -167,6 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="inter-token latency target (as pagedserve serve takes it): the plan gives the "
         "largest concurrency that keeps the targets",
     )
+    p.add_argument(
+        "--target-itl-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="inter-token latency target relative to the decodes' own step (as pagedserve "
+        "serve takes it): a step with prompt tokens at most R times the same decodes alone; "
+        "measured as the ITL p99 over its p50",
+    )
     p.add_argument("--target-tpot-ms", type=float, default=None, help="TPOT target")
     p.add_argument("--target-ttft-ms", type=float, default=None, help="TTFT target")
     p.add_argument(
@@ -346,7 +355,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         if model.gguf is not None and args.matmul_weights == "gguf":
             blocks, block_rows = gguf_blocks(model.gguf, model.config), max_quant_rows()
 
-    targets = Targets.from_ms(args.target_itl_ms, args.target_tpot_ms, args.target_ttft_ms)
+    targets = Targets.from_ms(
+        args.target_itl_ms, args.target_tpot_ms, args.target_ttft_ms, args.target_itl_ratio
+    )
 
     def plan_for(measured: Measured | None) -> Plan:
         return make_plan(
@@ -389,6 +400,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                     measured.ttft_s,
                     measured.concurrency,
                     itl_p99_s=measured.itl_p99_s,
+                    itl_p50_s=measured.itl_p50_s,
                 )
                 checks.append(check)
                 comparison["latency_targets"] = check

@@ -13,7 +13,8 @@ and takes every object that has a TTFT, TPOT or output-throughput key as one mea
   ``output_throughput`` / ``output_tokens_per_s``; a nested ``{"ttft": {"p50": ...}}`` works;
 - the statistic preferred is the median (``p50`` / ``median``), then the ``mean``;
 - the ITL's p99 (``itl_p99_s``, vLLM's ``p99_itl_ms``, ``{"itl": {"p99": ...}}``) is read
-  on its own, for the ITL latency target: a stalled step shows there, not in a median;
+  on its own, for the ITL latency target: a stalled step shows there, not in a median; and
+  the ITL's median (``itl_p50_s``, vLLM's ``median_itl_ms``) for the ITL ratio target;
 - values are seconds unless the key says ``ms`` (``median_ttft_ms``) or ``us``;
 - the concurrency comes from ``concurrency`` / ``max_concurrency`` / ``batch`` in the object
   or an enclosing one (e.g. loadtest's ``point``), prompt and output lengths from keys with
@@ -22,8 +23,9 @@ and takes every object that has a TTFT, TPOT or output-throughput key as one mea
 Prometheus. ``pagedserve_time_to_first_token_seconds`` and
 ``pagedserve_time_per_output_token_seconds`` histograms give the median (interpolated in the
 buckets, as PromQL's ``histogram_quantile``) and mean, and
-``pagedserve_inter_token_latency_seconds`` the ITL's p99; ``pagedserve_generation_tokens_total``
-divided by the scrape window gives throughput (only with ``--window``, which scrapes twice).
+``pagedserve_inter_token_latency_seconds`` the ITL's p99 and p50;
+``pagedserve_generation_tokens_total`` divided by the scrape window gives throughput (only
+with ``--window``, which scrapes twice).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class Measured:
     # target bounds (a TPOT median averages a stalled step away).
     itl_p99_s: float | None = None
     itl_p99_stat: str = ""
+    itl_p50_s: float | None = None  # with the p99, what an ITL ratio target bounds
+    itl_p50_stat: str = ""
     concurrency: int | None = None
     prompt_tokens: float | None = None
     output_tokens: float | None = None
@@ -130,13 +134,17 @@ def _pick(numbers: dict[str, float], metric: str, timed: bool) -> tuple[int, flo
 
 
 _P99 = re.compile(r"p99(?!\d)")
+_P50 = re.compile(r"p50(?!\d)|median")
 _NOT_A_SUMMARY = re.compile(r"slo|goodput|bucket|_sum\b|_count\b|\{")
 
 
-def _pick_p99(numbers: dict[str, float], metric: str) -> tuple[float, str] | None:
-    """(value in seconds, key) of ``metric``'s 99th percentile, if the object has one."""
+def _pick_percentile(
+    numbers: dict[str, float], metric: str, percentile: re.Pattern[str]
+) -> tuple[float, str] | None:
+    """(value in seconds, key) of ``metric``'s ``percentile`` (``_P99``, ``_P50``), if the
+    object has one."""
     for key, value in numbers.items():
-        if _METRIC_PATTERNS[metric].search(key) and _P99.search(key):
+        if _METRIC_PATTERNS[metric].search(key) and percentile.search(key):
             if not _NOT_A_SUMMARY.search(key):
                 return value * _unit_scale(key), key
     return None
@@ -201,7 +209,8 @@ def measurements_from_json(data: Any, source: str) -> list[Measured]:
         ttft = _pick(numbers, "ttft", timed=True)
         tpot = _pick(numbers, "tpot", timed=True) or _pick(numbers, "itl", timed=True)
         throughput = _pick(numbers, "throughput", timed=False)
-        itl_p99 = _pick_p99(numbers, "itl")
+        itl_p99 = _pick_percentile(numbers, "itl", _P99)
+        itl_p50 = _pick_percentile(numbers, "itl", _P50)
         if ttft is None and tpot is None and throughput is None:
             continue
         best_rank = min(pick[0] for pick in (ttft, tpot) if pick) if (ttft or tpot) else 2
@@ -218,6 +227,8 @@ def measurements_from_json(data: Any, source: str) -> list[Measured]:
                     output_tokens_per_s=throughput[1] if throughput else None,
                     itl_p99_s=itl_p99[0] if itl_p99 else None,
                     itl_p99_stat=itl_p99[1] if itl_p99 else "",
+                    itl_p50_s=itl_p50[0] if itl_p50 else None,
+                    itl_p50_stat=itl_p50[1] if itl_p50 else "",
                     concurrency=_concurrency(obj, ancestors),
                     prompt_tokens=_length(numbers, "prompt"),
                     output_tokens=_length(numbers, "output"),
@@ -357,6 +368,7 @@ def measurement_from_prometheus(
     tpot, tpot_stat = stat(tpot_h, tpot_name)
     itl_h, itl_name = hist("inter_token_latency")
     itl_p99 = itl_h.quantile(0.99) if itl_h is not None else None
+    itl_p50, itl_p50_stat = stat(itl_h, itl_name)
 
     def counter_delta(*patterns: str) -> float | None:
         name = _find(now.counters, *patterns)
@@ -380,6 +392,8 @@ def measurement_from_prometheus(
         output_tokens_per_s=throughput,
         itl_p99_s=itl_p99,
         itl_p99_stat=f"{itl_name} p99 (histogram)" if itl_p99 is not None else "",
+        itl_p50_s=itl_p50,
+        itl_p50_stat=itl_p50_stat,
         prompt_tokens=prompted / requests if prompted is not None and requests > 0 else None,
         output_tokens=generated / requests if generated is not None and requests > 0 else None,
     )

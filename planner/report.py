@@ -180,6 +180,9 @@ def _targets_lines(targets: dict[str, Any], n_in: int, n_out: int) -> list[str]:
         for name, key in (("ITL", "itl_s"), ("TPOT", "tpot_s"), ("TTFT", "ttft_s"))
         if set_[key] is not None
     )
+    ratio = set_.get("itl_ratio")
+    if ratio is not None:
+        named = ", ".join(filter(None, (named, f"ITL ratio {ratio:g}x")))
     lines = [f"latency targets ({named}), steady state: each step also prefills b x P / O tokens"]
     best, at = targets["max_concurrency"], targets["at_max"]
     if not best or at is None:
@@ -190,6 +193,9 @@ def _targets_lines(targets: dict[str, Any], n_in: int, n_out: int) -> list[str]:
         _row("largest concurrency", f"{best:,}{cap}", "largest b with every target kept"),
         _row(f"  step time = ITL = TPOT, b={best}", fmt_time(at["step_time_s"]),
              f"roofline of b decodes + {at['prefill_tokens_per_step']:,.1f} prompt tokens"),
+        *([_row(f"  the same decodes alone, b={best}", fmt_time(at["decode_step_s"]),
+                f"t_step / t_decodes = {at['step_time_s'] / at['decode_step_s']:.2f}x "
+                f"(target {ratio:g}x)")] if ratio is not None else []),
         _row(f"  TTFT, b={best}", fmt_time(at["ttft_s"]), "ceil(P / (b P / O)) x t_step"),
         _row(f"  output throughput, b={best}", f"{at['output_tokens_per_s']:,.1f} tok/s",
              "b / t_step"),
@@ -203,7 +209,7 @@ def render_targets_measured(check: dict[str, Any]) -> str:
     def word(held: bool | None) -> str:
         return "no figure" if held is None else ("held" if held else "missed")
 
-    held = ", ".join(f"{name.upper()} {word(v)}" for name, v in check["held"].items())
+    held = ", ".join(f"{_TARGET_NAMES[name]} {word(v)}" for name, v in check["held"].items())
     c = check["concurrency"]
     figures = [f"TPOT {fmt_time(check['tpot_s'])}", f"TTFT {fmt_time(check['ttft_s'])}"]
     if "itl" in check["held"]:
@@ -211,10 +217,18 @@ def render_targets_measured(check: dict[str, Any]) -> str:
             figures.insert(0, f"ITL p99 {fmt_time(check['itl_p99_s'])}")
         else:
             figures.append("no ITL p99 in the measurement, so the TPOT stands for the ITL")
+    if "itl_ratio" in check["held"]:
+        if check["itl_ratio"] is not None:
+            figures.insert(0, f"ITL p99 / p50 {check['itl_ratio']:.2f}x")
+        else:
+            figures.append("no ITL p99 and p50 in the measurement for the ratio")
     return (
         f"  latency targets at the measured concurrency {c if c is not None else '?'}: {held} "
         f"({', '.join(figures)})"
     )
+
+
+_TARGET_NAMES = {"itl": "ITL", "itl_ratio": "ITL ratio", "tpot": "TPOT", "ttft": "TTFT"}
 
 
 def render_targets_held(held: dict[str, Any]) -> str:

@@ -1,5 +1,6 @@
 """Latency targets in the plan: the largest concurrency at which ``--target-itl-ms``,
-``--target-tpot-ms`` and ``--target-ttft-ms`` can hold, from the arithmetic.
+``--target-itl-ratio``, ``--target-tpot-ms`` and ``--target-ttft-ms`` can hold, from the
+arithmetic.
 
 The server keeps an ITL/TPOT target by sizing each step's prefill (scheduler/
 latency_targets.py). In a steady state at concurrency ``b``, with prompts of P tokens and O
@@ -10,11 +11,15 @@ prompt tokens to keep ``b`` requests running. A step is then::
                      (2 * P_s * (b + s) + A(c) * b + A_s) / F )      matmuls and attention
     with s = b * P / O prefill tokens a step, c the mean context, A_s their attention
 
-and each decoding request gets one token per step, so ITL = TPOT = t_step(b). A new prompt
-gets the prefill share the ITL/TPOT budget leaves beside the ``b`` decodes (the server fills
-it while prompts wait; at least ``s``, at most the prompt), ``s_ttft``, so TTFT ~
-ceil(P / s_ttft) * t(b, s_ttft), queueing aside. The largest ``b`` that keeps every target
-set (and whose KV fits the memory) is the answer; both figures grow with ``b``, so it is
+and each decoding request gets one token per step, so ITL = TPOT = t_step(b). The ratio
+target bounds a step with prompt tokens by a multiple R of the same decodes alone, as the
+server sizes its steps: the steady state holds it where t(b, s) <= R * t(b, 0), that is where
+the prompts that keep ``b`` requests running fit beside them. A new prompt gets the prefill
+share the step budget (the ITL/TPOT targets, and R * t(b, 0)) leaves beside the ``b`` decodes
+(the server fills it while prompts wait; at least ``s``, at most the prompt), ``s_ttft``, so
+TTFT ~ ceil(P / s_ttft) * t(b, s_ttft), queueing aside. The largest ``b`` that keeps every
+target set (and whose KV fits the memory) is the answer; every figure grows with ``b`` (the
+ratio too: the prompt tokens a step needs grow as ``b``, a step's bytes more slowly), so it is
 found by bisection.
 
 These are roofline lower bounds, like the rest of the plan: a real step takes longer
@@ -40,24 +45,43 @@ class Targets:
     itl_s: float | None = None
     tpot_s: float | None = None
     ttft_s: float | None = None
+    # A step with prompt tokens over the same decodes alone (the server's
+    # --target-itl-ratio); measured as the ITL p99 over its p50.
+    itl_ratio: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("itl_s", "tpot_s", "ttft_s"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"latency targets must be positive milliseconds, got {value}")
+        ratio = self.itl_ratio
+        if ratio is not None and not (ratio > 1 and math.isfinite(ratio)):
+            raise ValueError(f"an ITL ratio target must be a number above 1, got {ratio}")
 
     @property
     def any(self) -> bool:
-        return self.itl_s is not None or self.tpot_s is not None or self.ttft_s is not None
+        return any(
+            value is not None for value in (self.itl_s, self.tpot_s, self.ttft_s, self.itl_ratio)
+        )
 
     @classmethod
-    def from_ms(cls, itl_ms: float | None, tpot_ms: float | None, ttft_ms: float | None) -> Targets:
-        """From ``--target-*-ms`` values.
+    def from_ms(
+        cls,
+        itl_ms: float | None,
+        tpot_ms: float | None,
+        ttft_ms: float | None,
+        itl_ratio: float | None = None,
+    ) -> Targets:
+        """From ``--target-*-ms`` values and ``--target-itl-ratio``.
 
         Raises:
-            ValueError: naming the flag whose value is not a positive number.
+            ValueError: naming the flag whose value is out of range.
         """
+        if itl_ratio is not None and not (itl_ratio > 1 and math.isfinite(itl_ratio)):
+            raise ValueError(
+                f"--target-itl-ratio must be a number above 1 (a step's time over its "
+                f"decodes' own), got {itl_ratio:g}"
+            )
 
         def s(flag: str, ms: float | None) -> float | None:
             if ms is None:
@@ -66,7 +90,7 @@ class Targets:
                 raise ValueError(f"--target-{flag}-ms must be a positive number, got {ms:g}")
             return ms / 1000.0
 
-        return cls(s("itl", itl_ms), s("tpot", tpot_ms), s("ttft", ttft_ms))
+        return cls(s("itl", itl_ms), s("tpot", tpot_ms), s("ttft", ttft_ms), itl_ratio)
 
 
 def steady_state(
@@ -85,6 +109,7 @@ def steady_state(
     """
     prefill = b * prompt_tokens / output_tokens
     step = step_time_s(b, prefill)
+    decode_step = step_time_s(b, 0.0)
     share = max(prefill, prompt_tokens) if budget_s is None else prefill
     if budget_s is not None and prefill < prompt_tokens:
         low, high = math.ceil(prefill), prompt_tokens  # the largest share within the budget
@@ -101,6 +126,7 @@ def steady_state(
         "concurrency": b,
         "prefill_tokens_per_step": prefill,
         "step_time_s": step,
+        "decode_step_s": decode_step,  # the same b decodes alone: the ratio target's unit
         "ttft_s": math.ceil(prompt_tokens / share) * step_time_s(b, share),
         "output_tokens_per_s": b / step,
     }
@@ -110,6 +136,7 @@ def holds(point: dict[str, float], targets: Targets) -> bool:
     step = point["step_time_s"]
     return (
         (targets.itl_s is None or step <= targets.itl_s)
+        and (targets.itl_ratio is None or step <= targets.itl_ratio * point["decode_step_s"])
         and (targets.tpot_s is None or step <= targets.tpot_s)
         and (targets.ttft_s is None or point["ttft_s"] <= targets.ttft_s)
     )
@@ -136,16 +163,24 @@ def plan_targets(
     limit = min(requests_fit, MAX_CONCURRENCY) if requests_fit > 0 else MAX_CONCURRENCY
 
     budgets = [t for t in (targets.itl_s, targets.tpot_s) if t is not None]
-    budget_s = min(budgets) if budgets else None
 
     def point(b: int) -> dict[str, float]:
+        step_budgets = list(budgets)
+        if targets.itl_ratio is not None:
+            step_budgets.append(targets.itl_ratio * step_time_s(b, 0.0))
+        budget_s = min(step_budgets) if step_budgets else None
         return steady_state(step_time_s, b, prompt_tokens, output_tokens, budget_s)
 
     def ok(b: int) -> bool:
         return holds(point(b), targets)
 
     result: dict[str, Any] = {
-        "targets": {"itl_s": targets.itl_s, "tpot_s": targets.tpot_s, "ttft_s": targets.ttft_s},
+        "targets": {
+            "itl_s": targets.itl_s,
+            "tpot_s": targets.tpot_s,
+            "ttft_s": targets.ttft_s,
+            "itl_ratio": targets.itl_ratio,
+        },
         "max_concurrency": 0,
         "limited_by": "targets",
         "at_max": None,
@@ -175,13 +210,16 @@ def measured_against(
     ttft_s: float | None,
     concurrency: int | None,
     itl_p99_s: float | None = None,
+    itl_p50_s: float | None = None,
 ) -> dict[str, Any]:
     """Whether a measurement kept the targets.
 
     The ITL target bounds every gap between two tokens, so it is checked against the
     measured ITL p99; only a measurement without one falls back to the TPOT (a median or
     mean, which averages a stalled step away), and ``itl_from`` says which was used. TPOT
-    and TTFT targets are checked against the measurement's TPOT and TTFT statistics.
+    and TTFT targets are checked against the measurement's TPOT and TTFT statistics. The
+    ratio target is checked against the ITL p99 over the ITL p50 (a decode step's gap):
+    no figure without both.
     """
     itl_from = "itl_p99" if itl_p99_s is not None else "tpot"
     checks: dict[str, bool | None] = {}
@@ -192,11 +230,16 @@ def measured_against(
     ):
         if target is not None:
             checks[name] = None if got is None else got <= target
+    ratio = itl_p99_s / itl_p50_s if itl_p99_s is not None and itl_p50_s else None
+    if targets.itl_ratio is not None:
+        checks["itl_ratio"] = None if ratio is None else ratio <= targets.itl_ratio
     return {
         "concurrency": concurrency,
         "tpot_s": tpot_s,
         "ttft_s": ttft_s,
         "itl_p99_s": itl_p99_s,
+        "itl_p50_s": itl_p50_s,
+        "itl_ratio": ratio,
         "itl_from": itl_from,
         "held": checks,
     }

@@ -86,6 +86,8 @@ def test_loadtest_sweep_gives_one_measurement_per_point() -> None:
     assert one.ttft_stat == "ttft_p50_s" and one.tpot_stat == "tpot_p50_s"
     # The ITL's p99 is read beside them, for the ITL target; not its p90, max or an SLO.
     assert (one.itl_p99_s, four.itl_p99_s, four.itl_p99_stat) == (0.035, 0.12, "itl_p99_s")
+    # And its median, for the ITL ratio target (the p99 over it).
+    assert four.itl_p50_s == pytest.approx(0.036) and four.itl_p50_stat == "itl_p50_s"
     assert (four.concurrency, four.prompt_tokens, four.output_tokens) == (4, 350.0, 150.0)
 
 
@@ -124,6 +126,7 @@ def test_vllm_benchmark_serving_result_in_milliseconds() -> None:
     assert m.ttft_s == pytest.approx(0.12)
     assert m.tpot_s == pytest.approx(0.025)  # TPOT preferred over ITL
     assert m.itl_p99_s == pytest.approx(0.18) and m.itl_p99_stat == "p99_itl_ms"
+    assert m.itl_p50_s == pytest.approx(0.02) and m.itl_p50_stat == "median_itl_ms"
     assert m.output_tokens_per_s == 310.0
     assert m.concurrency == 8
 
@@ -132,6 +135,7 @@ def test_minimal_and_nested_schemas() -> None:
     (bare,) = measurements_from_json({"ttft_s": 0.5, "tpot_s": 0.05, "batch": 2}, "m")
     assert (bare.ttft_s, bare.tpot_s, bare.concurrency) == (0.5, 0.05, 2)
     assert bare.itl_p99_s is None  # no ITL percentile: the ITL target falls back to TPOT
+    assert bare.itl_p50_s is None  # and the ratio target has no figure
     (nested,) = measurements_from_json(
         {"ttft": {"p50_ms": 40, "p99_ms": 90}, "tpot": {"mean": 0.01}, "itl": {"p99_ms": 70}},
         "n",
@@ -191,6 +195,9 @@ def test_prometheus_histograms_median_and_means() -> None:
     m = measurement_from_prometheus(text, "metrics.txt")
     assert m.itl_p99_s == pytest.approx(0.75)
     assert m.itl_p99_stat == "pagedserve_inter_token_latency_seconds p99 (histogram)"
+    # Rank 50 of 100 lies 50/98 of the way through the gaps' (0.01, 0.02] bucket.
+    assert m.itl_p50_s == pytest.approx(0.01 + 0.01 * 50 / 98)
+    assert m.itl_p50_stat == "pagedserve_inter_token_latency_seconds p50 (histogram)"
     assert m.ttft_s == pytest.approx(0.1)
     assert m.tpot_s == pytest.approx(0.02)  # rank 10 of 20: top of the (0.01, 0.02] bucket
     assert m.output_tokens_per_s is None  # one scrape has totals, not a rate

@@ -46,6 +46,61 @@ def test_the_largest_concurrency_that_keeps_the_targets() -> None:
     assert late["ttft_s"] == pytest.approx(math.ceil(128 / 60) * 0.080)
 
 
+def test_the_ratio_target_bounds_the_step_by_its_decodes_alone() -> None:
+    # s = 2b prompt tokens a step: t(b, 2b) = 10 + 3b ms against the decodes' 10 + 2b ms, a
+    # ratio that grows with b (towards 1.5x). 1.3x holds up to b = 7 (31 <= 31.2 ms) and
+    # misses at 8 (34 > 33.8 ms).
+    result = plan_targets(step_time, Targets(itl_ratio=1.3), 128, 64, requests_fit=0)
+    assert result["max_concurrency"] == 7 and result["limited_by"] == "targets"
+    at = result["at_max"]
+    assert at["step_time_s"] == pytest.approx(0.031)
+    assert at["decode_step_s"] == pytest.approx(0.024)
+    # A new prompt gets what 1.3 x 24 ms leaves beside the 7 decodes: 14 tokens a step
+    # (24 + 7 = 31 ms), so 128 tokens take 10 steps.
+    assert at["ttft_s"] == pytest.approx(10 * 0.031)
+    # With an ITL target too, the step budget is the lower of the two.
+    both = plan_targets(step_time, Targets(itl_s=0.028, itl_ratio=1.3), 128, 64, 0)
+    assert both["max_concurrency"] == 6  # 10 + 3 x 6 = 28 ms
+    assert both["at_max"]["ttft_s"] == pytest.approx(math.ceil(128 / 12) * 0.028)
+
+
+def test_the_ratio_target_is_measured_as_the_itl_p99_over_its_p50() -> None:
+    targets = Targets(itl_ratio=2.0)
+    steady = measured_against(targets, 0.04, 0.5, 8, itl_p99_s=0.06, itl_p50_s=0.04)
+    assert steady["held"] == {"itl_ratio": True} and steady["itl_ratio"] == pytest.approx(1.5)
+    stalled = measured_against(targets, 0.04, 0.5, 8, itl_p99_s=0.3, itl_p50_s=0.04)
+    assert stalled["held"] == {"itl_ratio": False}
+    unknown = measured_against(targets, 0.04, 0.5, 8, itl_p99_s=0.3)
+    assert unknown["held"] == {"itl_ratio": None} and unknown["itl_ratio"] is None
+    assert "ITL ratio missed (ITL p99 / p50 7.50x, TPOT" in render_targets_measured(stalled)
+    assert "ITL ratio no figure" in render_targets_measured(unknown)
+    assert "no ITL p99 and p50 in the measurement" in render_targets_measured(unknown)
+
+
+def test_the_ratio_target_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", "llama-3-8b", "--device", "h100-sxm", "--prompt-tokens", "128",
+            "--output-tokens", "128", "--target-itl-ratio", "2"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    targets = json.loads(capsys.readouterr().out)["targets"]
+    at = targets["at_max"]
+    assert targets["targets"]["itl_ratio"] == 2.0 and targets["max_concurrency"] > 1
+    assert at["step_time_s"] <= 2.0 * at["decode_step_s"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "latency targets (ITL ratio 2x)" in text
+    assert "the same decodes alone" in text and "(target 2x)" in text
+    # Measured: ITL p99 / p50 1.30x at concurrency 1, 3.33x at 4 (a stalled step).
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(_loadtest_result()))
+    assert main([*argv, "--measured", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "at the measured concurrency 1: ITL ratio held (ITL p99 / p50 1.30x" in text
+    assert "at the measured concurrency 4: ITL ratio missed (ITL p99 / p50 3.33x" in text
+    assert "the largest concurrency that kept every target is 1" in text
+
+
 def test_memory_caps_it_and_an_impossible_target_gives_none() -> None:
     capped = plan_targets(step_time, Targets(tpot_s=0.4), 128, 64, requests_fit=12)
     assert capped["max_concurrency"] == 12 and capped["limited_by"] == "memory"
@@ -63,7 +118,12 @@ def test_targets_in_the_plan_and_beside_a_measurement(
     data = json.loads(capsys.readouterr().out)
     targets = data["targets"]
     best = targets["max_concurrency"]
-    assert best > 1 and targets["targets"] == {"itl_s": 0.06, "tpot_s": None, "ttft_s": 0.5}
+    assert best > 1 and targets["targets"] == {
+        "itl_s": 0.06,
+        "tpot_s": None,
+        "ttft_s": 0.5,
+        "itl_ratio": None,
+    }
     assert targets["at_max"]["step_time_s"] <= 0.06 and targets["at_max"]["ttft_s"] <= 0.5
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -138,3 +198,12 @@ def test_a_target_that_is_not_positive_is_one_error_line(
     assert main(["--device", "a10", "--target-tpot-ms", value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--target-tpot-ms must be a positive number" in err[0], err
+
+
+@pytest.mark.parametrize("value", ["1", "0.5", "inf"])
+def test_a_ratio_target_not_above_one_is_one_error_line(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--device", "a10", "--target-itl-ratio", value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--target-itl-ratio must be a number above 1" in err[0], err
