@@ -38,10 +38,6 @@ class Replay:
     drafts: int
     kept: int
 
-    @property
-    def tokens_per_cost(self) -> float:
-        return self.tokens / self.cost if self.cost else 0.0
-
 
 def replay(
     prompt: Sequence[int], output: Sequence[int], policy: SpeculationPolicy, row_cost: float,

@@ -415,9 +415,6 @@ class StepTimePredictor:
             return fitted * recent[len(recent) // 2]
         return fitted * math.exp(self._log_speed + self._bias_log(shape))
 
-    def predict_plan(self, plan: SchedulerOutput) -> float | None:
-        return self.predict_features(self.plan_features(plan))
-
     def predict(self, load: DecodeLoad, num_prefill_tokens: int) -> float | None:
         return self.predict_features(self.load_features(load, num_prefill_tokens))
 

@@ -480,7 +480,8 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens, or with
-    ``sliding_window`` to the last that many (``kernels.reference.sliding_window_start``).
+    ``sliding_window`` to the last that many (transformers' window: the query at position
+    ``p`` sees keys ``p - sliding_window < k <= p``).
 
     Requires ``seq_lens[i] <= block_tables.shape[1] * block_size`` (every context token has
     a block). The launch comes from ``choose_launch`` (``DECODE_TUNING``); ``num_splits``

@@ -130,7 +130,8 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """One query token per sequence attending to all ``seq_lens[i]`` cached tokens, or with
-    ``sliding_window`` to the last that many of them (``sliding_window_start``); with
+    ``sliding_window`` to the last that many of them (transformers' window: the query at
+    position ``p`` sees keys ``p - sliding_window < k <= p``, itself included); with
     ``softcap``, scores become ``softcap * tanh(scores / softcap)`` before the softmax.
     ``out`` (shaped like ``query``): written and returned instead of a new tensor.
 
@@ -143,17 +144,6 @@ def paged_attention_decode(
     )
     result = decode_over_context(query, key_cache, value_cache, context, scale, softcap)
     return result if out is None else out.copy_(result)
-
-
-def sliding_window_start(seq_len: int, sliding_window: int | None) -> int:
-    """The first context position the *last* query of a ``seq_len`` context sees: a query
-    at position ``p`` sees keys ``p - sliding_window < k <= p`` (transformers' sliding
-    window: ``sliding_window`` keys, itself included)::
-
-        context:  0 ......... start ......... p = seq_len - 1
-                  |  hidden   |<- sliding_window ->|
-    """
-    return 0 if sliding_window is None else max(0, seq_len - sliding_window)
 
 
 @dataclass(frozen=True, slots=True)
