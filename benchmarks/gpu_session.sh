@@ -17,11 +17,13 @@
 #               programmatic dependent launch (PAGEDSERVE_PDL=1: each launches while the one
 #               before finishes), against the same run with PAGEDSERVE_PDL=0
 #   gemv        the decode matmuls on the split-K Triton kernel (PAGEDSERVE_DECODE_MATMUL=
-#               triton): batch-1 TPOT and the decode steps with it, with PAGEDSERVE_PDL=0 and
-#               =1 (the whole layer one chain of dependent launches, each matmul streaming its
-#               first weight tiles while the kernel before ends), against pdl's runs on
-#               cuBLAS; then its launch sweep on the bf16 weights against cuBLAS at 1 and 16
-#               rows (prefetched and as dependent launches in stage D)
+#               triton): first its launch sweep on the bf16 weights against cuBLAS at 1 and
+#               16 rows (prefetched and as dependent launches in stage D), written as a
+#               tuning table ($OUT/matmul-tuning.json: each shape's fastest launch, or
+#               cuBLAS where it won); then batch-1 TPOT and the decode steps with the
+#               table's launches (PAGEDSERVE_MATMUL_TUNING), with PAGEDSERVE_PDL=0 and =1
+#               (the whole layer one chain of dependent launches, each matmul streaming its
+#               first weight tiles while the kernel before ends), against pdl's on cuBLAS
 #   http        first request after /health and concurrency 1 and 64 through the server
 #   itl-ratio   HTTP at concurrency 64 with --target-itl-ratio 2 (a step with prompt tokens
 #               sized to at most twice the same decodes' step): the ITL p99 / p50 target
@@ -88,6 +90,9 @@ read -r -a EXTRA <<<"${BENCH_ARGS:-}"
 B=(python3 -m benchmarks.gpu --model "${MODEL:-llama-3-8b}" --load-format dummy
     ${TOKENIZER:+--tokenizer "$TOKENIZER"} "${EXTRA[@]}")
 
+# The gemv step's sweep (a smoke run on a CPU: SWEEP_ARGS="--device cpu --quick").
+read -r -a SWEEP <<<"${SWEEP_ARGS:-}"
+
 # The host step's shape (a smoke run on a CPU: HOST_ARGS="--device cpu --batch 1 --context 16
 # --steps 2").
 read -r -a HOST <<<"${HOST_ARGS:---device cuda --model llama-3.2-1b --batch 1,64 --context 2048 --steps 50}"
@@ -140,12 +145,15 @@ step() {
                 --skip-http --out "$OUT/pdl$pdl.json"
         done ;;
     gemv)
-        for pdl in 0 1; do
-            PAGEDSERVE_DECODE_MATMUL=triton PAGEDSERVE_PDL=$pdl run_step "gemv-pdl$pdl" 150 \
-                "${B[@]}" --sections batch1,decode --skip-http --out "$OUT/gemv-pdl$pdl.json"
-        done
         run_step gemv-sweep 100 python3 -m benchmarks.kernels --quant-matmul --quant-modes dense \
-            --quant-rows 1,16 --budget-s 60 ;;
+            --quant-rows 1,16 --budget-s 60 --write-tuning "$OUT/matmul-tuning.json" "${SWEEP[@]}"
+        local tuning=""
+        [ -f "$OUT/matmul-tuning.json" ] && tuning="$OUT/matmul-tuning.json"
+        for pdl in 0 1; do
+            PAGEDSERVE_MATMUL_TUNING=$tuning PAGEDSERVE_DECODE_MATMUL=triton PAGEDSERVE_PDL=$pdl \
+                run_step "gemv-pdl$pdl" 150 "${B[@]}" --sections batch1,decode --skip-http \
+                --out "$OUT/gemv-pdl$pdl.json"
+        done ;;
     profile) run_step profile 200 "${B[@]}" --sections profile --skip-http \
         --out "$OUT/profile.json" ;;
     async-off) run_step async-off 200 "${B[@]}" --sections batch1,decode,offline --skip-http \

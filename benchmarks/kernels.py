@@ -59,10 +59,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +81,9 @@ from benchmarks.decode_cases import (
 )
 from kernels import reference
 from planner.devices import device_for_cuda_name
+
+if TYPE_CHECKING:
+    from benchmarks.quant_matmul_sweep import RowSweep
 
 
 def peak_bandwidth(device: torch.device, override: float | None) -> tuple[float | None, str]:
@@ -482,6 +487,23 @@ def _shape_list(text: str) -> list[tuple[int, int]]:
     return [(int(q), int(kv)) for q, kv in pairs]
 
 
+def write_tuning(path: str, rows: list[RowSweep], device: str, argv: list[str] | None) -> None:
+    """The sweep's decode rows' best launches as a table for ``PAGEDSERVE_MATMUL_TUNING``,
+    checked by the engine's own reader before it is kept."""
+    from benchmarks.provenance import git_commit
+    from benchmarks.quant_matmul_sweep import tuning_table
+    from kernels.matmul_tuning import parse_tuning
+
+    command = " ".join(argv if argv is not None else sys.argv[1:])
+    table = tuning_table(rows, device, f"python -m benchmarks.kernels {command} at {git_commit()}")
+    parse_tuning(table, path)  # what the engine will read
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    print(f"# wrote {len(table['entries'])} launches to {path}: "
+          f"PAGEDSERVE_MATMUL_TUNING={path} runs them")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.kernels",
@@ -534,6 +556,10 @@ def main(argv: list[str] | None = None) -> None:
                              "dense_matmul on the unquantized weight")  # fmt: skip
     parser.add_argument("--quant-rows", type=_int_list, default=None,
                         help="--quant-matmul: row counts M (default 1,4,16,64)")  # fmt: skip
+    parser.add_argument("--write-tuning", default=None, metavar="FILE",
+                        help="--quant-matmul: write the decode rows' best launches as a "
+                             "table for PAGEDSERVE_MATMUL_TUNING "
+                             "(kernels/matmul_tuning.py)")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.dtype is None:
@@ -568,9 +594,11 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.quant_matmul_sweep import DEFAULT_BUDGET_S, ROWS, run_quant_sweep
 
         dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-        run_quant_sweep(device, dtype, peak, quick=args.quick,
-                        budget_s=args.budget_s or DEFAULT_BUDGET_S, modes=quant_modes,
-                        rows=tuple(args.quant_rows or ROWS))  # fmt: skip
+        rows = run_quant_sweep(device, dtype, peak, quick=args.quick,
+                               budget_s=args.budget_s or DEFAULT_BUDGET_S, modes=quant_modes,
+                               rows=tuple(args.quant_rows or ROWS))  # fmt: skip
+        if args.write_tuning:
+            write_tuning(args.write_tuning, rows, name, argv)
         return
     if device.type != "cuda":
         print("# CPU: the Triton kernels run here only under TRITON_INTERPRET=1 (numpy, not")

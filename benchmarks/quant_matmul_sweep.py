@@ -37,6 +37,12 @@ fails prints its error and the sweep goes on; torch's row is checked against ``x
 float32). Then bf16 ``x @ w``, the heuristic's launch and the best are timed again,
 interleaved, each keeping its least, and the summary printed.
 
+``--write-tuning FILE`` writes the decode rows' (at most 16 rows) best launches as a tuning
+table (kernels/matmul_tuning.py) that ``PAGEDSERVE_MATMUL_TUNING=FILE`` hands the engine's
+launchers: the fastest launch of each row, as the launcher runs it without a dependent
+launch (that is ``PAGEDSERVE_PDL``'s); for the dense mode ``"library"`` where the library's
+matmul beat every launch.
+
 CPU: only with ``TRITON_INTERPRET=1`` and ``--quick`` (one small shape at M = 1 and 3: today's
 and the heuristic's launches and stage A at strips of 64 with an H100's split counts, wall
 clock): a smoke test of this code, not a measurement.
@@ -47,14 +53,16 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from benchmarks.decode_cases import num_input_sets, time_sets
 from benchmarks.staged_sweep import Stages, print_line
 from kernels import reference
+from kernels.matmul_tuning import FORMAT as TUNING_FORMAT
+from kernels.matmul_tuning import LIBRARY
 
 
 @dataclass(frozen=True)
@@ -373,6 +381,42 @@ def make_rows(
                 row.heuristic = row.effective(choose_launch(m, n, k, sms))
                 out.append(row)
     return out
+
+
+def tuning_entry(row: RowSweep) -> dict[str, Any] | None:
+    """The row's entry of a tuning table (kernels/matmul_tuning.py), None where it has none:
+    more rows than the split-K kernel takes, nothing measured, or a tiled best (the table
+    holds split-K launches only)."""
+    from kernels.quant_matmul import DECODE_ROWS, SplitKLaunch
+
+    best = row.best()
+    if row.rows > DECODE_ROWS or best is None:
+        return None
+    launch, measured = best
+    if isinstance(launch, PdlLaunch):  # the dependent launch is PAGEDSERVE_PDL's to make
+        launch = launch.launch
+    library = row.results.get(TORCH)
+    entry: dict[str, Any] = {
+        "weight": str(row.dtype).removeprefix("torch.") if row.mode == DENSE else row.mode,
+        "k": row.k,
+        "n": row.n,
+        "rows": row.rows,
+    }
+    if row.mode == DENSE and library is not None and library.ok:
+        if library.seconds < measured.seconds:
+            return {**entry, "launch": LIBRARY, "library_us": round(library.seconds * 1e6, 2)}
+    if not isinstance(launch, SplitKLaunch):
+        return None
+    entry.update(launch=asdict(launch), us=round(measured.seconds * 1e6, 2))
+    if library is not None and library.ok:
+        entry["library_us"] = round(library.seconds * 1e6, 2)
+    return entry
+
+
+def tuning_table(sweep: list[RowSweep], device: str, source: str) -> dict[str, Any]:
+    """A tuning table of the sweep's decode rows (``tuning_entry``), as JSON."""
+    entries = [entry for row in sweep if (entry := tuning_entry(row)) is not None]
+    return {"format": TUNING_FORMAT, "device": device, "source": source, "entries": entries}
 
 
 def paste_line(row: RowSweep) -> str:

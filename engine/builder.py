@@ -567,6 +567,7 @@ def attach_backend(
                 "decode matmuls (<= %d rows) on the split-K Triton kernel "
                 "(PAGEDSERVE_DECODE_MATMUL=triton)", DECODE_ROWS,
             )  # fmt: skip
+        _log_matmul_tuning(device, triton_matmuls or quant is not None)
     return AttachedBackend(
         forward=forward,
         cpu_ops=cpu_ops,
@@ -591,6 +592,34 @@ class GraphPlan:
     # What the KV cache's budget left for the steps' activations and the graphs, once it
     # is measured (``size_kv_pool``, on CUDA); None: not measured (a budget was given).
     reserve_bytes: int | None = None
+
+
+def _log_matmul_tuning(device: torch.device, triton_matmuls: bool) -> None:
+    """Say which swept launches the Triton matmuls take (PAGEDSERVE_MATMUL_TUNING), and
+    where the table cannot apply: no matmul of this engine runs the Triton kernels, or it
+    was swept on another device."""
+    from kernels.matmul_tuning import MATMUL_TUNING_ENV, matmul_tuning_env
+
+    table = matmul_tuning_env()
+    if table is None:
+        return
+    if not triton_matmuls:
+        logger.warning(
+            "%s is set but no matmul here runs the split-K Triton kernel (it needs "
+            "PAGEDSERVE_DECODE_MATMUL=triton or --quantization): it changes nothing",
+            MATMUL_TUNING_ENV,
+        )
+        return
+    logger.info(
+        "decode matmul launches from %s=%s where it has the shape: %d entries, swept on %s",
+        MATMUL_TUNING_ENV, table.source, len(table), table.device,
+    )  # fmt: skip
+    here = torch.cuda.get_device_name(device)
+    if table.device != here:
+        logger.warning(
+            "%s was swept on %s, not this %s: its launches run, but are not known fastest here",
+            table.source, table.device, here,
+        )  # fmt: skip
 
 
 def plan_graphs(

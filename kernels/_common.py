@@ -15,6 +15,7 @@ from kernels import kv_quant
 
 __all__ = [
     "DECODE_MATMULS",
+    "DECODE_ROWS",
     "DECODE_MATMUL_ENV",
     "PDL_ENV",
     "SUPPORTED_DTYPES",
@@ -29,6 +30,11 @@ __all__ = [
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Matmul batches of at most this many rows take the split-K decode kernel
+# (kernels/quant_matmul.py): one tl.dot tile of rows (16, its minimum), so the weight is read
+# once; above it the tiled kernel reuses each weight tile over 32-64 rows without partials
+# to write.
+DECODE_ROWS = 16
 # "1": every Triton kernel of a decoder layer launches as a programmatic dependent launch
 # where the device runs them; "0": none does; unset: the defaults (DECODE_TUNING's rows for
 # decode attention; the fused layer ops plain). For A/B runs on a GPU (kernels/README.md).

@@ -59,13 +59,13 @@ the arguments only (CUDA-graph safe: no host sync, nothing read from the data).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels._common import SUPPORTED_DTYPES, next_power_of_2, num_compute_units
+from kernels._common import DECODE_ROWS, SUPPORTED_DTYPES, next_power_of_2, num_compute_units
 from kernels._triton_common import (
     TL_DTYPES,
     arrival_counters,
@@ -74,6 +74,7 @@ from kernels._triton_common import (
     pdl_args,
     pdl_enter,
 )
+from kernels.matmul_tuning import LIBRARY, check_split_k_fields, matmul_tuning_env
 
 __all__ = [
     "DECODE_ROWS",
@@ -93,10 +94,6 @@ WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # Batches of more rows multiply on the library (cuBLAS) path; decode batches and CUDA graphs
 # stay within it.
 LIBRARY_ROWS = 256
-# Batches of at most this many rows take the split-K decode kernel: one tl.dot tile of rows
-# (16, its minimum), so the weight is read once; above it the tiled kernel reuses each weight
-# tile over 32-64 rows without partials to write (module docstring).
-DECODE_ROWS = 16
 # choose_launch's split-K targets: at least this many weight columns streamed at once per
 # SM (programs in flight times their strip width: enough loads outstanding to cover DRAM
 # latency, and a last wave that is a small share of the run), and K runs of at least this
@@ -461,14 +458,29 @@ def choose_launch(rows: int, n: int, k: int, num_sms: int) -> QuantLaunch:
 
 
 def _check_split_k(launch: SplitKLaunch) -> None:
-    for name in ("block_m", "block_n", "block_k"):
-        size = getattr(launch, name)
-        assert size >= 1 and size == next_power_of_2(size), (name, launch)
-    assert not launch.dot or (launch.block_m >= 16 and launch.block_k >= 16), (
-        "tl.dot needs at least 16 rows and 16 K a tile",
-        launch,
-    )
-    assert launch.num_splits >= 1 and launch.num_warps >= 1 and launch.num_stages >= 1, launch
+    try:
+        check_split_k_fields(asdict(launch))
+    except ValueError as e:
+        raise ValueError(f"{launch}: {e}") from None
+
+
+def _weight_kind(weight: torch.Tensor) -> str:
+    """The weight's name in a tuning table (kernels/matmul_tuning.py)."""
+    if weight.dtype == torch.int8:
+        return "int8"
+    if weight.dtype == torch.float8_e4m3fn:
+        return "fp8"
+    return str(weight.dtype).removeprefix("torch.")
+
+
+def _tuned_launch(weight: torch.Tensor, m: int, n: int, k: int) -> SplitKLaunch | str | None:
+    """The launch ``PAGEDSERVE_MATMUL_TUNING``'s table gives this decode batch (a
+    ``SplitKLaunch`` or ``LIBRARY``), None where no table is set or it lacks the shape."""
+    table = matmul_tuning_env()
+    if table is None or m > DECODE_ROWS:
+        return None
+    launch = table.lookup(_weight_kind(weight), m, n, k)
+    return launch if launch is None or isinstance(launch, str) else SplitKLaunch(**launch)
 
 
 def quant_matmul(
@@ -483,8 +495,10 @@ def quant_matmul(
     """``x @ (weight * scale) + bias``; rows of ``x`` may be strided, not columns.
 
     ``launch``: run this launch instead of ``choose_launch``'s (tuning and tests); any
-    launch computes the same product, up to float32 summation order. Batches of more than
-    ``LIBRARY_ROWS`` rows always take the library's matmul.
+    launch computes the same product, up to float32 summation order. Without it a decode
+    batch takes ``PAGEDSERVE_MATMUL_TUNING``'s launch where its table has the shape
+    (kernels/matmul_tuning.py). Batches of more than ``LIBRARY_ROWS`` rows always take the
+    library's matmul.
     """
     _check_operands(x, weight, bias)
     assert weight.dtype in WEIGHT_DTYPES, weight.dtype
@@ -498,7 +512,9 @@ def quant_matmul(
     if m == 0 or n == 0:
         return out
     if launch is None:
-        launch = choose_launch(m, n, k, num_compute_units(x.device) if x.is_cuda else 0)
+        tuned = _tuned_launch(weight, m, n, k)
+        assert tuned != LIBRARY, "a tuning table never sends a quantized weight to the library"
+        launch = tuned or choose_launch(m, n, k, num_compute_units(x.device) if x.is_cuda else 0)
     fp8 = weight.dtype == torch.float8_e4m3fn
     w = weight.view(torch.uint8) if fp8 else weight
     b = bias if bias is not None else scale
@@ -524,7 +540,9 @@ def dense_matmul(
 ) -> torch.Tensor:  # [num_tokens, out_features], x's dtype
     """``x @ weight + bias`` for a weight in the activations' dtype: the split-K decode
     kernel for at most ``DECODE_ROWS`` rows (``kernels.reference.dense_matmul`` is its
-    twin: float32 sums, rounded once), the library's matmul for more.
+    twin: float32 sums, rounded once), the library's matmul for more. Without ``launch`` a
+    batch takes ``PAGEDSERVE_MATMUL_TUNING``'s launch where its table has the shape, which
+    may be the library's matmul (kernels/matmul_tuning.py), else ``choose_launch``'s.
 
     Why a decode step would take it over cuBLAS (``PAGEDSERVE_DECODE_MATMUL=triton``,
     engine/backends/cuda.py): as a programmatic dependent launch it streams its first weight
@@ -536,13 +554,14 @@ def dense_matmul(
     assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
     m, k = x.shape
     n = weight.shape[1]
-    if m > DECODE_ROWS:
+    tuned = _tuned_launch(weight, m, n, k) if launch is None else None
+    if m > DECODE_ROWS or tuned == LIBRARY:
         return x @ weight if bias is None else torch.addmm(bias, x, weight)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if launch is None:
-        launch = choose_launch(m, n, k, num_compute_units(x.device) if x.is_cuda else 0)
+        launch = tuned or choose_launch(m, n, k, num_compute_units(x.device) if x.is_cuda else 0)
         assert isinstance(launch, SplitKLaunch)
     return _split_k(out, x, weight, None, bias, launch, pdl, fp8=False, dense=True)
 

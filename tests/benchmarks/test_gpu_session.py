@@ -15,7 +15,9 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_session.sh"
 
 
-def run(tmp_path: Path, *steps: str, session_s: int = 300) -> subprocess.CompletedProcess[str]:
+def run(
+    tmp_path: Path, *steps: str, session_s: int = 300, **extra_env: str
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         # python3 there is this interpreter, as the image's is on a GPU machine
@@ -26,6 +28,7 @@ def run(tmp_path: Path, *steps: str, session_s: int = 300) -> subprocess.Complet
         "HOST_ARGS": "--device cpu --batch 1,2 --context 16 --steps 2 --warmup-steps 1",
         "SESSION_S": str(session_s),
         "PAGEDSERVE_CACHE": str(tmp_path / "cache"),
+        **extra_env,
     }
     return subprocess.run(
         ["bash", str(SCRIPT), *steps], cwd=REPO, env=env, capture_output=True, text=True,
@@ -65,22 +68,41 @@ def test_the_pdl_step_runs_with_the_switch_off_then_on(tmp_path: Path) -> None:
         assert f"PAGEDSERVE_PDL={value}" in (out / f"pdl{value}.log").read_text()
 
 
-def test_the_gemv_step_runs_the_engine_on_the_triton_matmuls_then_sweeps(tmp_path: Path) -> None:
-    """The engine runs record PAGEDSERVE_DECODE_MATMUL=triton beside each PDL setting; the
-    dense sweep after them needs CUDA (off it --quant-matmul runs only with --quick), so
-    here it fails in one line."""
+def test_the_gemv_step_sweeps_then_runs_the_engine_on_the_swept_launches(tmp_path: Path) -> None:
+    """The dense sweep writes a tuning table (here the interpreter's smoke run) and the
+    engine runs take it (PAGEDSERVE_MATMUL_TUNING) with PAGEDSERVE_DECODE_MATMUL=triton
+    beside each PDL setting."""
+    done = run(tmp_path, "gemv", SWEEP_ARGS="--device cpu --quick")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text()
+    assert summary.startswith("gemv-sweep rc=0 "), summary
+    table = out / "matmul-tuning.json"
+    assert json.loads(table.read_text())["entries"], table.read_text()
+    for value in ("0", "1"):
+        assert f"gemv-pdl{value} rc=0 " in summary, summary
+        result = json.loads((out / f"gemv-pdl{value}.json").read_text())
+        assert result["pdl"] == value and result["decode_matmul"] == "triton", result
+        assert result["matmul_tuning"] == str(table), result
+        log = (out / f"gemv-pdl{value}.log").read_text()
+        assert "PAGEDSERVE_DECODE_MATMUL=triton" in log, log
+        assert f"PAGEDSERVE_MATMUL_TUNING={table}" in log, log
+
+
+def test_without_a_table_the_gemv_step_runs_the_engine_on_the_heuristic(tmp_path: Path) -> None:
+    """Where the sweep writes no table (off CUDA --quant-matmul runs only with --quick: one
+    line), the engine runs go on with choose_launch's launches."""
     done = run(tmp_path, "gemv")
     assert done.returncode == 0, done.stdout + done.stderr
     out = tmp_path / "out"
     summary = (out / "summary.txt").read_text()
     assert "gemv-sweep rc=2 " in summary, summary
     assert "--quant-matmul off CUDA" in (out / "gemv-sweep.log").read_text()
+    assert not (out / "matmul-tuning.json").exists()
     for value in ("0", "1"):
         assert f"gemv-pdl{value} rc=0 " in summary, summary
         result = json.loads((out / f"gemv-pdl{value}.json").read_text())
-        assert result["pdl"] == value and result["decode_matmul"] == "triton", result
-        log = (out / f"gemv-pdl{value}.log").read_text()
-        assert "PAGEDSERVE_DECODE_MATMUL=triton" in log, log
+        assert result["decode_matmul"] == "triton" and result["matmul_tuning"] == "", result
 
 
 def test_a_step_that_does_not_fit_is_skipped(tmp_path: Path) -> None:

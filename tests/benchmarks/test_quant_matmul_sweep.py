@@ -7,23 +7,28 @@ CPU: the Triton launches run under the interpreter (conftest.py sets TRITON_INTE
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
 from benchmarks.kernels import main
 from benchmarks.quant_matmul_sweep import (
+    DENSE,
     MAX_ACC_PER_THREAD,
     TORCH,
     Measured,
+    PdlLaunch,
     RowSweep,
     fits,
     stage_a,
     stage_b,
     stage_c,
     stage_d,
+    tuning_entry,
 )
+from kernels.matmul_tuning import LIBRARY, load_tuning
 from kernels.quant_matmul import SplitKLaunch, TiledLaunch, choose_launch, tile_shape
 
 
@@ -51,11 +56,19 @@ def test_quick_sweep_times_each_launch_and_prints_the_best(device, capsys):
         assert isinstance(launch, SplitKLaunch | TiledLaunch), line
 
 
-def test_quick_dense_sweep_times_the_kernel_against_the_library(device, capsys):
+def test_quick_dense_sweep_times_the_kernel_against_the_library(device, capsys, tmp_path):
     """--quant-modes dense: dense_matmul on the unquantized weight, whose "today" is the
-    library's own matmul, with the same stages (stage D: the best prefetched)."""
+    library's own matmul, with the same stages (stage D: the best prefetched); with
+    --write-tuning, a table the engine's reader takes, an entry per row."""
+    table = tmp_path / "tuning.json"
     main(["--device", device.type, "--quant-matmul", "--quick", "--peak-gbps", "100",
-          "--quant-modes", "dense"])  # fmt: skip
+          "--quant-modes", "dense", "--write-tuning", str(table)])  # fmt: skip
+    tuning = load_tuning(str(table))
+    dtype = "float32" if device.type == "cpu" else "bfloat16"
+    assert len(tuning) == 2 and "--write-tuning" in json.loads(table.read_text())["source"]
+    for rows in (1, 3):
+        launch = tuning.lookup(dtype, rows, 80, 96)
+        assert launch == LIBRARY or SplitKLaunch(**launch), launch  # type: ignore[arg-type]
     out = capsys.readouterr().out
     timed = [line for line in out.splitlines() if line.startswith("tiny ") and " us " in line]
     assert timed and all(" dense " in line for line in timed), timed
@@ -68,6 +81,7 @@ def test_quick_dense_sweep_times_the_kernel_against_the_library(device, capsys):
     for line in timed:
         assert "MISMATCH" not in line and "failed" not in line, line
     assert "confirmed: torch " in out
+    assert f"# wrote 2 launches to {table}" in out
 
 
 @pytest.mark.parametrize(
@@ -135,3 +149,24 @@ def test_later_stages_search_around_the_best_split_k_launch():
     row.results[replace(best, one_launch=True)] = Measured(1e-7, 0.0, True)
     assert row.best_split_k() == best  # stages B-D search around plain launches
     assert fits(16, 256, 256, 2, dot=True) and not fits(16, 64, 8, 4, dot=True)
+
+
+def test_a_rows_tuning_entry_is_its_fastest_launch_as_the_engine_runs_it():
+    """The table holds the fastest split-K launch of a decode row, without its dependent
+    launch (PAGEDSERVE_PDL's to make); for dense weights the library where it beat them
+    all; nothing for rows past the split-K kernel or a tiled best."""
+    row = _row(1, 4096, 4096)
+    best = SplitKLaunch(1, 256, 32, 16, 8, 3, dot=False, prefetch=True)
+    row.results = {TORCH: Measured(20e-6, 0.0, True), PdlLaunch(best): Measured(10e-6, 0, True),
+                   best: Measured(11e-6, 0.0, True)}  # fmt: skip
+    entry = tuning_entry(row)
+    assert entry == {"weight": "int8", "k": 4096, "n": 4096, "rows": 1,
+                     "launch": asdict(best), "us": 10.0, "library_us": 20.0}  # fmt: skip
+    dense = replace(row, mode=DENSE, results={**row.results, TORCH: Measured(9e-6, 0.0, True)})
+    assert tuning_entry(dense) == {"weight": "bfloat16", "k": 4096, "n": 4096, "rows": 1,
+                                   "launch": LIBRARY, "library_us": 9.0}  # fmt: skip
+    tiled = replace(row, results={row.today: Measured(1e-6, 0.0, True), **row.results})
+    assert tuning_entry(tiled) is None
+    wide = _row(64, 4096, 4096)
+    wide.results = {SplitKLaunch(64, 128, 64, 2, 4, 3): Measured(1e-6, 0.0, True)}
+    assert tuning_entry(wide) is None

@@ -26,6 +26,21 @@ from tests.triton_devices import TRITON_DEVICES
 TOKENS = 5
 
 
+def _prompts_and_references(
+    checkpoint, device: str, seed: int, lengths: tuple[int, ...]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Random prompts of ``lengths`` tokens and transformers' greedy continuations of them
+    in float32 on ``device``."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(checkpoint), torch_dtype=torch.float32
+    ).to(device)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+    return prompts, [hf_greedy(hf, p, TOKENS, eos_token_id=None) for p in prompts]
+
+
 def _linears(model: torch.nn.Module) -> tuple[int, int]:
     """(TritonLinear layers, plain dense Linear layers) of ``model``."""
     triton = sum(isinstance(m, TritonLinear) for m in model.modules())
@@ -51,7 +66,6 @@ def test_only_the_switch_swaps_the_linears(tiny_llama_gqa):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-stand-ins"])
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_matmuls_match_transformers(tiny_llama_gqa, device, graphs, monkeypatch):
-    import transformers
 
     import engine.backends.cuda as cuda_backend
 
@@ -63,12 +77,7 @@ def test_triton_matmuls_match_transformers(tiny_llama_gqa, device, graphs, monke
         return _dense(x, *args, **kwargs)
 
     monkeypatch.setattr(cuda_backend, "dense_matmul", counting)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tiny_llama_gqa), torch_dtype=torch.float32
-    ).to(device)
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (7, 21, 3)]
-    refs = [hf_greedy(hf, p, TOKENS, eos_token_id=None) for p in prompts]
+    prompts, refs = _prompts_and_references(tiny_llama_gqa, device, 11, (7, 21, 3))
     llm = LLM(str(tiny_llama_gqa), attention_backend="triton", device=device,
               dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=4,
               max_num_batched_tokens=16, async_scheduling=True,
@@ -89,3 +98,66 @@ def test_triton_matmuls_match_transformers(tiny_llama_gqa, device, graphs, monke
     assert 1 in rows_seen and max(rows_seen) <= 16, sorted(set(rows_seen))
     if device == "cpu":
         assert {2, 3} <= set(rows_seen) and max(rows_seen) > 3, sorted(set(rows_seen))
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_a_tuning_tables_launches_keep_the_tokens(tiny_llama_gqa, device, monkeypatch, tmp_path):
+    """With PAGEDSERVE_MATMUL_TUNING (kernels/matmul_tuning.py) every layer matmul takes the
+    table's split launches (two splits, summed by the second kernel or by the last split)
+    and the LM head the library's: greedy tokens against transformers in float32, and the
+    engine took the table's launches."""
+    import json
+    from dataclasses import asdict
+
+    import kernels.quant_matmul as qm
+    from kernels.matmul_tuning import MATMUL_TUNING_ENV
+
+    # The third prompt's chunks come later: its last decodes run alone (1 row).
+    prompts, refs = _prompts_and_references(tiny_llama_gqa, device, 12, (9, 4, 20))
+    llm = LLM(str(tiny_llama_gqa), attention_backend="triton", device=device,
+              dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=4,
+              max_num_batched_tokens=16, enforce_eager=True)  # fmt: skip
+    model = llm.engine.model
+    fuse_layer_ops(model, triton_matmuls=True)
+    split = qm.SplitKLaunch(1, 32, 16, 2, 4, 2, dot=False)
+    summed_in_place = qm.SplitKLaunch(16, 64, 16, 2, 4, 2, dot=True, one_launch=True)
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, TritonLinear)}
+    head = tuple(model.lm_head.weight.shape)
+    by_rows = ((1, split), (16, summed_in_place))
+    entries = [{"weight": "float32", "k": k, "n": n, "rows": rows, "launch": asdict(launch)}
+               for k, n in shapes - {head} for rows, launch in by_rows]  # fmt: skip
+    entries.append({"weight": "float32", "k": head[0], "n": head[1], "rows": 16,
+                    "launch": "library"})  # fmt: skip
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"format": 1, "device": "test", "entries": entries}))
+    monkeypatch.setenv(MATMUL_TUNING_ENV, str(path))
+    launched: list[qm.SplitKLaunch] = []
+    split_k = qm._split_k
+
+    def spy(out, x, weight, scale, bias, launch, pdl, **kw):  # type: ignore[no-untyped-def]
+        assert tuple(weight.shape) != head, "the LM head's entry sends it to the library"
+        launched.append(launch)
+        return split_k(out, x, weight, scale, bias, launch, pdl, **kw)
+
+    monkeypatch.setattr(qm, "_split_k", spy)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0.0,
+                                                ignore_eos=True))  # fmt: skip
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_parity(out.token_ids, ref, f"tuned matmuls on {device}, prompt {i}")
+    assert set(launched) == {split, summed_in_place}, set(launched)
+
+
+def test_a_table_no_matmul_can_take_is_said(monkeypatch, tmp_path, caplog):
+    """The builder warns where PAGEDSERVE_MATMUL_TUNING is set but no matmul of the engine
+    runs the Triton kernel (cuBLAS decode matmuls and no quantized weights)."""
+    import logging
+
+    from engine.builder import _log_matmul_tuning
+    from kernels.matmul_tuning import MATMUL_TUNING_ENV
+
+    path = tmp_path / "tuning.json"
+    path.write_text('{"format": 1, "device": "test", "entries": []}')
+    monkeypatch.setenv(MATMUL_TUNING_ENV, str(path))
+    with caplog.at_level(logging.WARNING, logger="engine.builder"):
+        _log_matmul_tuning(torch.device("cpu"), triton_matmuls=False)
+    assert "it changes nothing" in caplog.text and MATMUL_TUNING_ENV in caplog.text

@@ -208,9 +208,9 @@ def test_choose_launch_by_rows():
 
 def test_rejects_bad_launch(device):
     x, q, scale, _ = _case(2, 64, 48, torch.float32, "int8", device, bias=False)
-    with pytest.raises(AssertionError):  # tl.dot needs 16 rows
+    with pytest.raises(ValueError, match="16 rows"):  # tl.dot needs 16 rows
         quant_matmul(x, q, scale, launch=SplitKLaunch(8, 64, 32, dot=True))
-    with pytest.raises(AssertionError):  # tiles are powers of two
+    with pytest.raises(ValueError, match="power of two"):
         quant_matmul(x, q, scale, launch=SplitKLaunch(1, 48, 32, dot=False))
 
 

@@ -332,3 +332,20 @@ def test_a_bad_kernel_switch_is_one_line(capsys, name, good, bad, message) -> No
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [f"pagedserve serve: error: {name} {message}"], err
+
+
+def test_a_matmul_tuning_table_that_cannot_be_read_is_one_line(capsys, tmp_path) -> None:
+    """PAGEDSERVE_MATMUL_TUNING names a table the kernels read at their first decode matmul;
+    the server reads it before anything runs (kernels/matmul_tuning.py)."""
+    good = tmp_path / "tuning.json"
+    good.write_text('{"format": 1, "device": "d", "entries": []}')
+    assert ServingConfig.from_cli([], {"PAGEDSERVE_MATMUL_TUNING": str(good)}) is not None
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": 1, "entries": [{"weight": "int4"}]}')
+    for path, says in ((bad, "entry 0: needs"), (tmp_path / "none.json", "No such file")):
+        with pytest.raises(SystemExit) as info:
+            ServingConfig.from_cli([], {"PAGEDSERVE_MATMUL_TUNING": str(path)})
+        assert info.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"pagedserve serve: error: PAGEDSERVE_MATMUL_TUNING={path}: ")
+        assert says in line, line
