@@ -34,13 +34,14 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kernels._common import DECODE_ROWS, next_power_of_2
 
 __all__ = [
+    "FORMAT",
     "LIBRARY",
     "MATMUL_TUNING_ENV",
     "SPLIT_K_FIELDS",
@@ -49,6 +50,7 @@ __all__ = [
     "check_split_k_fields",
     "load_tuning",
     "matmul_tuning_env",
+    "parse_tuning",
 ]
 
 MATMUL_TUNING_ENV = "PAGEDSERVE_MATMUL_TUNING"
@@ -64,20 +66,30 @@ SPLIT_K_FIELDS = (
     "prefetch", "one_launch",
 )  # fmt: skip
 _BOOL_FIELDS = ("dot", "prefetch", "one_launch")
-_ENTRY_KEYS = {"weight", "k", "n", "rows", "launch", "us", "library_us"}
+_ENTRY_REQUIRED = ("weight", "k", "n", "rows", "launch")
+_ENTRY_KEYS = (*_ENTRY_REQUIRED, "us", "library_us")  # the sweep's times, for reading
 
 # A table's launch: SplitKLaunch's fields, or LIBRARY.
 Launch = Mapping[str, int | bool] | str
+
+
+def _check_keys(
+    what: str, mapping: Mapping[str, Any], required: Iterable[str], allowed: Iterable[str]
+) -> None:
+    missing = [name for name in required if name not in mapping]
+    unknown = sorted(set(mapping) - set(allowed))
+    problems = ([f"needs {missing}"] if missing else []) + (
+        [f"takes no {unknown}"] if unknown else []
+    )
+    if problems:
+        raise ValueError(f"{what} {' and '.join(problems)}")
 
 
 def check_split_k_fields(fields: Mapping[str, Any]) -> None:
     """A split-K launch the kernel accepts, as fields: every one of ``SPLIT_K_FIELDS``, the
     tile sizes powers of two, ``dot`` tiles of at least 16 rows and 16 K, and counts of at
     least 1. A ValueError says what is wrong."""
-    missing = [name for name in SPLIT_K_FIELDS if name not in fields]
-    unknown = sorted(set(fields) - set(SPLIT_K_FIELDS))
-    if missing or unknown:
-        raise ValueError(f"a split-K launch needs {missing} and takes no {unknown}")
+    _check_keys("a split-K launch", fields, required=SPLIT_K_FIELDS, allowed=SPLIT_K_FIELDS)
     for name in _BOOL_FIELDS:
         if not isinstance(fields[name], bool):
             raise ValueError(f"{name} must be true or false, got {fields[name]!r}")
@@ -117,10 +129,7 @@ def _entry(raw: Any, index: int) -> tuple[tuple[str, int, int], int, Launch]:
     where = f"entry {index}"
     if not isinstance(raw, dict):
         raise ValueError(f"{where} is not an object")
-    unknown = sorted(set(raw) - _ENTRY_KEYS)
-    missing = sorted({"weight", "k", "n", "rows", "launch"} - set(raw))
-    if unknown or missing:
-        raise ValueError(f"{where}: needs {missing} and takes no {unknown}")
+    _check_keys(f"{where}:", raw, required=_ENTRY_REQUIRED, allowed=_ENTRY_KEYS)
     weight = raw["weight"]
     if weight not in WEIGHT_KINDS:
         kinds = ", ".join(WEIGHT_KINDS)
