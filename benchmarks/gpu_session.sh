@@ -21,9 +21,11 @@
 #               16 rows (prefetched and as dependent launches in stage D), written as a
 #               tuning table ($OUT/matmul-tuning.json: each shape's fastest launch, or
 #               cuBLAS where it won); then batch-1 TPOT and the decode steps with the
-#               table's launches (PAGEDSERVE_MATMUL_TUNING), with PAGEDSERVE_PDL=0 and =1
-#               (the whole layer one chain of dependent launches, each matmul streaming its
-#               first weight tiles while the kernel before ends), against pdl's on cuBLAS
+#               table's launches (PAGEDSERVE_MATMUL_TUNING) and PAGEDSERVE_PDL=1 (the whole
+#               layer one chain of dependent launches, each matmul streaming its first
+#               weight tiles while the kernel before ends), against pdl's runs on cuBLAS
+#               (GEMV_PDL="0 1" adds the run without dependent launches; the sweep already
+#               sets each matmul's launches against cuBLAS's)
 #   http        first request after /health and concurrency 1 and 64 through the server
 #   itl-ratio   HTTP at concurrency 64 with --target-itl-ratio 2 (a step with prompt tokens
 #               sized to at most twice the same decodes' step): the ITL p99 / p50 target
@@ -149,7 +151,7 @@ step() {
             --quant-rows 1,16 --budget-s 60 --write-tuning "$OUT/matmul-tuning.json" "${SWEEP[@]}"
         local tuning=""
         [ -f "$OUT/matmul-tuning.json" ] && tuning="$OUT/matmul-tuning.json"
-        for pdl in 0 1; do
+        for pdl in ${GEMV_PDL:-1}; do
             PAGEDSERVE_MATMUL_TUNING=$tuning PAGEDSERVE_DECODE_MATMUL=triton PAGEDSERVE_PDL=$pdl \
                 run_step "gemv-pdl$pdl" 150 "${B[@]}" --sections batch1,decode --skip-http \
                 --out "$OUT/gemv-pdl$pdl.json"
