@@ -104,7 +104,7 @@ def check_split_k_fields(fields: Mapping[str, Any]) -> None:
         raise ValueError("tl.dot needs at least 16 rows and 16 K a tile (block_m, block_k)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: load_tuning makes one per file
 class MatmulTuning:
     """A loaded table: (weight, k, n) -> [(rows, launch)] by rows, ascending."""
 

@@ -59,6 +59,7 @@ the arguments only (CUDA-graph safe: no host sync, nothing read from the data).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -74,7 +75,7 @@ from kernels._triton_common import (
     pdl_args,
     pdl_enter,
 )
-from kernels.matmul_tuning import LIBRARY, check_split_k_fields, matmul_tuning_env
+from kernels.matmul_tuning import LIBRARY, MatmulTuning, check_split_k_fields, matmul_tuning_env
 
 __all__ = [
     "DECODE_ROWS",
@@ -457,6 +458,7 @@ def choose_launch(rows: int, n: int, k: int, num_sms: int) -> QuantLaunch:
     return SplitKLaunch(block_m, block_n, block_k, num_splits, num_warps, 3, dot)
 
 
+@functools.lru_cache(maxsize=256)  # once per launch: the launchers call it on every matmul
 def _check_split_k(launch: SplitKLaunch) -> None:
     try:
         check_split_k_fields(asdict(launch))
@@ -479,7 +481,14 @@ def _tuned_launch(weight: torch.Tensor, m: int, n: int, k: int) -> SplitKLaunch 
     table = matmul_tuning_env()
     if table is None or m > DECODE_ROWS:
         return None
-    launch = table.lookup(_weight_kind(weight), m, n, k)
+    return _table_launch(table, _weight_kind(weight), m, n, k)
+
+
+@functools.lru_cache(maxsize=1024)  # the launchers ask on every eager matmul
+def _table_launch(
+    table: MatmulTuning, weight: str, m: int, n: int, k: int
+) -> SplitKLaunch | str | None:
+    launch = table.lookup(weight, m, n, k)
     return launch if launch is None or isinstance(launch, str) else SplitKLaunch(**launch)
 
 
