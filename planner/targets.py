@@ -99,6 +99,7 @@ def steady_state(
     prompt_tokens: int,
     output_tokens: int,
     budget_s: float | None = None,
+    itl_ratio: float | None = None,
 ) -> dict[str, float]:
     """ITL/TPOT and TTFT at concurrency ``b`` in the steady state above.
 
@@ -106,10 +107,15 @@ def steady_state(
         step_time_s: t(b, s): a step of ``b`` decodes and ``s`` prefill tokens.
         budget_s: the step budget of the ITL/TPOT targets (None: no such target; a new
             prompt is then prefilled in one step).
+        itl_ratio: the ratio target, which bounds the step budget by ``itl_ratio`` times
+            the decodes' own step t(b, 0) as well.
     """
     prefill = b * prompt_tokens / output_tokens
     step = step_time_s(b, prefill)
     decode_step = step_time_s(b, 0.0)
+    if itl_ratio is not None:
+        ratio_budget = itl_ratio * decode_step
+        budget_s = ratio_budget if budget_s is None else min(budget_s, ratio_budget)
     share = max(prefill, prompt_tokens) if budget_s is None else prefill
     if budget_s is not None and prefill < prompt_tokens:
         low, high = math.ceil(prefill), prompt_tokens  # the largest share within the budget
@@ -163,13 +169,12 @@ def plan_targets(
     limit = min(requests_fit, MAX_CONCURRENCY) if requests_fit > 0 else MAX_CONCURRENCY
 
     budgets = [t for t in (targets.itl_s, targets.tpot_s) if t is not None]
+    budget_s = min(budgets) if budgets else None
 
     def point(b: int) -> dict[str, float]:
-        step_budgets = list(budgets)
-        if targets.itl_ratio is not None:
-            step_budgets.append(targets.itl_ratio * step_time_s(b, 0.0))
-        budget_s = min(step_budgets) if step_budgets else None
-        return steady_state(step_time_s, b, prompt_tokens, output_tokens, budget_s)
+        return steady_state(
+            step_time_s, b, prompt_tokens, output_tokens, budget_s, targets.itl_ratio
+        )
 
     def ok(b: int) -> bool:
         return holds(point(b), targets)
