@@ -396,20 +396,21 @@ def tuning_entry(row: RowSweep) -> dict[str, Any] | None:
     if isinstance(launch, PdlLaunch):  # the dependent launch is PAGEDSERVE_PDL's to make
         launch = launch.launch
     library = row.results.get(TORCH)
+    library_s = library.seconds if library is not None and library.ok else None
     entry: dict[str, Any] = {
         "weight": str(row.dtype).removeprefix("torch.") if row.mode == DENSE else row.mode,
         "k": row.k,
         "n": row.n,
         "rows": row.rows,
     }
-    if row.mode == DENSE and library is not None and library.ok:
-        if library.seconds < measured.seconds:
-            return {**entry, "launch": LIBRARY, "library_us": round(library.seconds * 1e6, 2)}
-    if not isinstance(launch, SplitKLaunch):
+    if row.mode == DENSE and library_s is not None and library_s < measured.seconds:
+        entry["launch"] = LIBRARY
+    elif isinstance(launch, SplitKLaunch):
+        entry.update(launch=asdict(launch), us=round(measured.seconds * 1e6, 2))
+    else:
         return None
-    entry.update(launch=asdict(launch), us=round(measured.seconds * 1e6, 2))
-    if library is not None and library.ok:
-        entry["library_us"] = round(library.seconds * 1e6, 2)
+    if library_s is not None:
+        entry["library_us"] = round(library_s * 1e6, 2)
     return entry
 
 

@@ -67,7 +67,7 @@ from engine.step_predictor import StepTimePredictor
 from engine.tensor_parallel import check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
-from kernels._common import decode_matmul_env
+from kernels._common import DECODE_ROWS, decode_matmul_env
 from kvpool.config import KVPoolConfig
 from kvpool.kv_dtype import QUANTIZED_KV_DTYPES
 from kvpool.manager import KVCacheManager
@@ -558,7 +558,6 @@ def attach_backend(
         )
     if device.type == "cuda" and backend == "triton":
         from engine.backends.cuda import fuse_layer_ops
-        from kernels.quant_matmul import DECODE_ROWS
 
         triton_matmuls = decode_matmul_env() == "triton"
         fuse_layer_ops(model, triton_matmuls=triton_matmuls)
