@@ -21,6 +21,7 @@ from engine.llama import Linear
 from kernels._common import DECODE_MATMUL_ENV
 from tests.engine.graph_stand_ins import install_decode_stand_in, install_prefill_stand_in
 from tests.engine.parity import assert_parity, hf_greedy
+from tests.split_k_calls import record_split_k_calls
 from tests.triton_devices import TRITON_DEVICES
 
 TOKENS = 5
@@ -131,20 +132,15 @@ def test_a_tuning_tables_launches_keep_the_tokens(tiny_llama_gqa, device, monkey
     path = tmp_path / "tuning.json"
     path.write_text(json.dumps({"format": 1, "device": "test", "entries": entries}))
     monkeypatch.setenv(MATMUL_TUNING_ENV, str(path))
-    launched: list[qm.SplitKLaunch] = []
-    split_k = qm._split_k
-
-    def spy(out, x, weight, scale, bias, launch, pdl, **kw):  # type: ignore[no-untyped-def]
-        assert tuple(weight.shape) != head, "the LM head's entry sends it to the library"
-        launched.append(launch)
-        return split_k(out, x, weight, scale, bias, launch, pdl, **kw)
-
-    monkeypatch.setattr(qm, "_split_k", spy)
+    calls = record_split_k_calls(monkeypatch)
     outs = llm.generate(prompts, SamplingParams(max_tokens=TOKENS, temperature=0.0,
                                                 ignore_eos=True))  # fmt: skip
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
         assert_parity(out.token_ids, ref, f"tuned matmuls on {device}, prompt {i}")
-    assert set(launched) == {split, summed_in_place}, set(launched)
+    # The LM head's entry sends it to the library.
+    assert head not in {call.weight_shape for call in calls}
+    launched = {call.launch for call in calls}
+    assert launched == {split, summed_in_place}, launched
 
 
 def test_a_table_no_matmul_can_take_is_said(monkeypatch, tmp_path, caplog):

@@ -24,6 +24,7 @@ from kernels.matmul_tuning import (
     matmul_tuning_env,
     parse_tuning,
 )
+from tests.split_k_calls import SplitKCall, record_split_k_calls
 
 ONE = qm.SplitKLaunch(1, 256, 32, 11, 8, 3, dot=False, prefetch=True)
 SIXTEEN = qm.SplitKLaunch(16, 128, 64, 11, 4, 3, dot=True)
@@ -123,21 +124,13 @@ def test_a_file_that_cannot_be_read_names_the_variable_and_the_file(tmp_path):
 
 
 @pytest.fixture
-def launched(monkeypatch) -> list[qm.SplitKLaunch]:
-    """The launch of every split-K call the launchers make (they still run it)."""
-    calls: list[qm.SplitKLaunch] = []
-    split_k = qm._split_k
-
-    def spy(out, x, weight, scale, bias, launch, pdl, **kw):  # type: ignore[no-untyped-def]
-        calls.append(launch)
-        return split_k(out, x, weight, scale, bias, launch, pdl, **kw)
-
-    monkeypatch.setattr(qm, "_split_k", spy)
-    return calls
+def calls(monkeypatch) -> list[SplitKCall]:
+    """Every split-K call the launchers make (they still run it)."""
+    return record_split_k_calls(monkeypatch)
 
 
 def test_the_launchers_take_the_tables_launch_where_it_has_the_shape(
-    device, monkeypatch, tmp_path, launched
+    device, monkeypatch, tmp_path, calls
 ):
     k, n = 96, 80
     g = torch.Generator().manual_seed(0)
@@ -152,13 +145,14 @@ def test_the_launchers_take_the_tables_launch_where_it_has_the_shape(
         _entry("int8", k, n, 1, int8_one), _entry("float32", k, n, 4, dense_four),
     ))  # fmt: skip
     defaults = [qm.quant_matmul(x[:m], q, scale) for m in (1, 3)]  # choose_launch's
-    default_launches = list(launched)
-    launched.clear()
+    default_launches = [call.launch for call in calls]
+    calls.clear()
     monkeypatch.setenv(MATMUL_TUNING_ENV, path)
     tuned_int8 = [qm.quant_matmul(x[:m], q, scale) for m in (1, 3)]
     tuned_dense = [qm.dense_matmul(x[:m], w) for m in (1, 3)]
     # int8: 1 row from the table, 3 rows past its entry: choose_launch's; dense: both rows
     # within the 4-row entry.
+    launched = [call.launch for call in calls]
     assert launched == [int8_one, default_launches[1], dense_four, dense_four]
     # Each the product that launch gives when passed by hand.
     monkeypatch.delenv(MATMUL_TUNING_ENV)
@@ -168,9 +162,7 @@ def test_the_launchers_take_the_tables_launch_where_it_has_the_shape(
         assert torch.equal(got, qm.dense_matmul(x[:m], w, launch=dense_four))
 
 
-def test_a_library_entry_sends_dense_batches_to_the_library(
-    device, monkeypatch, tmp_path, launched
-):
+def test_a_library_entry_sends_dense_batches_to_the_library(device, monkeypatch, tmp_path, calls):
     k, n = 96, 80
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(k, n, generator=g).to(device), torch.randn(n, generator=g).to(device)
@@ -179,7 +171,7 @@ def test_a_library_entry_sends_dense_batches_to_the_library(
     monkeypatch.setenv(MATMUL_TUNING_ENV, _write(tmp_path, table))
     assert torch.equal(qm.dense_matmul(x, w, b), torch.addmm(b, x, w))
     assert torch.equal(qm.dense_matmul(x[:1], w), x[:1] @ w)
-    assert launched == []
+    assert calls == []
     # A launch passed by hand still runs the kernel.
     qm.dense_matmul(x, w, launch=qm.SplitKLaunch(1, 32, 32, 1, 4, 2, dot=False))
-    assert len(launched) == 1
+    assert len(calls) == 1
