@@ -15,8 +15,8 @@ from kernels import kv_quant
 
 __all__ = [
     "DECODE_MATMULS",
-    "DECODE_ROWS",
     "DECODE_MATMUL_ENV",
+    "DECODE_ROWS",
     "PDL_ENV",
     "SUPPORTED_DTYPES",
     "attention_dtype",

@@ -85,6 +85,11 @@ def _check_keys(
         raise ValueError(f"{what} {' and '.join(problems)}")
 
 
+def _check_whole(name: str, value: Any) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+
+
 def check_split_k_fields(fields: Mapping[str, Any]) -> None:
     """A split-K launch the kernel accepts, as fields: every one of ``SPLIT_K_FIELDS``, the
     tile sizes powers of two, ``dot`` tiles of at least 16 rows and 16 K, and counts of at
@@ -94,9 +99,8 @@ def check_split_k_fields(fields: Mapping[str, Any]) -> None:
         if not isinstance(fields[name], bool):
             raise ValueError(f"{name} must be true or false, got {fields[name]!r}")
     for name in SPLIT_K_FIELDS:
-        value = fields[name]
-        if name not in _BOOL_FIELDS and (type(value) is not int or value < 1):
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+        if name not in _BOOL_FIELDS:
+            _check_whole(name, fields[name])
     for name in ("block_m", "block_n", "block_k", "num_warps"):
         if fields[name] != next_power_of_2(fields[name]):
             raise ValueError(f"{name} must be a power of two, got {fields[name]}")
@@ -134,9 +138,11 @@ def _entry(raw: Any, index: int) -> tuple[tuple[str, int, int], int, Launch]:
     if weight not in WEIGHT_KINDS:
         kinds = ", ".join(WEIGHT_KINDS)
         raise ValueError(f"{where}: weight must be one of {kinds}, got {weight!r}")
-    for name in ("k", "n", "rows"):
-        if type(raw[name]) is not int or raw[name] < 1:
-            raise ValueError(f"{where}: {name} must be a whole number >= 1, got {raw[name]!r}")
+    try:
+        for name in ("k", "n", "rows"):
+            _check_whole(name, raw[name])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     if raw["rows"] > DECODE_ROWS:
         raise ValueError(
             f"{where}: rows must be at most {DECODE_ROWS} (more take the tiled kernel or the "
