@@ -85,6 +85,9 @@ from planner.devices import device_for_cuda_name
 if TYPE_CHECKING:
     from benchmarks.quant_matmul_sweep import RowSweep
 
+# --dtype's names
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
 
 def peak_bandwidth(device: torch.device, override: float | None) -> tuple[float | None, str]:
     """(GB/s, where it came from)."""
@@ -447,7 +450,7 @@ def sweep(args: argparse.Namespace, device: torch.device) -> list[Config]:
     else:
         batches, contexts = [1, 8, 32], [512, 2048]
         shapes, block_sizes = [(9, 3), (32, 8)], [16]
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    dtype = DTYPES[args.dtype]
     if args.targets:
         return [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in TARGET_ROWS]
     batches = args.batches or batches
@@ -487,15 +490,14 @@ def _shape_list(text: str) -> list[tuple[int, int]]:
     return [(int(q), int(kv)) for q, kv in pairs]
 
 
-def write_tuning(path: str, rows: list[RowSweep], device: str, argv: list[str] | None) -> None:
+def write_tuning(path: str, rows: list[RowSweep], device: str, command: str) -> None:
     """The sweep's decode rows' best launches as a table for ``PAGEDSERVE_MATMUL_TUNING``,
     checked by the engine's own reader before it is kept."""
     from benchmarks.provenance import git_commit
     from benchmarks.quant_matmul_sweep import tuning_table
     from kernels.matmul_tuning import parse_tuning
 
-    command = " ".join(argv if argv is not None else sys.argv[1:])
-    table = tuning_table(rows, device, f"python -m benchmarks.kernels {command} at {git_commit()}")
+    table = tuning_table(rows, device, f"{command} at {git_commit()}")
     parse_tuning(table, path)  # what the engine will read
     with open(path, "w", encoding="utf-8") as f:
         json.dump(table, f, indent=1)
@@ -513,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a small sweep (CPU CI smoke run)")
     parser.add_argument("--peak-gbps", type=float, default=None, help="peak bandwidth, GB/s")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="default: bf16 on CUDA, fp32 on CPU")  # fmt: skip
     parser.add_argument("--head-dim", type=int, default=128,
                         help="head dim of the non-SmolLM2 shapes (9/3 heads use 64)")  # fmt: skip
@@ -580,25 +582,25 @@ def main(argv: list[str] | None = None) -> None:
 
     peak, source = peak_bandwidth(device, args.peak_gbps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"# python -m benchmarks.kernels {' '.join(argv if argv is not None else sys.argv[1:])}")
+    command = f"python -m benchmarks.kernels {' '.join(argv if argv is not None else sys.argv[1:])}"
+    dtype = DTYPES[args.dtype]
+    print(f"# {command}")
     print(f"# device: {name}; torch {torch.__version__}; dtype {args.dtype}")
     print(f"# peak bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown'} ({source})")
     if args.sweep:
         from benchmarks.decode_sweep import run_sweep
 
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
         run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s or 100.0,
                   batch_contexts=args.sweep_rows)  # fmt: skip
         return
     if args.quant_matmul:
         from benchmarks.quant_matmul_sweep import DEFAULT_BUDGET_S, ROWS, run_quant_sweep
 
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
         rows = run_quant_sweep(device, dtype, peak, quick=args.quick,
                                budget_s=args.budget_s or DEFAULT_BUDGET_S, modes=quant_modes,
                                rows=tuple(args.quant_rows or ROWS))  # fmt: skip
         if args.write_tuning:
-            write_tuning(args.write_tuning, rows, name, argv)
+            write_tuning(args.write_tuning, rows, name, command)
         return
     if device.type != "cuda":
         print("# CPU: the Triton kernels run here only under TRITON_INTERPRET=1 (numpy, not")
@@ -636,7 +638,6 @@ def main(argv: list[str] | None = None) -> None:
     for why in skipped:
         print(f"# not benched: {why}")
     if args.fused and (triton_runs_on(device) or device.type == "cpu"):
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
         print_fused(args.fused_tokens, dtype, device, peak)
 
 
