@@ -42,7 +42,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -58,7 +58,7 @@ from benchmarks.staged_sweep import Stages, print_line
 from kernels import reference
 
 if TYPE_CHECKING:
-    from kernels.paged_attention import DecodeLaunch
+    from kernels.paged_attention import DecodeLaunch, DecodeTuning
 
 SWEEP_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 SWEEP_WARPS = (2, 4, 8)
@@ -239,33 +239,77 @@ def stage_e(row: RowSweep) -> list[DecodeLaunch]:
     return [ahead] + ([replace(ahead, pdl=True)] if pdl_supported(row.device) else [])
 
 
-def suggested_row(row: RowSweep, sms: int) -> str:
-    """A ``DecodeTuning`` line reproducing the row's best launch at its own shape: a row for
+def suggested_tuning(row: RowSweep, sms: int) -> DecodeTuning:
+    """A ``DecodeTuning`` reproducing the row's best launch at its own shape: a row for
     calls of at most its context and fewer waves of programs (unsplit grid) than its own, to
     go first. An unsplit best where the unsplit grid has ``SPLIT_BELOW_WAVES`` waves or more
-    (the split-K catch-all row covers fewer) is instead a row for any number of waves, to go
-    just before the last row, so that smaller batches of that context still split."""
-    from kernels.paged_attention import MIN_TOKENS_PER_SPLIT, SPLIT_BELOW_WAVES
+    (the split-K catch-all row covers fewer) is instead a row for any number of waves
+    (``waves_below`` infinite), to go just before the last row, so that smaller batches of
+    that context still split (kernels/attention_tuning.py places such rows there)."""
+    from kernels.paged_attention import MIN_TOKENS_PER_SPLIT, SPLIT_BELOW_WAVES, DecodeTuning
 
     b = row.best().launch
-    shape = f"# {row.cfg.batch} x {row.cfg.context_len}"
     waves = row.cfg.batch * row.cfg.num_kv_heads / sms
-    below = f"{math.floor(waves * 1000 + 1) / 1000}"
-    place = ""
+    below = math.floor(waves * 1000 + 1) / 1000
     if b.num_splits == 1:
         if waves >= SPLIT_BELOW_WAVES:
-            below, place = "math.inf", ", unsplit: just before the last row"
+            below = math.inf
         target, min_tokens = 0.0, MIN_TOKENS_PER_SPLIT
     else:
         # Rounded up, ceil(target_waves * sms / programs) >= num_splits; max_splits clamps it.
         target, min_tokens = math.ceil(b.num_splits * waves * 1000) / 1000, b.tile_n
+    return DecodeTuning(
+        waves_below=below, max_context_len=row.cfg.context_len, target_waves=target,
+        min_tokens_per_split=min_tokens, max_splits=b.num_splits, one_launch=b.one_launch,
+        num_warps=b.num_warps, num_stages=b.num_stages, tile_n=b.tile_n, early_v=b.early_v,
+        prefetch_ids=b.prefetch_ids, pdl=b.pdl,
+    )  # fmt: skip
+
+
+def suggested_row(row: RowSweep, sms: int) -> str:
+    """``suggested_tuning`` as a line of ``DECODE_TUNING``, with the row's shape and, for a
+    row of any number of waves, where it goes."""
+    t = suggested_tuning(row, sms)
+    below = "math.inf" if math.isinf(t.waves_below) else f"{t.waves_below}"
+    place = ", unsplit: just before the last row" if math.isinf(t.waves_below) else ""
     return (
-        f"DecodeTuning(waves_below={below}, max_context_len={row.cfg.context_len}, "
-        f"target_waves={target:g}, min_tokens_per_split={min_tokens}, "
-        f"max_splits={b.num_splits}, one_launch={b.one_launch}, num_warps={b.num_warps}, "
-        f"num_stages={b.num_stages}, tile_n={b.tile_n}, early_v={b.early_v}, "
-        f"prefetch_ids={b.prefetch_ids}, pdl={b.pdl}),  {shape}{place}"
+        f"DecodeTuning(waves_below={below}, max_context_len={t.max_context_len}, "
+        f"target_waves={t.target_waves:g}, min_tokens_per_split={t.min_tokens_per_split}, "
+        f"max_splits={t.max_splits}, one_launch={t.one_launch}, num_warps={t.num_warps}, "
+        f"num_stages={t.num_stages}, tile_n={t.tile_n}, early_v={t.early_v}, "
+        f"prefetch_ids={t.prefetch_ids}, pdl={t.pdl}),  # {row.cfg.batch} x "
+        f"{row.cfg.context_len}{place}"
     )
+
+
+def tuning_entry(row: RowSweep, sms: int) -> dict[str, Any] | None:
+    """The row's entry of a tuning table (kernels/attention_tuning.py), None where no
+    launch ran correctly on it."""
+    from kernels.attention_tuning import row_fields
+
+    best = row.best()
+    if best is None:
+        return None
+    entry: dict[str, Any] = {
+        "batch": row.cfg.batch,
+        "context_len": row.cfg.context_len,
+        "row": row_fields(suggested_tuning(row, sms)),
+        "us": round(best.seconds * 1e6, 2),
+    }
+    default = row.results.get(row.default)
+    if default is not None and default.ok:
+        entry["default_us"] = round(default.seconds * 1e6, 2)
+    return entry
+
+
+def tuning_table(rows: list[RowSweep], sms: int, device: str, source: str) -> dict[str, Any]:
+    """A tuning table of the sweep's rows (``tuning_entry``), as JSON, in the order
+    ``DECODE_TUNING``'s lines are printed (most specific first)."""
+    from kernels.attention_tuning import FORMAT
+
+    ordered = sorted(rows, key=lambda r: (r.cfg.context_len, r.cfg.batch))
+    entries = [entry for row in ordered if (entry := tuning_entry(row, sms)) is not None]
+    return {"format": FORMAT, "device": device, "source": source, "entries": entries}
 
 
 def run_sweep(

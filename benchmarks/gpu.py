@@ -57,6 +57,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
 from engine.presets import preset
 from kernels._common import DECODE_MATMUL_ENV, PDL_ENV, decode_matmul_env
+from kernels.attention_tuning import ATTENTION_TUNING_ENV
 from kernels.matmul_tuning import MATMUL_TUNING_ENV
 from planner.devices import device_for_cuda_name
 from planner.measured import Histogram
@@ -721,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = llm.engine
     switches = "".join(
         f", {name}={os.environ[name]}"
-        for name in (PDL_ENV, DECODE_MATMUL_ENV, MATMUL_TUNING_ENV)
+        for name in (PDL_ENV, DECODE_MATMUL_ENV, MATMUL_TUNING_ENV, ATTENTION_TUNING_ENV)
         if os.environ.get(name)
     )
     print(
@@ -745,6 +746,7 @@ def main(argv: list[str] | None = None) -> int:
                            "pdl": os.environ.get(PDL_ENV, ""),
                            "decode_matmul": decode_matmul_env(),
                            "matmul_tuning": os.environ.get(MATMUL_TUNING_ENV, ""),
+                           "attention_tuning": os.environ.get(ATTENTION_TUNING_ENV, ""),
                            "bandwidth": bandwidth, "flops": flops}  # fmt: skip
 
     # Batch 1: the first request after the engine is ready, then a steady one.

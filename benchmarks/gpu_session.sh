@@ -30,15 +30,21 @@
 #   itl-ratio   HTTP at concurrency 64 with --target-itl-ratio 2 (a step with prompt tokens
 #               sized to at most twice the same decodes' step): the ITL p99 / p50 target
 #               against http's c=64, whose slowest steps carry 2,048-token prefill chunks
-#   kernels     decode attention and fused ops against their targets (make test-gpu's
-#               second): the fused ops now timed alone, the norms at 4/8/16 warps
 #   sweep       the decode kernel's launch sweep on the short-context rows, with stages D
 #               (each tile's V load beside its K load) and E (the first tile's block ids
 #               beside the context length; then both kernels as programmatic dependent
-#               launches) new since its last run
+#               launches) new since its last run; each row's best written as a table
+#               ($OUT/attention-tuning.json) that PAGEDSERVE_ATTENTION_TUNING puts before
+#               DECODE_TUNING's rows
+#   kernels     decode attention and fused ops against their targets (make test-gpu's
+#               second), decode on the sweep's table where it wrote one (the issue's rows
+#               with their swept launches; the sweep's own lines give today's beside them):
+#               the fused ops now timed alone, the norms at 4/8/16 warps
 #   sweep-b64   the same sweep on the engine's decode steps' attention at batch 64 and 256
 #               over 512-token contexts (issue 35's batch-64 step: 1.36x its floor against
-#               1.3x), which run the unsplit catch-all launch no sweep has timed
+#               1.3x), which run the unsplit catch-all launch no sweep has timed, added to
+#               the table; then the engine's decode steps on the table (attn-decode), against
+#               pdl0's on DECODE_TUNING alone
 #   profile     where the batch-1/64/256 decode steps and the closed loop's mixed steps go
 #               (host against device time); c=64 mixed steps replayed whole, in pieces, and
 #               attending in two launches; c=4 long-prompt mixed steps split (pieces)
@@ -66,8 +72,8 @@
 # code changed since the last GPU run: the GPU tests (whole graphs, early V, dependent
 # launches, the split-K dense matmul), then batch-1 MBU (the furthest target: 0.74 against
 # 0.8) with the layer as dependent launches on cuBLAS and on the Triton matmuls, then the
-# c=64 ITL tail with and without the relative target, the kernel targets and the sweep; the
-# engine's other figures, unchanged since e903b1a, come later.
+# c=64 ITL tail with and without the relative target, the decode sweep and the kernel targets
+# on its launches; the engine's other figures, unchanged since e903b1a, come later.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -94,6 +100,16 @@ B=(python3 -m benchmarks.gpu --model "${MODEL:-llama-3-8b}" --load-format dummy
 
 # The gemv step's sweep (a smoke run on a CPU: SWEEP_ARGS="--device cpu --quick").
 read -r -a SWEEP <<<"${SWEEP_ARGS:-}"
+
+# The attention sweeps' extra arguments (a smoke run on a CPU, under TRITON_INTERPRET=1:
+# ATTN_SWEEP_ARGS="--device cpu --quick", with B64_ROWS=2x64 for sweep-b64).
+read -r -a ATTN_SWEEP <<<"${ATTN_SWEEP_ARGS:-}"
+
+# The table the attention sweeps write, where one of them has: the kernels step and the
+# decode steps after sweep-b64 take its launches (PAGEDSERVE_ATTENTION_TUNING).
+attention_table() {
+    [ -f "$OUT/attention-tuning.json" ] && echo "$OUT/attention-tuning.json"
+}
 
 # The host step's shape (a smoke run on a CPU: HOST_ARGS="--device cpu --batch 1 --context 16
 # --steps 2").
@@ -122,10 +138,17 @@ run_step() {
 step() {
     case $1 in
     gpu-tests) run_step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests ;;
-    kernels) run_step kernels 150 python3 -m benchmarks.kernels --targets --fused ;;
-    sweep) run_step sweep 150 python3 -m benchmarks.kernels --sweep --budget-s 100 ;;
-    sweep-b64) run_step sweep-b64 100 python3 -m benchmarks.kernels --sweep \
-        --sweep-rows 64x512,256x512 --budget-s 60 ;;
+    kernels)
+        PAGEDSERVE_ATTENTION_TUNING=$(attention_table) run_step kernels 150 \
+            python3 -m benchmarks.kernels --targets --fused ;;
+    sweep) run_step sweep 150 python3 -m benchmarks.kernels --sweep --budget-s 100 \
+        --write-tuning "$OUT/attention-tuning.json" "${ATTN_SWEEP[@]}" ;;
+    sweep-b64)
+        run_step sweep-b64 100 python3 -m benchmarks.kernels --sweep \
+            --sweep-rows "${B64_ROWS:-64x512,256x512}" --budget-s 60 \
+            --write-tuning "$OUT/attention-tuning.json" "${ATTN_SWEEP[@]}"
+        PAGEDSERVE_ATTENTION_TUNING=$(attention_table) run_step attn-decode 150 "${B[@]}" \
+            --sections decode --skip-http --out "$OUT/attn-decode.json" ;;
     engine) run_step engine 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
         --out "$OUT/engine.json" ;;
     http) run_step http 200 "${B[@]}" --sections http --concurrency 1,64 --out "$OUT/http.json" ;;
@@ -179,7 +202,7 @@ step() {
 cat "$OUT/machine.txt"
 
 if [ "$#" -eq 0 ]; then
-    set -- gpu-tests pdl gemv http itl-ratio kernels sweep sweep-b64 profile piecewise engine \
+    set -- gpu-tests pdl gemv http itl-ratio sweep kernels sweep-b64 profile piecewise engine \
         chunks itl-target async-off host suite
 fi
 for s in "$@"; do

@@ -39,7 +39,10 @@ Every row checks its output against the reference (``max_err``), so a fast wrong
 
 ``--sweep`` times the decode kernel's launches (one- and two-launch split-K, split counts,
 ``num_warps``, ``num_stages``, tile) on the ``--targets`` rows and prints the best per row
-beside today's, bounded by ``--budget-s`` (``benchmarks/decode_sweep.py``).
+beside today's, bounded by ``--budget-s`` (``benchmarks/decode_sweep.py``); with
+``--write-tuning FILE`` it writes each row's best as a table that
+``PAGEDSERVE_ATTENTION_TUNING=FILE`` puts before ``DECODE_TUNING``'s rows, for this benchmark
+and the engine alike (``kernels/attention_tuning.py``).
 
 ``--quant-matmul`` times the weight-only int8/fp8 matmul's launches (``kernels/quant_matmul.py``:
 today's tiles, the heuristic's split-K launch, column strips, split counts, tl.dot or not,
@@ -64,7 +67,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,9 +84,6 @@ from benchmarks.decode_cases import (
 )
 from kernels import reference
 from planner.devices import device_for_cuda_name
-
-if TYPE_CHECKING:
-    from benchmarks.quant_matmul_sweep import RowSweep
 
 # --dtype's names
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -490,20 +490,53 @@ def _shape_list(text: str) -> list[tuple[int, int]]:
     return [(int(q), int(kv)) for q, kv in pairs]
 
 
-def write_tuning(path: str, rows: list[RowSweep], device: str, command: str) -> None:
-    """The sweep's decode rows' best launches as a table for ``PAGEDSERVE_MATMUL_TUNING``,
-    checked by the engine's own reader before it is kept."""
-    from benchmarks.provenance import git_commit
-    from benchmarks.quant_matmul_sweep import tuning_table
-    from kernels.matmul_tuning import parse_tuning
-
-    table = tuning_table(rows, device, f"{command} at {git_commit()}")
-    parse_tuning(table, path)  # what the engine will read
+def write_tuning(
+    path: str, table: dict[str, Any], env: str, parse: Callable[[Any, str], object],
+    case: Callable[[dict[str, Any]], tuple[Any, ...]],
+) -> None:  # fmt: skip
+    """Write a sweep's tuning ``table`` (JSON) to ``path`` for ``env`` to name, checked by
+    the engine's own reader (``parse``) before it is kept. A table already there, swept on
+    the same device, keeps its entries for cases (``case``: an entry's sweep case, sortable)
+    this sweep did not time, so two sweeps (e.g. ``--sweep`` and ``--sweep --sweep-rows
+    64x512``) make one table; entries are written in ``case`` order."""
+    entries = {case(e): e for e in table["entries"]}
+    kept = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+        parse(old, path)
+    except FileNotFoundError:
+        old = None
+    except (OSError, ValueError) as e:
+        print(f"# {path} is not a table to add to ({e}): replaced")
+        old = None
+    if old is not None and old.get("device") == table["device"]:
+        for e in old["entries"]:
+            if case(e) not in entries:
+                entries[case(e)] = e
+                kept += 1
+        if kept:
+            table = {**table, "source": f"{table['source']}; {kept} entries kept from: "
+                                        f"{old.get('source', 'unknown')}"}  # fmt: skip
+    elif old is not None:
+        print(f"# {path} was swept on {old.get('device')}, not {table['device']}: replaced")
+    table = {**table, "entries": [entries[k] for k in sorted(entries)]}
+    parse(table, path)  # what the engine will read
     with open(path, "w", encoding="utf-8") as f:
         json.dump(table, f, indent=1)
         f.write("\n")
-    print(f"# wrote {len(table['entries'])} launches to {path}: "
-          f"PAGEDSERVE_MATMUL_TUNING={path} runs them")  # fmt: skip
+    print(f"# wrote {len(table['entries'])} entries ({kept} of them kept from the file) to "
+          f"{path}: {env}={path} runs them")  # fmt: skip
+
+
+def _matmul_case(entry: dict[str, Any]) -> tuple[Any, ...]:
+    return (entry["weight"], entry["k"], entry["n"], entry["rows"])
+
+
+def _attention_case(entry: dict[str, Any]) -> tuple[Any, ...]:
+    # Most specific first (kernels/attention_tuning.py: the first covering row decides);
+    # a hand-written entry without its case goes first.
+    return (entry.get("context_len", 0), entry.get("batch", 0))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -560,8 +593,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="--quant-matmul: row counts M (default 1,4,16,64)")  # fmt: skip
     parser.add_argument("--write-tuning", default=None, metavar="FILE",
                         help="--quant-matmul: write the decode rows' best launches as a "
-                             "table for PAGEDSERVE_MATMUL_TUNING "
-                             "(kernels/matmul_tuning.py)")  # fmt: skip
+                             "table for PAGEDSERVE_MATMUL_TUNING (kernels/matmul_tuning.py); "
+                             "--sweep: each row's best as a DECODE_TUNING row for "
+                             "PAGEDSERVE_ATTENTION_TUNING (kernels/attention_tuning.py). "
+                             "Adds to a table of the same device already at FILE")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.dtype is None:
@@ -587,11 +622,30 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {command}")
     print(f"# device: {name}; torch {torch.__version__}; dtype {args.dtype}")
     print(f"# peak bandwidth: {f'{peak:.0f} GB/s' if peak else 'unknown'} ({source})")
+    from kernels.attention_tuning import ATTENTION_TUNING_ENV, attention_tuning_env
+
+    try:
+        tuned = attention_tuning_env()
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
+    if tuned is not None:
+        print(f"# decode launches: {ATTENTION_TUNING_ENV}={tuned.source} ({len(tuned)} rows, "
+              f"swept on {tuned.device}) before DECODE_TUNING's")  # fmt: skip
     if args.sweep:
         from benchmarks.decode_sweep import run_sweep
+        from benchmarks.decode_sweep import tuning_table as attention_table
+        from benchmarks.provenance import git_commit
+        from kernels._common import num_compute_units
+        from kernels.attention_tuning import ATTENTION_TUNING_ENV
+        from kernels.attention_tuning import parse_tuning as parse_attention
 
-        run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s or 100.0,
-                  batch_contexts=args.sweep_rows)  # fmt: skip
+        rows = run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s or 100.0,
+                         batch_contexts=args.sweep_rows)  # fmt: skip
+        if args.write_tuning:
+            table = attention_table(rows, num_compute_units(device), name,
+                                    f"{command} at {git_commit()}")  # fmt: skip
+            write_tuning(args.write_tuning, table, ATTENTION_TUNING_ENV, parse_attention,
+                         _attention_case)  # fmt: skip
         return
     if args.quant_matmul:
         from benchmarks.quant_matmul_sweep import DEFAULT_BUDGET_S, ROWS, run_quant_sweep
@@ -600,7 +654,14 @@ def main(argv: list[str] | None = None) -> None:
                                budget_s=args.budget_s or DEFAULT_BUDGET_S, modes=quant_modes,
                                rows=tuple(args.quant_rows or ROWS))  # fmt: skip
         if args.write_tuning:
-            write_tuning(args.write_tuning, rows, name, command)
+            from benchmarks.provenance import git_commit
+            from benchmarks.quant_matmul_sweep import tuning_table as matmul_table
+            from kernels.matmul_tuning import MATMUL_TUNING_ENV
+            from kernels.matmul_tuning import parse_tuning as parse_matmul
+
+            table = matmul_table(rows, name, f"{command} at {git_commit()}")
+            write_tuning(args.write_tuning, table, MATMUL_TUNING_ENV, parse_matmul,
+                         _matmul_case)  # fmt: skip
         return
     if device.type != "cuda":
         print("# CPU: the Triton kernels run here only under TRITON_INTERPRET=1 (numpy, not")

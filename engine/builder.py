@@ -567,6 +567,7 @@ def attach_backend(
                 "(PAGEDSERVE_DECODE_MATMUL=triton)", DECODE_ROWS,
             )  # fmt: skip
         _log_matmul_tuning(device, triton_matmuls or quant is not None)
+    _log_attention_tuning(device, device.type == "cuda" and backend == "triton")
     return AttachedBackend(
         forward=forward,
         cpu_ops=cpu_ops,
@@ -599,19 +600,39 @@ def _log_matmul_tuning(device: torch.device, triton_matmuls: bool) -> None:
     was swept on another device."""
     from kernels.matmul_tuning import MATMUL_TUNING_ENV, matmul_tuning_env
 
-    table = matmul_tuning_env()
+    _log_tuning(
+        MATMUL_TUNING_ENV, matmul_tuning_env(), device, triton_matmuls,
+        what="decode matmul launches", where="where it has the shape",
+        unused="no matmul here runs the split-K Triton kernel (it needs "
+        "PAGEDSERVE_DECODE_MATMUL=triton or --quantization)",
+    )  # fmt: skip
+
+
+def _log_attention_tuning(device: torch.device, triton_attention: bool) -> None:
+    """The same for the decode attention kernel's table (PAGEDSERVE_ATTENTION_TUNING)."""
+    from kernels.attention_tuning import ATTENTION_TUNING_ENV, attention_tuning_env
+
+    _log_tuning(
+        ATTENTION_TUNING_ENV, attention_tuning_env(), device, triton_attention,
+        what="decode attention launches", where="before DECODE_TUNING's rows",
+        unused="decode attention here is not the Triton kernel on a GPU",
+    )  # fmt: skip
+
+
+def _log_tuning(
+    env: str, table: Any, device: torch.device, applies: bool, *, what: str, where: str,
+    unused: str,
+) -> None:  # fmt: skip
+    """Log the tuning ``table`` ``env`` names (None: unset): what it is, or a warning where
+    it changes nothing (``applies`` is False) or was swept on another device."""
     if table is None:
         return
-    if not triton_matmuls:
-        logger.warning(
-            "%s is set but no matmul here runs the split-K Triton kernel (it needs "
-            "PAGEDSERVE_DECODE_MATMUL=triton or --quantization): it changes nothing",
-            MATMUL_TUNING_ENV,
-        )
+    if not applies:
+        logger.warning("%s is set but %s: it changes nothing", env, unused)
         return
     logger.info(
-        "decode matmul launches from %s=%s where it has the shape: %d entries, swept on %s",
-        MATMUL_TUNING_ENV, table.source, len(table), table.device,
+        "%s from %s=%s %s: %d entries, swept on %s",
+        what, env, table.source, where, len(table), table.device,
     )  # fmt: skip
     here = torch.cuda.get_device_name(device)
     if table.device != here:

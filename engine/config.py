@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.spec_decode.config import SpeculativeConfig
 from kernels._common import decode_matmul_env, pdl_env
+from kernels.attention_tuning import attention_tuning_env
 from kernels.matmul_tuning import matmul_tuning_env
 
 
@@ -437,10 +438,12 @@ def check_environment(environ: Mapping[str, str]) -> None:
     """The environment variables the engine reads while it runs, checked before it starts:
     a bad value is a ValueError naming it (kernels/_common.py: ``PAGEDSERVE_PDL``, 0 or 1;
     ``PAGEDSERVE_DECODE_MATMUL``, library or triton; kernels/matmul_tuning.py:
-    ``PAGEDSERVE_MATMUL_TUNING``, a readable table)."""
+    ``PAGEDSERVE_MATMUL_TUNING`` and kernels/attention_tuning.py:
+    ``PAGEDSERVE_ATTENTION_TUNING``, readable tables)."""
     pdl_env(environ)
     decode_matmul_env(environ)
     matmul_tuning_env(environ)
+    attention_tuning_env(environ)
 
 
 @dataclass(frozen=True, slots=True)

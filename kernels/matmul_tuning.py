@@ -32,13 +32,13 @@ reading only. Imports no triton: the server checks the file before anything runs
 from __future__ import annotations
 
 import functools
-import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kernels._common import DECODE_ROWS, next_power_of_2
+from kernels._tuning_file import FORMAT, check_keys, check_whole, read_table, table_entries
 
 __all__ = [
     "FORMAT",
@@ -54,7 +54,6 @@ __all__ = [
 ]
 
 MATMUL_TUNING_ENV = "PAGEDSERVE_MATMUL_TUNING"
-FORMAT = 1
 # A dense weight's entry may say this instead of a launch: the library's matmul.
 LIBRARY = "library"
 QUANTIZED_KINDS = ("int8", "fp8")
@@ -73,34 +72,17 @@ _ENTRY_KEYS = (*_ENTRY_REQUIRED, "us", "library_us")  # the sweep's times, for r
 Launch = Mapping[str, int | bool] | str
 
 
-def _check_keys(
-    what: str, mapping: Mapping[str, Any], required: Iterable[str], allowed: Iterable[str]
-) -> None:
-    missing = [name for name in required if name not in mapping]
-    unknown = sorted(set(mapping) - set(allowed))
-    problems = ([f"needs {missing}"] if missing else []) + (
-        [f"takes no {unknown}"] if unknown else []
-    )
-    if problems:
-        raise ValueError(f"{what} {' and '.join(problems)}")
-
-
-def _check_whole(name: str, value: Any) -> None:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-
-
 def check_split_k_fields(fields: Mapping[str, Any]) -> None:
     """A split-K launch the kernel accepts, as fields: every one of ``SPLIT_K_FIELDS``, the
     tile sizes powers of two, ``dot`` tiles of at least 16 rows and 16 K, and counts of at
     least 1. A ValueError says what is wrong."""
-    _check_keys("a split-K launch", fields, required=SPLIT_K_FIELDS, allowed=SPLIT_K_FIELDS)
+    check_keys("a split-K launch", fields, required=SPLIT_K_FIELDS, allowed=SPLIT_K_FIELDS)
     for name in _BOOL_FIELDS:
         if not isinstance(fields[name], bool):
             raise ValueError(f"{name} must be true or false, got {fields[name]!r}")
     for name in SPLIT_K_FIELDS:
         if name not in _BOOL_FIELDS:
-            _check_whole(name, fields[name])
+            check_whole(name, fields[name])
     for name in ("block_m", "block_n", "block_k", "num_warps"):
         if fields[name] != next_power_of_2(fields[name]):
             raise ValueError(f"{name} must be a power of two, got {fields[name]}")
@@ -133,14 +115,14 @@ def _entry(raw: Any, index: int) -> tuple[tuple[str, int, int], int, Launch]:
     where = f"entry {index}"
     if not isinstance(raw, dict):
         raise ValueError(f"{where} is not an object")
-    _check_keys(f"{where}:", raw, required=_ENTRY_REQUIRED, allowed=_ENTRY_KEYS)
+    check_keys(f"{where}:", raw, required=_ENTRY_REQUIRED, allowed=_ENTRY_KEYS)
     weight = raw["weight"]
     if weight not in WEIGHT_KINDS:
         kinds = ", ".join(WEIGHT_KINDS)
         raise ValueError(f"{where}: weight must be one of {kinds}, got {weight!r}")
     try:
         for name in ("k", "n", "rows"):
-            _check_whole(name, raw[name])
+            check_whole(name, raw[name])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if raw["rows"] > DECODE_ROWS:
@@ -166,11 +148,7 @@ def _entry(raw: Any, index: int) -> tuple[tuple[str, int, int], int, Launch]:
 def parse_tuning(data: Any, source: str) -> MatmulTuning:
     """A table from a file's decoded JSON; a ValueError says what is wrong (without the
     file's name: ``load_tuning`` adds it)."""
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"not a matmul tuning table of format {FORMAT}")
-    entries = data.get("entries")
-    if not isinstance(entries, list):
-        raise ValueError("entries must be a list")
+    entries = table_entries(data, "matmul")
     shapes: dict[tuple[str, int, int], dict[int, Launch]] = {}
     for index, raw in enumerate(entries):
         key, rows, launch = _entry(raw, index)
@@ -189,12 +167,7 @@ def parse_tuning(data: Any, source: str) -> MatmulTuning:
 def load_tuning(path: str) -> MatmulTuning:
     """The table in the file at ``path`` (read once per path and process); a ValueError
     names the file and what is wrong with it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return parse_tuning(data, path)
-    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
-        raise ValueError(f"{MATMUL_TUNING_ENV}={path}: {e}") from None
+    return read_table(path, MATMUL_TUNING_ENV, parse_tuning)
 
 
 def matmul_tuning_env(environ: Mapping[str, str] | None = None) -> MatmulTuning | None:

@@ -39,7 +39,8 @@ load of what that kernel may have written (the query, K and V just stored, the p
 
 The launch (split policy, merge, ``num_warps``, ``num_stages``, tile, the two above) comes
 from the table ``DECODE_TUNING`` (``choose_launch``), which ``python -m benchmarks.kernels
---sweep`` fills.
+--sweep`` fills; ``PAGEDSERVE_ATTENTION_TUNING`` adds a swept table's rows before it
+(kernels/attention_tuning.py).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from kernels._triton_common import (
     pdl_policy,
     pdl_supported,
 )
+from kernels.attention_tuning import DecodeTuning, attention_tuning_env
 
 __all__ = [
     "DECODE_TUNING",
@@ -125,39 +127,14 @@ class DecodeLaunch:
     pdl: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeTuning:
-    """One row of ``DECODE_TUNING``: the launch of the calls it covers.
-
-    A row covers a call whose unsplit grid (``num_seqs * num_kv_heads`` programs) has fewer
-    than ``waves_below`` programs per SM and whose context bound is at most
-    ``max_context_len``; the first row that covers a call decides it. Its split count is 1
-    when ``target_waves`` is 0, else enough splits for about ``target_waves`` programs per
-    SM, at most ``max_context_len // min_tokens_per_split`` (of the call's bound) and
-    ``max_splits``.
-    """
-
-    waves_below: float
-    max_context_len: int
-    target_waves: float
-    min_tokens_per_split: int
-    max_splits: int
-    one_launch: bool
-    num_warps: int
-    num_stages: int
-    tile_n: int
-    early_v: bool = False
-    prefetch_ids: bool = False
-    pdl: bool = False
-
-
 # NOTE: where these numbers come from. The first three rows are `python -m benchmarks.kernels
 # --sweep`'s best launches on one H100 (benchmarks/RESULTS.md, "Kernels"); there the
 # two-launch merge beat the one-launch merge at every split count (the last split's merge
 # waits on the slowest split). The catch-all rows keep the values measured before the sweep
 # (split below 2 waves, toward 4 waves, splits of >= 64 tokens, <= 32 splits, 4 warps, 3
 # stages, 64-token tiles): the sweep found nothing faster for long contexts. To tune for
-# another device, run the sweep and put its lines before the catch-all rows, most specific
+# another device, run the sweep with --write-tuning FILE and serve with
+# PAGEDSERVE_ATTENTION_TUNING=FILE, or put its lines before the catch-all rows, most specific
 # first. The last row must cover every call.
 DECODE_TUNING: tuple[DecodeTuning, ...] = (
     # Measured on one H100 (`--sweep`, bf16, 32 query / 8 KV heads, head_dim 128, block 16):
@@ -400,12 +377,19 @@ def _reduce_splits_kernel(
     )  # fmt: skip
 
 
+def decode_tuning() -> tuple[DecodeTuning, ...]:
+    """The rows ``choose_launch`` reads: ``DECODE_TUNING``, with the rows of the table
+    ``PAGEDSERVE_ATTENTION_TUNING`` names in their places (kernels/attention_tuning.py)."""
+    table = attention_tuning_env()
+    return DECODE_TUNING if table is None else table.rows(DECODE_TUNING)
+
+
 def tuning_row(
     num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
 ) -> DecodeTuning:
-    """The first row of ``DECODE_TUNING`` that covers these shapes."""
+    """The first row of ``decode_tuning()`` that covers these shapes."""
     programs_per_sm = max(1, num_seqs * num_kv_heads) / num_compute_units(device)
-    for row in DECODE_TUNING:
+    for row in decode_tuning():
         if programs_per_sm < row.waves_below and max_context_len <= row.max_context_len:
             return row
     raise AssertionError("the last row of DECODE_TUNING must cover every call")
@@ -414,7 +398,9 @@ def tuning_row(
 def choose_launch(
     num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
 ) -> DecodeLaunch:
-    """The launch ``paged_attention_decode`` uses for these shapes (``DECODE_TUNING``).
+    """The launch ``paged_attention_decode`` uses for these shapes (``decode_tuning()``:
+    ``DECODE_TUNING``, and a swept table's rows where ``PAGEDSERVE_ATTENTION_TUNING`` names
+    one).
 
     Split-K only where the plain grid underfills the device: the plain grid has
     ``num_seqs * num_kv_heads`` programs; a row that splits cuts each context so the grid
@@ -484,7 +470,7 @@ def paged_attention_decode(
     ``p`` sees keys ``p - sliding_window < k <= p``).
 
     Requires ``seq_lens[i] <= block_tables.shape[1] * block_size`` (every context token has
-    a block). The launch comes from ``choose_launch`` (``DECODE_TUNING``); ``num_splits``
+    a block). The launch comes from ``choose_launch`` (``decode_tuning()``); ``num_splits``
     forces its split-K factor (1 = no split), ``one_launch`` its merge (True: the last
     split merges in the same launch; False: a second kernel merges), and ``launch`` replaces
     it whole (then neither may be given). Splits are sized for contexts up to
@@ -609,7 +595,7 @@ def tuned_launches() -> list[DecodeLaunch]:
     per compiled variant: unsplit, and split with each power-of-two bound on the split
     count (either merge compiles one variant per bound)."""
     launches: dict[DecodeLaunch, None] = {}
-    for row in DECODE_TUNING:
+    for row in decode_tuning():
         params = (row.num_warps, row.num_stages, row.tile_n, row.early_v, row.prefetch_ids,
                   row.pdl)  # fmt: skip
         launches[DecodeLaunch(1, False, *params)] = None

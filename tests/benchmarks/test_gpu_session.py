@@ -104,6 +104,25 @@ def test_without_a_table_the_gemv_step_runs_the_engine_on_the_heuristic(tmp_path
     assert result["decode_matmul"] == "triton" and result["matmul_tuning"] == "", result
 
 
+def test_the_attention_sweeps_write_one_table_the_decode_steps_take(tmp_path: Path) -> None:
+    """sweep and sweep-b64 each add their rows to $OUT/attention-tuning.json (here the
+    interpreter's smoke runs), and the decode steps after sweep-b64 run with it
+    (PAGEDSERVE_ATTENTION_TUNING)."""
+    done = run(tmp_path, "sweep", "sweep-b64", ATTN_SWEEP_ARGS="--device cpu --quick",
+               B64_ROWS="2x64", TRITON_INTERPRET="1")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = tmp_path / "out"
+    summary = (out / "summary.txt").read_text()
+    for step in ("sweep", "sweep-b64", "attn-decode"):
+        assert f"{step} rc=0 " in summary, summary
+    table = out / "attention-tuning.json"
+    cases = [(e["batch"], e["context_len"]) for e in json.loads(table.read_text())["entries"]]
+    assert cases == [(2, 64), (2, 128)], cases
+    result = json.loads((out / "attn-decode.json").read_text())
+    assert result["attention_tuning"] == str(table), result
+    assert f"PAGEDSERVE_ATTENTION_TUNING={table}" in (out / "attn-decode.log").read_text()
+
+
 def test_a_step_that_does_not_fit_is_skipped(tmp_path: Path) -> None:
     done = run(tmp_path, "suite", session_s=60)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -165,6 +165,41 @@ def test_sweep_rows_replace_the_issues_rows(device, capsys):
         assert "--sweep-rows" in err and "Traceback" not in err, err
 
 
+def test_sweep_writes_its_rows_as_a_table_two_sweeps_share(device, capsys, tmp_path):
+    """``--sweep --write-tuning FILE``: each row's best as a DECODE_TUNING row the engine's
+    reader takes (kernels/attention_tuning.py), with the case and its times. A second sweep
+    adds its rows to the same device's table (the gpu session's two sweeps make one) and
+    replaces those of the cases it timed again; another device's table is replaced."""
+    import json
+
+    from kernels.attention_tuning import parse_tuning
+
+    path = tmp_path / "attention.json"
+
+    def sweep_rows(rows: str) -> dict:
+        main(["--device", device.type, "--sweep", "--quick", "--peak-gbps", "100",
+              "--sweep-rows", rows, "--write-tuning", str(path)])  # fmt: skip
+        table = json.loads(path.read_text())
+        parse_tuning(table, str(path))
+        return table
+
+    path.write_text(json.dumps({"format": 1, "device": "another GPU", "entries": []}))
+    first = sweep_rows("3x64")
+    out = capsys.readouterr().out
+    assert f"# {path} was swept on another GPU, not " in out, out
+    assert "--write-tuning" in first["source"] and first["device"] != "another GPU"
+    [entry] = first["entries"]
+    assert (entry["batch"], entry["context_len"]) == (3, 64) and entry["us"] > 0, entry
+    assert entry["row"]["max_context_len"] == 64 and entry["default_us"] > 0, entry
+    both = sweep_rows("1x96")
+    assert [(e["batch"], e["context_len"]) for e in both["entries"]] == [(3, 64), (1, 96)]
+    assert both["entries"][0] == entry and "1 entries kept from: " in both["source"]
+    assert f"# wrote 2 entries (1 of them kept from the file) to {path}" in capsys.readouterr().out
+    again = sweep_rows("3x64")
+    assert [(e["batch"], e["context_len"]) for e in again["entries"]] == [(3, 64), (1, 96)]
+    assert again["entries"][1] == both["entries"][1]
+
+
 def test_sweep_table_line_reproduces_the_best_launch(monkeypatch):
     """The sweep's suggested ``DecodeTuning`` row, put first in the table, makes
     ``choose_launch`` pick the measured best at the row's shape (on a 132-SM GPU)."""

@@ -101,3 +101,24 @@ def test_a_backends_own_forward_gets_decode_graphs_but_no_prefill_ones() -> None
     """Prefill graphs replay the plain model's layers, not a replacement forward."""
     plan = _plan(plain_forward=False)
     assert plan.decode_sizes == default_graph_sizes(64) and plan.prefill_sizes == []
+
+
+@pytest.mark.parametrize(
+    ("env", "log"),
+    [("PAGEDSERVE_MATMUL_TUNING", "_log_matmul_tuning"),
+     ("PAGEDSERVE_ATTENTION_TUNING", "_log_attention_tuning")],
+)  # fmt: skip
+def test_a_tuning_table_nothing_here_takes_is_said(monkeypatch, tmp_path, caplog, env, log):
+    """The builder warns where a tuning table is set but no kernel of the engine takes it:
+    cuBLAS decode matmuls and no quantized weights (PAGEDSERVE_MATMUL_TUNING), or decode
+    attention other than the Triton kernel on a GPU (PAGEDSERVE_ATTENTION_TUNING)."""
+    import logging
+
+    import engine.builder
+
+    path = tmp_path / "tuning.json"
+    path.write_text('{"format": 1, "device": "test", "entries": []}')
+    monkeypatch.setenv(env, str(path))
+    with caplog.at_level(logging.WARNING, logger="engine.builder"):
+        getattr(engine.builder, log)(torch.device("cpu"), False)
+    assert "it changes nothing" in caplog.text and env in caplog.text

@@ -91,3 +91,61 @@ def test_triton_on_the_cpu_needs_the_interpreter(tiny_llama_gqa, monkeypatch):
     assert resolve_backend("triton", torch.device("cuda"), torch.bfloat16, mc) == "triton"
     monkeypatch.setattr(attention, "triton_interprets", lambda: True)
     assert resolve_backend("triton", cpu, torch.float32, mc) == "triton"
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_an_attention_tuning_tables_launches_keep_the_tokens(
+    tiny_llama_gqa, device, monkeypatch, tmp_path
+):
+    """With PAGEDSERVE_ATTENTION_TUNING (kernels/attention_tuning.py) every decode attention
+    call takes the table's row (on CUDA: 2-4 splits merged by the last; tiles of 16,
+    each tile's V loaded beside its K, the first ids beside the length): greedy tokens
+    against transformers in float32, with the launches the table says, compiled by the
+    warm-up before the first request."""
+    import json
+
+    import transformers
+
+    import kernels.paged_attention as decode_module
+    from kernels.attention_tuning import ATTENTION_TUNING_ENV, DecodeTuning, row_fields
+    from tests.engine.parity import assert_parity, hf_greedy
+
+    row = DecodeTuning(
+        waves_below=1e9, max_context_len=2**31, target_waves=64, min_tokens_per_split=16,
+        max_splits=4, one_launch=True, num_warps=2, num_stages=1, tile_n=16, early_v=True,
+        prefetch_ids=True,
+    )  # fmt: skip
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps({"format": 1, "device": "test", "entries": [
+        {"row": row_fields(row)}]}))  # fmt: skip
+    monkeypatch.setenv(ATTENTION_TUNING_ENV, str(path))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tiny_llama_gqa), torch_dtype=torch.float32
+    ).to(device)
+    prompts = _prompts(21, (5, 37, 12))
+    refs = [hf_greedy(hf, p, 6, eos_token_id=None) for p in prompts]
+    launches: list[decode_module.DecodeLaunch] = []
+    choose = decode_module.choose_launch
+
+    def spy(*args):
+        launches.append(choose(*args))
+        return launches[-1]
+
+    def watch():  # the steps' calls, after the warm-up's
+        assert set(decode_module.tuned_launches()) >= {
+            decode_module.DecodeLaunch(1, False, 2, 1, 16, True, True)
+        }
+        monkeypatch.setattr(decode_module, "choose_launch", spy)
+
+    llm = LLM(str(tiny_llama_gqa), attention_backend="triton", block_size=8,
+              max_num_batched_tokens=16, device=device, dtype="float32", num_kv_blocks=64,
+              enforce_eager=True)  # fmt: skip
+    watch()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_parity(out.token_ids, ref, f"tuned attention on {device}, prompt {i}")
+    assert launches, "decode steps must reach the kernel's launcher"
+    assert {(la.tile_n, la.num_warps, la.num_stages, la.early_v, la.prefetch_ids)
+            for la in launches} == {(16, 2, 1, True, True)}  # fmt: skip
+    if device == "cuda":  # off CUDA the launcher never splits
+        assert max(la.num_splits for la in launches) > 1 and all(la.one_launch for la in launches)

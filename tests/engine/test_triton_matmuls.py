@@ -141,19 +141,3 @@ def test_a_tuning_tables_launches_keep_the_tokens(tiny_llama_gqa, device, monkey
     assert head not in {call.weight_shape for call in calls}
     launched = {call.launch for call in calls}
     assert launched == {split, summed_in_place}, launched
-
-
-def test_a_table_no_matmul_can_take_is_said(monkeypatch, tmp_path, caplog):
-    """The builder warns where PAGEDSERVE_MATMUL_TUNING is set but no matmul of the engine
-    runs the Triton kernel (cuBLAS decode matmuls and no quantized weights)."""
-    import logging
-
-    from engine.builder import _log_matmul_tuning
-    from kernels.matmul_tuning import MATMUL_TUNING_ENV
-
-    path = tmp_path / "tuning.json"
-    path.write_text('{"format": 1, "device": "test", "entries": []}')
-    monkeypatch.setenv(MATMUL_TUNING_ENV, str(path))
-    with caplog.at_level(logging.WARNING, logger="engine.builder"):
-        _log_matmul_tuning(torch.device("cpu"), triton_matmuls=False)
-    assert "it changes nothing" in caplog.text and MATMUL_TUNING_ENV in caplog.text

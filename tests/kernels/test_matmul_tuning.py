@@ -20,8 +20,6 @@ from kernels.matmul_tuning import (
     LIBRARY,
     MATMUL_TUNING_ENV,
     SPLIT_K_FIELDS,
-    load_tuning,
-    matmul_tuning_env,
     parse_tuning,
 )
 from tests.split_k_calls import SplitKCall, record_split_k_calls
@@ -108,19 +106,6 @@ def test_a_bad_table_is_refused_saying_why(table, says):
     with pytest.raises(ValueError) as info:
         parse_tuning(table, "t.json")
     assert says in str(info.value), info.value
-
-
-def test_a_file_that_cannot_be_read_names_the_variable_and_the_file(tmp_path):
-    assert matmul_tuning_env({}) is None and matmul_tuning_env({MATMUL_TUNING_ENV: ""}) is None
-    missing = str(tmp_path / "none.json")
-    with pytest.raises(ValueError, match=f"^{MATMUL_TUNING_ENV}={missing}: .*No such file"):
-        matmul_tuning_env({MATMUL_TUNING_ENV: missing})
-    garbled = tmp_path / "garbled.json"
-    garbled.write_text("{not json")
-    with pytest.raises(ValueError, match=f"^{MATMUL_TUNING_ENV}={garbled}: "):
-        load_tuning(str(garbled))
-    good = _write(tmp_path, _table(_entry("int8", 64, 64, 1, INT8)))
-    assert matmul_tuning_env({MATMUL_TUNING_ENV: good}) is load_tuning(good)  # read once
 
 
 @pytest.fixture

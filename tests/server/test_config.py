@@ -334,18 +334,28 @@ def test_a_bad_kernel_switch_is_one_line(capsys, name, good, bad, message) -> No
     assert err.strip().splitlines() == [f"pagedserve serve: error: {name} {message}"], err
 
 
-def test_a_matmul_tuning_table_that_cannot_be_read_is_one_line(capsys, tmp_path) -> None:
-    """PAGEDSERVE_MATMUL_TUNING names a table the kernels read at their first decode matmul;
-    the server reads it before anything runs (kernels/matmul_tuning.py)."""
+@pytest.mark.parametrize(
+    ("name", "bad_entry", "says"),
+    [
+        ("PAGEDSERVE_MATMUL_TUNING", '{"weight": "int4"}', "entry 0: needs"),
+        ("PAGEDSERVE_ATTENTION_TUNING", '{"row": {"tile_n": 64}}', "entry 0: row needs"),
+    ],
+)
+def test_a_tuning_table_that_cannot_be_read_is_one_line(
+    capsys, tmp_path, name: str, bad_entry: str, says: str
+) -> None:
+    """PAGEDSERVE_MATMUL_TUNING and PAGEDSERVE_ATTENTION_TUNING name tables the kernels read
+    at their first decode call; the server reads them before anything runs
+    (kernels/matmul_tuning.py, kernels/attention_tuning.py)."""
     good = tmp_path / "tuning.json"
     good.write_text('{"format": 1, "device": "d", "entries": []}')
-    assert ServingConfig.from_cli([], {"PAGEDSERVE_MATMUL_TUNING": str(good)}) is not None
+    assert ServingConfig.from_cli([], {name: str(good)}) is not None
     bad = tmp_path / "bad.json"
-    bad.write_text('{"format": 1, "entries": [{"weight": "int4"}]}')
-    for path, says in ((bad, "entry 0: needs"), (tmp_path / "none.json", "No such file")):
+    bad.write_text(f'{{"format": 1, "entries": [{bad_entry}]}}')
+    for path, message in ((bad, says), (tmp_path / "none.json", "No such file")):
         with pytest.raises(SystemExit) as info:
-            ServingConfig.from_cli([], {"PAGEDSERVE_MATMUL_TUNING": str(path)})
+            ServingConfig.from_cli([], {name: str(path)})
         assert info.value.code == 2
         (line,) = capsys.readouterr().err.strip().splitlines()
-        assert line.startswith(f"pagedserve serve: error: PAGEDSERVE_MATMUL_TUNING={path}: ")
-        assert says in line, line
+        assert line.startswith(f"pagedserve serve: error: {name}={path}: ")
+        assert message in line, line
