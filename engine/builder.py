@@ -68,6 +68,7 @@ from engine.tensor_parallel import check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from kernels import cpu as cpu_kernels
 from kernels._common import DECODE_ROWS, decode_matmul_env
+from kernels._tuning_file import TuningTable
 from kvpool.config import KVPoolConfig
 from kvpool.kv_dtype import QUANTIZED_KV_DTYPES
 from kvpool.manager import KVCacheManager
@@ -620,8 +621,8 @@ def _log_attention_tuning(device: torch.device, triton_attention: bool) -> None:
 
 
 def _log_tuning(
-    env: str, table: Any, device: torch.device, applies: bool, *, what: str, where: str,
-    unused: str,
+    env: str, table: TuningTable | None, device: torch.device, applies: bool, *, what: str,
+    where: str, unused: str,
 ) -> None:  # fmt: skip
     """Log the tuning ``table`` ``env`` names (None: unset): what it is, or a warning where
     it changes nothing (``applies`` is False) or was swept on another device."""

@@ -7,14 +7,29 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["FORMAT", "check_keys", "check_whole", "read_table", "table_entries"]
+__all__ = ["FORMAT", "TuningTable", "check_keys", "check_whole", "read_table", "table_entries"]
 
 # The tables' format (both kinds): {"format": 1, "device": ..., "source": ..., "entries": [...]}.
 FORMAT = 1
 
 Table = TypeVar("Table")
+
+
+class TuningTable(Protocol):
+    """What a loaded table of either kind says of itself (the builder logs it)."""
+
+    @property
+    def source(self) -> str:
+        """The file it was read from."""
+
+    @property
+    def device(self) -> str:
+        """The device the file says it was swept on."""
+
+    def __len__(self) -> int:
+        """Its entries."""
 
 
 def check_keys(
