@@ -116,9 +116,9 @@ class RowSweep:
         self.expected = reference.paged_attention_decode(
             x.query, x.key_cache, x.value_cache, x.block_tables, x.seq_lens, self.scale
         ).float()
-        self.default = effective(
-            choose_launch(cfg.batch, cfg.num_kv_heads, cfg.context_len, device), cfg.context_len
-        )
+        tuned = choose_launch(cfg.batch, cfg.num_kv_heads, cfg.context_len, device,
+                              head_dim=cfg.head_dim, kv_dtype=x.key_cache.dtype)  # fmt: skip
+        self.default = effective(tuned, cfg.context_len)
         self.results: dict[DecodeLaunch, Measured] = {}
 
     def valid_splits(self, tile_n: int) -> list[int]:
@@ -291,6 +291,8 @@ def tuning_entry(row: RowSweep, sms: int) -> dict[str, Any] | None:
     if best is None:
         return None
     entry: dict[str, Any] = {
+        "head_dim": row.cfg.head_dim,
+        "kv_dtype": str(row.cfg.dtype).removeprefix("torch."),
         "batch": row.cfg.batch,
         "context_len": row.cfg.context_len,
         "row": row_fields(suggested_tuning(row, sms)),

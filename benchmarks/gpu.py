@@ -346,7 +346,7 @@ def _closed_loop_splitting(
     import kernels.paged_attention as decode_kernel
 
     chosen = decode_kernel.choose_num_splits
-    decode_kernel.choose_num_splits = lambda *args: splits  # type: ignore[assignment]
+    decode_kernel.choose_num_splits = lambda *args, **kwargs: splits  # type: ignore[assignment]
     try:
         print(heading, flush=True)
         return profile_closed_loop(engine, *loop)

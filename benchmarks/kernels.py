@@ -216,8 +216,9 @@ def bench_config(
             )  # fmt: skip
 
         tuned = decode_module.choose_launch(
-            cfg.batch, cfg.num_kv_heads, x.block_tables.shape[1] * cfg.block_size, device
-        )
+            cfg.batch, cfg.num_kv_heads, x.block_tables.shape[1] * cfg.block_size, device,
+            head_dim=cfg.head_dim, kv_dtype=x.key_cache.dtype,
+        )  # fmt: skip
         chosen = tuned.num_splits
         candidates = [("triton", chosen, None)]
         if chosen > 1:  # the heuristic split with the other merge, and unsplit

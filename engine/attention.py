@@ -293,8 +293,10 @@ class PagedAttention:
 
         return compile_variants(key_cache, value_cache, num_heads, self.scale, query_dtype)
 
-    def plan(self, meta: AttentionMetadata, block_size: int, num_kv_heads: int) -> AttentionPlan:
-        """Per-step work shared by all layers (called once per forward)."""
+    def plan(self, meta: AttentionMetadata, key_cache: torch.Tensor) -> AttentionPlan:
+        """Per-step work shared by all layers (called once per forward); ``key_cache``: a
+        layer's, [num_blocks, block_size, num_kv_heads, head_dim] (every layer's is alike)."""
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
         nd = meta.num_decodes
         if self.backend == "cpu":
             return per_token_plan(meta)
@@ -304,7 +306,10 @@ class PagedAttention:
 
             width = meta.block_tables.shape[1] * block_size
             device = meta.seq_lens.device
-            if choose_num_splits(nd, num_kv_heads, width, device) == 1:
+            splits = choose_num_splits(
+                nd, num_kv_heads, width, device, head_dim=head_dim, kv_dtype=key_cache.dtype
+            )
+            if splits == 1:
                 return AttentionPlan(meta, one_launch=True)
         prefill_starts = meta.query_start_loc[nd:] - nd if mixed else None
         if self.backend != "torch" or nd == 0:

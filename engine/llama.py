@@ -262,8 +262,7 @@ class LlamaForCausalLM(nn.Module):
         """Every layer over every token of the step. ``plan``: the step's attention plan,
         None to make it from ``batch.attn`` (engine/prefill_graphs.py passes its own)."""
         if plan is None:
-            _, block_size, num_kv_heads, _ = key_caches[0].shape
-            plan = self.attention.plan(batch.attn, block_size, num_kv_heads)
+            plan = self.attention.plan(batch.attn, key_caches[0])
         x = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         if self.config.embed_scale != 1.0:
             # Rounded to the model's dtype first, as transformers' Gemma does.

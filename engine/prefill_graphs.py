@@ -176,7 +176,6 @@ class PrefillGraphs:
         layer = model.layers[0]
         dtype = model.embed_tokens.weight.dtype
         self.num_heads, self.head_dim = layer.num_heads, layer.head_dim
-        self.num_kv_heads = layer.num_kv_heads
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
@@ -309,7 +308,7 @@ class PrefillGraphs:
         )
 
     def _plan_of(self, batch: InputBatch) -> AttentionPlan:
-        return self.attention.plan(batch.attn, self.storage.block_size, self.num_kv_heads)
+        return self.attention.plan(batch.attn, self.storage.key_caches[0])
 
     # ---- capture and replay --------------------------------------------------------------
 

@@ -14,17 +14,21 @@ Format (``format`` 1)::
 
     {"format": 1, "device": "NVIDIA H100 80GB HBM3", "source": "how it was made",
      "entries": [
-        {"batch": 1, "context_len": 512,
+        {"head_dim": 128, "kv_dtype": "bfloat16", "batch": 1, "context_len": 512,
          "row": {"waves_below": 0.061, "max_context_len": 512, "target_waves": 0.97,
                  "min_tokens_per_split": 32, "max_splits": 16, "one_launch": false,
                  "num_warps": 4, "num_stages": 2, "tile_n": 32, "early_v": true,
                  "prefetch_ids": true, "pdl": false},
          "us": 5.1, "default_us": 6.2},
-        {"batch": 64, "context_len": 512,
+        {"head_dim": 128, "kv_dtype": "bfloat16", "batch": 64, "context_len": 512,
          "row": {"waves_below": null, "max_context_len": 512, "target_waves": 0, ...}}]}
 
-``row`` is a ``DecodeTuning``'s fields (``waves_below`` null: any number of waves). The rows
-go in the order a call meets them: those with a bound on waves first, in the file's order,
+``row`` is a ``DecodeTuning``'s fields (``waves_below`` null: any number of waves). A row
+decides only calls on a cache of its ``head_dim`` and ``kv_dtype`` (the cache's element type,
+by torch's name), where the entry gives them: a launch swept at one shape may not even build
+at another (a tile of 128 tokens of head dim 256 in three stages needs more shared memory
+than an SM has), and is only known fast at its own. The rows go in the order a call meets
+them: those with a bound on waves first, in the file's order,
 then ``DECODE_TUNING``'s rows but its last, then the rows for any number of waves (an
 unsplit launch for a context bound: the split-K catch-all row before them still takes the
 grids that underfill the device), then ``DECODE_TUNING``'s last row, which covers every call.
@@ -50,6 +54,8 @@ __all__ = [
     "FORMAT",
     "AttentionTuning",
     "DecodeTuning",
+    "KV_DTYPES",
+    "TableRow",
     "attention_tuning_env",
     "load_tuning",
     "parse_tuning",
@@ -90,7 +96,9 @@ ROW_FIELDS = tuple(f.name for f in fields(DecodeTuning))
 _BOOL_FIELDS = ("one_launch", "early_v", "prefetch_ids", "pdl")
 _WHOLE_FIELDS = ("max_context_len", "min_tokens_per_split", "max_splits", "num_warps",
                  "num_stages", "tile_n")  # fmt: skip
-_ENTRY_KEYS = ("row", "batch", "context_len", "us", "default_us")
+_ENTRY_KEYS = ("row", "head_dim", "kv_dtype", "batch", "context_len", "us", "default_us")
+# A KV cache's element types, by torch's names (kernels/kv_quant.py: int8 and fp8 rows).
+KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")
 
 
 def row_fields(row: DecodeTuning) -> dict[str, Any]:
@@ -135,36 +143,61 @@ def _row(raw: Any) -> DecodeTuning:
     return DecodeTuning(**values)
 
 
+@dataclass(frozen=True, slots=True)
+class TableRow:
+    """A table's row and the calls it is for: a head dim and a KV cache element type
+    (``None``: any), those it was swept at."""
+
+    row: DecodeTuning
+    head_dim: int | None = None
+    kv_dtype: str | None = None  # a torch dtype's name: "bfloat16", "int8", ...
+
+    def serves(self, head_dim: int | None, kv_dtype: str | None) -> bool:
+        """Whether the row may decide a call on this cache (a caller that does not say its
+        shape gets only the rows for any)."""
+        return (self.head_dim is None or self.head_dim == head_dim) and (
+            self.kv_dtype is None or self.kv_dtype == kv_dtype
+        )
+
+
 @dataclass(frozen=True, eq=False)  # hashed by identity: load_tuning makes one per file
 class AttentionTuning:
-    """A loaded table: its rows with a bound on waves (``first``) and for any number
-    (``before_last``), each in the file's order."""
+    """A loaded table: its rows in the file's order."""
 
     source: str  # the file
     device: str  # what the file says it was swept on
-    first: tuple[DecodeTuning, ...]
-    before_last: tuple[DecodeTuning, ...]
+    entries: tuple[TableRow, ...]
 
     def __len__(self) -> int:
-        return len(self.first) + len(self.before_last)
+        return len(self.entries)
 
-    def rows(self, defaults: Sequence[DecodeTuning]) -> tuple[DecodeTuning, ...]:
-        """``defaults`` (``DECODE_TUNING``) with this table's rows in their places (the
-        module docstring); the last default row stays last."""
-        return _merged(self, tuple(defaults))
+    def rows(
+        self, defaults: Sequence[DecodeTuning], head_dim: int | None = None,
+        kv_dtype: str | None = None,
+    ) -> tuple[DecodeTuning, ...]:  # fmt: skip
+        """``defaults`` (``DECODE_TUNING``) with this table's rows for a cache of
+        ``head_dim`` and ``kv_dtype`` in their places (the module docstring): rows with a
+        bound on waves first, rows for any number of waves before the last default row,
+        which stays last."""
+        return _merged(self, tuple(defaults), head_dim, kv_dtype)
 
 
-@functools.lru_cache(maxsize=8)  # choose_launch asks on every eager decode call
-def _merged(table: AttentionTuning, defaults: tuple[DecodeTuning, ...]) -> tuple[DecodeTuning, ...]:
-    return (*table.first, *defaults[:-1], *table.before_last, *defaults[-1:])
+@functools.lru_cache(maxsize=32)  # choose_launch asks on every eager decode call
+def _merged(
+    table: AttentionTuning, defaults: tuple[DecodeTuning, ...], head_dim: int | None,
+    kv_dtype: str | None,
+) -> tuple[DecodeTuning, ...]:  # fmt: skip
+    mine = [e.row for e in table.entries if e.serves(head_dim, kv_dtype)]
+    first = [row for row in mine if not math.isinf(row.waves_below)]
+    before_last = [row for row in mine if math.isinf(row.waves_below)]
+    return (*first, *defaults[:-1], *before_last, *defaults[-1:])
 
 
 def parse_tuning(data: Any, source: str) -> AttentionTuning:
     """A table from a file's decoded JSON; a ValueError says what is wrong (without the
     file's name: ``load_tuning`` adds it)."""
     entries = table_entries(data, "decode attention")
-    first: list[DecodeTuning] = []
-    before_last: list[DecodeTuning] = []
+    rows: list[TableRow] = []
     for index, raw in enumerate(entries):
         where = f"entry {index}"
         if not isinstance(raw, dict):
@@ -172,14 +205,18 @@ def parse_tuning(data: Any, source: str) -> AttentionTuning:
         check_keys(f"{where}:", raw, required=("row",), allowed=_ENTRY_KEYS)
         try:
             row = _row(raw["row"])
+            head_dim = raw.get("head_dim")
+            if head_dim is not None:
+                check_whole("head_dim", head_dim)
+            kv_dtype = raw.get("kv_dtype")
+            if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+                kinds = ", ".join(KV_DTYPES)
+                raise ValueError(f"kv_dtype must be one of {kinds}, got {kv_dtype!r}")
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-        (before_last if math.isinf(row.waves_below) else first).append(row)
+        rows.append(TableRow(row, head_dim, kv_dtype))
     return AttentionTuning(
-        source=source,
-        device=str(data.get("device", "unknown")),
-        first=tuple(first),
-        before_last=tuple(before_last),
+        source=source, device=str(data.get("device", "unknown")), entries=tuple(rows)
     )
 
 

@@ -377,27 +377,36 @@ def _reduce_splits_kernel(
     )  # fmt: skip
 
 
-def decode_tuning() -> tuple[DecodeTuning, ...]:
-    """The rows ``choose_launch`` reads: ``DECODE_TUNING``, with the rows of the table
-    ``PAGEDSERVE_ATTENTION_TUNING`` names in their places (kernels/attention_tuning.py)."""
+def decode_tuning(
+    *, head_dim: int | None = None, kv_dtype: torch.dtype | None = None
+) -> tuple[DecodeTuning, ...]:
+    """The rows ``choose_launch`` reads for a cache of ``head_dim`` and ``kv_dtype``:
+    ``DECODE_TUNING``, with the rows for that cache of the table
+    ``PAGEDSERVE_ATTENTION_TUNING`` names in their places (kernels/attention_tuning.py;
+    where the cache is not given, only the table's rows for any)."""
     table = attention_tuning_env()
-    return DECODE_TUNING if table is None else table.rows(DECODE_TUNING)
+    if table is None:
+        return DECODE_TUNING
+    name = None if kv_dtype is None else str(kv_dtype).removeprefix("torch.")
+    return table.rows(DECODE_TUNING, head_dim, name)
 
 
 def tuning_row(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
-) -> DecodeTuning:
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device, *,
+    head_dim: int | None = None, kv_dtype: torch.dtype | None = None,
+) -> DecodeTuning:  # fmt: skip
     """The first row of ``decode_tuning()`` that covers these shapes."""
     programs_per_sm = max(1, num_seqs * num_kv_heads) / num_compute_units(device)
-    for row in decode_tuning():
+    for row in decode_tuning(head_dim=head_dim, kv_dtype=kv_dtype):
         if programs_per_sm < row.waves_below and max_context_len <= row.max_context_len:
             return row
     raise AssertionError("the last row of DECODE_TUNING must cover every call")
 
 
 def choose_launch(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
-) -> DecodeLaunch:
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device, *,
+    head_dim: int | None = None, kv_dtype: torch.dtype | None = None,
+) -> DecodeLaunch:  # fmt: skip
     """The launch ``paged_attention_decode`` uses for these shapes (``decode_tuning()``:
     ``DECODE_TUNING``, and a swept table's rows where ``PAGEDSERVE_ATTENTION_TUNING`` names
     one).
@@ -416,7 +425,9 @@ def choose_launch(
     from ``seq_lens`` read on the host. Off CUDA (the interpreter runs programs one after
     another) splitting only adds work, so the split count is 1 there.
     """
-    row = tuning_row(num_seqs, num_kv_heads, max_context_len, device)
+    row = tuning_row(
+        num_seqs, num_kv_heads, max_context_len, device, head_dim=head_dim, kv_dtype=kv_dtype
+    )
     num_splits = 1
     if device.type == "cuda" and row.target_waves > 0:
         sms = num_compute_units(device)
@@ -443,11 +454,14 @@ def with_pdl_policy(launch: DecodeLaunch, device: torch.device) -> DecodeLaunch:
 
 
 def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device
-) -> int:
+    num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device, *,
+    head_dim: int | None = None, kv_dtype: torch.dtype | None = None,
+) -> int:  # fmt: skip
     """The split-K factor of ``choose_launch`` (before the launcher rounds splits to whole
     tiles and recounts them)."""
-    return choose_launch(num_seqs, num_kv_heads, max_context_len, device).num_splits
+    return choose_launch(
+        num_seqs, num_kv_heads, max_context_len, device, head_dim=head_dim, kv_dtype=kv_dtype
+    ).num_splits
 
 
 def paged_attention_decode(
@@ -495,7 +509,10 @@ def paged_attention_decode(
     if max_context_len is None:
         max_context_len = block_tables.shape[1] * block_size
     if launch is None:
-        launch = choose_launch(num_seqs, num_kv_heads, max_context_len, query.device)
+        launch = choose_launch(
+            num_seqs, num_kv_heads, max_context_len, query.device, head_dim=head_dim,
+            kv_dtype=key_cache.dtype,
+        )  # fmt: skip
         if num_splits is not None:
             launch = replace(launch, num_splits=num_splits)
         if one_launch is not None:
@@ -590,12 +607,15 @@ def paged_attention_decode(
     return out
 
 
-def tuned_launches() -> list[DecodeLaunch]:
-    """Every launch ``choose_launch`` can return up to its split count, with one split count
-    per compiled variant: unsplit, and split with each power-of-two bound on the split
-    count (either merge compiles one variant per bound)."""
+def tuned_launches(
+    *, head_dim: int | None = None, kv_dtype: torch.dtype | None = None
+) -> list[DecodeLaunch]:
+    """Every launch ``choose_launch`` can return for a cache of ``head_dim`` and
+    ``kv_dtype`` up to its split count, with one split count per compiled variant: unsplit,
+    and split with each power-of-two bound on the split count (either merge compiles one
+    variant per bound)."""
     launches: dict[DecodeLaunch, None] = {}
-    for row in decode_tuning():
+    for row in decode_tuning(head_dim=head_dim, kv_dtype=kv_dtype):
         params = (row.num_warps, row.num_stages, row.tile_n, row.early_v, row.prefetch_ids,
                   row.pdl)  # fmt: skip
         launches[DecodeLaunch(1, False, *params)] = None
@@ -624,7 +644,8 @@ def compile_variants(
     query = torch.zeros((1, num_heads, head_dim), dtype=query_dtype, device=device)
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     # What choose_launch makes of each row on this device (with_pdl_policy).
-    launches = list(dict.fromkeys(with_pdl_policy(t, device) for t in tuned_launches()))
+    tuned = tuned_launches(head_dim=head_dim, kv_dtype=key_cache.dtype)
+    launches = list(dict.fromkeys(with_pdl_policy(t, device) for t in tuned))
     for launch in launches:
         context = launch.num_splits * launch.tile_n
         width = triton.cdiv(context, block_size)

@@ -73,7 +73,7 @@ def test_the_split_mixed_step_profile_replays_pieces_then_whole(monkeypatch, cap
     heuristic is put back."""
     import kernels.paged_attention
 
-    def splits(*args: object) -> int:
+    def splits(*args: object, **kwargs: object) -> int:
         return 4
 
     monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", splits)

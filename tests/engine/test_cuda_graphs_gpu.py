@@ -75,7 +75,7 @@ def test_prefill_graphs_replay_mixed_steps_exactly_in_float32(
 
     graphs.run = recording  # type: ignore[method-assign]
     if mode == "full, one launch":
-        monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", lambda *a: 1)
+        monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", lambda *a, **k: 1)
     ours = [o.token_ids for o in llm.generate(prompts, params)]
     mixed = sum(0 < nd < n for n, nd in sizes)
     assert any(0 < nd < n and n not in (16, 32) for n, nd in sizes), sizes

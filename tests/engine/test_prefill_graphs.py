@@ -138,7 +138,7 @@ def test_triton_mixed_steps_replay_whole_where_attention_is_one_launch(
     import kernels.paged_attention
 
     if mixed_attention == "split":
-        monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", lambda *a: 4)
+        monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", lambda *a, **k: 4)
     graphs, seen = _triton_through_stand_in_as_torch(
         tiny_llama_gqa, device, _prompts(256, [30, 3, 21, 9, 14]), 6, [8, 16], max_num_seqs=8,
         max_num_batched_tokens=16,

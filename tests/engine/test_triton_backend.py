@@ -48,7 +48,7 @@ def test_mixed_steps_attend_in_one_launch_or_two(tiny_llama_gqa, device, mixed_a
     from engine.attention import AttentionPlan, PagedAttention
 
     if mixed_attention == "split":  # the decode rows' kernel would split: two launches
-        monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", lambda *a: 4)
+        monkeypatch.setattr(kernels.paged_attention, "choose_num_splits", lambda *a, **k: 4)
     plans: list[AttentionPlan] = []
     plan = PagedAttention.plan
 
@@ -115,26 +115,28 @@ def test_an_attention_tuning_tables_launches_keep_the_tokens(
         max_splits=4, one_launch=True, num_warps=2, num_stages=1, tile_n=16, early_v=True,
         prefetch_ids=True,
     )  # fmt: skip
-    path = tmp_path / "attention.json"
-    path.write_text(json.dumps({"format": 1, "device": "test", "entries": [
-        {"row": row_fields(row)}]}))  # fmt: skip
-    monkeypatch.setenv(ATTENTION_TUNING_ENV, str(path))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(tiny_llama_gqa), torch_dtype=torch.float32
     ).to(device)
+    head_dim = hf.config.hidden_size // hf.config.num_attention_heads
+    # The row is for this model's caches (float32, its head dim): the launcher and the
+    # step's plan say their cache's shape for it to apply.
+    entry = {"row": row_fields(row), "head_dim": head_dim, "kv_dtype": "float32"}
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps({"format": 1, "device": "test", "entries": [entry]}))
+    monkeypatch.setenv(ATTENTION_TUNING_ENV, str(path))
     prompts = _prompts(21, (5, 37, 12))
     refs = [hf_greedy(hf, p, 6, eos_token_id=None) for p in prompts]
     launches: list[decode_module.DecodeLaunch] = []
     choose = decode_module.choose_launch
 
-    def spy(*args):
-        launches.append(choose(*args))
+    def spy(*args, **kwargs):
+        launches.append(choose(*args, **kwargs))
         return launches[-1]
 
     def watch():  # the steps' calls, after the warm-up's
-        assert set(decode_module.tuned_launches()) >= {
-            decode_module.DecodeLaunch(1, False, 2, 1, 16, True, True)
-        }
+        tuned = decode_module.tuned_launches(head_dim=head_dim, kv_dtype=torch.float32)
+        assert decode_module.DecodeLaunch(1, False, 2, 1, 16, True, True) in tuned
         monkeypatch.setattr(decode_module, "choose_launch", spy)
 
     llm = LLM(str(tiny_llama_gqa), attention_backend="triton", block_size=8,

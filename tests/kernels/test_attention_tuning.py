@@ -57,7 +57,7 @@ def h100(monkeypatch):
 
 def test_a_row_goes_through_the_file_unchanged():
     table = parse_tuning(json.loads(json.dumps(_table(SHORT, UNSPLIT))), "t.json")
-    assert table.first == (SHORT,) and table.before_last == (UNSPLIT,)
+    assert [e.row for e in table.entries] == [SHORT, UNSPLIT]
     assert len(table) == 2 and table.device == "NVIDIA H100 80GB HBM3"
     assert row_fields(UNSPLIT)["waves_below"] is None  # JSON has no infinity
 
@@ -69,6 +69,25 @@ def test_rows_with_a_bound_on_waves_go_first_and_the_others_before_the_last():
     rows = table.rows(DECODE_TUNING)
     assert rows == (SHORT, *DECODE_TUNING[:-1], UNSPLIT, DECODE_TUNING[-1])
     assert table.rows(DECODE_TUNING) is rows  # cached: choose_launch asks on every call
+
+
+def test_a_row_swept_at_a_shape_decides_only_calls_on_such_a_cache(monkeypatch, tmp_path, h100):
+    """An entry's head_dim and kv_dtype (what the sweep ran at) bound the calls its row
+    decides: another head dim or cache type, or a caller that does not say, keeps
+    DECODE_TUNING's launch (a swept launch may not even build at another shape)."""
+    plain = choose_launch(1, 8, 512, CUDA, head_dim=128, kv_dtype=torch.bfloat16)
+    entry = {"row": row_fields(SHORT), "head_dim": 128, "kv_dtype": "bfloat16"}
+    _use(monkeypatch, tmp_path, {"format": 1, "device": "d", "entries": [entry]})
+    tuned = DecodeLaunch(8, True, 2, 1, 64, True, True)
+    assert choose_launch(1, 8, 512, CUDA, head_dim=128, kv_dtype=torch.bfloat16) == tuned
+    for head_dim, kv_dtype in ((256, torch.bfloat16), (128, torch.float16),
+                               (128, torch.int8), (None, None)):  # fmt: skip
+        chosen = choose_launch(1, 8, 512, CUDA, head_dim=head_dim, kv_dtype=kv_dtype)
+        assert chosen == plain, (head_dim, kv_dtype)
+    assert tuned not in tuned_launches(head_dim=64, kv_dtype=torch.bfloat16)
+    assert replace(tuned, num_splits=1, one_launch=False) in tuned_launches(
+        head_dim=128, kv_dtype=torch.bfloat16
+    )
 
 
 def test_choose_launch_takes_the_tables_rows(monkeypatch, tmp_path, h100):
@@ -126,6 +145,10 @@ def _bad(**change: Any) -> dict[str, Any]:
         (_table(_bad(waves_below="many")), "waves_below must be a number, got 'many'"),
         (_table(_bad(target_waves=-1)), "target_waves must be >= 0, got -1"),
         (_table(_bad(pdl=True, prefetch_ids=False)), "pdl needs prefetch_ids"),
+        ({"format": 1, "entries": [{"row": row_fields(SHORT), "head_dim": 0}]},
+         "entry 0: head_dim must be a whole number >= 1, got 0"),
+        ({"format": 1, "entries": [{"row": row_fields(SHORT), "kv_dtype": "bf16"}]},
+         "entry 0: kv_dtype must be one of float32, .*, got 'bf16'"),
     ],
 )  # fmt: skip
 def test_what_is_wrong_with_a_table_is_said(table, message):
@@ -137,4 +160,5 @@ def test_the_optional_fields_default_as_in_decode_tuning():
     fields = {k: v for k, v in row_fields(SHORT).items()
               if k not in ("early_v", "prefetch_ids", "pdl")}  # fmt: skip
     table = parse_tuning(_table(fields), "t.json")
-    assert table.first == (replace(SHORT, early_v=False, prefetch_ids=False),)
+    assert [e.row for e in table.entries] == [replace(SHORT, early_v=False, prefetch_ids=False)]
+    assert (table.entries[0].head_dim, table.entries[0].kv_dtype) == (None, None)
