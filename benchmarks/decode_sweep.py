@@ -120,6 +120,12 @@ class RowSweep:
                               head_dim=cfg.head_dim, kv_dtype=x.key_cache.dtype)  # fmt: skip
         self.default = effective(tuned, cfg.context_len)
         self.results: dict[DecodeLaunch, Measured] = {}
+        # Each line's case: batch x context, and the heads where the sweep has more shapes.
+        self.shape = ""
+
+    @property
+    def case(self) -> str:
+        return f"{self.cfg.batch:>4} x {self.cfg.context_len:<5}{self.shape}"
 
     def valid_splits(self, tile_n: int) -> list[int]:
         """Split counts of whole tiles, within MAX_SWEEP_WAVES of programs per SM."""
@@ -147,7 +153,7 @@ class RowSweep:
         launch = effective(launch, self.cfg.context_len)
         if launch in self.results:
             return
-        label = f"{self.cfg.batch:>4} x {self.cfg.context_len:<5} {describe(launch)}"
+        label = f"{self.case} {describe(launch)}"
         try:
             seconds = time_sets(self.impl(launch), self.sets, self.device)
             error = float((self.impl(launch)(self.sets[0]).float() - self.expected).abs().max())
@@ -171,7 +177,7 @@ class RowSweep:
         for _ in range(2):
             for m in (default, best):
                 m.seconds = min(m.seconds, time_sets(self.impl(m.launch), self.sets, self.device))
-        out(f"{self.cfg.batch:>4} x {self.cfg.context_len:<5} today {default.seconds * 1e6:.1f} "
+        out(f"{self.case} today {default.seconds * 1e6:.1f} "
             f"us, best {best.seconds * 1e6:.1f} us")  # fmt: skip
 
     def percent(self, seconds: float) -> str:
@@ -278,7 +284,8 @@ def suggested_row(row: RowSweep, sms: int) -> str:
         f"max_splits={t.max_splits}, one_launch={t.one_launch}, num_warps={t.num_warps}, "
         f"num_stages={t.num_stages}, tile_n={t.tile_n}, early_v={t.early_v}, "
         f"prefetch_ids={t.prefetch_ids}, pdl={t.pdl}),  # {row.cfg.batch} x "
-        f"{row.cfg.context_len}{place}"
+        f"{row.cfg.context_len} at {row.cfg.num_heads}/{row.cfg.num_kv_heads} heads of "
+        f"{row.cfg.head_dim}{place}"
     )
 
 
@@ -293,6 +300,8 @@ def tuning_entry(row: RowSweep, sms: int) -> dict[str, Any] | None:
     entry: dict[str, Any] = {
         "head_dim": row.cfg.head_dim,
         "kv_dtype": str(row.cfg.dtype).removeprefix("torch."),
+        "num_heads": row.cfg.num_heads,
+        "num_kv_heads": row.cfg.num_kv_heads,
         "batch": row.cfg.batch,
         "context_len": row.cfg.context_len,
         "row": row_fields(suggested_tuning(row, sms)),
@@ -305,13 +314,44 @@ def tuning_entry(row: RowSweep, sms: int) -> dict[str, Any] | None:
 
 
 def tuning_table(rows: list[RowSweep], sms: int, device: str, source: str) -> dict[str, Any]:
-    """A tuning table of the sweep's rows (``tuning_entry``), as JSON, in the order
-    ``DECODE_TUNING``'s lines are printed (most specific first)."""
+    """A tuning table of the sweep's rows (``tuning_entry``), as JSON, most specific first
+    (``table_order``)."""
     from kernels.attention_tuning import FORMAT
 
-    ordered = sorted(rows, key=lambda r: (r.cfg.context_len, r.cfg.batch))
-    entries = [entry for row in ordered if (entry := tuning_entry(row, sms)) is not None]
+    entries = [entry for row in rows if (entry := tuning_entry(row, sms)) is not None]
+    entries.sort(key=table_order)
     return {"format": FORMAT, "device": device, "source": source, "entries": entries}
+
+
+def table_order(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """Where an entry goes in a table: by cache (head dim, type), then most specific first
+    (the first covering row decides): the shortest context bound, then the fewest waves;
+    then the case it came from, which with the cache names it (the sweep's shape and row).
+    A hand-written entry without a cache or case goes before the others."""
+    row = entry["row"]
+    waves = math.inf if row["waves_below"] is None else row["waves_below"]
+    return (
+        entry.get("head_dim", 0), entry.get("kv_dtype", ""), row["max_context_len"], waves,
+        entry.get("num_heads", 0), entry.get("num_kv_heads", 0), entry.get("batch", 0),
+        entry.get("context_len", 0),
+    )  # fmt: skip
+
+
+def sweep_configs(
+    dtype: torch.dtype,
+    quick: bool,
+    batch_contexts: list[tuple[int, int]] | None,
+    heads: list[tuple[int, int]] | None,
+    head_dim: int,
+) -> list[Config]:
+    """The cases ``run_sweep`` times: each (batch, context) at each (query, KV) heads of
+    ``head_dim`` (defaults in ``run_sweep``); ``quick``: 4 query / 2 KV heads of 32, the
+    shapes ignored."""
+    if quick:
+        return [Config(b, ctx, 4, 2, 16, 32, dtype) for b, ctx in batch_contexts or [(2, 128)]]
+    cases = batch_contexts or TARGET_ROWS
+    return [Config(b, ctx, q, kv, 16, head_dim, dtype)
+            for q, kv in heads or [(32, 8)] for b, ctx in cases]  # fmt: skip
 
 
 def run_sweep(
@@ -322,25 +362,30 @@ def run_sweep(
     quick: bool = False,
     budget_s: float = DEFAULT_BUDGET_S,
     batch_contexts: list[tuple[int, int]] | None = None,
+    heads: list[tuple[int, int]] | None = None,
+    head_dim: int = 128,
     out: Callable[[str], None] | None = None,
 ) -> list[RowSweep]:
     """Run the sweep, printing as it goes; returns the rows with their measurements.
     ``batch_contexts``: the (batch, context) rows, default ``TARGET_ROWS`` (``--quick``: one
-    small row), at the Llama-3-8B shape (``--quick``: 4 query / 2 KV heads of 32)."""
+    small row), at each of ``heads`` (query, KV) of ``head_dim``, default the Llama-3-8B
+    shape (32 / 8 of 128; ``--quick``: 4 query / 2 KV heads of 32)."""
     from kernels._common import num_compute_units
 
     out = out or print_line
     start = time.perf_counter()
+    cfgs = sweep_configs(dtype, quick, batch_contexts, heads, head_dim)
     if quick:  # off CUDA one SM: stage A is unsplit and 2 splits of each merge
-        cfgs = [Config(b, ctx, 4, 2, 16, 32, dtype) for b, ctx in batch_contexts or [(2, 128)]]
         stages = Stages([("A", stage_a)])
     else:
-        cfgs = [Config(b, ctx, 32, 8, 16, 128, dtype) for b, ctx in batch_contexts or TARGET_ROWS]
         stages = Stages([("A", stage_a), ("B", stage_b), ("C", stage_c), ("D", stage_d),
                          ("E", stage_e)])  # fmt: skip
     out(f"# decode launch sweep: {len(cfgs)} rows, stages {stages.names}, "
         f"budget {budget_s:.0f} s (compiles included)")  # fmt: skip
     rows = [RowSweep(cfg, device, peak, quick) for cfg in cfgs]
+    if len({(c.num_heads, c.num_kv_heads) for c in cfgs}) > 1:
+        for row in rows:
+            row.shape = f" [{row.cfg.num_heads}/{row.cfg.num_kv_heads}]"
     stages.run(
         rows, start=start, budget_s=budget_s, confirm_reserve_s=CONFIRM_RESERVE_S,
         confirm_note="today's launch and the best (nothing new to compile)", out=out,
@@ -350,7 +395,7 @@ def run_sweep(
     out(f"{'batch x ctx':<13} {'':<8}{'launch':<35} {'time_us':>9} {'%peak':>7} "
         f"{'speed-up':>8}")  # fmt: skip
     for row in rows:
-        head = f"{row.cfg.batch:>4} x {row.cfg.context_len:<6}"
+        head = f"{row.case} "
         default = row.results.get(row.default)
         best = row.best()
         if default is not None:
@@ -365,7 +410,7 @@ def run_sweep(
     out("")
     out("# DECODE_TUNING (kernels/paged_attention.py) rows reproducing each row's best at its")
     out("# shape, most specific first, before the catch-all rows (unless a line says where):")
-    for row in sorted(rows, key=lambda r: (r.cfg.context_len, r.cfg.batch)):
+    for row in sorted(rows, key=lambda r: (r.cfg.context_len, r.cfg.batch * r.cfg.num_kv_heads)):
         if row.best() is not None:
             out(f"#   {suggested_row(row, sms)}")
     return rows

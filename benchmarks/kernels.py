@@ -39,7 +39,9 @@ Every row checks its output against the reference (``max_err``), so a fast wrong
 
 ``--sweep`` times the decode kernel's launches (one- and two-launch split-K, split counts,
 ``num_warps``, ``num_stages``, tile) on the ``--targets`` rows and prints the best per row
-beside today's, bounded by ``--budget-s`` (``benchmarks/decode_sweep.py``); with
+beside today's, bounded by ``--budget-s`` (``benchmarks/decode_sweep.py``), at the
+Llama-3-8B shape or those of ``--shapes`` and ``--head-dim`` in ``--dtype`` (a model's own:
+``--shapes 28/4`` for Qwen2.5-7B, ``--shapes 16/8 --head-dim 256`` for Gemma-2-9B); with
 ``--write-tuning FILE`` it writes each row's best as a table that
 ``PAGEDSERVE_ATTENTION_TUNING=FILE`` puts before ``DECODE_TUNING``'s rows, for this benchmark
 and the engine alike (``kernels/attention_tuning.py``).
@@ -534,12 +536,6 @@ def _matmul_case(entry: dict[str, Any]) -> tuple[Any, ...]:
     return (entry["weight"], entry["k"], entry["n"], entry["rows"])
 
 
-def _attention_case(entry: dict[str, Any]) -> tuple[Any, ...]:
-    # Most specific first (kernels/attention_tuning.py: the first covering row decides);
-    # a hand-written entry without its case goes first.
-    return (entry.get("context_len", 0), entry.get("batch", 0))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.kernels",
@@ -552,14 +548,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="default: bf16 on CUDA, fp32 on CPU")  # fmt: skip
     parser.add_argument("--head-dim", type=int, default=128,
-                        help="head dim of the non-SmolLM2 shapes (9/3 heads use 64)")  # fmt: skip
+                        help="head dim of the non-SmolLM2 shapes (9/3 heads use 64); "
+                             "--sweep: of every shape it sweeps")  # fmt: skip
     parser.add_argument("--max-kv-gib", type=float, default=4.0,
                         help="skip configurations whose K+V cache exceeds this")  # fmt: skip
     parser.add_argument("--batches", type=_int_list, help="e.g. 1,64 (overrides the sweep)")
     parser.add_argument("--contexts", type=_int_list, help="context lengths, e.g. 4096")
     parser.add_argument("--block-sizes", type=_int_list, help="e.g. 16,32")
     parser.add_argument("--shapes", type=_shape_list,
-                        help="query/KV heads, e.g. 32/8,9/3 (GQA ratio = q/kv)")  # fmt: skip
+                        help="query/KV heads, e.g. 32/8,9/3 (GQA ratio = q/kv); --sweep: "
+                             "the shapes to sweep (default 32/8, Llama-3-8B's)")  # fmt: skip
     parser.add_argument("--targets", action="store_true",
                         help="the issue's decode rows (32/8 heads x 128, block 16): 1x512, "
                              "16x512, 1x4096, 64x4096, 256x4096")  # fmt: skip
@@ -633,7 +631,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"# decode launches: {ATTENTION_TUNING_ENV}={tuned.source} ({len(tuned)} rows, "
               f"swept on {tuned.device}) before DECODE_TUNING's")  # fmt: skip
     if args.sweep:
-        from benchmarks.decode_sweep import run_sweep
+        from benchmarks.decode_sweep import run_sweep, table_order
         from benchmarks.decode_sweep import tuning_table as attention_table
         from benchmarks.provenance import git_commit
         from kernels._common import num_compute_units
@@ -641,12 +639,13 @@ def main(argv: list[str] | None = None) -> None:
         from kernels.attention_tuning import parse_tuning as parse_attention
 
         rows = run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s or 100.0,
-                         batch_contexts=args.sweep_rows)  # fmt: skip
+                         batch_contexts=args.sweep_rows, heads=args.shapes,
+                         head_dim=args.head_dim)  # fmt: skip
         if args.write_tuning:
             table = attention_table(rows, num_compute_units(device), name,
                                     f"{command} at {git_commit()}")  # fmt: skip
             write_tuning(args.write_tuning, table, ATTENTION_TUNING_ENV, parse_attention,
-                         _attention_case)  # fmt: skip
+                         table_order)  # fmt: skip
         return
     if args.quant_matmul:
         from benchmarks.quant_matmul_sweep import DEFAULT_BUDGET_S, ROWS, run_quant_sweep

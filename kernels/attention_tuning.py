@@ -14,13 +14,15 @@ Format (``format`` 1)::
 
     {"format": 1, "device": "NVIDIA H100 80GB HBM3", "source": "how it was made",
      "entries": [
-        {"head_dim": 128, "kv_dtype": "bfloat16", "batch": 1, "context_len": 512,
+        {"head_dim": 128, "kv_dtype": "bfloat16", "num_heads": 32, "num_kv_heads": 8,
+         "batch": 1, "context_len": 512,
          "row": {"waves_below": 0.061, "max_context_len": 512, "target_waves": 0.97,
                  "min_tokens_per_split": 32, "max_splits": 16, "one_launch": false,
                  "num_warps": 4, "num_stages": 2, "tile_n": 32, "early_v": true,
                  "prefetch_ids": true, "pdl": false},
          "us": 5.1, "default_us": 6.2},
-        {"head_dim": 128, "kv_dtype": "bfloat16", "batch": 64, "context_len": 512,
+        {"head_dim": 128, "kv_dtype": "bfloat16", "num_heads": 32, "num_kv_heads": 8,
+         "batch": 64, "context_len": 512,
          "row": {"waves_below": null, "max_context_len": 512, "target_waves": 0, ...}}]}
 
 ``row`` is a ``DecodeTuning``'s fields (``waves_below`` null: any number of waves). A row
@@ -32,9 +34,10 @@ them: those with a bound on waves first, in the file's order,
 then ``DECODE_TUNING``'s rows but its last, then the rows for any number of waves (an
 unsplit launch for a context bound: the split-K catch-all row before them still takes the
 grids that underfill the device), then ``DECODE_TUNING``'s last row, which covers every call.
-``batch``, ``context_len``, ``us`` and ``default_us`` are the case the sweep timed and what
-its best and today's launch took, for reading only. Imports no triton: the server checks
-the file before anything runs (``engine/config.check_environment``).
+``num_heads``, ``num_kv_heads``, ``batch``, ``context_len``, ``us`` and ``default_us`` are
+the case the sweep timed and what its best and today's launch took, for reading only.
+Imports no triton: the server checks the file before anything runs
+(``engine/config.check_environment``).
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ ROW_FIELDS = tuple(f.name for f in fields(DecodeTuning))
 _BOOL_FIELDS = ("one_launch", "early_v", "prefetch_ids", "pdl")
 _WHOLE_FIELDS = ("max_context_len", "min_tokens_per_split", "max_splits", "num_warps",
                  "num_stages", "tile_n")  # fmt: skip
-_ENTRY_KEYS = ("row", "head_dim", "kv_dtype", "batch", "context_len", "us", "default_us")
+_ENTRY_KEYS = ("row", "head_dim", "kv_dtype", "num_heads", "num_kv_heads", "batch",
+               "context_len", "us", "default_us")  # fmt: skip
 # A KV cache's element types, by torch's names (kernels/kv_quant.py: int8 and fp8 rows).
 KV_DTYPES = ("float32", "float16", "bfloat16", "int8", "float8_e4m3fn")
 

@@ -200,6 +200,43 @@ def test_sweep_writes_its_rows_as_a_table_two_sweeps_share(device, capsys, tmp_p
     assert again["entries"][1] == both["entries"][1]
 
 
+def test_the_sweep_runs_at_a_models_shapes():
+    """``--shapes`` and ``--head-dim`` (Qwen2.5-7B's 28/4, Gemma-2-9B's 16/8 of 256): every
+    row at every shape; by default the Llama-3-8B shape."""
+    from benchmarks.decode_sweep import sweep_configs
+
+    bf16 = torch.bfloat16
+    default = sweep_configs(bf16, False, None, None, 128)
+    assert [(c.batch, c.context_len) for c in default] == TARGET_ROWS
+    assert {(c.num_heads, c.num_kv_heads, c.head_dim, c.dtype) for c in default} == {
+        (32, 8, 128, bf16)
+    }
+    mine = sweep_configs(bf16, False, [(1, 512), (64, 512)], [(28, 4), (16, 8)], 256)
+    assert [(c.num_heads, c.num_kv_heads, c.batch, c.head_dim) for c in mine] == [
+        (28, 4, 1, 256), (28, 4, 64, 256), (16, 8, 1, 256), (16, 8, 64, 256)
+    ]  # fmt: skip
+
+
+def test_a_tables_entries_go_most_specific_first():
+    """Per cache, the shortest context bound, then the fewest waves, first (the first
+    covering row decides); two shapes' rows for one batch x context are two entries."""
+    from benchmarks.decode_sweep import table_order
+
+    def entry(head_dim, kv_heads, batch, context, waves):
+        return {"head_dim": head_dim, "kv_dtype": "bfloat16", "num_heads": 32,
+                "num_kv_heads": kv_heads, "batch": batch, "context_len": context,
+                "row": {"max_context_len": context, "waves_below": waves}}  # fmt: skip
+
+    entries = [entry(128, 8, 64, 512, None), entry(128, 8, 1, 4096, 0.061),
+               entry(128, 8, 16, 512, 0.97), entry(128, 4, 16, 512, 0.485),
+               entry(64, 8, 1, 4096, 0.061), entry(128, 8, 1, 512, 0.061)]  # fmt: skip
+    ordered = [(e["head_dim"], e["num_kv_heads"], e["batch"], e["context_len"])
+               for e in sorted(entries, key=table_order)]  # fmt: skip
+    assert ordered == [(64, 8, 1, 4096), (128, 8, 1, 512), (128, 4, 16, 512),
+                       (128, 8, 16, 512), (128, 8, 64, 512), (128, 8, 1, 4096)]  # fmt: skip
+    assert len({table_order(e) for e in entries}) == len(entries)
+
+
 def test_sweep_table_line_reproduces_the_best_launch(monkeypatch):
     """The sweep's suggested ``DecodeTuning`` row, put first in the table, makes
     ``choose_launch`` pick the measured best at the row's shape (on a 132-SM GPU)."""
