@@ -40,8 +40,8 @@ Every row checks its output against the reference (``max_err``), so a fast wrong
 ``--sweep`` times the decode kernel's launches (one- and two-launch split-K, split counts,
 ``num_warps``, ``num_stages``, tile) on the ``--targets`` rows and prints the best per row
 beside today's, bounded by ``--budget-s`` (``benchmarks/decode_sweep.py``), at the
-Llama-3-8B shape or those of ``--shapes`` and ``--head-dim`` in ``--dtype`` (a model's own:
-``--shapes 28/4`` for Qwen2.5-7B, ``--shapes 16/8 --head-dim 256`` for Gemma-2-9B); with
+Llama-3-8B shape, a model's (``--model qwen2.5-7b``: a preset, or a directory with its
+config.json), or those of ``--shapes`` and ``--head-dim``, in ``--dtype``; with
 ``--write-tuning FILE`` it writes each row's best as a table that
 ``PAGEDSERVE_ATTENTION_TUNING=FILE`` puts before ``DECODE_TUNING``'s rows, for this benchmark
 and the engine alike (``kernels/attention_tuning.py``).
@@ -69,7 +69,8 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,9 @@ from benchmarks.decode_cases import (
 )
 from kernels import reference
 from planner.devices import device_for_cuda_name
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 # --dtype's names
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -488,6 +492,28 @@ def _batch_contexts(text: str) -> list[tuple[int, int]]:
     return rows
 
 
+def _model_config(name: str) -> ModelConfig:
+    """``--model``: a preset's or a checkpoint directory's config (argparse turns the
+    ValueError into one line)."""
+    from engine.config import ModelConfig, ModelError
+    from engine.loader import read_hf_config
+    from engine.presets import PRESETS, preset
+
+    config = preset(name)
+    if config is None:
+        path = Path(name)
+        if not (path / "config.json").is_file():
+            names = ", ".join(PRESETS)
+            raise argparse.ArgumentTypeError(
+                f"{name!r} is neither a preset ({names}) nor a directory with a config.json"
+            )
+        config = read_hf_config(path)
+    try:
+        return ModelConfig.from_hf(config)
+    except ModelError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _shape_list(text: str) -> list[tuple[int, int]]:
     pairs = [x.split("/") for x in text.split(",")]
     return [(int(q), int(kv)) for q, kv in pairs]
@@ -558,6 +584,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", type=_shape_list,
                         help="query/KV heads, e.g. 32/8,9/3 (GQA ratio = q/kv); --sweep: "
                              "the shapes to sweep (default 32/8, Llama-3-8B's)")  # fmt: skip
+    parser.add_argument("--model", type=_model_config, default=None, metavar="PRESET",
+                        help="--sweep and --quant-matmul at a model's shapes (a preset of "
+                             "engine/presets.py, e.g. qwen2.5-7b, or a directory with its "
+                             "config.json) instead of Llama-3-8B's")  # fmt: skip
     parser.add_argument("--targets", action="store_true",
                         help="the issue's decode rows (32/8 heads x 128, block 16): 1x512, "
                              "16x512, 1x4096, 64x4096, 256x4096")  # fmt: skip
@@ -604,6 +634,8 @@ def main(argv: list[str] | None = None) -> None:
     if (args.sweep or args.quant_matmul) and not triton_runs_on(device):
         parser.exit(2, "error: --sweep and --quant-matmul time Triton kernels: they need "
                        "CUDA, or TRITON_INTERPRET=1 with --quick\n")  # fmt: skip
+    if args.model is not None and args.shapes:
+        parser.exit(2, "error: --model gives the shapes: drop --shapes\n")
     if args.quant_matmul and device.type != "cuda" and not args.quick:
         parser.exit(2, "error: --quant-matmul off CUDA runs only with --quick (the interpreter "
                        "would take hours on the 8B shapes)\n")  # fmt: skip
@@ -638,9 +670,12 @@ def main(argv: list[str] | None = None) -> None:
         from kernels.attention_tuning import ATTENTION_TUNING_ENV
         from kernels.attention_tuning import parse_tuning as parse_attention
 
+        heads, head_dim = args.shapes, args.head_dim
+        if args.model is not None:
+            heads, head_dim = [(args.model.num_heads, args.model.num_kv_heads)], args.model.head_dim
         rows = run_sweep(device, dtype, peak, quick=args.quick, budget_s=args.budget_s or 100.0,
-                         batch_contexts=args.sweep_rows, heads=args.shapes,
-                         head_dim=args.head_dim)  # fmt: skip
+                         batch_contexts=args.sweep_rows, heads=heads,
+                         head_dim=head_dim)  # fmt: skip
         if args.write_tuning:
             table = attention_table(rows, num_compute_units(device), name,
                                     f"{command} at {git_commit()}")  # fmt: skip
@@ -648,11 +683,17 @@ def main(argv: list[str] | None = None) -> None:
                          table_order)  # fmt: skip
         return
     if args.quant_matmul:
-        from benchmarks.quant_matmul_sweep import DEFAULT_BUDGET_S, ROWS, run_quant_sweep
+        from benchmarks.quant_matmul_sweep import (
+            DEFAULT_BUDGET_S,
+            ROWS,
+            model_shapes,
+            run_quant_sweep,
+        )
 
+        shapes = None if args.model is None else model_shapes(args.model)
         rows = run_quant_sweep(device, dtype, peak, quick=args.quick,
                                budget_s=args.budget_s or DEFAULT_BUDGET_S, modes=quant_modes,
-                               rows=tuple(args.quant_rows or ROWS))  # fmt: skip
+                               rows=tuple(args.quant_rows or ROWS), shapes=shapes)  # fmt: skip
         if args.write_tuning:
             from benchmarks.provenance import git_commit
             from benchmarks.quant_matmul_sweep import tuning_table as matmul_table

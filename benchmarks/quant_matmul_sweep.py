@@ -2,7 +2,8 @@
 --quant-matmul``).
 
 For each Llama-3-8B decode matmul (K x N: qkv 4,096 x 6,144, o 4,096 x 4,096, gate/up 4,096
-x 28,672, down 14,336 x 4,096, LM head 4,096 x 128,256) at M = 1, 4, 16 and 64 rows, in
+x 28,672, down 14,336 x 4,096, LM head 4,096 x 128,256; ``--model``: a model's own,
+``model_shapes``) at M = 1, 4, 16 and 64 rows, in
 int8 and fp8 weights, it times launches of ``kernels.quant_matmul.quant_matmul``
 (``launch=``) beside bf16 ``x @ w`` (cuBLAS) on the same shape, and prints per row the
 fastest launch beside today's (``TiledLaunch`` at ``tile_shape``, what decode ran before the
@@ -73,6 +74,7 @@ class PdlLaunch:
 
 
 if TYPE_CHECKING:
+    from engine.config import ModelConfig
     from kernels.quant_matmul import SplitKLaunch, TiledLaunch
 
     # a quant_matmul (or dense_matmul) launch, or TORCH: x @ w on the unquantized weight
@@ -81,7 +83,8 @@ if TYPE_CHECKING:
 
 TORCH = "torch"
 
-# Llama-3-8B's matmuls of one decoder layer and the LM head: name -> (K, N).
+# Llama-3-8B's matmuls of one decoder layer and the LM head: name -> (K, N) (what
+# model_shapes gives for its preset; a test holds the two together).
 SHAPES = {
     "qkv": (4096, 6144),
     "o": (4096, 4096),
@@ -337,6 +340,19 @@ def stage_d(row: RowSweep) -> list[Launch]:
     return launches
 
 
+def model_shapes(mc: ModelConfig) -> dict[str, tuple[int, int]]:
+    """A model's dense matmuls as the engine builds them (engine/llama.py: fused qkv and
+    gate/up projections, weights [K, N]): name -> (K, N). A mixture of experts' MLP is not
+    a dense matmul (engine/moe.py): its model gets the attention's and the LM head's."""
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    shapes = {"qkv": (mc.hidden_size, q + 2 * kv), "o": (q, mc.hidden_size)}
+    if not mc.num_experts:
+        shapes["gate_up"] = (mc.hidden_size, 2 * mc.intermediate_size)
+        shapes["down"] = (mc.intermediate_size, mc.hidden_size)
+    shapes["lm_head"] = (mc.hidden_size, mc.vocab_size)
+    return shapes
+
+
 def make_rows(
     device: torch.device,
     dtype: torch.dtype,
@@ -437,9 +453,12 @@ def run_quant_sweep(
     budget_s: float = DEFAULT_BUDGET_S,
     modes: tuple[str, ...] = MODES,
     rows: tuple[int, ...] = ROWS,
+    shapes: dict[str, tuple[int, int]] | None = None,
     out: Callable[[str], None] | None = None,
 ) -> list[RowSweep]:
-    """Run the sweep, printing as it goes; returns the rows with their measurements."""
+    """Run the sweep, printing as it goes; returns the rows with their measurements.
+    ``shapes``: name -> (K, N), default Llama-3-8B's (``SHAPES``; ``model_shapes`` gives a
+    model's)."""
     from kernels._common import num_compute_units
 
     out = out or print_line
@@ -451,7 +470,7 @@ def run_quant_sweep(
             [("A", lambda r: stage_a(r, 132, quick=True)), ("D", stage_d)]
         )
     else:
-        shapes = SHAPES
+        shapes = shapes or SHAPES
         stages = Stages([("A", lambda r: stage_a(r, sms, quick=False)), ("B", stage_b),
                          ("C", stage_c), ("D", stage_d)])  # fmt: skip
     torch.manual_seed(0)

@@ -170,3 +170,51 @@ def test_a_rows_tuning_entry_is_its_fastest_launch_as_the_engine_runs_it():
     wide = _row(64, 4096, 4096)
     wide.results = {SplitKLaunch(64, 128, 64, 2, 4, 3): Measured(1e-6, 0.0, True)}
     assert tuning_entry(wide) is None
+
+
+def test_a_models_matmuls_are_the_engines():
+    """``--model``'s shapes (``model_shapes``): Llama-3-8B's are the sweep's default table,
+    and every one is a dense Linear the engine builds at that preset, [K, N]; a mixture of
+    experts keeps its attention's and its LM head's."""
+    from benchmarks.quant_matmul_sweep import SHAPES, model_shapes
+    from engine.attention import PagedAttention
+    from engine.config import ModelConfig
+    from engine.llama import Linear, LlamaForCausalLM
+    from engine.presets import preset
+    from engine.rope import RotaryEmbedding
+
+    assert model_shapes(ModelConfig.from_hf(preset("llama-3-8b"))) == SHAPES
+    for name in ("tiny-llama", "qwen2.5-7b", "llama-3.2-1b"):
+        mc = ModelConfig.from_hf(preset(name))
+        rope = RotaryEmbedding(mc, 16, torch.device("cpu"))
+        with torch.device("meta"):
+            model = LlamaForCausalLM(mc, PagedAttention("torch", scale=1.0), rope)
+        built = {tuple(m.weight.shape) for m in model.modules() if type(m) is Linear}
+        assert set(model_shapes(mc).values()) == built, name
+    moe = model_shapes(ModelConfig.from_hf(preset("mixtral-8x7b")))
+    assert set(moe) == {"qkv", "o", "lm_head"}, moe
+
+
+def test_model_picks_the_sweeps_shapes(monkeypatch, capsys):
+    """``--model``: the attention sweep at the preset's heads and head dim, the matmul sweep
+    at its matmuls; a name that is neither a preset nor a checkpoint, or one given with
+    --shapes, is one line and exit 2."""
+    import benchmarks.decode_sweep
+    import benchmarks.quant_matmul_sweep as qms
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(benchmarks.decode_sweep, "run_sweep",
+                        lambda *a, **k: seen.update(attention=k) or [])  # fmt: skip
+    monkeypatch.setattr(qms, "run_quant_sweep", lambda *a, **k: seen.update(matmul=k) or [])
+    main(["--device", "cpu", "--sweep", "--quick", "--model", "qwen2.5-7b"])
+    assert seen["attention"]["heads"] == [(28, 4)] and seen["attention"]["head_dim"] == 128
+    main(["--device", "cpu", "--quant-matmul", "--quick", "--model", "llama-3.2-1b"])
+    assert seen["matmul"]["shapes"]["qkv"] == (2048, 3072), seen["matmul"]
+    refused = [(["--model", "llama-9"], "neither a preset"),
+               (["--model", "qwen2.5-7b", "--shapes", "32/8"], "drop --shapes")]  # fmt: skip
+    for argv, says in refused:
+        with pytest.raises(SystemExit) as info:
+            main(["--device", "cpu", "--sweep", "--quick", *argv])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
