@@ -423,7 +423,9 @@ def choose_launch(
 
     ``max_context_len`` must come from shapes (a bucket of the batch's longest context), not
     from ``seq_lens`` read on the host. Off CUDA (the interpreter runs programs one after
-    another) splitting only adds work, so the split count is 1 there.
+    another) splitting only adds work, so the split count is 1 there. ``head_dim`` and
+    ``kv_dtype`` (the cache's) choose which rows of a swept table apply; without them, only
+    its rows for any cache.
     """
     row = tuning_row(
         num_seqs, num_kv_heads, max_context_len, device, head_dim=head_dim, kv_dtype=kv_dtype
