@@ -21,7 +21,8 @@ Format (``format`` 1)::
          "us": 14.6, "library_us": 21.9},
         {"weight": "bfloat16", "k": 4096, "n": 128256, "rows": 16, "launch": "library"}]}
 
-``weight`` is the weight's storage: ``int8``, ``fp8`` (e4m3), or the activations' dtype for
+A launch is ``SplitKLaunch``'s fields; ``maxnreg`` (a cap on a thread's registers, 0: none)
+may be left out. ``weight`` is the weight's storage: ``int8``, ``fp8`` (e4m3), or the activations' dtype for
 ``dense_matmul`` (``bfloat16``, ``float16``, ``float32``). An entry serves batches of at
 most ``rows`` rows down to the next smaller entry's (a batch takes the entry with the fewest
 rows that still covers it); ``us`` and ``library_us`` are what the sweep measured, for
@@ -62,8 +63,12 @@ WEIGHT_KINDS = (*QUANTIZED_KINDS, *DENSE_KINDS)
 # kernels.quant_matmul.SplitKLaunch's fields, in order (a test holds the two together).
 SPLIT_K_FIELDS = (
     "block_m", "block_n", "block_k", "num_splits", "num_warps", "num_stages", "dot",
-    "prefetch", "one_launch",
+    "prefetch", "one_launch", "maxnreg",
 )  # fmt: skip
+# Fields a launch may leave out (the kernel's default then: the compiler's registers).
+_OPTIONAL_FIELDS = ("maxnreg",)
+# ptxas's bounds on a thread's registers (.maxnreg); 0 in a launch: no cap.
+MAXNREG_RANGE = (16, 255)
 _BOOL_FIELDS = ("dot", "prefetch", "one_launch")
 _ENTRY_REQUIRED = ("weight", "k", "n", "rows", "launch")
 _ENTRY_KEYS = (*_ENTRY_REQUIRED, "us", "library_us")  # the sweep's times, for reading
@@ -73,16 +78,23 @@ Launch = Mapping[str, int | bool] | str
 
 
 def check_split_k_fields(fields: Mapping[str, Any]) -> None:
-    """A split-K launch the kernel accepts, as fields: every one of ``SPLIT_K_FIELDS``, the
-    tile sizes powers of two, ``dot`` tiles of at least 16 rows and 16 K, and counts of at
-    least 1. A ValueError says what is wrong."""
-    check_keys("a split-K launch", fields, required=SPLIT_K_FIELDS, allowed=SPLIT_K_FIELDS)
+    """A split-K launch the kernel accepts, as fields: every one of ``SPLIT_K_FIELDS`` but
+    ``maxnreg`` (0 or ptxas's range where given), the tile sizes powers of two, ``dot``
+    tiles of at least 16 rows and 16 K, and counts of at least 1. A ValueError says what
+    is wrong."""
+    required = [name for name in SPLIT_K_FIELDS if name not in _OPTIONAL_FIELDS]
+    check_keys("a split-K launch", fields, required=required, allowed=SPLIT_K_FIELDS)
     for name in _BOOL_FIELDS:
         if not isinstance(fields[name], bool):
             raise ValueError(f"{name} must be true or false, got {fields[name]!r}")
-    for name in SPLIT_K_FIELDS:
+    for name in required:
         if name not in _BOOL_FIELDS:
             check_whole(name, fields[name])
+    maxnreg = fields.get("maxnreg", 0)
+    check_whole("maxnreg", maxnreg, least=0)
+    low, high = MAXNREG_RANGE
+    if maxnreg and not low <= maxnreg <= high:
+        raise ValueError(f"maxnreg must be 0 (no cap) or {low}-{high}, got {maxnreg}")
     for name in ("block_m", "block_n", "block_k", "num_warps"):
         if fields[name] != next_power_of_2(fields[name]):
             raise ValueError(f"{name} must be a power of two, got {fields[name]}")

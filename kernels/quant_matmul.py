@@ -85,6 +85,7 @@ __all__ = [
     "SplitKLaunch",
     "TiledLaunch",
     "choose_launch",
+    "two_programs_regs",
     "dense_matmul",
     "quant_matmul",
     "split_k_rows",
@@ -124,6 +125,17 @@ class SplitKLaunch:
     # strip's partials in the same launch (an arrival counter per strip, as decode
     # attention's one-launch merge), instead of a second kernel. The same sums.
     one_launch: bool = False
+    # Registers a thread may hold (ptxas's .maxnreg), 0: the compiler's choice. The
+    # one-launch sum at one row takes 154 at 8 warps, so one program an SM where split-K's
+    # targets assume two; capped at two_programs_regs(8) = 128 it builds without a spill
+    # (sm_90, kernels/README.md). The same sums: registers change no instruction's result.
+    maxnreg: int = 0
+
+
+def two_programs_regs(num_warps: int) -> int:
+    """The most registers a thread may hold for two programs of ``num_warps`` to share an
+    SM (65,536 registers; ptxas allows at most 255): what ``maxnreg`` caps."""
+    return min(255, 65536 // (2 * 32 * num_warps))
 
 
 @dataclass(frozen=True, slots=True)
@@ -624,6 +636,7 @@ def _split_k(
         BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NUM_STAGES=launch.num_stages,
         DTYPE=TL_DTYPES[x.dtype], **dot_args(_quant_matmul_split_k_kernel, x.dtype),
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pdl_launch,
+        **({"maxnreg": launch.maxnreg} if launch.maxnreg else {}),
     )  # fmt: skip
     if split and not combine:
         _reduce_splits_kernel[(triton.cdiv(n, REDUCE_BLOCK_N), m)](

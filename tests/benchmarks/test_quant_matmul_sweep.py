@@ -142,12 +142,18 @@ def test_later_stages_search_around_the_best_split_k_launch():
     }
     assert all(launch.block_k == 64 and launch.num_splits == 16 for launch in b)
     assert [launch.block_k for launch in stage_c(row)] == [16, 32, 64, 128]
-    # D: the best plain launch prefetched, and summed in one launch (off a Hopper GPU, no
-    # dependent launch)
-    assert stage_d(row) == [replace(best, prefetch=True), replace(best, one_launch=True)]
+    # D: the best plain launch prefetched, and summed in one launch, also with registers
+    # capped for two 8-warp programs an SM (off a Hopper GPU, no dependent launch)
+    summed = replace(best, one_launch=True)
+    assert stage_d(row) == [replace(best, prefetch=True), summed, replace(summed, maxnreg=128)]
     row.results[replace(best, prefetch=True)] = Measured(1e-7, 0.0, True)
-    row.results[replace(best, one_launch=True)] = Measured(1e-7, 0.0, True)
+    row.results[summed] = Measured(1e-7, 0.0, True)
+    row.results[replace(summed, maxnreg=128)] = Measured(1e-7, 0.0, True)
     assert row.best_split_k() == best  # stages B-D search around plain launches
+    # At 4 warps two programs fit an SM at ptxas's own bound: no cap to try
+    four = replace(best, num_warps=4)
+    row.results = {four: Measured(1e-6, 0.0, True)}
+    assert all(not launch.maxnreg for launch in stage_d(row))
     assert fits(16, 256, 256, 2, dot=True) and not fits(16, 64, 8, 4, dot=True)
 
 

@@ -337,9 +337,12 @@ def _split_k(
              PREFETCH=launch.prefetch or pdl, PDL=pdl, BLOCK_M=launch.block_m,
              BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NUM_STAGES=launch.num_stages,
              DTYPE=_TL[dtype], DOT_DTYPE=_TL[dtype], DOT_PRECISION=dot_precision(dtype)),
-        dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **option),
-        # the one-launch sum: a ticket that releases the partials, read past L1
-        ptx + (("atom.global.gpu.acq_rel.add", "ld.global.cg") if combine else ()),
+        dict(num_warps=launch.num_warps, num_stages=launch.num_stages, **option,
+             **({"maxnreg": launch.maxnreg} if launch.maxnreg else {})),
+        # the one-launch sum: a ticket that releases the partials, read past L1; a register
+        # cap as the kernel's .maxnreg
+        ptx + (("atom.global.gpu.acq_rel.add", "ld.global.cg") if combine else ())
+        + ((f".maxnreg {launch.maxnreg}",) if launch.maxnreg else ()),
         ("N", "K", "k_per_split") if model_shape else (),
         # the first weight tile's 16-byte loads, then the wait for x
         ("ld.global.v4.b32", "griddepcontrol.wait") if pdl and model_shape else (),
@@ -382,16 +385,17 @@ def _chosen_matmuls(dtype: torch.dtype, weight: str, pdl: bool = False) -> dict[
             name += ("_dot" if launch.dot else "_broadcast") + ("_split" if split else "")
             builds[name] = _split_k(dtype, weight, False, split, launch, pdl, model_shape=True)
             if split and dense:  # the sweep's one-launch alternative to the reduction
+                summed = replace(launch, one_launch=True)
+                pad = next_power_of_2(num_splits)
                 builds[f"{name}_one_launch"] = _split_k(
-                    dtype,
-                    weight,
-                    False,
-                    split,
-                    replace(launch, one_launch=True),
-                    pdl,
-                    model_shape=True,
-                    splits_pad=next_power_of_2(num_splits),
+                    dtype, weight, False, split, summed, pdl, model_shape=True, splits_pad=pad
                 )
+                regs = quant_matmul.two_programs_regs(launch.num_warps)
+                if not pdl and regs < 255:  # stage D's capped one: two programs an SM
+                    builds[f"{name}_one_launch_r{regs}"] = _split_k(
+                        dtype, weight, False, split, replace(summed, maxnreg=regs), pdl,
+                        model_shape=True, splits_pad=pad,
+                    )  # fmt: skip
             if split:
                 pad = next_power_of_2(num_splits)
                 reduce = f"quant_matmul_reduce{_SUFFIX[dtype]}" + ("_dense" if dense else "")

@@ -96,6 +96,8 @@ def _with(launch: Any = None, **entry: Any) -> dict[str, Any]:
         (_with({**asdict(INT8), "num_splits": 0}), "num_splits must be a whole number >= 1"),
         (_with({**asdict(INT8), "dot": True}), "16 rows and 16 K"),
         (_with({**asdict(INT8), "prefetch": 1}), "prefetch must be true or false"),
+        (_with({**asdict(INT8), "maxnreg": 8}), "maxnreg must be 0 (no cap) or 16-255, got 8"),
+        (_with({**asdict(INT8), "maxnreg": 128.0}), "maxnreg must be a whole number >= 0"),
         (_with({k: v for k, v in asdict(INT8).items() if k != "num_stages"}),
          "needs ['num_stages']"),
         (_table(_entry("int8", 64, 64, 1, INT8), _entry("int8", 64, 64, 1, INT8)),
@@ -160,3 +162,15 @@ def test_a_library_entry_sends_dense_batches_to_the_library(device, monkeypatch,
     # A launch passed by hand still runs the kernel.
     qm.dense_matmul(x, w, launch=qm.SplitKLaunch(1, 32, 32, 1, 4, 2, dot=False))
     assert len(calls) == 1
+
+
+def test_a_launch_may_leave_out_its_register_cap():
+    """``maxnreg`` is the one field a launch may leave out (tables written before it): the
+    compiler's registers then; given, it reaches the launch."""
+    fields = {k: v for k, v in asdict(INT8).items() if k != "maxnreg"}
+    capped = {**asdict(INT8), "maxnreg": 128}
+    table = parse_tuning(_table(_entry("int8", 64, 64, 1, fields),
+                                _entry("int8", 64, 64, 4, capped)), "t.json")  # fmt: skip
+    assert qm.SplitKLaunch(**table.lookup("int8", 1, 64, 64)) == INT8  # type: ignore[arg-type]
+    launch = qm.SplitKLaunch(**table.lookup("int8", 4, 64, 64))  # type: ignore[arg-type]
+    assert launch == qm.SplitKLaunch(**capped) and launch.maxnreg == 128

@@ -280,6 +280,9 @@ def test_one_launch_sums_the_splits_as_the_reduction_does(device, close, mode, n
         assert_matches(got, want, close)
         assert torch.equal(run(launch=launch), got)
         assert torch.equal(run(launch=replace(launch, prefetch=True)), got)
+        # Registers capped for two programs an SM (stage D's launch at 8 warps): the same
+        # instructions' results (compiled: the same tile, so bitwise too)
+        assert torch.equal(run(launch=replace(launch, maxnreg=128)), got)
         _counters_zero(device)
         if device == "cpu":
             assert torch.equal(run(launch=replace(launch, one_launch=False)), got)
