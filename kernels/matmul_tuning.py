@@ -22,11 +22,11 @@ Format (``format`` 1)::
         {"weight": "bfloat16", "k": 4096, "n": 128256, "rows": 16, "launch": "library"}]}
 
 A launch is ``SplitKLaunch``'s fields; ``maxnreg`` (a cap on a thread's registers, 0: none)
-may be left out. ``weight`` is the weight's storage: ``int8``, ``fp8`` (e4m3), or the activations' dtype for
-``dense_matmul`` (``bfloat16``, ``float16``, ``float32``). An entry serves batches of at
-most ``rows`` rows down to the next smaller entry's (a batch takes the entry with the fewest
-rows that still covers it); ``us`` and ``library_us`` are what the sweep measured, for
-reading only. Imports no triton: the server checks the file before anything runs
+may be left out. ``weight`` is the weight's storage: ``int8``, ``fp8`` (e4m3), or the
+activations' dtype for ``dense_matmul`` (``bfloat16``, ``float16``, ``float32``). An entry
+serves batches of at most ``rows`` rows down to the next smaller entry's (a batch takes the
+entry with the fewest rows that still covers it); ``us`` and ``library_us`` are what the
+sweep measured, for reading only. Imports no triton: the server checks the file before anything runs
 (``engine/config.check_environment``).
 """
 
