@@ -27,8 +27,8 @@ short by ``--budget-s`` (compiles included) still has every row's first stage::
     D  the best of C with its first weight tile prefetched (``SplitKLaunch.prefetch``), with
        its splits summed by the last to finish instead of a second kernel (``one_launch``;
        at 8 warps also with registers capped at 128, ``maxnreg``, so that two programs
-       share an SM as without the sum), and both where the device runs them as
-       programmatic dependent launches (``pdl``:
+       share an SM as without the sum), and each where the device runs them as a
+       programmatic dependent launch (``pdl``:
        back to back in the graph, each call's first tiles stream while the call before
        ends, as after a layer's short kernels with ``PAGEDSERVE_PDL=1``)
 
@@ -332,19 +332,21 @@ def stage_c(row: RowSweep) -> list[Launch]:
 
 def stage_d(row: RowSweep) -> list[Launch]:
     """The best of C prefetched, summed in one launch (also with registers capped for two
-    programs an SM where that is a cap: the plain one-launch sum takes 154 at one row and 8
-    warps), and both as dependent launches where the device runs them."""
+    programs an SM where that is a cap: at one row and 8 warps the one-launch sum takes 154
+    registers as Triton 3.9 builds it, 168 as a dependent launch as Triton 3.6 does), and
+    each as a dependent launch where the device runs them."""
     from kernels._triton_common import pdl_supported
     from kernels.quant_matmul import two_programs_regs
 
     b = row.best_split_k()
     if b is None:
         return []
-    plain = [b] + ([replace(b, one_launch=True)] if row.effective(b).num_splits > 1 else [])
+    plain = [b]
+    if row.effective(b).num_splits > 1:
+        summed = replace(b, one_launch=True)
+        regs = two_programs_regs(b.num_warps)
+        plain += [summed] + ([replace(summed, maxnreg=regs)] if regs < 255 else [])
     launches: list[Launch] = [replace(b, prefetch=True), *plain[1:]]
-    regs = two_programs_regs(b.num_warps)
-    if len(plain) > 1 and regs < 255:
-        launches.append(replace(plain[1], maxnreg=regs))
     if pdl_supported(row.device):
         launches += [PdlLaunch(launch) for launch in plain]
     return launches

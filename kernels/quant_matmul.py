@@ -125,10 +125,11 @@ class SplitKLaunch:
     # strip's partials in the same launch (an arrival counter per strip, as decode
     # attention's one-launch merge), instead of a second kernel. The same sums.
     one_launch: bool = False
-    # Registers a thread may hold (ptxas's .maxnreg), 0: the compiler's choice. Triton 3.9
-    # builds the one-launch sum at one row in 154 at 8 warps, so one program an SM where
-    # split-K's targets assume two; capped at two_programs_regs(8) = 128 it builds without
-    # a spill (sm_90, kernels/README.md). The same sums: registers change no result.
+    # Registers a thread may hold (ptxas's .maxnreg), 0: the compiler's choice. The
+    # one-launch sum at one row and 8 warps takes more than 128 (Triton 3.9: 154 plain;
+    # 3.6: 168 as a dependent launch), so one program an SM where split-K's targets assume
+    # two; two_programs_regs(8) = 128 caps it (kernels/README.md). The same sums:
+    # registers change no result.
     maxnreg: int = 0
 
 

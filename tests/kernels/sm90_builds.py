@@ -391,7 +391,7 @@ def _chosen_matmuls(dtype: torch.dtype, weight: str, pdl: bool = False) -> dict[
                     dtype, weight, False, split, summed, pdl, model_shape=True, splits_pad=pad
                 )
                 regs = quant_matmul.two_programs_regs(launch.num_warps)
-                if not pdl and regs < 255:  # stage D's capped one: two programs an SM
+                if regs < 255:  # stage D's capped one: two programs an SM
                     builds[f"{name}_one_launch_r{regs}"] = _split_k(
                         dtype, weight, False, split, replace(summed, maxnreg=regs), pdl,
                         model_shape=True, splits_pad=pad,
