@@ -132,18 +132,20 @@ def test_the_http_servers_command_serves_what_the_engine_part_measured() -> None
 
 def test_the_first_request_probe_reads_the_servers_own_ttft(tmp_path: Path) -> None:
     """Against a real server (the tiny random Llama on one CPU thread): the client's TTFTs
-    and the server's histogram for the first request and the steady ones, each positive,
-    the server's within the client's (it starts later and ends earlier)."""
+    and the server's histogram for the first request and the steady one, each positive,
+    the server's within the client's (it starts later and ends earlier). One steady
+    request: the client's median and the server's mean of several are different
+    statistics, which a slow request on a loaded machine sets apart."""
     from tests.server.tiny_server import make_tiny_model_dir, tiny_server
 
     model = make_tiny_model_dir(tmp_path / "tiny")
     with tiny_server(model, tmp_path / "server.log") as server:
         served = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
         first, steady, server_first, server_steady = gpu.first_request_ttft(
-            server.url, served, 8, reps=3
+            server.url, served, 8, reps=1
         )
     assert server_first is not None and server_steady is not None
-    assert 0 < server_first <= first and 0 < server_steady <= steady * 1.5
+    assert 0 < server_first <= first and 0 < server_steady <= steady
 
 
 @pytest.mark.parametrize("name", ["llama-3-8b", "llama-3.2-1b", "mixtral-8x7b"])
