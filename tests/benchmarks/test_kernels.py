@@ -201,7 +201,7 @@ def test_sweep_writes_its_rows_as_a_table_two_sweeps_share(device, capsys, tmp_p
 
 
 def test_the_sweep_runs_at_a_models_shapes():
-    """``--shapes`` and ``--head-dim`` (Qwen2.5-7B's 28/4, Gemma-2-9B's 16/8 of 256): every
+    """``--shapes`` and ``--head-dim`` (Qwen2.5-7B's 28/4; 16/8 of 256): every
     row at every shape; by default the Llama-3-8B shape."""
     from benchmarks.decode_sweep import sweep_configs
 
