@@ -69,7 +69,6 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -493,25 +492,23 @@ def _batch_contexts(text: str) -> list[tuple[int, int]]:
 
 
 def _model_config(name: str) -> ModelConfig:
-    """``--model``: a preset's or a checkpoint directory's config (argparse turns the
-    ValueError into one line)."""
+    """``--model``: a preset's config, or a model's as the server resolves ``--model``
+    (``engine.loader.resolve_model``: "default", a checkpoint directory, a .gguf file);
+    argparse turns the error into one line."""
     from engine.config import ModelConfig, ModelError
-    from engine.loader import read_hf_config
+    from engine.loader import read_hf_config, resolve_model
     from engine.presets import PRESETS, preset
 
-    config = preset(name)
-    if config is None:
-        path = Path(name)
-        if not (path / "config.json").is_file():
-            names = ", ".join(PRESETS)
-            raise argparse.ArgumentTypeError(
-                f"{name!r} is neither a preset ({names}) nor a directory with a config.json"
-            )
-        config = read_hf_config(path)
     try:
+        config = preset(name)
+        if config is None:
+            config = read_hf_config(resolve_model(name).path)
         return ModelConfig.from_hf(config)
     except ModelError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        names = ", ".join(PRESETS)
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is neither a preset ({names}) nor a model: {e}"
+        ) from None
 
 
 def _shape_list(text: str) -> list[tuple[int, int]]:
@@ -667,7 +664,6 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.decode_sweep import tuning_table as attention_table
         from benchmarks.provenance import git_commit
         from kernels._common import num_compute_units
-        from kernels.attention_tuning import ATTENTION_TUNING_ENV
         from kernels.attention_tuning import parse_tuning as parse_attention
 
         heads, head_dim = args.shapes, args.head_dim
