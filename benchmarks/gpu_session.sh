@@ -105,10 +105,10 @@ read -r -a SWEEP <<<"${SWEEP_ARGS:-}"
 # ATTN_SWEEP_ARGS="--device cpu --quick", with B64_ROWS=2x64 for sweep-b64).
 read -r -a ATTN_SWEEP <<<"${ATTN_SWEEP_ARGS:-}"
 
-# The table the attention sweeps write, where one of them has: the kernels step and the
-# decode steps after sweep-b64 take its launches (PAGEDSERVE_ATTENTION_TUNING).
-attention_table() {
-    [ -f "$OUT/attention-tuning.json" ] && echo "$OUT/attention-tuning.json"
+# A tuning table a sweep step wrote ($OUT/<name>), or nothing where it wrote none: the steps
+# after a sweep run on its launches (PAGEDSERVE_MATMUL_TUNING, PAGEDSERVE_ATTENTION_TUNING).
+written() {
+    [ -f "$OUT/$1" ] && echo "$OUT/$1"
 }
 
 # The host step's shape (a smoke run on a CPU: HOST_ARGS="--device cpu --batch 1 --context 16
@@ -139,7 +139,7 @@ step() {
     case $1 in
     gpu-tests) run_step gpu-tests 240 python3 -m pytest -q -p no:cacheprovider -m gpu -n 4 tests ;;
     kernels)
-        PAGEDSERVE_ATTENTION_TUNING=$(attention_table) run_step kernels 150 \
+        PAGEDSERVE_ATTENTION_TUNING=$(written attention-tuning.json) run_step kernels 150 \
             python3 -m benchmarks.kernels --targets --fused ;;
     sweep) run_step sweep 150 python3 -m benchmarks.kernels --sweep --budget-s 100 \
         --write-tuning "$OUT/attention-tuning.json" "${ATTN_SWEEP[@]}" ;;
@@ -147,7 +147,7 @@ step() {
         run_step sweep-b64 100 python3 -m benchmarks.kernels --sweep \
             --sweep-rows "${B64_ROWS:-64x512,256x512}" --budget-s 60 \
             --write-tuning "$OUT/attention-tuning.json" "${ATTN_SWEEP[@]}"
-        PAGEDSERVE_ATTENTION_TUNING=$(attention_table) run_step attn-decode 150 "${B[@]}" \
+        PAGEDSERVE_ATTENTION_TUNING=$(written attention-tuning.json) run_step attn-decode 150 "${B[@]}" \
             --sections decode --skip-http --out "$OUT/attn-decode.json" ;;
     engine) run_step engine 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
         --out "$OUT/engine.json" ;;
@@ -172,10 +172,9 @@ step() {
     gemv)
         run_step gemv-sweep 100 python3 -m benchmarks.kernels --quant-matmul --quant-modes dense \
             --quant-rows 1,16 --budget-s 60 --write-tuning "$OUT/matmul-tuning.json" "${SWEEP[@]}"
-        local tuning=""
-        [ -f "$OUT/matmul-tuning.json" ] && tuning="$OUT/matmul-tuning.json"
         for pdl in ${GEMV_PDL:-1}; do
-            PAGEDSERVE_MATMUL_TUNING=$tuning PAGEDSERVE_DECODE_MATMUL=triton PAGEDSERVE_PDL=$pdl \
+            PAGEDSERVE_MATMUL_TUNING=$(written matmul-tuning.json) \
+                PAGEDSERVE_DECODE_MATMUL=triton PAGEDSERVE_PDL=$pdl \
                 run_step "gemv-pdl$pdl" 150 "${B[@]}" --sections batch1,decode --skip-http \
                 --out "$OUT/gemv-pdl$pdl.json"
         done ;;
