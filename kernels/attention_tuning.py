@@ -96,7 +96,10 @@ class DecodeTuning:
 
 
 ROW_FIELDS = tuple(f.name for f in fields(DecodeTuning))
-_BOOL_FIELDS = ("one_launch", "early_v", "prefetch_ids", "pdl")
+# Fields a row may leave out (DecodeTuning's defaults then: off).
+_OPTIONAL_FIELDS = ("early_v", "prefetch_ids", "pdl")
+_REQUIRED_FIELDS = tuple(name for name in ROW_FIELDS if name not in _OPTIONAL_FIELDS)
+_BOOL_FIELDS = ("one_launch", *_OPTIONAL_FIELDS)
 _WHOLE_FIELDS = ("max_context_len", "min_tokens_per_split", "max_splits", "num_warps",
                  "num_stages", "tile_n")  # fmt: skip
 _ENTRY_KEYS = ("row", "head_dim", "kv_dtype", "num_heads", "num_kv_heads", "batch",
@@ -126,8 +129,7 @@ def _row(raw: Any) -> DecodeTuning:
     takes (powers of two, tiles of at least 16 tokens, ``pdl`` with ``prefetch_ids``)."""
     if not isinstance(raw, dict):
         raise ValueError("row is not an object")
-    required = [name for name in ROW_FIELDS if name not in ("early_v", "prefetch_ids", "pdl")]
-    check_keys("row", raw, required=required, allowed=ROW_FIELDS)
+    check_keys("row", raw, required=_REQUIRED_FIELDS, allowed=ROW_FIELDS)
     for name in _BOOL_FIELDS:
         if not isinstance(raw.get(name, False), bool):
             raise ValueError(f"{name} must be true or false, got {raw[name]!r}")
