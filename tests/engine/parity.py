@@ -100,6 +100,27 @@ def hf_greedy(
     return Reference(tokens, margins, top_logits)
 
 
+def random_prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    """Prompts of ``lengths`` random token ids (3-255: no special tokens), from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def random_prompts_and_references(
+    checkpoint, device: str, seed: int, lengths: tuple[int, ...], max_new_tokens: int
+) -> tuple[list[list[int]], list[Reference]]:
+    """Random prompts of ``lengths`` tokens (ids 3-255, from ``seed``) and transformers'
+    greedy continuations of them in float32 on ``device`` (no EOS: every one runs its
+    ``max_new_tokens``)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(checkpoint), torch_dtype=torch.float32
+    ).to(device)
+    prompts = random_prompts(seed, lengths)
+    return prompts, [hf_greedy(hf, p, max_new_tokens, eos_token_id=None) for p in prompts]
+
+
 def assert_parity(
     ours: list[int], ref: Reference, label: str = "", dtype: torch.dtype = torch.float32
 ) -> str | None:

@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.engine.parity import random_prompts
 from tests.triton_devices import TRITON_DEVICES
-
-
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
 
 
 def _greedy_tokens(model, backend, device, prompts, step_tokens, max_tokens, before=None):
@@ -32,7 +28,7 @@ def _greedy_tokens(model, backend, device, prompts, step_tokens, max_tokens, bef
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_backend_matches_torch_backend(tiny_llama_gqa, device):
-    prompts = _prompts(5, (1, 9, 17, 40))
+    prompts = random_prompts(5, (1, 9, 17, 40))
     expected = _greedy_tokens(tiny_llama_gqa, "torch", device, prompts, 24, 6)
     assert _greedy_tokens(tiny_llama_gqa, "triton", device, prompts, 24, 6) == expected
 
@@ -56,7 +52,7 @@ def test_mixed_steps_attend_in_one_launch_or_two(tiny_llama_gqa, device, mixed_a
         plans.append(plan(self, *args, **kwargs))
         return plans[-1]
 
-    prompts = _prompts(9, (3, 30, 5, 44))
+    prompts = random_prompts(9, (3, 30, 5, 44))
     expected = _greedy_tokens(tiny_llama_gqa, "torch", device, prompts, 16, 8)
     def watch():  # the triton engine's steps only, not its warm-up's
         monkeypatch.setattr(PagedAttention, "plan", spy)
@@ -103,30 +99,27 @@ def test_an_attention_tuning_tables_launches_keep_the_tokens(
     against transformers in float32, with the launches the table says, compiled by the
     warm-up before the first request."""
     import json
-
-    import transformers
+    from pathlib import Path
 
     import kernels.paged_attention as decode_module
+    from engine.config import ModelConfig
+    from engine.loader import read_hf_config
     from kernels.attention_tuning import ATTENTION_TUNING_ENV, DecodeTuning, row_fields
-    from tests.engine.parity import assert_parity, hf_greedy
+    from tests.engine.parity import assert_parity, random_prompts_and_references
 
     row = DecodeTuning(
         waves_below=1e9, max_context_len=2**31, target_waves=64, min_tokens_per_split=16,
         max_splits=4, one_launch=True, num_warps=2, num_stages=1, tile_n=16, early_v=True,
         prefetch_ids=True,
     )  # fmt: skip
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tiny_llama_gqa), torch_dtype=torch.float32
-    ).to(device)
-    head_dim = hf.config.hidden_size // hf.config.num_attention_heads
+    head_dim = ModelConfig.from_hf(read_hf_config(Path(tiny_llama_gqa))).head_dim
     # The row is for this model's caches (float32, its head dim): the launcher and the
     # step's plan say their cache's shape for it to apply.
     entry = {"row": row_fields(row), "head_dim": head_dim, "kv_dtype": "float32"}
     path = tmp_path / "attention.json"
     path.write_text(json.dumps({"format": 1, "device": "test", "entries": [entry]}))
     monkeypatch.setenv(ATTENTION_TUNING_ENV, str(path))
-    prompts = _prompts(21, (5, 37, 12))
-    refs = [hf_greedy(hf, p, 6, eos_token_id=None) for p in prompts]
+    prompts, refs = random_prompts_and_references(tiny_llama_gqa, device, 21, (5, 37, 12), 6)
     launches: list[decode_module.DecodeLaunch] = []
     choose = decode_module.choose_launch
 

@@ -20,26 +20,11 @@ from engine.backends.cuda import TritonLinear, fuse_layer_ops
 from engine.llama import Linear
 from kernels._common import DECODE_MATMUL_ENV
 from tests.engine.graph_stand_ins import install_decode_stand_in, install_prefill_stand_in
-from tests.engine.parity import assert_parity, hf_greedy
+from tests.engine.parity import assert_parity, random_prompts_and_references
 from tests.split_k_calls import record_split_k_calls
 from tests.triton_devices import TRITON_DEVICES
 
 TOKENS = 5
-
-
-def _prompts_and_references(
-    checkpoint, device: str, seed: int, lengths: tuple[int, ...]
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Random prompts of ``lengths`` tokens and transformers' greedy continuations of them
-    in float32 on ``device``."""
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(checkpoint), torch_dtype=torch.float32
-    ).to(device)
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in lengths]
-    return prompts, [hf_greedy(hf, p, TOKENS, eos_token_id=None) for p in prompts]
 
 
 def _linears(model: torch.nn.Module) -> tuple[int, int]:
@@ -67,7 +52,6 @@ def test_only_the_switch_swaps_the_linears(tiny_llama_gqa):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-stand-ins"])
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_triton_matmuls_match_transformers(tiny_llama_gqa, device, graphs, monkeypatch):
-
     import engine.backends.cuda as cuda_backend
 
     monkeypatch.setenv(DECODE_MATMUL_ENV, "triton")
@@ -78,7 +62,7 @@ def test_triton_matmuls_match_transformers(tiny_llama_gqa, device, graphs, monke
         return _dense(x, *args, **kwargs)
 
     monkeypatch.setattr(cuda_backend, "dense_matmul", counting)
-    prompts, refs = _prompts_and_references(tiny_llama_gqa, device, 11, (7, 21, 3))
+    prompts, refs = random_prompts_and_references(tiny_llama_gqa, device, 11, (7, 21, 3), TOKENS)
     llm = LLM(str(tiny_llama_gqa), attention_backend="triton", device=device,
               dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=4,
               max_num_batched_tokens=16, async_scheduling=True,
@@ -114,7 +98,7 @@ def test_a_tuning_tables_launches_keep_the_tokens(tiny_llama_gqa, device, monkey
     from kernels.matmul_tuning import MATMUL_TUNING_ENV
 
     # The third prompt's chunks come later: its last decodes run alone (1 row).
-    prompts, refs = _prompts_and_references(tiny_llama_gqa, device, 12, (9, 4, 20))
+    prompts, refs = random_prompts_and_references(tiny_llama_gqa, device, 12, (9, 4, 20), TOKENS)
     llm = LLM(str(tiny_llama_gqa), attention_backend="triton", device=device,
               dtype="float32", num_kv_blocks=64, block_size=8, max_num_seqs=4,
               max_num_batched_tokens=16, enforce_eager=True)  # fmt: skip
