@@ -2,8 +2,18 @@
 # The GPU measurements still owed (benchmarks/RESULTS.md, "Owed on a GPU"), as one bounded run
 # on a GPU machine that cannot reach a package index or a model hub.
 #
-# Prepare here, once (the path is ignored by git; carry it to the GPU machine):
-#   ../shared/gpu/fetch-wheels.sh .whl              # fastapi, uvicorn, pydantic, gguf, ...
+# Prepare here, once (the path is ignored by git; carry it to the GPU machine): the server's
+# packages the image lacks (fastapi, uvicorn, pydantic, gguf, ...), and those of the `test`
+# extra and their dependencies that the GPU tests and the suite step import (xgrammar for
+# structured output on CUDA logits; pytest-asyncio, openai, jsonschema), 12 MB in all:
+#   ../shared/gpu/fetch-wheels.sh .whl xgrammar apache-tvm-ffi accelerate psutil ninja \
+#       pytest-asyncio openai httpx2 httpcore2 jiter sniffio jsonschema attrs referencing \
+#       rpds-py jsonschema-specifications
+# Without the packages named after `.whl` the GPU tests still run, but four server test
+# modules fail to import (the step's exit status is then 1) and structured output's CUDA
+# tests skip.
+# Left out: what only tests/deploy and the fuzz tests import (the router's 24 MB binary,
+# hadolint, schemathesis), and the default model's 98 MB GGUF.
 # The HTTP steps serve the preset with a synthetic tokenizer of its own vocabulary size
 # (benchmarks.gpu writes it); TOKENIZER=DIR passes a real one instead, which must cover the
 # preset's vocabulary (a smaller model's leaves high ids without text).
@@ -74,6 +84,16 @@
 # 0.8) with the layer as dependent launches on cuBLAS and on the Triton matmuls, then the
 # c=64 ITL tail with and without the relative target, the decode sweep and the kernel targets
 # on its launches; the engine's other figures, unchanged since e903b1a, come later.
+#
+# A CPU twin of the image checks the script before device time is spent: a venv of Python
+# 3.12 with torch 2.11.0 (PyPI's CUDA build, which imports without a GPU), triton 3.6.0,
+# transformers 5.17, httpx, prometheus-client, tqdm, matplotlib, pytest, pytest-xdist and
+# numpy (what ../shared/gpu/README.md lists), first on PATH, with .whl as above and the smoke
+# settings named below (MODEL, BENCH_ARGS, SWEEP_ARGS, ATTN_SWEEP_ARGS, B64_ROWS, HOST_ARGS,
+# TRITON_INTERPRET=1). There every step but two exits 0: Triton 3.6's interpreter fails the
+# attention kernels on CPU (a loop bound taken from tl.where is a one-element array to it, not
+# a scalar), so `sweep` finds no launch and `kernels` exits 1; compiled, they build for sm_90
+# (tests/kernels' build test).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
