@@ -56,7 +56,11 @@ class BuildUnavailable(RuntimeError):
 
 def extension_root() -> Path:
     """``$TORCH_EXTENSIONS_DIR``, else torch's default extensions root."""
-    from torch.utils.cpp_extension import get_default_build_root
+    # The first import of torch's extension module: on a CUDA build of torch without a GPU,
+    # where a CUDA toolkit is found, it logs "No CUDA runtime is found, using CUDA_HOME=...",
+    # which says nothing about building CPU kernels.
+    with _quiet_torch():
+        from torch.utils.cpp_extension import get_default_build_root
 
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
