@@ -126,6 +126,11 @@ def _gguf_cache_path(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{digest}"
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def convert_gguf(gguf: Path) -> Path:
     """Convert a GGUF file to an HF checkpoint in the cache, once; return its directory.
 
@@ -158,11 +163,21 @@ def convert_gguf(gguf: Path) -> Path:
         # Not GGUF, an architecture transformers cannot read (ValueError, NotImplementedError
         # from gguf-py's name map), or tensors that do not fit the config it read.
         except (ValueError, NotImplementedError, RuntimeError) as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise UnsupportedModelError(
-                f"could not read {str(gguf)!r} as a GGUF model ({reason}): pass a GGUF file of "
-                f"an architecture transformers reads ({', '.join(sorted(GGUF_ARCHITECTURES))}), "
-                "or an HF directory"
+                f"could not read {str(gguf)!r} as a GGUF model ({_first_line(exc)}): pass a "
+                "GGUF file of an architecture transformers reads "
+                f"({', '.join(sorted(GGUF_ARCHITECTURES))}), or an HF directory"
+            ) from exc
+        # A file transformers' reader trips on (5.17 raises AttributeError on a BPE tokenizer
+        # without merges): one line naming the file and the version, not a traceback.
+        except Exception as exc:
+            import transformers
+
+            raise UnsupportedModelError(
+                f"could not read {str(gguf)!r} as a GGUF model: transformers "
+                f"{transformers.__version__}'s GGUF reader failed ({type(exc).__name__}: "
+                f"{_first_line(exc)}); another transformers version may read it, or pass an HF "
+                "directory"
             ) from exc
         # The de-quantized weights are plain float32 now; drop the GGUF quantizer so the
         # checkpoint saves and reloads as an ordinary one.

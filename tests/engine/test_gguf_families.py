@@ -6,6 +6,8 @@ line naming them, before any conversion."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -88,3 +90,28 @@ def test_gguf_architecture_transformers_misreads_is_one_clear_error(case, named,
     assert not (tmp_path / "cache" / "models").exists() or not any(
         (tmp_path / "cache" / "models").iterdir()
     )  # nothing converted, nothing left behind
+
+
+def test_a_gguf_readers_own_failure_is_one_clear_error(tmp_path, monkeypatch):
+    """An exception transformers' GGUF reader was not written to raise (5.17: AttributeError
+    on a BPE tokenizer without merges) is one line naming the file and transformers' version,
+    with nothing converted or left behind."""
+    import transformers
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    _, source = make_tiny(tmp_path / "source", "qwen3", **GGUF_FAMILIES["qwen3"])
+    gguf = write_gguf(source, tmp_path / "tiny-qwen3.gguf")
+
+    def trips(*args, **kwargs):
+        raise AttributeError("'GGUFTokenizerSkeleton' object has no attribute 'bpe_ranks'")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", trips)
+    named = (
+        f"could not read .*tiny-qwen3.gguf.* as a GGUF model: transformers "
+        f"{re.escape(transformers.__version__)}'s GGUF reader failed \\(AttributeError: .*bpe_ranks"
+    )
+    with pytest.raises(UnsupportedModelError, match=named) as err:
+        LLM(str(gguf), **ENGINE)
+    assert "\n" not in str(err.value)
+    models = tmp_path / "cache" / "models"
+    assert not models.exists() or not any(models.iterdir())  # nothing converted or left
