@@ -677,11 +677,18 @@ def main(argv: list[str] | None = None) -> None:
                                     f"{command} at {git_commit()}")  # fmt: skip
             write_tuning(args.write_tuning, table, ATTENTION_TUNING_ENV, parse_attention,
                          table_order)  # fmt: skip
+        # A row where launches were timed and none ran and matched the reference is a broken
+        # kernel, not a figure: the run fails (a session's summary shows exit statuses). A
+        # row the budget left untimed is said so above and is not one.
+        broken = [row.case.strip() for row in rows if row.results and row.best() is None]
+        if broken:
+            raise SystemExit(f"no launch ran and matched the reference on: {', '.join(broken)}")
         return
     if args.quant_matmul:
         from benchmarks.quant_matmul_sweep import (
             DEFAULT_BUDGET_S,
             ROWS,
+            TORCH,
             model_shapes,
             run_quant_sweep,
         )
@@ -699,6 +706,14 @@ def main(argv: list[str] | None = None) -> None:
             table = matmul_table(rows, name, f"{command} at {git_commit()}")
             write_tuning(args.write_tuning, table, MATMUL_TUNING_ENV, parse_matmul,
                          _matmul_case)  # fmt: skip
+        # As the attention sweep's: a row whose Triton launches all failed or mismatched.
+        broken = [
+            " ".join(row.label.split())
+            for row in rows
+            if any(launch != TORCH for launch in row.results) and row.best() is None
+        ]
+        if broken:
+            raise SystemExit(f"no launch ran and matched the reference on: {', '.join(broken)}")
         return
     if device.type != "cuda":
         print("# CPU: the Triton kernels run here only under TRITON_INTERPRET=1 (numpy, not")

@@ -147,6 +147,23 @@ def test_sweep_quick_times_each_merge_and_reports_the_best(device, capsys):
     assert "# DECODE_TUNING" in out
 
 
+def test_a_sweep_where_no_launch_runs_fails(device, capsys, monkeypatch):
+    """Every launch failing (here: the launcher raises, as a launch the device cannot run
+    does) is a broken kernel: each is named failed, and the run exits non-zero naming the
+    row, so a session's summary of exit statuses shows it."""
+    import kernels.paged_attention
+
+    def cannot_run(*args, **kwargs):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(kernels.paged_attention, "paged_attention_decode", cannot_run)
+    with pytest.raises(SystemExit, match="no launch ran and matched the reference on: 2 x 128"):
+        main(["--device", device.type, "--sweep", "--quick", "--peak-gbps", "100"])
+    out = capsys.readouterr().out
+    assert "failed: RuntimeError: out of resources" in out
+    assert " us " not in out
+
+
 def test_sweep_rows_replace_the_issues_rows(device, capsys):
     """``--sweep-rows``: the sweep times the rows named (here at the quick run's small
     shape), and a malformed list is one line and exit 2."""

@@ -56,6 +56,23 @@ def test_quick_sweep_times_each_launch_and_prints_the_best(device, capsys):
         assert isinstance(launch, SplitKLaunch | TiledLaunch), line
 
 
+def test_a_sweep_where_no_launch_runs_fails(device, capsys, monkeypatch):
+    """Every Triton launch failing (torch's matmul still runs) exits non-zero naming the
+    rows, as the attention sweep does."""
+    import kernels.quant_matmul
+
+    def cannot_run(*args, **kwargs):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(kernels.quant_matmul, "quant_matmul", cannot_run)
+    named = "no launch ran and matched the reference on: tiny .*M=1 int8"
+    with pytest.raises(SystemExit, match=named):
+        main(["--device", device.type, "--quant-matmul", "--quick", "--peak-gbps", "100",
+              "--quant-modes", "int8"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "failed: RuntimeError: out of resources" in out and "unquantized (torch)" in out
+
+
 def test_quick_dense_sweep_times_the_kernel_against_the_library(device, capsys, tmp_path):
     """--quant-modes dense: dense_matmul on the unquantized weight, whose "today" is the
     library's own matmul, with the same stages (stage D: the best prefetched); with
