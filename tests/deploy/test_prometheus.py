@@ -46,7 +46,16 @@ PROMPT = (
 )
 
 
-def _wait(condition: Any, timeout_s: float, what: str, log: Path | None = None) -> Any:
+def _wait(
+    condition: Any,
+    timeout_s: float,
+    what: str,
+    log: Path | None = None,
+    process: subprocess.Popen[bytes] | None = None,
+) -> Any:
+    """Poll ``condition`` until it holds; fail with ``log``'s tail on the timeout, or at once
+    when ``process`` (what is waited for) has exited: a server that stopped at start-up with
+    an error is not waited on for the whole start-up allowance."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -55,8 +64,12 @@ def _wait(condition: Any, timeout_s: float, what: str, log: Path | None = None) 
             result = None
         if result:
             return result
-        if time.monotonic() > deadline:
+        exited = process is not None and process.poll() is not None
+        if exited or time.monotonic() > deadline:
             tail = log.read_text(errors="replace")[-3000:] if log is not None else ""
+            if exited:
+                assert process is not None
+                raise AssertionError(f"{what} exited with {process.returncode}\n{tail}")
             raise AssertionError(f"timed out waiting for {what}\n{tail}")
         time.sleep(0.25)
 
@@ -149,12 +162,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             STARTUP_TIMEOUT_S,
             "the server",
             server_log,
+            server,
         )
         _wait(
             lambda: httpx.get(f"{stack.prometheus_url}/-/ready", timeout=2).status_code == 200,
             60,
             "prometheus",
             prom_log,
+            prometheus,
         )
         _wait(
             lambda: stack.query('up{job="pagedserve"} == 1'),
