@@ -90,13 +90,15 @@ def build_key(sources: Sequence[Path], cflags: Sequence[str], ldflags: Sequence[
 
 
 def _ninja_dirs() -> list[Path]:
-    """Where a pip-installed ninja may be: the ``ninja`` package's own bin dir and the
-    interpreter's."""
+    """Where a pip-installed ninja may be: the ``ninja`` package's own bin dir, the ``bin``
+    beside the package (``pip install --target DIR`` puts the program in ``DIR/bin``, which
+    ``BIN_DIR`` does not name) and the interpreter's."""
     dirs = []
     with contextlib.suppress(Exception):
         import ninja  # type: ignore[import-not-found]
 
         dirs.append(Path(ninja.BIN_DIR))
+        dirs.append(Path(ninja.__file__).resolve().parents[1] / "bin")
     dirs.append(Path(sys.executable).parent)
     return [d for d in dirs if (d / "ninja").is_file() and os.access(d / "ninja", os.X_OK)]
 
