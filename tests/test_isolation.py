@@ -15,8 +15,7 @@ import torch
 
 import kernels
 from tests import isolation
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.child_env import with_repo_on_path
 
 
 def child_env() -> dict[str, str]:
@@ -24,9 +23,9 @@ def child_env() -> dict[str, str]:
     repository importable, less pytest-xdist's worker variables, which a run under
     ``pytest -n`` would pass on and which make the child's conftest act as a worker (a
     broken CUDA context then ends the child instead of failing its tests by name)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return env
+    return with_repo_on_path(
+        {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
+    )
 
 
 def run_child_pytest(tmp_path: Path, conftest: str, tests: str, *args: str) -> str:

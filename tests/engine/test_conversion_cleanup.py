@@ -8,11 +8,12 @@ inside the conversion for certain, and one that writes a small checkpoint at onc
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.child_env import with_repo_on_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,7 +46,7 @@ print(loader.convert_gguf(gguf), flush=True)
 
 
 def _env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "PAGEDSERVE_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+    return with_repo_on_path(PAGEDSERVE_CACHE=str(cache))
 
 
 def _start_hanging(cache: Path, gguf: Path) -> subprocess.Popen[str]:

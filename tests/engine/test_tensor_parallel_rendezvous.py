@@ -10,7 +10,6 @@ its ranks; one that comes joins, and its ranks follow rank 0 to a clean stop."""
 from __future__ import annotations
 
 import multiprocessing
-import os
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from engine.tp_group import TensorParallelGroup, TensorParallelStartError
 from kvpool.config import KVPoolConfig
 from loadtest.launcher import free_port
 from scheduler.config import SchedulerConfig
+from tests.child_env import with_repo_on_path
 from tests.engine import tp_faults
 from tests.engine.conftest import make_tiny_llama
 
@@ -107,7 +107,7 @@ def test_a_script_building_the_engine_unguarded_fails_with_the_hint(model, tmp_p
             """
         )
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDSERVE_TP_TIMEOUT_S": str(TIMEOUT_S)}
+    env = with_repo_on_path(PAGEDSERVE_TP_TIMEOUT_S=str(TIMEOUT_S))
     start = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -150,7 +150,7 @@ def test_two_nodes_join_and_a_missing_node_costs_the_timeout(model, monkeypatch)
         [sys.executable, "-m", "server", "--model", str(model), "--tensor-parallel-size", "2",
          "--nnodes", "2", "--node-rank", "1", "--master-port", str(port), "--device", "cpu",
          "--num-kv-blocks", "32", "--max-num-seqs", "4", "--log-level", "warning"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, env=with_repo_on_path(),
     )  # fmt: skip
     try:
         engine = LLMEngine(config, kv, scheduler)

@@ -26,6 +26,7 @@ import torch.utils.cpp_extension
 
 from kernels import cpu
 from kernels.cpu import build
+from tests.child_env import with_repo_on_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +56,7 @@ print("LOADED" if ops is not None and ops.max_quant_rows() > 0 else "REFERENCE",
 
 def _env(ext: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_CPU_KERNELS"}
-    return {**env, "TORCH_EXTENSIONS_DIR": str(ext), "PYTHONPATH": str(ROOT), **extra}
+    return with_repo_on_path(env, TORCH_EXTENSIONS_DIR=str(ext), **extra)
 
 
 def _run(ext: Path, mode: str, real: Path, timeout: float = 120, **extra: str):
