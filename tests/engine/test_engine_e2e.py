@@ -19,6 +19,8 @@ from engine.step_trace import ENV as TRACE_ENV
 from engine.step_trace import read_trace
 from tests.engine.parity import Reference, assert_parity, hf_greedy
 
+pytestmark = pytest.mark.slow  # the embedded default model
+
 PROMPT_LENS = [1, 5, 23, 64, 130, 260, 400, 530]
 MAX_TOKENS = 16
 # float32 on the CPU wherever the suite runs (a CUDA machine's default is bfloat16 on the GPU,

@@ -8,8 +8,12 @@ other module's group lives as long as that module."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine import LLM, SamplingParams
 from tests.engine.parity import Reference, assert_parity
+
+pytestmark = pytest.mark.slow  # the embedded default model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time"]
 MAX_TOKENS = 8

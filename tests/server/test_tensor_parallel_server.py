@@ -177,12 +177,14 @@ def _check_server_parity(server: ServerProcess, path: Path, what: str) -> None:
         assert_parity(tokens, ref, f"TP=2 server, {what}, {prompt!r}")
 
 
+@pytest.mark.slow  # the embedded default model
 def test_tp2_server_matches_transformers(tp_server):
     from engine.loader import resolve_model
 
     _check_server_parity(tp_server, resolve_model("default").path, "default model")
 
 
+@pytest.mark.slow  # the embedded default model
 def test_sigterm_drains_and_stops_every_rank(tp_server):
     """SIGTERM to the server process alone (not its process group): the request in flight
     finishes (its steps still need the worker), then rank 0 sends STOP, joins the worker and
