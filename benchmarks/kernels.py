@@ -555,6 +555,14 @@ def write_tuning(
           f"{path}: {env}={path} runs them")  # fmt: skip
 
 
+def _exit_if_broken(cases: list[str]) -> None:
+    """A sweep's rows where launches were timed and none ran and matched the reference
+    (``cases``) are a broken kernel, not figures: the run exits non-zero naming them (a GPU
+    session's summary shows exit statuses, not lines)."""
+    if cases:
+        raise SystemExit(f"no launch ran and matched the reference on: {', '.join(cases)}")
+
+
 def _matmul_case(entry: dict[str, Any]) -> tuple[Any, ...]:
     return (entry["weight"], entry["k"], entry["n"], entry["rows"])
 
@@ -677,12 +685,8 @@ def main(argv: list[str] | None = None) -> None:
                                     f"{command} at {git_commit()}")  # fmt: skip
             write_tuning(args.write_tuning, table, ATTENTION_TUNING_ENV, parse_attention,
                          table_order)  # fmt: skip
-        # A row where launches were timed and none ran and matched the reference is a broken
-        # kernel, not a figure: the run fails (a session's summary shows exit statuses). A
-        # row the budget left untimed is said so above and is not one.
-        broken = [row.case.strip() for row in rows if row.results and row.best() is None]
-        if broken:
-            raise SystemExit(f"no launch ran and matched the reference on: {', '.join(broken)}")
+        # A row the budget left untimed is said so above and is not broken.
+        _exit_if_broken([row.case.strip() for row in rows if row.results and row.best() is None])
         return
     if args.quant_matmul:
         from benchmarks.quant_matmul_sweep import (
@@ -706,14 +710,12 @@ def main(argv: list[str] | None = None) -> None:
             table = matmul_table(rows, name, f"{command} at {git_commit()}")
             write_tuning(args.write_tuning, table, MATMUL_TUNING_ENV, parse_matmul,
                          _matmul_case)  # fmt: skip
-        # As the attention sweep's: a row whose Triton launches all failed or mismatched.
-        broken = [
+        # Rows whose Triton launches were timed (torch's matmul runs on every row).
+        _exit_if_broken([
             " ".join(row.label.split())
             for row in rows
             if any(launch != TORCH for launch in row.results) and row.best() is None
-        ]
-        if broken:
-            raise SystemExit(f"no launch ran and matched the reference on: {', '.join(broken)}")
+        ])  # fmt: skip
         return
     if device.type != "cuda":
         print("# CPU: the Triton kernels run here only under TRITON_INTERPRET=1 (numpy, not")
