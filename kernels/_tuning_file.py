@@ -6,10 +6,19 @@ wrong. Imports no triton (the server checks the files before anything runs)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["FORMAT", "TuningTable", "check_keys", "check_whole", "read_table", "table_entries"]
+__all__ = [
+    "FORMAT",
+    "TuningTable",
+    "check_keys",
+    "check_whole",
+    "named_table",
+    "read_table",
+    "table_entries",
+]
 
 # The tables' format (both kinds): {"format": 1, "device": ..., "source": ..., "entries": [...]}.
 FORMAT = 1
@@ -61,6 +70,15 @@ def read_table(path: str, env: str, parse: Callable[[Any, str], Table]) -> Table
         return parse(data, path)
     except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{env}={path}: {e}") from None
+
+
+def named_table(
+    env: str, load: Callable[[str], Table], environ: Mapping[str, str] | None
+) -> Table | None:
+    """``load`` of the file ``env`` names in ``environ`` (default: the process's), None
+    where it is unset or empty."""
+    path = (os.environ if environ is None else environ).get(env, "")
+    return load(path) if path else None
 
 
 def table_entries(data: Any, kind: str) -> list[Any]:

@@ -44,13 +44,19 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kernels._common import next_power_of_2
-from kernels._tuning_file import FORMAT, check_keys, check_whole, read_table, table_entries
+from kernels._tuning_file import (
+    FORMAT,
+    check_keys,
+    check_whole,
+    named_table,
+    read_table,
+    table_entries,
+)
 
 __all__ = [
     "ATTENTION_TUNING_ENV",
@@ -237,5 +243,4 @@ def attention_tuning_env(environ: Mapping[str, str] | None = None) -> AttentionT
     """The table ``PAGEDSERVE_ATTENTION_TUNING`` in ``environ`` (default: the process's)
     names, None where it is unset or empty; a ValueError where the file cannot be read or
     is not a table."""
-    path = (os.environ if environ is None else environ).get(ATTENTION_TUNING_ENV, "")
-    return load_tuning(path) if path else None
+    return named_table(ATTENTION_TUNING_ENV, load_tuning, environ)

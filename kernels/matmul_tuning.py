@@ -33,13 +33,19 @@ sweep measured, for reading only. Imports no triton: the server checks the file 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kernels._common import DECODE_ROWS, next_power_of_2
-from kernels._tuning_file import FORMAT, check_keys, check_whole, read_table, table_entries
+from kernels._tuning_file import (
+    FORMAT,
+    check_keys,
+    check_whole,
+    named_table,
+    read_table,
+    table_entries,
+)
 
 __all__ = [
     "FORMAT",
@@ -186,5 +192,4 @@ def matmul_tuning_env(environ: Mapping[str, str] | None = None) -> MatmulTuning 
     """The table ``PAGEDSERVE_MATMUL_TUNING`` in ``environ`` (default: the process's) names,
     None where it is unset or empty; a ValueError where the file cannot be read or is not a
     table."""
-    path = (os.environ if environ is None else environ).get(MATMUL_TUNING_ENV, "")
-    return load_tuning(path) if path else None
+    return named_table(MATMUL_TUNING_ENV, load_tuning, environ)
