@@ -25,6 +25,7 @@ from engine.outputs import RequestOutput
 from kvpool.config import KVPoolConfig
 from scheduler import SchedulerConfig, SchedulerOutput
 from scheduler.request import PENDING_TOKEN
+from tests.engine.parity import random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,8 +34,7 @@ POOL = {"block_size": 4, "num_kv_blocks": 96, "max_num_seqs": 6, "max_num_batche
 
 
 def _prompts(n: int, seed: int = 3) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (int(k),), generator=g).tolist() for k in range(5, 5 + 7 * n, 7)]
+    return random_prompts(seed, tuple(range(5, 5 + 7 * n, 7)))
 
 
 def _engines(model: Path, **overrides: object) -> tuple[LLM, LLM]:

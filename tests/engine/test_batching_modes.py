@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import LlamaForCausalLM
 
 from engine import LLM, SamplingParams
@@ -23,7 +22,7 @@ from kvpool.config import KVPoolConfig
 from scheduler import SchedulerConfig, SchedulerOutput
 from scheduler.request import PENDING_TOKEN
 from tests.engine.conftest import make_tiny_llama
-from tests.engine.parity import Reference, assert_parity, hf_greedy
+from tests.engine.parity import Reference, assert_parity, hf_greedy, random_prompts
 
 EOS = 2
 PROMPT_LENS = [1, 3, 8, 15, 16, 17, 30, 45, 60, 75, 90, 5]
@@ -48,8 +47,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(11)
-    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return random_prompts(11, tuple(PROMPT_LENS))
 
 
 @pytest.fixture(scope="module")

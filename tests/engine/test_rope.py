@@ -11,7 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig, UnsupportedModelError
 from engine.rope import RotaryEmbedding, attention_factor, inverse_frequencies
-from tests.engine.parity import assert_parity, hf_greedy
+from tests.engine.parity import assert_parity, hf_greedy, random_prompts
 
 BASE = dict(
     vocab_size=256,
@@ -107,8 +107,7 @@ def test_scaled_rope_models_match_transformers(tmp_path, family):
     with torch.no_grad():
         hf.lm_head.weight.mul_(8.0)
     hf.save_pretrained(tmp_path)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 40)]
+    prompts = random_prompts(0, (5, 40))
     llm = LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=256,
               num_kv_blocks=64)  # fmt: skip
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
