@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -446,6 +447,10 @@ def check_environment(environ: Mapping[str, str]) -> None:
     attention_tuning_env(environ)
 
 
+# The devices the engine runs on: the CPU (C++ kernels) and CUDA GPUs (Triton kernels).
+_DEVICE = re.compile(r"(?P<type>cpu|cuda)(:(?P<index>\d+))?")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """What to load and where to run it.
@@ -585,6 +590,52 @@ class EngineConfig:
             raise ValueError(
                 "attention_backend must be auto, triton, cpu or torch, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.device is not None:
+            spelled = _DEVICE.fullmatch(self.device)
+            if spelled is None:
+                raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+            if spelled["index"] is not None and self.tensor_parallel_size > 1:
+                # Each rank takes the GPU of its rank on the host (engine/builder.py).
+                raise ValueError(
+                    f"device {self.device!r} names one GPU, but tensor parallelism puts each "
+                    f"rank on its own: give {spelled['type']!r}"
+                )
+
+    def check_device(self) -> None:
+        """Raise ValueError, in one line saying what to change, where this machine lacks the
+        device asked for: CUDA in a torch without it or with no GPU visible, ``cuda:N`` past
+        the GPUs there are, or fewer GPUs on the host than its tensor-parallel ranks. Called
+        before anything loads (the server's start-up, ``engine.builder.pick_device``)."""
+        import torch
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        spelled = _DEVICE.fullmatch(device)
+        assert spelled is not None  # __post_init__ checked the spelling
+        if spelled["type"] != "cuda":
+            return
+        if not torch.cuda.is_available():
+            if torch.version.cuda is None:
+                raise ValueError(
+                    f"device {device!r}: this torch ({torch.__version__}) is built without "
+                    "CUDA; install a CUDA build of torch, or serve on the CPU (no --device)"
+                )
+            raise ValueError(
+                f"device {device!r}: torch {torch.__version__} sees no CUDA device (driver, "
+                f"or CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}?)"
+            )
+        count = torch.cuda.device_count()
+        index = spelled["index"]
+        if index is not None and int(index) >= count:
+            raise ValueError(
+                f"device {device!r}: this machine has {count} CUDA device(s), "
+                f"cuda:0 to cuda:{count - 1}"
+            )
+        local_ranks = self.tensor_parallel_size // self.nnodes
+        if local_ranks > count:
+            raise ValueError(
+                f"tensor parallelism on CUDA runs {local_ranks} ranks on this host, one GPU "
+                f"each, but it has {count} CUDA device(s)"
             )
 
     def async_scheduling_for(self, device_type: str, batching: str) -> bool:

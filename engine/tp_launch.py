@@ -81,6 +81,7 @@ def launch(
     On the CPU the host's threads are split between its ranks (torch's count divided by
     the ranks on the host), so N ranks on N cores do not oversubscribe them."""
     refuse_in_spawn_bootstrap()
+    config.check_device()  # GPUs for every local rank, before any rank starts
     world = config.tensor_parallel_size
     # Once, here, before any other rank starts: converting a GGUF and compiling the C++
     # kernels (every rank then finds them cached).

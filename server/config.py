@@ -245,8 +245,10 @@ class ServingConfig:
             )
         try:
             check_environment(environ)
-            return cls.from_namespace(args)
-        except ValueError as exc:  # a config's own __post_init__ check, or the environment
+            config = cls.from_namespace(args)
+            config.engine.check_device()  # before the model loads
+            return config
+        except ValueError as exc:  # a config's own check, the environment or the device
             # One line naming the value: the flags parsed, so the usage would only bury it.
             parser.exit(2, f"{parser.prog}: error: {exc}\n")
             raise  # unreachable: parser.exit exits

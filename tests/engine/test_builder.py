@@ -122,3 +122,17 @@ def test_a_tuning_table_nothing_here_takes_is_said(monkeypatch, tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="engine.builder"):
         getattr(engine.builder, log)(torch.device("cpu"), False)
     assert "it changes nothing" in caplog.text and env in caplog.text
+
+
+def test_the_offline_engine_checks_the_device_before_loading(monkeypatch) -> None:
+    """``LLM(device=...)`` builds through ``pick_device``: a device this machine lacks is
+    one ValueError line before any weight loads (the server checks the same at start-up)."""
+    from engine.builder import pick_device
+
+    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N, got 'gpu'"):
+        EngineConfig(device="gpu")
+    assert pick_device(EngineConfig(device="cpu")) == (torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError) as refused:
+        pick_device(EngineConfig(device="cuda", dtype="bfloat16"))
+    assert "device 'cuda'" in str(refused.value) and "\n" not in str(refused.value)

@@ -359,3 +359,45 @@ def test_a_tuning_table_that_cannot_be_read_is_one_line(
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert line.startswith(f"pagedserve serve: error: {name}={path}: ")
         assert message in line, line
+
+
+def _device_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        ServingConfig.from_cli(argv, {})
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("pagedserve serve: error: ")
+    return line
+
+
+@pytest.mark.parametrize("device", ["gpu", "mps", "meta", "cuda:x", "CUDA"])
+def test_a_device_the_engine_does_not_run_on_is_one_line(capsys, device: str) -> None:
+    line = _device_error(capsys, ["--device", device])
+    assert f"device must be cpu, cuda or cuda:N, got {device!r}" in line
+
+
+def test_a_cuda_device_this_machine_lacks_is_one_line(capsys, monkeypatch) -> None:
+    """Checked at start-up, before the model loads: a torch without CUDA, one that sees no
+    GPU, an index past the GPUs there are, more tensor-parallel ranks than GPUs."""
+    import torch
+
+    assert ServingConfig.from_cli(["--device", "cpu"], {}).engine.device == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    line = _device_error(capsys, ["--device", "cuda"])
+    assert "this torch" in line and "built without CUDA" in line and "CPU" in line, line
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    line = _device_error(capsys, ["--device", "cuda:0"])
+    assert "sees no CUDA device" in line, line
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert ServingConfig.from_cli(["--device", "cuda:1"], {}).engine.device == "cuda:1"
+    assert ServingConfig.from_cli(["--tensor-parallel-size", "2"], {}) is not None
+    line = _device_error(capsys, ["--device", "cuda:2"])
+    assert "'cuda:2': this machine has 2 CUDA device(s), cuda:0 to cuda:1" in line, line
+    # No --device: CUDA is picked where present, so the ranks still need a GPU each.
+    line = _device_error(capsys, ["--tensor-parallel-size", "4"])
+    assert "runs 4 ranks on this host, one GPU each, but it has 2" in line, line
+    line = _device_error(capsys, ["--device", "cuda:1", "--tensor-parallel-size", "2"])
+    assert "puts each rank on its own: give 'cuda'" in line, line
