@@ -3,7 +3,8 @@
 ``build_engine_parts`` is the recipe; each step is a function below it, in order:
 
 1. ``pick_device`` and ``read_model_source``: device and dtype; what ``--model`` names (its
-   config, tokenizer, stop ids, sampling defaults), before any weight is read.
+   config, tokenizer, stop ids, sampling defaults), and whether its weights can fit the
+   device (``engine/weight_memory.py``), before any weight is read.
 2. ``load_model_shard``: the plain model (``load_model``), or this rank's shard of it.
 3. ``attach_backend``: ``--quantization``, then the device's fast path
    (``engine/backends/``) and the cost model of a step on it.
@@ -66,6 +67,7 @@ from engine.spec_decode.speculator import SpeculativeDecoder
 from engine.step_predictor import StepTimePredictor
 from engine.tensor_parallel import check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
+from engine.weight_memory import check_weights_fit
 from kernels import cpu as cpu_kernels
 from kernels._common import DECODE_ROWS, decode_matmul_env
 from kernels._tuning_file import TuningTable
@@ -257,6 +259,8 @@ def build_engine_parts(
     mc = source.model_config
     if config.quantization is not None:
         check_supported(config.quantization, device)  # one clear line before the model loads
+    if tp is None:  # (a rank loads the whole model on the host, then keeps its shard)
+        check_weights_fit(source.model_id, mc, device, dtype)  # one line, not an OOM kill
 
     t0 = time.perf_counter()
     backend = resolve_backend(config.attention_backend, device, dtype, mc, kv_config.cache_dtype)

@@ -37,7 +37,7 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _ancestors(root: Path, relative: str) -> list[Path]:
+def cgroup_ancestors(root: Path, relative: str) -> list[Path]:
     """``root/relative`` and each of its parents up to ``root``: a quota on any of them
     limits the process."""
     parts = [p for p in relative.strip("/").split("/") if p and p != ".."]
@@ -65,7 +65,7 @@ def cgroup_cpu_quota(
             continue
         _, controllers, relative = fields
         if controllers == "":  # cgroup v2: "0::/path"
-            for directory in _ancestors(root, relative):
+            for directory in cgroup_ancestors(root, relative):
                 value = _read(directory / "cpu.max")
                 if value is None:
                     continue
@@ -74,7 +74,7 @@ def cgroup_cpu_quota(
                     consider(int(quota) / int(period), directory / "cpu.max")
         elif "cpu" in controllers.split(","):  # cgroup v1: "4:cpu,cpuacct:/path"
             for mount in ("cpu,cpuacct", "cpu", "cpuacct,cpu"):
-                for directory in _ancestors(root / mount, relative):
+                for directory in cgroup_ancestors(root / mount, relative):
                     quota = _read(directory / "cpu.cfs_quota_us")
                     period = _read(directory / "cpu.cfs_period_us")
                     if quota and period and quota.lstrip("-").isdigit() and period.isdigit():
