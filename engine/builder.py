@@ -33,7 +33,12 @@ import torch
 from engine.attention import PagedAttention, resolve_backend
 from engine.backends import ModelForward
 from engine.backends.cpu import build_cpu_forward
-from engine.config import EngineConfig, ModelConfig, UnsupportedModelError
+from engine.config import (
+    EngineConfig,
+    KVCacheSettingError,
+    ModelConfig,
+    UnsupportedModelError,
+)
 from engine.cost import StepCostModel
 from engine.cuda_graphs import DecodeGraphs, default_graph_sizes
 from engine.generation_config import (
@@ -737,14 +742,17 @@ def size_kv_pool(
             kv_config = dataclasses.replace(
                 kv_config, memory_bytes=budget * per_target // (per_target + per_draft)
             )
-    capacity = size_kv_cache(
-        kv_config,
-        num_layers=mc.num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=mc.head_dim,
-        dtype=dtype,
-        device=device,
-    )
+    try:
+        capacity = size_kv_cache(
+            kv_config,
+            num_layers=mc.num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=dtype,
+            device=device,
+        )
+    except ValueError as exc:  # kvpool's checks of the settings against this model
+        raise KVCacheSettingError(str(exc)) from exc
     if tp is not None:
         # Rank 0's scheduler hands out block ids for every rank's pool: all pools get the
         # smallest count any rank can hold.

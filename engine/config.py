@@ -29,8 +29,9 @@ def cache_dir() -> Path:
 
 
 class ModelError(Exception):
-    """A ``--model`` the user must change (not found, not local, not supported): the
-    command line reports its message as one line, without a traceback."""
+    """A ``--model`` the user must change (not found, not local, not supported), or a
+    setting that cannot serve it (its subclasses): the command line reports its message as
+    one line, without a traceback."""
 
 
 class ModelNotFoundError(ModelError, FileNotFoundError):
@@ -39,6 +40,11 @@ class ModelNotFoundError(ModelError, FileNotFoundError):
 
 class UnsupportedModelError(ModelError, ValueError):
     """A checkpoint pagedserve cannot serve (architecture, rope scaling, file format)."""
+
+
+class KVCacheSettingError(ModelError, ValueError):
+    """KV cache settings that cannot hold the model: a budget below one block of it, no
+    device memory left for one, a cache dtype its head dim cannot take."""
 
 
 @dataclass(frozen=True, slots=True)

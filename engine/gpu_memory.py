@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import KVCacheSettingError
 from engine.cuda_graphs import decode_graph_keys, inert_batch
 from engine.input_batch import InputBatch
 
@@ -124,7 +125,7 @@ def gpu_kv_budget(
         budget / 2**30,
     )
     if budget <= 0:
-        raise ValueError(
+        raise KVCacheSettingError(
             f"no GPU memory is left for the KV cache ({free / 2**30:.2f} GiB free, "
             f"{reserve / 2**30:.2f} GiB needed by the steps): lower --max-num-batched-tokens "
             "or --max-num-seqs, or pass --kv-cache-memory"

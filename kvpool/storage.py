@@ -110,8 +110,9 @@ def size_kv_cache(
     num_blocks = budget // (per_token * config.block_size)
     if num_blocks < 1:
         raise ValueError(
-            f"a KV budget of {budget} bytes holds no block of {config.block_size} tokens "
-            f"at {per_token} bytes/token"
+            f"a KV budget of {budget} bytes (--kv-cache-memory) holds no block of "
+            f"{config.block_size} tokens at {per_token} bytes/token: give it at least "
+            f"{per_token * config.block_size} bytes"
         )
     return KVCapacity(num_blocks, config.block_size, per_token, config.cache_dtype)
 

@@ -136,3 +136,24 @@ def test_the_offline_engine_checks_the_device_before_loading(monkeypatch) -> Non
     with pytest.raises(ValueError) as refused:
         pick_device(EngineConfig(device="cuda", dtype="bfloat16"))
     assert "device 'cuda'" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_kv_settings_that_hold_no_block_are_one_line(monkeypatch, capsys) -> None:
+    """A budget below one block of the model is a setting to change: ``KVCacheSettingError``
+    (a ModelError, one line on the command line) saying how much one block takes."""
+    from engine.config import KVCacheSettingError, ModelError
+    from engine.llm import LLM
+    from engine.presets import preset
+    from server import cli
+
+    per_token = ModelConfig.from_hf(preset("tiny-llama")).kv_bytes_per_token(4)
+    with pytest.raises(KVCacheSettingError) as refused:
+        LLM("tiny-llama", load_format="dummy", kv_cache_memory=1000)
+    assert isinstance(refused.value, ModelError)
+    assert f"give it at least {16 * per_token} bytes" in str(refused.value)
+    monkeypatch.setattr(cli, "configure_logging", lambda level: None)
+    monkeypatch.setattr("engine.threads.configure_threads", lambda n: (1, "test"))
+    argv = ["serve", "tiny-llama", "--load-format", "dummy", "--kv-cache-memory", "1000"]
+    assert cli.main(argv) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("pagedserve serve: error: a KV budget of 1000 bytes"), line
