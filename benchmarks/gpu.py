@@ -51,7 +51,7 @@ import httpx
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import CUDA_GRAPH_PREFILL_MODES
+from engine.config import CUDA_GRAPH_PREFILL_MODES, EngineConfig, ModelError
 from engine.cost import StepCostModel
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
@@ -63,6 +63,8 @@ from planner.devices import device_for_cuda_name
 from planner.measured import Histogram
 
 GIGA = 1e9
+# What --sections may name; batch 1 always runs (every other row's ratios lean on it).
+SECTIONS = ("batch1", "prefill", "decode", "offline", "http", "profile")
 # --quick on the CPU (the smoke test): a KV cache of this many bytes, not the CPU default,
 # whose zero-filling is most of a tiny model's start-up (in-process and in the server).
 QUICK_CPU_KV_BYTES = 64 * 2**20
@@ -76,7 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--model", default="llama-3-8b", help="a preset (with dummy weights) or a path")
     ap.add_argument("--load-format", default="dummy", choices=("auto", "dummy"))
-    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )  # fmt: skip
     ap.add_argument("--device", default=None)
     ap.add_argument("--tokenizer", default=None, help="tokenizer directory (for the HTTP part)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -119,7 +124,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "steps split, then in one launch), and the offline run step by step)",
     )  # fmt: skip
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    unknown = sorted(set(args.sections.split(",")) - set(SECTIONS))
+    if unknown:  # a misspelt section would otherwise just not run
+        ap.error(f"--sections: unknown {', '.join(unknown)} (choose from {','.join(SECTIONS)})")
+    try:  # the engine's own rules, before minutes of peaks and loading
+        EngineConfig(device=args.device).check_device()
+    except ValueError as exc:
+        ap.error(str(exc))
+    return args
 
 
 # ---- peaks -------------------------------------------------------------------------------
@@ -675,6 +688,27 @@ def run_http_section(
 # ---- report ------------------------------------------------------------------------------
 
 
+def build_llm(
+    args: argparse.Namespace,
+    dtype_name: str,
+    device: torch.device,
+    max_seqs: int,
+    prefills: tuple[int, ...],
+    quick: bool,
+) -> LLM:
+    """The offline engine every section runs on, as the command line asks."""
+    return LLM(
+        model=args.model, load_format=args.load_format, dtype=dtype_name, device=str(device),
+        tokenizer=args.tokenizer, enforce_eager=args.enforce_eager, max_num_seqs=max_seqs,
+        cuda_graph_prefill_mode=args.cuda_graph_prefill_mode,
+        max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_memory=quick_kv_bytes(args, quick),
+        async_scheduling=ASYNC_CHOICES[args.async_scheduling],
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sections = set(args.sections.split(","))
@@ -709,16 +743,11 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     t0 = time.perf_counter()
-    llm = LLM(
-        model=args.model, load_format=args.load_format, dtype=dtype_name, device=str(device),
-        tokenizer=args.tokenizer, enforce_eager=args.enforce_eager, max_num_seqs=max_seqs,
-        cuda_graph_prefill_mode=args.cuda_graph_prefill_mode,
-        max_num_batched_tokens=max(2048, max(prefills)), enable_prefix_caching=False,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        kv_cache_memory=quick_kv_bytes(args, quick),
-        async_scheduling=ASYNC_CHOICES[args.async_scheduling],
-        prefill_chunk_tokens=args.prefill_chunk_tokens,
-    )  # fmt: skip
+    try:
+        llm = build_llm(args, dtype_name, device, max_seqs, prefills, quick)
+    except ModelError as exc:  # a model or setting to change: one line, as the server says it
+        print(f"python -m benchmarks.gpu: error: {exc}", file=sys.stderr)
+        return 2
     engine = llm.engine
     switches = "".join(
         f", {name}={os.environ[name]}"

@@ -214,3 +214,28 @@ def test_the_http_part_picks_its_tokenizer(tmp_path: Path) -> None:
     warning = gpu.tokenizer_shortfall(Sized(49152), 128256)
     assert warning is not None and "49152 tokens for a vocabulary of 128256" in warning
     assert gpu.tokenizer_shortfall(Sized(151665), 152064) is None  # Qwen2.5's padding
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--sections", "batch1,decod"], "--sections: unknown decod (choose from batch1,"),
+        (["--device", "gpu"], "device must be cpu, cuda or cuda:N, got 'gpu'"),
+        (["--dtype", "bf16"], "argument --dtype: invalid choice: 'bf16'"),
+    ],
+)
+def test_a_mistake_on_its_command_line_is_one_line_before_anything_runs(
+    capsys, argv: list[str], says: str
+) -> None:
+    """A misspelt section would otherwise not run, silently, in a GPU session's one call."""
+    with pytest.raises(SystemExit) as info:
+        gpu.parse_args(argv)
+    assert info.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("python -m benchmarks.gpu: error: ") and says in line, line
+
+
+def test_a_model_the_engine_refuses_is_one_line(capsys) -> None:
+    assert gpu.main(["--model", "no-such-model", "--quick", "--skip-http"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("python -m benchmarks.gpu: error: model path"), line
