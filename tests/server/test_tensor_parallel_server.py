@@ -98,8 +98,9 @@ def tiny_tp_server(tmp_path_factory, tiny_gqa_model):
 
 
 def test_tp_flags_reach_the_engine_config() -> None:
+    # On the CPU: on CUDA a host of this group needs two GPUs (EngineConfig.check_device).
     argv = ["--tensor-parallel-size", "4", "--nnodes", "2", "--node-rank", "1",
-            "--master-addr", "10.0.0.1", "--master-port", "29500"]  # fmt: skip
+            "--master-addr", "10.0.0.1", "--master-port", "29500", "--device", "cpu"]  # fmt: skip
     e = ServingConfig.from_cli(argv, {}).engine
     assert (e.tensor_parallel_size, e.nnodes, e.node_rank, e.master_addr, e.master_port) == (
         4, 2, 1, "10.0.0.1", 29500,
