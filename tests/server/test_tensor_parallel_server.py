@@ -107,7 +107,7 @@ def test_tp_flags_reach_the_engine_config() -> None:
     )  # fmt: skip
     assert (
         ServingConfig.from_cli(
-            [], {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "2"}
+            [], {"PAGEDSERVE_TENSOR_PARALLEL_SIZE": "2", "PAGEDSERVE_DEVICE": "cpu"}
         ).engine.tensor_parallel_size
         == 2
     )
