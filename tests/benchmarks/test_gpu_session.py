@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,6 +24,7 @@ def run(
         # python3 there is this interpreter, as the image's is on a GPU machine
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "OUT": str(tmp_path / "out"),
+        "FILES": str(tmp_path / "files"),
         "MODEL": "tiny-llama",
         "BENCH_ARGS": "--device cpu --quick",
         "HOST_ARGS": "--device cpu --batch 1,2 --context 16 --steps 2 --warmup-steps 1",
@@ -39,17 +41,32 @@ def run(
 def test_a_step_runs_and_records_its_status(tmp_path: Path) -> None:
     done = run(tmp_path, "engine")
     assert done.returncode == 0, done.stdout + done.stderr
-    out = tmp_path / "out"
+    out = tmp_path / "files"
     summary = (out / "summary.txt").read_text()
     assert summary.startswith("engine rc=0 "), summary
     assert (out / "engine.json").exists() and (out / "machine.txt").exists()
     assert "batch 1:" in (out / "engine.log").read_text()
 
 
+def test_what_comes_back_is_the_summary_and_every_file_packed(tmp_path: Path) -> None:
+    """A device call brings back at most 8 files of $OUT: the summary, the machine and the
+    steps' files packed in 15 MiB parts, refreshed after each step."""
+    done = run(tmp_path, "engine", "pdl")
+    assert done.returncode == 0, done.stdout + done.stderr
+    back = tmp_path / "out"
+    names = sorted(p.name for p in back.iterdir())
+    assert names == ["machine.txt", "session.tgz.0", "summary.txt"], names
+    assert (back / "summary.txt").read_text() == (tmp_path / "files" / "summary.txt").read_text()
+    with tarfile.open(back / "session.tgz.0") as packed:
+        members = {Path(m).name for m in packed.getnames()}
+    for step in ("engine", "pdl0", "pdl1"):
+        assert {f"{step}.log", f"{step}.json"} <= members, members
+
+
 def test_the_host_step_times_greedy_and_penalised_steps(tmp_path: Path) -> None:
     done = run(tmp_path, "host")
     assert done.returncode == 0, done.stdout + done.stderr
-    out = tmp_path / "out"
+    out = tmp_path / "files"
     summary = (out / "summary.txt").read_text()
     assert "host-greedy rc=0 " in summary and "host-penalties rc=0 " in summary, summary
     for sampling in ("greedy", "penalties"):
@@ -60,7 +77,7 @@ def test_the_host_step_times_greedy_and_penalised_steps(tmp_path: Path) -> None:
 def test_the_pdl_step_runs_with_the_switch_off_then_on(tmp_path: Path) -> None:
     done = run(tmp_path, "pdl")
     assert done.returncode == 0, done.stdout + done.stderr
-    out = tmp_path / "out"
+    out = tmp_path / "files"
     summary = (out / "summary.txt").read_text()
     assert "pdl0 rc=0 " in summary and "pdl1 rc=0 " in summary, summary
     for value in ("0", "1"):
@@ -74,7 +91,7 @@ def test_the_gemv_step_sweeps_then_runs_the_engine_on_the_swept_launches(tmp_pat
     beside each PDL setting asked for (GEMV_PDL; by default only 1)."""
     done = run(tmp_path, "gemv", SWEEP_ARGS="--device cpu --quick", GEMV_PDL="0 1")
     assert done.returncode == 0, done.stdout + done.stderr
-    out = tmp_path / "out"
+    out = tmp_path / "files"
     summary = (out / "summary.txt").read_text()
     assert summary.startswith("gemv-sweep rc=0 "), summary
     table = out / "matmul-tuning.json"
@@ -94,7 +111,7 @@ def test_without_a_table_the_gemv_step_runs_the_engine_on_the_heuristic(tmp_path
     line), the engine runs go on with choose_launch's launches."""
     done = run(tmp_path, "gemv")
     assert done.returncode == 0, done.stdout + done.stderr
-    out = tmp_path / "out"
+    out = tmp_path / "files"
     summary = (out / "summary.txt").read_text()
     assert "gemv-sweep rc=2 " in summary, summary
     assert "--quant-matmul off CUDA" in (out / "gemv-sweep.log").read_text()
@@ -111,7 +128,7 @@ def test_the_attention_sweeps_write_one_table_the_decode_steps_take(tmp_path: Pa
     done = run(tmp_path, "sweep", "sweep-b64", ATTN_SWEEP_ARGS="--device cpu --quick",
                B64_ROWS="2x64", TRITON_INTERPRET="1")  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    out = tmp_path / "out"
+    out = tmp_path / "files"
     summary = (out / "summary.txt").read_text()
     for step in ("sweep", "sweep-b64", "attn-decode"):
         assert f"{step} rc=0 " in summary, summary
@@ -127,6 +144,7 @@ def test_a_step_that_does_not_fit_is_skipped(tmp_path: Path) -> None:
     done = run(tmp_path, "suite", session_s=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "suite skipped" in (tmp_path / "out" / "summary.txt").read_text()
+    assert "suite skipped" in (tmp_path / "files" / "summary.txt").read_text()
 
 
 def test_an_unknown_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
