@@ -9,11 +9,18 @@ load: the weights' own bytes in the serving dtype (``ModelConfig.num_params``; t
 loads whole in that dtype even with ``--quantization``, which converts it a weight at a
 time afterwards), against what the device has free now. The KV cache, activations and
 graphs need more on top; those are sized after loading from what is left (engine/builder.py).
+
+Only a hard limit refuses: a GPU's free memory, or the room under a cgroup v2 memory limit
+(a container's ``--memory``). The host's MemAvailable only warns: a virtual machine whose
+memory balloon gives back pages as the guest needs them (a Firecracker microVM's) reports
+less than it can hold, and a refusal there would be wrong with no way around it.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,31 +28,40 @@ import torch
 from engine.config import ModelConfig, ModelError
 from engine.threads import CGROUP_ROOT, cgroup_ancestors
 
+logger = logging.getLogger(__name__)
+
 
 class ModelTooLargeError(ModelError, ValueError):
-    """The model's weights alone exceed the memory free on the device: the command line
-    reports it as one line, before loading."""
+    """The model's weights alone exceed a hard limit of the device's memory: the command
+    line reports it as one line, before loading."""
 
 
-def _host_available(
-    meminfo: Path = Path("/proc/meminfo"),
-    proc_cgroup: Path = Path("/proc/self/cgroup"),
-    root: Path = CGROUP_ROOT,
-) -> tuple[int, str] | None:
-    """Bytes the host can still give this process, and where that was read: MemAvailable,
-    or the room left under a cgroup v2 memory limit (a container's ``--memory``) where
-    that is less. None where neither can be read (not Linux)."""
-    best: tuple[int, str] | None = None
+@dataclass(frozen=True, slots=True)
+class Room:
+    """Bytes free for the weights, where that was read, and whether it is a hard limit."""
+
+    bytes: int
+    where: str
+    hard: bool
+
+
+def _memavailable(meminfo: Path) -> Room | None:
     try:
         match = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), re.M)
     except OSError:
-        match = None
-    if match:
-        best = (int(match.group(1)) * 1024, "MemAvailable")
+        return None
+    if match is None:
+        return None
+    return Room(int(match.group(1)) * 1024, "available to this process (MemAvailable)", False)
+
+
+def _cgroup_room(proc_cgroup: Path, root: Path) -> Room | None:
+    """The least room under a cgroup v2 memory limit of this process's group or a parent."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        lines = []
+        return None
+    best: Room | None = None
     for line in lines:
         if not line.startswith("0::"):  # cgroup v2's one hierarchy
             continue
@@ -57,46 +73,59 @@ def _host_available(
                 continue
             if limit.isdigit() and used.isdigit():
                 room = max(0, int(limit) - int(used))
-                if best is None or room < best[0]:
-                    best = (room, f"the cgroup limit {directory / 'memory.max'}")
+                if best is None or room < best.bytes:
+                    where = f"left under the memory limit {directory / 'memory.max'}"
+                    best = Room(room, where, True)
     return best
 
 
-def available_bytes(device: torch.device) -> tuple[int, str] | None:
-    """Bytes free for weights on ``device`` and a phrase naming where that was read; None
-    where it cannot be known."""
+def host_rooms(
+    meminfo: Path = Path("/proc/meminfo"),
+    proc_cgroup: Path = Path("/proc/self/cgroup"),
+    root: Path = CGROUP_ROOT,
+) -> list[Room]:
+    """What the host can still give this process: MemAvailable (soft) and a cgroup limit's
+    room (hard), each where it can be read (Linux)."""
+    return [r for r in (_memavailable(meminfo), _cgroup_room(proc_cgroup, root)) if r]
+
+
+def device_rooms(device: torch.device) -> list[Room]:
+    """What ``device`` has free for weights; empty where it cannot be known."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free, f"free on {device}"
+        return [Room(free, f"free on {device}", True)]
     if device.type == "cpu":
-        found = _host_available()
-        if found is None:
-            return None
-        return found[0], f"available to this process ({found[1]})"
-    return None
+        return host_rooms()
+    return []
 
 
 def check_weights_fit(
     model_id: str, config: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> None:
     """Raise ``ModelTooLargeError`` where ``model_id``'s weights in ``dtype`` are more bytes
-    than ``device`` has free, naming both and what would help."""
-    found = available_bytes(device)
-    if found is None:
-        return
-    available, where = found
+    than a hard limit of ``device`` leaves; warn where they are more than a soft reading
+    (MemAvailable). Each names both figures and what would help."""
     params = config.num_params
     needed = params * dtype.itemsize
-    if needed <= available:
+    short = [room for room in device_rooms(device) if room.bytes < needed]
+    if not short:
         return
-    dtype_name = str(dtype).removeprefix("torch.")
+    room = min(short, key=lambda r: (not r.hard, r.bytes))  # a hard limit first
     helps = ["a smaller model"]
-    if dtype.itemsize > 2 and params * 2 <= available:
+    if dtype.itemsize > 2 and params * 2 <= room.bytes:
         helps.insert(0, "--dtype bfloat16 (half the bytes)")
     if device.type == "cuda":
         helps.insert(0, "--tensor-parallel-size N (a shard on each of N GPUs)")
-    raise ModelTooLargeError(
+    message = (
         f"model {model_id!r} needs {needed / 2**30:.1f} GiB for its {params / 1e9:.2f}B "
-        f"weights in {dtype_name}, but {available / 2**30:.1f} GiB is {where}: "
-        f"try {' or '.join(helps)}"
+        f"weights in {str(dtype).removeprefix('torch.')}, but {room.bytes / 2**30:.1f} GiB "
+        f"is {room.where}"
+    )
+    if room.hard:
+        raise ModelTooLargeError(f"{message}: try {' or '.join(helps)}")
+    logger.warning(
+        "%s: loading it may run the host out of memory (the process is then killed); "
+        "if it fails, try %s",
+        message,
+        " or ".join(helps),
     )

@@ -28,25 +28,29 @@ def _host(tmp_path: Path, available_kib: int, cgroup: dict[str, tuple[str, str]]
         directory.mkdir(parents=True)
         (directory / "memory.max").write_text(limit + "\n")
         (directory / "memory.current").write_text(current + "\n")
-    return weight_memory._host_available(meminfo, proc, root)
+    return weight_memory.host_rooms(meminfo, proc, root)
 
 
-def test_host_memory_is_the_least_of_memavailable_and_each_cgroups_room(tmp_path) -> None:
-    assert _host(tmp_path / "a", 8 * 1024**2, {}) == (8 * GIB, "MemAvailable")
+def test_the_host_gives_memavailable_soft_and_a_cgroup_limits_room_hard(tmp_path) -> None:
+    (soft,) = _host(tmp_path / "a", 8 * 1024**2, {})
+    assert (soft.bytes, soft.hard) == (8 * GIB, False) and "MemAvailable" in soft.where
     # A container's limit (outer) with 1 GiB of it used leaves 3 GiB; the inner has none.
-    found = _host(
+    soft, hard = _host(
         tmp_path / "b",
         8 * 1024**2,
         {"outer": (str(4 * GIB), str(GIB)), "outer/inner": ("max", str(GIB))},
     )
-    assert found is not None and found[0] == 3 * GIB
-    assert found[1].startswith("the cgroup limit") and found[1].endswith("outer/memory.max")
+    assert (hard.bytes, hard.hard) == (3 * GIB, True) and hard.where.endswith("outer/memory.max")
     missing = tmp_path / "none"
-    assert weight_memory._host_available(missing, missing, missing) is None
+    assert weight_memory.host_rooms(missing, missing, missing) == []
+
+
+def _rooms(monkeypatch, *rooms: weight_memory.Room) -> None:
+    monkeypatch.setattr(weight_memory, "device_rooms", lambda device: list(rooms))
 
 
 def _refusal(monkeypatch, free: int, device: str, dtype: torch.dtype, model: str) -> str:
-    monkeypatch.setattr(weight_memory, "available_bytes", lambda d: (free, f"free on {d}"))
+    _rooms(monkeypatch, weight_memory.Room(free, f"free on {device}", True))
     mc = ModelConfig.from_hf(preset(model))
     with pytest.raises(ModelTooLargeError) as refused:
         check_weights_fit(model, mc, torch.device(device), dtype)
@@ -59,7 +63,7 @@ def _refusal(monkeypatch, free: int, device: str, dtype: torch.dtype, model: str
 def test_weights_larger_than_the_free_memory_are_refused_saying_what_helps(monkeypatch):
     # Llama-3-8B: 8.03B parameters, 29.9 GiB in float32, 15.0 GiB in bfloat16.
     mc = ModelConfig.from_hf(preset("llama-3-8b"))
-    monkeypatch.setattr(weight_memory, "available_bytes", lambda d: (31 * GIB, "free"))
+    _rooms(monkeypatch, weight_memory.Room(31 * GIB, "free", True))
     check_weights_fit("llama-3-8b", mc, torch.device("cpu"), torch.float32)  # fits: silent
     message = _refusal(monkeypatch, 20 * GIB, "cpu", torch.float32, "llama-3-8b")
     assert "29.9 GiB for its 8.03B weights in float32, but 20.0 GiB is free on cpu" in message
@@ -72,13 +76,29 @@ def test_weights_larger_than_the_free_memory_are_refused_saying_what_helps(monke
     assert "--dtype" not in message
 
 
+def test_memavailable_short_of_the_weights_only_warns(monkeypatch, caplog) -> None:
+    """A ballooned VM reports less than it can hold: MemAvailable warns, and a hard limit
+    (here a cgroup's) still refuses beside it."""
+    mc = ModelConfig.from_hf(preset("llama-3-8b"))
+    soft = weight_memory.Room(20 * GIB, "available to this process (MemAvailable)", False)
+    _rooms(monkeypatch, soft)
+    with caplog.at_level("WARNING", logger="engine.weight_memory"):
+        check_weights_fit("llama-3-8b", mc, torch.device("cpu"), torch.float32)
+    (record,) = caplog.records
+    assert "29.9 GiB" in record.getMessage() and "out of memory" in record.getMessage()
+    assert "--dtype bfloat16" in record.getMessage()
+    _rooms(monkeypatch, soft, weight_memory.Room(25 * GIB, "left under the limit", True))
+    with pytest.raises(ModelTooLargeError, match="25.0 GiB is left under the limit"):
+        check_weights_fit("llama-3-8b", mc, torch.device("cpu"), torch.float32)
+
+
 def test_the_offline_engine_and_the_server_refuse_before_loading(monkeypatch, capsys) -> None:
     from engine import builder, threads
     from engine.llm import LLM
     from server import cli
     from server.cli import main
 
-    monkeypatch.setattr(weight_memory, "available_bytes", lambda d: (1024, "available"))
+    _rooms(monkeypatch, weight_memory.Room(1024, "left under the limit", True))
     # serve()'s process-wide set-up stays out of the test process.
     monkeypatch.setattr(cli, "configure_logging", lambda level: None)
     monkeypatch.setattr(threads, "configure_threads", lambda n: (1, "test"))
