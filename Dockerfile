@@ -62,13 +62,16 @@ ENV PATH=/opt/venv/bin:$PATH \
     PAGEDSERVE_PORT=8000 \
     PAGEDSERVE_CACHE=/var/cache/pagedserve \
     HF_HOME=/var/cache/pagedserve/hf \
-    TORCH_EXTENSIONS_DIR=/var/cache/pagedserve/torch_extensions
+    TORCH_EXTENSIONS_DIR=/var/cache/pagedserve/torch_extensions \
+    TRITON_CACHE_DIR=/var/cache/pagedserve/triton
 USER ${UID}:${UID}
 WORKDIR /home/pagedserve
 VOLUME ["/var/cache/pagedserve"]
 EXPOSE 8000
 # The first start converts the GGUF, compiles the C++ kernels and measures the CPU peaks (a
-# few minutes on a small CPU): the start period covers it. /health is 503 when the engine loop is stalled or dead.
+# few minutes on a small CPU), and on a GPU compiles every Triton kernel the warm-up meets
+# (kept in the volume, as the C++ build is, so a restart reuses them): the start period
+# covers it. /health is 503 when the engine loop is stalled or dead.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('PAGEDSERVE_PORT', '8000'), timeout=4)"]
 ENTRYPOINT ["pagedserve", "serve"]
