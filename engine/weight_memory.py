@@ -1,16 +1,17 @@
 """Whether a model's weights can fit the memory of the device they load onto, asked before
 any weight is read.
 
-Without the question a model larger than the machine fails late and badly: on the CPU the
-kernel's out-of-memory killer ends the process mid-load with no message (a random fill or a
-checkpoint read touches page after page), on CUDA an out-of-memory traceback comes from
-deep inside loading. The answer is a lower bound, so it never refuses a model that would
-load: the weights' own bytes in the serving dtype (``ModelConfig.num_params``; the model
-loads whole in that dtype even with ``--quantization``, which converts it a weight at a
-time afterwards), against what the device has free now. The KV cache, activations and
-graphs need more on top; those are sized after loading from what is left (engine/builder.py).
+Without the question a model larger than the machine fails late and badly: on the CPU
+loading runs the host out of memory (a random fill or a checkpoint read touches page after
+page) and the kernel's out-of-memory killer ends a process, which says nothing; on CUDA an
+out-of-memory traceback comes from deep inside loading. The answer is a lower bound, so it
+never refuses a model that would load: the weights' own bytes in the serving dtype
+(``ModelConfig.num_params``; the model loads whole in that dtype even with
+``--quantization``, which converts it a weight at a time afterwards), against what the
+device has free now. The KV cache, activations and graphs need more on top; those are sized
+after loading from what is left (engine/builder.py).
 
-Only a hard limit refuses: a GPU's free memory, or the room under a cgroup v2 memory limit
+Only a hard limit refuses: a GPU's free memory, or the room under a cgroup's memory limit
 (a container's ``--memory``). The host's MemAvailable only warns: a virtual machine whose
 memory balloon gives back pages as the guest needs them (a Firecracker microVM's) reports
 less than it can hold, and a refusal there would be wrong with no way around it.
@@ -55,27 +56,61 @@ def _memavailable(meminfo: Path) -> Room | None:
     return Room(int(match.group(1)) * 1024, "available to this process (MemAvailable)", False)
 
 
+# Per cgroup version: the limit's file, the memory.stat key of what the kernel cannot take
+# back for a new allocation (anonymous memory: usage would also count the page cache, such
+# as a checkpoint read earlier, which is reclaimed under the limit), and usage's file, read
+# where memory.stat lacks the key. v1's limit reads as about 2**63 where there is none.
+_V2 = ("memory.max", "anon", "memory.current")
+_V1 = ("memory.limit_in_bytes", "total_rss", "memory.usage_in_bytes")
+_NO_LIMIT = 2**62
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # v2's "max": no limit
+
+
+def _limit_room(directory: Path, files: tuple[str, str, str]) -> int | None:
+    """Bytes left under ``directory``'s memory limit; None where it has none."""
+    limit_file, stat_key, usage_file = files
+    limit = _read_int(directory / limit_file)
+    if limit is None or limit >= _NO_LIMIT:
+        return None
+    try:
+        match = re.search(rf"^{stat_key} (\d+)$", (directory / "memory.stat").read_text(), re.M)
+    except OSError:
+        match = None
+    used = int(match.group(1)) if match else _read_int(directory / usage_file)
+    return None if used is None else max(0, limit - used)
+
+
 def _cgroup_room(proc_cgroup: Path, root: Path) -> Room | None:
-    """The least room under a cgroup v2 memory limit of this process's group or a parent."""
+    """The least room under a memory limit of this process's cgroup or a parent's (cgroup
+    v2, or v1's memory controller)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
         return None
     best: Room | None = None
     for line in lines:
-        if not line.startswith("0::"):  # cgroup v2's one hierarchy
+        fields = line.split(":", 2)
+        if len(fields) != 3:
             continue
-        for directory in cgroup_ancestors(root, line[3:]):
-            try:
-                limit = (directory / "memory.max").read_text().strip()
-                used = (directory / "memory.current").read_text().strip()
-            except OSError:
-                continue
-            if limit.isdigit() and used.isdigit():
-                room = max(0, int(limit) - int(used))
-                if best is None or room < best.bytes:
-                    where = f"left under the memory limit {directory / 'memory.max'}"
-                    best = Room(room, where, True)
+        _, controllers, relative = fields
+        if controllers == "":  # v2: "0::/path"
+            directories, files = cgroup_ancestors(root, relative), _V2
+        elif "memory" in controllers.split(","):  # v1: "4:memory:/path"
+            directories, files = cgroup_ancestors(root / "memory", relative), _V1
+        else:
+            continue
+        for directory in directories:
+            room = _limit_room(directory, files)
+            if room is not None and (best is None or room < best.bytes):
+                limit_path = directory / files[0]
+                best = Room(room, f"left under the memory limit {limit_path}", True)
     return best
 
 

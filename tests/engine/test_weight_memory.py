@@ -16,31 +16,49 @@ from engine.weight_memory import ModelTooLargeError, check_weights_fit
 GIB = 2**30
 
 
-def _host(tmp_path: Path, available_kib: int, cgroup: dict[str, tuple[str, str]]):
+def _host(tmp_path: Path, proc_cgroup: str, files: dict[str, dict[str, str]]):
+    """host_rooms over a fake /proc and cgroup tree: MemAvailable 8 GiB, the process's
+    cgroup line ``proc_cgroup``, and ``files`` per cgroup directory."""
     tmp_path.mkdir()
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text(f"MemTotal: 99999999 kB\nMemAvailable: {available_kib} kB\n")
+    meminfo.write_text(f"MemTotal: 99999999 kB\nMemAvailable: {8 * 1024**2} kB\n")
     proc = tmp_path / "proc_cgroup"
-    proc.write_text("0::/outer/inner\n")
+    proc.write_text(proc_cgroup + "\n")
     root = tmp_path / "cg"
-    for relative, (limit, current) in cgroup.items():
+    for relative, contents in files.items():
         directory = root / relative
         directory.mkdir(parents=True)
-        (directory / "memory.max").write_text(limit + "\n")
-        (directory / "memory.current").write_text(current + "\n")
+        for name, text in contents.items():
+            (directory / name).write_text(text + "\n")
     return weight_memory.host_rooms(meminfo, proc, root)
 
 
 def test_the_host_gives_memavailable_soft_and_a_cgroup_limits_room_hard(tmp_path) -> None:
-    (soft,) = _host(tmp_path / "a", 8 * 1024**2, {})
+    (soft,) = _host(tmp_path / "a", "0::/", {})
     assert (soft.bytes, soft.hard) == (8 * GIB, False) and "MemAvailable" in soft.where
-    # A container's limit (outer) with 1 GiB of it used leaves 3 GiB; the inner has none.
-    soft, hard = _host(
-        tmp_path / "b",
-        8 * 1024**2,
-        {"outer": (str(4 * GIB), str(GIB)), "outer/inner": ("max", str(GIB))},
-    )
+    # cgroup v2: a container's limit (outer) with 1 GiB of it used leaves 3 GiB; the inner
+    # group has none ("max").
+    v2 = {
+        "outer": {"memory.max": str(4 * GIB), "memory.current": str(GIB)},
+        "outer/inner": {"memory.max": "max", "memory.current": str(GIB)},
+    }
+    soft, hard = _host(tmp_path / "b", "0::/outer/inner", v2)
     assert (hard.bytes, hard.hard) == (3 * GIB, True) and hard.where.endswith("outer/memory.max")
+    # Only anonymous memory counts where memory.stat says it: the page cache is reclaimed.
+    v2["outer"] |= {"memory.current": str(4 * GIB), "memory.stat": f"anon {GIB}\nfile 9"}
+    soft, hard = _host(tmp_path / "c", "0::/outer/inner", v2)
+    assert hard.bytes == 3 * GIB
+    # cgroup v1's memory controller: the same, with its own files; ~2**63 is no limit.
+    v1 = {
+        "memory/outer": {
+            "memory.limit_in_bytes": str(4 * GIB),
+            "memory.usage_in_bytes": str(4 * GIB),
+            "memory.stat": f"cache 9\nrss {GIB}\ntotal_cache 9\ntotal_rss {2 * GIB}",
+        },
+        "memory/outer/inner": {"memory.limit_in_bytes": "9223372036854771712"},
+    }
+    soft, hard = _host(tmp_path / "d", "4:memory:/outer/inner\n3:cpu:/x", v1)
+    assert hard.bytes == 2 * GIB and hard.where.endswith("outer/memory.limit_in_bytes")
     missing = tmp_path / "none"
     assert weight_memory.host_rooms(missing, missing, missing) == []
 
