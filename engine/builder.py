@@ -47,7 +47,7 @@ from engine.generation_config import (
     read_generation_config,
     sampling_defaults,
 )
-from engine.gpu_memory import check_graph_memory, gpu_kv_budget
+from engine.gpu_memory import check_graph_memory, gpu_kv_budget, memory_baseline
 from engine.kv_calibration import CALIBRATION_TOKENS, calibrate_key_offsets, calibration_ids
 from engine.llama import LlamaForCausalLM
 from engine.loader import (
@@ -266,6 +266,7 @@ def build_engine_parts(
         check_supported(config.quantization, device)  # one clear line before the model loads
     if tp is None:  # (a rank loads the whole model on the host, then keeps its shard)
         check_weights_fit(source.model_id, mc, device, dtype)  # one line, not an OOM kill
+    baseline_free = gpu_memory_baseline(kv_config, device, tp)
 
     t0 = time.perf_counter()
     backend = resolve_backend(config.attention_backend, device, dtype, mc, kv_config.cache_dtype)
@@ -301,6 +302,7 @@ def build_engine_parts(
         dtype,
         tp,
         source.max_model_len,
+        baseline_free=baseline_free,
     )
     storage = allocate_kv_cache(
         kv_config, capacity, attached.forward, model, source, num_kv_heads, device, dtype
@@ -698,6 +700,27 @@ def plan_graphs(
     )
 
 
+def gpu_memory_baseline(
+    kv_config: KVPoolConfig, device: torch.device, tp: TensorParallelGroup | None
+) -> int | None:
+    """With ``--gpu-memory-utilization`` on CUDA (and no explicit KV budget), the bytes free
+    on this rank's GPU before anything loads (``engine.gpu_memory.memory_baseline``, which
+    refuses a share more than is free); None elsewhere. On the CPU the flag is said to do
+    nothing."""
+    share = kv_config.gpu_memory_utilization
+    if share is None or kv_config.memory_bytes is not None or kv_config.num_blocks is not None:
+        return None
+    if device.type != "cuda":
+        logger.warning(
+            "--gpu-memory-utilization applies on CUDA; on %s the KV cache takes "
+            "--kv-cache-memory (1 GiB by default)",
+            device.type,
+        )
+        return None
+    rank_device = torch.device("cuda", tp.local_rank) if tp is not None else device
+    return memory_baseline(rank_device, share)
+
+
 def size_kv_pool(
     config: EngineConfig,
     kv_config: KVPoolConfig,
@@ -710,11 +733,14 @@ def size_kv_pool(
     dtype: torch.dtype,
     tp: TensorParallelGroup | None,
     max_model_len: int,
+    *,
+    baseline_free: int | None = None,
 ) -> tuple[KVCapacity, GraphPlan]:
     """How many blocks the KV cache gets: the budget (on CUDA, what the largest step and the
-    graphs leave), less the draft model's share, and under tensor parallelism the smallest
-    count any rank can hold. Returns it and ``graphs`` with the memory reserved for them
-    (``reserve_bytes``) where it was measured."""
+    graphs leave, within ``--gpu-memory-utilization`` where given: ``baseline_free`` is
+    ``gpu_memory_baseline``'s), less the draft model's share, and under tensor parallelism
+    the smallest count any rank can hold. Returns it and ``graphs`` with the memory reserved
+    for them (``reserve_bytes``) where it was measured."""
     mc = model.config
     if device.type == "cuda" and kv_config.memory_bytes is None and kv_config.num_blocks is None:
         # The KV cache takes what is left after the largest step's activations and the
@@ -728,6 +754,8 @@ def size_kv_pool(
             prefill_sizes=graphs.prefill_sizes,
             prefill_whole=graphs.prefill_mode == "full",
             block_size=kv_config.block_size,
+            utilization=kv_config.gpu_memory_utilization,
+            baseline_free=baseline_free,
         )
         kv_config = dataclasses.replace(kv_config, memory_bytes=gpu_budget.kv_bytes)
         graphs = dataclasses.replace(graphs, reserve_bytes=gpu_budget.reserve_bytes)

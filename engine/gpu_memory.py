@@ -32,6 +32,42 @@ KV_FRACTION = 0.9
 GRAPH_SLACK_BYTES = 64 * 2**20
 
 
+def memory_baseline(device: torch.device, utilization: float) -> int:
+    """The bytes free on ``device`` before this engine loads anything, for
+    ``--gpu-memory-utilization``: what it then holds is measured against them. Raises
+    ``KVCacheSettingError`` where the share asked for is more than is free (another process
+    holds the rest), as nothing loaded afterwards could keep to it."""
+    free, total = torch.cuda.mem_get_info(device)
+    if utilization * total > free:
+        raise KVCacheSettingError(
+            f"--gpu-memory-utilization {utilization:g} asks for "
+            f"{utilization * total / 2**30:.2f} GiB of {device}'s {total / 2**30:.2f} GiB, but "
+            f"only {free / 2**30:.2f} GiB is free (other processes hold the rest): lower it"
+        )
+    return free
+
+
+def kv_budget_bytes(
+    free: int,
+    total: int,
+    reserve: int,
+    *,
+    utilization: float | None = None,
+    baseline_free: int | None = None,
+) -> int:
+    """The KV cache's bytes, from the GPU's ``free`` and ``total`` bytes after the weights
+    and the ``reserve`` for the steps' activations and graphs: by default KV_FRACTION of
+    what the reserve leaves free; with ``utilization`` (and the free bytes before loading,
+    ``memory_baseline``), that share of ``total`` less what this engine holds since the
+    baseline and the reserve, within what is free."""
+    if utilization is None:
+        return int((free - reserve) * KV_FRACTION)
+    if baseline_free is None:
+        raise ValueError("gpu_memory_utilization needs the free memory before loading")
+    held = baseline_free - free  # the weights, and what loading them keeps
+    return min(int(utilization * total) - held - reserve, free - reserve)
+
+
 @dataclass(frozen=True, slots=True)
 class GpuBudget:
     """What ``gpu_kv_budget`` measured: the KV cache's bytes, and the bytes it left for the
@@ -78,12 +114,15 @@ def gpu_kv_budget(
     prefill_sizes: Sequence[int] = (),
     prefill_whole: bool = False,
     block_size: int = 16,
+    utilization: float | None = None,
+    baseline_free: int | None = None,
 ) -> GpuBudget:
     """Bytes the KV cache may take on ``device``; runs the largest prefill step and the
     largest decode step once, over a one-block scratch cache. ``max_blocks_per_seq``: the
     decode graphs' full context width (blocks of the longest sequence); ``prefill_sizes``:
     the token buckets of the graphs for steps with prefill tokens (engine/prefill_graphs.py),
-    none if empty; ``prefill_whole``: each bucket is captured whole besides its pieces."""
+    none if empty; ``prefill_whole``: each bucket is captured whole besides its pieces;
+    ``utilization``, ``baseline_free``: ``--gpu-memory-utilization`` (``kv_budget_bytes``)."""
     layer = model.layers[0]
     shape = (1, block_size, layer.num_kv_heads, layer.head_dim)
     dtype = model.embed_tokens.weight.dtype
@@ -112,23 +151,30 @@ def gpu_kv_budget(
         graphs += (2 if prefill_whole else 1) * 2 * hidden * sum(prefill_sizes)
     del caches
     torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
     reserve = max(prefill, decode) + graphs
-    budget = int((free - reserve) * KV_FRACTION)
+    budget = kv_budget_bytes(
+        free, total, reserve, utilization=utilization, baseline_free=baseline_free
+    )
+    share = ""
+    if utilization is not None:
+        share = f" (--gpu-memory-utilization {utilization:g} of {total / 2**30:.2f} GiB)"
     logger.info(
         "GPU memory: %.2f GiB free after the weights; reserved %.2f GiB for activations "
-        "(largest step %.2f GiB) and CUDA graphs (%.2f GiB); KV cache budget %.2f GiB",
+        "(largest step %.2f GiB) and CUDA graphs (%.2f GiB); KV cache budget %.2f GiB%s",
         free / 2**30,
         reserve / 2**30,
         max(prefill, decode) / 2**30,
         graphs / 2**30,
         budget / 2**30,
+        share,
     )
     if budget <= 0:
         raise KVCacheSettingError(
-            f"no GPU memory is left for the KV cache ({free / 2**30:.2f} GiB free, "
+            f"no GPU memory is left for the KV cache{share} ({free / 2**30:.2f} GiB free, "
             f"{reserve / 2**30:.2f} GiB needed by the steps): lower --max-num-batched-tokens "
-            "or --max-num-seqs, or pass --kv-cache-memory"
+            "or --max-num-seqs, or "
+            + ("raise --gpu-memory-utilization" if utilization else "pass --kv-cache-memory")
         )
     return GpuBudget(kv_bytes=budget, reserve_bytes=reserve)
 

@@ -60,6 +60,7 @@ class LLM:
         seed: int = 0,
         block_size: int = 16,
         kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
         kv_key_offsets: bool = False,
@@ -132,6 +133,7 @@ class LLM:
             KVPoolConfig(
                 block_size=block_size,
                 memory_bytes=kv_cache_memory,
+                gpu_memory_utilization=gpu_memory_utilization,
                 num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
                 cache_dtype=kv_cache_dtype,

@@ -14,7 +14,12 @@ class KVPoolConfig:
     """Args:
     block_size: tokens per block (a power of two; 16 like vLLM).
     memory_bytes: KV cache budget in bytes; ``None`` picks a default for the device
-        (1 GiB on CPU, 90% of free memory after weights on CUDA).
+        (1 GiB on CPU; on CUDA from ``gpu_memory_utilization``, else 90% of the memory free
+        after the weights and the steps' reserve).
+    gpu_memory_utilization: the share of the GPU's total memory this engine may take, the
+        weights, the steps' activations, the CUDA graphs and the KV cache together (vLLM's
+        flag of the name): the KV cache gets what the rest leaves of it. Two servers on one
+        GPU take a share each. CUDA only; ``memory_bytes`` and ``num_blocks`` override it.
     num_blocks: an exact block count; overrides ``memory_bytes`` (tests use it to force
         memory pressure).
     enable_prefix_caching: share the K/V of full blocks whose token prefix is already
@@ -31,6 +36,7 @@ class KVPoolConfig:
 
     block_size: int = DEFAULT_BLOCK_SIZE
     memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
@@ -43,6 +49,11 @@ class KVPoolConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.memory_bytes is not None and self.memory_bytes < 1:
             raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be a share of the GPU's memory in (0, 1], got {share}"
+            )
         if self.cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

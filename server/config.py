@@ -418,6 +418,12 @@ _OPTIONS: tuple[Option, ...] = (
            "tokens per KV block (a power of two)"),
     Option("--kv-cache-memory", "kvpool", "memory_bytes", optional(parse_size), _K.memory_bytes,
            "KV cache budget, e.g. 1GiB or 512MB; auto = 1 GiB on CPU, 90%% of free GPU memory"),
+    Option("--gpu-memory-utilization", "kvpool", "gpu_memory_utilization", optional(float),
+           _K.gpu_memory_utilization,
+           "share of the GPU's total memory this server may take (weights, activations, CUDA "
+           "graphs and KV cache together; the KV cache gets what the rest leaves), e.g. 0.45 "
+           "for each of two servers on one GPU; auto = 90%% of the memory free after the "
+           "weights and the steps; --kv-cache-memory overrides it"),
     Option("--num-kv-blocks", "kvpool", "num_blocks", optional(int), _K.num_blocks,
            "exact number of KV blocks; overrides --kv-cache-memory"),
     Option("--kv-cache-dtype", "kvpool", "cache_dtype", str, _K.cache_dtype,

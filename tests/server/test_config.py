@@ -49,6 +49,8 @@ def test_every_flag_reaches_its_config() -> None:
         "512MB",
         "--num-kv-blocks",
         "100",
+        "--gpu-memory-utilization",
+        "0.45",
         "--max-num-seqs",
         "3",
         "--max-num-batched-tokens",
@@ -97,6 +99,7 @@ def test_every_flag_reaches_its_config() -> None:
         c.engine.seed,
     ) == ("/models/x", "bfloat16", "cpu", "torch", 1024, 7)
     assert not c.kvpool.enable_prefix_caching
+    assert c.kvpool.gpu_memory_utilization == 0.45
     assert (c.kvpool.block_size, c.kvpool.memory_bytes, c.kvpool.num_blocks) == (
         32,
         512_000_000,
@@ -401,3 +404,13 @@ def test_a_cuda_device_this_machine_lacks_is_one_line(capsys, monkeypatch) -> No
     assert "runs 4 ranks on this host, one GPU each, but it has 2" in line, line
     line = _device_error(capsys, ["--device", "cuda:1", "--tensor-parallel-size", "2"])
     assert "puts each rank on its own: give 'cuda'" in line, line
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "-0.2"])
+def test_a_gpu_memory_share_outside_0_to_1_is_one_line(capsys, share: str) -> None:
+    assert ServingConfig.from_cli([], {"PAGEDSERVE_GPU_MEMORY_UTILIZATION": "0.9"}) is not None
+    with pytest.raises(SystemExit) as info:
+        ServingConfig.from_cli(["--gpu-memory-utilization", share], {})
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "gpu_memory_utilization must be a share of the GPU's memory in (0, 1]" in line
