@@ -56,16 +56,18 @@ def kv_budget_bytes(
     baseline_free: int | None = None,
 ) -> int:
     """The KV cache's bytes, from the GPU's ``free`` and ``total`` bytes after the weights
-    and the ``reserve`` for the steps' activations and graphs: by default KV_FRACTION of
-    what the reserve leaves free; with ``utilization`` (and the free bytes before loading,
-    ``memory_baseline``), that share of ``total`` less what this engine holds since the
-    baseline and the reserve, within what is free."""
+    and the ``reserve`` for the steps' activations and graphs: KV_FRACTION of what the
+    reserve leaves free; with ``utilization`` (and the free bytes before loading,
+    ``memory_baseline``), no more than that share of ``total`` less what this engine holds
+    since the baseline and the reserve. A share only ever lowers the budget: the rest of
+    the free memory is the sampler's buffers' and the allocator's headroom."""
+    budget = int((free - reserve) * KV_FRACTION)
     if utilization is None:
-        return int((free - reserve) * KV_FRACTION)
+        return budget
     if baseline_free is None:
         raise ValueError("gpu_memory_utilization needs the free memory before loading")
     held = baseline_free - free  # the weights, and what loading them keeps
-    return min(int(utilization * total) - held - reserve, free - reserve)
+    return min(int(utilization * total) - held - reserve, budget)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,9 +24,9 @@ def test_a_share_of_the_total_less_what_the_engine_holds() -> None:
     # 80 GiB GPU, 70 free before loading, 16 GiB of weights (54 free after), 4 GiB reserve.
     half = kv_budget_bytes(54 * GIB, 80 * GIB, 4 * GIB, utilization=0.5, baseline_free=70 * GIB)
     assert half == 40 * GIB - 16 * GIB - 4 * GIB
-    # A share above what is free is held to what the reserve leaves free.
+    # A share only lowers the budget: above the default it is the default's.
     most = kv_budget_bytes(54 * GIB, 80 * GIB, 4 * GIB, utilization=1.0, baseline_free=70 * GIB)
-    assert most == 50 * GIB
+    assert most == int(50 * GIB * KV_FRACTION)
     # Too small a share for the weights and the reserve: nothing (gpu_kv_budget refuses it).
     assert kv_budget_bytes(54 * GIB, 80 * GIB, 4 * GIB, utilization=0.2, baseline_free=70 * GIB) < 0
     with pytest.raises(ValueError, match="needs the free memory before loading"):
