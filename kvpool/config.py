@@ -19,7 +19,8 @@ class KVPoolConfig:
     gpu_memory_utilization: the share of the GPU's total memory this engine may take, the
         weights, the steps' activations, the CUDA graphs and the KV cache together (vLLM's
         flag of the name): the KV cache gets what the rest leaves of it, and never more than
-        the default would. Two servers on one GPU take a share each. CUDA only; ``memory_bytes`` and ``num_blocks`` override it.
+        the default would. Two servers on one GPU take a share each. CUDA only;
+        ``memory_bytes`` and ``num_blocks`` override it.
     num_blocks: an exact block count; overrides ``memory_bytes`` (tests use it to force
         memory pressure).
     enable_prefix_caching: share the K/V of full blocks whose token prefix is already

@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 ENV_PREFIX = "PAGEDSERVE_"
 
@@ -149,12 +149,40 @@ def _metavar(option: Option) -> str:
     return option.dest.split("_")[-1].upper()
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A mistake on the command line is one line naming it, not argparse's usage block (the
+    serve command's usage runs to some fifty lines, above the line that matters)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments"):
+            message += f" ({self.prog} --help lists the flags)"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _says_why(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` with its ValueError's own message shown: argparse turns a ValueError into
+    "invalid <function name> value", dropping what our parsers say (the accepted forms)."""
+    if parse in (int, float, str):  # argparse's "invalid int value: 'x'" says it
+        return parse
+    name = getattr(parse, "__name__", "")
+
+    def parse_saying_why(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            if name in ("int", "float"):  # optional(int): not Python's "invalid literal for"
+                raise argparse.ArgumentTypeError(f"invalid {name} value: {text!r}") from None
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_saying_why
+
+
 def build_arg_parser(
     options: Sequence[Option], environ: Mapping[str, str]
 ) -> argparse.ArgumentParser:
     """The `pagedserve serve` parser over ``options``; env values become the defaults, so
     flags win."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="pagedserve serve",
         description="Serve a model over an OpenAI-compatible HTTP API. Every flag can also be "
         f"set with an environment variable {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT=8001); "
@@ -174,7 +202,7 @@ def build_arg_parser(
             parser.add_argument(
                 option.flag,
                 dest=option.dest,
-                type=option.parse,
+                type=_says_why(option.parse),
                 default=default,
                 action=_ExtendList,
                 metavar=option.dest.split("_")[-1].upper(),
@@ -184,7 +212,7 @@ def build_arg_parser(
         parser.add_argument(
             option.flag,
             dest=option.dest,
-            type=option.parse,
+            type=_says_why(option.parse),
             default=default,
             choices=option.choices,
             metavar=None if option.choices else _metavar(option),
