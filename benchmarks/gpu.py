@@ -51,6 +51,7 @@ import httpx
 import torch
 
 from engine import LLM, SamplingParams
+from engine.builder import pick_device
 from engine.config import CUDA_GRAPH_PREFILL_MODES, EngineConfig, ModelError
 from engine.cost import StepCostModel
 from engine.llm_engine import LLMEngine
@@ -549,7 +550,7 @@ def server_command(
 
 def quick_kv_bytes(args: argparse.Namespace, quick: bool) -> int | None:
     """The KV budget of a ``--quick`` run on the CPU; None (the default budget) otherwise."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(EngineConfig(device=args.device).resolved_device())
     return QUICK_CPU_KV_BYTES if quick and device.type == "cpu" else None
 
 
@@ -714,9 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.sections.split(","))
     if args.skip_http:
         sections.discard("http")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name)
+    device, dtype = pick_device(EngineConfig(device=args.device, dtype=args.dtype))
+    dtype_name = str(dtype).removeprefix("torch.")
     quick = args.quick
     max_seqs = 16 if quick else args.max_num_seqs
     batches = [b for b in ((2, 4) if quick else (16, 64, 256)) if b <= max_seqs]

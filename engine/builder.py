@@ -205,7 +205,7 @@ def pick_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     """The configured device and dtype, or CUDA with bfloat16 when present, else the CPU
     with float32. ValueError, in one line, where the machine lacks the device asked for."""
     config.check_device()
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(config.resolved_device())
     dtype = DTYPES[config.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     return device, dtype
 

@@ -608,6 +608,13 @@ class EngineConfig:
                     f"rank on its own: give {spelled['type']!r}"
                 )
 
+    def resolved_device(self) -> str:
+        """The device the engine runs on: ``device`` as given, else CUDA where torch sees a
+        GPU, else the CPU."""
+        import torch
+
+        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
     def check_device(self) -> None:
         """Raise ValueError, in one line saying what to change, where this machine lacks the
         device asked for: CUDA in a torch without it or with no GPU visible, ``cuda:N`` past
@@ -615,7 +622,7 @@ class EngineConfig:
         before anything loads (the server's start-up, ``engine.builder.pick_device``)."""
         import torch
 
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = self.resolved_device()
         spelled = _DEVICE.fullmatch(device)
         assert spelled is not None  # __post_init__ checked the spelling
         if spelled["type"] != "cuda":

@@ -20,7 +20,7 @@ import math
 import os
 from pathlib import Path
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+from engine.cgroups import CGROUP_ROOT, controller_directories, read_text
 
 
 def _affinity() -> int | None:
@@ -30,28 +30,11 @@ def _affinity() -> int | None:
         return None
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def cgroup_ancestors(root: Path, relative: str) -> list[Path]:
-    """``root/relative`` and each of its parents up to ``root``: a quota on any of them
-    limits the process."""
-    parts = [p for p in relative.strip("/").split("/") if p and p != ".."]
-    return [root.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
-
-
 def cgroup_cpu_quota(
     proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT
 ) -> tuple[float, str] | None:
     """The smallest CPU quota (in CPUs) of the process's cgroup and its parents, with the
     file it came from; None where there is none."""
-    text = _read(proc_cgroup)
-    if text is None:
-        return None
     best: tuple[float, str] | None = None
 
     def consider(cpus: float, source: Path) -> None:
@@ -59,27 +42,21 @@ def cgroup_cpu_quota(
         if cpus > 0 and (best is None or cpus < best[0]):
             best = (cpus, str(source))
 
-    for line in text.splitlines():
-        fields = line.split(":", 2)
-        if len(fields) != 3:
-            continue
-        _, controllers, relative = fields
-        if controllers == "":  # cgroup v2: "0::/path"
-            for directory in cgroup_ancestors(root, relative):
-                value = _read(directory / "cpu.max")
-                if value is None:
-                    continue
-                quota, _, period = value.partition(" ")
-                if quota != "max" and quota.isdigit() and period.isdigit() and int(period):
-                    consider(int(quota) / int(period), directory / "cpu.max")
-        elif "cpu" in controllers.split(","):  # cgroup v1: "4:cpu,cpuacct:/path"
-            for mount in ("cpu,cpuacct", "cpu", "cpuacct,cpu"):
-                for directory in cgroup_ancestors(root / mount, relative):
-                    quota = _read(directory / "cpu.cfs_quota_us")
-                    period = _read(directory / "cpu.cfs_period_us")
-                    if quota and period and quota.lstrip("-").isdigit() and period.isdigit():
-                        if int(quota) > 0 and int(period) > 0:
-                            consider(int(quota) / int(period), directory / "cpu.cfs_quota_us")
+    v1_mounts = ("cpu,cpuacct", "cpu", "cpuacct,cpu")
+    for directory, v2 in controller_directories("cpu", v1_mounts, proc_cgroup, root):
+        if v2:  # "quota period", or "max period"
+            value = read_text(directory / "cpu.max")
+            if value is None:
+                continue
+            quota, _, period = value.partition(" ")
+            if quota != "max" and quota.isdigit() and period.isdigit() and int(period):
+                consider(int(quota) / int(period), directory / "cpu.max")
+        else:
+            quota = read_text(directory / "cpu.cfs_quota_us")
+            period = read_text(directory / "cpu.cfs_period_us")
+            if quota and period and quota.lstrip("-").isdigit() and period.isdigit():
+                if int(quota) > 0 and int(period) > 0:
+                    consider(int(quota) / int(period), directory / "cpu.cfs_quota_us")
     return best
 
 

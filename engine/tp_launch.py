@@ -64,8 +64,7 @@ def torchrun_rendezvous() -> Rendezvous | None:
 
 
 def backend_for(config: EngineConfig) -> str:
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return "nccl" if device.startswith("cuda") else "gloo"
+    return "nccl" if config.resolved_device().startswith("cuda") else "gloo"
 
 
 def launch(

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
+from engine.cgroups import CGROUP_ROOT, controller_directories, read_text
 from engine.config import ModelConfig, ModelError
-from engine.threads import CGROUP_ROOT, cgroup_ancestors
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +47,7 @@ class Room:
 
 
 def _memavailable(meminfo: Path) -> Room | None:
-    try:
-        match = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo.read_text(), re.M)
-    except OSError:
-        return None
+    match = re.search(r"^MemAvailable:\s+(\d+) kB", read_text(meminfo) or "", re.M)
     if match is None:
         return None
     return Room(int(match.group(1)) * 1024, "available to this process (MemAvailable)", False)
@@ -66,11 +63,8 @@ _NO_LIMIT = 2**62
 
 
 def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # v2's "max": no limit
+    text = read_text(path)
+    return int(text) if text is not None and text.isdigit() else None  # v2's "max": no limit
 
 
 def _limit_room(directory: Path, files: tuple[str, str, str]) -> int | None:
@@ -79,10 +73,8 @@ def _limit_room(directory: Path, files: tuple[str, str, str]) -> int | None:
     limit = _read_int(directory / limit_file)
     if limit is None or limit >= _NO_LIMIT:
         return None
-    try:
-        match = re.search(rf"^{stat_key} (\d+)$", (directory / "memory.stat").read_text(), re.M)
-    except OSError:
-        match = None
+    stat = read_text(directory / "memory.stat") or ""
+    match = re.search(rf"^{stat_key} (\d+)$", stat, re.M)
     used = int(match.group(1)) if match else _read_int(directory / usage_file)
     return None if used is None else max(0, limit - used)
 
@@ -90,27 +82,12 @@ def _limit_room(directory: Path, files: tuple[str, str, str]) -> int | None:
 def _cgroup_room(proc_cgroup: Path, root: Path) -> Room | None:
     """The least room under a memory limit of this process's cgroup or a parent's (cgroup
     v2, or v1's memory controller)."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
     best: Room | None = None
-    for line in lines:
-        fields = line.split(":", 2)
-        if len(fields) != 3:
-            continue
-        _, controllers, relative = fields
-        if controllers == "":  # v2: "0::/path"
-            directories, files = cgroup_ancestors(root, relative), _V2
-        elif "memory" in controllers.split(","):  # v1: "4:memory:/path"
-            directories, files = cgroup_ancestors(root / "memory", relative), _V1
-        else:
-            continue
-        for directory in directories:
-            room = _limit_room(directory, files)
-            if room is not None and (best is None or room < best.bytes):
-                limit_path = directory / files[0]
-                best = Room(room, f"left under the memory limit {limit_path}", True)
+    for directory, v2 in controller_directories("memory", ("memory",), proc_cgroup, root):
+        files = _V2 if v2 else _V1
+        room = _limit_room(directory, files)
+        if room is not None and (best is None or room < best.bytes):
+            best = Room(room, f"left under the memory limit {directory / files[0]}", True)
     return best
 
 
