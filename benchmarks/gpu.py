@@ -57,9 +57,9 @@ from engine.cost import StepCostModel
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepStats
 from engine.presets import preset
-from kernels._common import DECODE_MATMUL_ENV, PDL_ENV, decode_matmul_env
 from kernels.attention_tuning import ATTENTION_TUNING_ENV
 from kernels.matmul_tuning import MATMUL_TUNING_ENV
+from kernels.settings import DECODE_MATMUL_ENV, PDL_ENV, decode_matmul_env
 from planner.devices import device_for_cuda_name
 from planner.measured import Histogram
 

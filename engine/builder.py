@@ -74,8 +74,8 @@ from engine.tensor_parallel import check_shardable, shard_model
 from engine.tp_group import TensorParallelGroup, TensorParallelRunner
 from engine.weight_memory import check_weights_fit
 from kernels import cpu as cpu_kernels
-from kernels._common import DECODE_ROWS, decode_matmul_env
 from kernels._tuning_file import TuningTable
+from kernels.settings import DECODE_ROWS, decode_matmul_env
 from kvpool.config import KVPoolConfig
 from kvpool.kv_dtype import QUANTIZED_KV_DTYPES
 from kvpool.manager import KVCacheManager

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.spec_decode.config import SpeculativeConfig
-from kernels._common import decode_matmul_env, pdl_env
 from kernels.attention_tuning import attention_tuning_env
 from kernels.matmul_tuning import matmul_tuning_env
+from kernels.settings import decode_matmul_env, pdl_env
 
 
 def cache_dir() -> Path:

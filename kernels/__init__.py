@@ -18,11 +18,25 @@ Owns: no state. Two families:
   ops, float32 matmuls on packed weight panels and on a GGUF file's quantized blocks, and
   the fused decoder-layer stack; built on first use.
 
-This module must not import triton, so CPU code paths never need it at import time. It
-re-exports only the reference *module*: re-exporting its functions would clash with the
-``kernels.store_kv`` submodule of the same name.
+This module must not import triton, so CPU code paths never need it at import time, nor
+torch: importing ``kernels.settings`` (the launch switches ``engine/config.py`` reads) runs
+this file first, and the capacity planner imports that config without torch. It re-exports
+only the reference *module*, loaded on first use: re-exporting its functions would clash with
+the ``kernels.store_kv`` submodule of the same name.
 """
 
-from kernels import reference
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kernels import reference
 
 __all__ = ["reference"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "reference":
+        return importlib.import_module("kernels.reference")
+    raise AttributeError(f"module 'kernels' has no attribute {name!r}")

@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from kernels._common import PDL_ENV, dot_precision, pdl_env
+from kernels._common import dot_precision
+from kernels.settings import PDL_ENV, pdl_env
 
 # The one-launch split-K paths' arrival counters (one int32 per group of splits: a decode's
 # (sequence, KV head), a matmul's column strip) are allocated once per device with room for

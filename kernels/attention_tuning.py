@@ -48,7 +48,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kernels._common import next_power_of_2
 from kernels._tuning_file import (
     FORMAT,
     check_keys,
@@ -57,6 +56,7 @@ from kernels._tuning_file import (
     read_table,
     table_entries,
 )
+from kernels.settings import next_power_of_2
 
 __all__ = [
     "ATTENTION_TUNING_ENV",

@@ -37,7 +37,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kernels._common import DECODE_ROWS, next_power_of_2
 from kernels._tuning_file import (
     FORMAT,
     check_keys,
@@ -46,6 +45,7 @@ from kernels._tuning_file import (
     read_table,
     table_entries,
 )
+from kernels.settings import DECODE_ROWS, next_power_of_2
 
 __all__ = [
     "FORMAT",

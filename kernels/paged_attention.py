@@ -57,7 +57,6 @@ from kernels._common import (
     attention_dtype,
     check_attention_inputs,
     check_out,
-    next_power_of_2,
     num_compute_units,
 )
 from kernels._kv_quant_triton import hadamard_rows
@@ -72,6 +71,7 @@ from kernels._triton_common import (
     pdl_supported,
 )
 from kernels.attention_tuning import DecodeTuning, attention_tuning_env
+from kernels.settings import next_power_of_2
 
 __all__ = [
     "DECODE_TUNING",

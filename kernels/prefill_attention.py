@@ -39,11 +39,11 @@ from kernels._common import (
     attention_dtype,
     check_attention_inputs,
     check_out,
-    next_power_of_2,
 )
 from kernels._kv_quant_triton import hadamard_rows
 from kernels._online_softmax import attend_context
 from kernels._triton_common import dot_args
+from kernels.settings import next_power_of_2
 
 __all__ = ["paged_attention_prefill"]
 

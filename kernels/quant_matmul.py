@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import DECODE_ROWS, SUPPORTED_DTYPES, next_power_of_2, num_compute_units
+from kernels._common import SUPPORTED_DTYPES, num_compute_units
 from kernels._triton_common import (
     TL_DTYPES,
     arrival_counters,
@@ -76,6 +76,7 @@ from kernels._triton_common import (
     pdl_enter,
 )
 from kernels.matmul_tuning import LIBRARY, MatmulTuning, check_split_k_fields, matmul_tuning_env
+from kernels.settings import DECODE_ROWS, next_power_of_2
 
 __all__ = [
     "DECODE_ROWS",

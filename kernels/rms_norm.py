@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import SUPPORTED_DTYPES, next_power_of_2
+from kernels._common import SUPPORTED_DTYPES
 from kernels._triton_common import pdl_args, pdl_enter, round_args, round_to
+from kernels.settings import next_power_of_2
 
 __all__ = ["add_rms_norm_", "choose_num_warps", "rms_norm"]
 

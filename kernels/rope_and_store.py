@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels import kv_quant
-from kernels._common import SUPPORTED_DTYPES, check_kv_cache, next_power_of_2
+from kernels._common import SUPPORTED_DTYPES, check_kv_cache
 from kernels._kv_quant_triton import (
     hadamard_rows,
     key_offset_arg,
@@ -39,6 +39,7 @@ from kernels._kv_quant_triton import (
     scale_ptrs,
 )
 from kernels._triton_common import pdl_args, pdl_enter, round_args, round_to
+from kernels.settings import next_power_of_2
 
 __all__ = ["COMPILE_OPTIONS", "choose_block_h", "rope_and_store_"]
 

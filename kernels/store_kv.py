@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._common import check_kv_cache, next_power_of_2
+from kernels._common import check_kv_cache
 from kernels._kv_quant_triton import (
     hadamard_rows,
     key_offset_arg,
@@ -24,6 +24,7 @@ from kernels._kv_quant_triton import (
     quantize_rows,
     scale_ptrs,
 )
+from kernels.settings import next_power_of_2
 
 __all__ = ["store_kv"]
 

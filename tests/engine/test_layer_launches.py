@@ -109,7 +109,7 @@ def test_a_decode_steps_layer_launches_four_kernels_besides_matmuls_and_attentio
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from kernels._common import DECODE_MATMUL_ENV
+    from kernels.settings import DECODE_MATMUL_ENV
 
     monkeypatch.setenv(DECODE_MATMUL_ENV, "triton" if triton_matmuls else "library")
 

@@ -18,7 +18,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.backends.cuda import TritonLinear, fuse_layer_ops
 from engine.llama import Linear
-from kernels._common import DECODE_MATMUL_ENV
+from kernels.settings import DECODE_MATMUL_ENV
 from tests.engine.graph_stand_ins import install_decode_stand_in, install_prefill_stand_in
 from tests.engine.parity import assert_parity, random_prompts_and_references
 from tests.split_k_calls import record_split_k_calls

@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from kernels import kv_quant, prefill_attention, quant_matmul, rms_norm, rope_and_store, silu_mul
-from kernels._common import dot_precision, next_power_of_2
+from kernels._common import dot_precision
 from kernels.paged_attention import DecodeLaunch, tuned_launches
+from kernels.settings import next_power_of_2
 
 __all__ = ["SM90_BUILDS", "Sm90Build", "build_specs", "builds_of"]
 
