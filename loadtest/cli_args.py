@@ -8,20 +8,62 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from typing import Any, NoReturn
 
 from loadtest.compare import DEFAULT_MODES, DEFAULT_SERVER_CMD
 
+# The value parsers raise ArgumentTypeError with the accepted form: argparse would turn a
+# ValueError into "invalid _int_list value".
+
 
 def _int_list(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+    """``1,4,16``: positive integers (concurrency levels)."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers such as 1,4,16, got {text!r}"
+        )
+    return values
 
 
 def _rate_list(text: str) -> tuple[float, ...]:
-    return tuple(math.inf if x.strip() == "inf" else float(x) for x in text.split(",") if x.strip())
+    """``0.5,1,inf``: positive request rates in requests a second (inf: all at once)."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or not all(v > 0 for v in values):  # nan fails too
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive rates such as 0.5,1,inf, got {text!r}"
+        )
+    return values
 
 
 def _optional_float(text: str) -> float | None:
-    return None if text.lower() in ("none", "off", "") else float(text)
+    """Seconds, or none/off (no such SLO)."""
+    if text.lower() in ("none", "off", ""):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 or none, got {text!r}")
+    return value
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object (merged into every request body)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {text!r}")
+    return value
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -67,10 +109,19 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A mistake on the command line is one line naming it and where ``--help`` is, not the
+    usage block above it. The subcommands' parsers are of this class too (argparse makes
+    them of their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help says more)\n")
+
+
 def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
     """The parser; ``prog`` is the command the usage lines name (``pagedserve bench`` when
     run through the console script)."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog=prog,
         description="Load generator for OpenAI-compatible servers (HTTP only).",
     )
@@ -120,7 +171,7 @@ def build_parser(prog: str = "python -m loadtest") -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.0)
     run.add_argument(
         "--extra-body",
-        type=json.loads,
+        type=_json_object,
         default={},
         help="JSON object merged into every request body",
     )

@@ -10,7 +10,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 from planner.compare import compare, comparison_dict
 from planner.devices import (
@@ -43,8 +43,16 @@ _DEFAULT_PROMPT_TOKENS = 350
 _DEFAULT_OUTPUT_TOKENS = 150
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A mistake on the command line is one line naming it, not the 19-line usage block
+    above it (``--help`` prints that)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineParser(
         prog="pagedserve plan",
         description="Transformer-inference arithmetic as a capacity planner: ops:byte, "
         "arithmetic intensity, KV cache capacity and lower bounds for prefill and decode; "

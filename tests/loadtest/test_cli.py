@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.cli import main
+from loadtest.cli_args import build_parser
 from loadtest.plots import matplotlib_available
 from tests.loadtest.fake_server import FakeServer
 
@@ -64,6 +66,39 @@ def test_bad_input_and_unreachable_server(capsys: pytest.CaptureFixture[str]) ->
     assert "warm-up request failed" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["run", "--concurrency", "1", "--request-rate", "2"])  # mutually exclusive
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["run", "--concurrency", "x"], "positive integers such as 1,4,16, got 'x'"),
+        (["run", "--concurrency", "0,4"], "got '0,4'"),
+        (["run", "--request-rate", "fast"], "positive rates such as 0.5,1,inf, got 'fast'"),
+        (["run", "--request-rate", "0"], "got '0'"),
+        (["run", "--concurrency", "1", "--slo-ttft", "soon"], "seconds > 0 or none, got 'soon'"),
+        (["run", "--concurrency", "1", "--extra-body", "{bad"], "not JSON"),
+        (["run", "--concurrency", "1", "--extra-body", "[1]"], "expected a JSON object"),
+        (["run", "--concurrency", "1", "--bogus"], "unrecognized arguments: --bogus"),
+        (["run"], "one of the arguments --concurrency --request-rate --trace is required"),
+        ([], "the following arguments are required: command"),
+    ],
+)
+def test_a_command_line_mistake_is_one_line(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv, prog="pagedserve bench")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "--help" in err, err
+    assert err.startswith("pagedserve bench"), err
+
+
+def test_rates_and_slos_parse() -> None:
+    args = build_parser().parse_args(["run", "--request-rate", "0.5,inf", "--slo-tpot", "off"])
+    assert args.request_rate == (0.5, math.inf) and args.slo_tpot is None
+    args = build_parser().parse_args(["run", "--concurrency", "1, 4", "--extra-body", '{"a": 1}'])
+    assert args.concurrency == (1, 4) and args.extra_body == {"a": 1}
 
 
 def test_module_entry_point() -> None:

@@ -196,3 +196,23 @@ def test_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_list(capsys: pytest.CaptureFixture[str]) -> None:
     out = _run(capsys, "--list")
     assert "h100-sxm" in out and "llama-3-70b" in out and "cpu" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--batch", "x"], "argument --batch: invalid int value: 'x'"),
+        (["--kv-table-batches", "0"], "expected positive integers, got '0'"),
+        (["--dtype", "q9"], "argument --dtype: invalid choice: 'q9'"),
+    ],
+)
+def test_a_command_line_mistake_is_one_line(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert err.startswith("pagedserve plan: error: ") and "pagedserve plan --help" in err, err
