@@ -352,7 +352,21 @@ class LLMEngine:
         return self.kv_manager.num_blocks
 
     def check_integrity(self) -> None:
+        """Raise AssertionError unless the scheduler, the KV pool (every block) and the
+        per-request state of sampling, speculation and structured output agree. Tests run
+        it after every step; the server under ``--check-integrity``."""
         self.scheduler.check_integrity()
+        self._check_request_state()
+
+    def check_idle(self) -> None:
+        """What must hold once no request is left: nothing queued or tracked, every KV block
+        back in the pool, no per-request state left. Constant time in the pool's size, which
+        on a GPU holds tens of thousands of blocks: the server runs it each time the engine
+        goes idle, when the next request may already be waiting."""
+        self.scheduler.check_idle()
+        self._check_request_state()
+
+    def _check_request_state(self) -> None:
         live = {r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)}
         if self._in_flight is not None:  # finished at launch: forgotten once read
             live.update(r.request_id for r, _ in self._in_flight.update.new_tokens)

@@ -94,6 +94,10 @@ class BlockPool:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
+    def ref_counts(self) -> list[int]:
+        """Every block's owners, by block id: a copy."""
+        return self._ref_counts.copy()
+
     def free_block_ids(self) -> list[int]:
         """The free list, head (next allocated) first: a copy, for tests and debugging."""
         return list(self._free)
@@ -232,16 +236,65 @@ class BlockPool:
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the free list, evictable list, ref counts and hash map
-        disagree."""
-        free = set(self._free)
-        evictable = set(self._evictable)
-        every_id = set(range(self.num_blocks))
+        disagree.
+
+        The whole-pool checks run at C speed (set algebra, ``list.count``, ``min``, ``sum``):
+        the engine thread runs this each time it goes idle, holding the GIL, and a GPU's pool
+        holds tens of thousands of blocks, over which a per-block Python loop took tens of
+        milliseconds that the next request waited for. Only a failure walks the blocks, to
+        name the first one that is wrong.
+        """
+        n, counts = self.num_blocks, self._ref_counts
+        free, evictable = set(self._free), set(self._evictable)
         assert len(free) == len(self._free), "a block is on the free list twice"
-        assert free <= every_id, f"free list holds unknown ids {sorted(free - every_id)}"
-        assert evictable <= every_id, f"unknown evictable ids {sorted(evictable - every_id)}"
+        assert _in_range(free, n), f"free list holds unknown ids {_outside(free, n)}"
+        assert _in_range(evictable, n), f"unknown evictable ids {_outside(evictable, n)}"
         assert not free & evictable, f"blocks {sorted(free & evictable)} free and evictable"
-        assert len(self._ref_counts) == self.num_blocks
-        self.cache.check_integrity(self.num_blocks)
+        assert len(counts) == n
+        self.cache.check_integrity(n)
+        hashed = self.cache.hashed_block_ids()
+        num_idle = len(free) + len(evictable)
+        # Every idle block has no owner and as many blocks have none as are idle, so the
+        # blocks without an owner are exactly the idle ones; no count is negative; free
+        # blocks hold no hash and evictable ones do.
+        consistent = (
+            min(counts) >= 0
+            and counts.count(0) == num_idle
+            and not any(map(counts.__getitem__, free))
+            and not any(map(counts.__getitem__, evictable))
+            and hashed.isdisjoint(free)
+            and all(map(hashed.__contains__, evictable))
+        )
+        if not consistent:
+            self._check_each_block(free, evictable)
+            raise AssertionError("ref counts, free and evictable lists disagree")
+        num_used = n - num_idle
+        assert self.num_free + self.num_evictable + num_used == n, (
+            "free + evictable + used != total"
+        )
+        extra = sum(counts) - num_used  # each used block's owners beyond its first
+        assert extra == self._num_extra_refs, f"extra refs {self._num_extra_refs} != {extra}"
+
+    def check_idle(self) -> None:
+        """Raise AssertionError unless every block is back: free or evictable, none owned,
+        and the evictable ones exactly the hashed ones. What must hold once no request is
+        left, in constant time (the lists' and the hash map's sizes): the engine checks it
+        each time it goes idle, when the next request may already be waiting. A block
+        leaked (owned by no request) or freed twice changes the sum. ``check_integrity``
+        checks every block."""
+        back = self.num_free + self.num_evictable
+        assert back == self.num_blocks, (
+            f"{self.num_free} free + {self.num_evictable} evictable blocks with no request "
+            f"left, of {self.num_blocks}: a block leaked or was freed twice"
+        )
+        assert self._num_extra_refs == 0, f"{self._num_extra_refs} extra refs with no owner"
+        assert self.num_cached == self.num_evictable, (
+            f"{self.num_cached} hashed blocks but {self.num_evictable} evictable, none owned"
+        )
+
+    def _check_each_block(self, free: set[int], evictable: set[int]) -> None:
+        """The per-block form of ``check_integrity``'s state checks, raising on the first
+        block found wrong (what its message names)."""
         for block_id, count in enumerate(self._ref_counts):
             assert count >= 0, f"block {block_id} has ref count {count}"
             idle = block_id in free or block_id in evictable
@@ -253,9 +306,11 @@ class BlockPool:
                 assert not hashed, f"free block {block_id} still holds a hash"
             if block_id in evictable:
                 assert hashed, f"evictable block {block_id} holds no hash"
-        num_used = sum(1 for count in self._ref_counts if count > 0)
-        assert self.num_free + self.num_evictable + num_used == self.num_blocks, (
-            "free + evictable + used != total"
-        )
-        extra = sum(count - 1 for count in self._ref_counts if count > 1)
-        assert extra == self._num_extra_refs, f"extra refs {self._num_extra_refs} != {extra}"
+
+
+def _in_range(ids: set[int], n: int) -> bool:
+    return not ids or (min(ids) >= 0 and max(ids) < n)
+
+
+def _outside(ids: set[int], n: int) -> list[int]:
+    return sorted(i for i in ids if not 0 <= i < n)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, KeysView, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -170,9 +170,22 @@ class PrefixCache:
         Args:
             num_blocks: the pool size (block ids are ``0 .. num_blocks - 1``).
         """
-        assert len(self._block_by_hash) == len(self._hash_by_block), "hash map is not 1:1"
-        for block_hash, block_id in self._block_by_hash.items():
+        by_hash, by_block = self._block_by_hash, self._hash_by_block
+        assert len(by_hash) == len(by_block), "hash map is not 1:1"
+        ids = by_hash.values()
+        in_range = not ids or (min(ids) >= 0 and max(ids) < num_blocks)
+        # The two maps invert each other, compared at C speed (a pool's every block may be
+        # cached; the engine runs this each time it goes idle). A failure walks them to name
+        # the block.
+        if in_range and dict(zip(ids, by_hash.keys(), strict=True)) == by_block:
+            return
+        for block_hash, block_id in by_hash.items():
             assert 0 <= block_id < num_blocks, f"cached block id {block_id} out of range"
-            assert self._hash_by_block.get(block_id) == block_hash, (
+            assert by_block.get(block_id) == block_hash, (
                 f"block {block_id} is mapped under a hash it does not hold"
             )
+        raise AssertionError("hash map is not 1:1")
+
+    def hashed_block_ids(self) -> KeysView[int]:
+        """The cached blocks' ids: a live view, for set algebra without a copy."""
+        return self._hash_by_block.keys()

@@ -591,6 +591,16 @@ class Scheduler:
         """Whether any request waits or runs; padding exists only while one runs."""
         return bool(self.waiting or self.running)
 
+    def check_idle(self) -> None:
+        """Raise AssertionError unless nothing is left: no request queued, running, tracked
+        or kept as padding, and every KV block back in the pool (``KVCacheManager.
+        check_idle``). Constant time in the pool's size: what the engine checks each time it
+        goes idle, where ``check_integrity`` would walk every block."""
+        assert not self.running and not self.waiting, "requests left"
+        assert not self._requests, f"untracked requests: {sorted(self._requests)[:5]}"
+        assert not self.padding, "padding outlived its batch"
+        self.kv.check_idle()
+
     def check_integrity(self) -> None:
         """Raise AssertionError if the queues, statuses or block ownership disagree (the
         invariants listed on this class). Checks kvpool first; reads the queues and asks

@@ -27,9 +27,11 @@ handling. Neither side needs a lock beyond the intake's condition.
   scheduler failed, so no single request can be blamed), every request in flight is aborted
   in the engine (blocks returned) and finishes with ``"error"``, then the engine's
   ``check_integrity()`` must hold for the loop to go on serving.
-* Each time the engine goes idle (no request left), the thread runs ``check_integrity()``
-  once and publishes the step it checked at in ``snapshot``; a violation is fatal, because a
-  corrupt pool would serve wrong tokens or leak blocks from then on.
+* Each time the engine goes idle (no request left), the thread runs ``check_idle()`` once
+  (nothing left: every KV block back in the pool, no request state; constant time) and
+  publishes the step it checked at in ``snapshot``; a violation is fatal, because a corrupt
+  pool would serve wrong tokens or leak blocks from then on. ``--check-integrity`` adds the
+  whole ``check_integrity()`` (every block, every table) after every step.
 * If the engine thread dies (an integrity check fails, the engine cannot abort after a failed
   step, or the loop itself crashes), it closes its intake and fails every add still queued,
   and the client is marked dead at once: every open stream gets an error, ``/health`` answers
@@ -514,9 +516,12 @@ class EngineLoop:
             if not has_work:
                 last_step_end = None  # idle time is nobody's overhead
             if not has_work and checked_at != num_steps:
-                # Idle: every request is finished, so the whole pool must be consistent (and
-                # free); cheap now, and what /health reports to tests and operators.
-                engine.check_integrity()  # AssertionError here is fatal on purpose
+                # Idle: every request is finished, so nothing may be left (a block still
+                # owned is a leak); what /health reports to tests and operators. The check
+                # takes constant time: the next request may already be waiting, and walking
+                # a GPU's whole pool here held the GIL for milliseconds to tens of them
+                # (--check-integrity walks it after every step).
+                engine.check_idle()  # AssertionError here is fatal on purpose
                 checked_at = num_steps
             self.snapshot = EngineSnapshot(
                 num_steps=num_steps,

@@ -34,7 +34,7 @@ class EngineSnapshot:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     last_step_stats: StepStats | None = None
-    # num_steps at the last idle check_integrity() that passed; None before the first one.
+    # num_steps at the last idle check (check_idle()) that passed; None before the first one.
     integrity_checked_at_step: int | None = None
     # The pool's size (fixed at start-up): what /health reports of the KV cache.
     kv_capacity: KVCapacity | None = None

@@ -82,6 +82,7 @@ def test_together_matches_transformers(llm, prompts, references):
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     _check({i: o.token_ids for i, o in enumerate(outs)}, references)
     llm.engine.check_integrity()
+    llm.engine.check_idle()
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 
 
@@ -96,8 +97,12 @@ def _drive(engine, prompts, arrivals: dict[int, list[int]], params) -> dict[int,
         for out in engine.step():
             tokens[int(out.request_id[1:])].extend(out.new_token_ids)
         engine.check_integrity()
+        if engine.has_unfinished_requests():
+            with pytest.raises(AssertionError, match="requests left"):
+                engine.check_idle()  # what the server runs when it believes it is idle
         step += 1
     assert engine.num_free_blocks == engine.num_total_blocks
+    engine.check_idle()
     return tokens
 
 

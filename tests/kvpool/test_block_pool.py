@@ -154,3 +154,44 @@ def test_check_integrity_catches_a_negative_ref_count() -> None:
     pool._ref_counts[0] = -1
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+def test_check_idle_holds_once_every_block_is_back() -> None:
+    pool = BlockPool(4)
+    pool.check_idle()
+    ids = pool.allocate(2)
+    pool.cache_block(ids[0], b"h0")
+    with pytest.raises(AssertionError, match="2 free \\+ 0 evictable blocks with no request"):
+        pool.check_idle()  # owned blocks: what a request gone without freeing them leaves
+    pool.free(ids)
+    pool.check_idle()  # one free again, one evictable with its hash
+    assert (pool.num_free, pool.num_evictable) == (3, 1)
+
+
+def test_check_idle_catches_a_double_free_and_a_stray_hash() -> None:
+    pool = BlockPool(3)
+    pool._free.append(1)  # corrupt: block 1 freed twice
+    with pytest.raises(AssertionError, match="leaked or was freed twice"):
+        pool.check_idle()
+    pool._free.pop()
+    pool.cache._hash_by_block[2] = b"h"  # corrupt: a free block still mapped under a hash
+    pool.cache._block_by_hash[b"h"] = 2
+    with pytest.raises(AssertionError, match="1 hashed blocks but 0 evictable"):
+        pool.check_idle()
+
+
+def test_the_whole_check_names_the_block_a_fast_comparison_found_wrong() -> None:
+    """check_integrity compares the pool whole; what it raises still names the block."""
+    pool = BlockPool(64)
+    ids = pool.allocate(40)
+    pool.cache_block(ids[5], b"h5")
+    pool.free(ids[:10])
+    pool.check_integrity()
+    pool._ref_counts[37] = 0  # corrupt: owned block 37 lost its owner, yet is not free
+    with pytest.raises(AssertionError, match="block 37: ref count 0 but not free"):
+        pool.check_integrity()
+    pool._ref_counts[37] = 1
+    pool.cache._hash_by_block[3] = b"x"  # corrupt: a free block holds a hash
+    pool.cache._block_by_hash[b"x"] = 3
+    with pytest.raises(AssertionError, match="free block 3 still holds a hash"):
+        pool.check_integrity()

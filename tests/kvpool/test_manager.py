@@ -177,3 +177,16 @@ def test_check_integrity_counts_shared_blocks() -> None:
     kv.free("b")
     assert kv.num_free_blocks == 8
     kv.check_integrity()
+
+
+def test_check_idle_refuses_a_table_left_behind() -> None:
+    kv = make()
+    kv.check_idle()
+    kv.allocate_slots("a", 20)
+    with pytest.raises(AssertionError, match="blocks held with no request left"):
+        kv.check_idle()
+    kv.free("a")
+    kv.check_idle()
+    kv.pool.allocate(1)  # corrupt: a block owned outside any table
+    with pytest.raises(AssertionError, match="a block leaked"):
+        kv.check_idle()

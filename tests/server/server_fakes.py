@@ -174,6 +174,9 @@ class FakeEngine:
         used = sum(r.num_blocks for r in self.running)
         assert used + self._free_blocks == self._num_blocks, (used, self._free_blocks)
 
+    def check_idle(self) -> None:
+        self.check_integrity()
+
     def step(self) -> list[RequestOutput]:
         self._check_thread()
         if self.before_step is not None:
