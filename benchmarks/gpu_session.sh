@@ -106,11 +106,11 @@
 # transformers 5.17, httpx, prometheus-client, tqdm, matplotlib, pytest, pytest-xdist and
 # numpy (what ../shared/gpu/README.md lists), first on PATH, with .whl as above and the smoke
 # settings named below (MODEL, BENCH_ARGS, SWEEP_ARGS, ATTN_SWEEP_ARGS, B64_ROWS, HOST_ARGS,
-# TRITON_INTERPRET=1). There every step exits 0 but the three that interpret the attention
-# kernels (sweep, kernels, sweep-b64): Triton 3.6's interpreter holds a loaded scalar as a
-# one-element array, which NumPy 2.5 refuses as a loop bound, so it fails them on CPU (3.9's,
-# which CI uses, does not); their sm_90 builds compile with Triton 3.6 as with 3.9
-# (kernels/README.md says how to check).
+# TRITON_INTERPRET=1). There every step exits 0 but the four that time interpreted kernels
+# (gemv's sweep, sweep, kernels, sweep-b64): Triton 3.6's interpreter holds a loaded scalar as
+# a one-element array, which NumPy 2.5 refuses as a loop bound, so every launch fails on CPU
+# and the sweeps say no launch ran (3.9's interpreter, which CI uses, runs them); their sm_90
+# builds compile with Triton 3.6 as with 3.9 (kernels/README.md says how to check).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

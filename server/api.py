@@ -29,6 +29,7 @@ import importlib.metadata
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -106,6 +107,10 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # anyio imports its asyncio backend on first use, which is a streamed response's
+        # task group: without this, the first request after /health turns 200 pays the
+        # import (milliseconds) inside its time to first token.
+        await anyio.sleep(0)
         client.start()
         yield
         await client.shutdown()
@@ -170,7 +175,7 @@ def create_app(
                 "kv_blocks_total": snap.num_total_blocks,
                 "kv_blocks_free": snap.num_free_blocks,
                 "kv_blocks_used": snap.num_used_blocks,
-                # check_integrity() passed when the engine was last idle, after this step.
+                # check_idle() passed when the engine was last idle, after this step.
                 "integrity_checked_at_step": snap.integrity_checked_at_step,
             },
             "kv_cache": _kv_cache_body(snap.kv_capacity),
