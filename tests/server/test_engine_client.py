@@ -124,6 +124,42 @@ async def test_engine_that_cannot_recover_is_reported_dead() -> None:
         await c.shutdown()
 
 
+async def test_going_idle_runs_the_constant_time_check_and_a_failure_is_fatal() -> None:
+    """Without --check-integrity the loop never walks the whole pool: each time the engine
+    goes idle it runs check_idle(), whose failure (a leaked block) stops serving."""
+    engine = FakeEngine()
+    idle_checks: list[int] = []
+
+    def whole_check() -> None:
+        raise AssertionError("check_integrity walked the pool without --check-integrity")
+
+    def idle_check() -> None:
+        idle_checks.append(len(idle_checks))
+        if len(idle_checks) == 2:
+            raise AssertionError("2 blocks leaked")
+
+    engine.check_integrity = whole_check  # type: ignore[method-assign]
+    engine.check_idle = idle_check  # type: ignore[method-assign]
+    c = AsyncEngineClient(engine, idle_wake_s=0.05)
+    c.start()
+    try:
+        await drain(await c.add(requests("first")))
+        for _ in range(100):
+            if c.snapshot.integrity_checked_at_step == c.snapshot.num_steps:
+                break
+            await asyncio.sleep(0.01)
+        assert idle_checks == [0] and c.health().healthy
+        await drain(await c.add(requests("second")))
+        for _ in range(100):
+            if not c.health().healthy:
+                break
+            await asyncio.sleep(0.01)
+        health = c.health()
+        assert not health.healthy and "2 blocks leaked" in (health.reason or ""), health
+    finally:
+        await c.shutdown()
+
+
 async def test_stalled_step_makes_health_fail_then_recover() -> None:
     engine = FakeEngine()
     release = threading.Event()

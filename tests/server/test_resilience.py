@@ -350,8 +350,9 @@ async def test_health_reports_the_idle_integrity_check(serve) -> None:
 
 
 async def test_a_broken_pool_invariant_is_fatal(serve) -> None:
-    """check_integrity() failing (after each step under --check-integrity, as here; always
-    when the engine goes idle) means the pool is corrupt, a leak or a double owner: serving
+    """check_integrity() failing (after each step under --check-integrity, as here; its
+    constant-time part, check_idle(), always runs when the engine goes idle) means the pool
+    is corrupt, a leak or a double owner: serving
     on would hand out wrong blocks, so the loop stops and /health turns 503 for the
     orchestrator to restart the process."""
     engine = FakeEngine()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 from typing import Any
 
 from server.streaming import DONE_FRAME, sse_frame
@@ -208,3 +210,30 @@ def test_sse_frame_usage_field() -> None:
     assert sse_frame({"a": 1}) == b'data: {"a":1}\n\n'
     assert sse_frame({"a": 1}, usage_field=True) == b'data: {"a":1,"usage":null}\n\n'
     assert sse_frame({"t": "日本"}) == 'data: {"t":"日本"}\n\n'.encode()
+
+
+WARM_CHILD = """
+import asyncio, sys
+from scheduler.config import SchedulerConfig
+from server.api import create_app
+from server.config import ServerConfig, ServingConfig
+from server.engine_client import AsyncEngineClient
+from tests.server.server_fakes import FakeEngine
+
+async def main():
+    config = ServingConfig(scheduler=SchedulerConfig(), server=ServerConfig(stats_log_interval_s=0))
+    app = create_app(config, AsyncEngineClient(FakeEngine(), idle_wake_s=0.05))
+    assert "anyio._backends._asyncio" not in sys.modules, "imported before start-up"
+    async with app.router.lifespan_context(app):
+        assert "anyio._backends._asyncio" in sys.modules, "not loaded at start-up"
+
+asyncio.run(main())
+"""
+
+
+def test_start_up_loads_what_the_first_streamed_response_would() -> None:
+    """anyio loads its asyncio backend on first use, a streamed response's task group: the
+    app's start-up does it, so the first request after /health does not pay the import."""
+    done = subprocess.run([sys.executable, "-c", WARM_CHILD], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
