@@ -239,10 +239,10 @@ class BlockPool:
         disagree.
 
         The whole-pool checks run at C speed (set algebra, ``list.count``, ``min``, ``sum``):
-        the engine thread runs this each time it goes idle, holding the GIL, and a GPU's pool
-        holds tens of thousands of blocks, over which a per-block Python loop took tens of
-        milliseconds that the next request waited for. Only a failure walks the blocks, to
-        name the first one that is wrong.
+        tests run this after every step and the server under ``--check-integrity``, and a
+        GPU's pool holds tens of thousands of blocks, over which a per-block Python loop
+        takes tens of milliseconds holding the GIL. Only a failure walks the blocks, to name
+        the first one that is wrong. (Going idle, the engine runs ``check_idle``.)
         """
         n, counts = self.num_blocks, self._ref_counts
         free, evictable = set(self._free), set(self._evictable)

@@ -467,8 +467,8 @@ class KVCacheManager:
                 owners[block_id] += 1
                 filled = min(bs, max(0, live - i * bs))
                 live_per_block[block_id] = max(live_per_block[block_id], filled)
-        # Compared whole at C speed (the engine runs this each time it goes idle, over a
-        # pool of tens of thousands of blocks on a GPU); a mismatch walks them to name one.
+        # Compared whole at C speed (a GPU's pool holds tens of thousands of blocks); a
+        # mismatch walks them to name one.
         if owners != pool.ref_counts():
             for block_id, count in enumerate(owners):
                 assert count == pool.ref_count(block_id), (

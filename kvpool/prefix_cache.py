@@ -175,8 +175,8 @@ class PrefixCache:
         ids = by_hash.values()
         in_range = not ids or (min(ids) >= 0 and max(ids) < num_blocks)
         # The two maps invert each other, compared at C speed (a pool's every block may be
-        # cached; the engine runs this each time it goes idle). A failure walks them to name
-        # the block.
+        # cached, and a GPU's holds tens of thousands). A failure walks them to name the
+        # block.
         if in_range and dict(zip(ids, by_hash.keys(), strict=True)) == by_block:
             return
         for block_hash, block_id in by_hash.items():
