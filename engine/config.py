@@ -551,6 +551,9 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}"
             )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            # 0 would read as "unset" further on and serve the model's own length silently.
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
             raise ValueError(
                 f"nnodes must divide tensor_parallel_size ({self.tensor_parallel_size} ranks "

@@ -8,10 +8,12 @@ torch through the server.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import gc
 import logging
 import signal
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +61,41 @@ def on_worker_thread(fn: Callable[..., T], *args: Any) -> T:
         return pool.submit(fn, *args).result()
 
 
+class ListenError(Exception):
+    """The server's address cannot be listened on (taken, or not this machine's)."""
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Raise ListenError unless every address ``host`` resolves to can be bound at ``port``
+    now, as uvicorn will bind them (``SO_REUSEADDR``, so a port a closed server left in
+    TIME_WAIT passes, and one another server listens on does not). Probe sockets, closed
+    again: the port is taken for real once the model is loaded."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror} (--host)") from None
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # as asyncio binds it beside an IPv4 address
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                hint = (
+                    "another server listens there: stop it or pick another --port"
+                    if exc.errno == errno.EADDRINUSE
+                    else "is --host an address of this machine?"
+                    if exc.errno == errno.EADDRNOTAVAIL
+                    else "see --host and --port"
+                )
+                raise ListenError(
+                    f"cannot listen on {host}:{port}: {exc.strerror} ({hint})"
+                ) from None
+
+
 def serve(config: ServingConfig) -> int:
     """Load the engine, start its thread inside the app's lifespan, run uvicorn until a
     signal drains it."""
@@ -80,6 +117,10 @@ def serve(config: ServingConfig) -> int:
     worker_status = serve_tensor_parallel_worker(config)
     if worker_status is not None:
         return worker_status
+    # Before loading, which takes minutes for a large model on a GPU (weights, warm-up,
+    # graphs): a port already taken or a host that is not this machine's fails now, in one
+    # line, not after all that in uvicorn's log.
+    check_can_listen(config.server.host, config.server.port)
     logger.info("loading model %r (%s)", config.engine.model, config.engine)
     try:
         engine: ServingEngine = on_worker_thread(
@@ -231,8 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = ServingConfig.from_cli(rest)
         try:
             return serve(config)
-        except ModelError as exc:
-            # A --model the user must change: one line naming it and the fix, no traceback.
+        except (ModelError, ListenError) as exc:
+            # A --model or an address the user must change: one line naming it and the fix.
             print(f"pagedserve serve: error: {exc}", file=sys.stderr)
             return 2
     if command == "plan":

@@ -249,3 +249,57 @@ def test_speculative_flags_reach_the_config_and_bad_ones_exit_2(monkeypatch, cap
         assert exited.value.code == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
+
+
+def test_an_address_it_cannot_listen_on_is_one_line_before_the_model_loads(tmp_path: Path) -> None:
+    """A port another server holds, or a host that is not this machine's: ``pagedserve serve``
+    says so in one line and exits 2 before loading anything (on a GPU, loading a large model
+    takes minutes; uvicorn would find out only after them)."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    try:
+        for argv, says in (
+            (["--port", str(port)], "Address already in use (another server listens there"),
+            (["--host", "203.0.113.7"], "(is --host an address of this machine?)"),
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "server", "--device", "cpu", "--log-level", "warning",
+                 *argv],
+                cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+            lines = done.stderr.strip().splitlines()
+            assert done.returncode == 2 and len(lines) == 1, done.stderr
+            assert lines[0].startswith("pagedserve serve: error: cannot listen on "), lines[0]
+            assert says in lines[0], lines[0]
+    finally:
+        taken.close()
+
+
+def test_the_listen_check_runs_before_loading(monkeypatch) -> None:
+    import socket
+
+    from server.config import ServingConfig
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model loaded before the address was checked")
+
+    monkeypatch.setattr(cli, "on_worker_thread", load)
+    # serve() sets the process's torch threads first: not this test process's.
+    monkeypatch.setattr("engine.threads.configure_threads", lambda n: (1, "test"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        config = ServingConfig.from_cli(["--port", str(taken.getsockname()[1])])
+        with pytest.raises(cli.ListenError, match="Address already in use"):
+            cli.serve(config)
+    with pytest.raises(cli.ListenError, match=r"\(--host\)"):
+        cli.check_can_listen("no-such-host.invalid", 8000)
+    with socket.socket() as free:  # a port just closed passes
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    cli.check_can_listen("127.0.0.1", port)

@@ -178,6 +178,7 @@ def test_a_bad_value_is_one_line_naming_it(argv, env, says: str, capsys) -> None
             "min_prefill_chunk_tokens must be positive",
         ),
         (["--chat-template", "/no/such/template.jinja"], "is not a readable file"),
+        (["--max-model-len", "0"], "max_model_len must be positive, got 0"),
         (
             ["--async-scheduling", "--batching", "static"],
             "--async-scheduling needs --batching continuous",
