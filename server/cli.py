@@ -66,34 +66,53 @@ class ListenError(Exception):
 
 
 def check_can_listen(host: str, port: int) -> None:
-    """Raise ListenError unless every address ``host`` resolves to can be bound at ``port``
-    now, as uvicorn will bind them (``SO_REUSEADDR``, so a port a closed server left in
-    TIME_WAIT passes, and one another server listens on does not). Probe sockets, closed
-    again: the port is taken for real once the model is loaded."""
+    """Raise ListenError unless ``host`` resolves and its addresses can be bound at ``port``
+    now, as asyncio will bind them for uvicorn (``SO_REUSEADDR``, so a port a stopped server
+    left in TIME_WAIT passes, and one another server listens on does not). Probe sockets,
+    closed again: the port is taken for real once the model is loaded. An address family
+    the host cannot use (``::1`` with IPv6 off) is passed over while another address binds,
+    as asyncio passes it over (newer versions) or would fail on it: never a refusal where
+    the server could run."""
     try:
         infos = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except socket.gaierror as exc:
         raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror} (--host)") from None
+    unavailable: OSError | None = None
+    bound = False
     for family, kind, proto, _, address in dict.fromkeys(infos):
-        with socket.socket(family, kind, proto) as sock:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:  # a family this kernel lacks: asyncio skips it too
+            continue
+        with sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:  # as asyncio binds it beside an IPv4 address
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             try:
                 sock.bind(address)
             except OSError as exc:
-                hint = (
-                    "another server listens there: stop it or pick another --port"
-                    if exc.errno == errno.EADDRINUSE
-                    else "is --host an address of this machine?"
-                    if exc.errno == errno.EADDRNOTAVAIL
-                    else "see --host and --port"
-                )
-                raise ListenError(
-                    f"cannot listen on {host}:{port}: {exc.strerror} ({hint})"
-                ) from None
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise ListenError(_cannot_listen(host, port, exc)) from None
+                unavailable = exc
+                continue
+        bound = True
+    if not bound:
+        raise ListenError(_cannot_listen(host, port, unavailable))
+
+
+def _cannot_listen(host: str, port: int, exc: OSError | None) -> str:
+    if exc is None:
+        return f"cannot listen on {host}:{port}: no address to bind (--host)"
+    hint = (
+        "another server listens there: stop it or pick another --port"
+        if exc.errno == errno.EADDRINUSE
+        else "is --host an address of this machine?"
+        if exc.errno == errno.EADDRNOTAVAIL
+        else "see --host and --port"
+    )
+    return f"cannot listen on {host}:{port}: {exc.strerror} ({hint})"
 
 
 def serve(config: ServingConfig) -> int:

@@ -303,3 +303,20 @@ def test_the_listen_check_runs_before_loading(monkeypatch) -> None:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
     cli.check_can_listen("127.0.0.1", port)
+
+
+def test_an_address_family_the_host_cannot_use_is_passed_over(monkeypatch) -> None:
+    """A name resolving to one address this machine has and one it has not (``::1`` with
+    IPv6 off) still listens, as asyncio passes such an address over; the foreign one alone
+    is refused."""
+    import socket
+
+    real = socket.getaddrinfo
+    stream = (socket.AF_INET, socket.SOCK_STREAM, 6, "")
+    foreign, local = (*stream, ("203.0.113.7", 0)), (*stream, ("127.0.0.1", 0))
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [foreign, local])
+    cli.check_can_listen("both.example", 0)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: [foreign])
+    with pytest.raises(cli.ListenError, match="is --host an address of this machine"):
+        cli.check_can_listen("foreign.example", 0)
+    monkeypatch.setattr(socket, "getaddrinfo", real)
