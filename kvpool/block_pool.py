@@ -255,8 +255,8 @@ class BlockPool:
         hashed = self.cache.hashed_block_ids()
         num_idle = len(free) + len(evictable)
         # Every idle block has no owner and as many blocks have none as are idle, so the
-        # blocks without an owner are exactly the idle ones; no count is negative; free
-        # blocks hold no hash and evictable ones do.
+        # blocks without an owner are exactly the idle ones (free + evictable + used ==
+        # total); no count is negative; free blocks hold no hash and evictable ones do.
         consistent = (
             min(counts) >= 0
             and counts.count(0) == num_idle
@@ -268,11 +268,7 @@ class BlockPool:
         if not consistent:
             self._check_each_block(free, evictable)
             raise AssertionError("ref counts, free and evictable lists disagree")
-        num_used = n - num_idle
-        assert self.num_free + self.num_evictable + num_used == n, (
-            "free + evictable + used != total"
-        )
-        extra = sum(counts) - num_used  # each used block's owners beyond its first
+        extra = sum(counts) - (n - num_idle)  # each used block's owners beyond its first
         assert extra == self._num_extra_refs, f"extra refs {self._num_extra_refs} != {extra}"
 
     def check_idle(self) -> None:
