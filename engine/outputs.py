@@ -75,6 +75,30 @@ class RequestOutput:
 STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update", "between_steps")
 
 
+@dataclass(frozen=True, slots=True)
+class EngineOccupancy:
+    """What the engine holds at one moment: the load gauges routers and dashboards read.
+
+    A step's ``StepStats.occupancy`` is the state after it; ``idle`` is the state once every
+    request is gone without a step to report it (the last ones aborted, or the step that
+    finished them reported by an earlier call), which ``check_idle()`` has just verified.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_kv_blocks_cached: int
+    num_kv_blocks_evictable: int
+    kv_waste_fraction: float
+
+    @classmethod
+    def idle(cls, num_total_blocks: int, num_free_blocks: int) -> EngineOccupancy:
+        """No request and no owned block: every block not free is an evictable cached one."""
+        cached = num_total_blocks - num_free_blocks
+        return cls(0, 0, 0, num_total_blocks, cached, cached, 0.0)
+
+
 @dataclass(slots=True)
 class StepStats:
     """Figures of one engine step, emitted as data for the metrics layer."""
@@ -133,3 +157,16 @@ class StepStats:
         """KV waste: (allocated - live) / allocated slots; 0.0 when nothing is allocated."""
         allocated = self.num_kv_slots_allocated
         return (allocated - self.num_kv_slots_live) / allocated if allocated else 0.0
+
+    @property
+    def occupancy(self) -> EngineOccupancy:
+        """The load gauges after this step."""
+        return EngineOccupancy(
+            self.num_running,
+            self.num_waiting,
+            self.num_kv_blocks_used,
+            self.num_kv_blocks_total,
+            self.num_kv_blocks_cached,
+            self.num_kv_blocks_evictable,
+            self.kv_waste_fraction,
+        )

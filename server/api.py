@@ -104,6 +104,7 @@ def create_app(
         )
     ctx = ServingContext.build(config, client, metrics)
     client.on_step = metrics.record_step
+    client.on_idle = metrics.record_occupancy
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -66,7 +66,7 @@ from typing import Any
 
 from engine.faults import EngineFatalError
 from engine.generation_config import SamplingDefaults
-from engine.outputs import RequestOutput, StepStats
+from engine.outputs import EngineOccupancy, RequestOutput, StepStats
 from engine.protocol import ServingEngine
 from server.engine_types import (
     EngineHealth,
@@ -129,7 +129,10 @@ class AsyncEngineClient:
         idle_wake_s: how often an idle engine thread wakes to refresh its heartbeat.
 
     ``on_step`` (set before ``start()``, by ``create_app``) is called on the event loop with
-    every step's ``StepStats``: the metrics hook.
+    every step's ``StepStats``, and ``on_idle`` with the ``EngineOccupancy`` of each moment
+    the engine goes idle (after the outputs that emptied it): the metrics hooks. The last
+    step's stats do not always say idle: aborts empty the engine without a step, and with
+    asynchronous scheduling the call that delivers the last tokens computes no step.
     """
 
     def __init__(
@@ -152,6 +155,7 @@ class AsyncEngineClient:
         self.grammars: Any = getattr(engine, "grammars", None)
         self._stall_timeout_s = stall_timeout_s
         self.on_step: Callable[[StepStats], None] | None = None
+        self.on_idle: Callable[[EngineOccupancy], None] | None = None
         self._engine_loop = EngineLoop(
             engine,
             check_integrity=check_integrity,
@@ -290,7 +294,12 @@ class AsyncEngineClient:
         if ids:
             self._engine_loop.abort(ids)
 
-    def _deliver(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+    def _deliver(
+        self,
+        outputs: list[RequestOutput],
+        stats: StepStats | None,
+        idle: EngineOccupancy | None = None,
+    ) -> None:
         """Event loop: route outputs to their streams (runs via call_soon_threadsafe)."""
         num_finished = 0
         for output in outputs:
@@ -311,6 +320,11 @@ class AsyncEngineClient:
                 self.on_step(stats)
             except Exception:  # metrics must never break serving
                 logger.exception("on_step hook failed")
+        if idle is not None and self.on_idle is not None:
+            try:
+                self.on_idle(idle)
+            except Exception:
+                logger.exception("on_idle hook failed")
 
     def _fail_streams(self, message: str) -> None:
         """Event loop: end every open stream with an error output."""
@@ -341,7 +355,8 @@ class EngineLoop:
         engine: the engine; from ``start()`` on, only this thread touches it.
         check_integrity: call ``engine.check_integrity()`` after every step (debug).
         idle_wake_s: how often an idle thread wakes to refresh its heartbeat.
-        deliver: run on the event loop with each iteration's outputs and step stats.
+        deliver: run on the event loop with each iteration's outputs, its step's stats and,
+            when the engine went idle in it, the idle occupancy.
         fail_streams: run on the event loop with a message when the loop dies.
 
     ``heartbeat``, ``in_step_since``, ``dead_reason`` and ``snapshot`` are written by the
@@ -354,7 +369,7 @@ class EngineLoop:
         *,
         check_integrity: bool,
         idle_wake_s: float,
-        deliver: Callable[[list[RequestOutput], StepStats | None], None],
+        deliver: Callable[[list[RequestOutput], StepStats | None, EngineOccupancy | None], None],
         fail_streams: Callable[[str], None],
     ) -> None:
         self.engine = engine
@@ -515,6 +530,7 @@ class EngineLoop:
             has_work = engine.has_unfinished_requests()
             if not has_work:
                 last_step_end = None  # idle time is nobody's overhead
+            idle: EngineOccupancy | None = None
             if not has_work and checked_at != num_steps:
                 # Idle: every request is finished, so nothing may be left (a block still
                 # owned is a leak); what /health reports to tests and operators. The check
@@ -523,6 +539,7 @@ class EngineLoop:
                 # (--check-integrity walks it after every step).
                 engine.check_idle()  # AssertionError here is fatal on purpose
                 checked_at = num_steps
+                idle = EngineOccupancy.idle(engine.num_total_blocks, engine.num_free_blocks)
             self.snapshot = EngineSnapshot(
                 num_steps=num_steps,
                 num_requests=len(self._active),
@@ -538,8 +555,8 @@ class EngineLoop:
             # step's forward starts (torch ops release the GIL) shrinks that wait, but the
             # event loop's work then runs beside the forward's threads, and batch-1 TPOT got
             # worse, not better (benchmarks/RESULTS.md).
-            if outputs or stats is not None:
-                self._post(self._deliver, outputs, stats)
+            if outputs or stats is not None or idle is not None:
+                self._post(self._deliver, outputs, stats, idle)
 
     def _apply(self, item: _Add | _Abort) -> list[RequestOutput]:
         """Engine thread: apply one intake item; return outputs to deliver."""

@@ -3,8 +3,11 @@
 Data flows in as plain values, always on the event loop thread:
 
 * ``record_step(StepStats)`` after every engine step (the engine client's ``on_step`` hook):
-  queue gauges, KV pool gauges, tokens per step, preemptions, prefix-cache counters, the
-  bytes/FLOPs counters, and MBU / MFU;
+  the load gauges, tokens per step, preemptions, prefix-cache counters, the bytes/FLOPs
+  counters, and MBU / MFU;
+* ``record_occupancy(EngineOccupancy)`` sets the load gauges (queue and KV pool): from every
+  step's stats, and by itself when the engine goes idle with no step to say so (the last
+  requests aborted; the ``on_idle`` hook), so an idle server never reports a load it shed;
 * ``record_tokens(timings, n)`` whenever a request's choice receives tokens: TTFT (on the
   first), inter-token latency (on the others), prompt and generation token counters, so the
   throughput counters move while long requests run;
@@ -52,7 +55,7 @@ from prometheus_client import (
 from prometheus_client.exposition import choose_encoder
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.outputs import REPLAYS, STEP_PHASES, StepStats
+from engine.outputs import REPLAYS, STEP_PHASES, EngineOccupancy, StepStats
 from server.config import ServingConfig
 from server.peaks import Peaks, resolve_peaks
 from server.stats_log import StatsLog
@@ -383,15 +386,21 @@ class ServerMetrics:
 
     # ------------------------------------------------------------------ recording
 
+    def record_occupancy(self, load: EngineOccupancy) -> None:
+        """The load gauges: after every step, and when the engine goes idle without one."""
+        self.running.set(load.num_running)
+        self.waiting.set(load.num_waiting)
+        self.kv_used.set(load.num_kv_blocks_used)
+        self.kv_total.set(load.num_kv_blocks_total)
+        self.kv_usage.set(load.num_kv_blocks_used / max(load.num_kv_blocks_total, 1))
+        self.kv_cached.set(load.num_kv_blocks_cached)
+        self.kv_evictable.set(load.num_kv_blocks_evictable)
+        self.kv_waste.set(load.kv_waste_fraction)
+        if self.vllm is not None:
+            self.vllm.record_occupancy(load)
+
     def record_step(self, stats: StepStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_used.set(stats.num_kv_blocks_used)
-        self.kv_total.set(stats.num_kv_blocks_total)
-        self.kv_usage.set(stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1))
-        self.kv_cached.set(stats.num_kv_blocks_cached)
-        self.kv_evictable.set(stats.num_kv_blocks_evictable)
-        self.kv_waste.set(stats.kv_waste_fraction)
+        self.record_occupancy(stats.occupancy)
         num_tokens = stats.num_prefill_tokens + stats.num_decode_tokens + stats.num_padding_tokens
         self.step_tokens.observe(num_tokens)
         self.step_duration.observe(stats.step_time_s)
@@ -582,12 +591,14 @@ class VLLMNamedSeries:
             str(num_kv_blocks) if num_kv_blocks is not None else "",
         ).set(1)
 
-    def record_step(self, stats: StepStats) -> None:
-        usage = stats.num_kv_blocks_used / max(stats.num_kv_blocks_total, 1)
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
+    def record_occupancy(self, load: EngineOccupancy) -> None:
+        usage = load.num_kv_blocks_used / max(load.num_kv_blocks_total, 1)
+        self.running.set(load.num_running)
+        self.waiting.set(load.num_waiting)
         self.kv_usage.set(usage)
         self.gpu_kv_usage.set(usage)
+
+    def record_step(self, stats: StepStats) -> None:
         self.prefix_queries.inc(stats.prefix_cache_queries)
         self.prefix_hits.inc(stats.prefix_cache_hits)
         self.gpu_prefix_queries.inc(stats.prefix_cache_queries)

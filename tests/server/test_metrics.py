@@ -124,6 +124,18 @@ async def test_client_disconnect_counts_as_abort(serve) -> None:
     assert value(text, "pagedserve_requests_finished_total", finished_reason="abort") == 3
     # The tokens delivered before the disconnect were counted as they arrived.
     assert value(text, "pagedserve_generation_tokens_total") >= 3
+    assert_idle_gauges(text)
+
+
+def assert_idle_gauges(text: str) -> None:
+    """The load gauges of an engine that aborted its last requests: no step reported it, and
+    routers reading them must not see the shed load forever."""
+    assert value(text, "pagedserve_num_requests_running") == 0
+    assert value(text, "pagedserve_num_requests_waiting") == 0
+    assert value(text, "pagedserve_kv_blocks_used") == 0
+    assert value(text, "pagedserve_kv_cache_usage_ratio") == 0
+    assert value(text, "vllm:num_requests_running") == 0
+    assert value(text, "vllm:kv_cache_usage_perc") == 0
 
 
 async def test_openmetrics_is_negotiated(serve) -> None:
@@ -310,6 +322,7 @@ async def test_deadline_counts_as_abort(serve) -> None:
     assert (
         value(text, "pagedserve_http_requests_total", handler="/v1/completions", status="504") == 1
     )
+    assert_idle_gauges(text)
 
 
 def test_series_with_a_second_label_bind_on_first_use() -> None:
