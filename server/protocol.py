@@ -18,9 +18,9 @@ the openai SDK echoes assistant messages back with fields such as ``refusal``/``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -41,7 +41,32 @@ IGNORED_OPENAI_FIELDS = frozenset({"store", "metadata", "service_tier", "paralle
 
 
 class _Request(BaseModel):
+    """``null`` for a field that has a default and no null value of its own means the
+    default, as OpenAI's schema makes every optional field nullable and the SDK sends
+    ``None`` as ``null`` (``n=None``); a required field's ``null`` stays a type error."""
+
     model_config = ConfigDict(strict=True, extra="allow")
+    _NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        cls._NULL_MEANS_DEFAULT = frozenset(
+            name
+            for name, field in cls.model_fields.items()
+            if not field.is_required() and type(None) not in get_args(field.annotation)
+        )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls_with_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(
+            data.get(name, 0) is None for name in cls._NULL_MEANS_DEFAULT
+        ):
+            return {
+                k: v for k, v in data.items() if v is not None or k not in cls._NULL_MEANS_DEFAULT
+            }
+        return data
 
 
 class _Response(BaseModel):

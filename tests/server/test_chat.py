@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import openai
+
 from tests.server.server_fakes import FakeEngine, tiny_tokenizer
 from tests.server.test_completions import greedy_text
 
@@ -36,6 +38,23 @@ async def test_chat_uses_the_template_without_double_specials(serve) -> None:
     assert choice["prompt_token_ids"] == tok.encode(expected, add_special_tokens=False)
     assert choice["message"] == {"role": "assistant", "content": greedy_text(3)}
     assert r.json()["object"] == "chat.completion" and r.json()["id"].startswith("chatcmpl-")
+
+
+async def test_the_sdk_s_none_for_optional_fields_means_their_defaults(serve) -> None:
+    """The openai SDK sends a keyword given as None as JSON null (wrappers pass
+    ``kwargs.get("n")``); OpenAI's schema makes these fields nullable."""
+    s = await serve()
+    client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=s.http)
+    out = await client.chat.completions.create(
+        model="fake-model", messages=MSG, max_tokens=3, temperature=0,
+        n=None, logprobs=None, stream=None, stream_options=None,
+    )  # fmt: skip
+    assert len(out.choices) == 1 and out.choices[0].logprobs is None
+    assert out.usage is not None and out.usage.completion_tokens == 3
+    text = await client.completions.create(
+        model="fake-model", prompt="hi", max_tokens=2, echo=None, n=None, stream=None
+    )
+    assert len(text.choices) == 1 and not text.choices[0].text.startswith("hi")
 
 
 async def test_chat_default_max_tokens_is_the_rest_of_the_context(serve) -> None:

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from server.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatDelta,
     CompletionChoice,
     CompletionRequest,
@@ -23,6 +24,26 @@ def test_requests_are_strictly_typed_but_keep_unknown_fields() -> None:
     req = CompletionRequest.model_validate_json('{"prompt": [1, 2], "temperature": 1, "z": 0}')
     assert req.prompt == [1, 2] and req.temperature == 1.0 and req.model_extra == {"z": 0}
     assert req.max_tokens == 16 and req.n == 1
+
+
+def test_null_means_the_default_where_the_field_has_no_null_of_its_own() -> None:
+    """OpenAI's optional fields are nullable and the SDK sends None as null."""
+    req = CompletionRequest.model_validate_json(
+        '{"prompt": "x", "n": null, "echo": null, "stream": null, "ignore_eos": null,'
+        ' "stream_options": {"include_usage": null}, "max_tokens": null}'
+    )
+    assert (req.n, req.echo, req.stream, req.ignore_eos) == (1, False, False, False)
+    assert req.stream_options is not None and req.stream_options.include_usage is False
+    assert req.max_tokens is None  # a field whose null means something keeps it
+    assert "n" not in req.model_fields_set and req.model_extra == {}
+    chat = ChatCompletionRequest.model_validate_json(
+        '{"messages": [{"role": "user", "content": "x"}], "logprobs": null, "n": null}'
+    )
+    assert (chat.logprobs, chat.n) == (False, 1)
+    with pytest.raises(ValidationError):  # a required field's null is still a type error
+        CompletionRequest.model_validate_json('{"prompt": null}')
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate_json('{"messages": [{"role": null}]}')
 
 
 def test_extension_fields_are_left_out_unless_set() -> None:
