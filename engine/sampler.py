@@ -437,9 +437,12 @@ def truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
         top_p = on_device(device, [p.top_p for p in params])[:, None]
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
-        # *before* it already does. A row with top_p = 1 keeps everything.
+        # *before* it already does. A row with top_p = 1 keeps everything, and every row
+        # its most likely token (a top_p that rounds to 0 in float32 would drop it too).
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill((before >= top_p) & (top_p < 1.0), 0.0)
+        drop = (before >= top_p) & (top_p < 1.0)
+        drop[:, 0] = False
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
     if any(p.min_p > 0.0 for p in params):
         min_p = on_device(device, [p.min_p for p in params])[:, None]

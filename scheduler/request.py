@@ -25,6 +25,12 @@ class StructuredOutputParams:
     spec: str
 
 
+# A temperature below this samples greedily. Dividing logits by a tiny temperature overflows
+# float32 (1e-39 makes them inf and the probabilities NaN), and the distribution it asks for
+# is the argmax's already: at 1e-5 a logit gap of 1e-3 is a factor of e^100 (vLLM's bound).
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for one sequence.
@@ -68,7 +74,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def needs_penalties(self) -> bool:

@@ -51,7 +51,7 @@ def _ref_probs(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         before = sorted_probs.cumsum(0) - sorted_probs
-        sorted_probs[before >= p.top_p] = 0.0
+        sorted_probs[1:][before[1:] >= p.top_p] = 0.0  # the most likely token stays
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
@@ -89,6 +89,26 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch() -> None:
     argmax = logits.argmax(dim=-1).tolist()
     assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
     assert logprobs == [None, None, None]
+
+
+def test_vanishing_temperature_and_top_p_give_the_argmax() -> None:
+    """A temperature that would overflow the logits samples greedily, and a top_p that rounds
+    to 0 in float32 keeps the most likely token: never a NaN draw (token 0)."""
+    params = [
+        SamplingParams(temperature=1e-39),
+        SamplingParams(temperature=1e-300),
+        SamplingParams(temperature=9.9e-6, seed=3),
+        SamplingParams(top_p=1e-300),
+        SamplingParams(top_p=1e-300, seed=5, logprobs=2),
+    ]
+    assert all(p.greedy for p in params[:3]) and not params[3].greedy
+    logits = torch.randn(len(params), VOCAB, generator=torch.Generator().manual_seed(4)) * 3
+    logits[:, 0] -= 100  # a NaN distribution draws index 0
+    items = [_item(str(i), p) for i, p in enumerate(params)]
+    tokens, _ = Sampler(0, torch.device("cpu"))(logits, items)
+    assert tokens == logits.argmax(dim=-1).tolist()
+    probs = truncated_probs(logits[3:], params[3:])
+    assert torch.equal(probs > 0, logits[3:] == logits[3:].amax(dim=-1, keepdim=True))
 
 
 def test_draws_follow_the_truncated_distribution() -> None:
