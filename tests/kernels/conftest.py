@@ -94,6 +94,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
 
 
+def assert_counters_zero(device: torch.device) -> None:
+    """The one-launch path leaves its whole scratch zeroed for the next launch."""
+    from kernels import _triton_common
+
+    # Keyed by the tensors' device: "cuda:0", which torch.device("cuda") does not equal.
+    buffers = _triton_common._ARRIVAL_COUNTERS.get(torch.empty(0, device=device).device, [])
+    assert buffers, "no one-launch call ran on this device"
+    assert all(int(b.count_nonzero()) == 0 for b in buffers)
+
+
 @pytest.fixture
 def close() -> Callable[[torch.Tensor, torch.Tensor], None]:
     return assert_close

@@ -26,6 +26,7 @@ from kernels.paged_attention import (
     choose_num_splits,
     paged_attention_decode,
 )
+from tests.kernels.conftest import assert_counters_zero
 from tests.kernels.sm90_builds import builds_of
 
 
@@ -219,20 +220,13 @@ def test_context_bound_below_a_sequence_still_attends_to_all_of_it(paged_kv, clo
 # is the one that sees the count reach num_splits - 1; compiled, any split may be last.
 
 
-def assert_counters_zero(device: torch.device) -> None:
-    """The one-launch path leaves its whole scratch zeroed for the next launch."""
-    buffers = triton_common._ARRIVAL_COUNTERS.get(device, [])
-    assert buffers, "no one-launch call ran on this device"
-    assert all(int(b.count_nonzero()) == 0 for b in buffers)
-
-
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_one_launch_dtypes_and_head_dims(paged_kv, close, device, dtype, head_dim):
     run_case(paged_kv, close, device, seq_lens=[1, 17, 150], block_size=16, num_kv_heads=2,
              group=4, head_dim=head_dim, dtype=dtype, num_splits=3,
              one_launch=True)  # fmt: skip
-    assert_counters_zero(torch.empty(0, device=device).device)
+    assert_counters_zero(device)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])

@@ -38,6 +38,7 @@ from kernels.quant_matmul import (
     split_k_rows,
     tile_shape,
 )
+from tests.kernels.conftest import assert_counters_zero
 from tests.kernels.sm90_builds import builds_of
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -252,13 +253,6 @@ def test_pdl_is_refused_where_it_cannot_run(device):
 # ---- one launch: the last split of each strip sums them -----------------------------------
 
 
-def _counters_zero(device) -> None:
-    from kernels import _triton_common
-
-    buffers = _triton_common._ARRIVAL_COUNTERS.get(torch.device(device), [])
-    assert buffers and all(int(b.count_nonzero()) == 0 for b in buffers)
-
-
 @pytest.mark.parametrize("mode", [*MODES, "dense"])
 @pytest.mark.parametrize("name", ["row-split3", "rows2-split5", "dot-split4"])
 def test_one_launch_sums_the_splits_as_the_reduction_does(device, close, mode, name):
@@ -283,8 +277,8 @@ def test_one_launch_sums_the_splits_as_the_reduction_does(device, close, mode, n
         # Registers capped for two programs an SM (stage D's launch at 8 warps): the same
         # instructions' results (compiled: the same tile, so bitwise too)
         assert torch.equal(run(launch=replace(launch, maxnreg=128)), got)
-        _counters_zero(device)
-        if device == "cpu":
+        assert_counters_zero(device)
+        if device.type == "cpu":
             assert torch.equal(run(launch=replace(launch, one_launch=False)), got)
 
 
