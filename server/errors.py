@@ -219,6 +219,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = _loc_to_param(first.get("loc", ()))
     if first.get("type") == "missing":
+        if param is None:  # the body itself: empty
+            return "The request body is empty: send a JSON object.", None, "invalid_json"
         return f"Missing required parameter: '{param}'.", param, "missing_required_parameter"
     where = f" for '{param}'" if param else ""
     more = f" ({len(errors) - 1} more errors)" if len(errors) > 1 else ""
@@ -283,13 +285,18 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        if isinstance(exc.__cause__, UnicodeDecodeError):
-            # FastAPI reports a body that is not UTF-8 as a generic 400 parse error; it is
-            # malformed JSON (RFC 8259 requires UTF-8), so it gets the same 422 as bad JSON.
-            cause = exc.__cause__
+        # FastAPI reports a body that is not UTF-8, or nested deeper than the JSON parser
+        # recurses, as a generic 400 parse error; both are malformed JSON to the client (RFC
+        # 8259 requires UTF-8), so they get the same 422 as bad JSON.
+        cause = exc.__cause__
+        message = None
+        if isinstance(cause, UnicodeDecodeError):
             message = (
                 f"The request body is not valid UTF-8 JSON: {cause.reason} at byte {cause.start}"
             )
+        elif isinstance(cause, RecursionError):
+            message = "The request body is not valid JSON: it is nested too deeply to parse"
+        if message is not None:
             return JSONResponse(
                 error_body(message, type=INVALID_REQUEST, code="invalid_json"), status_code=422
             )

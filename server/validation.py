@@ -76,7 +76,8 @@ from server.tools import history_tool_calls
 logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 64
-MAX_SEED = 2**63 - 1  # a seed is an int64 to the sampler's noise and the speculator's generators
+# A seed is an int64 to the sampler's noise and the speculator's generators (OpenAI's range).
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 TIMEOUT_HEADER = "X-Request-Timeout"
 
@@ -173,8 +174,8 @@ def _common_checks(req: CompletionRequest | ChatCompletionRequest, limits: Reque
                 f"'repetition_penalty' must be > 0, got {req.repetition_penalty}",
                 "repetition_penalty",
             )
-    if req.seed is not None and not 0 <= req.seed <= MAX_SEED - req.n:
-        raise invalid(f"'seed' must be in [0, 2**63 - 1 - n], got {req.seed}", "seed")
+    if req.seed is not None and not MIN_SEED <= req.seed <= MAX_SEED - req.n:
+        raise invalid(f"'seed' must be in [-2**63, 2**63 - 1 - n], got {req.seed}", "seed")
     for token_id in req.stop_token_ids or []:
         if not 0 <= token_id < limits.vocab_size:
             raise invalid(

@@ -71,7 +71,8 @@ BAD_REQUESTS = [
         400,
         "stop_token_ids",
     ),
-    case("seed-negative", C, {"prompt": "hi", "seed": -1}, 400, "seed"),
+    case("seed-below-int64", C, {"prompt": "hi", "seed": -(2**63) - 1}, 400, "seed"),
+    case("seed-above-int64", C, {"prompt": "hi", "seed": 2**63 - 1, "n": 2}, 400, "seed"),
     case("seed-string", C, {"prompt": "hi", "seed": "abc"}, 422, "seed"),
     case("suffix-unsupported", C, {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     case("best-of-above-n", C, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
@@ -94,6 +95,8 @@ BAD_REQUESTS = [
     ),
     case("unknown-model", C, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     case("malformed-json", C, b'{"prompt": "hi",', 422),
+    case("empty-body", C, b"", 422),
+    case("json-nested-too-deeply", C, b'{"prompt": ' + b"[" * 60_000, 422),
     case("bad-utf8", C, b'{"prompt": "\xff\xfe"}', 422),
     case("json-array-body", C, b"[1, 2]", 422),
     case("chat-missing-messages", CHAT, {"max_tokens": 4}, 422, "messages"),
@@ -236,6 +239,32 @@ async def test_known_harmless_openai_fields_are_accepted(serve) -> None:
         },
     )
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"", "The request body is empty: send a JSON object."),
+        (b"[" * 100_000, "nested too deeply"),
+        (b'{"prompt": "a\xffb"}', "not valid UTF-8 JSON"),
+    ],
+    ids=["empty", "deep", "not-utf8"],
+)
+async def test_a_body_that_is_not_json_says_why(serve, body: bytes, says: str) -> None:
+    s = await serve()
+    r = await send(s.http, "POST", C, body)
+    assert_openai_error(r, 422, None)
+    error = r.json()["error"]
+    assert says in error["message"] and error["code"] == "invalid_json", error
+
+
+async def test_any_int64_seed_is_a_seed(serve) -> None:
+    """OpenAI's seed is an int64; a negative one fixes the draws like any other."""
+    s = await serve()
+    body = {"prompt": "hi", "max_tokens": 4, "seed": -(2**63), "n": 2}
+    first, again = [await s.http.post(C, json=body) for _ in range(2)]
+    assert first.status_code == 200, first.text
+    assert first.json()["choices"] == again.json()["choices"]
 
 
 async def test_request_the_engine_refuses_is_a_400(serve) -> None:
