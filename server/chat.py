@@ -52,10 +52,6 @@ from server.validation import (
 )
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8", errors="replace"))
-
-
 def chat_logprobs_body(entries: list[LogprobEntry]) -> ChatLogprobs:
     """OpenAI's chat format: one object per token with its top-N alternatives."""
     return ChatLogprobs(
@@ -63,8 +59,11 @@ def chat_logprobs_body(entries: list[LogprobEntry]) -> ChatLogprobs:
             ChatTokenLogprob(
                 token=e.token,
                 logprob=e.logprob,
-                bytes=_bytes(e.token),
-                top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=_bytes(t)) for t, lp in e.top],
+                bytes=list(e.token_bytes),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=lp, bytes=list(raw))
+                    for (t, lp), raw in zip(e.top, e.top_bytes, strict=True)
+                ],
             )
             for e in entries
         ]

@@ -17,6 +17,9 @@ Two independent pieces, both fed token by token:
   nothing is emitted and the offsets stay put until a later token completes it, so the stream
   never contains a replacement character the full text does not.
 
+* ``TokenBytes`` gives a single token's raw bytes (chat logprobs' ``bytes``), also where
+  they are part of a character and its text alone is U+FFFD.
+
 * ``StopStringMatcher`` finds stop strings in the text stream, even when one spans several
   tokens or deltas. It holds back only the longest tail of the text that is a *prefix* of some
   stop string (not a fixed ``max(len(stop)) - 1`` characters, which delays ordinary text:
@@ -26,8 +29,9 @@ Two independent pieces, both fed token by token:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens kept as left context of the first output token (vLLM uses 5 as well).
@@ -43,6 +47,53 @@ class Decoder(Protocol):
         skip_special_tokens: bool = ...,
         clean_up_tokenization_spaces: bool | None = ...,
     ) -> str: ...
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2, Llama 3, Qwen, SmolLM) printable stand-in for each byte:
+    printable Latin-1 bytes stand for themselves, the others for 256 + their rank."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    rest = [b for b in range(256) if b not in kept]
+    return {
+        **{chr(b): b for b in kept},
+        **{chr(256 + rank): b for rank, b in enumerate(rest)},
+    }
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+class TokenBytes:
+    """``token id -> its raw UTF-8 bytes``, which may be part of a character (OpenAI's
+    ``bytes`` in chat logprobs: a client joins them to rebuild characters that several
+    tokens split). A token's own text where it decodes to whole characters; otherwise its
+    bytes from the vocabulary, as byte-level BPE (each character one byte of the alphabet
+    above) or a SentencePiece byte token (``<0xE3>``) spells them; where neither applies,
+    the text's encoding (U+FFFD's bytes)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._byte_level = "ByteLevel" in repr(decoder)
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        """The bytes of ``token_id``, whose decoded text alone is ``text``."""
+        if REPLACEMENT_CHAR in text:
+            raw = self._vocabulary_bytes(token_id)
+            if raw is not None:
+                return raw
+        return text.encode("utf-8", errors="replace")
+
+    def _vocabulary_bytes(self, token_id: int) -> bytes | None:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return None
+        if match := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(match.group(1), 16)])
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        return None
 
 
 class IncrementalDetokenizer:

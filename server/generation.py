@@ -32,7 +32,7 @@ from typing import Any
 
 from engine.outputs import RequestOutput, TokenLogprob
 from scheduler.request import SamplingParams
-from server.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from server.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenBytes
 from server.engine_client import AsyncEngineClient
 from server.engine_types import EngineRequest, EngineUnavailableError, Submission
 from server.errors import (
@@ -58,11 +58,14 @@ class EngineFailure(Exception):
 
 
 class TokenTexts:
-    """``token id -> text`` of single tokens (for logprobs), cached: a vocabulary is finite."""
+    """``token id -> text`` of single tokens (for logprobs), and their raw bytes
+    (``bytes_of``), cached: a vocabulary is finite."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._token_bytes = TokenBytes(tokenizer)
+        self._bytes_cache: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -73,6 +76,12 @@ class TokenTexts:
             self._cache[token_id] = text
         return text
 
+    def bytes_of(self, token_id: int) -> bytes:
+        raw = self._bytes_cache.get(token_id)
+        if raw is None:
+            raw = self._bytes_cache[token_id] = self._token_bytes(token_id, self(token_id))
+        return raw
+
 
 @dataclass(slots=True)
 class LogprobEntry:
@@ -81,6 +90,8 @@ class LogprobEntry:
     logprob: float
     top: list[tuple[str, float]]  # (token text, logprob), best first
     text_offset: int  # where this token's text starts in the choice's generated text
+    token_bytes: bytes  # its raw bytes (part of a character where its text is U+FFFD)
+    top_bytes: list[bytes]  # the same for each of ``top``
 
 
 @dataclass(slots=True)
@@ -177,7 +188,15 @@ class ChoiceState:
     def _logprob_entry(self, lp: TokenLogprob, offset: int) -> LogprobEntry:
         texts = self._token_texts
         top = [(texts(token_id), value) for token_id, value in lp.top]
-        return LogprobEntry(lp.token_id, texts(lp.token_id), lp.logprob, top, offset)
+        return LogprobEntry(
+            lp.token_id,
+            texts(lp.token_id),
+            lp.logprob,
+            top,
+            offset,
+            texts.bytes_of(lp.token_id),
+            [texts.bytes_of(token_id) for token_id, _ in lp.top],
+        )
 
 
 class GenerationRun:

@@ -105,6 +105,20 @@ async def test_chat_logprobs_format(serve) -> None:
     assert all(e["top_logprobs"] == [] for e in r["choices"][0]["logprobs"]["content"])
 
 
+async def test_chat_logprobs_bytes_rebuild_characters_split_across_tokens(serve) -> None:
+    """OpenAI's ``bytes`` are the token's raw UTF-8 bytes: a token that is part of a
+    character says which part (its text alone is U+FFFD), so the joined bytes are the text."""
+    s = await serve(FakeEngine(continuation="日本 🎉 ok"))
+    body = {"messages": MSG, "max_tokens": 12, "temperature": 0, "logprobs": True,
+            "top_logprobs": 1}  # fmt: skip
+    r = (await s.http.post("/v1/chat/completions", json=body)).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert any(e["token"] == "\ufffd" for e in content), "the case under test: split characters"
+    joined = bytes(b for e in content for b in e["bytes"]).decode()
+    assert joined == r["choices"][0]["message"]["content"]
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
+
+
 async def test_chat_stop_string_streaming(serve) -> None:
     s = await serve()
     r = await s.http.post(

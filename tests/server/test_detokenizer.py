@@ -7,7 +7,12 @@ import random
 
 import pytest
 
-from server.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher
+from server.detokenizer import (
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+    TokenBytes,
+)
 from tests.server.server_fakes import tiny_tokenizer
 
 TEXTS = [
@@ -36,6 +41,29 @@ def test_concatenated_deltas_equal_full_decode_without_replacement_chars(text: s
     deltas = stream_deltas(tok, tok.encode("prompt:"), ids)
     assert "".join(deltas) == tok.decode(ids) == text
     assert all(REPLACEMENT_CHAR not in d for d in deltas), deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_into_the_text(text: str) -> None:
+    """Each token's raw bytes, joined, are the text's UTF-8, also where a token is part of a
+    character (its text alone U+FFFD): what a client rebuilds characters from."""
+    tok = tiny_tokenizer()
+    token_bytes = TokenBytes(tok)
+    ids = tok.encode(text)
+    parts = [token_bytes(t, tok.decode([t])) for t in ids]
+    assert b"".join(parts) == text.encode()
+    assert all(part == tok.decode([t]).encode() for t, part in zip(ids, parts, strict=True)
+               if REPLACEMENT_CHAR not in tok.decode([t]))  # fmt: skip
+
+
+def test_sentencepiece_byte_tokens_give_their_byte() -> None:
+    class ByteFallback:  # a SentencePiece vocabulary's byte token, e.g. Llama 2's
+        def convert_ids_to_tokens(self, token_id: int) -> str:
+            return {7: "<0xE3>", 8: "▁hello"}[token_id]
+
+    token_bytes = TokenBytes(ByteFallback())
+    assert token_bytes(7, REPLACEMENT_CHAR) == b"\xe3"
+    assert token_bytes(8, "hello") == b"hello"  # whole characters: the text's own
 
 
 def test_multibyte_character_is_held_until_complete() -> None:
