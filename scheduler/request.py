@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -51,6 +52,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-N alternatives per generated token; 0 = chosen only
     structured: StructuredOutputParams | None = None  # None: unconstrained
+    # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias);
+    # a mapping given here is stored as its sorted pairs.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -71,6 +75,14 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        if any(t < 0 or not -100 <= b <= 100 for t, b in pairs):
+            raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100]: {bias}")
+        if len({t for t, _ in pairs}) != len(pairs):
+            raise ValueError(f"logit_bias names a token twice: {bias}")
+        object.__setattr__(self, "logit_bias", pairs)  # frozen: normalised once, here
 
     @property
     def greedy(self) -> bool:

@@ -100,7 +100,7 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None  # only empty / null accepted
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
     # vLLM extension: return prompt and completion token ids with each choice.
     return_token_ids: bool = False
     # Structured output (server/structured.py): OpenAI's response_format, vLLM's guided_*

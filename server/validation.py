@@ -146,6 +146,32 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return items
 
 
+def _check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
+    """OpenAI's ``logit_bias``: token ids as JSON keys, biases in [-100, 100]."""
+    token_ids = set()
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise invalid(
+                f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias"
+            ) from None
+        if not 0 <= token_id < vocab_size:
+            raise invalid(
+                f"'logit_bias' names token {token_id}, outside the vocabulary [0, {vocab_size})",
+                "logit_bias",
+            )
+        _finite(value, "logit_bias")
+        if not -100 <= value <= 100:
+            raise invalid(
+                f"'logit_bias' values must be in [-100, 100], got {value} for token {token_id}",
+                "logit_bias",
+            )
+        if token_id in token_ids:  # "7" and "07"
+            raise invalid(f"'logit_bias' names token {token_id} twice", "logit_bias")
+        token_ids.add(token_id)
+
+
 def _common_checks(req: CompletionRequest | ChatCompletionRequest, limits: RequestLimits) -> None:
     check_model(req.model, limits)
     check_unknown_fields(req, limits)
@@ -184,8 +210,7 @@ def _common_checks(req: CompletionRequest | ChatCompletionRequest, limits: Reque
                 "stop_token_ids",
             )
     stop_strings(req.stop)
-    if req.logit_bias:
-        raise unsupported(["logit_bias"])
+    _check_logit_bias(req.logit_bias, limits.vocab_size)
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
@@ -315,6 +340,7 @@ def choice_params(
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty, 1.0),
             logprobs=logprobs,
+            logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
         )
     except ValueError as exc:  # SamplingParams' own checks; ours above should catch first
         raise invalid(str(exc)) from None

@@ -12,7 +12,7 @@ Greedy requests keep the longest prefix of drafts equal to the target's argmax, 
 target's argmax after it: exactly the tokens plain decoding would emit.
 
 Sampled requests use rejection sampling (Leviathan et al. 2023, Chen et al. 2023), which
-emits tokens distributed exactly as the target's (after penalties, temperature, top-k,
+emits tokens distributed exactly as the target's (after logit bias, penalties, temperature, top-k,
 top-p, min-p): draft ``dj`` drawn from ``q`` is kept with probability ``min(1, p(dj) /
 q(dj))``; at the first rejection the token is drawn from the residual ``max(0, p - q)``
 renormalised, and the rest is dropped; if all are kept the bonus is drawn from row ``k``.
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.logit_bias import apply_logit_bias
 from engine.outputs import TokenLogprob
 from engine.penalties import TokenCounts, apply_penalties
 from engine.sampler import truncated_probs
@@ -306,7 +307,9 @@ def verify_rows(
             return t
         return t[on_device(device, rows_of(requests))]
 
-    scores = logits
+    # The logit bias, then the penalties, as the sampler applies them (engine/sampler.py).
+    scores = apply_logit_bias(logits, [p for p, item in zip(params, items, strict=True)
+                                       for _ in range(item.num_tokens)])  # fmt: skip
     penalised = [i for i, p in enumerate(params) if p.needs_penalties]
     if penalised:
         seen = penalties.seen(
@@ -315,14 +318,14 @@ def verify_rows(
             drafts=[items[i].draft_token_ids for i in penalised],
         )
         penalised_scores = apply_penalties(
-            select(logits, penalised),
+            select(scores, penalised),
             seen,
             [params[i] for i in penalised for _ in range(items[i].num_tokens)],
         )
         if len(penalised) == len(items):
             scores = penalised_scores
         else:
-            scores = logits.clone()
+            scores = scores.clone() if scores is logits else scores
             scores[on_device(device, rows_of(penalised))] = penalised_scores
 
     # What the host reads, in this order (``_unpack``): the greedy rows' argmax; the sampled

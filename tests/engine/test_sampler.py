@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM
+from engine.logit_bias import apply_logit_bias
 from engine.sampler import Sampler, seeded_exponential, truncated_probs
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request, SamplingParams
@@ -373,3 +374,80 @@ def test_logprobs_are_the_raw_log_softmax(num: int) -> None:
     assert logprobs[0].logprob == pytest.approx(float(lp[tokens[0]]))
     top = lp.topk(num) if num else None
     assert [t for t, _ in logprobs[0].top] == (top.indices.tolist() if top else [])
+
+
+def test_logit_bias_moves_the_pick_and_leaves_the_logprobs_raw() -> None:
+    """OpenAI's logit_bias, added before everything else: -100 bans the argmax, +100 forces
+    a token, a sampled row draws from the biased logits' distribution, and the logprobs are
+    the raw logits' (the sampler's rule)."""
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(6)) * 3
+    best = logits.argmax(dim=-1).tolist()
+    params = [
+        SamplingParams(temperature=0, logit_bias={best[0]: -100.0}),
+        SamplingParams(temperature=0, logit_bias=((7, 100.0),), logprobs=1),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_p=0.9, logit_bias={3: 4.0, best[3]: -2.5}),
+    ]
+    assert params[0].logit_bias == ((best[0], -100.0),)  # a mapping is stored as its pairs
+    items = [_item(str(i), p) for i, p in enumerate(params)]
+    tokens, logprobs = Sampler(0, torch.device("cpu"))(logits, items)
+    assert tokens[0] == logits[0].clone().index_fill_(0, torch.tensor(best[0]), -1e9).argmax()
+    assert tokens[1] == 7 and tokens[2] == best[2]
+    lp = logprobs[1]
+    assert lp is not None
+    assert lp.logprob == pytest.approx(float(torch.log_softmax(logits[1], -1)[7]))
+    assert lp.top[0][0] == best[1]  # the raw logits' best, not the forced token
+    biased = logits[3].clone()
+    biased[3] += 4.0
+    biased[best[3]] -= 2.5
+    torch.testing.assert_close(
+        truncated_probs(apply_logit_bias(logits[3:], params[3:]), params[3:])[0],
+        _ref_probs(biased, params[3]),
+    )
+
+
+def test_logit_bias_is_checked() -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(ValueError, match="twice"):
+        SamplingParams(logit_bias=((1, 1.0), (1, 2.0)))
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_logit_bias_greedy_matches_transformers_sequence_bias(tiny_llama_gqa: Path) -> None:
+    """Greedy with a logit bias, token for token against transformers' generate() with the
+    same biases (``sequence_bias`` over one-token sequences), in float32, alone and batched
+    with unbiased requests, under the near-tie rule."""
+    import transformers
+
+    from tests.engine.parity import Reference, assert_parity, random_prompts
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tiny_llama_gqa), torch_dtype=torch.float32
+    )
+    prompts = random_prompts(21, (7, 19))
+    llm = LLM(str(tiny_llama_gqa), device="cpu", dtype="float32", block_size=4)
+    plain = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    unbiased = [o.token_ids for o in llm.generate(prompts, plain)]
+    for prompt, tokens in zip(prompts, unbiased, strict=True):
+        # Ban the first two tokens it would say, push two others up.
+        bias = {tokens[0]: -100.0, tokens[1]: -100.0, 11: 3.5, 200: 1.25}
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                sequence_bias=[[[t], b] for t, b in bias.items()], pad_token_id=0,
+                eos_token_id=None, output_scores=True, return_dict_in_generate=True,
+            )  # fmt: skip
+        want = out.sequences[0, len(prompt) :].tolist()
+        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in out.scores]
+        ref = Reference(want, margins)
+        biased = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logit_bias=bias)
+        assert want != tokens
+        alone = llm.generate([prompt], biased)[0].token_ids
+        assert_parity(alone, ref, "alone")
+        batched = llm.generate([prompt, *prompts], [biased, plain, plain])
+        assert batched[0].token_ids == alone
+        assert [o.token_ids for o in batched[1:]] == unbiased

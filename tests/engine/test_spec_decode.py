@@ -156,6 +156,26 @@ def test_greedy_with_speculation_matches_transformers(
     assert max(longest for _, _, longest in runs) == k, "no row verified k drafts"
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_logit_bias_under_speculation_gives_the_plain_steps_tokens(
+    target, truncated_draft, prompts, references, method
+):
+    """Verification biases the target's logits as the plain sampler does (the drafts are
+    proposed without the bias, so banned tokens get proposed and must be rejected): greedy
+    rows with a logit bias emit the tokens of an engine without speculation."""
+    banned = {t: -100.0 for ref in references for t in ref.token_ids[:3]}
+    bias = {**banned, 17: 2.0}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                            logit_bias=bias)  # fmt: skip
+    plain, _, _ = generate(LLM(str(target), num_kv_blocks=64, **CPU), prompts, params=params)
+    extra = {"ngram_min": 1} if method == "ngram" else {"speculative_model": str(truncated_draft)}
+    llm = LLM(str(target), num_kv_blocks=64, speculative_method=method,
+              num_speculative_tokens=4, **extra, **CPU)  # fmt: skip
+    tokens, _, longest = generate(llm, prompts, arrivals=LOADS["together"], params=params)
+    assert tokens == plain and longest > 0
+    assert all(t not in banned for row in tokens.values() for t in row)
+
+
 def test_unrelated_random_draft_alone_matches_transformers(
     target, tiny_llama_gqa, prompts, references
 ):

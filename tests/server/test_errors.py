@@ -76,7 +76,19 @@ BAD_REQUESTS = [
     case("seed-string", C, {"prompt": "hi", "seed": "abc"}, 422, "seed"),
     case("suffix-unsupported", C, {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     case("best-of-above-n", C, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
-    case("logit-bias-unsupported", C, {"prompt": "hi", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    case("logit-bias-not-a-token", C, {"prompt": "hi", "logit_bias": {"x": 5}}, 400, "logit_bias"),
+    case(
+        "logit-bias-out-of-vocab",
+        C,
+        {"prompt": "hi", "logit_bias": {"99999": 1}},
+        400,
+        "logit_bias",
+    ),
+    case("logit-bias-too-large", C, {"prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    case(
+        "logit-bias-twice", C, {"prompt": "hi", "logit_bias": {"1": 1, "01": 2}}, 400, "logit_bias"
+    ),
+    case("logit-bias-string", C, {"prompt": "hi", "logit_bias": {"1": "5"}}, 422, "logit_bias.1"),
     case("echo-with-logprobs", C, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     case(
         "stream-options-without-stream",

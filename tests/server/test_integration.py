@@ -101,6 +101,30 @@ def test_openai_sync_completion_and_chat(server: RealServer, reference: LLM) -> 
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
 
 
+def test_logit_bias_through_the_openai_client(server: RealServer, reference: LLM) -> None:
+    """OpenAI's logit_bias (token ids as string keys): the server's tokens are the offline
+    engine's with the same bias, which bans the unbiased answer's first tokens."""
+    client = sync_client(server)
+    prompt = "The capital of France is"
+    plain = alone(reference, prompt, SamplingParams(max_tokens=6, temperature=0))
+    bias = {plain.token_ids[0]: -100.0, plain.token_ids[1]: -100.0}
+    expected = alone(
+        reference, prompt, SamplingParams(max_tokens=6, temperature=0, logit_bias=bias)
+    )
+    assert expected.token_ids[:2] != plain.token_ids[:2]
+    resp = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6, temperature=0,
+        logit_bias={str(t): b for t, b in bias.items()},
+    )  # fmt: skip
+    assert resp.choices[0].text == expected.text
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": "Say yes."}],
+        logit_bias={str(plain.token_ids[0]): 100},  # forced, every token
+    )  # fmt: skip
+    assert chat.choices[0].message.content == reference.tokenizer.decode([plain.token_ids[0]] * 4)
+
+
 def test_sse_framing_on_the_wire(server: RealServer) -> None:
     with httpx.Client(timeout=60) as http:
         r = http.post(
