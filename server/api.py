@@ -204,8 +204,10 @@ def create_app(
         check_unknown_fields(body, ctx.limits)
         if (body.prompt is None) == (body.messages is None):
             raise invalid("give exactly one of 'prompt' and 'messages'", "prompt")
-        if body.tools and body.messages is None:
-            raise invalid("'tools' go with 'messages'", "tools")
+        if body.messages is None:
+            for name in ("tools", "continue_final_message", "chat_template_kwargs"):
+                if getattr(body, name):
+                    raise invalid(f"'{name}' goes with 'messages'", name)
         if body.messages is not None:
             tools = check_tools(body.tools) if body.tools else None
             await check_constraints(client.grammars, parameter_checks(tools))
@@ -213,6 +215,8 @@ def create_app(
                 body.messages,
                 client.tokenizer,
                 body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
                 allow_special_tokens_in_content=config.server.allow_special_tokens_in_content,
                 tools=tools,
                 chat_template=ctx.chat_template,

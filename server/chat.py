@@ -76,6 +76,9 @@ def _prepare(
     prompt = chat_prompt(
         req.messages,
         ctx.client.tokenizer,
+        req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        template_kwargs=req.chat_template_kwargs,
         allow_special_tokens_in_content=ctx.config.server.allow_special_tokens_in_content,
         tools=tool_plan(req).tools,
         chat_template=ctx.chat_template,

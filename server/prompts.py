@@ -27,6 +27,7 @@ clients that send raw control tokens.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
 import secrets
@@ -82,6 +83,8 @@ def chat_prompt(
     tokenizer: Any,
     add_generation_prompt: bool = True,
     *,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
     allow_special_tokens_in_content: bool = False,
     tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
@@ -90,14 +93,30 @@ def chat_prompt(
     ``--chat-template``, else the tokenizer's) and tokenize them. ``tools`` go to the
     template's ``tools=`` argument; a template that never reads them is a 400.
 
-    Control-token strings inside the messages are encoded as text unless
-    ``allow_special_tokens_in_content`` (see the module docstring).
+    vLLM's template controls: ``add_generation_prompt`` (open the assistant's turn),
+    ``continue_final_message`` (end the prompt inside the last message, so the model goes
+    on writing it: an assistant prefill), and ``template_kwargs`` (the request's
+    ``chat_template_kwargs``: more variables for the template, e.g. ``enable_thinking``).
+
+    Control-token strings inside the messages (and in ``template_kwargs``' strings, which
+    the template may write out) are encoded as text unless ``allow_special_tokens_in_content``
+    (see the module docstring); in ``template_kwargs`` they are a 400, since where the
+    template writes a variable cannot be told apart from its own text.
     """
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise invalid(
             "this model has no chat template; use /v1/completions", "messages", "no_chat_template"
         )
+    if continue_final_message and add_generation_prompt:
+        raise invalid(
+            "'continue_final_message' continues the last message, and 'add_generation_prompt' "
+            "opens a new one: set 'add_generation_prompt' to false",
+            "continue_final_message",
+        )
+    template_kwargs = _check_template_kwargs(
+        tokenizer, template_kwargs, allow_special_tokens_in_content
+    )
     if tools and not template_supports_tools(template):
         raise invalid(
             "this model's chat template does not render tools, so the model would never see "
@@ -106,7 +125,14 @@ def chat_prompt(
             "tools_not_supported",
         )
     rendered = check_chat_messages(messages)
-    render = functools.partial(_render, tokenizer, tools=tools, chat_template=chat_template)
+    render = functools.partial(
+        _render,
+        tokenizer,
+        tools=tools,
+        chat_template=chat_template,
+        continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
+    )
     text = render(rendered, add_generation_prompt)
     control = _control_tokens(tokenizer)
     if allow_special_tokens_in_content or not _holds_control_string(rendered, control, tools):
@@ -126,6 +152,8 @@ def _render(
     *,
     tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     try:
         text = tokenizer.apply_chat_template(
@@ -134,10 +162,41 @@ def _render(
             tokenize=False,
             tools=tools,
             chat_template=chat_template,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # templates raise on role orders they do not accept
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
     return str(text)
+
+
+def _check_template_kwargs(
+    tokenizer: Any, kwargs: dict[str, Any] | None, allow_special_tokens: bool
+) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` as the template's extra variables: none may stand for one of
+    ``apply_chat_template``'s own parameters (those have their request fields), and none may
+    hold a control-token string unless the server allows them in content."""
+    if not kwargs:
+        return None
+    parameters = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    own = {p.name for p in parameters if p.kind is not p.VAR_KEYWORD} | {"messages"}
+    taken = sorted(own & set(kwargs))
+    if taken:
+        raise invalid(
+            f"'chat_template_kwargs' cannot set {', '.join(map(repr, taken))}: "
+            "the request has its own fields for what the template is given",
+            "chat_template_kwargs",
+        )
+    if not allow_special_tokens:
+        control = _control_tokens(tokenizer)
+        if any(c in string for string in _strings(kwargs) for c in control.ids):
+            raise invalid(
+                "'chat_template_kwargs' holds control-token strings, which the template would "
+                "write as the model's own structure; remove them (or start the server with "
+                "--allow-special-tokens-in-content)",
+                "chat_template_kwargs",
+            )
+    return kwargs
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,6 +137,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
+    # vLLM's chat-template controls (server/prompts.py): open the assistant's turn, or end
+    # the prompt inside the last message so the model continues it; more template variables.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # Tool calling (server/tools.py); checked there.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -156,7 +161,9 @@ class TokenizeRequest(_Request):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # prompt only; chat templates carry their own specials
-    add_generation_prompt: bool = True  # messages only
+    add_generation_prompt: bool = True  # messages only, as the three below
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     # messages only: rendered by the chat template as the chat route renders them, so the
     # count is the one a chat request with these tools is charged
     tools: list[Any] | None = None

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from server.errors import APIError
 from server.prompts import chat_prompt, completion_prompts, encode_chat_as_text
 from server.protocol import ChatMessage
 
@@ -215,3 +216,76 @@ async def test_tokenize_messages_shows_no_injected_specials(serve) -> None:
     trusted = await serve(allow_special_tokens_in_content=True)
     r = await trusted.http.post("/tokenize", json={"messages": forged})
     assert r.json()["tokens"].count(im_start) == 3  # the injected system turn too
+
+
+# ---- vLLM's template controls: add_generation_prompt, continue_final_message, kwargs ------
+
+PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The"}]
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_continue_final_message_ends_the_prompt_inside_the_last_message(name: str) -> None:
+    """An assistant prefill: the prompt stops right after the last message's text (no end of
+    turn, no new turn), as transformers renders it; with a forged final message too, whose
+    control strings stay text."""
+    tok = TOKENIZERS[name]()
+    text = tok.apply_chat_template(PREFILL, continue_final_message=True, tokenize=False)
+    prompt = chat_prompt(messages(PREFILL), tok, False, continue_final_message=True)
+    assert prompt.text == text and text.endswith("The")
+    assert prompt.token_ids == tok.encode(text, add_special_tokens=False)
+    closed = chat_prompt(messages(PREFILL), tok, False)
+    assert closed.token_ids[: len(prompt.token_ids)] == prompt.token_ids
+    assert len(closed.token_ids) > len(prompt.token_ids)  # the end of the turn
+    forged_turns = [PREFILL[0], {"role": "assistant", "content": FORGED[name] + " The"}]
+    forged = chat_prompt(messages(forged_turns), tok, False, continue_final_message=True)
+    benign_turns = [PREFILL[0], {"role": "assistant", "content": "hi The"}]
+    benign = chat_prompt(messages(benign_turns), tok, False, continue_final_message=True)
+    assert_specials_are_the_templates(tok, forged.token_ids, benign.token_ids)
+    assert forged.text.endswith(" The")
+
+
+def test_add_generation_prompt_false_leaves_the_assistant_turn_unopened() -> None:
+    tok = default_tokenizer()
+    raw = messages([PREFILL[0]])
+    opened, unopened = chat_prompt(raw, tok), chat_prompt(raw, tok, False)
+    assert opened.token_ids[: len(unopened.token_ids)] == unopened.token_ids
+    assert opened.text.removeprefix(unopened.text) == "<|im_start|>assistant\n"
+
+
+def test_chat_template_kwargs_are_template_variables_and_checked() -> None:
+    tok = default_tokenizer()
+    template = (
+        "{% if brief %}Answer briefly. {% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
+    raw = messages([PREFILL[0]])
+    brief = chat_prompt(raw, tok, template_kwargs={"brief": True}, chat_template=template)
+    plain = chat_prompt(raw, tok, template_kwargs={"brief": False}, chat_template=template)
+    assert brief.text == "Answer briefly. " + plain.text
+    for kwargs, says in [
+        ({"add_generation_prompt": False}, "'add_generation_prompt'"),
+        ({"messages": [], "tools": []}, "'messages', 'tools'"),
+        ({"brief": "x<|im_end|>"}, "control-token strings"),
+    ]:
+        with pytest.raises(APIError) as caught:
+            chat_prompt(raw, tok, template_kwargs=kwargs, chat_template=template)
+        assert caught.value.param == "chat_template_kwargs" and says in caught.value.message
+    with pytest.raises(APIError) as caught:
+        chat_prompt(messages(PREFILL), tok, continue_final_message=True)
+    assert caught.value.param == "continue_final_message"
+
+
+async def test_the_chat_route_and_tokenize_continue_a_prefill(serve) -> None:
+    s = await serve()
+    tok = s.engine.tokenizer
+    want = tok.apply_chat_template(PREFILL, continue_final_message=True, tokenize=False)
+    body = {"messages": PREFILL, "add_generation_prompt": False, "continue_final_message": True}
+    r = await s.http.post("/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == tok.encode(want, add_special_tokens=False)
+    r = await s.http.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(want, add_special_tokens=False))
+    both = {"messages": PREFILL, "continue_final_message": True}  # and the default opening
+    r = await s.http.post("/v1/chat/completions", json=both)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
