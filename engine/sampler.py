@@ -2,10 +2,10 @@
 
 Order of operations per row (as vLLM and OpenAI define them):
   1. log-probabilities for the response: ``log_softmax`` of the *raw* logits;
-  2. ``logit_bias`` (engine/logit_bias.py); then penalties: repetition (over prompt +
-     output, HF's divide/multiply rule), then frequency and presence (over output tokens,
-     OpenAI's subtractive rule), from the per-request token counts the sampler keeps on
-     the device (engine/penalties.py);
+  2. ``logit_bias`` and ``min_tokens``' stop-token ban (engine/token_bias.py); then
+     penalties: repetition (over prompt + output, HF's divide/multiply rule), then frequency
+     and presence (over output tokens, OpenAI's subtractive rule), from the per-request
+     token counts the sampler keeps on the device (engine/penalties.py);
   3. greedy rows take the argmax; others divide by temperature, then apply top-k, top-p
      and min-p truncation and draw from the result.
 
@@ -45,10 +45,10 @@ from typing import Protocol
 
 import torch
 
-from engine.logit_bias import apply_logit_bias
 from engine.outputs import TokenLogprob
 from engine.penalties import TokenCounts, apply_penalties
 from engine.to_device import on_device
+from engine.token_bias import apply_token_bias, row_bias
 from scheduler.output import ScheduledRequest
 from scheduler.request import SamplingParams
 
@@ -201,7 +201,10 @@ class Sampler:
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if num_top is not None else None
 
-        logits = apply_logit_bias(logits, params)  # a new tensor where a row has a bias
+        # A new tensor where a row has a bias (logit_bias, or min_tokens' stop-token ban).
+        logits = apply_token_bias(
+            logits, [row_bias(r.request, _output_position(r)) for r in requests]
+        )
         if constraint is not None:
             logits = constraint.mask_before_sampling(logits, requests)
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
@@ -403,8 +406,14 @@ def _output_position(item: ScheduledRequest) -> int:
 
 def _plain_greedy(p: SamplingParams) -> bool:
     """A row the sampler only takes the argmax of: greedy, no logprobs, no penalties and
-    no logit bias."""
-    return p.logprobs is None and p.greedy and not p.needs_penalties and not p.logit_bias
+    no token bias (``logit_bias``, ``min_tokens``)."""
+    return (
+        p.logprobs is None
+        and p.greedy
+        and not p.needs_penalties
+        and not p.logit_bias
+        and not p.min_tokens
+    )
 
 
 def _untied(values: list[float], j: int) -> bool:

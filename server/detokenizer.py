@@ -183,7 +183,9 @@ class StopStringMatcher:
         self.stopped = False
         self.matched: str | None = None
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str, can_stop: bool = True) -> tuple[str, bool]:
+        """``can_stop`` False: ``text`` may not end a stop string (its request has not reached
+        ``min_tokens``); its tail is still held back where a stop string may start there."""
         if self.stopped:
             return "", True
         if not self._stop:
@@ -192,7 +194,7 @@ class StopStringMatcher:
         # NOTE: no stop string can start inside already-emitted text, because we always hold
         # back the longest tail that is a prefix of one; so searching `buffer` is enough.
         hit = -1
-        for s in self._stop:
+        for s in self._stop if can_stop else ():
             i = buffer.find(s)
             if i != -1 and (hit == -1 or i < hit):
                 hit, self.matched = i, s

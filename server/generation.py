@@ -117,12 +117,16 @@ class ChoiceState:
         token_texts: TokenTexts,
         stop: Sequence[str],
         arrival_time: float,
+        min_tokens: int = 0,
     ) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt = prompt
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt.token_ids)
         self._stop = StopStringMatcher(stop)
+        # A stop string ends the choice only in the text of an output token past this many
+        # (vLLM's rule; the engine bans stop tokens before it).
+        self._min_tokens = min_tokens
         self._token_texts = token_texts
         self._decoded_len = 0  # characters the detokenizer produced (emitted + held back)
         self.text = ""
@@ -163,7 +167,8 @@ class ChoiceState:
             # leave it out); it still counts as a generated token.
             piece = "" if is_stop_token else self._detokenizer.add([token_id])
             self._decoded_len += len(piece)
-            emitted, stopped = self._stop.feed(piece)
+            can_stop = len(self.token_ids) + i >= self._min_tokens
+            emitted, stopped = self._stop.feed(piece, can_stop)
             delta.text += emitted
             delta.token_ids.append(token_id)
             if lp is not None:
@@ -239,7 +244,14 @@ class GenerationRun:
                 rid = f"{request_id}-{index}"
                 self.choices.append(
                     ChoiceState(
-                        index, rid, prompt, client.tokenizer, token_texts, stop, arrival_time
+                        index,
+                        rid,
+                        prompt,
+                        client.tokenizer,
+                        token_texts,
+                        stop,
+                        arrival_time,
+                        params[index].min_tokens,
                     )
                 )
                 self._requests.append(EngineRequest(rid, prompt.token_ids, params[index]))

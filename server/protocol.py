@@ -93,6 +93,7 @@ class _SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int | None = None  # vLLM: no stop token or stop string before this many
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

@@ -326,9 +326,16 @@ def choice_params(
             return value
         return own if default is None else default
 
+    min_tokens = req.min_tokens or 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise invalid(
+            f"'min_tokens' must be in [0, max_tokens={max_tokens}], got {req.min_tokens}",
+            "min_tokens",
+        )
     try:
         return SamplingParams(
             max_tokens=max_tokens,
+            min_tokens=min_tokens,
             temperature=pick(req.temperature, defaults.temperature, 1.0),
             top_p=pick(req.top_p, defaults.top_p, 1.0),
             top_k=pick(req.top_k, defaults.top_k, 0),

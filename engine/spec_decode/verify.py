@@ -12,7 +12,7 @@ Greedy requests keep the longest prefix of drafts equal to the target's argmax, 
 target's argmax after it: exactly the tokens plain decoding would emit.
 
 Sampled requests use rejection sampling (Leviathan et al. 2023, Chen et al. 2023), which
-emits tokens distributed exactly as the target's (after logit bias, penalties, temperature, top-k,
+emits tokens distributed exactly as the target's (after token biases, penalties, temperature, top-k,
 top-p, min-p): draft ``dj`` drawn from ``q`` is kept with probability ``min(1, p(dj) /
 q(dj))``; at the first rejection the token is drawn from the residual ``max(0, p - q)``
 renormalised, and the rest is dropped; if all are kept the bonus is drawn from row ``k``.
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logit_bias import apply_logit_bias
 from engine.outputs import TokenLogprob
 from engine.penalties import TokenCounts, apply_penalties
 from engine.sampler import truncated_probs
 from engine.to_device import on_device
+from engine.token_bias import apply_token_bias, row_bias
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 
@@ -307,9 +307,12 @@ def verify_rows(
             return t
         return t[on_device(device, rows_of(requests))]
 
-    # The logit bias, then the penalties, as the sampler applies them (engine/sampler.py).
-    scores = apply_logit_bias(logits, [p for p, item in zip(params, items, strict=True)
-                                       for _ in range(item.num_tokens)])  # fmt: skip
+    # The token biases, then the penalties, as the sampler applies them (engine/sampler.py):
+    # row j of an item samples the output token after its position start + j.
+    scores = apply_token_bias(logits, [
+        row_bias(item.request, item.start + 1 + j - item.request.num_prompt_tokens)
+        for item in items for j in range(item.num_tokens)
+    ])  # fmt: skip
     penalised = [i for i, p in enumerate(params) if p.needs_penalties]
     if penalised:
         seen = penalties.seen(

@@ -9,6 +9,7 @@ row of a batch that mixes parameters, and draw from exactly that distribution.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM
-from engine.logit_bias import apply_logit_bias
 from engine.sampler import Sampler, seeded_exponential, truncated_probs
+from engine.token_bias import apply_token_bias, row_bias
 from scheduler.output import ScheduledRequest
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request, SamplingParams, StructuredOutputParams
 
 VOCAB = 50
 
@@ -401,7 +402,7 @@ def test_logit_bias_moves_the_pick_and_leaves_the_logprobs_raw() -> None:
     biased[3] += 4.0
     biased[best[3]] -= 2.5
     torch.testing.assert_close(
-        truncated_probs(apply_logit_bias(logits[3:], params[3:]), params[3:])[0],
+        truncated_probs(apply_token_bias(logits[3:], [params[3].logit_bias]), params[3:])[0],
         _ref_probs(biased, params[3]),
     )
 
@@ -451,3 +452,51 @@ def test_logit_bias_greedy_matches_transformers_sequence_bias(tiny_llama_gqa: Pa
         batched = llm.generate([prompt, *prompts], [biased, plain, plain])
         assert batched[0].token_ids == alone
         assert [o.token_ids for o in batched[1:]] == unbiased
+
+
+def test_min_tokens_bans_the_stop_tokens_before_the_minimum() -> None:
+    """Until a row samples output token ``min_tokens`` its stop tokens (EOS unless ignored,
+    stop_token_ids) are -inf; a constrained row's are not (its grammar's end wins)."""
+    params = SamplingParams(max_tokens=9, min_tokens=3, stop_token_ids=(7,), logit_bias={5: 1.0})
+    request = Request("r", [1, 2], params, eos_token_id=4, eos_token_ids=(4, 9))
+    inf = float("-inf")
+    assert row_bias(request, 2) == ((5, 1.0), (4, inf), (7, inf), (9, inf))
+    assert row_bias(request, 3) == ((5, 1.0),)
+    ignoring = Request("r", [1], replace(params, ignore_eos=True), eos_token_id=4)
+    assert row_bias(ignoring, 0) == ((5, 1.0), (7, inf))
+    grammar = StructuredOutputParams("regex", "a+")
+    assert row_bias(Request("r", [1], replace(params, structured=grammar), 4), 0) == ((5, 1.0),)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_min_tokens_matches_transformers_min_new_tokens(tiny_llama_gqa: Path) -> None:
+    """A stop token the model would say early, banned until min_tokens: the tokens of
+    transformers' generate() with min_new_tokens and that token as its EOS, in float32."""
+    import transformers
+
+    from tests.engine.parity import Reference, assert_parity, random_prompts
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tiny_llama_gqa), torch_dtype=torch.float32
+    )
+    llm = LLM(str(tiny_llama_gqa), device="cpu", dtype="float32", block_size=4)
+    for prompt in random_prompts(23, (6, 15)):
+        plain = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                      ignore_eos=True))[0].token_ids  # fmt: skip
+        stop = plain[1]
+        params = SamplingParams(max_tokens=12, min_tokens=6, temperature=0, ignore_eos=True,
+                                stop_token_ids=(stop,))  # fmt: skip
+        out = llm.generate([prompt], params)[0]
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=6,
+                do_sample=False, eos_token_id=[stop], pad_token_id=0, output_scores=True,
+                return_dict_in_generate=True,
+            )  # fmt: skip
+        want = ref.sequences[0, len(prompt) :].tolist()
+        margins = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in ref.scores]
+        assert stop not in out.token_ids[:6] and len(out.token_ids) >= 6
+        assert_parity(out.token_ids, Reference(want, margins), "min_tokens")

@@ -15,6 +15,7 @@ with many draws on a peaked vocabulary against the target distribution (chi-squa
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -157,17 +158,24 @@ def test_greedy_with_speculation_matches_transformers(
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_logit_bias_under_speculation_gives_the_plain_steps_tokens(
+def test_token_biases_under_speculation_give_the_plain_steps_tokens(
     target, truncated_draft, prompts, references, method
 ):
-    """Verification biases the target's logits as the plain sampler does (the drafts are
-    proposed without the bias, so banned tokens get proposed and must be rejected): greedy
-    rows with a logit bias emit the tokens of an engine without speculation."""
+    """Verification biases the target's logits as the plain sampler does, at each draft's
+    own output position (the drafts are proposed without the biases, so banned tokens get
+    proposed and must be rejected): greedy rows with a logit bias and a min_tokens-banned
+    stop token emit the tokens of an engine without speculation."""
     banned = {t: -100.0 for ref in references for t in ref.token_ids[:3]}
     bias = {**banned, 17: 2.0}
+    # A stop token each prompt's biased run would say early without the minimum.
+    stop_ids = tuple(ref.token_ids[5] for ref in references)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
-                            logit_bias=bias)  # fmt: skip
-    plain, _, _ = generate(LLM(str(target), num_kv_blocks=64, **CPU), prompts, params=params)
+                            logit_bias=bias, min_tokens=10, stop_token_ids=stop_ids)  # fmt: skip
+    plain_llm = LLM(str(target), num_kv_blocks=64, **CPU)
+    plain, _, _ = generate(plain_llm, prompts, params=params)
+    early, _, _ = generate(plain_llm, prompts, params=replace(params, min_tokens=0))
+    assert any(len(row) < 10 for row in early.values()), "no stop token came early"
+    assert all(len(row) >= 10 for row in plain.values())
     extra = {"ngram_min": 1} if method == "ngram" else {"speculative_model": str(truncated_draft)}
     llm = LLM(str(target), num_kv_blocks=64, speculative_method=method,
               num_speculative_tokens=4, **extra, **CPU)  # fmt: skip

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.server.server_fakes import FakeEngine, tiny_tokenizer
 
 CONTINUATION = " the quick brown fox jumps over the lazy dog."
@@ -123,6 +125,27 @@ async def test_stop_string_across_tokens_non_streaming(serve) -> None:
     assert r.json()["usage"]["completion_tokens"] == 3
     await s.wait_idle()  # the engine request was aborted, its blocks returned
     assert s.engine.aborted, "the server must abort the engine request at a stop string"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_min_tokens_lets_no_stop_string_end_the_text_before_it(serve, stream) -> None:
+    """vLLM's rule: a stop string ends the choice only in the text of an output token past
+    min_tokens. "ck bro" is completed by the third token (" brown"): with min_tokens 2 it
+    stops there (though it started in the second), with 3 only at its next occurrence."""
+    s = await serve()
+    for min_tokens, text in [(2, " the qui"), (3, CONTINUATION + " the qui")]:
+        body = {"prompt": "hi", "max_tokens": 40, "temperature": 0, "stop": "ck bro",
+                "min_tokens": min_tokens, "stream": stream}  # fmt: skip
+        r = await s.http.post("/v1/completions", json=body)
+        if stream:
+            assert streamed_text(sse_payloads(r.text)) == text
+        else:
+            assert r.json()["choices"][0]["text"] == text
+            assert r.json()["choices"][0]["finish_reason"] == "stop"
+    for min_tokens in (-1, 41):
+        r = await s.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 40,
+                                                       "min_tokens": min_tokens})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
 
 
 async def test_stop_string_across_tokens_streaming(serve) -> None:
