@@ -105,6 +105,15 @@ class ChoiceDelta:
     finish_reason: str | None = None  # "stop" | "length" once finished
 
 
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """How a request's tokens become its text (the same for each of its choices)."""
+
+    stop: Sequence[str] = ()  # stop strings: the text ends before the first one found
+    include_stop_str: bool = False  # vLLM: keep the stop string, or the stop token's text
+    skip_special_tokens: bool = True  # drop special tokens' text (EOS, chat markers)
+
+
 class ChoiceState:
     """Text, tokens and logprobs of one choice (one engine request)."""
 
@@ -115,15 +124,18 @@ class ChoiceState:
         prompt: Prompt,
         tokenizer: Any,
         token_texts: TokenTexts,
-        stop: Sequence[str],
+        text_options: TextOptions,
         arrival_time: float,
         min_tokens: int = 0,
     ) -> None:
         self.index = index
         self.request_id = request_id
         self.prompt = prompt
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt.token_ids)
-        self._stop = StopStringMatcher(stop)
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt.token_ids, text_options.skip_special_tokens
+        )
+        self._stop = StopStringMatcher(text_options.stop)
+        self._include_stop = text_options.include_stop_str
         # A stop string ends the choice only in the text of an output token past this many
         # (vLLM's rule; the engine bans stop tokens before it).
         self._min_tokens = min_tokens
@@ -164,8 +176,9 @@ class ChoiceState:
             is_stop_token = i == len(output.new_token_ids) - 1 and token_id == ending_token
             offset = self._decoded_len
             # The EOS / stop token that ended the request adds no text (OpenAI and vLLM
-            # leave it out); it still counts as a generated token.
-            piece = "" if is_stop_token else self._detokenizer.add([token_id])
+            # leave it out) unless asked for; it still counts as a generated token.
+            skip = is_stop_token and not self._include_stop
+            piece = "" if skip else self._detokenizer.add([token_id])
             self._decoded_len += len(piece)
             can_stop = len(self.token_ids) + i >= self._min_tokens
             emitted, stopped = self._stop.feed(piece, can_stop)
@@ -174,6 +187,8 @@ class ChoiceState:
             if lp is not None:
                 delta.logprobs.append(self._logprob_entry(lp, offset))
             if stopped:
+                if self._include_stop and self._stop.matched is not None:
+                    delta.text += self._stop.matched
                 self.finish_reason = "stop"
                 break
         self.timings.on_tokens(len(delta.token_ids), now)
@@ -220,7 +235,7 @@ class GenerationRun:
         request_id: str,
         prompts: Sequence[Prompt],
         params: Sequence[SamplingParams],
-        stop: Sequence[str],
+        text_options: TextOptions,
         n: int,
         arrival_time: float,
         token_texts: TokenTexts,
@@ -249,7 +264,7 @@ class GenerationRun:
                         prompt,
                         client.tokenizer,
                         token_texts,
-                        stop,
+                        text_options,
                         arrival_time,
                         params[index].min_tokens,
                     )

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from scheduler.request import SamplingParams
 from server.context import ServingContext, new_request_id
-from server.generation import GenerationRun
+from server.generation import GenerationRun, TextOptions
 from server.prompts import Prompt
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.streaming import run_to_end, sse_response
@@ -104,7 +104,11 @@ async def serve_generation(
             request_id=request_id,
             prompts=prompts,
             params=params,
-            stop=stop_strings(req.stop),
+            text_options=TextOptions(
+                stop_strings(req.stop),
+                include_stop_str=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+            ),
             n=req.n,
             arrival_time=arrival_time,
             token_texts=ctx.token_texts,

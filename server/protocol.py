@@ -94,6 +94,8 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int | None = None  # vLLM: no stop token or stop string before this many
+    include_stop_str_in_output: bool = False  # vLLM: keep the stop string / stop token's text
+    skip_special_tokens: bool = True  # vLLM: false keeps special tokens' text
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

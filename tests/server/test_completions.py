@@ -148,6 +148,31 @@ async def test_min_tokens_lets_no_stop_string_end_the_text_before_it(serve, stre
         assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_include_stop_str_in_output_keeps_the_stop(serve, stream) -> None:
+    """vLLM's include_stop_str_in_output: the stop string, or the stop token's text, ends the
+    text instead of being cut."""
+    s = await serve()
+    brown = tiny_tokenizer().encode(" brown")
+    for stop, text in [({"stop": "ck bro"}, " the quick bro"),
+                       ({"stop_token_ids": brown}, " the quick brown")]:  # fmt: skip
+        body = {"prompt": "hi", "max_tokens": 10, "temperature": 0, "stream": stream,
+                "include_stop_str_in_output": True, **stop}  # fmt: skip
+        r = await s.http.post("/v1/completions", json=body)
+        got = streamed_text(sse_payloads(r.text)) if stream else r.json()["choices"][0]["text"]
+        assert got == text
+
+
+async def test_skip_special_tokens_false_keeps_their_text(serve) -> None:
+    s = await serve(FakeEngine(continuation=" a<|im_start|> b"))
+    body = {"prompt": "hi", "max_tokens": 5, "temperature": 0}  # " ", "a", special, " ", "b"
+    skipped = (await s.http.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+    kept = (
+        await s.http.post("/v1/completions", json={**body, "skip_special_tokens": False})
+    ).json()["choices"][0]["text"]
+    assert (skipped, kept) == (" a b", " a<|im_start|> b")
+
+
 async def test_stop_string_across_tokens_streaming(serve) -> None:
     s = await serve()
     r = await s.http.post(
