@@ -231,7 +231,12 @@ def create_app(
                 param="prompt",
             )
         return TokenizeResponse(
-            tokens=tokens, count=len(tokens), max_model_len=ctx.limits.max_model_len
+            tokens=tokens,
+            count=len(tokens),
+            max_model_len=ctx.limits.max_model_len,
+            token_strs=client.tokenizer.convert_ids_to_tokens(tokens)
+            if body.return_token_strs
+            else None,
         )
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)

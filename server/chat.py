@@ -23,7 +23,7 @@ from server.context import ServingContext
 from server.errors import invalid
 from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
 from server.generation_endpoint import GenerationEndpoint, serve_generation
-from server.prompts import Prompt, chat_prompt
+from server.prompts import Prompt, chat_prompt, truncate_prompt
 from server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -40,7 +40,7 @@ from server.protocol import (
     UsageInfo,
     finish_reason,
 )
-from server.streaming import sse_frame, stream_run
+from server.streaming import sse_frame, stream_run, stream_usage
 from server.structured import Constraint, request_constraint
 from server.tools import ToolPlan, parameter_checks, parse_output, streamable_prefix, tool_plan
 from server.validation import (
@@ -83,6 +83,7 @@ def _prepare(
         tools=tool_plan(req).tools,
         chat_template=ctx.chat_template,
     )
+    prompt = truncate_prompt(prompt, req.truncate_prompt_tokens, ctx.limits.max_model_len)
     requested, param = chat_max_tokens(req)
     max_tokens = resolve_max_tokens(
         requested, len(prompt.token_ids), ctx.limits, param, prompt_param="messages"
@@ -156,12 +157,14 @@ def _stream(
     request_id: str,
     created: int,
 ) -> AsyncIterator[bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous_usage = stream_usage(req.stream_options)
     plan = tool_plan(req)
     parser = ctx.config.server.tool_call_parser
     tool_text = ToolStreams(plan, parser)
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
+        if usage is None and continuous_usage:
+            usage = run.usage()
         body = ChatCompletionChunk(
             id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )

@@ -17,7 +17,7 @@ from server.backpressure import count_prompts
 from server.context import ServingContext
 from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
 from server.generation_endpoint import GenerationEndpoint, serve_generation
-from server.prompts import Prompt, completion_prompts
+from server.prompts import Prompt, completion_prompts, truncate_prompt
 from server.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -27,7 +27,7 @@ from server.protocol import (
     UsageInfo,
     finish_reason,
 )
-from server.streaming import sse_frame, stream_run
+from server.streaming import sse_frame, stream_run, stream_usage
 from server.validation import check_completion_request, choice_params, resolve_max_tokens
 
 
@@ -56,7 +56,10 @@ def _echo_text(prompt: Prompt, ctx: ServingContext) -> str:
 def _prepare(
     req: CompletionRequest, ctx: ServingContext
 ) -> tuple[list[Prompt], list[SamplingParams]]:
-    prompts = completion_prompts(req.prompt, ctx.client.tokenizer, ctx.limits.vocab_size)
+    prompts = [
+        truncate_prompt(p, req.truncate_prompt_tokens, ctx.limits.max_model_len)
+        for p in completion_prompts(req.prompt, ctx.client.tokenizer, ctx.limits.vocab_size)
+    ]
     params = []
     for prompt in prompts:
         max_tokens = resolve_max_tokens(
@@ -106,10 +109,12 @@ def _stream(
     request_id: str,
     created: int,
 ) -> AsyncIterator[bytes]:
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous_usage = stream_usage(req.stream_options)
     echo_lens: dict[int, int] = {}  # choice index -> characters of echoed prompt before it
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
+        if usage is None and continuous_usage:
+            usage = run.usage()
         body = CompletionChunk(
             id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )

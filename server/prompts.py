@@ -78,6 +78,23 @@ def completion_prompts(
     return prompts
 
 
+def truncate_prompt(prompt: Prompt, keep: int | None, max_model_len: int) -> Prompt:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: the model's
+    context length); a truncated prompt has no text of its own (echo shows its tokens')."""
+    if keep is None:
+        return prompt
+    if keep == -1:
+        keep = max_model_len
+    if keep < 1:
+        raise invalid(
+            f"'truncate_prompt_tokens' must be -1 or at least 1, got {keep}",
+            "truncate_prompt_tokens",
+        )
+    if len(prompt.token_ids) <= keep:
+        return prompt
+    return Prompt(prompt.token_ids[-keep:], None)
+
+
 def chat_prompt(
     messages: Sequence[ChatMessage],
     tokenizer: Any,

@@ -79,6 +79,7 @@ _OMIT_IF_NONE: Any = Field(default=None, exclude_if=lambda value: value is None)
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: with include_usage, usage in every chunk
 
 
 class _SamplingFields(_Request):
@@ -94,6 +95,7 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int | None = None  # vLLM: no stop token or stop string before this many
+    truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens (-1: context)
     include_stop_str_in_output: bool = False  # vLLM: keep the stop string / stop token's text
     skip_special_tokens: bool = True  # vLLM: false keeps special tokens' text
     seed: int | None = None
@@ -167,6 +169,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True  # messages only, as the three below
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False  # each token's vocabulary string too (vLLM)
     # messages only: rendered by the chat template as the chat route renders them, so the
     # count is the one a chat request with these tools is charged
     tools: list[Any] | None = None
@@ -324,6 +327,7 @@ class TokenizeResponse(_Response):
     tokens: list[int]
     count: int
     max_model_len: int
+    token_strs: list[str] | None = _OMIT_IF_NONE  # with return_token_strs (vLLM)
 
 
 class DetokenizeResponse(_Response):

@@ -2,7 +2,8 @@
 
 Framing: every event is ``data: <compact JSON>\\n\\n`` and the stream ends with
 ``data: [DONE]\\n\\n``. Under ``stream_options.include_usage`` every chunk carries
-``"usage": null`` and one last chunk with ``"choices": []`` carries the usage, as OpenAI does.
+``"usage": null`` and one last chunk with ``"choices": []`` carries the usage, as OpenAI does (with
+``continuous_usage_stats``, every chunk carries the usage so far, as vLLM does).
 An error after the response started (the engine failed) is sent as one
 ``data: {"error": {...}}`` event followed by ``[DONE]``, because the status line is gone.
 
@@ -32,6 +33,14 @@ if TYPE_CHECKING:
     from server.generation import ChoiceDelta, GenerationRun
 
 logger = logging.getLogger(__name__)
+
+
+def stream_usage(options: Any) -> tuple[bool, bool]:
+    """A request's ``stream_options`` as (usage in a last chunk, usage so far in every chunk
+    too: vLLM's ``continuous_usage_stats``, which needs ``include_usage``)."""
+    include = bool(options is not None and options.include_usage)
+    return include, include and bool(options.continuous_usage_stats)
+
 
 DONE_FRAME = b"data: [DONE]\n\n"
 SSE_HEADERS = {

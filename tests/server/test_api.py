@@ -131,3 +131,13 @@ async def test_openapi_schema_documents_the_routes(serve) -> None:
         "/version",
     ):
         assert path in paths
+
+
+async def test_tokenize_returns_token_strings_when_asked(serve) -> None:
+    s = await serve()
+    tok = s.engine.tokenizer
+    r = await s.http.post("/tokenize", json={"prompt": "the quick", "return_token_strs": True})
+    body = r.json()
+    assert body["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+    plain = (await s.http.post("/tokenize", json={"prompt": "the quick"})).json()
+    assert "token_strs" not in plain and plain["tokens"] == body["tokens"]

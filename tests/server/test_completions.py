@@ -173,6 +173,22 @@ async def test_skip_special_tokens_false_keeps_their_text(serve) -> None:
     assert (skipped, kept) == (" a b", " a<|im_start|> b")
 
 
+async def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(serve) -> None:
+    s = await serve()
+    ids = list(range(5, 45))
+    body = {"prompt": ids, "max_tokens": 2, "return_token_ids": True}
+    for keep, want in [(7, ids[-7:]), (100, ids), (-1, ids)]:
+        r = await s.http.post("/v1/completions", json={**body, "truncate_prompt_tokens": keep})
+        assert r.json()["choices"][0]["prompt_token_ids"] == want
+        assert r.json()["usage"]["prompt_tokens"] == len(want)
+    chat = {"messages": [{"role": "user", "content": "a long question " * 5}], "max_tokens": 1}
+    full = (await s.http.post("/v1/chat/completions", json=chat)).json()["usage"]
+    cut = await s.http.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 3})
+    assert full["prompt_tokens"] > 3 and cut.json()["usage"]["prompt_tokens"] == 3
+    r = await s.http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 async def test_stop_string_across_tokens_streaming(serve) -> None:
     s = await serve()
     r = await s.http.post(

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from server.streaming import DONE_FRAME, sse_frame
 from tests.server.server_fakes import FakeEngine
 
@@ -77,6 +79,29 @@ async def test_include_usage_adds_null_usage_and_a_final_usage_chunk(serve) -> N
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert all(set(m["delta"]) == {"content"} for m in mine[1:-1])
         assert mine[-1]["delta"] == {} and mine[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(serve, path) -> None:
+    s = await serve()
+    prompt = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [
+        {"role": "user", "content": "hi"}]}  # fmt: skip
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": options}  # fmt: skip
+    r = await s.http.post(path, json=body)
+    chunks = [json.loads(f[6:]) for f in split_frames(r.content)[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4 and chunks[-1]["choices"] == []
+    prompt_tokens = {c["usage"]["prompt_tokens"] for c in chunks}
+    assert len(prompt_tokens) == 1 and all(
+        c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+        for c in chunks
+    )
+    # Without include_usage it is off, as vLLM has it.
+    body["stream_options"] = {"continuous_usage_stats": True}
+    r = await s.http.post(path, json=body)
+    assert all("usage" not in json.loads(f[6:]) for f in split_frames(r.content)[:-1])
 
 
 async def test_engine_failure_mid_stream_is_reported_in_band(serve) -> None:
