@@ -45,7 +45,7 @@ from engine.builder import ServedModel, build_engine_parts
 from engine.config import EngineConfig
 from engine.faults import EngineFatalError, describe, execute_isolating
 from engine.model_runner import LaunchedStep
-from engine.outputs import ModelRunnerOutput, RequestOutput, StepStats
+from engine.outputs import EngineOccupancy, ModelRunnerOutput, RequestOutput, StepStats
 from engine.stats import StepStatsRecorder
 from engine.step_predictor import StepShape
 from engine.step_trace import StepTrace
@@ -357,6 +357,19 @@ class LLMEngine:
         it after every step; the server under ``--check-integrity``."""
         self.scheduler.check_integrity()
         self._check_request_state()
+
+    def occupancy(self) -> EngineOccupancy:
+        """The load gauges now: queues and KV pool (O(requests): the live slots)."""
+        kv = self.kv_manager.stats()
+        return EngineOccupancy(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_used=kv.num_used_blocks,
+            num_kv_blocks_total=kv.num_blocks,
+            num_kv_blocks_cached=kv.num_cached_blocks,
+            num_kv_blocks_evictable=kv.num_evictable_blocks,
+            kv_waste_fraction=kv.kv_waste_fraction,
+        )
 
     def check_idle(self) -> None:
         """What must hold once no request is left: nothing queued or tracked, every KV block

@@ -79,9 +79,9 @@ STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update", "between_st
 class EngineOccupancy:
     """What the engine holds at one moment: the load gauges routers and dashboards read.
 
-    A step's ``StepStats.occupancy`` is the state after it; ``idle`` is the state once every
-    request is gone without a step to report it (the last ones aborted, or the step that
-    finished them reported by an earlier call), which ``check_idle()`` has just verified.
+    A step's ``StepStats.occupancy`` is the state after it; the engine's ``occupancy()`` the
+    state now, which the server reads when every request is gone without a step to report
+    it (the last ones aborted, or the step that finished them reported by an earlier call).
     """
 
     num_running: int
@@ -91,12 +91,6 @@ class EngineOccupancy:
     num_kv_blocks_cached: int
     num_kv_blocks_evictable: int
     kv_waste_fraction: float
-
-    @classmethod
-    def idle(cls, num_total_blocks: int, num_free_blocks: int) -> EngineOccupancy:
-        """No request and no owned block: every block not free is an evictable cached one."""
-        cached = num_total_blocks - num_free_blocks
-        return cls(0, 0, 0, num_total_blocks, cached, cached, 0.0)
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.generation_config import SamplingDefaults
-from engine.outputs import RequestOutput, StepStats
+from engine.outputs import EngineOccupancy, RequestOutput, StepStats
 from kvpool.storage import KVCapacity
 from scheduler.config import SchedulerConfig
 from scheduler.request import SamplingParams
@@ -80,6 +80,7 @@ class ServingEngine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
     def check_integrity(self) -> None: ...  # every invariant (walks the whole KV pool)
     def check_idle(self) -> None: ...  # nothing left once no request is; constant time
+    def occupancy(self) -> EngineOccupancy: ...  # the load gauges now
     @property
     def fatal_error(self) -> str | None: ...  # why the engine can never step again, or None
     def shutdown(self) -> None: ...  # stop what the engine started (TP workers, the trace)

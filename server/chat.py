@@ -163,8 +163,8 @@ def _stream(
     tool_text = ToolStreams(plan, parser)
 
     def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> bytes:
-        if usage is None and continuous_usage:
-            usage = run.usage()
+        if usage is None and continuous_usage:  # the chunk's choice's own usage so far
+            usage = run.usage(choices[0].index) if choices else run.usage()
         body = ChatCompletionChunk(
             id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )

@@ -113,8 +113,8 @@ def _stream(
     echo_lens: dict[int, int] = {}  # choice index -> characters of echoed prompt before it
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
-        if usage is None and continuous_usage:
-            usage = run.usage()
+        if usage is None and continuous_usage:  # the chunk's choice's own usage so far
+            usage = run.usage(choices[0].index) if choices else run.usage()
         body = CompletionChunk(
             id=request_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )

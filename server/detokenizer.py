@@ -180,22 +180,27 @@ class StopStringMatcher:
         self._stop = tuple(dict.fromkeys(stop))  # dedupe, keep order
         self._max_len = max((len(s) for s in self._stop), default=0)
         self._pending = ""  # text received but held back: a possible start of a stop string
+        # The head of _pending fed with can_stop False: no stop string may end inside it.
+        self._num_frozen = 0
         self.stopped = False
         self.matched: str | None = None
 
     def feed(self, text: str, can_stop: bool = True) -> tuple[str, bool]:
-        """``can_stop`` False: ``text`` may not end a stop string (its request has not reached
-        ``min_tokens``); its tail is still held back where a stop string may start there."""
+        """``can_stop`` False: no stop string may end inside ``text`` (its request has not
+        reached ``min_tokens``), now or later; one may still start there and end in text fed
+        later, so its tail is held back as usual."""
         if self.stopped:
             return "", True
         if not self._stop:
             return text, False
         buffer = self._pending + text
+        frozen = self._num_frozen + (0 if can_stop else len(text))
         # NOTE: no stop string can start inside already-emitted text, because we always hold
         # back the longest tail that is a prefix of one; so searching `buffer` is enough.
         hit = -1
-        for s in self._stop if can_stop else ():
-            i = buffer.find(s)
+        for s in self._stop:
+            # The first occurrence that ends past the frozen head.
+            i = buffer.find(s, max(0, frozen - len(s) + 1))
             if i != -1 and (hit == -1 or i < hit):
                 hit, self.matched = i, s
         if hit != -1:
@@ -204,6 +209,7 @@ class StopStringMatcher:
             return buffer[:hit], True
         keep = self._held_back_len(buffer)
         self._pending = buffer[len(buffer) - keep :]
+        self._num_frozen = max(0, frozen - (len(buffer) - keep))
         return buffer[: len(buffer) - keep], False
 
     def flush(self) -> str:

@@ -539,7 +539,7 @@ class EngineLoop:
                 # (--check-integrity walks it after every step).
                 engine.check_idle()  # AssertionError here is fatal on purpose
                 checked_at = num_steps
-                idle = EngineOccupancy.idle(engine.num_total_blocks, engine.num_free_blocks)
+                idle = engine.occupancy()  # no request left: constant time
             self.snapshot = EngineSnapshot(
                 num_steps=num_steps,
                 num_requests=len(self._active),

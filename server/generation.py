@@ -421,8 +421,14 @@ class GenerationRun:
             prompts,
         )
 
-    def usage(self) -> UsageInfo:
-        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+    def usage(self, index: int | None = None) -> UsageInfo:
+        """The request's usage so far; with ``index``, that choice's alone (its prompt's
+        tokens and its own output: vLLM's per-chunk ``continuous_usage_stats``)."""
+        if index is None:
+            prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
+        else:
+            choice = self.choices[index]
+            prompt, completion = len(choice.prompt.token_ids), len(choice.token_ids)
         return UsageInfo(
             prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )

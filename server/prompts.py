@@ -85,9 +85,10 @@ def truncate_prompt(prompt: Prompt, keep: int | None, max_model_len: int) -> Pro
         return prompt
     if keep == -1:
         keep = max_model_len
-    if keep < 1:
+    if not 1 <= keep <= max_model_len:
         raise invalid(
-            f"'truncate_prompt_tokens' must be -1 or at least 1, got {keep}",
+            f"'truncate_prompt_tokens' must be -1 or in [1, {max_model_len}] (the model's "
+            f"context length), got {keep}",
             "truncate_prompt_tokens",
         )
     if len(prompt.token_ids) <= keep:

@@ -9,10 +9,12 @@ from typing import Any
 # they send when the client did not set them. Each value is what this server does anyway
 # (stop strings are trimmed, special tokens skipped, no hidden states, no reasoning parser
 # to separate anything), so a field at exactly this value changes nothing and is accepted;
-# any other value is still an unknown field (400 under --unknown-fields reject).
+# any other value is still an unknown field (400 under --unknown-fields reject). They also
+# send ``skip_special_tokens``, and chat ``continue_final_message``, which are request
+# fields of their own (server/protocol.py); the completions route has no
+# ``continue_final_message``, so it is here.
 ROUTER_NEUTRAL_FIELDS: dict[str, object] = {
     "no_stop_trim": False,
-    "skip_special_tokens": True,
     "return_hidden_states": False,
     "continue_final_message": False,
     "separate_reasoning": True,

@@ -146,6 +146,11 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return items
 
 
+def _int64(value: int) -> int:
+    """``value`` wrapped into int64 (choice i's seed + i past the largest)."""
+    return (value - MIN_SEED) % 2**64 + MIN_SEED
+
+
 def _check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
     """OpenAI's ``logit_bias``: token ids as JSON keys, biases in [-100, 100]."""
     token_ids = set()
@@ -200,8 +205,8 @@ def _common_checks(req: CompletionRequest | ChatCompletionRequest, limits: Reque
                 f"'repetition_penalty' must be > 0, got {req.repetition_penalty}",
                 "repetition_penalty",
             )
-    if req.seed is not None and not MIN_SEED <= req.seed <= MAX_SEED - req.n:
-        raise invalid(f"'seed' must be in [-2**63, 2**63 - 1 - n], got {req.seed}", "seed")
+    if req.seed is not None and not MIN_SEED <= req.seed <= MAX_SEED:
+        raise invalid(f"'seed' must be an int64, in [-2**63, 2**63 - 1], got {req.seed}", "seed")
     for token_id in req.stop_token_ids or []:
         if not 0 <= token_id < limits.vocab_size:
             raise invalid(
@@ -317,7 +322,8 @@ def choice_params(
     choice: int,
     defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
-    """``SamplingParams`` of one choice; a seeded request gives choice i the seed ``seed + i``,
+    """``SamplingParams`` of one choice; a seeded request gives choice i the seed ``seed + i``
+    (wrapped into int64),
     so the n completions differ from each other and each is reproducible. A field the
     request leaves unset takes ``defaults`` (the checkpoint's), else pagedserve's own."""
 
@@ -340,7 +346,7 @@ def choice_params(
             top_p=pick(req.top_p, defaults.top_p, 1.0),
             top_k=pick(req.top_k, defaults.top_k, 0),
             min_p=pick(req.min_p, defaults.min_p, 0.0),
-            seed=None if req.seed is None else req.seed + choice,
+            seed=None if req.seed is None else _int64(req.seed + choice),
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.generation_config import SamplingDefaults
-from engine.outputs import RequestOutput, StepStats, TokenLogprob
+from engine.outputs import EngineOccupancy, RequestOutput, StepStats, TokenLogprob
 from kvpool.storage import KVCapacity
 from scheduler.request import SamplingParams
 
@@ -176,6 +176,11 @@ class FakeEngine:
 
     def check_idle(self) -> None:
         self.check_integrity()
+
+    def occupancy(self) -> EngineOccupancy:
+        used = self._num_blocks - self._free_blocks
+        return EngineOccupancy(len(self.running), len(self.waiting), used, self._num_blocks,
+                               0, 0, 0.0)  # fmt: skip
 
     def step(self) -> list[RequestOutput]:
         self._check_thread()

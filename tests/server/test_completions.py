@@ -177,7 +177,7 @@ async def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(serve) -> N
     s = await serve()
     ids = list(range(5, 45))
     body = {"prompt": ids, "max_tokens": 2, "return_token_ids": True}
-    for keep, want in [(7, ids[-7:]), (100, ids), (-1, ids)]:
+    for keep, want in [(7, ids[-7:]), (100, ids), (256, ids), (-1, ids)]:
         r = await s.http.post("/v1/completions", json={**body, "truncate_prompt_tokens": keep})
         assert r.json()["choices"][0]["prompt_token_ids"] == want
         assert r.json()["usage"]["prompt_tokens"] == len(want)
@@ -185,8 +185,9 @@ async def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(serve) -> N
     full = (await s.http.post("/v1/chat/completions", json=chat)).json()["usage"]
     cut = await s.http.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 3})
     assert full["prompt_tokens"] > 3 and cut.json()["usage"]["prompt_tokens"] == 3
-    r = await s.http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    for keep in (0, -2, 257):  # the fake engine's context: 256 tokens
+        r = await s.http.post("/v1/completions", json={**body, "truncate_prompt_tokens": keep})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 async def test_stop_string_across_tokens_streaming(serve) -> None:

@@ -174,3 +174,23 @@ def test_no_stop_strings_passes_everything() -> None:
 def test_empty_stop_string_is_rejected() -> None:
     with pytest.raises(ValueError):
         StopStringMatcher([""])
+
+
+def test_no_stop_string_ends_in_text_fed_before_the_minimum() -> None:
+    """``can_stop=False`` (min_tokens not reached): a stop string ending in that text never
+    counts, also when a longer stop string it starts held it back until later; one that
+    starts there and ends in later text does (vLLM's rule)."""
+
+    def run(stop: list[str], feeds: list[tuple[str, bool]]) -> tuple[str, bool]:
+        matcher = StopStringMatcher(stop)
+        text, stopped = "", False
+        for piece, can_stop in feeds:
+            emitted, stopped = matcher.feed(piece, can_stop)
+            text += emitted
+        return (text if stopped else text + matcher.flush()), stopped
+
+    early = [(" Paris", False), (".", False), ("\n\nThe", True)]
+    assert run([".", ".XYZ"], early) == (" Paris.\n\nThe", False)
+    assert run(["\n", "\n\nX"], [(" Paris.\n", False), ("\nThe", True)]) == (" Paris.\n", True)
+    assert run(["ck bro"], [(" the qui", False), ("ck brown", True)]) == (" the qui", True)
+    assert run(["ab"], [("xab", False), ("ab", True)]) == ("xab", True)

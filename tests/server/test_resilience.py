@@ -83,8 +83,8 @@ async def test_an_output_processing_failure_fails_only_its_request(serve, monkey
     poison = tiny_tokenizer().encode(MARKER)
 
     class Fragile(IncrementalDetokenizer):
-        def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
-            super().__init__(tokenizer, prompt_ids)
+        def __init__(self, tokenizer: Any, prompt_ids: list[int], *options: Any) -> None:
+            super().__init__(tokenizer, prompt_ids, *options)
             self.poisoned = poison[0] in prompt_ids
 
         def add(self, token_ids: list[int]) -> str:

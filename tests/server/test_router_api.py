@@ -180,8 +180,8 @@ async def test_router_fields_with_another_value_are_still_unknown(serve, field: 
 
 
 def test_neutral_fields_compare_booleans_by_identity() -> None:
-    assert neutral_router_fields({"skip_special_tokens": True}) == {"skip_special_tokens"}
-    assert neutral_router_fields({"skip_special_tokens": 1}) == set()
+    assert neutral_router_fields({"return_hidden_states": False}) == {"return_hidden_states"}
+    assert neutral_router_fields({"return_hidden_states": 0}) == set()
     assert neutral_router_fields({"no_stop_trim": 0}) == set()
     assert neutral_router_fields(None) == set()
 

@@ -83,21 +83,34 @@ async def test_include_usage_adds_null_usage_and_a_final_usage_chunk(serve) -> N
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(serve, path) -> None:
+    """Each chunk carries its choice's usage so far (its prompt's tokens and its own output,
+    as vLLM fills them); the last chunk, without choices, the request's."""
     s = await serve()
-    prompt = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [
-        {"role": "user", "content": "hi"}]}  # fmt: skip
+    tok = s.engine.tokenizer
+    prompts = ["hi", "a longer prompt here"]
+    if path == "/v1/completions":
+        prompt: dict = {"prompt": prompts}
+        lengths = [len(tok.encode(p)) for p in prompts]
+    else:
+        prompt = {"messages": [{"role": "user", "content": "hi"}]}
+        lengths = [None]
     options = {"include_usage": True, "continuous_usage_stats": True}
-    body = {**prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+    body = {**prompt, "n": 2, "max_tokens": 4, "temperature": 0, "stream": True,
             "stream_options": options}  # fmt: skip
     r = await s.http.post(path, json=body)
-    chunks = [json.loads(f[6:]) for f in split_frames(r.content)[:-1]]
-    counts = [c["usage"]["completion_tokens"] for c in chunks]
-    assert counts == sorted(counts) and counts[-1] == 4 and chunks[-1]["choices"] == []
-    prompt_tokens = {c["usage"]["prompt_tokens"] for c in chunks}
-    assert len(prompt_tokens) == 1 and all(
-        c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
-        for c in chunks
-    )
+    *chunks, last = [json.loads(f[6:]) for f in split_frames(r.content)[:-1]]
+    seen: dict[int, list[int]] = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        usage = c["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        want_prompt = lengths[choice["index"] // 2]
+        assert want_prompt is None or usage["prompt_tokens"] == want_prompt
+        seen.setdefault(choice["index"], []).append(usage["completion_tokens"])
+    num_choices = 2 * len(lengths)
+    assert sorted(seen) == list(range(num_choices))
+    assert all(counts == sorted(counts) and counts[-1] == 4 for counts in seen.values())
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4 * num_choices
     # Without include_usage it is off, as vLLM has it.
     body["stream_options"] = {"continuous_usage_stats": True}
     r = await s.http.post(path, json=body)
