@@ -48,7 +48,7 @@ import torch
 from engine.outputs import TokenLogprob
 from engine.penalties import TokenCounts, apply_penalties
 from engine.to_device import on_device
-from engine.token_bias import apply_token_bias, row_bias
+from engine.token_bias import apply_token_bias, has_token_bias, row_bias
 from scheduler.output import ScheduledRequest
 from scheduler.request import SamplingParams
 
@@ -201,10 +201,10 @@ class Sampler:
         num_top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if num_top is not None else None
 
-        # A new tensor where a row has a bias (logit_bias, or min_tokens' stop-token ban).
-        logits = apply_token_bias(
-            logits, [row_bias(r.request, _output_position(r)) for r in requests]
-        )
+        if any(has_token_bias(p) for p in params):  # then a new tensor
+            logits = apply_token_bias(
+                logits, [row_bias(r.request, _output_position(r)) for r in requests]
+            )
         if constraint is not None:
             logits = constraint.mask_before_sampling(logits, requests)
         penalised = [i for i, p in enumerate(params) if p.needs_penalties]
@@ -407,6 +407,7 @@ def _output_position(item: ScheduledRequest) -> int:
 def _plain_greedy(p: SamplingParams) -> bool:
     """A row the sampler only takes the argmax of: greedy, no logprobs, no penalties and
     no token bias (``logit_bias``, ``min_tokens``)."""
+    # Inline, not has_token_bias(p): every row of every greedy step asks.
     return (
         p.logprobs is None
         and p.greedy

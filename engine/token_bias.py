@@ -18,9 +18,14 @@ from collections.abc import Sequence
 import torch
 
 from engine.to_device import on_device
-from scheduler.request import Request
+from scheduler.request import Request, SamplingParams
 
 TokenBias = Sequence[tuple[int, float]]
+
+
+def has_token_bias(params: SamplingParams) -> bool:
+    """Whether a request's rows may have a bias (the batch skips the work where none has)."""
+    return bool(params.logit_bias) or params.min_tokens > 0
 
 
 def row_bias(request: Request, output_position: int) -> TokenBias:

@@ -44,7 +44,7 @@ from engine.outputs import TokenLogprob
 from engine.penalties import TokenCounts, apply_penalties
 from engine.sampler import truncated_probs
 from engine.to_device import on_device
-from engine.token_bias import apply_token_bias, row_bias
+from engine.token_bias import apply_token_bias, has_token_bias, row_bias
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
 
@@ -309,10 +309,12 @@ def verify_rows(
 
     # The token biases, then the penalties, as the sampler applies them (engine/sampler.py):
     # row j of an item samples the output token after its position start + j.
-    scores = apply_token_bias(logits, [
-        row_bias(item.request, item.start + 1 + j - item.request.num_prompt_tokens)
-        for item in items for j in range(item.num_tokens)
-    ])  # fmt: skip
+    scores = logits
+    if any(has_token_bias(p) for p in params):
+        scores = apply_token_bias(logits, [
+            row_bias(item.request, item.start + 1 + j - item.request.num_prompt_tokens)
+            for item in items for j in range(item.num_tokens)
+        ])  # fmt: skip
     penalised = [i for i, p in enumerate(params) if p.needs_penalties]
     if penalised:
         seen = penalties.seen(
