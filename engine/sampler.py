@@ -193,7 +193,7 @@ class Sampler:
         params = [r.request.sampling_params for r in requests]
         constraint = self.constraint
         if (constraint is None or not constraint.num_constrained) and all(
-            _plain_greedy(p) for p in params
+            p.argmax_only for p in params
         ):
             # The common batch: one argmax, one read; what the general path below computes
             # for it (no logprobs, penalties or noise).
@@ -402,19 +402,6 @@ def _output_position(item: ScheduledRequest) -> int:
     same whenever that token is sampled (after a preemption the recompute's last chunk ends
     where the lost step ended), and not the count of the request's earlier draws."""
     return item.seq_len - item.request.num_prompt_tokens
-
-
-def _plain_greedy(p: SamplingParams) -> bool:
-    """A row the sampler only takes the argmax of: greedy, no logprobs, no penalties and
-    no token bias (``logit_bias``, ``min_tokens``)."""
-    # Inline, not has_token_bias(p): every row of every greedy step asks.
-    return (
-        p.logprobs is None
-        and p.greedy
-        and not p.needs_penalties
-        and not p.logit_bias
-        and not p.min_tokens
-    )
 
 
 def _untied(values: list[float], j: int) -> bool:

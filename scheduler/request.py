@@ -57,6 +57,9 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias);
     # a mapping given here is stored as its sorted pairs.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Derived here once: the sampler asks it of every row of every step (a greedy batch's
+    # fast path), and one attribute read costs less than the five conditions.
+    argmax_only: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -89,6 +92,16 @@ class SamplingParams:
         if len({t for t, _ in pairs}) != len(pairs):
             raise ValueError(f"logit_bias names a token twice: {bias}")
         object.__setattr__(self, "logit_bias", pairs)  # frozen: normalised once, here
+        # The token is the logits' argmax and nothing else is computed: greedy, no logprobs,
+        # no penalties, no token bias (logit_bias, min_tokens).
+        argmax_only = (
+            self.logprobs is None
+            and self.greedy
+            and not self.needs_penalties
+            and not pairs
+            and not self.min_tokens
+        )
+        object.__setattr__(self, "argmax_only", argmax_only)
 
     @property
     def greedy(self) -> bool:

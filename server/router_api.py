@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from typing import Any
 
 from fastapi import FastAPI
@@ -146,12 +146,18 @@ def render(
         {
             "request_id": new_request_id(endpoint.id_prefix),
             "token_ids": prompt.token_ids,
-            "sampling_params": {**asdict(params[index * req.n]), "stop": stop},
+            "sampling_params": {**_given(params[index * req.n]), "stop": stop},
             "model": ctx.model_name,
             "stream": bool(req.stream),
         }
         for index, prompt in enumerate(prompts)
     ]
+
+
+def _given(params: SamplingParams) -> dict[str, Any]:
+    """The parameters a ``SamplingParams`` is made from (not those it derives)."""
+    given = {f.name for f in fields(params) if f.init}
+    return {name: value for name, value in asdict(params).items() if name in given}
 
 
 def load(ctx: ServingContext) -> dict[str, int]:

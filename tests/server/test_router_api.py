@@ -195,6 +195,7 @@ async def test_render_gives_the_tokens_the_request_will_be_prefilled_with(serve)
     assert entry["token_ids"] == tokenized["tokens"]
     assert entry["model"] == "fake-model" and entry["request_id"].startswith("cmpl-")
     assert entry["sampling_params"]["max_tokens"] == 3
+    assert "argmax_only" not in entry["sampling_params"]  # derived, not a parameter
     assert entry["sampling_params"]["stop"] == []
     # Two prompts: one entry each.
     two = {"prompt": ["a", "b c"], "max_tokens": 2, "stop": "x"}
