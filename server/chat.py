@@ -115,6 +115,17 @@ def chat_constraint(req: ChatCompletionRequest) -> Constraint | None:
     return tool_constraint or own
 
 
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's text where it is the assistant's, the role
+    the reply is written in (an assistant prefill the reply continues)."""
+    if not req.echo or not req.messages or req.messages[-1].role != "assistant":
+        return ""
+    content = req.messages[-1].content
+    if isinstance(content, list):  # text parts (checked: other parts are a 400)
+        return "".join(str(part.get("text", "")) for part in content)
+    return content or ""
+
+
 def _finish(reason: str | None, has_calls: bool) -> FinishReason | None:
     if has_calls and reason == "stop":
         return "tool_calls"
@@ -130,10 +141,12 @@ def _response(
 ) -> ChatCompletionResponse:
     plan = tool_plan(req)
     parser = ctx.config.server.tool_call_parser
+    echo = _echo_text(req)
     choices = []
     for c in run.choices:
         parsed = parse_output(c.text, plan, parser)
-        message = AssistantMessage(content=parsed.content, tool_calls=parsed.tool_calls or None)
+        content = echo + parsed.content if parsed.content is not None else None
+        message = AssistantMessage(content=content, tool_calls=parsed.tool_calls or None)
         choices.append(
             ChatChoice(
                 index=c.index,
@@ -170,9 +183,15 @@ def _stream(
         )
         return sse_frame(body, usage_field=include_usage)
 
+    echo = _echo_text(req)
+
     def opening() -> list[bytes]:
         role = ChatDelta(role="assistant", content="")
-        return [chunk([ChatChunkChoice(index=c.index, delta=role)]) for c in run.choices]
+        frames = [chunk([ChatChunkChoice(index=c.index, delta=role)]) for c in run.choices]
+        if echo:
+            frames += [chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(content=echo))])
+                       for c in run.choices]  # fmt: skip
+        return frames
 
     def delta_frames(d: ChoiceDelta) -> list[bytes]:
         frames = []

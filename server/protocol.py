@@ -147,6 +147,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # vLLM: the reply starts with the last message's text if it is the
+    # assistant's (with continue_final_message: the whole message, prefill included)
     # Tool calling (server/tools.py); checked there.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None

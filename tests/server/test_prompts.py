@@ -286,6 +286,25 @@ async def test_the_chat_route_and_tokenize_continue_a_prefill(serve) -> None:
     r = await s.http.post("/v1/chat/completions", json={**body, "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(want, add_special_tokens=False))
+    # vLLM's echo: the reply starts with the prefill it continues, streamed or not.
+    echoed = {**body, "max_tokens": 3, "temperature": 0, "echo": True}
+    plain = (await s.http.post("/v1/chat/completions", json={**echoed, "echo": False})).json()
+    text = plain["choices"][0]["message"]["content"]
+    r = await s.http.post("/v1/chat/completions", json=echoed)
+    assert r.json()["choices"][0]["message"]["content"] == "The" + text
+    r = await s.http.post("/v1/chat/completions", json={**echoed, "stream": True})
+    streamed = [json.loads(f.removeprefix("data: ")) for f in r.text.split("\n\n")
+                if f.startswith("data: {")]  # fmt: skip
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in streamed) == (
+        "The" + text
+    )
+    # The last message is the user's: nothing to echo.
+    ask = {"messages": [PREFILL[0]], "max_tokens": 2, "temperature": 0}
+    replies = [
+        (await s.http.post("/v1/chat/completions", json={**ask, "echo": e})).json()
+        for e in (True, False)
+    ]
+    assert replies[0]["choices"][0]["message"] == replies[1]["choices"][0]["message"]
     both = {"messages": PREFILL, "continue_final_message": True}  # and the default opening
     r = await s.http.post("/v1/chat/completions", json=both)
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
