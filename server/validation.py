@@ -146,11 +146,6 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return items
 
 
-def _int64(value: int) -> int:
-    """``value`` wrapped into int64 (choice i's seed + i past the largest)."""
-    return (value - MIN_SEED) % 2**64 + MIN_SEED
-
-
 def _check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
     """OpenAI's ``logit_bias``: token ids as JSON keys, biases in [-100, 100]."""
     token_ids = set()
@@ -323,7 +318,7 @@ def choice_params(
     defaults: SamplingDefaults = NO_DEFAULTS,
 ) -> SamplingParams:
     """``SamplingParams`` of one choice; a seeded request gives choice i the seed ``seed + i``
-    (wrapped into int64),
+    (past int64's largest the sampler and the speculator wrap it, as they take any int),
     so the n completions differ from each other and each is reproducible. A field the
     request leaves unset takes ``defaults`` (the checkpoint's), else pagedserve's own."""
 
@@ -346,7 +341,7 @@ def choice_params(
             top_p=pick(req.top_p, defaults.top_p, 1.0),
             top_k=pick(req.top_k, defaults.top_k, 0),
             min_p=pick(req.min_p, defaults.min_p, 0.0),
-            seed=None if req.seed is None else _int64(req.seed + choice),
+            seed=None if req.seed is None else req.seed + choice,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             presence_penalty=req.presence_penalty or 0.0,
