@@ -91,6 +91,7 @@ def execute_isolating(
                 merged.request_ids.extend(result.request_ids)
                 merged.token_ids.extend(result.token_ids)
                 merged.logprobs.extend(result.logprobs)
+                merged.prompt_logprobs.update(result.prompt_logprobs)
                 return
         if len(group) == 1:
             failed[group[0].request_id] = describe(error)

@@ -12,9 +12,10 @@ whose slot is -1: the token's K/V is already cached, so nothing is written. Thei
 computed, as a fixed batch computes them, but sit after the sampling rows and are discarded.
 Speculative rows (``ScheduledRequest.draft_token_ids``) are multi-token queries like prefill
 chunks, and need logits at every position (engine/spec_decode/verify.py); those rows come
-after the sampling rows::
+after the sampling rows, and then the scored positions of chunks of requests that asked for
+prompt logprobs (``ScheduledRequest.num_scored``, engine/prompt_logprobs.py)::
 
-    logits rows:  | sampling[0] ... sampling[n-1] | verifying: every position | padding ... |
+    logits rows:  | sampling[0] ... sampling[n-1] | verifying: every position | scored | padding |
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.prompt_logprobs import ScoredChunk
 from kvpool.manager import slots_for
 from scheduler.output import ScheduledRequest, SchedulerOutput
 from scheduler.request import PENDING_TOKEN
@@ -54,6 +56,8 @@ class InputBatch:
     logits_are_all_rows: bool = False
     # Speculative rows, whose logits follow the sampling rows': num_tokens rows each.
     verifying: list[ScheduledRequest] = field(default_factory=list)
+    # Scored prompt positions, whose logits follow the verifying rows': one row per token.
+    scoring: list[ScoredChunk] = field(default_factory=list)
     # (position in input_ids, request id) of decode rows whose input token is still on the
     # device (asynchronous scheduling: ``PENDING_TOKEN`` in the plan); the runner writes
     # each from the step before's picks before the forward pass reads ``input_ids``.
@@ -82,7 +86,10 @@ def build_input_batch(
     if (
         (staging is not None or len(scheduled) >= MIN_ARRAY_ROWS)
         and scheduled
-        and all(s.num_tokens == 1 and not s.padding and not s.draft_token_ids for s in scheduled)
+        and all(
+            s.num_tokens == 1 and not s.padding and not s.draft_token_ids and not s.num_scored
+            for s in scheduled
+        )
     ):
         return _decode_batch(scheduled, block_size, device, staging)
     decodes = [s for s in scheduled if s.num_tokens == 1]
@@ -98,8 +105,22 @@ def build_input_batch(
     sampling: list[ScheduledRequest] = []
     verify_indices: list[int] = []
     verifying: list[ScheduledRequest] = []
+    scored_indices: list[int] = []
+    scoring: list[ScoredChunk] = []
     for item in ordered:
         end = item.start + item.num_tokens
+        if item.num_scored:
+            first = len(input_ids)
+            scored_indices.extend(range(first, first + item.num_scored))
+            prompt = item.request.prompt_token_ids
+            scoring.append(
+                ScoredChunk(
+                    item.request_id,
+                    item.start,
+                    tuple(prompt[item.start + 1 : item.start + 1 + item.num_scored]),
+                    item.request.sampling_params.prompt_logprobs or 0,
+                )
+            )
         input_ids.extend(item.token_ids)
         positions.extend(range(item.start, end))
         query_start_loc.append(len(input_ids))
@@ -116,7 +137,7 @@ def build_input_batch(
             sampling.append(item)
 
     seq_lens = [item.seq_len for item in ordered]
-    rows = logits_indices + verify_indices + padding_indices
+    rows = logits_indices + verify_indices + scored_indices + padding_indices
     lists = (input_ids, positions, slots, rows, seq_lens, query_start_loc)
     dtypes = (np.int64,) * 4 + (np.int32,) * 2
     arrays = [np.array(v, dtype=d) for v, d in zip(lists, dtypes, strict=True)]
@@ -129,6 +150,7 @@ def build_input_batch(
         sampling=sampling,
         logits_are_all_rows=rows == list(range(len(input_ids))),
         verifying=verifying,
+        scoring=scoring,
     )
     # Only a decode's one token can be pending, and decodes lead the batch.
     batch.pending = [
@@ -204,6 +226,7 @@ def _input_batch(
     sampling: list[ScheduledRequest],
     logits_are_all_rows: bool,
     verifying: list[ScheduledRequest] | None = None,
+    scoring: list[ScoredChunk] | None = None,
 ) -> InputBatch:
     input_ids, positions, slots, rows, seq_lens, query_start_loc, tables = tensors
     return InputBatch(
@@ -221,6 +244,7 @@ def _input_batch(
         sampling=sampling,
         logits_are_all_rows=logits_are_all_rows,
         verifying=verifying if verifying is not None else [],
+        scoring=scoring if scoring is not None else [],
     )
 
 

@@ -44,6 +44,8 @@ class CompletionOutput:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -207,6 +209,8 @@ class LLM:
                 result.token_ids.extend(out.new_token_ids)
                 if out.new_logprobs:
                     result.logprobs.extend(out.new_logprobs)
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     result.finish_reason = out.finish_reason
         if self.engine.tokenizer is not None:

@@ -46,6 +46,7 @@ from engine.config import EngineConfig
 from engine.faults import EngineFatalError, describe, execute_isolating
 from engine.model_runner import LaunchedStep
 from engine.outputs import EngineOccupancy, ModelRunnerOutput, RequestOutput, StepStats
+from engine.prompt_logprobs import PromptLogprobs
 from engine.stats import StepStatsRecorder
 from engine.step_predictor import StepShape
 from engine.step_trace import StepTrace
@@ -127,6 +128,8 @@ class LLMEngine:
         self.grammars: GrammarCache | None = None
         self.structured: StructuredDecoder | None = None
         self._awaiting_grammar: dict[str, Request] = {}
+        # The prompt logprobs of requests still prefilling (engine/prompt_logprobs.py).
+        self.prompt_logprobs = PromptLogprobs()
         if self.tokenizer is not None and self.eos_token_id is not None:
             # A completed grammar ends at any id a request stops at (Llama 3's <|eot_id|>
             # as well as <|end_of_text|>), not only the first EOS.
@@ -236,6 +239,14 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        # Bias and stop ids index the logits on the device (engine/token_bias.py), where an
+        # id past the vocabulary is a device-side assert that ends the whole CUDA context.
+        named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        bad = [t for t in named if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"logit_bias and stop_token_ids must name ids in [0, {vocab}); got {bad[:5]}"
+            )
         if params.structured is not None:
             params = self._constrain(request_id, params)
         request = Request(
@@ -247,6 +258,8 @@ class LLMEngine:
         )
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs.expect(request_id)
         if params.structured is not None:
             # Parked here, not in the scheduler's queue, until the next step finds its grammar
             # compiled: the batch runs on while it compiles, and a grammar that fails always
@@ -610,6 +623,7 @@ class LLMEngine:
             raise
         tokens = dict(zip(result.request_ids, result.token_ids, strict=True))
         logprobs = dict(zip(result.request_ids, result.logprobs, strict=True))
+        prompt_logprobs = self._add_prompt_logprobs(result)
         aborted = RequestStatus.FINISHED_ABORTED
         if self.structured is not None and self.structured.num_constrained:
             # Only the tokens kept: not those of rows whose request finished before the
@@ -625,7 +639,10 @@ class LLMEngine:
             if request.status is aborted:
                 continue  # its final output went out with the abort
             lp = logprobs[request.request_id]
-            outputs.append(_output(request, [token], [lp] if lp is not None else None))
+            output = _output(request, [token], [lp] if lp is not None else None)
+            if prompt_logprobs:
+                self._attach_prompt_logprobs(output)
+            outputs.append(output)
             if request.status.finished:
                 self._forget(request.request_id)
         # The step's time: from the read of the step before it, when the device went on to
@@ -663,6 +680,7 @@ class LLMEngine:
             if any(lp is not None for lp in result.logprobs)
             else None
         )
+        prompt_logprobs = self._add_prompt_logprobs(result)
         # A speculative row emits several tokens: one output per request, all its tokens.
         # NOTE: a request's tokens are consecutive in ``new_tokens`` (the update appends
         # them row by row, each request in one row), so each run of one request is grouped.
@@ -678,14 +696,32 @@ class LLMEngine:
                 i += 1
             lp = logprobs.get(request.request_id) if logprobs is not None else None
             lps = lp[: len(token_ids)] if isinstance(lp, list) else [lp] if lp is not None else None
-            outputs.append(_output(request, token_ids, lps))
+            output = _output(request, token_ids, lps)
+            if prompt_logprobs:
+                self._attach_prompt_logprobs(output)
+            outputs.append(output)
         for request in update.finished:
             self._forget(request.request_id)
         return outputs
 
+    def _add_prompt_logprobs(self, result: ModelRunnerOutput) -> bool:
+        """Gather the step's prompt logprobs; whether any request still awaits its list."""
+        if result.prompt_logprobs:
+            self.prompt_logprobs.add(result.prompt_logprobs)
+        return bool(self.prompt_logprobs)
+
+    def _attach_prompt_logprobs(self, output: RequestOutput) -> None:
+        """Hand a request's prompt logprobs out with its first token."""
+        if output.new_token_ids and output.request_id in self.prompt_logprobs:
+            output.prompt_logprobs = self.prompt_logprobs.take(
+                output.request_id, output.num_prompt_tokens
+            )
+
     def _forget(self, request_id: str) -> None:
-        """Drop a finished request's penalty counts, speculation and grammar state (a
-        seeded row's noise keeps none: it is a function of its seed and position)."""
+        """Drop a finished request's penalty counts, speculation, grammar state and prompt
+        logprobs (a seeded row's noise keeps none: it is a function of its seed and
+        position)."""
+        self.prompt_logprobs.forget(request_id)
         self.sampler.forget(request_id)
         if self.speculator is not None:
             self.speculator.forget(request_id)

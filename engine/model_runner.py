@@ -24,6 +24,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.input_batch import HostStaging, InputBatch, build_input_batch
 from engine.outputs import ModelRunnerOutput, TokenLogprob
 from engine.prefill_graphs import PrefillGraphs
+from engine.prompt_logprobs import ScoredRows, score
 from engine.sampler import Picked, Sampler
 from engine.spec_decode.speculator import SpeculativeDecoder
 from engine.to_device import on_device
@@ -103,7 +104,7 @@ class ModelRunner:
             {"prepare": t1 - t0, "forward": t2 - t1},
             touched,
             batch,
-            logits if batch.sampling or batch.verifying else None,
+            logits if batch.sampling or batch.verifying or batch.scoring else None,
             replay=replay,
         )
 
@@ -127,14 +128,19 @@ class ModelRunner:
             step.picked = self.sampler.pick(logits[:num_sampling], batch.sampling)
             if copy_out:
                 step.picked.start_copy()
+        num_verify_rows = 0
         if batch.verifying:
             if self.speculator is None:
                 raise RuntimeError("a speculative row reached a runner without a speculator")
-            num_rows = sum(item.num_tokens for item in batch.verifying)
+            num_verify_rows = sum(item.num_tokens for item in batch.verifying)
             for result in self.speculator.verify(
-                logits[num_sampling : num_sampling + num_rows], batch.verifying
+                logits[num_sampling : num_sampling + num_verify_rows], batch.verifying
             ):
                 step.verified.append((result.token_ids, result.logprobs))
+        if batch.scoring:
+            first = num_sampling + num_verify_rows
+            num_scored = sum(len(chunk.token_ids) for chunk in batch.scoring)
+            step.scored = score(logits[first : first + num_scored], batch.scoring)
         step.phase_s["sample"] = time.perf_counter() - t0
 
     def _feed_pending(self, batch: InputBatch, previous: LaunchedStep | None) -> None:
@@ -168,6 +174,8 @@ class LaunchedStep:
     picked: Picked | None = None
     # Speculative rows, verified when sampled (verification reads its picks).
     verified: list[tuple[list[int], list[TokenLogprob] | None]] = field(default_factory=list)
+    # Prompt logprobs of the scored rows, queued when sampled (engine/prompt_logprobs.py).
+    scored: ScoredRows | None = None
     # Tensor parallelism with asynchronous scheduling: the picks go to the other ranks once
     # queued (engine/tp_group.py).
     shares_picks: bool = False
@@ -193,6 +201,7 @@ class LaunchedStep:
         for verified_ids, verified_lps in self.verified:
             token_ids.append(verified_ids)
             logprobs.append(verified_lps)
+        prompt_logprobs = self.scored.read() if self.scored is not None else {}
         phase_s = dict(self.phase_s)
         if self.request_ids:
             phase_s["sample"] = phase_s.get("sample", 0.0) + time.perf_counter() - t0
@@ -203,4 +212,5 @@ class LaunchedStep:
             phase_s,
             experts_touched=self.experts_touched,
             replay=self.replay,
+            prompt_logprobs=prompt_logprobs,
         )

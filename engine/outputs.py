@@ -24,6 +24,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    # 1 + the tokens more likely than this one; None where not computed (sampled tokens).
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -43,6 +45,9 @@ class ModelRunnerOutput:
     experts_touched: int | None = None
     # How the forward pass ran (REPLAYS); "" where not known (a step re-run in parts).
     replay: str = ""
+    # Prompt logprobs of the step's scored rows (engine/prompt_logprobs.py): request id ->
+    # (the first scored position, one entry per row, scoring the prompt token after it).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -64,6 +69,9 @@ class RequestOutput:
     error: str | None = None
     # time.monotonic() of the request's first step (its queue time ends there), for metrics.
     first_scheduled_time: float | None = None
+    # With its first token, where SamplingParams.prompt_logprobs asked: one entry per prompt
+    # token, None for the first (nothing comes before it); ``rank`` is set.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 # Where a step's wall time goes, in order. "forward" is the model; everything else is the

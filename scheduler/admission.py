@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvpool.manager import KVCacheManager
-from kvpool.prefix_cache import BlockHash
+from kvpool.prefix_cache import BlockHash, CachedPrefix
 from scheduler.config import SchedulerConfig
 from scheduler.output import ScheduledRequest
 from scheduler.request import Request
@@ -116,6 +116,7 @@ class StepAdmission:
         max_model_len: int,
         *,
         budget: int,
+        scored: int,
         limit: int,
         admits_without_budget: bool,
         filling: set[BlockHash] | None,
@@ -125,6 +126,8 @@ class StepAdmission:
         kv: the block tables admissions allocate through.
         max_model_len: most tokens a request may reach (caps a reservation).
         budget: tokens left in this step.
+        scored: prompt tokens of prompt-logprobs requests left in this step
+            (``StepBudget.scored``).
         limit: most requests this step may admit.
         admits_without_budget: admit a request even when no budget is left for its first
             chunk (the policy's ``admits_without_budget``).
@@ -134,6 +137,7 @@ class StepAdmission:
         self.kv = kv
         self.max_model_len = max_model_len
         self.budget = budget
+        self.scored = scored
         self.limit = limit
         self.admits_without_budget = admits_without_budget
         self.filling = filling
@@ -152,12 +156,19 @@ class StepAdmission:
         Returns:
             Its ``Admission`` (blocks allocated, counted against the limit), or why not.
         """
-        cached = self.kv.get_cached_prefix(
-            request.request_id, request.num_tokens, request.token_ids
-        )
+        scores = request.sampling_params.prompt_logprobs is not None
+        if scores:
+            # Every prompt token's logits are wanted: nothing is taken from the cache.
+            cached = CachedPrefix((), request.num_tokens, 0, 0)
+        else:
+            cached = self.kv.get_cached_prefix(
+                request.request_id, request.num_tokens, request.token_ids
+            )
         if self.filling is not None and cached.next_block_hash in self.filling:
             return Refusal.DEFER
         num_new = min(request.num_tokens - cached.num_computed_tokens, self.budget)
+        if scores and num_new > 1:
+            num_new = min(num_new, self.scored)
         if num_new == 0 and not self.admits_without_budget:
             return Refusal.STOP
         reserve_to = cached.num_computed_tokens + num_new
@@ -180,5 +191,6 @@ class StepAdmission:
             item: the row the scheduler built for it.
         """
         self.budget -= item.num_tokens
+        self.scored -= item.num_scored
         if self.filling is not None:
             self.filling.update(hashes_filled_by(self.kv, [item]))

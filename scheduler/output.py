@@ -34,6 +34,13 @@ class ScheduledRequest:
     The runner computes it like a prefill chunk, takes logits at all ``1 + k`` positions
     and verifies the drafts (engine/spec_decode/); the scheduler then keeps the accepted
     prefix and gives back the slots of the rest (``KVCacheManager.rollback_slots``).
+
+    A *scoring* chunk (``num_scored`` > 0, a request that asked for prompt logprobs) also
+    takes logits at its first ``num_scored`` positions, each the distribution of the
+    prompt token after it (engine/prompt_logprobs.py)::
+
+        | start | start + 1 | ... (num_scored rows) | ... | last: samples, if it does |
+                                                       ^ at most the prompt's last - 1
     """
 
     request: Request
@@ -46,6 +53,8 @@ class ScheduledRequest:
     draft_token_ids: tuple[int, ...] = ()  # proposed tokens after the known ones (see above)
     # Blocks the request held before this step's allocation: a rollback keeps at least these.
     num_blocks_before: int = 0
+    # Positions from ``start`` whose next prompt token's logprob the step reports (see above).
+    num_scored: int = 0
 
     @property
     def request_id(self) -> str:

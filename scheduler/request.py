@@ -53,6 +53,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # top-N alternatives per generated token; 0 = chosen only
+    # Top-N alternatives per prompt token (each token's log-probability given the tokens
+    # before it; 0 = the prompt token's own only); None computes none. Such a request
+    # computes its whole prompt: it reads nothing from the prefix cache (vLLM's rule too).
+    prompt_logprobs: int | None = None
     structured: StructuredOutputParams | None = None  # None: unconstrained
     # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias);
     # a mapping given here is stored as its sorted pairs.
@@ -84,6 +88,8 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         bias = self.logit_bias
         pairs = bias.items() if isinstance(bias, Mapping) else bias
         pairs = tuple(sorted((int(t), float(b)) for t, b in pairs))

@@ -67,6 +67,11 @@ from scheduler.stopping import stop_status, stops_on
 __all__ = ["RequestTooLargeError", "Scheduler", "SchedulerUpdate"]
 
 
+def _scores(request: Request) -> bool:
+    """Whether the request's prompt chunks take a row of logits per token (prompt logprobs)."""
+    return request.sampling_params.prompt_logprobs is not None
+
+
 class Scheduler:
     """Iteration-level scheduler with a pluggable batching policy.
 
@@ -286,14 +291,15 @@ class Scheduler:
                     index += 1
                     continue
             # A decode always fits: the loop runs while tokens are left.
-            num_new = 1 if remaining == 1 else step.fit(remaining)
+            num_new = 1 if remaining == 1 else step.fit(remaining, scores=_scores(request))
             if num_new == 0:
                 index += 1
                 continue
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # the request preempted itself: nothing newer is left to schedule
-            out.scheduled.append(self._scheduled(request, num_new))
-            step.spend(num_new, prompt=remaining > 1)
+            item = self._scheduled(request, num_new)
+            out.scheduled.append(item)
+            step.spend(num_new, prompt=remaining > 1, scored=item.num_scored)
             index += 1
 
     def _schedule_speculative(
@@ -475,13 +481,18 @@ class Scheduler:
         end = start + num_new
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
+        samples = end == request.num_tokens
+        num_scored = 0
+        if (num_new > 1 or not samples) and request.sampling_params.prompt_logprobs is not None:
+            num_scored = max(0, min(end, request.num_prompt_tokens - 1) - start)
         return ScheduledRequest(
             request=request,
             start=start,
             num_tokens=num_new,
             token_ids=request.token_ids(start, end),
             block_ids=self.kv.block_ids(request.request_id),
-            samples=end == request.num_tokens,
+            samples=samples,
+            num_scored=num_scored,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
@@ -526,11 +537,13 @@ class Scheduler:
             return
         # New requests' first chunks are all prompt tokens.
         allowed = min(step.tokens, step.prompt)
+        scored_before = step.scored
         admission = StepAdmission(
             self.config,
             self.kv,
             self.max_model_len,
             budget=allowed,
+            scored=step.scored,
             limit=self.policy.admission_limit(self.config.max_num_seqs, len(self.running)),
             admits_without_budget=self.policy.admits_without_budget,
             filling=hashes_filled_by(self.kv, out.scheduled) if self.defers_to_cache else None,
@@ -552,7 +565,7 @@ class Scheduler:
                 item = self._scheduled(request, admitted.num_new)
                 out.scheduled.append(item)
                 admission.add_scheduled(item)
-        step.spend(allowed - admission.budget, prompt=True)
+        step.spend(allowed - admission.budget, prompt=True, scored=scored_before - admission.scored)
 
     def _finish(
         self,

@@ -78,10 +78,17 @@ def _version() -> str:
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 415, 422, 500, 503, 504)
 }
-# With "stream": true the 200 is an SSE stream of chunks (server/streaming.py), not JSON.
+# With "stream": true the 200 is an SSE stream of chunks (server/streaming.py), not JSON:
+# the schema is one event's (OpenAPI 3.2's reading of text/event-stream), each `data` a
+# chunk's JSON or `[DONE]`.
+_SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}
 _GENERATION: dict[int | str, dict[str, Any]] = {
     **_ERRORS,
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    200: {"content": {"text/event-stream": {"schema": _SSE_EVENT}}},
 }
 
 

@@ -23,6 +23,7 @@ from server.context import ServingContext
 from server.errors import invalid
 from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
 from server.generation_endpoint import GenerationEndpoint, serve_generation
+from server.prompt_logprobs import prompt_logprobs_json
 from server.prompts import Prompt, chat_prompt, truncate_prompt
 from server.protocol import (
     AssistantMessage,
@@ -96,6 +97,8 @@ def _prepare(
             logprobs=logprobs,
             choice=i,
             defaults=ctx.limits.sampling_defaults,
+            # One prompt: the first choice computes its logprobs, the others read the cache.
+            prompt_logprobs=req.prompt_logprobs if i == 0 else None,
         )
         for i in range(req.n)
     ]
@@ -157,8 +160,16 @@ def _response(
                 prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
             )
         )
+    first = run.choices[0].prompt_logprobs
     return ChatCompletionResponse(
-        id=request_id, created=created, model=ctx.model_name, choices=choices, usage=run.usage()
+        id=request_id,
+        created=created,
+        model=ctx.model_name,
+        choices=choices,
+        usage=run.usage(),
+        prompt_logprobs=prompt_logprobs_json(first, ctx.token_texts)
+        if req.prompt_logprobs is not None and first is not None
+        else None,
     )
 
 

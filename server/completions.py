@@ -15,8 +15,9 @@ from pydantic import BaseModel
 from scheduler.request import SamplingParams
 from server.backpressure import count_prompts
 from server.context import ServingContext
-from server.generation import ChoiceDelta, GenerationRun, LogprobEntry
+from server.generation import ChoiceDelta, ChoiceState, GenerationRun, LogprobEntry
 from server.generation_endpoint import GenerationEndpoint, serve_generation
+from server.prompt_logprobs import echo_logprobs, joined, prompt_logprobs_json
 from server.prompts import Prompt, completion_prompts, truncate_prompt
 from server.protocol import (
     CompletionChoice,
@@ -24,6 +25,7 @@ from server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprobs,
     UsageInfo,
     finish_reason,
 )
@@ -53,6 +55,27 @@ def _echo_text(prompt: Prompt, ctx: ServingContext) -> str:
     return str(ctx.client.tokenizer.decode(prompt.token_ids, skip_special_tokens=False))
 
 
+def _echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens`` 0: the reply is the prompt (and its logprobs) alone."""
+    return req.echo and req.max_tokens == 0
+
+
+def _echoes_logprobs(req: CompletionRequest) -> bool:
+    """``echo`` with ``logprobs``: the logprobs cover the prompt's tokens first."""
+    return req.echo and req.logprobs is not None
+
+
+def _prompt_logprobs(req: CompletionRequest, choice: int) -> int | None:
+    """What choice ``choice`` of a prompt asks of the engine: the alternatives echoed
+    logprobs or ``prompt_logprobs`` want. Every choice of an echo needs its own (a stream
+    sends each with the choice's first tokens); ``prompt_logprobs`` alone is computed once a
+    prompt, by its first choice, and the others read it from the cache."""
+    wanted = [req.prompt_logprobs] if choice == 0 else []
+    if req.echo:
+        wanted.append(req.logprobs)
+    return max((w for w in wanted if w is not None), default=None)
+
+
 def _prepare(
     req: CompletionRequest, ctx: ServingContext
 ) -> tuple[list[Prompt], list[SamplingParams]]:
@@ -60,11 +83,11 @@ def _prepare(
         truncate_prompt(p, req.truncate_prompt_tokens, ctx.limits.max_model_len)
         for p in completion_prompts(req.prompt, ctx.client.tokenizer, ctx.limits.vocab_size)
     ]
+    # Echo alone still computes one token: its prefill is what yields the prompt's logprobs.
+    requested = 1 if _echo_only(req) else req.max_tokens
     params = []
     for prompt in prompts:
-        max_tokens = resolve_max_tokens(
-            req.max_tokens, len(prompt.token_ids), ctx.limits, "max_tokens"
-        )
+        max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), ctx.limits, "max_tokens")
         for i in range(req.n):
             params.append(
                 choice_params(
@@ -73,9 +96,31 @@ def _prepare(
                     logprobs=req.logprobs,
                     choice=i,
                     defaults=ctx.limits.sampling_defaults,
+                    prompt_logprobs=_prompt_logprobs(req, i),
                 )
             )
     return prompts, params
+
+
+def _echoed_prompt_logprobs(
+    req: CompletionRequest, ctx: ServingContext, choice: ChoiceState
+) -> CompletionLogprobs:
+    """The echoed prompt's part of a choice's logprobs."""
+    assert req.logprobs is not None
+    entries = choice.prompt_logprobs or [None] * len(choice.prompt.token_ids)
+    return echo_logprobs(choice.prompt.token_ids, entries, ctx.token_texts, req.logprobs)
+
+
+def _prompt_logprobs_field(
+    req: CompletionRequest, ctx: ServingContext, run: GenerationRun, index: int
+) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of choice ``index``: its prompt's first choice computed it."""
+    if req.prompt_logprobs is None:
+        return None
+    first = run.choices[index - index % req.n]
+    if first.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_json(first.prompt_logprobs, ctx.token_texts)
 
 
 def _response(
@@ -84,16 +129,20 @@ def _response(
     choices = []
     for c in run.choices:
         echo = _echo_text(c.prompt, ctx) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(c.logprobs, len(echo))
+            if _echoes_logprobs(req):
+                logprobs = joined(_echoed_prompt_logprobs(req, ctx, c), logprobs)
         choices.append(
             CompletionChoice(
                 index=c.index,
                 text=echo + c.text,
-                logprobs=completion_logprobs(c.logprobs, len(echo))
-                if req.logprobs is not None
-                else None,
+                logprobs=logprobs,
                 finish_reason=finish_reason(c.finish_reason),
                 token_ids=c.token_ids if req.return_token_ids else None,
                 prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
+                prompt_logprobs=_prompt_logprobs_field(req, ctx, run, c.index),
             )
         )
     return CompletionResponse(
@@ -111,6 +160,7 @@ def _stream(
 ) -> AsyncIterator[bytes]:
     include_usage, continuous_usage = stream_usage(req.stream_options)
     echo_lens: dict[int, int] = {}  # choice index -> characters of echoed prompt before it
+    echoed: set[int] = set()  # choices whose echo (with its logprobs) went out
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
         if usage is None and continuous_usage:  # the chunk's choice's own usage so far
@@ -125,12 +175,19 @@ def _stream(
         for c in run.choices:
             echo = _echo_text(c.prompt, ctx) if req.echo else ""
             echo_lens[c.index] = len(echo)
-            if echo:
+            # An echo with logprobs waits for the choice's first tokens, which bring them.
+            if echo and not _echoes_logprobs(req):
                 frames.append(chunk([CompletionChoice(index=c.index, text=echo)]))
         return frames
 
     def delta_frames(d: ChoiceDelta) -> list[bytes]:
         frames = []
+        if _echoes_logprobs(req) and d.index not in echoed:
+            echoed.add(d.index)
+            c = run.choices[d.index]
+            prompt_part = _echoed_prompt_logprobs(req, ctx, c)
+            text = _echo_text(c.prompt, ctx)
+            frames.append(chunk([CompletionChoice(index=d.index, text=text, logprobs=prompt_part)]))
         if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
             logprobs = None
             if req.logprobs is not None:
@@ -160,6 +217,7 @@ COMPLETIONS: GenerationEndpoint[CompletionRequest] = GenerationEndpoint(
     prepare=_prepare,
     response=_response,
     stream=_stream,
+    drop_output=_echo_only,
 )
 
 

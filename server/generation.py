@@ -103,6 +103,8 @@ class ChoiceDelta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" once finished
+    # With the choice's first tokens, where its request asked (SamplingParams.prompt_logprobs).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,10 @@ class TextOptions:
     stop: Sequence[str] = ()  # stop strings: the text ends before the first one found
     include_stop_str: bool = False  # vLLM: keep the stop string, or the stop token's text
     skip_special_tokens: bool = True  # drop special tokens' text (EOS, chat markers)
+    # Completions' echo with max_tokens 0: the reply is the prompt alone. The engine computes
+    # one token (its prefill is what the client wants: the prompt's logprobs) that is
+    # dropped, and the choice ends as "length".
+    drop_output: bool = False
 
 
 class ChoiceState:
@@ -140,10 +146,12 @@ class ChoiceState:
         # (vLLM's rule; the engine bans stop tokens before it).
         self._min_tokens = min_tokens
         self._token_texts = token_texts
+        self._drop_output = text_options.drop_output
         self._decoded_len = 0  # characters the detokenizer produced (emitted + held back)
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[LogprobEntry] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None  # stop | length | abort
         self.timings = RequestTimings(arrival_time, num_prompt_tokens=len(prompt.token_ids))
 
@@ -168,6 +176,14 @@ class ChoiceState:
         if self.timings.scheduled_time is None:
             self.timings.scheduled_time = output.first_scheduled_time
         delta = ChoiceDelta(self.index)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs = output.prompt_logprobs
+        if self._drop_output:
+            if output.finished or output.new_token_ids:
+                self.finish_reason = "abort" if output.finish_reason == "abort" else "length"
+                self.timings.on_finish(self.finish_reason, now)
+                delta.finish_reason = self.finish_reason
+            return delta
         lps: Sequence[TokenLogprob | None] = output.new_logprobs or [None] * len(
             output.new_token_ids
         )

@@ -62,6 +62,8 @@ class GenerationEndpoint(Generic[Req]):
             chat adds tool calls, server/tools.py).
         grammar_checks: grammars the request carries but its output need not follow (chat:
             each tool's ``parameters``), checked like ``constraint`` but not compiled.
+        drop_output: whether the reply leaves out what is generated (completions' echo with
+            ``max_tokens`` 0: ``TextOptions.drop_output``).
     """
 
     id_prefix: str
@@ -72,6 +74,7 @@ class GenerationEndpoint(Generic[Req]):
     stream: Callable[[Req, Request, ServingContext, GenerationRun, str, int], AsyncIterator[bytes]]
     constraint: Callable[[Req], Constraint | None] = request_constraint
     grammar_checks: Callable[[Req], list[Constraint]] = lambda _: []
+    drop_output: Callable[[Req], bool] = lambda _: False
 
 
 async def serve_generation(
@@ -108,6 +111,7 @@ async def serve_generation(
                 stop_strings(req.stop),
                 include_stop_str=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
+                drop_output=endpoint.drop_output(req),
             ),
             n=req.n,
             arrival_time=arrival_time,

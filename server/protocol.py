@@ -108,6 +108,9 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
     # vLLM extension: return prompt and completion token ids with each choice.
     return_token_ids: bool = False
+    # vLLM extension: each prompt token's logprob, rank and this many alternatives
+    # (completions: per choice; chat: beside the choices). Not with stream.
+    prompt_logprobs: int | None = None
     # Structured output (server/structured.py): OpenAI's response_format, vLLM's guided_*
     # fields and its structured_outputs object. Shapes are checked there, with 400s.
     response_format: dict[str, Any] | None = None
@@ -191,8 +194,23 @@ class UsageInfo(_Response):
     total_tokens: int
 
 
+class PromptLogprob(_Response):
+    """vLLM's ``prompt_logprobs`` entry: one token's logprob at a prompt position, its rank
+    (1 = the most likely) and its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# One entry per prompt token, None for the first; each maps token ids (JSON keys) to entries:
+# the prompt's own token and the top alternatives.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(_Response):
-    """OpenAI's legacy completions format: parallel lists, one entry per generated token."""
+    """OpenAI's legacy completions format: parallel lists, one entry per generated token
+    (with ``echo``, per prompt token first: the first has no logprob)."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -207,6 +225,7 @@ class CompletionChoice(_Response):
     finish_reason: FinishReason | None = None
     token_ids: list[int] | None = _OMIT_IF_NONE  # with return_token_ids
     prompt_token_ids: list[int] | None = _OMIT_IF_NONE  # with return_token_ids
+    prompt_logprobs: PromptLogprobs | None = _OMIT_IF_NONE  # with prompt_logprobs
 
 
 class CompletionResponse(_Response):
@@ -277,6 +296,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = _OMIT_IF_NONE  # with prompt_logprobs
 
 
 class ChatDelta(_Response):

@@ -146,8 +146,18 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return items
 
 
+# OpenAI's bound on ``logit_bias`` entries. The sampler lists every row's pairs on the host
+# each step (engine/token_bias.py): unbounded, one request's could slow its whole batch.
+MAX_LOGIT_BIAS_ENTRIES = 300
+
+
 def _check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> None:
     """OpenAI's ``logit_bias``: token ids as JSON keys, biases in [-100, 100]."""
+    if bias is not None and len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(
+            f"'logit_bias' has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+            "logit_bias",
+        )
     token_ids = set()
     for key, value in (bias or {}).items():
         try:
@@ -211,6 +221,15 @@ def _common_checks(req: CompletionRequest | ChatCompletionRequest, limits: Reque
             )
     stop_strings(req.stop)
     _check_logit_bias(req.logit_bias, limits.vocab_size)
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= limits.max_logprobs:
+            raise invalid(
+                f"'prompt_logprobs' must be in [0, {limits.max_logprobs}], "
+                f"got {req.prompt_logprobs}",
+                "prompt_logprobs",
+            )
+        if req.stream:
+            raise invalid("'prompt_logprobs' is not available with 'stream'", "prompt_logprobs")
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
@@ -230,11 +249,6 @@ def check_completion_request(req: CompletionRequest, limits: RequestLimits) -> N
     if req.logprobs is not None and not 0 <= req.logprobs <= limits.max_logprobs:
         raise invalid(
             f"'logprobs' must be in [0, {limits.max_logprobs}], got {req.logprobs}", "logprobs"
-        )
-    if req.echo and req.logprobs is not None:
-        raise unsupported(
-            ["echo", "logprobs"],
-            "together are not supported: pagedserve does not compute prompt logprobs",
         )
 
 
@@ -316,6 +330,7 @@ def choice_params(
     logprobs: int | None,
     choice: int,
     defaults: SamplingDefaults = NO_DEFAULTS,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """``SamplingParams`` of one choice; a seeded request gives choice i the seed ``seed + i``
     (past int64's largest the sampler and the speculator wrap it, as they take any int),
@@ -348,6 +363,7 @@ def choice_params(
             frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=pick(req.repetition_penalty, defaults.repetition_penalty, 1.0),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             logit_bias=tuple((int(k), v) for k, v in (req.logit_bias or {}).items()),
         )
     except ValueError as exc:  # SamplingParams' own checks; ours above should catch first

@@ -417,6 +417,20 @@ def test_logit_bias_is_checked() -> None:
 
 
 @pytest.mark.usefixtures("one_torch_thread")
+def test_the_engine_refuses_bias_and_stop_ids_past_the_vocabulary(tiny_llama_gqa: Path) -> None:
+    """They index the logits on the device, where a bad index ends the CUDA context: the
+    offline path checks them as the server does (a ValueError, nothing queued)."""
+    engine = LLM(str(tiny_llama_gqa), device="cpu", dtype="float32", block_size=4).engine
+    for params in (
+        SamplingParams(logit_bias={256: 1.0}),
+        SamplingParams(min_tokens=2, stop_token_ids=(300,)),
+    ):
+        with pytest.raises(ValueError, match=r"in \[0, 256\)"):
+            engine.add_request("r", [5, 6], params)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_logit_bias_greedy_matches_transformers_sequence_bias(tiny_llama_gqa: Path) -> None:
     """Greedy with a logit bias, token for token against transformers' generate() with the
     same biases (``sequence_bias`` over one-token sequences), in float32, alone and batched

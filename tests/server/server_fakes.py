@@ -116,6 +116,7 @@ class FakeEngine:
         self.last_step_stats: StepStats | None = None
         self.num_steps = 0
         self.added: list[str] = []
+        self.added_params: dict[str, SamplingParams] = {}
         self.aborted: list[str] = []
         # Test hooks: raise from the next step / call a function before each step.
         self.fail_next_step: Exception | None = None
@@ -152,6 +153,7 @@ class FakeEngine:
             _FakeRequest(request_id, list(prompt_token_ids), params, random.Random(seed))
         )
         self.added.append(request_id)
+        self.added_params[request_id] = params
 
     def abort_request(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         self._check_thread()
@@ -269,7 +271,19 @@ class FakeEngine:
         if reason is not None:
             self.running.remove(request)
             self._release(request)
-        return self._output(request, [token_id], reason, lps, stop_token)
+        output = self._output(request, [token_id], reason, lps, stop_token)
+        if p.prompt_logprobs is not None and len(request.output_token_ids) == 1:
+            output.prompt_logprobs = [None] + [
+                self.prompt_logprob(t, p.prompt_logprobs) for t in request.prompt_token_ids[1:]
+            ]
+        return output
+
+    @staticmethod
+    def prompt_logprob(token_id: int, top_n: int) -> TokenLogprob:
+        """A prompt token's scripted logprob: -1.5, second to token 3 (-0.5) unless it is 3."""
+        top = [(3, -0.5), (4, -1.0), (5, -1.25)][:top_n]
+        rank = 1 if token_id == 3 else 2
+        return TokenLogprob(token_id, -0.5 if token_id == 3 else -1.5, top, rank=rank)
 
     @staticmethod
     def _output(

@@ -85,11 +85,21 @@ BAD_REQUESTS = [
         "logit_bias",
     ),
     case("logit-bias-too-large", C, {"prompt": "hi", "logit_bias": {"1": 101}}, 400, "logit_bias"),
+    case("logit-bias-too-many", C, {"prompt": "hi", "logit_bias": {str(t): 1 for t in range(301)}},
+         400, "logit_bias"),
     case(
         "logit-bias-twice", C, {"prompt": "hi", "logit_bias": {"1": 1, "01": 2}}, 400, "logit_bias"
     ),
     case("logit-bias-string", C, {"prompt": "hi", "logit_bias": {"1": "5"}}, 422, "logit_bias.1"),
-    case("echo-with-logprobs", C, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
+    case("prompt-logprobs-negative", C, {"prompt": "hi", "prompt_logprobs": -1}, 400,
+         "prompt_logprobs"),
+    case("prompt-logprobs-too-many", C, {"prompt": "hi", "prompt_logprobs": 21}, 400,
+         "prompt_logprobs"),
+    case("prompt-logprobs-streamed", C, {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+         400, "prompt_logprobs"),
+    case("chat-prompt-logprobs-streamed", CHAT,
+         {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 0, "stream": True},
+         400, "prompt_logprobs"),
     case(
         "stream-options-without-stream",
         C,

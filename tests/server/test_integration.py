@@ -293,6 +293,45 @@ def test_logprobs_match_transformers_log_softmax(server: RealServer, reference: 
             assert abs(top[tok.decode([tid])] - value) < 1e-3
 
 
+def test_echoed_prompt_logprobs_as_lm_eval_asks_for_them(
+    server: RealServer, reference: LLM
+) -> None:
+    """lm-evaluation-harness's loglikelihood request through the openai client (token-id
+    prompt, ``echo``, ``logprobs=1``, ``max_tokens`` 0 and 1): every prompt token's logprob
+    is transformers' log_softmax, and the top-1 says whether the text was the greedy one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader import resolve_model
+
+    prompt_ids = reference.tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    hf = AutoModelForCausalLM.from_pretrained(
+        resolve_model("default").path, dtype=torch.float32
+    ).eval()
+    with torch.no_grad(), torch_threads(1):
+        ref = torch.log_softmax(hf(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    greedy_ref = [int(ref[i - 1].argmax()) == prompt_ids[i] for i in range(1, len(prompt_ids))]
+    for max_tokens in (0, 1):
+        resp = sync_client(server).completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt_ids, max_tokens=max_tokens,
+            temperature=0, logprobs=1, echo=True,
+        )  # fmt: skip
+        lp = resp.choices[0].logprobs
+        assert len(lp.token_logprobs) == len(prompt_ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, len(prompt_ids)):
+            row = ref[i - 1]
+            assert abs(lp.token_logprobs[i] - row[prompt_ids[i]].item()) < 1e-3
+            assert abs(max(lp.top_logprobs[i].values()) - row.max().item()) < 1e-3
+        assert resp.usage.completion_tokens == max_tokens
+        # The harness's greedy check: is each prompt token the top-1 at its position?
+        greedy = [
+            lp.tokens[i] == max(lp.top_logprobs[i], key=lp.top_logprobs[i].get)
+            for i in range(1, len(prompt_ids))
+        ]
+        assert greedy == greedy_ref
+
+
 def test_aborting_10_streams_frees_the_pool_while_others_complete(
     server: RealServer, reference: LLM
 ) -> None:
