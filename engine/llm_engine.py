@@ -293,6 +293,7 @@ class LLMEngine:
                     continue
             except GrammarError as exc:
                 outputs.append(_parked_output(request, "error", str(exc)))
+                self.prompt_logprobs.forget(request_id)
             else:
                 self.scheduler.add_request(request)
             del self._awaiting_grammar[request_id]

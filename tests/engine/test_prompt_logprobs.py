@@ -167,3 +167,4 @@ def test_graph_stand_in_and_an_abort_mid_prompt(
 def test_prompt_logprobs_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+

@@ -601,3 +601,38 @@ def test_an_id_reused_after_an_abort_starts_its_grammar_afresh(tiny_model: Path)
             tokens.extend(out.new_token_ids)
         engine.check_integrity()
     assert tokens == expected
+
+
+def test_constrained_requests_score_their_prompt_and_a_failed_grammar_holds_nothing(
+    tiny_model: Path,
+) -> None:
+    """A grammar's request parks until its grammar compiles, then scores its prompt
+    (``prompt_logprobs``) as an unconstrained one does; one whose grammar fails ends with an
+    error and leaves nothing held."""
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32", num_kv_blocks=64)
+    engine = llm.engine
+    prompt = list(range(5, 40))
+    requests = {
+        "plain": None,
+        "good": StructuredOutputParams("regex", "[ab]+"),
+        "bad": StructuredOutputParams("regex", "["),
+    }
+    for rid, structured in requests.items():
+        params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1,
+                                structured=structured)  # fmt: skip
+        engine.add_request(rid, prompt, params)
+    got, reasons = {}, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                got[out.request_id] = out.prompt_logprobs
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+    assert reasons["bad"] == "error" and set(got) == {"plain", "good"}
+    assert len(got["good"]) == len(prompt) and got["good"][0] is None
+    for mine, plain in zip(got["good"][1:], got["plain"][1:], strict=True):
+        assert mine is not None and plain is not None
+        assert (mine.token_id, mine.rank, mine.top[0][0]) == (plain.token_id, plain.rank,
+                                                             plain.top[0][0])  # fmt: skip
+        assert mine.logprob == pytest.approx(plain.logprob, abs=1e-5)
+    assert not engine.prompt_logprobs
