@@ -31,9 +31,9 @@ def prompts() -> list[list[int]]:
     one-token prompt (nothing to score) and prompts longer than a step's budget."""
     g = torch.Generator().manual_seed(5)
     system = torch.randint(3, 256, (20,), generator=g).tolist()
-    return [
-        system + torch.randint(3, 256, (n,), generator=g).tolist() for n in (12, 45, 3, 70)
-    ] + [[7]]
+    return [system + torch.randint(3, 256, (n,), generator=g).tolist() for n in (12, 45, 3, 70)] + [
+        [7]
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -167,4 +167,3 @@ def test_graph_stand_in_and_an_abort_mid_prompt(
 def test_prompt_logprobs_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
-
