@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.to_device import on_device
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ def score(logits: torch.Tensor, chunks: list[ScoredChunk]) -> ScoredRows:
         logits: [rows, vocab], the scored rows' logits in ``chunks``' order.
         chunks: who the rows belong to, and the tokens they score.
     """
-    targets = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.int64).to(
-        logits.device, non_blocking=True
+    targets = on_device(
+        logits.device, [t for chunk in chunks for t in chunk.token_ids], torch.int64
     )
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, targets[:, None])
