@@ -307,12 +307,13 @@ def build_engine_parts(
     storage = allocate_kv_cache(
         kv_config, capacity, attached.forward, model, source, num_kv_heads, device, dtype
     )
+    max_model_len = fit_context_to_pool(source.max_model_len, capacity)
     kv_manager, scheduler, step_predictor = build_scheduler(
-        kv_config, scheduler_config, capacity, attached.cost_model, source.max_model_len
+        kv_config, scheduler_config, capacity, attached.cost_model, max_model_len
     )
     async_scheduling = config.async_scheduling_for(device.type, scheduler_config.batching)
     sampler, runner = build_runner(
-        config, model, attached, storage, graphs, source.max_model_len, device, tp, async_scheduling
+        config, model, attached, storage, graphs, max_model_len, device, tp, async_scheduling
     )
     speculator = None
     if spec is not None:
@@ -346,7 +347,7 @@ def build_engine_parts(
         dtype=dtype,
         model_id=source.model_id,
         model_config=mc,
-        max_model_len=source.max_model_len,
+        max_model_len=max_model_len,
         tokenizer=source.tokenizer,
         eos_token_id=source.eos_token_id,
         eos_token_ids=source.eos_token_ids,
@@ -719,6 +720,24 @@ def gpu_memory_baseline(
         return None
     rank_device = torch.device("cuda", tp.local_rank) if tp is not None else device
     return memory_baseline(rank_device, share)
+
+
+def fit_context_to_pool(max_model_len: int, capacity: KVCapacity) -> int:
+    """The context a request may reach: at most what the whole KV pool holds, since a longer
+    sequence could never run. Capped with a warning rather than refused (SGLang's choice;
+    vLLM refuses to start): the server then advertises, and fills a request that leaves
+    ``max_tokens`` unset up to, a length it can serve."""
+    if capacity.num_tokens >= max_model_len:
+        return max_model_len
+    logger.warning(
+        "max_model_len %d is more than the whole KV cache holds (%d tokens): capped to %d. "
+        "Give the cache more memory (--kv-cache-memory, --gpu-memory-utilization, "
+        "--num-kv-blocks) to serve the full context",
+        max_model_len,
+        capacity.num_tokens,
+        capacity.num_tokens,
+    )
+    return capacity.num_tokens
 
 
 def size_kv_pool(

@@ -157,3 +157,24 @@ def test_kv_settings_that_hold_no_block_are_one_line(monkeypatch, capsys) -> Non
     assert cli.main(argv) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("pagedserve serve: error: a KV budget of 1000 bytes"), line
+
+
+def test_a_kv_cache_smaller_than_the_context_caps_the_context(caplog) -> None:
+    """A sequence longer than the whole pool could never run: max_model_len comes down to
+    what the pool holds, with a warning, so what the server advertises and fills an unset
+    max_tokens up to is servable (given or from the model alike)."""
+    from engine.llm import LLM
+    from scheduler.request import SamplingParams
+
+    with caplog.at_level("WARNING", logger="engine.builder"):
+        llm = LLM("tiny-llama", load_format="dummy", device="cpu", num_kv_blocks=4, block_size=16)
+    assert llm.engine.max_model_len == 64
+    assert "max_model_len 2048 is more than the whole KV cache holds (64 tokens)" in caplog.text
+    # A request of the whole capped context runs; one token more is refused as too long.
+    out = llm.generate([[5] * 60], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="context length of 64"):
+        llm.engine.add_request("long", [5] * 60, SamplingParams(max_tokens=5))
+    roomy = LLM("tiny-llama", load_format="dummy", device="cpu", num_kv_blocks=4, block_size=16,
+                max_model_len=32)  # fmt: skip
+    assert roomy.engine.max_model_len == 32
