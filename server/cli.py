@@ -181,6 +181,7 @@ def serve(config: ServingConfig) -> int:
         config.scheduler.max_num_batched_tokens,
         config.scheduler.prefill_chunk_tokens,
     )
+    warn_of_bounds_above_the_context(config, engine.max_model_len)
     client = AsyncEngineClient(
         engine,
         stall_timeout_s=config.server.engine_stall_timeout_s,
@@ -220,6 +221,22 @@ def serve(config: ServingConfig) -> int:
         # drain. Unfrozen, the exit's collection frees them as it would without the freeze.
         gc.unfreeze()
     return 0
+
+
+def warn_of_bounds_above_the_context(config: ServingConfig, max_model_len: int) -> None:
+    """A WARNING line for each of ``--max-prompt-tokens`` / ``--max-output-tokens`` above
+    the context length, which already bounds prompts and outputs: harmless, so not refused,
+    but the user meant some bound. Known only once the engine has resolved the context."""
+    for flag, value in (
+        ("--max-prompt-tokens", config.server.max_prompt_tokens),
+        ("--max-output-tokens", config.server.max_output_tokens),
+    ):
+        if value is not None and value > max_model_len:
+            logger.warning(
+                "%s %d has no effect: it is above max_model_len %d, which bounds every "
+                "request already (--max-model-len)",
+                flag, value, max_model_len,
+            )  # fmt: skip
 
 
 def with_synthetic_tokenizer(config: ServingConfig) -> ServingConfig:

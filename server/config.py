@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.config import CUDA_GRAPH_PREFILL_MODES, EngineConfig, check_environment
@@ -29,6 +30,7 @@ from server.flags import (
     parse_bool_or_auto,
     parse_int_list,
     parse_list,
+    parse_optional_name,
     parse_size,
 )
 
@@ -38,6 +40,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # server/tools.py implements each
 # is the hyphenated spelling. The flag and its env variable resolve them to the name above.
 TOOL_CALL_PARSER_ALIASES = {"qwen": "hermes", "llama3-json": "llama3_json"}
 UNKNOWN_FIELD_POLICIES = ("reject", "ignore")
+# What a --tokenizer directory must hold (one of): what engine/loader.py load_tokenizer reads.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 def tool_call_parser_name(name: str) -> str:
@@ -160,6 +164,16 @@ class ServerConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if self.engine_stall_timeout_s <= 0:
             raise ValueError("engine_stall_timeout_s must be positive")
+        if not (self.stats_log_interval_s >= 0 and math.isfinite(self.stats_log_interval_s)):
+            raise ValueError(
+                "stats_log_interval_s must be a number of seconds >= 0 (0 disables the log "
+                f"line), got {self.stats_log_interval_s}"
+            )
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError(
+                f"served_model_name cannot be empty, got {self.served_model_name!r} (leave it "
+                "unset to serve the model's own name)"
+            )
         for name in ("peak_bandwidth_gbps", "peak_tflops"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
@@ -195,8 +209,12 @@ class ServerConfig:
                 f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, "
                 f"got {self.tool_call_parser!r}"
             )
-        if self.chat_template is not None and not os.path.isfile(self.chat_template):
-            raise ValueError(f"--chat-template {self.chat_template!r} is not a readable file")
+        if self.chat_template is not None:
+            if not os.path.isfile(self.chat_template):
+                raise ValueError(f"--chat-template {self.chat_template!r} is not a readable file")
+            from server.prompts import check_chat_template_file
+
+            check_chat_template_file(self.chat_template)  # compiles, as requests render it
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +229,9 @@ class ServingConfig:
     def __post_init__(self) -> None:
         if self.engine.async_scheduling and self.scheduler.batching != "continuous":
             raise ValueError("--async-scheduling needs --batching continuous")
+        wait_ms = self.scheduler.batch_wait_ms
+        if not (wait_ms >= 0 and math.isfinite(wait_ms)):
+            raise ValueError(f"batch_wait_ms must be a number of milliseconds >= 0, got {wait_ms}")
 
     @classmethod
     def from_cli(
@@ -246,7 +267,8 @@ class ServingConfig:
         try:
             check_environment(environ)
             config = cls.from_namespace(args)
-            config.engine.check_device()  # before the model loads
+            check_tokenizer_path(config.engine.tokenizer)  # before the model loads
+            config.engine.check_device()
             return config
         except ValueError as exc:  # a config's own check, the environment or the device
             # One line naming the value: the flags parsed, so the usage would only bury it.
@@ -269,6 +291,31 @@ class ServingConfig:
             kvpool=KVPoolConfig(**pick("kvpool")),
             scheduler=SchedulerConfig(**pick("scheduler")),
             server=ServerConfig(**pick("server")),
+        )
+
+
+def check_tokenizer_path(tokenizer: str | None) -> None:
+    """``--tokenizer`` names a directory the loader (``engine.loader.load_tokenizer``) finds a
+    tokenizer in: ``tokenizer.json`` or ``tokenizer.model``. Checked before the model loads,
+    which otherwise finds no tokenizer only after loading the weights.
+
+    Raises:
+        ValueError: one line naming the path and what is wrong with it.
+    """
+    if tokenizer is None:
+        return
+    path = Path(tokenizer)
+    if not path.exists():
+        raise ValueError(f"--tokenizer {tokenizer!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(
+            f"--tokenizer {tokenizer!r} is not a directory (it takes the directory holding "
+            "tokenizer.json / tokenizer_config.json)"
+        )
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"--tokenizer {tokenizer!r} has no tokenizer: neither "
+            f"{' nor '.join(TOKENIZER_FILES)} is in it"
         )
 
 
@@ -484,9 +531,9 @@ _OPTIONS: tuple[Option, ...] = (
            "address to bind"),
     Option("--port", "server", "port", int, _S.port,
            "TCP port"),
-    Option("--served-model-name", "server", "served_model_name", optional(str),
+    Option("--served-model-name", "server", "served_model_name", parse_optional_name,
            _S.served_model_name,
-           "model name clients send and /v1/models lists"),
+           "model name clients send and /v1/models lists; auto = the model's own"),
     Option("--log-level", "server", "log_level", str.lower, _S.log_level,
            "log level",
            LOG_LEVELS),

@@ -85,6 +85,17 @@ def optional(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse_optional
 
 
+def parse_optional_name(text: str) -> str | None:
+    """A name, or ``none``/``auto`` for None (the default's own name). Unlike ``optional``,
+    an empty or blank value is a mistake, not None: a name clients must send cannot be
+    empty (``--served-model-name ''``)."""
+    if text.strip().lower() in ("none", "auto"):
+        return None
+    if not text.strip():
+        raise ValueError(f"a name cannot be empty, got {text!r} (auto = the model's own name)")
+    return text
+
+
 # A boolean, or auto (none, empty) for None: the config decides (--async-scheduling). One
 # object, so that the parser and --help can tell it from other optional values.
 parse_bool_or_auto = optional(parse_bool)

@@ -52,7 +52,11 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
 )
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    choose_encoder,
+    generate_latest,
+)
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.outputs import REPLAYS, STEP_PHASES, EngineOccupancy, StepStats
@@ -380,8 +384,21 @@ class ServerMetrics:
         )
 
     def exposition(self, accept: str | None) -> tuple[bytes, str]:
-        """The scrape body and its content type (OpenMetrics if the scraper asks for it)."""
+        """The scrape body and its content type: OpenMetrics if the scraper asks for it with
+        ``escaping=allow-utf-8`` (Prometheus 3), else the 0.0.4 text format.
+
+        OpenMetrics with any other name escaping (Prometheus 2.x's default Accept header asks
+        for ``application/openmetrics-text;version=1.0.0``, which means ``underscores``) is
+        not served: prometheus_client (0.26) then writes the samples of ``vllm:*`` families
+        as ``vllm_*`` under ``# TYPE vllm:*`` lines, so the scraper stores (or a parser
+        finds) none of the names routers and autoscalers read. Colons are valid in metric
+        names, so the text format keeps them for every client.
+        """
         encoder, content_type = choose_encoder(accept or "")
+        if content_type.startswith("application/openmetrics-text") and not _allows_utf8(
+            content_type
+        ):
+            encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
         return encoder(self.registry), content_type
 
     # ------------------------------------------------------------------ recording
@@ -657,6 +674,12 @@ class HTTPMetricsMiddleware:
             raise
         finally:
             self.metrics.record_http(_handler(scope), status if status is not None else 500)
+
+
+def _allows_utf8(content_type: str) -> bool:
+    """Whether a negotiated content type writes metric names as they are (no escaping)."""
+    params = (p.strip().replace(" ", "") for p in content_type.split(";")[1:])
+    return "escaping=allow-utf-8" in params
 
 
 def _handler(scope: Scope) -> str:

@@ -410,3 +410,32 @@ def _as_written(parts: list[str], cores: list[str], text: str) -> list[str] | No
 def _encode_text_only(tokenizer: Any, text: str) -> list[int]:
     """``text`` as ordinary tokens: control-token strings become their plain pieces."""
     return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+
+def check_chat_template_file(path: str) -> None:
+    """Compile the ``--chat-template`` file as the server renders it (transformers' own Jinja
+    environment, whose compiled template it caches), so a template that cannot compile is
+    refused at start-up, not blamed on every chat request's ``messages`` as a 400.
+
+    Raises:
+        ValueError: one line naming the file and the error (with its line number).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--chat-template {path!r} is not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"--chat-template {path!r} cannot be read: {exc.strerror}") from None
+    try:
+        from jinja2 import TemplateSyntaxError
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # not this transformers' layout: the first render reports it
+        return
+    try:
+        _compile_jinja_template(text)
+    except TemplateSyntaxError as exc:
+        why = " ".join(str(exc.message).split())  # one line, whatever jinja2 wrote
+        raise ValueError(
+            f"--chat-template {path!r} does not compile: line {exc.lineno}: {why}"
+        ) from None

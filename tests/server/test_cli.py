@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from server import cli
+from server.config import ServingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -320,3 +322,57 @@ def test_an_address_family_the_host_cannot_use_is_passed_over(monkeypatch) -> No
     with pytest.raises(cli.ListenError, match="is --host an address of this machine"):
         cli.check_can_listen("foreign.example", 0)
     monkeypatch.setattr(socket, "getaddrinfo", real)
+
+
+def test_output_and_prompt_bounds_above_the_context_are_a_warning(caplog) -> None:
+    """``--max-prompt-tokens`` / ``--max-output-tokens`` above max_model_len bound nothing (the
+    context does): a WARNING line each, once the engine has resolved the context; not an
+    error, and nothing for bounds within it."""
+    config = ServingConfig.from_cli(
+        ["--max-prompt-tokens", "100000", "--max-output-tokens", "100000"], {}
+    )
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        cli.warn_of_bounds_above_the_context(config, 8192)
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert lines == [
+        f"{flag} 100000 has no effect: it is above max_model_len 8192, which bounds every "
+        "request already (--max-model-len)"
+        for flag in ("--max-prompt-tokens", "--max-output-tokens")
+    ], lines
+    caplog.clear()
+    within = ServingConfig.from_cli(
+        ["--max-prompt-tokens", "8192", "--max-output-tokens", "10"], {}
+    )
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        cli.warn_of_bounds_above_the_context(within, 8192)
+        cli.warn_of_bounds_above_the_context(ServingConfig(), 8192)
+    assert not caplog.records, caplog.records
+
+
+def test_serve_warns_of_bounds_above_the_context_after_loading(monkeypatch) -> None:
+    """``serve`` checks the bounds against the engine's resolved context (what the
+    ``--max-model-len`` flag asked for is capped by the model's positions)."""
+    seen: list[int] = []
+    monkeypatch.setattr(cli, "warn_of_bounds_above_the_context", lambda config, n: seen.append(n))
+
+    class Stop(Exception):
+        pass
+
+    engine = types.SimpleNamespace(
+        tokenizer=object(), scheduler_config=ServingConfig().scheduler, num_total_blocks=4,
+        kv_capacity=types.SimpleNamespace(cache_dtype="float32", bytes_per_token=1),
+        max_model_len=321,
+    )  # fmt: skip
+
+    def no_client(*args: object, **kwargs: object) -> None:
+        raise Stop
+
+    monkeypatch.setattr(cli, "check_can_listen", lambda host, port: None)
+    monkeypatch.setattr(cli, "on_worker_thread", lambda fn, *args: engine)
+    # serve() sets the process's logging and torch threads first: not this test process's.
+    monkeypatch.setattr(cli, "configure_logging", lambda level: None)
+    monkeypatch.setattr("engine.threads.configure_threads", lambda n: (1, "test"))
+    monkeypatch.setattr("server.engine_client.AsyncEngineClient", no_client)
+    with pytest.raises(Stop):
+        cli.serve(ServingConfig.from_cli(["--port", "8160", "--log-level", "warning"], {}))
+    assert seen == [321]

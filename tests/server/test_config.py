@@ -148,6 +148,9 @@ def test_auto_restores_none() -> None:
         (["--enforce-eager", "maybe"], {}, "argument --enforce-eager: not a boolean: 'maybe'"),
         (["--tool-call-parser", "mistral"], {}, "invalid choice: 'mistral'"),
         (["--trust-remote-code"], {}, "unrecognized arguments: --trust-remote-code (pagedserve"),
+        (["--served-model-name", ""], {}, "argument --served-model-name: a name cannot be empty"),
+        (["--served-model-name", "  "], {}, "--served-model-name: a name cannot be empty"),
+        ([], {"PAGEDSERVE_SERVED_MODEL_NAME": ""}, "PAGEDSERVE_SERVED_MODEL_NAME='': a name"),
     ],
 )
 def test_a_bad_value_is_one_line_naming_it(argv, env, says: str, capsys) -> None:
@@ -179,6 +182,14 @@ def test_a_bad_value_is_one_line_naming_it(argv, env, says: str, capsys) -> None
         ),
         (["--chat-template", "/no/such/template.jinja"], "is not a readable file"),
         (["--max-model-len", "0"], "max_model_len must be positive, got 0"),
+        (
+            ["--batching", "dynamic", "--batch-wait-ms", "-5"],
+            "batch_wait_ms must be a number of milliseconds >= 0, got -5.0",
+        ),
+        (["--batch-wait-ms", "nan"], "batch_wait_ms must be a number of milliseconds >= 0"),
+        (["--stats-log-interval", "-1"], "stats_log_interval_s must be a number of seconds >= 0"),
+        (["--stats-log-interval", "inf"], "stats_log_interval_s must be a number of seconds"),
+        (["--tokenizer", "/nonexistent"], "--tokenizer '/nonexistent' does not exist"),
         (
             ["--async-scheduling", "--batching", "static"],
             "--async-scheduling needs --batching continuous",
@@ -421,3 +432,90 @@ def test_a_gpu_memory_share_outside_0_to_1_is_one_line(capsys, share: str) -> No
     assert info.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "gpu_memory_utilization must be a share of the GPU's memory in (0, 1]" in line
+
+
+def test_zero_batch_wait_and_stats_interval_and_named_served_models_are_accepted() -> None:
+    """The bounds of the checks above: 0 ms of batch wait (no wait), a 0 s stats interval (the
+    log line off), and none/auto restoring the model's own name."""
+    c = ServingConfig.from_cli(
+        ["--batching", "dynamic", "--batch-wait-ms", "0", "--stats-log-interval", "0"], {}
+    )
+    assert (c.scheduler.batch_wait_ms, c.server.stats_log_interval_s) == (0.0, 0.0)
+    for value in ("auto", "none"):
+        assert (
+            ServingConfig.from_cli(["--served-model-name", value], {}).server.served_model_name
+            is None
+        )
+    env = {"PAGEDSERVE_SERVED_MODEL_NAME": "from-env"}
+    assert ServingConfig.from_cli([], env).server.served_model_name == "from-env"
+    with pytest.raises(ValueError, match="served_model_name cannot be empty"):
+        ServerConfig(served_model_name="")
+
+
+def _one_error_line(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        ServingConfig.from_cli(argv, {})
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("pagedserve serve: error: "), line
+    return line
+
+
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("{% for m in messages %}{{ m.content }", "does not compile: line 1: unexpected '}'"),
+        ("{{ messages }}\n{% if %}", "does not compile: line 2: Expected an expression"),
+        ("{{ messages | no_such_filter }}", "No filter named 'no_such_filter'"),
+    ],
+)
+def test_a_chat_template_that_does_not_compile_is_one_line(
+    capsys, tmp_path, template: str, says: str
+) -> None:
+    """Refused at start-up, naming the file and jinja2's error, rather than accepted and then
+    answering every chat request with a 400 that blames its ``messages``."""
+    path = tmp_path / "broken.jinja"
+    path.write_text(template, encoding="utf-8")
+    line = _one_error_line(capsys, ["--chat-template", str(path)])
+    assert f"--chat-template {str(path)!r} " in line and says in line, line
+
+
+def test_a_chat_template_that_is_not_utf8_is_one_line(capsys, tmp_path) -> None:
+    path = tmp_path / "latin1.jinja"
+    path.write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
+    line = _one_error_line(capsys, ["--chat-template", str(path)])
+    assert f"--chat-template {str(path)!r} is not UTF-8 text" in line, line
+
+
+def test_a_chat_template_compiles_with_the_renderers_extensions(tmp_path) -> None:
+    """What transformers' chat-template environment adds (loop controls, the ``generation``
+    tag, ``raise_exception``) compiles: the check is that environment's, not plain jinja2's."""
+    path = tmp_path / "ok.jinja"
+    path.write_text(
+        "{% for m in messages %}{% if m.role == 'x' %}{{ raise_exception('no') }}{% endif %}"
+        "{% generation %}{{ m.content }}{% endgeneration %}{% break %}{% endfor %}",
+        encoding="utf-8",
+    )
+    assert ServingConfig.from_cli(["--chat-template", str(path)], {}).server.chat_template == str(
+        path
+    )
+
+
+def test_a_tokenizer_path_the_loader_cannot_read_is_one_line(capsys, tmp_path) -> None:
+    """Checked before the model loads (which otherwise ends in "has no tokenizer", without the
+    path): missing, a file, or a directory without tokenizer.json / tokenizer.model."""
+    missing = tmp_path / "missing"
+    line = _one_error_line(capsys, ["--tokenizer", str(missing)])
+    assert f"--tokenizer {str(missing)!r} does not exist" in line, line
+    file = tmp_path / "tokenizer.json"
+    file.write_text("{}")
+    line = _one_error_line(capsys, ["--tokenizer", str(file)])
+    assert f"--tokenizer {str(file)!r} is not a directory" in line, line
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = _one_error_line(capsys, ["--tokenizer", str(empty)])
+    assert f"--tokenizer {str(empty)!r} has no tokenizer" in line, line
+    assert "tokenizer.json" in line and "tokenizer.model" in line, line
+    assert ServingConfig.from_cli(["--tokenizer", str(tmp_path)], {}).engine.tokenizer == str(
+        tmp_path
+    )

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import pytest
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 import planner.cpu
@@ -138,11 +142,75 @@ def assert_idle_gauges(text: str) -> None:
     assert value(text, "vllm:kv_cache_usage_perc") == 0
 
 
-async def test_openmetrics_is_negotiated(serve) -> None:
+# Prometheus 2.x's default scrape Accept header (OpenMetrics first, names escaped).
+PROMETHEUS_2_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;"
+    "q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+)
+# Prometheus 3's (UTF-8 names, no escaping).
+PROMETHEUS_3_ACCEPT = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+    "application/openmetrics-text;version=0.0.1;q=0.5,"
+    "text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+)
+
+
+def parse_scrape(content_type: str, body: str) -> dict[str, list[Any]]:
+    """Each family's samples, parsed by the parser of the format the server said it sent."""
+    if content_type.startswith("application/openmetrics-text"):
+        families = openmetrics_families(body)
+    else:
+        assert content_type.startswith("text/plain"), content_type
+        families = text_string_to_metric_families(body)
+    return {family.name: list(family.samples) for family in families}
+
+
+@pytest.mark.parametrize(
+    "accept",
+    [
+        None,
+        "text/plain",
+        "text/plain;version=0.0.4",
+        "*/*",
+        pytest.param(PROMETHEUS_2_ACCEPT, id="prometheus-2"),
+        pytest.param(PROMETHEUS_3_ACCEPT, id="prometheus-3"),
+        "application/openmetrics-text",
+        "application/openmetrics-text;version=1.0.0;escaping=underscores",
+        "application/openmetrics-text;version=1.0.0;escaping=dots",
+        "application/openmetrics-text;version=1.0.0;escaping=values",
+    ],
+)
+async def test_every_scraper_gets_the_vllm_names_intact(serve, accept: str | None) -> None:
+    """Whatever format the Accept header negotiates, the body parsed with that format's
+    parser has the ``vllm:*`` families with their samples, under their colon names (a
+    Prometheus 2.x scrape once got ``vllm_*`` samples under ``vllm:*`` TYPE lines)."""
     s = await serve()
-    r = await s.http.get("/metrics", headers={"accept": "application/openmetrics-text"})
-    assert r.headers["content-type"].startswith("application/openmetrics-text")
+    r = await s.http.get("/metrics", headers={"accept": accept} if accept else {})
+    assert r.status_code == 200
+    content_type = r.headers["content-type"]
+    families = parse_scrape(content_type, r.text)
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+        (sample,) = families[name]
+        assert sample.name == name and sample.labels == M and sample.value == 0, sample
+    assert not any(name.startswith("vllm_") for name in families), sorted(families)
+    assert "pagedserve_num_requests_waiting" in families
+
+
+async def test_prometheus_2_gets_the_text_format(serve) -> None:
+    s = await serve()
+    r = await s.http.get("/metrics", headers={"accept": PROMETHEUS_2_ACCEPT})
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert "\nvllm:num_requests_waiting{" in r.text and "vllm_num_requests" not in r.text
+
+
+async def test_openmetrics_is_negotiated_without_name_escaping(serve) -> None:
+    s = await serve()
+    r = await s.http.get("/metrics", headers={"accept": PROMETHEUS_3_ACCEPT})
+    content_type = r.headers["content-type"]
+    assert content_type.startswith("application/openmetrics-text"), content_type
+    assert "escaping=allow-utf-8" in content_type
     assert r.text.rstrip().endswith("# EOF")
+    assert "\nvllm:num_requests_waiting{" in r.text and "vllm_num_requests" not in r.text
 
 
 def test_request_timings() -> None:
