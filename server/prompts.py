@@ -142,6 +142,16 @@ def chat_prompt(
             "tools",
             "tools_not_supported",
         )
+    if any(m.tool_calls for m in messages) and not re.search(r"\btool_calls\b", template):
+        # The calls would vanish from the prompt, and the model then reads tool results for
+        # calls it never made.
+        raise invalid(
+            "this model's chat template does not render an assistant message's 'tool_calls', "
+            "so the model would never see them; start the server with a --chat-template "
+            "that does",
+            "messages",
+            "tools_not_supported",
+        )
     rendered = check_chat_messages(messages)
     render = functools.partial(
         _render,
