@@ -155,7 +155,7 @@ class ChatCompletionRequest(_SamplingFields):
     # Tool calling (server/tools.py); checked there.
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # false: at most one call (tool_choice required)
+    parallel_tool_calls: bool | None = None  # false: at most one call (auto keeps the first)
     # Rejected when set to something that would need features pagedserve does not have.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None

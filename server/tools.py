@@ -10,12 +10,18 @@ learn of them. ``tool_choice``:
   ``--tool-call-parser`` (``hermes``, alias ``qwen``: ``<tool_call>{"name", "arguments"}
   </tool_call>`` blocks, Qwen 2.5/3 and Hermes write them; ``llama3_json``, alias
   ``llama3-json``: a bare ``{"name", "parameters"}`` object, or several joined by ``;``,
-  optionally after ``<|python_tag|>``; server/config.py resolves the aliases);
+  optionally after ``<|python_tag|>``; server/config.py resolves the aliases). Only
+  functions in ``tools`` are called: a block or object naming another one leaves the whole
+  output as content, and so does a llama3_json object without ``parameters`` or
+  ``arguments`` (a JSON answer that merely has a ``"name"``). With
+  ``parallel_tool_calls: false`` only the first call is returned;
 - ``required``: the output is constrained to a JSON array of one or more
   ``{"name", "arguments"}`` objects, each ``arguments`` following its function's
-  ``parameters`` schema (one at most with ``parallel_tool_calls: false``). When
-  ``max_tokens`` cuts the array, the calls completed before the cut are still returned
-  (finish reason ``length``);
+  ``parameters`` schema (one at most with ``parallel_tool_calls: false``). A ``parameters``
+  schema with local refs (``#/$defs/...``, ``#/definitions/...``, ``#/properties/...``)
+  is moved under the array schema's ``$defs`` and its refs rewritten to point there
+  (``_required_schema``). When ``max_tokens`` cuts the array, the calls completed before
+  the cut are still returned (finish reason ``length``);
 - a named function: the output is constrained to that function's arguments object.
 
 So ``required`` and named choices always parse and their arguments always validate; they do
@@ -27,6 +33,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +54,13 @@ class ToolPlan:
         tools: the tools as the chat template reads them (OpenAI's shape), or None.
         choice: ``none``, ``auto``, ``required``, or the forced function's name.
         constraint: the grammar of ``required`` / named choices, else None.
+        parallel: False where ``parallel_tool_calls`` is false: at most one call is returned.
     """
 
     tools: list[dict[str, Any]] | None
     choice: str
     constraint: Constraint | None
+    parallel: bool = True
 
     @property
     def parses_calls(self) -> bool:
@@ -103,6 +112,7 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan(None, "none", None)
     tools = check_tools(req.tools)
     by_name = {t["function"]["name"]: t["function"] for t in tools}
+    parallel = req.parallel_tool_calls is not False
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
@@ -118,37 +128,122 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
             raise invalid(f"'tool_choice' names {name!r}, which is not in 'tools'", "tool_choice")
         spec = schema_spec(by_name[name]["parameters"], "tools")
         constraint = Constraint(StructuredOutputParams("json", spec), _tool_param(tools, name))
-        return ToolPlan(tools, name, constraint)
+        return ToolPlan(tools, name, constraint, parallel)
     if choice in ("none", "auto"):
-        return ToolPlan(tools, choice, None)
+        return ToolPlan(tools, choice, None, parallel)
     if choice == "required":
-        schema: dict[str, Any] = {
-            "type": "array",
-            "minItems": 1,
-            **({"maxItems": 1} if req.parallel_tool_calls is False else {}),
-            "items": {
-                "anyOf": [
-                    {
-                        "type": "object",
-                        "properties": {
-                            "name": {"const": name},
-                            "arguments": function["parameters"],
-                        },
-                        "required": ["name", "arguments"],
-                        "additionalProperties": False,
-                    }
-                    for name, function in by_name.items()
-                ]
-            },
-        }
+        schema = _required_schema(by_name, parallel)
         constraint = Constraint(
             StructuredOutputParams("json", schema_spec(schema, "tools")), "tools"
         )
-        return ToolPlan(tools, "required", constraint)
+        return ToolPlan(tools, "required", constraint, parallel)
     raise invalid(
         f"'tool_choice' must be none, auto, required or a named function; got {choice!r}",
         "tool_choice",
     )
+
+
+def _required_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
+    """``required``'s schema: an array of one or more ``{"name", "arguments"}`` objects.
+
+    A function's ``parameters`` that hold local refs (root-relative JSON pointers:
+    ``#/$defs/X``, ``#/definitions/X``, ``#/properties/...``, ``#`` itself) would resolve
+    against the array schema once embedded in it, where they point at nothing. Such a schema
+    goes whole under the array schema's ``$defs``, keyed by its function's name (unique, and
+    JSON-pointer safe: letters, digits, ``_`` and ``-``), and each of its refs ``#/...``
+    becomes ``#/$defs/<name>/...``: every ref resolves where it did, and two functions may
+    define the same name differently. Parameters without refs stay inline.
+    """
+    defs: dict[str, Any] = {}
+    variants = []
+    for name, function in functions.items():
+        parameters = function["parameters"]
+        if _has_local_ref(parameters):
+            defs[name] = _rebase_refs(parameters, f"#/$defs/{name}")
+            arguments: dict[str, Any] = {"$ref": f"#/$defs/{name}"}
+        else:
+            arguments = parameters
+        variants.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        **({} if parallel else {"maxItems": 1}),
+        "items": {"anyOf": variants},
+    }
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas; every
+# other keyword's value (const, enum, default, examples, ...) is data, where a "$ref" key is
+# not a reference and is left alone.
+_SUBSCHEMA = frozenset(
+    {
+        "items",
+        "additionalItems",
+        "additionalProperties",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+        "contains",
+        "propertyNames",
+        "not",
+        "if",
+        "then",
+        "else",
+    }
+)
+_SUBSCHEMA_LISTS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems", "items"})
+_SUBSCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"}
+)
+
+
+def _map_schema(schema: Any, ref: Callable[[str], str]) -> Any:
+    """``schema`` with each of its ``$ref`` strings replaced by ``ref(value)``."""
+    if not isinstance(schema, dict):
+        return schema
+    mapped: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str):
+            mapped[key] = ref(value)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            mapped[key] = [_map_schema(v, ref) for v in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            mapped[key] = {k: _map_schema(v, ref) for k, v in value.items()}
+        elif key in _SUBSCHEMA:
+            mapped[key] = _map_schema(value, ref)
+        else:
+            mapped[key] = value
+    return mapped
+
+
+def _is_local(ref: str) -> bool:
+    return ref == "#" or ref.startswith("#/")
+
+
+def _has_local_ref(schema: Any) -> bool:
+    found = []
+
+    def note(ref: str) -> str:
+        found.append(_is_local(ref))
+        return ref
+
+    _map_schema(schema, note)
+    return any(found)
+
+
+def _rebase_refs(schema: Any, base: str) -> Any:
+    """``schema`` moved to JSON pointer ``base``: its refs ``#`` and ``#/...`` made to point
+    under ``base`` (other refs, e.g. to a URL or an anchor, are left as they are)."""
+    return _map_schema(schema, lambda ref: base + ref[1:] if _is_local(ref) else ref)
 
 
 def parameter_checks(tools: list[dict[str, Any]] | None) -> list[Constraint]:
@@ -194,8 +289,16 @@ class ParsedOutput:
 
 
 def parse_output(text: str, plan: ToolPlan, parser: str) -> ParsedOutput:
-    """Split a finished choice's text into content and tool calls, as ``plan`` says."""
-    if not plan.parses_calls:
+    """Split a finished choice's text into content and tool calls, as ``plan`` says; at most
+    one call where ``parallel_tool_calls`` is false."""
+    parsed = _parse_output(text, plan, parser)
+    if not plan.parallel and len(parsed.tool_calls) > 1:
+        return ParsedOutput(parsed.content, parsed.tool_calls[:1])
+    return parsed
+
+
+def _parse_output(text: str, plan: ToolPlan, parser: str) -> ParsedOutput:
+    if not plan.parses_calls or plan.tools is None:
         return ParsedOutput(text, [])
     if plan.choice == "required":
         items = _complete_items(text)
@@ -208,9 +311,10 @@ def parse_output(text: str, plan: ToolPlan, parser: str) -> ParsedOutput:
         except json.JSONDecodeError:
             return ParsedOutput(text, [])
         return ParsedOutput(None, [_call(plan.choice, text)])
+    names = {t["function"]["name"] for t in plan.tools}
     if parser == "llama3_json":
-        return _parse_llama3_json(text)
-    return _parse_hermes(text)
+        return _parse_llama3_json(text, names)
+    return _parse_hermes(text, names)
 
 
 def _complete_items(text: str) -> list[Any]:
@@ -237,26 +341,40 @@ HERMES_START = "<tool_call>"
 LLAMA_PYTHON_TAG = "<|python_tag|>"
 
 
-def _call_from_object(obj: Any) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+def _call_from_object(
+    obj: Any, names: set[str], *, needs_arguments: bool = False
+) -> ToolCall | None:
+    """The call ``obj`` makes: None unless it is ``{"name", "arguments" | "parameters"}``
+    naming one of ``names``. ``needs_arguments``: an object without ``arguments`` or
+    ``parameters`` is no call (llama3_json, whose calls are bare JSON: an answer in JSON
+    with a ``"name"`` is not one); else (a hermes ``<tool_call>`` block, a call for sure)
+    it calls the function without arguments."""
+    if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if "arguments" in obj:
+        arguments = obj["arguments"]
+    elif "parameters" in obj:
+        arguments = obj["parameters"]
+    elif needs_arguments:
+        return None
+    else:
+        arguments = {}
     if not isinstance(arguments, dict | str):
         return None
     return _call(obj["name"], arguments)
 
 
-def _parse_hermes(text: str) -> ParsedOutput:
+def _parse_hermes(text: str, names: set[str]) -> ParsedOutput:
     start = text.find(HERMES_START)
     if start < 0:
         return ParsedOutput(text, [])
     calls = []
     for match in _HERMES_CALL.finditer(text, start):
         try:
-            call = _call_from_object(json.loads(match.group(1)))
+            call = _call_from_object(json.loads(match.group(1)), names)
         except json.JSONDecodeError:
             call = None
-        if call is None:  # a malformed block: the whole output stays content
+        if call is None:  # a malformed block, or an unknown function: all stays content
             return ParsedOutput(text, [])
         calls.append(call)
     # Only trailing space goes: a stream has already sent the content up to the call as is.
@@ -264,7 +382,7 @@ def _parse_hermes(text: str) -> ParsedOutput:
     return ParsedOutput(content if content.strip() else None, calls)
 
 
-def _parse_llama3_json(text: str) -> ParsedOutput:
+def _parse_llama3_json(text: str, names: set[str]) -> ParsedOutput:
     body = text.strip().removeprefix(LLAMA_PYTHON_TAG).strip()
     if not body.startswith("{"):
         return ParsedOutput(text, [])
@@ -276,8 +394,8 @@ def _parse_llama3_json(text: str) -> ParsedOutput:
             obj, end = decoder.raw_decode(body, position)
         except json.JSONDecodeError:
             return ParsedOutput(text, [])
-        call = _call_from_object(obj)
-        if call is None:
+        call = _call_from_object(obj, names, needs_arguments=True)
+        if call is None:  # not a call (e.g. a JSON answer): the whole output is content
             return ParsedOutput(text, [])
         calls.append(call)
         position = end

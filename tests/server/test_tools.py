@@ -12,7 +12,8 @@ import pytest
 
 from engine.structured import GrammarCache
 from server.protocol import ChatCompletionRequest
-from server.tools import ToolPlan, parse_output, streamable_prefix, tool_plan
+from server.structured import Constraint
+from server.tools import ToolPlan, parameter_checks, parse_output, streamable_prefix, tool_plan
 from tests.server.server_fakes import FakeEngine, tiny_tokenizer
 from tests.server.test_errors import assert_openai_error
 
@@ -46,6 +47,25 @@ def _plan(**body: Any) -> ToolPlan:
     return tool_plan(ChatCompletionRequest(messages=MSG, **body))
 
 
+@pytest.fixture(scope="module")
+def follows() -> Any:
+    """``follows(constraint, text)``: ``text`` is a whole sentence of the constraint's
+    grammar, compiled as the server compiles it (the grammar cache, on the tiny tokenizer)."""
+    import xgrammar as xgr
+
+    tok = tiny_tokenizer()
+    cache = GrammarCache(tok, len(tok), [tok.eos_token_id])
+
+    def check(constraint: Constraint | None, text: str) -> bool:
+        assert constraint is not None
+        entry = cache.compile(constraint.params)[0].result(timeout=60)
+        matcher = xgr.GrammarMatcher(entry.grammar)
+        return bool(matcher.accept_string(text) and matcher.accept_token(tok.eos_token_id))
+
+    yield check
+    cache.shutdown()
+
+
 # ------------------------------------------------------------------------------- parsers
 
 
@@ -67,6 +87,50 @@ def test_llama3_json_parser() -> None:
     assert parsed.content is None
     assert [json.loads(c.function.arguments)["city"] for c in parsed.tool_calls] == ["Oslo", "Rome"]
     assert parse_output("The weather is fine.", plan, "llama3_json").tool_calls == []
+    spelled = parse_output(
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}', plan, "llama3_json"
+    )
+    assert json.loads(spelled.tool_calls[0].function.arguments) == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "Bob", "age": 30}',  # a JSON answer with a "name": no parameters
+        '{"name": "get_weather"}',  # a tool's name, but no parameters/arguments either
+        '{"name": "get_time", "parameters": {}}',  # not among the request's tools
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "Bob", "age": 3}',
+    ],
+)
+def test_llama3_json_keeps_objects_that_are_no_calls_as_content(text: str) -> None:
+    parsed = parse_output(text, _plan(tools=[WEATHER]), "llama3_json")
+    assert parsed.tool_calls == [] and parsed.content == text
+
+
+def test_hermes_calls_only_the_requests_tools() -> None:
+    now = {"type": "function", "function": {"name": "now"}}
+    plan = _plan(tools=[WEATHER, now])
+    unknown = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    parsed = parse_output(f"Hi. {unknown}", plan, "hermes")
+    assert parsed.tool_calls == [] and parsed.content == f"Hi. {unknown}"
+    mixed = parse_output(f"{HERMES_CALL}{unknown}", plan, "hermes")
+    assert mixed.tool_calls == [] and mixed.content == f"{HERMES_CALL}{unknown}"
+    # A block is a call for sure: one without arguments calls the function with none.
+    bare = parse_output('<tool_call>{"name": "now"}</tool_call>', plan, "hermes")
+    assert [(c.function.name, c.function.arguments) for c in bare.tool_calls] == [("now", "{}")]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_under_auto() -> None:
+    plan = _plan(tools=[WEATHER], parallel_tool_calls=False)
+    other = HERMES_CALL.replace("Paris", "Rome")
+    parsed = parse_output(f"Sure.\n{HERMES_CALL}\n{other}", plan, "hermes")
+    assert parsed.content == "Sure."
+    assert [json.loads(c.function.arguments) for c in parsed.tool_calls] == [{"city": "Paris"}]
+    call = '{"name": "get_weather", "parameters": {"city": "%s"}}'
+    llama = parse_output(f"{call % 'Oslo'}; {call % 'Rome'}", plan, "llama3_json")
+    assert [json.loads(c.function.arguments) for c in llama.tool_calls] == [{"city": "Oslo"}]
+    both = parse_output(f"{HERMES_CALL}{other}", _plan(tools=[WEATHER]), "hermes")
+    assert len(both.tool_calls) == 2  # parallel_tool_calls unset (or true): all of them
 
 
 def test_required_and_named_outputs_parse_without_a_parser() -> None:
@@ -120,6 +184,128 @@ def test_required_schema_lists_every_function() -> None:
     schema = json.loads(plan.constraint.params.spec)
     names = [item["properties"]["name"]["const"] for item in schema["items"]["anyOf"]]
     assert names == ["get_weather", "now"] and schema["minItems"] == 1
+
+
+_LOCATION = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def _nested_tool(name: str, defs_key: str = "$defs", **defs: Any) -> dict[str, Any]:
+    """A tool whose parameters reach their definitions through root-relative refs, as
+    ``openai.pydantic_function_tool`` writes them for nested models."""
+    defs = defs or {"Location": _LOCATION}
+    first = next(iter(defs))
+    parameters = {
+        "type": "object",
+        "properties": {"loc": {"$ref": f"#/{defs_key}/{first}"}},
+        "required": ["loc"],
+        defs_key: defs,
+    }
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+@pytest.mark.parametrize("defs_key", ["$defs", "definitions"])
+def test_required_resolves_each_tools_definitions(follows, defs_key: str) -> None:
+    """D1: ``required`` embeds each ``parameters`` in an array schema, where a ref
+    ``#/$defs/X`` would point at the array's (missing) definitions: the grammar compiles and
+    the output follows the nested schema; plain tools stay inline."""
+    plan = _plan(tools=[_nested_tool("locate", defs_key), WEATHER], tool_choice="required")
+    assert plan.constraint is not None and plan.constraint.param == "tools"
+    schema = json.loads(plan.constraint.params.spec)
+    nested, plain = (item["properties"]["arguments"] for item in schema["items"]["anyOf"])
+    assert nested == {"$ref": "#/$defs/locate"}
+    assert schema["$defs"]["locate"]["properties"]["loc"]["$ref"] == (
+        f"#/$defs/locate/{defs_key}/Location"
+    )
+    assert plain == WEATHER["function"]["parameters"]
+    good = '[{"name": "locate", "arguments": {"loc": {"city": "Paris"}}}]'
+    assert follows(plan.constraint, good)
+    assert not follows(plan.constraint, '[{"name": "locate", "arguments": {"loc": "Paris"}}]')
+    assert not follows(plan.constraint, '[{"name": "locate", "arguments": {"loc": {}}}]')
+    calls = parse_output(good, plan, "hermes").tool_calls
+    assert json.loads(calls[0].function.arguments) == {"loc": {"city": "Paris"}}
+    # The checks of each tool's own schema and the named choice see the schema as sent.
+    checks = parameter_checks(plan.tools)
+    assert [json.loads(c.params.spec) for c in checks][0] == (
+        _nested_tool("locate", defs_key)["function"]["parameters"]
+    )
+    named = _plan(
+        tools=[_nested_tool("locate", defs_key)],
+        tool_choice={"type": "function", "function": {"name": "locate"}},
+    )
+    assert json.loads(named.constraint.params.spec) == json.loads(checks[0].params.spec)
+    assert follows(named.constraint, '{"loc": {"city": "Paris"}}')
+
+
+def test_required_keeps_clashing_definitions_of_two_tools_apart(follows) -> None:
+    text = {"type": "string"}
+    number = {"type": "integer"}
+    tools = [_nested_tool("a", Item=text), _nested_tool("b", Item=number)]
+    plan = _plan(tools=tools, tool_choice="required")
+    assert follows(plan.constraint, '[{"name": "a", "arguments": {"loc": "x"}}]')
+    assert follows(plan.constraint, '[{"name": "b", "arguments": {"loc": 7}}]')
+    assert not follows(plan.constraint, '[{"name": "a", "arguments": {"loc": 7}}]')
+    assert not follows(plan.constraint, '[{"name": "b", "arguments": {"loc": "x"}}]')
+    both = '[{"name": "a", "arguments": {"loc": "x"}}, {"name": "b", "arguments": {"loc": 7}}]'
+    assert follows(plan.constraint, both)
+    serial = _plan(tools=tools, tool_choice="required", parallel_tool_calls=False)
+    assert not follows(serial.constraint, both)
+
+
+def test_required_rewrites_refs_into_properties_and_the_root_only(follows) -> None:
+    """Refs ``#/properties/...`` and ``#`` (recursion) point where they did; refs that are
+    not root-relative and ``$ref`` keys inside data (``const``) are left alone."""
+    tree = {
+        "type": "object",
+        "properties": {
+            "label": {"type": "string"},
+            "alias": {"$ref": "#/properties/label"},
+            "child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]},
+            "kind": {"const": {"$ref": "#/not/a/ref"}},
+        },
+        "required": ["label", "alias", "child"],
+        "additionalProperties": False,
+    }
+    plan = _plan(
+        tools=[{"type": "function", "function": {"name": "tree", "parameters": tree}}],
+        tool_choice="required",
+    )
+    moved = json.loads(plan.constraint.params.spec)["$defs"]["tree"]["properties"]
+    assert moved["alias"] == {"$ref": "#/$defs/tree/properties/label"}
+    assert moved["child"]["anyOf"][0] == {"$ref": "#/$defs/tree"}
+    assert moved["kind"] == {"const": {"$ref": "#/not/a/ref"}}
+    leaf = '{"label": "b", "alias": "c", "child": null}'
+    assert follows(
+        plan.constraint,
+        f'[{{"name": "tree", "arguments": {{"label": "a", "alias": "x", "child": {leaf}}}}}]',
+    )
+    assert not follows(
+        plan.constraint,
+        '[{"name": "tree", "arguments": {"label": "a", "alias": 1, "child": null}}]',
+    )
+
+
+def test_required_with_a_pydantic_models_schema(follows) -> None:
+    """What ``openai.pydantic_function_tool`` sends for a nested model: ``$defs`` refs."""
+    from pydantic import BaseModel
+
+    class Location(BaseModel):
+        city: str
+        country: str
+
+    class Trip(BaseModel):
+        start: Location
+        stops: list[Location]
+
+    parameters = Trip.model_json_schema()
+    assert "$defs" in parameters
+    tool = {"type": "function", "function": {"name": "Trip", "parameters": parameters}}
+    plan = _plan(tools=[tool], tool_choice="required")
+    city = '{"city": "Oslo", "country": "NO"}'
+    text = f'[{{"name": "Trip", "arguments": {{"start": {city}, "stops": [{city}]}}}}]'
+    assert follows(plan.constraint, text)
+    assert not follows(plan.constraint, text.replace(', "country": "NO"', ""))
+    call = parse_output(text, plan, "hermes").tool_calls[0]
+    Trip.model_validate_json(call.function.arguments)
 
 
 # ------------------------------------------------------------------------------- the API
@@ -406,3 +592,103 @@ async def test_structured_requests_are_counted(serve) -> None:
     assert f'{by_constraint}{{constraint="choice",model_name="fake-model"}} 2.0' in text
     assert f'{by_constraint}{{constraint="none",model_name="fake-model"}} 6.0' in text
     assert f'{by_constraint}{{constraint="json",model_name="fake-model"}} 0.0' in text
+
+
+NESTED_OUTPUT = '[{"name": "get_weather", "arguments": {"loc": {"city": "Paris"}}}]'
+
+
+async def test_required_with_defs_is_served_and_parsed(serve) -> None:
+    """D1 at the HTTP edge: the request that was a 400 ``Cannot find field '$defs'`` is
+    checked, compiled and served; its (scripted) output parses into the nested arguments,
+    in a response and a stream. The named choice of the same tool is served as before."""
+    tok = tiny_tokenizer()
+    engine = GrammarFakeEngine(
+        NESTED_OUTPUT,
+        eos_after=len(tok.encode(NESTED_OUTPUT)) + 1,
+        max_model_len=2048,
+        num_blocks=1024,
+    )
+    s = await serve(engine=engine, chat_template=TOOLS_TEMPLATE)
+    for defs_key in ("$defs", "definitions"):
+        tools = [_nested_tool("get_weather", defs_key), WEATHER | {"function": {"name": "now"}}]
+        body = {
+            "messages": MSG,
+            "tools": tools,
+            "tool_choice": "required",
+            "max_tokens": 400,
+            "temperature": 0,
+        }
+        response = await s.http.post(CHAT, json=body)
+        assert response.status_code == 200, response.text
+        reply = response.json()["choices"][0]
+        assert reply["finish_reason"] == "tool_calls" and reply["message"]["content"] is None
+        function = reply["message"]["tool_calls"][0]["function"]
+        assert function["name"] == "get_weather"
+        assert json.loads(function["arguments"]) == {"loc": {"city": "Paris"}}
+        chunks = []
+        async with s.http.stream("POST", CHAT, json={**body, "stream": True}) as streamed:
+            async for line in streamed.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:])["choices"][0])
+        calls = [t for c in chunks for t in c["delta"].get("tool_calls") or []]
+        assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+            {"loc": {"city": "Paris"}}
+        ]
+        named = {**body, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+        assert (await s.http.post(CHAT, json=named)).status_code == 200
+
+
+async def test_llama3_json_answer_with_a_name_stays_content(serve) -> None:
+    """D4: a JSON answer with a ``"name"`` key is no call to a made-up function, in a
+    response and a stream."""
+    answer = '{"name": "Bob", "age": 30}'
+    tok = tiny_tokenizer()
+    engine = GrammarFakeEngine(
+        answer, eos_after=len(tok.encode(answer)) + 1, max_model_len=2048, num_blocks=1024
+    )
+    s = await serve(engine=engine, chat_template=TOOLS_TEMPLATE, tool_call_parser="llama3_json")
+    body = {"messages": MSG, "tools": [WEATHER], "max_tokens": 400, "temperature": 0}
+    reply = (await s.http.post(CHAT, json=body)).json()["choices"][0]
+    assert reply["finish_reason"] == "stop"
+    assert reply["message"]["content"] == answer and reply["message"].get("tool_calls") is None
+    chunks = []
+    async with s.http.stream("POST", CHAT, json={**body, "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == answer
+    assert not any(c["delta"].get("tool_calls") for c in chunks)
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
+async def test_parallel_tool_calls_false_returns_one_call_in_json_and_streams(serve) -> None:
+    """D5: ``parallel_tool_calls: false`` under ``auto``: the first call only."""
+    two = f"{HERMES_CALL}\n{HERMES_CALL.replace('Paris', 'Rome')}"
+    tok = tiny_tokenizer()
+    engine = GrammarFakeEngine(
+        two, eos_after=len(tok.encode(two)) + 1, max_model_len=2048, num_blocks=1024
+    )
+    s = await serve(engine=engine, chat_template=TOOLS_TEMPLATE)
+    body = {
+        "messages": MSG,
+        "tools": [WEATHER],
+        "max_tokens": 400,
+        "parallel_tool_calls": False,
+        "temperature": 0,
+    }
+    reply = (await s.http.post(CHAT, json=body)).json()["choices"][0]
+    assert reply["finish_reason"] == "tool_calls"
+    assert [json.loads(c["function"]["arguments"]) for c in reply["message"]["tool_calls"]] == [
+        {"city": "Paris"}
+    ]
+    chunks = []
+    async with s.http.stream("POST", CHAT, json={**body, "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+    calls = [t for c in chunks for t in c["delta"].get("tool_calls") or []]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    assert calls[0]["index"] == 0 and chunks[-1]["finish_reason"] == "tool_calls"
+    parallel = {**body, "parallel_tool_calls": True}
+    reply = (await s.http.post(CHAT, json=parallel)).json()["choices"][0]
+    assert len(reply["message"]["tool_calls"]) == 2
