@@ -239,13 +239,17 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids must be in [0, {vocab}); got {bad[:5]}")
-        # Bias and stop ids index the logits on the device (engine/token_bias.py), where an
-        # id past the vocabulary is a device-side assert that ends the whole CUDA context.
-        named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        # Bias ids, and stop ids while min_tokens bans them, index the logits on the device
+        # (engine/token_bias.py), where an id past the vocabulary is a device-side assert
+        # that ends the whole CUDA context. (Other stop ids are only compared on the host.)
+        named = [t for t, _ in params.logit_bias]
+        if params.min_tokens:
+            named += params.stop_token_ids
         bad = [t for t in named if not 0 <= t < vocab]
         if bad:
             raise ValueError(
-                f"logit_bias and stop_token_ids must name ids in [0, {vocab}); got {bad[:5]}"
+                f"logit_bias (and stop_token_ids with min_tokens) must name ids in "
+                f"[0, {vocab}); got {bad[:5]}"
             )
         if params.structured is not None:
             params = self._constrain(request_id, params)

@@ -61,7 +61,7 @@ def test_bf16_checkpoint_is_cast_to_the_configured_dtype(tmp_path):
 def test_max_model_len_beyond_the_models_positions_is_capped_with_a_warning(caplog):
     with caplog.at_level("WARNING", logger="engine.builder"):
         llm = LLM(
-            "tiny-llama", load_format="dummy", max_model_len=4096, num_kv_blocks=8,
+            "tiny-llama", load_format="dummy", max_model_len=4096, num_kv_blocks=128,
             device="cpu", dtype="float32",
         )  # fmt: skip
     assert llm.engine.max_model_len == 2048  # the preset's max_position_embeddings

@@ -428,6 +428,9 @@ def test_the_engine_refuses_bias_and_stop_ids_past_the_vocabulary(tiny_llama_gqa
         with pytest.raises(ValueError, match=r"in \[0, 256\)"):
             engine.add_request("r", [5, 6], params)
     assert not engine.has_unfinished_requests()
+    # Without min_tokens a stop id is only compared on the host: any id is harmless.
+    engine.add_request("ok", [5, 6], SamplingParams(max_tokens=2, stop_token_ids=(300,)))
+    assert engine.has_unfinished_requests()
 
 
 @pytest.mark.usefixtures("one_torch_thread")
