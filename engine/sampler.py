@@ -192,8 +192,14 @@ class Sampler:
         read their picks mid-way: a constrained batch waits for the device here."""
         params = [r.request.sampling_params for r in requests]
         constraint = self.constraint
-        if (constraint is None or not constraint.num_constrained) and all(
-            p.argmax_only for p in params
+        if (constraint is None or not constraint.num_constrained) and (
+            all(p.argmax_only for p in params)
+            # Greedy rows kept off only by min_tokens, once past it (rare: checked second).
+            or all(
+                p.argmax_only
+                or (p.argmax_past_min_tokens and _output_position(r) >= p.min_tokens)
+                for p, r in zip(params, requests, strict=True)
+            )
         ):
             # The common batch: one argmax, one read; what the general path below computes
             # for it (no logprobs, penalties or noise).

@@ -64,6 +64,8 @@ class SamplingParams:
     # Derived here once: the sampler asks it of every row of every step (a greedy batch's
     # fast path), and one attribute read costs less than the five conditions.
     argmax_only: bool = field(init=False, repr=False, compare=False)
+    # The same once output token ``min_tokens`` is reached: only min_tokens kept it off.
+    argmax_past_min_tokens: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -100,14 +102,11 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", pairs)  # frozen: normalised once, here
         # The token is the logits' argmax and nothing else is computed: greedy, no logprobs,
         # no penalties, no token bias (logit_bias, min_tokens).
-        argmax_only = (
-            self.logprobs is None
-            and self.greedy
-            and not self.needs_penalties
-            and not pairs
-            and not self.min_tokens
+        argmax_past_min = (
+            self.logprobs is None and self.greedy and not self.needs_penalties and not pairs
         )
-        object.__setattr__(self, "argmax_only", argmax_only)
+        object.__setattr__(self, "argmax_only", argmax_past_min and not self.min_tokens)
+        object.__setattr__(self, "argmax_past_min_tokens", argmax_past_min)
 
     @property
     def greedy(self) -> bool:

@@ -487,6 +487,28 @@ def test_min_tokens_bans_the_stop_tokens_before_the_minimum() -> None:
         SamplingParams(max_tokens=2, min_tokens=3)
 
 
+def test_a_greedy_min_tokens_row_past_its_minimum_takes_the_argmax_path(monkeypatch) -> None:
+    """Only min_tokens kept such a row off the one-argmax path: past the minimum its batch
+    takes that path again (no bias rows built), and picks what the general path picks."""
+    import engine.sampler as sampler_module
+
+    params = SamplingParams(temperature=0, max_tokens=9, min_tokens=2)
+    assert not params.argmax_only and params.argmax_past_min_tokens
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(3))
+    calls = []
+    real = sampler_module.row_bias
+    monkeypatch.setattr(sampler_module, "row_bias", lambda *a: calls.append(a) or real(*a))
+    sampler = Sampler(0, torch.device("cpu"))
+    before = [_item("a", params, output=(5,)), _item("b", SamplingParams(temperature=0))]
+    sampler(logits, before)  # output position 1 < 2: the bias rows are built
+    assert len(calls) == 2
+    calls.clear()
+    past = [_item("a", params, output=(5, 6)), _item("b", SamplingParams(temperature=0))]
+    tokens, _ = sampler(logits, past)
+    assert not calls
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_min_tokens_matches_transformers_min_new_tokens(tiny_llama_gqa: Path) -> None:
     """A stop token the model would say early, banned until min_tokens: the tokens of
