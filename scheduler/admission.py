@@ -156,7 +156,7 @@ class StepAdmission:
         Returns:
             Its ``Admission`` (blocks allocated, counted against the limit), or why not.
         """
-        scores = request.sampling_params.prompt_logprobs is not None
+        scores = request.scores_prompt
         if scores:
             # Every prompt token's logits are wanted: nothing is taken from the cache.
             cached = CachedPrefix((), request.num_tokens, 0, 0)

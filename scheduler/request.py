@@ -194,6 +194,11 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt chunks take a row of logits per token (prompt logprobs)."""
+        return self.sampling_params.prompt_logprobs is not None
+
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         if position < n:

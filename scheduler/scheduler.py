@@ -67,11 +67,6 @@ from scheduler.stopping import stop_status, stops_on
 __all__ = ["RequestTooLargeError", "Scheduler", "SchedulerUpdate"]
 
 
-def _scores(request: Request) -> bool:
-    """Whether the request's prompt chunks take a row of logits per token (prompt logprobs)."""
-    return request.sampling_params.prompt_logprobs is not None
-
-
 class Scheduler:
     """Iteration-level scheduler with a pluggable batching policy.
 
@@ -291,7 +286,7 @@ class Scheduler:
                     index += 1
                     continue
             # A decode always fits: the loop runs while tokens are left.
-            num_new = 1 if remaining == 1 else step.fit(remaining, scores=_scores(request))
+            num_new = 1 if remaining == 1 else step.fit(remaining, scores=request.scores_prompt)
             if num_new == 0:
                 index += 1
                 continue
@@ -483,7 +478,7 @@ class Scheduler:
             request.first_scheduled_time = self.clock()
         samples = end == request.num_tokens
         num_scored = 0
-        if (num_new > 1 or not samples) and request.sampling_params.prompt_logprobs is not None:
+        if (num_new > 1 or not samples) and request.scores_prompt:
             num_scored = max(0, min(end, request.num_prompt_tokens - 1) - start)
         return ScheduledRequest(
             request=request,

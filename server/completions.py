@@ -159,7 +159,7 @@ def _stream(
     created: int,
 ) -> AsyncIterator[bytes]:
     include_usage, continuous_usage = stream_usage(req.stream_options)
-    echo_lens: dict[int, int] = {}  # choice index -> characters of echoed prompt before it
+    echoes: dict[int, str] = {}  # choice index -> its echoed prompt ("" without echo)
     echoed: set[int] = set()  # choices whose echo (with its logprobs) went out
 
     def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> bytes:
@@ -173,8 +173,7 @@ def _stream(
     def opening() -> list[bytes]:
         frames = []
         for c in run.choices:
-            echo = _echo_text(c.prompt, ctx) if req.echo else ""
-            echo_lens[c.index] = len(echo)
+            echo = echoes[c.index] = _echo_text(c.prompt, ctx) if req.echo else ""
             # An echo with logprobs waits for the choice's first tokens, which bring them.
             if echo and not _echoes_logprobs(req):
                 frames.append(chunk([CompletionChoice(index=c.index, text=echo)]))
@@ -186,12 +185,12 @@ def _stream(
             echoed.add(d.index)
             c = run.choices[d.index]
             prompt_part = _echoed_prompt_logprobs(req, ctx, c)
-            text = _echo_text(c.prompt, ctx)
+            text = echoes[d.index]
             frames.append(chunk([CompletionChoice(index=d.index, text=text, logprobs=prompt_part)]))
         if d.text or d.logprobs or (req.return_token_ids and d.token_ids):
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(d.logprobs, echo_lens[d.index])
+                logprobs = completion_logprobs(d.logprobs, len(echoes[d.index]))
             content = CompletionChoice(
                 index=d.index,
                 text=d.text,

@@ -158,8 +158,9 @@ def _required_schema(functions: dict[str, dict[str, Any]], parallel: bool) -> di
     variants = []
     for name, function in functions.items():
         parameters = function["parameters"]
-        if _has_local_ref(parameters):
-            defs[name] = _rebase_refs(parameters, f"#/$defs/{name}")
+        rebased = _rebase_refs(parameters, f"#/$defs/{name}")
+        if rebased != parameters:  # it held local refs
+            defs[name] = rebased
             arguments: dict[str, Any] = {"$ref": f"#/$defs/{name}"}
         else:
             arguments = parameters
@@ -227,17 +228,6 @@ def _map_schema(schema: Any, ref: Callable[[str], str]) -> Any:
 
 def _is_local(ref: str) -> bool:
     return ref == "#" or ref.startswith("#/")
-
-
-def _has_local_ref(schema: Any) -> bool:
-    found = []
-
-    def note(ref: str) -> str:
-        found.append(_is_local(ref))
-        return ref
-
-    _map_schema(schema, note)
-    return any(found)
 
 
 def _rebase_refs(schema: Any, base: str) -> Any:

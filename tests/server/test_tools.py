@@ -43,6 +43,16 @@ class GrammarFakeEngine(FakeEngine):
         self.grammars = GrammarCache(tok, len(tok), [tok.eos_token_id])
 
 
+async def _streamed_choices(s: Any, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """``body`` streamed to the chat route: each data frame's first choice, in order."""
+    chunks = []
+    async with s.http.stream("POST", CHAT, json={**body, "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:])["choices"][0])
+    return chunks
+
+
 def _plan(**body: Any) -> ToolPlan:
     return tool_plan(ChatCompletionRequest(messages=MSG, **body))
 
@@ -503,11 +513,7 @@ async def test_auto_tool_calls_are_parsed_in_json_and_streams(serve) -> None:
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
 
-    chunks = []
-    async with s.http.stream("POST", CHAT, json={**body, "stream": True}) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                chunks.append(json.loads(line[6:])["choices"][0])
+    chunks = await _streamed_choices(s, body)
     content = "".join(c["delta"].get("content") or "" for c in chunks)
     calls = [t for c in chunks for t in c["delta"].get("tool_calls") or []]
     assert "<tool" not in content and content.strip() == "Sure."
@@ -625,11 +631,7 @@ async def test_required_with_defs_is_served_and_parsed(serve) -> None:
         function = reply["message"]["tool_calls"][0]["function"]
         assert function["name"] == "get_weather"
         assert json.loads(function["arguments"]) == {"loc": {"city": "Paris"}}
-        chunks = []
-        async with s.http.stream("POST", CHAT, json={**body, "stream": True}) as streamed:
-            async for line in streamed.aiter_lines():
-                if line.startswith("data: {"):
-                    chunks.append(json.loads(line[6:])["choices"][0])
+        chunks = await _streamed_choices(s, body)
         calls = [t for c in chunks for t in c["delta"].get("tool_calls") or []]
         assert [json.loads(c["function"]["arguments"]) for c in calls] == [
             {"loc": {"city": "Paris"}}
@@ -651,11 +653,7 @@ async def test_llama3_json_answer_with_a_name_stays_content(serve) -> None:
     reply = (await s.http.post(CHAT, json=body)).json()["choices"][0]
     assert reply["finish_reason"] == "stop"
     assert reply["message"]["content"] == answer and reply["message"].get("tool_calls") is None
-    chunks = []
-    async with s.http.stream("POST", CHAT, json={**body, "stream": True}) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                chunks.append(json.loads(line[6:])["choices"][0])
+    chunks = await _streamed_choices(s, body)
     assert "".join(c["delta"].get("content") or "" for c in chunks) == answer
     assert not any(c["delta"].get("tool_calls") for c in chunks)
     assert chunks[-1]["finish_reason"] == "stop"
@@ -681,11 +679,7 @@ async def test_parallel_tool_calls_false_returns_one_call_in_json_and_streams(se
     assert [json.loads(c["function"]["arguments"]) for c in reply["message"]["tool_calls"]] == [
         {"city": "Paris"}
     ]
-    chunks = []
-    async with s.http.stream("POST", CHAT, json={**body, "stream": True}) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                chunks.append(json.loads(line[6:])["choices"][0])
+    chunks = await _streamed_choices(s, body)
     calls = [t for c in chunks for t in c["delta"].get("tool_calls") or []]
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
     assert calls[0]["index"] == 0 and chunks[-1]["finish_reason"] == "tool_calls"
