@@ -22,6 +22,7 @@
 // size notices (and larger activations are mmap'ed fresh, page faults included). Steps
 // measured faster at every batch size with the buffers.
 
+#include <ATen/ops/empty.h>
 #include <omp.h>
 
 #include <atomic>
@@ -30,6 +31,7 @@
 
 #include "contention.h"
 #include "ops.h"
+#include "stack.h"
 #include "team.h"
 
 namespace pagedserve_cpu {

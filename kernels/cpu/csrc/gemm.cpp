@@ -11,7 +11,11 @@
 // fast as a plain sum over them. Larger batches (long prefill chunks) use the library on the
 // unpacked weights.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

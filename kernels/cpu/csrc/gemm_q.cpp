@@ -52,7 +52,9 @@
 // The packed tensor is uint8 [ceil(N / NBQ), K / 32, block bytes]; its last size names the
 // format. Scales are kept as float32 (not float16) so the inner loop converts only q.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 

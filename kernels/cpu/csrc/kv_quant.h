@@ -6,7 +6,7 @@
 // the reference's float32 operations in its order, so the bytes are the reference's.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 

@@ -2,7 +2,9 @@
 // runs a few hundred ops instead of a thousand: on 2 cores each PyTorch op pays dispatch and
 // thread wake-up, which at batch 1 adds up to a large share of the step.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cstring>
 #include <ATen/Parallel.h>

@@ -17,7 +17,9 @@
 // max(0, len - sliding_window): a decode's spans cover only that range, and a run's rows
 // mask the positions before their own start (window_start below).
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

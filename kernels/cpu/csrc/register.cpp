@@ -1,8 +1,10 @@
 // The operator schemas of the CPU kernels: torch.ops.pagedserve_cpu.<name>.
 
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "ops.h"
+#include "stack.h"
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, "
