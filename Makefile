@@ -23,8 +23,12 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/pagedserve serve $(ARGS)
 
+# The suite runs on pytest-xdist workers, one a CPU up to 4 (on a 2-core machine two workers
+# take about two thirds of a serial run's time); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; [ $$n -lt 2 ] && n=0; echo $$n)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(ARGS)
 
 # On a CUDA machine: the GPU-marked tests (compiled Triton kernels, CUDA graphs, CUDA bf16
 # parity) and the kernel bench's table. With a CUDA torch in .venv (PyPI's, on Linux) they

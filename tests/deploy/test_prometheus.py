@@ -376,10 +376,11 @@ def test_client_abort_is_counted(stack: Stack, sent: Sent) -> None:
     assert share == pytest.approx(1 / 6, rel=0.05)  # 1 abort of 6 finished requests
 
 
-def test_a_skipped_check_is_named_in_the_summary_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_skipped_check_is_named_in_the_summary_line(tmp_path: Path, workers: str) -> None:
     """Without the prometheus binary the checks above skip; a plain ``make test`` (``-q``,
-    which hides skip reasons) must still say so in one line of its summary
-    (tests/conftest.py's ``pytest_terminal_summary``)."""
+    which hides skip reasons, on pytest-xdist workers) must still say so in one line of its
+    summary (tests/conftest.py's ``pytest_terminal_summary``)."""
     (tmp_path / "test_tools.py").write_text(
         "import pytest\n\n"
         "def test_needs_a_tool():\n    pytest.skip('the frob binary is not installed')\n\n"
@@ -388,8 +389,8 @@ def test_a_skipped_check_is_named_in_the_summary_line(tmp_path: Path) -> None:
         encoding="utf-8",
     )
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "--rootdir", str(tmp_path),
-         "-c", os.devnull, str(tmp_path / "test_tools.py")],
+        [sys.executable, "-m", "pytest", "-q", "-n", workers, "-p", "tests.conftest", "--rootdir",
+         str(tmp_path), "-c", os.devnull, str(tmp_path / "test_tools.py")],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
