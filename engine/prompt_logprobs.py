@@ -60,7 +60,8 @@ class ScoredRows:
             entries = []
             for r, token_id in enumerate(chunk.token_ids, start=row):
                 n = chunk.top_n
-                top = list(zip(top_ids[r][:n], top_values[r][:n], strict=True))
+                # No top-n where every chunk of the step asked for none (prompt_logprobs=0).
+                top = list(zip(top_ids[r][:n], top_values[r][:n], strict=True)) if n else []
                 entries.append(TokenLogprob(token_id, logprobs[r], top, rank=ranks[r]))
             row += len(chunk.token_ids)
             out[chunk.request_id] = (chunk.start, entries)

@@ -54,6 +54,7 @@ def assert_matches(
     prompt: list[int],
     ref: torch.Tensor,
     tie: float = TIE,
+    top: int = TOP,
 ) -> None:
     assert got is not None and len(got) == len(prompt) and got[0] is None
     for i, entry in enumerate(got[1:]):
@@ -64,20 +65,28 @@ def assert_matches(
         # Ties aside, the rank counts the tokens more likely than the prompt's.
         above = int((row > entry.logprob + tie).sum())
         assert above + 1 <= entry.rank <= int((row > entry.logprob - tie).sum()) + 1
-        values, ids = row.topk(TOP)
+        values, ids = row.topk(top)
         assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=tie)
         for (token, value), ref_id in zip(entry.top, ids.tolist(), strict=True):
             assert token == ref_id or float(row[token]) == pytest.approx(value, abs=tie)
 
 
-def _run(llm: LLM, prompts: list[list[int]], scored: set[int], *, abort: str | None = None):
-    """Add every prompt at once (scored ones ask for prompt logprobs), step to the end."""
+def _run(
+    llm: LLM,
+    prompts: list[list[int]],
+    scored: set[int] | dict[int, int],
+    *,
+    abort: str | None = None,
+):
+    """Add every prompt at once (scored ones ask for prompt logprobs: TOP alternatives, or
+    as many as ``scored`` maps them to), step to the end."""
+    top = scored if isinstance(scored, dict) else dict.fromkeys(scored, TOP)
     engine = llm.engine
     results: dict[str, list[TokenLogprob | None] | None] = {}
     tokens: dict[str, list[int]] = {}
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                prompt_logprobs=TOP if i in scored else None)  # fmt: skip
+                                prompt_logprobs=top.get(i))  # fmt: skip
         engine.add_request(f"r{i}", prompt, params)
     steps = 0
     while engine.has_unfinished_requests():
@@ -129,6 +138,24 @@ def test_prompt_logprobs_match_transformers_through_chunks_preemption_and_cachin
     engine = llm.engine
     assert engine.scheduler.num_preemptions_total > 0
     assert engine.kv_manager.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("beside", [None, TOP], ids=["alone", "beside-a-top-n"])
+def test_no_alternatives(
+    tiny_llama_cpu_shapes: Path,
+    prompts: list[list[int]],
+    references: list[torch.Tensor],
+    beside: int | None,
+) -> None:
+    """``prompt_logprobs=0`` (each position's own token and rank, no alternatives), whether
+    every scored row of a step asks for none or another in the same step asks for some."""
+    llm = LLM(str(tiny_llama_cpu_shapes), num_kv_blocks=64, block_size=16, **DEVICE)
+    scored = {1: 0, 3: 0} if beside is None else {1: 0, 3: beside}
+    got, _ = _run(llm, prompts, scored)
+    assert set(got) == {"r1", "r3"}
+    for i, top in scored.items():
+        assert_matches(got[f"r{i}"], prompts[i], references[i], top=top)
+        assert all(len(entry.top) == top for entry in got[f"r{i}"][1:])
 
 
 def test_the_step_cap_bounds_scored_tokens(

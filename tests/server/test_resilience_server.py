@@ -45,13 +45,36 @@ def random_prompts(num: int, seed: int, vocab: int = 300) -> list[list[int]]:
 
 def references(server: TinyServer, prompts: list[list[int]]) -> list[list[int]]:
     """Each prompt's greedy tokens (up to MAX_TOKENS) with nothing else running."""
+    return [tokens for tokens, _ in scored_references(server, prompts)]
+
+
+def scored_references(
+    server: TinyServer, prompts: list[list[int]]
+) -> list[tuple[list[int], list[float | None]]]:
+    """Each prompt's greedy tokens (up to MAX_TOKENS) and prompt logprobs, with nothing else
+    running."""
     out = []
     with httpx.Client(base_url=server.url, timeout=30) as http:
         for prompt in prompts:
-            r = http.post("/v1/completions", json=body(prompt, MAX_TOKENS))
+            payload = {**body(prompt, MAX_TOKENS), "prompt_logprobs": 0}
+            r = http.post("/v1/completions", json=payload)
             assert r.status_code == 200, r.text
-            out.append(r.json()["choices"][0]["token_ids"])
+            choice = r.json()["choices"][0]
+            out.append((choice["token_ids"], prompt_logprob_values(choice)))
     return out
+
+
+def prompt_logprob_values(choice: dict[str, Any]) -> list[float | None]:
+    """A choice's vLLM-style ``prompt_logprobs`` (``prompt_logprobs: 0``: each position's own
+    token only) as the logprob at each position, None at the first."""
+    values: list[float | None] = []
+    for entry in choice["prompt_logprobs"]:
+        if entry is None:
+            values.append(None)
+        else:
+            assert len(entry) == 1, entry
+            values.append(next(iter(entry.values()))["logprob"])
+    return values
 
 
 def body(prompt: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
@@ -183,12 +206,14 @@ def chaos_server(
 def test_chaos_soak(chaos_server: TinyServer) -> None:
     """A few hundred requests with random prompts, lengths and modes; about 20 % of clients
     hang up at a random point, some carry a random deadline, a few are engineered to raise
-    inside the engine. Every request that was not cut short gets exactly its solo tokens; the
-    pool ends free and consistent; the server's RSS does not grow from the first third of
-    the run to the last."""
+    inside the engine, and about a third of those not streamed ask for their prompt's logprobs
+    (rows of logits at every prompt position, no prefix cache). Every request that was not cut
+    short gets exactly its solo tokens, and its solo prompt logprobs where it asked; the pool
+    ends free and consistent; the server's RSS does not grow from the first third of the run
+    to the last."""
     server = chaos_server
     prompts = random_prompts(24, seed=7)
-    expected = references(server, prompts)
+    solo = scored_references(server, prompts)
     rng = random.Random(11)
     num_requests, concurrency = 300, 24
     plans = []
@@ -210,6 +235,7 @@ def test_chaos_soak(chaos_server: TinyServer) -> None:
                 "after_frames": rng.randint(0, 6),
                 "after_s": rng.uniform(0.0, 0.3),
                 "deadline_s": rng.uniform(0.02, 1.0),
+                "scored": rng.random() < 0.33,
             }
         )
     rss: dict[str, int] = {}
@@ -222,17 +248,19 @@ def test_chaos_soak(chaos_server: TinyServer) -> None:
             {"X-Request-Timeout": f"{plan['deadline_s']:.3f}"} if plan["kind"] == "deadline" else {}
         )
         payload = body(prompt, plan["max_tokens"], plan["stream"])
+        if plan["scored"] and not plan["stream"]:
+            payload["prompt_logprobs"] = 0
         if plan["kind"] == "disconnect" and not plan["stream"]:
             try:  # a client that gives up: httpx closes the connection on its timeout
                 r = await http.post("/v1/completions", json=payload, timeout=plan["after_s"] + 0.01)
             except httpx.TimeoutException:
                 return "gone", plan
             assert r.status_code == 200, r.text  # it finished before the client gave up
-            return "tokens", {**plan, "tokens": r.json()["choices"][0]["token_ids"]}
+            return "tokens", completed(plan, r.json()["choices"][0])
         if not plan["stream"]:
             r = await http.post("/v1/completions", json=payload, headers=headers)
             if r.status_code == 200:
-                return "tokens", {**plan, "tokens": r.json()["choices"][0]["token_ids"]}
+                return "tokens", completed(plan, r.json()["choices"][0])
             return f"status-{r.status_code}", {**plan, "error": r.json()}
         async with http.stream("POST", "/v1/completions", json=payload, headers=headers) as r:
             if r.status_code != 200:  # failed before the stream started (e.g. a deadline)
@@ -247,6 +275,10 @@ def test_chaos_soak(chaos_server: TinyServer) -> None:
             return "stream-error", {**plan, "error": error}
         assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]", lines[-3:]
         return "tokens", {**plan, "tokens": tokens}
+
+    def completed(plan: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
+        scored = prompt_logprob_values(choice) if "prompt_logprobs" in choice else None
+        return {**plan, "tokens": choice["token_ids"], "prompt_logprobs": scored}
 
     async def run() -> list[tuple[str, dict[str, Any]]]:
         semaphore = asyncio.Semaphore(concurrency)
@@ -275,8 +307,13 @@ def test_chaos_soak(chaos_server: TinyServer) -> None:
         plan_kind = result["kind"]
         if kind == "tokens":
             assert plan_kind in ("normal", "deadline", "disconnect"), result
-            solo = expected[result["prompt"]][: result["max_tokens"]]
-            assert result["tokens"] == solo, result
+            solo_tokens, solo_scores = solo[result["prompt"]]
+            assert result["tokens"] == solo_tokens[: result["max_tokens"]], result
+            scores = result.get("prompt_logprobs")
+            assert (scores is not None) == (result["scored"] and not result["stream"]), result
+            if scores is not None:  # float32; another batch sums in another order
+                assert scores[0] is None and solo_scores[0] is None, result
+                assert scores[1:] == pytest.approx(solo_scores[1:], abs=1e-4), result
         elif kind in ("status-500", "stream-error") and plan_kind == "poison":
             error = result["error"]
             assert_openai_error(error, "engine_error")
@@ -290,6 +327,7 @@ def test_chaos_soak(chaos_server: TinyServer) -> None:
         k in ("status-500", "stream-error") and r["kind"] == "poison" for k, r in results
     )
     assert outcomes["tokens"] > num_requests // 2
+    assert sum(r.get("prompt_logprobs") is not None for _, r in results) > num_requests // 10
     assert health["status"] == "ok" and health["engine"]["kv_blocks_used"] == 0
     growth = rss["end"] - rss["first_third"]
     assert growth < 16 * 1024**2, f"RSS grew by {growth / 1024**2:.1f} MiB: {rss}"
