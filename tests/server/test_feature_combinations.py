@@ -1,7 +1,8 @@
 """Completions through a real engine (the tiny random Llama and the test tokenizer, in
 process over httpx's ASGI transport): a synchronous and an asynchronous engine over the same
 pool, roomy or preempting, give the same response to each of a mix of ``n``, stop strings,
-logprobs, seeds, structured output, streaming and usage requests sent together: the server's
+logprobs, seeds, structured output, streaming, usage, echoed prompts with their logprobs,
+prompt logprobs, ``min_tokens`` and ``logit_bias`` requests sent together: the server's
 stop strings abort engine requests whose next token may already be on the device, and
 ``n`` choices share their prompt's cached blocks. A deadline passed under asynchronous
 scheduling is a 504 and leaves the pool free."""
@@ -51,11 +52,44 @@ def _bodies() -> list[dict[str, Any]]:
             body["stream_options"] = {"include_usage": True}
             body["stream"] = True
         bodies.append(body)
+    # Prompt logprobs (rows of logits at every prompt position, no prefix cache): echoed and
+    # streamed with the choices' first chunks, vLLM's field beside a bias, the prompt alone.
+    bodies += [
+        {"prompt": WORDS[0] * 2, "max_tokens": 6, "temperature": 0, "n": 2, "stream": True,
+         "echo": True, "logprobs": 1},
+        {"prompt": WORDS[3], "max_tokens": 9, "temperature": 0.8, "seed": 3, "n": 2,
+         "stream": False, "prompt_logprobs": 0, "logit_bias": {"7": 3.0}},
+        {"prompt": WORDS[1] * 3, "max_tokens": 0, "echo": True, "logprobs": 0, "stream": False},
+        {"prompt": WORDS[4], "max_tokens": 12, "temperature": 0, "min_tokens": 6,
+         "stop": ["e"], "stream": False, "prompt_logprobs": 2},
+    ]  # fmt: skip
     return bodies
 
 
+def _scores(choice: dict[str, Any]) -> list[Any] | None:
+    """A choice's logprob values: vLLM's ``prompt_logprobs`` (per position None or token id
+    -> logprob), else its ``logprobs.token_logprobs`` (echoed prompt tokens, then output)."""
+    if choice.get("prompt_logprobs") is not None:
+        return [
+            None if e is None else {k: v["logprob"] for k, v in e.items()}
+            for e in choice["prompt_logprobs"]
+        ]
+    return (choice.get("logprobs") or {}).get("token_logprobs")
+
+
+def _assert_close(ours: list[Any] | None, want: list[Any] | None) -> None:
+    """Logprob values alike up to float32 rounding (another step order sums differently)."""
+    assert (ours is None) == (want is None)
+    for a, b in zip(ours or [], want or [], strict=True):
+        if isinstance(b, dict):
+            assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()))
+        else:
+            assert (a is None) == (b is None) and (b is None or a == pytest.approx(b))
+
+
 async def _complete(served: Served, body: dict[str, Any]) -> Any:
-    """The response's choices (index, text, finish reason, logprob tokens) and usage."""
+    """The response's choices (index, text, finish reason, logprob tokens), usage, and each
+    choice's prompt logprobs (None without)."""
     if not body["stream"]:
         r = await served.http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
@@ -64,10 +98,11 @@ async def _complete(served: Served, body: dict[str, Any]) -> Any:
             (c["index"], c["text"], c["finish_reason"], (c["logprobs"] or {}).get("tokens"))
             for c in data["choices"]
         ]
-        return choices, data["usage"]
+        return choices, data["usage"], [_scores(c) for c in data["choices"]]
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
     tokens: dict[int, list[str]] = {}
+    values: dict[int, list[float | None]] = {}
     usage = None
     async with served.http.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -81,11 +116,13 @@ async def _complete(served: Served, body: dict[str, Any]) -> Any:
                 texts[c["index"]] = texts.get(c["index"], "") + c["text"]
                 if c.get("logprobs"):
                     tokens.setdefault(c["index"], []).extend(c["logprobs"]["tokens"])
+                    values.setdefault(c["index"], []).extend(c["logprobs"]["token_logprobs"])
                 if c.get("finish_reason"):
                     reasons[c["index"]] = c["finish_reason"]
             usage = chunk.get("usage") or usage
     assert set(reasons) == set(texts) == set(range(body["n"]))
-    return sorted((i, texts[i], reasons[i], tokens.get(i)) for i in texts), usage
+    choices = sorted((i, texts[i], reasons[i], tokens.get(i)) for i in texts)
+    return choices, usage, [values.get(i) for i in sorted(texts)]
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +164,13 @@ async def test_sync_and_async_engines_give_the_same_responses(
         for body, want, ours in zip(
             bodies, responses[False, blocks], responses[True, blocks], strict=True
         ):
-            assert ours == want, (blocks, body)
-    reasons = {reason for choices, _ in responses[False, 8] for _, _, reason, _ in choices}
+            assert ours[:2] == want[:2], (blocks, body)
+            for our_values, wanted in zip(ours[2], want[2], strict=True):
+                _assert_close(our_values, wanted)
+    for body, (_, _, values) in zip(bodies, responses[False, 8], strict=True):
+        if body.get("echo") or body.get("prompt_logprobs") is not None:
+            assert all(v is not None and v[0] is None for v in values), body
+    reasons = {reason for choices, *_ in responses[False, 8] for _, _, reason, _ in choices}
     assert reasons == {"stop", "length"}
 
 
