@@ -216,7 +216,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not by_reason:
         return
     groups = "; ".join(
-        f"{_by_file(nodeids)} ({reason})" for reason, nodeids in sorted(by_reason.items())
+        # Sorted: pytest-xdist reports tests as its workers finish them, in no fixed order.
+        f"{_by_file(sorted(nodeids))} ({reason})"
+        for reason, nodeids in sorted(by_reason.items())
     )
     terminalreporter.write_line(f"SKIPPED {len(reports)} checks: {groups}", yellow=True)
 
