@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/pagedserve serve $(ARGS)
 
-# The suite runs on pytest-xdist workers, one a CPU up to 4 (on a 2-core machine two workers
-# take about two thirds of a serial run's time); TEST_WORKERS=0 runs it in one process.
+# The suite runs on pytest-xdist workers, one a CPU up to 4: much of it waits on child
+# processes (servers, compilers), which workers overlap. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; [ $$n -lt 2 ] && n=0; echo $$n)
 
 test: $(STAMP)
