@@ -43,6 +43,9 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    # The id of SamplingParams.stop_token_ids that ended it (vLLM's); None for the model's
+    # EOS and for every other finish.
+    stop_reason: int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # SamplingParams.prompt_logprobs: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -190,12 +193,14 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
         results: dict[str, CompletionOutput] = {}
+        stop_ids: dict[str, tuple[int, ...]] = {}
         order = []
         for prompt, p in zip(prompts, per_prompt, strict=False):
             request_id = f"offline-{next(self._ids)}"
             ids = self.encode(prompt)
             self.engine.add_request(request_id, ids, p)
             results[request_id] = CompletionOutput(prompt_token_ids=ids)
+            stop_ids[request_id] = p.stop_token_ids
             order.append(request_id)
         scheduler = self.engine.scheduler
         while self.engine.has_unfinished_requests():
@@ -213,6 +218,8 @@ class LLM:
                     result.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     result.finish_reason = out.finish_reason
+                    if out.stop_token_id in stop_ids[out.request_id]:
+                        result.stop_reason = out.stop_token_id
         if self.engine.tokenizer is not None:
             for result in results.values():
                 result.text = self.engine.tokenizer.decode(

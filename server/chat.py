@@ -156,6 +156,7 @@ def _response(
                 message=message,
                 logprobs=chat_logprobs_body(c.logprobs) if req.logprobs else None,
                 finish_reason=_finish(c.finish_reason, bool(parsed.tool_calls)),
+                stop_reason=c.stop_reason,
                 token_ids=c.token_ids if req.return_token_ids else None,
                 prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
             )
@@ -221,9 +222,10 @@ def _stream(
             )
         if d.finish_reason is not None and d.finish_reason != "abort":
             reason = _finish(d.finish_reason, bool(calls))
-            frames.append(
-                chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(), finish_reason=reason)])
+            end = ChatChunkChoice(
+                index=d.index, delta=ChatDelta(), finish_reason=reason, stop_reason=d.stop_reason
             )
+            frames.append(chunk([end]))
         return frames
 
     usage_frame = (lambda: chunk([], run.usage())) if include_usage else None

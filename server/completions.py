@@ -140,6 +140,7 @@ def _response(
                 text=echo + c.text,
                 logprobs=logprobs,
                 finish_reason=finish_reason(c.finish_reason),
+                stop_reason=c.stop_reason,
                 token_ids=c.token_ids if req.return_token_ids else None,
                 prompt_token_ids=c.prompt.token_ids if req.return_token_ids else None,
                 prompt_logprobs=_prompt_logprobs_field(req, ctx, run, c.index),
@@ -202,7 +203,10 @@ def _stream(
         # gone and nobody reads one.
         if d.finish_reason is not None and d.finish_reason != "abort":
             reason = finish_reason(d.finish_reason)
-            frames.append(chunk([CompletionChoice(index=d.index, text="", finish_reason=reason)]))
+            end = CompletionChoice(
+                index=d.index, text="", finish_reason=reason, stop_reason=d.stop_reason
+            )
+            frames.append(chunk([end]))
         return frames
 
     usage_frame = (lambda: chunk([], run.usage())) if include_usage else None

@@ -103,6 +103,7 @@ class ChoiceDelta:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" once finished
+    stop_reason: str | int | None = None  # with "stop": ChoiceState.stop_reason
     # With the choice's first tokens, where its request asked (SamplingParams.prompt_logprobs).
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
@@ -112,6 +113,7 @@ class TextOptions:
     """How a request's tokens become its text (the same for each of its choices)."""
 
     stop: Sequence[str] = ()  # stop strings: the text ends before the first one found
+    stop_token_ids: frozenset[int] = frozenset()  # the request's own (not the model's EOS)
     include_stop_str: bool = False  # vLLM: keep the stop string, or the stop token's text
     skip_special_tokens: bool = True  # drop special tokens' text (EOS, chat markers)
     # Completions' echo with max_tokens 0: the reply is the prompt alone. The engine computes
@@ -142,6 +144,7 @@ class ChoiceState:
         )
         self._stop = StopStringMatcher(text_options.stop)
         self._include_stop = text_options.include_stop_str
+        self._stop_token_ids = text_options.stop_token_ids
         # A stop string ends the choice only in the text of an output token past this many
         # (vLLM's rule; the engine bans stop tokens before it).
         self._min_tokens = min_tokens
@@ -153,6 +156,10 @@ class ChoiceState:
         self.logprobs: list[LogprobEntry] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.finish_reason: str | None = None  # stop | length | abort
+        # vLLM's stop_reason: what made a "stop" finish, where the request named it: the stop
+        # string matched, or the id of its stop_token_ids that ended it; None for the model's
+        # EOS (or a complete grammar, which ends on it) and for every other finish.
+        self.stop_reason: str | int | None = None
         self.timings = RequestTimings(arrival_time, num_prompt_tokens=len(prompt.token_ids))
 
     @property
@@ -206,6 +213,7 @@ class ChoiceState:
                 if self._include_stop and self._stop.matched is not None:
                     delta.text += self._stop.matched
                 self.finish_reason = "stop"
+                self.stop_reason = self._stop.matched
                 break
         self.timings.on_tokens(len(delta.token_ids), now)
         if not self.finished and output.finished:
@@ -213,12 +221,17 @@ class ChoiceState:
             emitted, stopped = self._stop.feed(self._detokenizer.flush())
             delta.text += emitted + self._stop.flush()
             self.finish_reason = "stop" if stopped else output.finish_reason or "stop"
+            if stopped:
+                self.stop_reason = self._stop.matched
+            elif ending_token in self._stop_token_ids:
+                self.stop_reason = ending_token
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         if self.finished:
             self.timings.on_finish(self.finish_reason or "stop", now)
             delta.finish_reason = self.finish_reason
+            delta.stop_reason = self.stop_reason
         return delta
 
     def _logprob_entry(self, lp: TokenLogprob, offset: int) -> LogprobEntry:

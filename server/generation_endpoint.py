@@ -109,6 +109,7 @@ async def serve_generation(
             params=params,
             text_options=TextOptions(
                 stop_strings(req.stop),
+                stop_token_ids=frozenset(req.stop_token_ids or ()),
                 include_stop_str=req.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 drop_output=endpoint.drop_output(req),

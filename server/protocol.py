@@ -223,6 +223,7 @@ class CompletionChoice(_Response):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id
     token_ids: list[int] | None = _OMIT_IF_NONE  # with return_token_ids
     prompt_token_ids: list[int] | None = _OMIT_IF_NONE  # with return_token_ids
     prompt_logprobs: PromptLogprobs | None = _OMIT_IF_NONE  # with prompt_logprobs
@@ -285,6 +286,7 @@ class ChatChoice(_Response):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id
     token_ids: list[int] | None = _OMIT_IF_NONE
     prompt_token_ids: list[int] | None = _OMIT_IF_NONE
 
@@ -310,6 +312,7 @@ class ChatChunkChoice(_Response):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id
     token_ids: list[int] | None = _OMIT_IF_NONE
 
 

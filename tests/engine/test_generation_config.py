@@ -94,8 +94,13 @@ def test_a_checkpoint_with_several_eos_ids_stops_at_each(tmp_path):
     for stop in stops:
         out = llm.generate([prompt + tokens[:start]], params)[0]
         assert out.token_ids == tokens[start : stop + 1], (stop, out.token_ids)
-        assert out.finish_reason == "stop"
+        assert (out.finish_reason, out.stop_reason) == ("stop", None)  # the model's EOS
         start = stop + 1
+    # A request's own stop id is its stop_reason (vLLM's), with the checkpoint's EOS ids beside.
+    own = dataclasses.replace(params, stop_token_ids=(tokens[stops[0] - 1],))
+    out = llm.generate([prompt], own)[0]
+    assert out.token_ids == tokens[: stops[0]]
+    assert (out.finish_reason, out.stop_reason) == ("stop", tokens[stops[0] - 1])
     none = LLM(str(path), generation_config="none", **ENGINE)
     assert none.get_default_sampling_params().temperature == 1.0
 

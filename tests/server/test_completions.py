@@ -42,6 +42,7 @@ async def test_greedy_text_usage_and_length_finish(serve) -> None:
         "text": greedy_text(6),
         "logprobs": None,
         "finish_reason": "length",
+        "stop_reason": None,
     }
     prompt_len = len(tiny_tokenizer().encode("hello world"))
     assert body["usage"] == {
@@ -75,6 +76,7 @@ async def test_eos_finishes_with_stop_and_adds_no_text(serve) -> None:
     )
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] is None  # the model's EOS: no stop the request named
     assert choice["text"] == greedy_text(3)  # the EOS counts as a token but adds no text
     assert r.json()["usage"]["completion_tokens"] == 4
 
@@ -98,7 +100,7 @@ async def test_stop_token_ids(serve) -> None:
         json={"prompt": "hi", "max_tokens": 10, "temperature": 0, "stop_token_ids": brown},
     )
     choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "stop"
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", brown[0])
     assert choice["text"] == " the quick"  # the stop token's text is not returned
     assert r.json()["usage"]["completion_tokens"] == 3
 
@@ -118,7 +120,7 @@ async def test_stop_string_across_tokens_non_streaming(serve) -> None:
     )
     choice = r.json()["choices"][0]
     assert choice["text"] == " the qui"
-    assert choice["finish_reason"] == "stop"
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", "ck bro")
     # Tokens and usage end at the token that completed the stop string.
     tok = tiny_tokenizer()
     assert choice["token_ids"] == tok.encode(" the quick brown")
@@ -188,6 +190,36 @@ async def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(serve) -> N
     for keep in (0, -2, 257):  # the fake engine's context: 256 tokens
         r = await s.http.post("/v1/completions", json={**body, "truncate_prompt_tokens": keep})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_stop_reason_names_the_stop_that_ended_each_choice(serve, route, stream) -> None:
+    """vLLM's stop_reason: the stop string matched or the stop token id, null for the model's
+    EOS and for a length finish; streamed in the finish chunk, null in the others."""
+    s = await serve(FakeEngine(eos_after=12))
+    brown = tiny_tokenizer().encode(" brown")
+    prompt = {"prompt": "hi"} if route == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    cases = [
+        ({"stop": ["zzz", "ck bro"]}, "stop", "ck bro"),
+        ({"stop_token_ids": brown}, "stop", brown[0]),
+        ({"stop": "zzz", "stop_token_ids": [7]}, "stop", None),  # the EOS came first
+        ({"max_tokens": 2}, "length", None),
+        ({"stop": "quick", "include_stop_str_in_output": True}, "stop", "quick"),
+    ]
+    for fields, finish, stop_reason in cases:
+        body = {**prompt, "max_tokens": 20, "temperature": 0, "stream": stream, **fields}
+        r = await s.http.post(route, json=body)
+        assert r.status_code == 200, r.text
+        if stream:
+            choices = [c for p in sse_payloads(r.text) for c in p["choices"]]
+            *before, last = choices
+            assert all(c["stop_reason"] is None for c in before)
+        else:
+            (last,) = r.json()["choices"]
+        assert (last["finish_reason"], last["stop_reason"]) == (finish, stop_reason), fields
+    await s.wait_idle()
 
 
 async def test_stop_string_across_tokens_streaming(serve) -> None:

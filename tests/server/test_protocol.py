@@ -47,9 +47,11 @@ def test_null_means_the_default_where_the_field_has_no_null_of_its_own() -> None
 
 
 def test_extension_fields_are_left_out_unless_set() -> None:
+    """The fields a request opts into (return_token_ids, prompt_logprobs) are left out unless
+    set; vLLM's stop_reason, which its clients read on every choice, is always there."""
     choice = CompletionChoice(index=0, text="a")
     assert choice.model_dump() == {"index": 0, "text": "a", "logprobs": None,
-                                   "finish_reason": None}  # fmt: skip
+                                   "finish_reason": None, "stop_reason": None}  # fmt: skip
     assert CompletionChoice(index=0, text="a", token_ids=[1]).model_dump()["token_ids"] == [1]
     chunk = ChatCompletionChunk(id="c", created=0, model="m",
                                 choices=[ChatChunkChoice(index=0, delta=ChatDelta())])  # fmt: skip
