@@ -179,6 +179,45 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def _llama2(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
+) -> dict[str, Any]:
+    """Llama 2's config.json (meta-llama/Llama-2-*-hf) at one size."""
+    return {
+        "model_type": "llama",
+        "vocab_size": 32000,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+PRESETS["llama-2-7b"] = _llama2(4096, 11008, 32, 32, 32)
+PRESETS["llama-2-13b"] = _llama2(5120, 13824, 40, 40, 40)
+PRESETS["llama-2-70b"] = _llama2(8192, 28672, 80, 64, 8)
+PRESETS["llama-3-70b"] = {
+    **PRESETS["llama-3-8b"],
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+}
+# Mistral-7B-v0.2 (v0.1 differs by a 4,096-token sliding window, v0.3 by a 32,768 vocab).
+PRESETS["mistral-7b"] = {
+    **_llama2(4096, 14336, 32, 32, 8),
+    "model_type": "mistral",
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 32768,
+    "sliding_window": None,
+}
 # Llama 3.1 is Llama 3's shape with llama3 RoPE scaling to a 128k context.
 PRESETS["llama-3.1-8b"] = {
     **PRESETS["llama-3-8b"],

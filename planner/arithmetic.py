@@ -32,28 +32,71 @@ def param_count(cfg: ModelConfig) -> int:
         + h                                  # final norm
         (+ (H + 2*H_kv)*d per layer for q/k/v biases, Qwen2)
 
+    A mixture-of-experts layer holds E experts of intermediate size i_e and a router instead
+    of the MLP: E*3*h*i_e + h*E (Mixtral 8x7B: 46.7e9 in all).
+
     h = hidden size, i = intermediate size, V = vocabulary. Llama 2 7B: 6,738,415,616.
     """
     h, i, v, d = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     attention = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if cfg.attention_bias else 0)
     mlp = 3 * h * i + ((2 * i + h) if cfg.mlp_bias else 0)
-    per_layer = attention + mlp + 2 * h
+    moe = cfg.num_experts * (cfg.expert_params + h)
+    mlps = sum(moe if is_moe else mlp for is_moe in cfg.layer_is_moe())
     embedding = v * h * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_layers * per_layer + embedding + h
+    return cfg.num_layers * (attention + 2 * h) + mlps + embedding + h
 
 
 def streamed_param_count(cfg: ModelConfig) -> int:
-    """Parameters every forward step must read and multiply: P minus an untied input embedding.
+    """Parameters a forward step may read and multiply: P minus an untied input embedding.
 
     P_s = P - V*h   if the embeddings are untied, else P
 
     The input embedding is a gather of one row per token, not a matmul, so a decode step
     reads b rows of it, not the table. A tied table is read in full as the LM head.
-    Llama 2 7B: 6.74e9 - 0.13e9 = 6.61e9.
+    Llama 2 7B: 6.74e9 - 0.13e9 = 6.61e9. A mixture of experts reads only the experts its
+    tokens run (``unread_expert_params``).
     """
     untied_input = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
     return param_count(cfg) - untied_input
+
+
+def active_param_count(cfg: ModelConfig) -> int:
+    """Parameters one token multiplies through: P_s with each mixture layer's E experts cut
+    to the k it routes to.
+
+    P_a = P_s - L_moe * (E - k) * 3*h*i_e
+
+    A dense model's is P_s. Mixtral 8x7B: 12.7e9 (its "12.9B active" counts the input
+    embedding too); Qwen3-30B-A3B: 3.0e9 ("3.3B").
+    """
+    num_moe_layers = sum(cfg.layer_is_moe())
+    idle = cfg.num_experts - cfg.num_experts_per_tok
+    return streamed_param_count(cfg) - num_moe_layers * idle * cfg.expert_params
+
+
+def experts_run(num_experts: int, top_k: int, num_tokens: float) -> float:
+    """Expected distinct experts a mixture layer runs for n tokens that each route to k of E
+    uniformly (no expert twice for one token, so each misses a given expert with probability
+    1 - k/E):
+
+        E_run(n) = E * (1 - (1 - k/E)^n)
+
+    One token: k; n -> inf: E. Routing that favours some experts runs fewer. Mixtral (E = 8,
+    k = 2) at 4 tokens: 5.47 of 8."""
+    if num_experts == 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** max(num_tokens, 0.0))
+
+
+def unread_expert_params(cfg: ModelConfig, num_tokens: float) -> float:
+    """Expert parameters a step of n tokens leaves unread: L_moe * (E - E_run(n)) * 3*h*i_e
+    (0 for a dense model). A step reads P_s minus these."""
+    num_moe_layers = sum(cfg.layer_is_moe())
+    if not num_moe_layers:
+        return 0.0
+    run = experts_run(cfg.num_experts, cfg.num_experts_per_tok, num_tokens)
+    return num_moe_layers * (cfg.num_experts - run) * cfg.expert_params
 
 
 def weight_bytes(num_params: float, bytes_per_param: float) -> float:

@@ -15,55 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import ModelConfig
+from engine.presets import PRESETS as SHAPE_PRESETS
 
-
-def _llama(
-    hidden: int,
-    intermediate: int,
-    layers: int,
-    heads: int,
-    kv_heads: int,
-    vocab: int,
-    max_positions: int,
-    rope_theta: float = 10000.0,
-    model_type: str = "llama",
-    tied: bool = False,
-    head_dim: int | None = None,
-) -> dict[str, Any]:
-    """An HF ``config.json`` dict with the fields ``ModelConfig.from_hf`` reads."""
-    return {
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim or hidden // heads,
-        "vocab_size": vocab,
-        "max_position_embeddings": max_positions,
-        "rope_theta": rope_theta,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": tied,
-    }
-
-
-# The published config.json of each model (Hugging Face hub), reduced to what matters here.
-PRESETS: dict[str, dict[str, Any]] = {
-    # HuggingFaceTB/SmolLM2-135M-Instruct: the server's embedded default model.
-    "smollm2-135m": {
-        **_llama(576, 1536, 30, 9, 3, 49152, 8192, 100000.0, tied=True, head_dim=64),
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
-    "llama-2-7b": _llama(4096, 11008, 32, 32, 32, 32000, 4096),
-    "llama-2-13b": _llama(5120, 13824, 40, 40, 40, 32000, 4096),
-    "llama-2-70b": _llama(8192, 28672, 80, 64, 8, 32000, 4096),
-    "llama-3-8b": _llama(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0),
-    "llama-3-70b": _llama(8192, 28672, 80, 64, 8, 128256, 8192, 500000.0),
-    # Mistral-7B-v0.2 (v0.1 differs by a 4,096-token sliding window, v0.3 by a 32,768 vocab).
-    "mistral-7b": _llama(4096, 14336, 32, 32, 8, 32000, 32768, 1e6, model_type="mistral"),
-}
-PRESETS["default"] = PRESETS["smollm2-135m"]
+# The engine's shape presets (engine/presets.py: the config.json of each model, also what
+# ``--load-format dummy`` serves), and ``default`` for the server's embedded model.
+PRESETS: dict[str, dict[str, Any]] = {**SHAPE_PRESETS, "default": SHAPE_PRESETS["smollm2-135m"]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +87,7 @@ def gguf_blocks(path: str | Path, config: ModelConfig) -> GgufBlocks:
                 body_float32 += got[1]
     head = packed(["output" if "output.weight" in tensors else "token_embd"])
     head_float32 = config.vocab_size * config.hidden_size * 4
-    return GgufBlocks(
-        str(path), body_blocks, body_float32, head[0] if head else None, head_float32
-    )
+    return GgufBlocks(str(path), body_blocks, body_float32, head[0] if head else None, head_float32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,6 +128,8 @@ def make_plan(
 
     n_params = ar.param_count(cfg)
     n_streamed = ar.streamed_param_count(cfg)
+    # What a token multiplies through: n_streamed but for a mixture's idle experts.
+    n_active = ar.active_param_count(cfg)
     w_total = ar.weight_bytes(n_params, dtype_bytes(w_dtype))
     w_streamed = ar.weight_bytes(n_streamed, dtype_bytes(w_dtype))
     uses_blocks = blocks is not None and block_rows > 0 and device.name == "cpu"
@@ -135,13 +137,15 @@ def make_plan(
 
     def weights_read(body_rows: int, head_rows: int) -> float:
         """Weight bytes a step of ``body_rows`` tokens and ``head_rows`` logit rows reads:
-        the GGUF blocks for the matmuls of at most ``block_rows`` rows, else float32."""
+        the GGUF blocks for the matmuls of at most ``block_rows`` rows, else float32; of a
+        mixture of experts, only the experts its tokens run."""
+        unread = ar.weight_bytes(ar.unread_expert_params(cfg, body_rows), dtype_bytes(w_dtype))
         if not uses_blocks:
-            return w_streamed
+            return w_streamed - unread
         assert blocks is not None
         saved = blocks.body_saved_bytes if body_rows <= block_rows else 0
         saved += blocks.lm_head_saved_bytes if head_rows <= block_rows else 0
-        return w_streamed - saved
+        return w_streamed - unread - saved
 
     # int8/fp8 count their per-row scales too, as the server's pool does (kvpool/kv_dtype.py).
     k = kv_bytes_per_token(
@@ -175,7 +179,7 @@ def make_plan(
     attn_intensity = ar.attention_intensity(context, d, dtype_bytes(act_dtype))
 
     # Prefill of one prompt: the TTFT lower bound.
-    pf_flops = ar.prefill_flops(n_streamed, n_in, L, H, d)
+    pf_flops = ar.prefill_flops(n_active, n_in, L, H, d)
     pf_bytes = ar.prefill_bytes(weights_read(n_in, 1), n_in, k)
     pf_time = ar.roofline_time_s(pf_bytes, pf_flops, bw, flops_peak)
     pf_intensity = ar.arithmetic_intensity(pf_flops, pf_bytes)
@@ -183,7 +187,7 @@ def make_plan(
     # Decode at the mean context of the generation: step i (1..O) attends over P + i tokens.
     mean_ctx = n_in + (n_out + 1) / 2
     attn = ar.attention_flops_per_token(L, H, d, mean_ctx)
-    dec_flops = ar.decode_step_flops(n_streamed, b, attn)
+    dec_flops = ar.decode_step_flops(n_active, b, attn)
     w_decode = weights_read(b, b)
     dec_bytes = ar.decode_step_bytes(w_decode, b, mean_ctx, k)
     dec_time = ar.roofline_time_s(dec_bytes, dec_flops, bw, flops_peak)
@@ -198,7 +202,7 @@ def make_plan(
         ctx = n_in + i
         decode_total += ar.roofline_time_s(
             ar.decode_step_bytes(w_decode, b, ctx, k),
-            ar.decode_step_flops(n_streamed, b, ar.attention_flops_per_token(L, H, d, ctx)),
+            ar.decode_step_flops(n_active, b, ar.attention_flops_per_token(L, H, d, ctx)),
             bw,
             flops_peak,
         )
@@ -209,9 +213,30 @@ def make_plan(
         """A step of ``batch`` decodes at the mean context and ``prefill`` prompt tokens."""
         chunk = math.ceil(prefill)
         num_bytes = ar.decode_step_bytes(weights_read(batch + chunk, batch), batch, mean_ctx, k)
-        flops = ar.decode_step_flops(n_streamed, batch, attn)
-        flops += ar.prefill_flops(n_streamed, chunk, L, H, d)
+        flops = ar.decode_step_flops(n_active, batch, attn)
+        flops += ar.prefill_flops(n_active, chunk, L, H, d)
         return ar.roofline_time_s(num_bytes + chunk * k, flops, bw, flops_peak)
+
+    def critical_batch(attention: float, context: float, kv_token: float) -> float:
+        """``ar.critical_batch_size`` at this step's weight bytes; a mixture of experts reads
+        more experts as the batch grows, so its b* is the fixed point of b = b*(W(b)),
+        reached from below (W grows with b, up to every expert)."""
+        if not cfg.num_experts:
+            return ar.critical_batch_size(ratio, w_decode, n_active, attention, context, kv_token)
+        found = ar.critical_batch_size(
+            ratio, weights_read(1, 1), n_active, attention, context, kv_token
+        )
+        for _ in range(100):
+            if not math.isfinite(found):
+                break
+            rows = math.ceil(found)
+            following = ar.critical_batch_size(
+                ratio, weights_read(rows, rows), n_active, attention, context, kv_token
+            )
+            if following - found < 0.5:
+                return following
+            found = following
+        return found
 
     targets_plan = None
     if targets is not None and targets.any:
@@ -250,6 +275,7 @@ def make_plan(
             "source": model.source,
             "params": n_params,
             "streamed_params": n_streamed,
+            "active_params": n_active,
             "weight_bytes": w_total,
             "streamed_weight_bytes": w_streamed,
             "gguf_blocks": (
@@ -316,10 +342,8 @@ def make_plan(
             "weight_bytes_per_step": w_decode,
             "output_tokens_per_s": b / dec_time,
             "bound": ar.bound_by(dec_intensity, ratio),
-            "critical_batch": ar.critical_batch_size(
-                ratio, w_decode, n_streamed, attn, mean_ctx, k
-            ),
-            "critical_batch_no_kv": ar.critical_batch_size(ratio, w_decode, n_streamed),
+            "critical_batch": critical_batch(attn, mean_ctx, k),
+            "critical_batch_no_kv": critical_batch(0.0, 0.0, 0.0),
         },
         generation={
             "prefill_time_s": batch_pf,

@@ -72,6 +72,13 @@ def render_plan(plan: Plan) -> str:
             "parameters",
             f"{fmt_count(m['params'])} ({fmt_count(m['streamed_params'])} read per step)",
             "P; minus untied input embedding",
+        )
+        if m["active_params"] == m["streamed_params"]
+        else _row(
+            "parameters",
+            f"{fmt_count(m['params'])} ({fmt_count(m['active_params'])} a token runs, "
+            f"up to {fmt_count(m['streamed_params'])} a step reads)",
+            "P; top-k experts; all experts",
         ),
         _row(
             "layers / heads / KV heads / d",

@@ -166,6 +166,14 @@ def test_param_count_matches_engine_config(name: str) -> None:
         ("llama-3-70b", 70.554),
         ("mistral-7b", 7.242),
         ("default", 0.1345),
+        # The engine's shape presets (the planner's are the same table), per-head q/k norms
+        # and Gemma's extra norms left out (a few hundred thousand weights at most).
+        ("llama-3.2-1b", 1.2358),
+        ("qwen2.5-7b", 7.6156),
+        ("qwen3-8b", 8.1907),
+        ("gemma-2-9b", 9.2417),
+        ("mixtral-8x7b", 46.7028),  # every expert: all of them are held in memory
+        ("qwen3-30b-a3b", 30.5321),
     ],
 )
 def test_param_count_of_presets_matches_published_sizes(name: str, billions: float) -> None:
@@ -179,6 +187,31 @@ def test_streamed_params_leave_out_only_an_untied_input_embedding() -> None:
     assert ar.param_count(llama) - ar.streamed_param_count(llama) == 32000 * 4096
     smol = ModelConfig.from_hf(PRESETS["default"])  # tied: the table is the LM head too
     assert ar.streamed_param_count(smol) == ar.param_count(smol)
+
+
+@pytest.mark.parametrize(
+    ("name", "published_active"), [("mixtral-8x7b", 12.9), ("qwen3-30b-a3b", 3.3)]
+)
+def test_a_mixture_runs_its_top_k_experts_a_token(name: str, published_active: float) -> None:
+    """Active parameters as the model cards count them (the input embedding included)."""
+    cfg = ModelConfig.from_hf(PRESETS[name])
+    input_embedding = cfg.vocab_size * cfg.hidden_size
+    active = ar.active_param_count(cfg) + input_embedding
+    assert active / 1e9 == pytest.approx(published_active, rel=0.02)
+    # One token reads exactly what it runs; a large batch reads every expert.
+    streamed = ar.streamed_param_count(cfg)
+    assert streamed - ar.unread_expert_params(cfg, 1) == ar.active_param_count(cfg)
+    assert ar.unread_expert_params(cfg, 10_000) == pytest.approx(0, abs=1)
+
+
+def test_distinct_experts_run_by_a_batch() -> None:
+    assert ar.experts_run(8, 2, 1) == 2  # one token: its top-k
+    assert ar.experts_run(8, 2, 4) == pytest.approx(8 * (1 - 0.75**4))  # 5.47
+    assert ar.experts_run(128, 8, 256) == pytest.approx(128, rel=1e-6)
+    assert ar.experts_run(0, 0, 64) == 0  # a dense model
+    dense = ModelConfig.from_hf(PRESETS["llama-3-8b"])
+    assert ar.active_param_count(dense) == ar.streamed_param_count(dense)
+    assert ar.unread_expert_params(dense, 1) == 0
 
 
 def test_prefill_flops_add_causal_attention() -> None:

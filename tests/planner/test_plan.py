@@ -156,3 +156,45 @@ def test_rows_never_run_into_each_other() -> None:
     from planner.report import _row
 
     assert _row("x" * 40, "y" * 50, "formula") == "  " + "x" * 40 + "  " + "y" * 50 + "  formula"
+
+
+def test_a_mixture_of_experts_is_held_whole_and_read_by_the_experts_a_step_runs() -> None:
+    """Mixtral 8x7B in bf16: all 46.7e9 weights must fit (93 GB: not one 80 GB H100), while a
+    batch-1 decode step reads only its two experts a layer (12.7e9 weights) and multiplies
+    through the same; a large batch reads every expert."""
+    mixtral = load_model("mixtral-8x7b")
+    h100 = get_device("h100-sxm")
+    one = make_plan(mixtral, h100, Workload(128, 128, 1), dtype="bf16")
+    assert one.model["weight_bytes"] == pytest.approx(2 * 46.7028e9, rel=1e-4)
+    assert any("do not fit" in w for w in one.warnings)
+    active = one.model["active_params"]
+    assert active / 1e9 == pytest.approx(12.749, rel=1e-3)
+    assert one.decode["weight_bytes_per_step"] == pytest.approx(2 * active)
+    # 2 FLOPs a weight it runs, and a little attention at a context of ~192 tokens.
+    assert one.decode["step_flops"] == pytest.approx(2 * active, rel=0.01)
+    assert "a token runs" in render_plan(one)
+    big = make_plan(mixtral, get_device("h200"), Workload(128, 128, 256), dtype="bf16")
+    assert not any("do not fit" in w for w in big.warnings)  # 141 GB
+    streamed = big.model["streamed_params"]
+    assert big.decode["weight_bytes_per_step"] == pytest.approx(2 * streamed, rel=1e-6)
+    # Compute-bound only once a batch reads every expert: b* = R x W_all / (2 P_active),
+    # 3.7x a dense model's R (the fixed point of b = b*(W(b)); W at b = 1 would say 206).
+    ratio = big.ops_per_byte
+    assert big.decode["critical_batch_no_kv"] == pytest.approx(ratio * streamed / active, rel=1e-3)
+    # FLOPs count the experts each token runs, at any batch.
+    dense_part = 2 * active * 256
+    assert big.decode["step_flops"] >= dense_part
+    assert big.decode["step_flops"] < 2 * streamed * 256
+
+
+def test_the_planner_plans_every_preset_the_server_serves() -> None:
+    """One table of presets (engine/presets.py): each name ``--load-format dummy`` serves is
+    a name ``pagedserve plan`` plans, as the same config."""
+    from engine.config import ModelConfig
+    from engine.presets import PRESETS as SERVED
+
+    for name, hf_config in SERVED.items():
+        planned = load_model(name)
+        assert planned.config == ModelConfig.from_hf(hf_config), name
+        plan = make_plan(planned, get_device("h100-sxm"), Workload(128, 128, 8), dtype="bf16")
+        assert plan.decode["time_per_token_s"] > 0, name
