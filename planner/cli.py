@@ -28,7 +28,7 @@ from planner.devices import (
 from planner.dtypes import KV_DTYPES, WEIGHT_DTYPES, canonical_dtype, compute_dtype
 from planner.measured import Measured, load_measured
 from planner.models import PRESETS, PlannedModel, gguf_blocks, load_model
-from planner.parallel import DEFAULT_KV_TABLE_BATCHES
+from planner.parallel import DEFAULT_KV_TABLE_BATCHES, tp_size_problem
 from planner.parallel_report import parallel_section, render_parallel
 from planner.plan import Plan, Workload, default_dtype, make_plan
 from planner.report import (
@@ -392,7 +392,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         plan, model.config, device, link, args.tensor_parallel_size, args.kv_table_batches
     )
     out["parallel"] = section
-    texts.append(render_parallel(device, tp, fewest, table, plan.dtypes["kv"]))
+    unshardable = tp_size_problem(model.config, 2)
+    texts.append(render_parallel(device, tp, fewest, table, plan.dtypes["kv"], unshardable))
     if points:
         comparisons = []
         checks = []

@@ -218,7 +218,8 @@ class TPPlan:
     allreduce_time_per_token_s: float
     logits_gather_bytes_per_token: float
     decode_batch: int
-    decode_step_weight_time_s: float  # W_gpu / BW: every GPU streams its shard at once
+    # W_gpu / BW: every GPU streams its shard at once (a mixture: the experts a step runs)
+    decode_step_weight_time_s: float
     decode_step_allreduce_time_s: float  # b tokens' all-reduces at BW_link
 
     def to_dict(self) -> dict[str, Any]:
@@ -252,6 +253,8 @@ def plan_tp(
     b_act = dtype_bytes(activation_dtype)
     ar_token = allreduce_bytes_per_token(cfg, n, b_act)
     ar_time = ar_token / link.bandwidth
+    # A mixture's step reads only the experts its batch runs (ar.unread_expert_params).
+    w_read = w_gpu - ar.weight_bytes(ar.unread_expert_params(cfg, batch), dtype_bytes(weight_dtype))
     return TPPlan(
         tensor_parallel_size=n,
         problem=problem,
@@ -272,7 +275,7 @@ def plan_tp(
         allreduce_time_per_token_s=ar_time,
         logits_gather_bytes_per_token=logits_gather_bytes(cfg, n, b_act),
         decode_batch=batch,
-        decode_step_weight_time_s=ar.memory_time_s(w_gpu, device.memory_bandwidth),
+        decode_step_weight_time_s=ar.memory_time_s(w_read, device.memory_bandwidth),
         decode_step_allreduce_time_s=batch * ar_time,
     )
 

@@ -87,8 +87,14 @@ def _tp_rows(tp: TPPlan) -> list[tuple[str, str]]:
 
 
 def render_parallel(
-    device: Device, tp: TPPlan | None, fewest: TPPlan | None, table: KVTable, default_kv: str
+    device: Device,
+    tp: TPPlan | None,
+    fewest: TPPlan | None,
+    table: KVTable,
+    default_kv: str,
+    unshardable: str | None = None,
 ) -> str:
+    """``unshardable``: why no N > 1 can shard the model (``tp_size_problem``), if so."""
     lines: list[str] = []
     if tp is not None:
         n = tp.tensor_parallel_size
@@ -100,6 +106,9 @@ def render_parallel(
             lines += [f"  {label:<32}{value}" for label, value in _tp_rows(tp)]
         if fewest is None and tp.problem is not None:
             lines.append(f"  fewest GPUs: one {device.name} does not hold this workload")
+        elif fewest is None and unshardable is not None:
+            lines.append(f"  fewest GPUs: one {device.name} does not hold this workload, and "
+                         f"more cannot share it: {unshardable}")  # fmt: skip
         elif fewest is None:
             lines.append(f"  fewest GPUs: none up to 64 x {device.name} hold this workload")
         else:

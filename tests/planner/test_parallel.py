@@ -206,3 +206,25 @@ def test_cli_rejects_bad_sizes(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.count("\n") == 1 and "--tensor-parallel-size must be at least 1" in err
     with pytest.raises(SystemExit):
         main(["--kv-table-batches", "1,x"])
+
+
+def test_a_mixture_of_experts_is_one_gpus_or_none(capsys: pytest.CaptureFixture[str]) -> None:
+    """Mixtral 8x7B: its experts are not sharded, so one GPU holds all 93 GB of it or it is
+    not served; the plan says why, and its step reads the experts a batch runs."""
+    mixtral = load_model("mixtral-8x7b").config
+    h100 = get_device("h100-sxm")
+    one = plan_tp(mixtral, h100, LINKS["nvlink4"], 1, **_bf16(batch=1, tokens_per_sequence=256))
+    assert one.params_per_gpu == 46_702_792_704 and not one.fits
+    # Batch 1 reads its 2 experts of 8 a layer: 12.75e9 weights plus the input embedding's
+    # 0.13e9, which this section counts as read.
+    assert one.decode_step_weight_time_s == pytest.approx(2 * 12.88e9 / 3.35e12, rel=1e-3)
+    assert (
+        fewest_gpus(mixtral, h100, LINKS["nvlink4"], **_bf16(batch=1, tokens_per_sequence=256))
+        is None
+    )
+    assert main(["--model", "mixtral-8x7b", "--device", "h100-sxm"]) == 0
+    out = capsys.readouterr().out
+    assert "does not hold this workload, and more cannot share it: tensor parallelism does " \
+        "not shard a mixture of experts" in out  # fmt: skip
+    assert main(["--model", "mixtral-8x7b", "--device", "h200"]) == 0
+    assert "fewest GPUs: 1 x h200" in capsys.readouterr().out
