@@ -12,6 +12,7 @@ import errno
 import functools
 import gc
 import logging
+import os
 import signal
 import socket
 import sys
@@ -298,6 +299,17 @@ def serve_tensor_parallel_worker(config: ServingConfig) -> int | None:
     return None
 
 
+def _until_the_reader_leaves(command: Callable[[list[str]], int], argv: list[str]) -> int:
+    """Run a command that prints its results; where their reader goes away first
+    (``pagedserve plan ... | head``) stop quietly, as Unix tools do, not with a traceback."""
+    try:
+        return command(argv)
+    except BrokenPipeError:
+        # stdout to /dev/null: the interpreter's flush at exit must not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -315,10 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "plan":
         from planner.cli import main as plan_main
 
-        return plan_main(rest)
+        return _until_the_reader_leaves(plan_main, rest)
     if command == "bench":
         from loadtest.cli import main as bench_main
 
-        return bench_main(rest, prog="pagedserve bench")
+        return _until_the_reader_leaves(
+            functools.partial(bench_main, prog="pagedserve bench"), rest
+        )
     print(f"pagedserve: unknown command {command!r}\n\n{USAGE}", end="", file=sys.stderr)
     return 2

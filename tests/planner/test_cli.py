@@ -216,3 +216,21 @@ def test_a_command_line_mistake_is_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
     assert err.startswith("pagedserve plan: error: ") and "pagedserve plan --help" in err, err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """``pagedserve plan ... | head -1``: the pipe closes before the plan is printed; the
+    command stops quietly (status 1, nothing on stderr), as Unix tools do."""
+    import subprocess
+    import sys
+
+    argv = ["plan", "--model", "llama-3-8b", "--device", "h100-sxm"]
+    code = f"import sys; from server.cli import main; sys.exit(main({argv!r}))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert err == ""
