@@ -165,10 +165,14 @@ def _compare(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     result = load_result(args.path)
-    if result.get("kind") == "compare":
-        print(compare_table(result))
-    else:
-        print(sweep_table(result))
+    try:
+        table = compare_table(result) if result["kind"] == "compare" else sweep_table(result)
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:  # a field lost or mangled
+        raise ValueError(
+            f"{args.path} is not a whole {result['kind']} result "
+            f"({type(exc).__name__}: {exc}): write it again with the command that made it"
+        ) from None
+    print(table)
     return 0
 
 

@@ -310,5 +310,22 @@ def write_result(obj: dict[str, Any], path: str | Path) -> Path:
 
 
 def load_result(path: str | Path) -> dict[str, Any]:
-    obj: dict[str, Any] = json.loads(Path(path).read_text(encoding="utf-8"))
-    return obj
+    """A result file a sweep or a comparison wrote.
+
+    Raises:
+        ValueError: the file is not one (not JSON, or JSON without a result's kind).
+    """
+    try:
+        obj: Any = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not a result file (not text: {exc.reason})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not a result file (not JSON: {exc})") from None
+    kind = obj.get("kind") if isinstance(obj, dict) else None
+    if kind not in ("sweep", "compare"):
+        raise ValueError(
+            f"{path} is not a result file: a sweep's or a comparison's JSON has "
+            '"kind": "sweep" or "compare" (what `bench run --out` and `bench compare` write)'
+        )
+    result: dict[str, Any] = obj
+    return result

@@ -107,3 +107,24 @@ def test_module_entry_point() -> None:
         cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert proc.returncode == 0 and "--request-rate" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"\x89PNG\r\n", "is not a result file (not text"),  # a plot given by mistake
+        (b"not json", "is not a result file (not JSON"),
+        (b"[1, 2]", 'has "kind": "sweep" or "compare"'),
+        (b"{}", 'has "kind": "sweep" or "compare"'),
+        (b'{"kind": "sweep"}', "is not a whole sweep result (KeyError: 'points')"),
+        (b'{"kind": "compare", "table": 1}', "is not a whole compare result"),
+    ],
+)
+def test_report_of_a_file_that_is_no_result_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, says: str
+) -> None:
+    path = tmp_path / "x.json"
+    path.write_bytes(content)
+    assert main(["report", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
