@@ -9,6 +9,7 @@ its results.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -63,6 +64,9 @@ def _run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
 
+    if args.out:
+        _check_writable(Path(args.out))
+
     def on_point(point: PointResult) -> None:
         # One line per finished point on stderr, so a long sweep shows where it is.
         s = point.summary
@@ -82,6 +86,16 @@ def _run(args: argparse.Namespace) -> int:
         if not args.no_plots:
             _plot(result, path)
     return 0
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before a sweep, not after it, where its ``--out`` cannot be written."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {path}: cannot create its folder ({exc.strerror})") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise ValueError(f"--out {path}: not a file this user can write")
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

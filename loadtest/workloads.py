@@ -200,6 +200,8 @@ def load_trace(
             if max_tokens < 1 or arrival < 0:
                 raise ValueError(f"{path}:{lineno}: max_tokens must be >= 1 and arrival_s >= 0")
             entries.append((arrival, prompt, prompt_len, max_tokens))
+    if not entries:  # a sweep of nothing would report zeros as if it had run
+        raise ValueError(f"{path}: the trace has no entries (one JSON object per line)")
     entries.sort(key=lambda e: e[0])  # stable: equal arrivals keep file order
     if max_requests is not None:
         entries = entries[:max_requests]

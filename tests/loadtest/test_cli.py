@@ -128,3 +128,18 @@ def test_report_of_a_file_that_is_no_result_is_one_line(
     assert main(["report", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
+
+
+def test_an_out_path_it_cannot_write_fails_before_the_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked first: no server listens on the base URL, and the error is the path's."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out, says in [(blocker / "x.json", "cannot create its folder"),
+                      (tmp_path, "not a file this user can write")]:  # fmt: skip
+        argv = ["run", "--base-url", "http://127.0.0.1:9", "--concurrency", "1",
+                "--num-requests", "2", "--no-progress", "--out", str(out)]  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and "connect" not in err, err

@@ -109,6 +109,9 @@ def test_load_trace_rejects_bad_lines(tmp_path: Path) -> None:
     path.write_text('{"prompt": "x"}\n')  # no max_tokens
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         load_trace(path)
+    path.write_text("# only a comment\n\n")
+    with pytest.raises(ValueError, match="the trace has no entries"):
+        load_trace(path)
 
 
 def test_grounded_workload_prompts_end_with_the_start_of_their_own_passage():
