@@ -202,6 +202,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest") -> int
         if args.command == "compare":
             return _compare(args, argv)
         return _report(args)
+    except httpx.HTTPStatusError as exc:  # httpx's text adds a second line, a docs link
+        response = exc.response
+        hint = " (it needs an API key: --api-key KEY)" if response.status_code == 401 else ""
+        status = f"HTTP {response.status_code} {response.reason_phrase}"
+        print(f"error: {exc.request.method} {exc.request.url} answered {status}{hint}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     except (ValueError, RuntimeError, OSError, httpx.HTTPError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -143,3 +143,35 @@ def test_an_out_path_it_cannot_write_fails_before_the_sweep(
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err and "connect" not in err, err
+
+
+def test_a_server_that_wants_a_key_is_told_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NeedsKey(BaseHTTPRequestHandler):
+        def _refuse(self) -> None:
+            body = b'{"error": {"message": "Missing or invalid API key"}}'
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _refuse
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NeedsKey)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        argv = ["run", "--base-url", url, "--concurrency", "1", "--num-requests", "2",
+                "--no-progress"]  # fmt: skip
+        assert main(argv) == 2
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "answered HTTP 401 Unauthorized (it needs an API key: --api-key KEY)" in err, err
