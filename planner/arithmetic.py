@@ -41,10 +41,15 @@ def param_count(cfg: ModelConfig) -> int:
     q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
     attention = 2 * h * q + 2 * h * kv + ((q + 2 * kv) if cfg.attention_bias else 0)
     mlp = 3 * h * i + ((2 * i + h) if cfg.mlp_bias else 0)
-    moe = cfg.num_experts * (cfg.expert_params + h)
-    mlps = sum(moe if is_moe else mlp for is_moe in cfg.layer_is_moe())
     embedding = v * h * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_layers * (attention + 2 * h) + mlps + embedding + h
+    return cfg.num_layers * (attention + 2 * h) + mlp_params(cfg, mlp) + embedding + h
+
+
+def mlp_params(cfg: ModelConfig, dense_mlp: int) -> int:
+    """Every layer's MLP parameters: ``dense_mlp`` for a dense layer, E*(3*h*i_e + h) (the
+    experts and the router) for a mixture-of-experts one."""
+    moe = cfg.num_experts * (cfg.expert_params + cfg.hidden_size)
+    return sum(moe if is_moe else dense_mlp for is_moe in cfg.layer_is_moe())
 
 
 def streamed_param_count(cfg: ModelConfig) -> int:

@@ -161,8 +161,7 @@ def params_per_gpu(cfg: ModelConfig, n: int) -> int:
     mlp = 3 * h * i + ((2 * i + h) if cfg.mlp_bias else 0)
     # A mixture's experts are not sharded (the engine refuses N > 1 for one: tp_size_problem),
     # so they appear only at N = 1, whole, as in ar.param_count.
-    moe = cfg.num_experts * (cfg.expert_params + h)
-    mlps = sum(moe if is_moe else mlp for is_moe in cfg.layer_is_moe())
+    mlps = ar.mlp_params(cfg, mlp)
     embedding = layout.local_vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     return cfg.num_layers * (attention + 2 * h) + mlps + embedding + h
 
